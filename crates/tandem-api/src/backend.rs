@@ -1,0 +1,210 @@
+//! The seam between the HTTP surface and whatever generates tokens: the local engine today,
+//! remote prefill/decode workers behind a router later.
+
+use std::pin::Pin;
+
+use futures::future::BoxFuture;
+use futures::Stream;
+use tandem_engine::{
+    EngineError, EngineHandle, EngineRequest, EngineStats, RequestId, SamplingParams, TokenOutput,
+};
+
+/// Per-request token outputs; dropping the stream must abort the request and free its KV blocks.
+pub type TokenStream = Pin<Box<dyn Stream<Item = TokenOutput> + Send>>;
+
+/// Why a backend refused a request, in terms the API maps onto HTTP statuses.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BackendError {
+    /// Too many requests are waiting; the client should retry later (HTTP 503).
+    #[error("the engine queue is full ({waiting} requests waiting)")]
+    QueueFull {
+        /// Requests waiting when this one was refused.
+        waiting: usize,
+    },
+    /// Prompt plus requested tokens exceed the context (HTTP 400).
+    #[error(
+        "This model's maximum context length is {max_model_len} tokens. However, you requested \
+         {} tokens ({prompt} in the prompt, {max_tokens} in the completion). Please reduce the \
+         length of the prompt or completion.",
+        prompt + max_tokens
+    )]
+    PromptTooLong {
+        /// Prompt length in tokens.
+        prompt: usize,
+        /// Requested completion length.
+        max_tokens: usize,
+        /// The context length the backend serves.
+        max_model_len: usize,
+    },
+    /// The request itself is unacceptable (HTTP 400).
+    #[error("{0}")]
+    Invalid(String),
+    /// The backend cannot serve anything now (engine stopped, worker unreachable; HTTP 500/503).
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// What the API needs from a token generator; implemented by the local engine and, later, the P/D router.
+pub trait GenerateBackend: Send + Sync + 'static {
+    /// Queues one generation from prompt token ids; validation errors come back synchronously.
+    fn submit(
+        &self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<TokenStream, BackendError>;
+    /// Stops a request early (dropping its stream has the same effect).
+    fn abort(&self, id: RequestId);
+    /// A snapshot of counters and gauges for /metrics.
+    fn stats(&self) -> EngineStats;
+    /// Longest prompt + completion the backend accepts, in tokens.
+    fn max_model_len(&self) -> usize;
+    /// Resolves `Ok` when the backend can take requests now; /health answers 503 otherwise.
+    fn health(&self) -> BoxFuture<'static, Result<(), BackendError>>;
+}
+
+impl From<EngineError> for BackendError {
+    fn from(err: EngineError) -> Self {
+        match err {
+            EngineError::QueueFull { waiting } => BackendError::QueueFull { waiting },
+            EngineError::PromptTooLong {
+                prompt,
+                max_tokens,
+                max_model_len,
+            } => BackendError::PromptTooLong {
+                prompt,
+                max_tokens,
+                max_model_len,
+            },
+            EngineError::EmptyPrompt => BackendError::Invalid("the prompt is empty".to_owned()),
+            e @ (EngineError::KvCacheTooSmall { .. } | EngineError::InvalidParams(_)) => {
+                BackendError::Invalid(e.to_string())
+            }
+            EngineError::Stopped => BackendError::Unavailable("the engine has stopped".to_owned()),
+            other => BackendError::Unavailable(other.to_string()),
+        }
+    }
+}
+
+impl GenerateBackend for EngineHandle {
+    fn submit(
+        &self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<TokenStream, BackendError> {
+        let stream = EngineHandle::submit(self, EngineRequest::new(id, prompt, params))?;
+        // The RequestStream lives inside the unfold state, so dropping the HTTP body drops it and aborts.
+        Ok(Box::pin(futures::stream::unfold(
+            stream,
+            |mut s| async move {
+                let out = s.recv().await;
+                if out.is_none() {
+                    if let Some(err) = s.take_error() {
+                        tracing::warn!(request = s.id(), error = %err, "engine failed a request");
+                    }
+                }
+                out.map(|out| (out, s))
+            },
+        )))
+    }
+
+    fn abort(&self, id: RequestId) {
+        EngineHandle::abort(self, id)
+    }
+
+    fn stats(&self) -> EngineStats {
+        EngineHandle::stats(self)
+    }
+
+    fn max_model_len(&self) -> usize {
+        EngineHandle::max_model_len(self)
+    }
+
+    fn health(&self) -> BoxFuture<'static, Result<(), BackendError>> {
+        // A round trip through the engine thread: proves it is alive and its block accounting sound.
+        let pending = self.checked_stats();
+        Box::pin(async move { pending.wait().await.map(|_| ()).map_err(BackendError::from) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+    use tandem_engine::mock::MockBackend;
+    use tandem_engine::{Engine, EngineConfig, FinishReason};
+
+    fn engine() -> EngineHandle {
+        let config = EngineConfig {
+            block_size: 16,
+            max_num_seqs: 8,
+            ..EngineConfig::default()
+        };
+        Engine::start(MockBackend::new(16, 64), config).expect("engine starts")
+    }
+
+    fn params(max_tokens: usize) -> SamplingParams {
+        SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        }
+    }
+
+    /// Waits until the engine thread has processed everything sent so far and reports no live request.
+    async fn drained(e: &EngineHandle) -> EngineStats {
+        for _ in 0..200 {
+            let stats = e.checked_stats().wait().await.expect("engine alive");
+            if stats.running == 0 && stats.waiting == 0 && stats.kv_blocks_used == 0 {
+                return stats;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("engine did not drain: {:?}", e.stats());
+    }
+
+    #[tokio::test]
+    async fn engine_handle_streams_to_the_finish() {
+        let e = engine();
+        GenerateBackend::health(&e).await.expect("healthy");
+        let outs: Vec<TokenOutput> = GenerateBackend::submit(&e, 1, vec![1, 2, 3], params(5))
+            .unwrap()
+            .collect()
+            .await;
+        assert_eq!(outs.len(), 5);
+        assert!(outs[..4].iter().all(|o| o.finish.is_none()));
+        assert_eq!(outs[4].finish, Some(FinishReason::Length));
+        drained(&e).await;
+        e.shutdown();
+        assert!(
+            GenerateBackend::health(&e).await.is_err(),
+            "a stopped engine is unhealthy"
+        );
+    }
+
+    #[tokio::test]
+    async fn dropping_the_stream_aborts_and_frees_blocks() {
+        let e = engine();
+        let mut stream = GenerateBackend::submit(&e, 7, (1..40).collect(), params(3000)).unwrap();
+        assert!(stream.next().await.is_some());
+        drop(stream);
+        let stats = drained(&e).await;
+        assert!(stats.generation_tokens_total < 3000);
+        e.shutdown();
+    }
+
+    #[tokio::test]
+    async fn engine_errors_map_to_backend_errors() {
+        let e = engine();
+        let too_long = GenerateBackend::submit(&e, 2, vec![1; 10], params(1_000_000)).err();
+        assert!(
+            matches!(too_long, Some(BackendError::PromptTooLong { .. })),
+            "{too_long:?}"
+        );
+        let empty = GenerateBackend::submit(&e, 3, Vec::new(), params(1)).err();
+        assert!(matches!(empty, Some(BackendError::Invalid(_))), "{empty:?}");
+        e.shutdown();
+    }
+}

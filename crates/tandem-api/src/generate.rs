@@ -1,0 +1,280 @@
+//! Drives one engine request (one choice): detokenizes its tokens, applies stop strings, records
+//! latency metrics, and yields one [`Step`] per generated token.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::StreamExt;
+use tandem_engine::{FinishReason, TokenLogprobs};
+
+use crate::backend::TokenStream;
+use crate::codec::{StreamDecoder, TextCodec};
+use crate::error::ApiError;
+use crate::protocol::{ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs};
+use crate::state::AppState;
+use crate::stop::StopMatcher;
+use crate::validate::GenPlan;
+
+/// A generated token with its logprobs, kept for the logprobs part of an answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneratedToken {
+    /// The token id.
+    pub id: u32,
+    /// Chosen-token and top logprobs, when requested.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// What one engine output turned into.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    /// Text now safe to send (may be empty while a character or a possible stop string is held back).
+    pub text: String,
+    /// The token behind this step.
+    pub token: GeneratedToken,
+    /// OpenAI finish reason on the choice's last step.
+    pub finish: Option<&'static str>,
+}
+
+/// The state of one choice while it generates.
+pub struct ChoiceRun {
+    /// `None` once finished: dropping it aborts the engine request when a stop string ended it early.
+    stream: Option<TokenStream>,
+    decoder: Box<dyn StreamDecoder>,
+    stop: StopMatcher,
+    state: Arc<AppState>,
+    arrived: Instant,
+    last_token_at: Option<Instant>,
+    failed: bool,
+}
+
+/// The OpenAI name of an engine finish reason.
+pub fn finish_reason_str(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Abort => "abort",
+    }
+}
+
+impl ChoiceRun {
+    /// Wraps a submitted request; `arrived` is when the HTTP request came in (for TTFT).
+    pub fn new(
+        state: Arc<AppState>,
+        stream: TokenStream,
+        stops: &[String],
+        arrived: Instant,
+    ) -> Self {
+        Self {
+            stream: Some(stream),
+            decoder: state.codec.stream_decoder(),
+            stop: StopMatcher::new(stops),
+            state,
+            arrived,
+            last_token_at: None,
+            failed: false,
+        }
+    }
+
+    /// The next step, `None` after the last one; an error when the backend vanished mid-request.
+    pub async fn next(&mut self) -> Option<Result<Step, ApiError>> {
+        let stream = self.stream.as_mut()?;
+        let Some(out) = stream.next().await else {
+            self.stream = None;
+            if self.failed {
+                return None;
+            }
+            self.failed = true;
+            return Some(Err(ApiError::internal(
+                "generation ended before a finish reason (engine stopped?)",
+            )));
+        };
+        let now = Instant::now();
+        match self.last_token_at {
+            None => self
+                .state
+                .metrics
+                .observe_ttft((now - self.arrived).as_secs_f64()),
+            Some(prev) => self.state.metrics.observe_itl((now - prev).as_secs_f64()),
+        }
+        self.last_token_at = Some(now);
+        match self.step(&out) {
+            Ok(step) => {
+                if let Some(reason) = step.finish {
+                    self.stream = None;
+                    self.state
+                        .metrics
+                        .observe_finished(reason, (now - self.arrived).as_secs_f64());
+                }
+                Some(Ok(step))
+            }
+            Err(e) => {
+                self.stream = None;
+                self.failed = true;
+                Some(Err(e))
+            }
+        }
+    }
+
+    fn step(&mut self, out: &tandem_engine::TokenOutput) -> Result<Step, ApiError> {
+        let token = GeneratedToken {
+            id: out.token,
+            logprobs: out.logprobs.clone(),
+        };
+        let decode_err = |e: crate::codec::CodecError| ApiError::internal(e.to_string());
+        // A `Stop` finish means this token is EOS or a stop token id: its text is not part of the answer.
+        let piece = if out.finish == Some(FinishReason::Stop) {
+            String::new()
+        } else {
+            self.decoder.push(out.token).map_err(decode_err)?
+        };
+        let first = self.stop.push(&piece);
+        let mut text = first.emit;
+        if first.stopped {
+            return Ok(Step {
+                text,
+                token,
+                finish: Some("stop"),
+            });
+        }
+        let Some(reason) = out.finish else {
+            return Ok(Step {
+                text,
+                token,
+                finish: None,
+            });
+        };
+        let tail = self.decoder.finish().map_err(decode_err)?;
+        let last = self.stop.push(&tail);
+        text.push_str(&last.emit);
+        if last.stopped {
+            return Ok(Step {
+                text,
+                token,
+                finish: Some("stop"),
+            });
+        }
+        text.push_str(&self.stop.flush());
+        Ok(Step {
+            text,
+            token,
+            finish: Some(finish_reason_str(reason)),
+        })
+    }
+}
+
+/// Everything one choice produced, for non-streamed answers.
+#[derive(Debug, Clone, Default)]
+pub struct CollectedChoice {
+    /// The full text.
+    pub text: String,
+    /// Every generated token.
+    pub tokens: Vec<GeneratedToken>,
+    /// The finish reason.
+    pub finish: Option<&'static str>,
+}
+
+/// Runs a choice to its end.
+pub async fn collect(mut run: ChoiceRun) -> Result<CollectedChoice, ApiError> {
+    let mut out = CollectedChoice::default();
+    while let Some(step) = run.next().await {
+        let step = step?;
+        out.text.push_str(&step.text);
+        out.tokens.push(step.token);
+        out.finish = step.finish;
+    }
+    Ok(out)
+}
+
+/// Logprob values JSON can carry: -inf becomes a large negative number (serde_json would write null).
+pub fn finite_logprob(lp: f32) -> f32 {
+    if lp.is_finite() {
+        lp
+    } else {
+        -9999.0
+    }
+}
+
+/// The text of one token as logprobs report it.
+pub fn token_text(codec: &dyn TextCodec, id: u32) -> String {
+    codec.decode(&[id], false).unwrap_or_default()
+}
+
+/// A chat `logprobs.content` entry for a token, if its logprobs were requested.
+pub fn chat_logprob(codec: &dyn TextCodec, token: &GeneratedToken) -> Option<ChatTokenLogprob> {
+    let lp = token.logprobs.as_ref()?;
+    let text = token_text(codec, token.id);
+    let top_logprobs = lp
+        .top
+        .iter()
+        .map(|&(id, l)| {
+            let t = token_text(codec, id);
+            ChatTopLogprob {
+                bytes: t.as_bytes().to_vec(),
+                token: t,
+                logprob: finite_logprob(l),
+            }
+        })
+        .collect();
+    Some(ChatTokenLogprob {
+        bytes: text.as_bytes().to_vec(),
+        token: text,
+        logprob: finite_logprob(lp.logprob),
+        top_logprobs,
+    })
+}
+
+/// Appends tokens to legacy completion logprobs; `offset` is the running character offset in the text.
+/// Tokens without logprobs (echoed prompt tokens) get nulls, as OpenAI does for the first token.
+pub fn push_completion_logprobs(
+    codec: &dyn TextCodec,
+    out: &mut CompletionLogprobs,
+    tokens: &[GeneratedToken],
+    offset: &mut usize,
+) {
+    for token in tokens {
+        let text = token_text(codec, token.id);
+        out.text_offset.push(*offset);
+        *offset += text.chars().count();
+        match &token.logprobs {
+            Some(lp) => {
+                out.token_logprobs.push(Some(finite_logprob(lp.logprob)));
+                let top = lp
+                    .top
+                    .iter()
+                    .map(|&(id, l)| {
+                        (
+                            token_text(codec, id),
+                            serde_json::Value::from(finite_logprob(l)),
+                        )
+                    })
+                    .collect();
+                out.top_logprobs.push(Some(top));
+            }
+            None => {
+                out.token_logprobs.push(None);
+                out.top_logprobs.push(None);
+            }
+        }
+        out.tokens.push(text);
+    }
+}
+
+/// Submits one engine request per choice; earlier submissions are aborted (dropped) if a later one fails.
+pub fn submit_choices(
+    state: &Arc<AppState>,
+    prompt: &[u32],
+    plan: &GenPlan,
+    max_tokens: usize,
+    arrived: Instant,
+) -> Result<Vec<ChoiceRun>, ApiError> {
+    (0..plan.n)
+        .map(|i| {
+            let stream = state.backend.submit(
+                state.next_request_id(),
+                prompt.to_vec(),
+                plan.params_for_choice(i, max_tokens),
+            )?;
+            Ok(ChoiceRun::new(state.clone(), stream, &plan.stops, arrived))
+        })
+        .collect()
+}

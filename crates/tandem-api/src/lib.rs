@@ -1,0 +1,42 @@
+//! tandem's OpenAI-compatible HTTP API: request validation, chat templating, stop strings, SSE
+//! streaming, Prometheus metrics, all over a [`GenerateBackend`] so the same surface can front the
+//! local engine or remote prefill/decode workers.
+
+pub mod backend;
+pub mod chat;
+pub mod codec;
+pub mod completions;
+pub mod error;
+pub mod generate;
+pub mod metrics;
+pub mod protocol;
+pub mod routes;
+pub mod sse;
+pub mod state;
+pub mod stop;
+pub mod validate;
+
+#[cfg(test)]
+mod api_tests;
+#[cfg(test)]
+mod testing;
+
+pub use backend::{BackendError, GenerateBackend, TokenStream};
+pub use codec::{CodecError, ModelCodec, StreamDecoder, TextCodec};
+pub use error::ApiError;
+pub use routes::router;
+pub use state::{ApiConfig, AppState};
+
+use std::future::Future;
+use std::sync::Arc;
+
+/// Serves the API on an already-bound listener until `shutdown` resolves (in-flight requests finish).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,261 @@
+//! Prometheus metrics with vLLM-like names (`tandem:` prefix) so existing dashboards map over.
+//!
+//! Latency histograms are observed by the request handlers; engine gauges and counters are copied from
+//! an [`EngineStats`] snapshot at scrape time.
+
+use parking_lot::Mutex;
+use prometheus::{
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+use tandem_engine::EngineStats;
+
+/// Buckets for time to first token, in seconds (a CPU model: milliseconds to tens of seconds).
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+];
+/// Buckets for the gap between consecutive tokens, in seconds.
+const ITL_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3, 0.4,
+    0.5, 0.75, 1.0, 2.5,
+];
+/// Buckets for whole-request latency, in seconds.
+const E2E_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+];
+
+/// The finish reasons `request_success_total` is labelled with.
+pub const FINISH_REASONS: &[&str] = &["stop", "length", "abort"];
+
+/// Errors while building or encoding metrics; only possible through programming mistakes (bad names).
+pub type MetricsError = prometheus::Error;
+
+/// All metrics of one server.
+pub struct Metrics {
+    registry: Registry,
+    running: IntGauge,
+    waiting: IntGauge,
+    kv_usage: Gauge,
+    kv_used: IntGauge,
+    kv_total: IntGauge,
+    prompt_tokens: IntCounter,
+    generation_tokens: IntCounter,
+    prefix_queries: IntCounter,
+    prefix_hits: IntCounter,
+    preemptions: IntCounter,
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+    success: IntCounterVec,
+    /// The engine counters as of the last scrape; Prometheus counters only move by increments.
+    last: Mutex<EngineStats>,
+}
+
+impl Metrics {
+    /// Registers every metric in a fresh registry.
+    pub fn new() -> Result<Self, MetricsError> {
+        let registry = Registry::new();
+        let gauge = |name: &str, help: &str| -> Result<IntGauge, MetricsError> {
+            let g = IntGauge::new(name, help)?;
+            registry.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
+        let counter = |name: &str, help: &str| -> Result<IntCounter, MetricsError> {
+            let c = IntCounter::new(name, help)?;
+            registry.register(Box::new(c.clone()))?;
+            Ok(c)
+        };
+        let histogram =
+            |name: &str, help: &str, buckets: &[f64]| -> Result<Histogram, MetricsError> {
+                let h =
+                    Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))?;
+                registry.register(Box::new(h.clone()))?;
+                Ok(h)
+            };
+        let kv_usage = Gauge::new(
+            "tandem:kv_cache_usage_perc",
+            "Fraction of KV blocks in use (0..1).",
+        )?;
+        registry.register(Box::new(kv_usage.clone()))?;
+        let success = IntCounterVec::new(
+            Opts::new(
+                "tandem:request_success_total",
+                "Finished requests by finish reason.",
+            ),
+            &["finished_reason"],
+        )?;
+        registry.register(Box::new(success.clone()))?;
+        for reason in FINISH_REASONS {
+            success.with_label_values(&[reason]);
+        }
+        Ok(Self {
+            running: gauge(
+                "tandem:num_requests_running",
+                "Requests in the running batch.",
+            )?,
+            waiting: gauge(
+                "tandem:num_requests_waiting",
+                "Requests waiting to be scheduled.",
+            )?,
+            kv_used: gauge(
+                "tandem:kv_blocks_used",
+                "KV blocks referenced by live sequences.",
+            )?,
+            kv_total: gauge("tandem:kv_blocks_total", "KV blocks in the pool.")?,
+            prompt_tokens: counter("tandem:prompt_tokens_total", "Prompt tokens received.")?,
+            generation_tokens: counter("tandem:generation_tokens_total", "Tokens generated.")?,
+            prefix_queries: counter(
+                "tandem:prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache.",
+            )?,
+            prefix_hits: counter(
+                "tandem:prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache.",
+            )?,
+            preemptions: counter(
+                "tandem:num_preemptions_total",
+                "Sequences preempted for lack of KV blocks.",
+            )?,
+            ttft: histogram(
+                "tandem:time_to_first_token_seconds",
+                "Time from request arrival to its first token.",
+                TTFT_BUCKETS,
+            )?,
+            itl: histogram(
+                "tandem:inter_token_latency_seconds",
+                "Time between consecutive tokens of a request.",
+                ITL_BUCKETS,
+            )?,
+            e2e: histogram(
+                "tandem:e2e_request_latency_seconds",
+                "Time from request arrival to its last token.",
+                E2E_BUCKETS,
+            )?,
+            kv_usage,
+            success,
+            registry,
+            last: Mutex::new(EngineStats::default()),
+        })
+    }
+
+    /// Records a request's first token.
+    pub fn observe_ttft(&self, secs: f64) {
+        self.ttft.observe(secs);
+    }
+
+    /// Records the gap before a non-first token.
+    pub fn observe_itl(&self, secs: f64) {
+        self.itl.observe(secs);
+    }
+
+    /// Records a finished request (one engine request per choice).
+    pub fn observe_finished(&self, finish_reason: &str, e2e_secs: f64) {
+        self.e2e.observe(e2e_secs);
+        self.success.with_label_values(&[finish_reason]).inc();
+    }
+
+    /// Copies an engine snapshot into the gauges and counters and renders the Prometheus text format.
+    pub fn render(&self, stats: &EngineStats) -> Result<String, MetricsError> {
+        self.running.set(stats.running as i64);
+        self.waiting.set(stats.waiting as i64);
+        self.kv_used.set(stats.kv_blocks_used as i64);
+        self.kv_total.set(stats.kv_blocks_total as i64);
+        let usage = if stats.kv_blocks_total == 0 {
+            0.0
+        } else {
+            stats.kv_blocks_used as f64 / stats.kv_blocks_total as f64
+        };
+        self.kv_usage.set(usage);
+        {
+            let mut last = self.last.lock();
+            let bump = |c: &IntCounter, now: u64, before: u64| c.inc_by(now.saturating_sub(before));
+            bump(
+                &self.prompt_tokens,
+                stats.prompt_tokens_total,
+                last.prompt_tokens_total,
+            );
+            bump(
+                &self.generation_tokens,
+                stats.generation_tokens_total,
+                last.generation_tokens_total,
+            );
+            bump(
+                &self.prefix_queries,
+                stats.prefix_cache_queries,
+                last.prefix_cache_queries,
+            );
+            bump(
+                &self.prefix_hits,
+                stats.prefix_cache_hits,
+                last.prefix_cache_hits,
+            );
+            bump(
+                &self.preemptions,
+                stats.preemptions_total,
+                last.preemptions_total,
+            );
+            *last = stats.clone();
+        }
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
+        Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value_of(text: &str, name: &str) -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
+    }
+
+    #[test]
+    fn render_copies_engine_stats_and_counts_increments() {
+        let m = Metrics::new().unwrap();
+        let mut s = EngineStats {
+            running: 3,
+            waiting: 2,
+            kv_blocks_total: 100,
+            kv_blocks_used: 25,
+            prompt_tokens_total: 40,
+            ..EngineStats::default()
+        };
+        let text = m.render(&s).unwrap();
+        assert_eq!(value_of(&text, "tandem:num_requests_running"), 3.0);
+        assert_eq!(value_of(&text, "tandem:num_requests_waiting"), 2.0);
+        assert_eq!(value_of(&text, "tandem:kv_cache_usage_perc"), 0.25);
+        assert_eq!(value_of(&text, "tandem:prompt_tokens_total"), 40.0);
+        s.prompt_tokens_total = 55;
+        let text = m.render(&s).unwrap();
+        assert_eq!(value_of(&text, "tandem:prompt_tokens_total"), 55.0);
+    }
+
+    #[test]
+    fn histograms_and_success_counter_are_exported() {
+        let m = Metrics::new().unwrap();
+        m.observe_ttft(0.05);
+        m.observe_itl(0.01);
+        m.observe_finished("length", 1.0);
+        let text = m.render(&EngineStats::default()).unwrap();
+        assert_eq!(
+            value_of(&text, "tandem:time_to_first_token_seconds_count"),
+            1.0
+        );
+        assert_eq!(
+            value_of(&text, "tandem:inter_token_latency_seconds_count"),
+            1.0
+        );
+        assert_eq!(
+            value_of(&text, "tandem:e2e_request_latency_seconds_count"),
+            1.0
+        );
+        assert!(text.contains("tandem:request_success_total{finished_reason=\"length\"} 1"));
+        assert!(text.contains("tandem:request_success_total{finished_reason=\"stop\"} 0"));
+    }
+}

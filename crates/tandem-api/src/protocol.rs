@@ -1,0 +1,405 @@
+//! OpenAI wire types: request bodies as clients send them and the response objects we send back.
+//!
+//! Numeric request fields are parsed wide (`f64`, `i64`) so that out-of-range values reach validation
+//! and get a 400 naming the field, rather than a generic parse error.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// `stop`: OpenAI accepts one string or a list of them.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopSpec {
+    /// A single stop string.
+    One(String),
+    /// Several stop strings.
+    Many(Vec<String>),
+}
+
+/// `stream_options` of a streaming request.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with empty `choices` and the request's `usage`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling and stopping fields shared by chat and text completions.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SamplingFields {
+    /// Softmax temperature in [0, 2]; 0 is greedy.
+    pub temperature: Option<f64>,
+    /// Nucleus mass in (0, 1].
+    pub top_p: Option<f64>,
+    /// Keep the k best tokens; -1 or 0 disables (vLLM extension).
+    pub top_k: Option<i64>,
+    /// Minimum probability relative to the best token, in [0, 1] (vLLM extension).
+    pub min_p: Option<f64>,
+    /// Seed for reproducible sampling; choice i of n uses seed + i.
+    pub seed: Option<i64>,
+    /// OpenAI frequency penalty in [-2, 2].
+    pub frequency_penalty: Option<f64>,
+    /// OpenAI presence penalty in [-2, 2].
+    pub presence_penalty: Option<f64>,
+    /// Multiplicative repetition penalty, > 0 (vLLM extension).
+    pub repetition_penalty: Option<f64>,
+    /// Stop strings; generation ends before the first occurrence.
+    pub stop: Option<StopSpec>,
+    /// Token ids that end generation (vLLM extension).
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Keep generating past EOS (vLLM extension).
+    pub ignore_eos: Option<bool>,
+    /// Number of choices to generate for each prompt.
+    pub n: Option<i64>,
+    /// Stream chunks as server-sent events.
+    pub stream: Option<bool>,
+    /// Options of a streamed answer.
+    pub stream_options: Option<StreamOptions>,
+    /// End-user id; accepted and ignored.
+    pub user: Option<String>,
+}
+
+/// One chat message: a role and text content (a string or a list of text parts).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// The text, or OpenAI's content parts; null for assistant messages with tool calls.
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+    /// Everything else the message carried (name, tool_calls, tool_call_id), passed to the template.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
+}
+
+/// Message content in either of OpenAI's forms.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// A list of parts; only `{"type": "text", "text": ...}` parts are supported.
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of a multi-part message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// Part kind; only `text` is supported by a text-only model.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a text part.
+    pub text: Option<String>,
+}
+
+/// Body of `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// The served model name.
+    pub model: String,
+    /// The conversation so far.
+    pub messages: Vec<ChatMessage>,
+    /// Legacy completion length cap.
+    pub max_tokens: Option<i64>,
+    /// Completion length cap (newer name; wins over `max_tokens`).
+    pub max_completion_tokens: Option<i64>,
+    /// Return logprobs of the chosen tokens.
+    pub logprobs: Option<bool>,
+    /// Number of alternatives per position, in [0, 20]; needs `logprobs`.
+    pub top_logprobs: Option<i64>,
+    /// Append the assistant header so the model answers (default true).
+    pub add_generation_prompt: Option<bool>,
+    /// Tool definitions handed to the chat template.
+    pub tools: Option<Value>,
+    /// Shared sampling fields.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// `prompt` of a text completion: OpenAI's four accepted forms.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    /// One text prompt.
+    Text(String),
+    /// Several text prompts.
+    Texts(Vec<String>),
+    /// One prompt given as token ids.
+    Tokens(Vec<u32>),
+    /// Several prompts given as token ids.
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// Body of `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The served model name.
+    pub model: String,
+    /// The prompt(s).
+    pub prompt: PromptInput,
+    /// Completion length cap (defaults to 16, as in OpenAI).
+    pub max_tokens: Option<i64>,
+    /// Number of alternatives per position, in [0, 20].
+    pub logprobs: Option<i64>,
+    /// Prepend the prompt to the returned text.
+    pub echo: Option<bool>,
+    /// Must equal n when given; server-side best-of is not supported.
+    pub best_of: Option<i64>,
+    /// Insertion suffix; not supported by this server.
+    pub suffix: Option<String>,
+    /// Shared sampling fields.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// Token accounting of a request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens in the prompt(s), counted once per prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated over all choices.
+    pub completion_tokens: usize,
+    /// Their sum.
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    /// Usage from the two counts.
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// One alternative token of a chat logprobs entry.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatTopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// UTF-8 bytes of `token`.
+    pub bytes: Vec<u8>,
+}
+
+/// Logprobs of one generated token in a chat answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatTokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// UTF-8 bytes of `token`.
+    pub bytes: Vec<u8>,
+    /// The most likely alternatives at this position.
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+/// `logprobs` of a chat choice.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatLogprobs {
+    /// One entry per generated token.
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+/// `logprobs` of a text-completion choice (the legacy format).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CompletionLogprobs {
+    /// Token texts.
+    pub tokens: Vec<String>,
+    /// Log-probability of each token (null for echoed prompt tokens).
+    pub token_logprobs: Vec<Option<f32>>,
+    /// Alternatives per position, token text to logprob (null for echoed prompt tokens).
+    pub top_logprobs: Vec<Option<serde_json::Map<String, Value>>>,
+    /// Character offset of each token in the choice's text.
+    pub text_offset: Vec<usize>,
+}
+
+/// An assistant message of a non-streamed chat answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct AssistantMessage {
+    /// Always `assistant`.
+    pub role: &'static str,
+    /// The generated text.
+    pub content: String,
+}
+
+/// One choice of a non-streamed chat answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    /// Position among the n choices.
+    pub index: usize,
+    /// The answer.
+    pub message: AssistantMessage,
+    /// Token logprobs when requested.
+    pub logprobs: Option<ChatLogprobs>,
+    /// `stop` or `length`.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// A non-streamed chat answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletionResponse {
+    /// `chatcmpl-...`.
+    pub id: String,
+    /// Always `chat.completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: i64,
+    /// The served model name.
+    pub model: String,
+    /// Identifies the server build and model.
+    pub system_fingerprint: String,
+    /// The choices.
+    pub choices: Vec<ChatChoice>,
+    /// Token accounting.
+    pub usage: Usage,
+}
+
+/// The delta of a streamed chat chunk.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatDelta {
+    /// `assistant` in a choice's first chunk only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// New text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One choice of a streamed chat chunk.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunkChoice {
+    /// Position among the n choices.
+    pub index: usize,
+    /// What is new.
+    pub delta: ChatDelta,
+    /// Logprobs of the tokens behind this delta.
+    pub logprobs: Option<ChatLogprobs>,
+    /// Set on the choice's last chunk.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// A streamed chat chunk.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletionChunk {
+    /// Same id in every chunk of one answer.
+    pub id: String,
+    /// Always `chat.completion.chunk`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: i64,
+    /// The served model name.
+    pub model: String,
+    /// Identifies the server build and model.
+    pub system_fingerprint: String,
+    /// Usually one choice; empty in the final usage chunk.
+    pub choices: Vec<ChatChunkChoice>,
+    /// Only in the final chunk, when `stream_options.include_usage` is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// One choice of a text completion (streamed or not).
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    /// prompt_index * n + choice_index.
+    pub index: usize,
+    /// The generated (or echoed + generated) text.
+    pub text: String,
+    /// Legacy logprobs when requested.
+    pub logprobs: Option<CompletionLogprobs>,
+    /// `stop` or `length` at the end, null before.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// A text completion answer, or one streamed chunk of it (same object type, as in OpenAI).
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionResponse {
+    /// `cmpl-...`.
+    pub id: String,
+    /// Always `text_completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: i64,
+    /// The served model name.
+    pub model: String,
+    /// Identifies the server build and model.
+    pub system_fingerprint: String,
+    /// The choices.
+    pub choices: Vec<CompletionChoice>,
+    /// Token accounting (non-streamed always; streamed only in the final usage chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// One entry of `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    /// The served model name.
+    pub id: String,
+    /// Always `model`.
+    pub object: &'static str,
+    /// Unix seconds of server start.
+    pub created: i64,
+    /// Always `tandem`.
+    pub owned_by: &'static str,
+    /// The model the name refers to.
+    pub root: String,
+    /// Context length served.
+    pub max_model_len: usize,
+}
+
+/// Body of `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    /// Always `list`.
+    pub object: &'static str,
+    /// The served models.
+    pub data: Vec<ModelCard>,
+}
+
+/// Body of `POST /tokenize`: either a prompt or chat messages.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeRequest {
+    /// Optional model name, checked when given.
+    pub model: Option<String>,
+    /// Text to tokenize.
+    pub prompt: Option<String>,
+    /// Chat messages to render with the template and tokenize.
+    pub messages: Option<Vec<ChatMessage>>,
+    /// Add BOS etc. to a plain prompt (default true; never added to rendered chats).
+    pub add_special_tokens: Option<bool>,
+    /// Append the assistant header to rendered chats (default true).
+    pub add_generation_prompt: Option<bool>,
+}
+
+/// Answer of `POST /tokenize`.
+#[derive(Debug, Clone, Serialize)]
+pub struct TokenizeResponse {
+    /// Number of tokens.
+    pub count: usize,
+    /// Context length served.
+    pub max_model_len: usize,
+    /// The token ids.
+    pub tokens: Vec<u32>,
+}
+
+/// Body of `POST /detokenize`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct DetokenizeRequest {
+    /// Optional model name, checked when given.
+    pub model: Option<String>,
+    /// Token ids to turn into text.
+    pub tokens: Vec<u32>,
+}
+
+/// Answer of `POST /detokenize`.
+#[derive(Debug, Clone, Serialize)]
+pub struct DetokenizeResponse {
+    /// The text.
+    pub prompt: String,
+}

@@ -1,0 +1,217 @@
+//! The router: routes, API-key and request-id middleware, and the small endpoints
+//! (models, tokenize, detokenize, health, metrics).
+
+use std::sync::Arc;
+
+use axum::extract::{FromRequest, Path, Request, State};
+use axum::http::{header, HeaderName, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use tower_http::trace::TraceLayer;
+
+use crate::error::ApiError;
+use crate::protocol::{
+    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+};
+use crate::state::AppState;
+use crate::{chat, completions};
+
+/// Header that correlates a request across client, proxy and server logs.
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// JSON body extractor whose rejections are OpenAI-shaped 400s instead of axum's plain-text 415/422.
+pub struct ApiJson<T>(pub T);
+
+impl<S, T> FromRequest<S> for ApiJson<T>
+where
+    Json<T>: FromRequest<S, Rejection = axum::extract::rejection::JsonRejection>,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let Json(value) = Json::<T>::from_request(req, state).await?;
+        Ok(Self(value))
+    }
+}
+
+/// Builds the whole HTTP surface over one state.
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{id}", get(get_model))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    Router::new()
+        .merge(v1)
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(fallback)
+        .layer(middleware::from_fn(request_id))
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+/// Rejects /v1 requests without the configured bearer token.
+async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.config.api_key {
+        let presented = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if presented != Some(key.as_str()) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Echoes the client's `x-request-id`, or mints one, on every response.
+async fn request_id(req: Request, next: Next) -> Response {
+    let id = req
+        .headers()
+        .get(&X_REQUEST_ID)
+        .cloned()
+        .unwrap_or_else(|| {
+            HeaderValue::from_str(&uuid::Uuid::new_v4().simple().to_string())
+                .unwrap_or_else(|_| HeaderValue::from_static("unknown"))
+        });
+    let mut response = next.run(req).await;
+    response.headers_mut().insert(X_REQUEST_ID.clone(), id);
+    response
+}
+
+async fn fallback(req: Request) -> ApiError {
+    ApiError::route_not_found(req.uri().path())
+}
+
+fn model_card(state: &AppState, name: &str) -> ModelCard {
+    ModelCard {
+        id: name.to_owned(),
+        object: "model",
+        created: state.started_at,
+        owned_by: "tandem",
+        root: state.config.model_root.clone(),
+        max_model_len: state.backend.max_model_len(),
+    }
+}
+
+async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    let data = state
+        .config
+        .served_model_names
+        .iter()
+        .map(|n| model_card(&state, n))
+        .collect();
+    Json(ModelList {
+        object: "list",
+        data,
+    })
+}
+
+async fn get_model(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<ModelCard>, ApiError> {
+    state.check_model(&id)?;
+    Ok(Json(model_card(&state, &id)))
+}
+
+fn check_optional_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    model.map_or(Ok(()), |m| state.check_model(m))
+}
+
+async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    ApiJson(req): ApiJson<TokenizeRequest>,
+) -> Result<Json<TokenizeResponse>, ApiError> {
+    check_optional_model(&state, req.model.as_deref())?;
+    let tokens = match (&req.prompt, &req.messages) {
+        (Some(prompt), None) => state
+            .codec
+            .encode(prompt, req.add_special_tokens.unwrap_or(true))
+            .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))?,
+        (None, Some(messages)) => chat::render_and_encode(
+            &state,
+            messages,
+            req.add_generation_prompt.unwrap_or(true),
+            None,
+        )?,
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of `prompt` or `messages`",
+                Some("prompt"),
+            ))
+        }
+    };
+    Ok(Json(TokenizeResponse {
+        count: tokens.len(),
+        max_model_len: state.backend.max_model_len(),
+        tokens,
+    }))
+}
+
+/// 400 unless every id is in the vocabulary.
+pub(crate) fn check_token_ids(state: &AppState, ids: &[u32], param: &str) -> Result<(), ApiError> {
+    let vocab = state.codec.vocab_size();
+    match ids.iter().find(|&&t| t as usize >= vocab) {
+        Some(t) => Err(ApiError::invalid(
+            format!("token id {t} is out of vocabulary (size {vocab})"),
+            Some(param),
+        )),
+        None => Ok(()),
+    }
+}
+
+async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    ApiJson(req): ApiJson<DetokenizeRequest>,
+) -> Result<Json<DetokenizeResponse>, ApiError> {
+    check_optional_model(&state, req.model.as_deref())?;
+    check_token_ids(&state, &req.tokens, "tokens")?;
+    let prompt = state
+        .codec
+        .decode(&req.tokens, false)
+        .map_err(|e| ApiError::invalid(e.to_string(), Some("tokens")))?;
+    Ok(Json(DetokenizeResponse { prompt }))
+}
+
+/// How long /health waits for the backend before declaring it unhealthy.
+const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// 200 only while the backend can take requests; load balancers and the test fixture poll it.
+async fn health(State(state): State<Arc<AppState>>) -> Result<StatusCode, ApiError> {
+    match tokio::time::timeout(HEALTH_TIMEOUT, state.backend.health()).await {
+        Ok(Ok(())) => Ok(StatusCode::OK),
+        Ok(Err(e)) => Err(ApiError::from(e)),
+        Err(_) => Err(ApiError::overloaded(
+            "the engine did not answer the health check in time",
+            5,
+        )),
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
+    let text = state
+        .metrics
+        .render(&state.backend.stats())
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
+}

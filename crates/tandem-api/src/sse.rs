@@ -1,0 +1,88 @@
+//! Server-sent-event framing shared by chat and text completions: merges the choices' steps into one
+//! `data: {json}\n\n` stream, optionally appends a usage chunk, and always ends with `data: [DONE]`.
+//!
+//! The stream owns every [`ChoiceRun`]; when the client disconnects axum drops it, which drops the
+//! backend streams and aborts the engine requests.
+
+use std::convert::Infallible;
+use std::future::ready;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::stream::{self, StreamExt};
+
+use crate::generate::{ChoiceRun, Step};
+use crate::protocol::Usage;
+
+/// Renders the usage chunk from the final counts.
+pub type UsageRenderer = Box<dyn FnOnce(Usage) -> String + Send>;
+
+/// Builds the SSE response.
+///
+/// * `runs`: each choice with its index in the answer.
+/// * `prelude`: events sent before any token (role announcements, echoed prompts).
+/// * `render`: turns a step of choice `index` into an event, or `None` to send nothing.
+/// * `usage`: the prompt token count and the usage-chunk renderer, when `include_usage` was asked.
+pub fn stream_choices<R>(
+    runs: Vec<(usize, ChoiceRun)>,
+    prelude: Vec<String>,
+    mut render: R,
+    usage: Option<(usize, UsageRenderer)>,
+) -> Response
+where
+    R: FnMut(usize, Step) -> Option<String> + Send + 'static,
+{
+    let completion_tokens = Arc::new(AtomicUsize::new(0));
+    let counter = completion_tokens.clone();
+    let per_choice = runs.into_iter().map(|(index, run)| {
+        stream::unfold(run, move |mut run| async move {
+            run.next().await.map(|r| ((index, r), run))
+        })
+        .boxed()
+    });
+    let body = stream::select_all(per_choice)
+        .scan(false, move |failed, (index, result)| {
+            // After an error event the stream ends, dropping (and aborting) the other choices.
+            let item = if *failed {
+                None
+            } else {
+                match result {
+                    Ok(step) => {
+                        counter.fetch_add(1, Ordering::Relaxed);
+                        Some(render(index, step))
+                    }
+                    Err(e) => {
+                        *failed = true;
+                        Some(Some(e.body_json()))
+                    }
+                }
+            };
+            ready(item)
+        })
+        .filter_map(ready);
+    let usage_event = stream::once(async move {
+        usage.map(|(prompt_tokens, render_usage)| {
+            render_usage(Usage::new(
+                prompt_tokens,
+                completion_tokens.load(Ordering::Relaxed),
+            ))
+        })
+    })
+    .filter_map(ready);
+    let events = stream::iter(prelude)
+        .chain(body)
+        .chain(usage_event)
+        .chain(stream::once(ready("[DONE]".to_owned())))
+        .map(|data| Ok::<_, Infallible>(Event::default().data(data)));
+    Sse::new(events).into_response()
+}
+
+/// JSON of a response object; our types always serialize, so a failure is a bug worth surfacing loudly.
+pub fn to_json<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_string(value).unwrap_or_else(|e| {
+        tracing::error!(error = %e, "failed to serialize a response chunk");
+        String::from("{}")
+    })
+}

@@ -1,0 +1,22 @@
+//! The serving engine: paged KV block pool with prefix caching, a continuous-batching scheduler with
+//! chunked prefill and preemption, a sampler, and the engine thread that drives a model [`Backend`].
+//!
+//! Callers talk to the engine thread through a cheap [`EngineHandle`]; each request streams its tokens
+//! back on its own [`RequestStream`].
+
+pub mod backend;
+pub mod bench;
+pub mod block_pool;
+pub mod engine;
+// TEMPSHIM
+#[path = "../../tandem-model/src/batch.rs"]
+pub mod kvtypes;
+pub mod mock;
+pub mod prefix_cache;
+pub mod sampler;
+pub mod scheduler;
+pub mod types;
+
+pub use backend::{Backend, BackendError};
+pub use engine::{Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, Pending, RequestStream};
+pub use types::*;

@@ -1,0 +1,239 @@
+//! A tiny deterministic [`Backend`] for tests of the engine and of crates built on it (no model file needed).
+//!
+//! Each token writes its id and position into the KV cache through the block table; the logits of a
+//! position are a hash of every K entry of the sequence read back through the block table. So the
+//! next token depends on the whole prefix exactly as stored in the cache: a paging, prefix-cache,
+//! preemption or KV-transfer bug changes the tokens (and a misplaced position is reported as an error).
+
+use crate::backend::{Backend, BackendError};
+use crate::prefix_cache::FxHasher;
+use std::hash::Hasher;
+use crate::kvtypes::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
+
+const LAYERS: usize = 2;
+const HEAD_DIM: usize = 2;
+
+/// The mock model and its paged cache.
+#[derive(Debug, Clone)]
+pub struct MockBackend {
+    layout: KvLayout,
+    vocab: usize,
+    max_len: usize,
+    eos: Vec<u32>,
+    kv: Vec<Vec<f32>>,
+    fail_at_step: Option<u64>,
+    steps: u64,
+}
+
+impl MockBackend {
+    /// A mock with `num_blocks` blocks of `block_size` tokens, a vocab of 64 and EOS = 63.
+    pub fn new(block_size: usize, num_blocks: usize) -> Self {
+        let layout = KvLayout {
+            n_layers: LAYERS,
+            n_kv_heads: 1,
+            head_dim: HEAD_DIM,
+            block_size,
+            num_blocks,
+            dtype: KvDtype::F32,
+        };
+        Self {
+            layout,
+            vocab: 64,
+            max_len: 4096,
+            eos: vec![63],
+            kv: vec![vec![0.0; layout.block_elems() * num_blocks]; LAYERS],
+            fail_at_step: None,
+            steps: 0,
+        }
+    }
+
+    /// Sets the context length the mock reports.
+    pub fn with_max_len(mut self, max_len: usize) -> Self {
+        self.max_len = max_len;
+        self
+    }
+
+    /// Makes the `step`-th forward call (0-based) fail, to test error handling.
+    pub fn fail_at_step(mut self, step: u64) -> Self {
+        self.fail_at_step = Some(step);
+        self
+    }
+
+    fn slot(&self, block: u32, slot: usize, v: bool) -> usize {
+        let bs = self.layout.block_size;
+        block as usize * self.layout.block_elems() + usize::from(v) * bs * HEAD_DIM + slot * HEAD_DIM
+    }
+}
+
+impl Backend for MockBackend {
+    fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.max_len
+    }
+
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        let step = self.steps;
+        self.steps += 1;
+        if self.fail_at_step == Some(step) {
+            return Err(BackendError::new(format!("injected failure at step {step}")));
+        }
+        let bs = self.layout.block_size;
+        for c in &batch.seqs {
+            let end = c.pos + c.tokens.len();
+            if c.blocks.len() * bs < end {
+                return Err(BackendError::new(format!("block table of {} blocks cannot hold {end} tokens", c.blocks.len())));
+            }
+            for (k, &t) in batch.tokens[c.tokens.clone()].iter().enumerate() {
+                let p = c.pos + k;
+                let block = c.blocks[p / bs];
+                if block as usize >= self.layout.num_blocks {
+                    return Err(BackendError::new(format!("block {block} out of range")));
+                }
+                for l in 0..LAYERS {
+                    let i = self.slot(block, p % bs, false);
+                    self.kv[l][i] = t as f32 + l as f32;
+                    self.kv[l][i + 1] = p as f32;
+                    let j = self.slot(block, p % bs, true);
+                    self.kv[l][j] = (t as f32) * 2.0;
+                    self.kv[l][j + 1] = l as f32;
+                }
+            }
+        }
+        logits.clear();
+        for c in &batch.seqs {
+            let n = c.tokens.len();
+            let rows = match c.logits {
+                LogitsWanted::None => 0..0,
+                LogitsWanted::Last => n - 1..n,
+                LogitsWanted::All => 0..n,
+            };
+            for r in rows {
+                let q = c.pos + r;
+                let mut h = FxHasher::default();
+                for p in 0..=q {
+                    let block = c.blocks[p / bs];
+                    for l in 0..LAYERS {
+                        let i = self.slot(block, p % bs, false);
+                        let (k0, k1) = (self.kv[l][i], self.kv[l][i + 1]);
+                        if k1 != p as f32 || k0 - l as f32 != self.kv[l][self.slot(block, p % bs, true)] / 2.0 {
+                            return Err(BackendError::new(format!("KV of position {p} is corrupt (found position {k1})")));
+                        }
+                        h.write_u32(k0.to_bits());
+                    }
+                }
+                let seed = h.finish();
+                logits.extend((0..self.vocab as u64).map(|v| {
+                    let mut x = FxHasher::default();
+                    x.write_u64(seed);
+                    x.write_u64(v);
+                    (x.finish() >> 40) as f32 / (1u64 << 24) as f32 * 8.0
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) {
+        let n = self.layout.block_elems();
+        let src = &self.kv[layer][block as usize * n..(block as usize + 1) * n];
+        for (o, v) in out.chunks_exact_mut(4).zip(src) {
+            o.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) {
+        let n = self.layout.block_elems();
+        let dst = &mut self.kv[layer][block as usize * n..(block as usize + 1) * n];
+        for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
+            *d = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+        }
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) {
+        let n = self.layout.block_elems();
+        for layer in &mut self.kv {
+            layer.copy_within(src as usize * n..(src as usize + 1) * n, dst as usize * n);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn greedy(logits: &[f32]) -> u32 {
+        crate::sampler::argmax(logits)
+    }
+
+    #[test]
+    fn logits_depend_on_cache_contents_not_block_ids() {
+        let mut a = MockBackend::new(2, 8);
+        let mut b = ForwardBatch::default();
+        let mut la = Vec::new();
+        b.push(&[5, 6, 7], 0, vec![3, 1], LogitsWanted::Last);
+        a.forward(&b, &mut la).unwrap();
+        // Same tokens in other blocks, computed in two chunks: same logits.
+        let mut lb = Vec::new();
+        b.clear();
+        b.push(&[5, 6], 0, vec![0, 5], LogitsWanted::None);
+        a.forward(&b, &mut lb).unwrap();
+        b.clear();
+        b.push(&[7], 2, vec![0, 5], LogitsWanted::Last);
+        a.forward(&b, &mut lb).unwrap();
+        assert_eq!(la, lb);
+        // A different prefix gives (almost surely) different logits.
+        b.clear();
+        b.push(&[4, 6, 7], 0, vec![2, 4], LogitsWanted::Last);
+        a.forward(&b, &mut lb).unwrap();
+        assert_ne!(la, lb);
+        assert!(greedy(&la) < 64);
+    }
+
+    #[test]
+    fn wrong_block_table_is_detected() {
+        let mut a = MockBackend::new(2, 8);
+        let mut b = ForwardBatch::default();
+        let mut l = Vec::new();
+        b.push(&[5, 6], 0, vec![3], LogitsWanted::None);
+        a.forward(&b, &mut l).unwrap();
+        b.clear();
+        b.push(&[7], 2, vec![4, 1], LogitsWanted::Last);
+        assert!(a.forward(&b, &mut l).is_err(), "reading unwritten blocks must fail");
+        b.clear();
+        b.push(&[7, 8, 9], 0, vec![4], LogitsWanted::Last);
+        assert!(a.forward(&b, &mut l).is_err(), "a too-short table must fail");
+    }
+
+    #[test]
+    fn export_import_round_trips() {
+        let mut a = MockBackend::new(2, 4);
+        let mut b = ForwardBatch::default();
+        let mut l = Vec::new();
+        b.push(&[9, 8, 7], 0, vec![2, 0], LogitsWanted::Last);
+        a.forward(&b, &mut l).unwrap();
+        let mut c = MockBackend::new(2, 4);
+        let mut buf = vec![0u8; a.kv_layout().block_bytes()];
+        for layer in 0..LAYERS {
+            for (src, dst) in [(2, 1), (0, 3)] {
+                a.export_block(layer, src, &mut buf);
+                c.import_block(layer, dst, &buf);
+            }
+        }
+        let mut l2 = Vec::new();
+        b.clear();
+        b.push(&[7], 2, vec![1, 3], LogitsWanted::Last);
+        c.forward(&b, &mut l2).unwrap();
+        assert_eq!(l, l2);
+    }
+}

@@ -1,0 +1,120 @@
+//! Requests into the engine and the per-token outputs it streams back.
+
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// Engine-wide unique id of a request; chosen by the caller (the API maps OpenAI ids onto it).
+pub type RequestId = u64;
+
+/// How tokens are chosen and when generation stops, per request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax); otherwise logits are divided by it before sampling.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens; 0 disables.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability mass reaches p; 1.0 disables.
+    pub top_p: f32,
+    /// Drop tokens whose probability is below min_p times the top token's; 0 disables.
+    pub min_p: f32,
+    /// Seed for this request's own RNG, so a sampled answer is reproducible; None draws one.
+    pub seed: Option<u64>,
+    /// Multiplicative penalty (HF/vLLM semantics) on tokens already in prompt or output; 1.0 disables.
+    pub repetition_penalty: f32,
+    /// OpenAI frequency penalty over generated tokens; 0 disables.
+    pub frequency_penalty: f32,
+    /// OpenAI presence penalty over generated tokens; 0 disables.
+    pub presence_penalty: f32,
+    /// Upper bound on generated tokens.
+    pub max_tokens: usize,
+    /// Token ids that end generation (besides EOS unless `ignore_eos`); the stop token is reported.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past the model's EOS tokens.
+    pub ignore_eos: bool,
+    /// Return the chosen token's logprob and this many top alternatives; None returns none.
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: None,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            max_tokens: 16,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+/// Why a request stopped producing tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FinishReason {
+    /// An EOS or stop token was generated (OpenAI `stop`).
+    Stop,
+    /// `max_tokens` or the model's context length was reached (OpenAI `length`).
+    Length,
+    /// The caller aborted the request.
+    Abort,
+}
+
+/// Logprob of one generated token and its top alternatives.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// Log-probability of the token that was chosen, under the model's unmodified distribution.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// One step's output for one request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenOutput {
+    /// The generated token.
+    pub token: u32,
+    /// Its logprobs, when the request asked for them.
+    pub logprobs: Option<TokenLogprobs>,
+    /// Set on the request's last output.
+    pub finish: Option<FinishReason>,
+}
+
+/// How the engine treats a request: the seam for prefill/decode disaggregation.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub enum RequestMode {
+    /// Prefill, then decode until a stop condition.
+    #[default]
+    Normal,
+    /// Compute the prompt's KV and the first token only, then keep the KV blocks pinned (for export
+    /// to a decode worker) until `release_pin` or until `pin_timeout` has passed.
+    PrefillOnly {
+        /// How long the pinned KV outlives the request if nobody releases it.
+        pin_timeout: Duration,
+    },
+}
+
+/// A request for generation from token ids.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineRequest {
+    /// Caller-chosen id, unique among live requests.
+    pub id: RequestId,
+    /// Prompt token ids (non-empty).
+    pub prompt: Vec<u32>,
+    /// Sampling and stopping.
+    pub params: SamplingParams,
+    /// Normal generation or prefill-only (P/D).
+    pub mode: RequestMode,
+}
+
+impl EngineRequest {
+    /// A normal-mode request.
+    pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Self {
+        Self { id, prompt, params, mode: RequestMode::Normal }
+    }
+}

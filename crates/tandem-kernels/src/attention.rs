@@ -1,0 +1,270 @@
+//! Paged causal attention over an f32 KV cache laid out in blocks (tandem_model's `KvLayout`).
+//!
+//! Per layer one buffer of `num_blocks` blocks; block b = [K|V][kv_head][slot][head_dim] contiguous:
+//! K(b,h,s,d) at ((b*2 + 0)*n_kv + h)*bs*hd + s*hd + d and V(b,h,s,d) at ((b*2 + 1)*n_kv + h)*bs*hd + s*hd + d.
+//! Work items are (sequence, query head, chunk of queries); each runs an online (flash-style) softmax over
+//! the sequence's blocks so no score row is ever materialized.
+
+use crate::dispatch::simd_enabled;
+use crate::matmul::OutPtr;
+use crate::threads::ThreadPool;
+
+/// Shape of the attention of one layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnParams {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (GQA: query head h reads kv head h / (n_heads / n_kv_heads)).
+    pub n_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Score multiplier, usually 1/sqrt(head_dim).
+    pub scale: f32,
+}
+
+/// One sequence of the flat batch: its queries are rows q_row..q_row+n_q of q; the sequence then holds
+/// ctx_len tokens in the cache (including these n_q, already written); query i sits at position
+/// ctx_len - n_q + i and attends causally to positions 0..=that.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnSeq<'a> {
+    /// First row of this sequence's queries in `q` / `out`.
+    pub q_row: usize,
+    /// Number of query tokens.
+    pub n_q: usize,
+    /// Tokens in the cache, the new ones included.
+    pub ctx_len: usize,
+    /// Block table: cache block of every `block_size` positions.
+    pub blocks: &'a [u32],
+}
+
+/// Largest head the kernels' stack buffers hold.
+const MAX_HEAD_DIM: usize = 256;
+/// Positions scored at once (stack buffer of scores).
+const SCORE_CHUNK: usize = 64;
+/// Queries per work item in prefill: enough to amortize, small enough to balance threads.
+const Q_CHUNK: usize = 16;
+
+/// q: total_rows × (n_heads*head_dim); out same shape. GQA: head h reads kv head h / (n_heads/n_kv_heads).
+pub fn paged_attention(pool: &ThreadPool, p: &AttnParams, q: &[f32], kv_layer: &[f32], seqs: &[AttnSeq], out: &mut [f32]) {
+    paged_attention_with(pool, p, q, kv_layer, seqs, out, simd_enabled())
+}
+
+pub(crate) fn paged_attention_with(pool: &ThreadPool, p: &AttnParams, q: &[f32], kv_layer: &[f32], seqs: &[AttnSeq], out: &mut [f32], simd: bool) {
+    assert!(p.head_dim <= MAX_HEAD_DIM, "head_dim {} > {MAX_HEAD_DIM}", p.head_dim);
+    assert!(p.n_kv_heads > 0 && p.n_heads % p.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
+    let row = p.n_heads * p.head_dim;
+    assert_eq!(q.len(), out.len(), "paged_attention: q and out differ in size");
+    let block_elems = 2 * p.n_kv_heads * p.block_size * p.head_dim;
+    for s in seqs {
+        assert!(s.n_q <= s.ctx_len, "more queries than context");
+        assert!((s.q_row + s.n_q) * row <= q.len(), "sequence rows outside q");
+        assert!(s.blocks.len() * p.block_size >= s.ctx_len, "block table too short for ctx_len");
+        assert!(s.blocks.iter().all(|&b| (b as usize + 1) * block_elems <= kv_layer.len()), "block id outside the KV buffer");
+    }
+    // Work items: (sequence, head, query chunk); a task finds its sequence by a linear walk (few sequences,
+    // and no allocation per call).
+    let items = |s: &AttnSeq| p.n_heads * s.n_q.div_ceil(Q_CHUNK);
+    let total: usize = seqs.iter().map(items).sum();
+    let outp = OutPtr(out.as_mut_ptr());
+    pool.run(total, &|t| {
+        let (mut si, mut before) = (0, 0);
+        while before + items(&seqs[si]) <= t {
+            before += items(&seqs[si]);
+            si += 1;
+        }
+        let s = &seqs[si];
+        let local = t - before;
+        let (head, qc) = (local % p.n_heads, local / p.n_heads);
+        let q0 = qc * Q_CHUNK;
+        let q1 = (q0 + Q_CHUNK).min(s.n_q);
+        for i in q0..q1 {
+            let r = s.q_row + i;
+            let qv = &q[r * row + head * p.head_dim..r * row + (head + 1) * p.head_dim];
+            // SAFETY: each (row, head) slice of out is written by exactly one work item.
+            let ov = unsafe { std::slice::from_raw_parts_mut(outp.ptr().add(r * row + head * p.head_dim), p.head_dim) };
+            let last_pos = s.ctx_len - s.n_q + i;
+            attend_one(p, qv, kv_layer, s.blocks, head / (p.n_heads / p.n_kv_heads), last_pos, ov, simd);
+        }
+    });
+}
+
+/// One query head against positions 0..=last_pos with online softmax.
+#[allow(clippy::too_many_arguments)]
+fn attend_one(p: &AttnParams, qv: &[f32], kv: &[f32], blocks: &[u32], kvh: usize, last_pos: usize, out: &mut [f32], simd: bool) {
+    let hd = p.head_dim;
+    let bs = p.block_size;
+    let mut acc = [0f32; MAX_HEAD_DIM];
+    let acc = &mut acc[..hd];
+    let mut scores = [0f32; SCORE_CHUNK];
+    let mut m = f32::NEG_INFINITY;
+    let mut l = 0f32;
+    let n_pos = last_pos + 1;
+    let mut pos = 0;
+    while pos < n_pos {
+        let b = blocks[pos / bs] as usize;
+        let slot0 = pos % bs;
+        let n = (bs - slot0).min(n_pos - pos).min(SCORE_CHUNK);
+        let kbase = ((b * 2) * p.n_kv_heads + kvh) * bs * hd;
+        let vbase = ((b * 2 + 1) * p.n_kv_heads + kvh) * bs * hd;
+        let mut cmax = f32::NEG_INFINITY;
+        for j in 0..n {
+            let k = &kv[kbase + (slot0 + j) * hd..kbase + (slot0 + j + 1) * hd];
+            let sc = dot(qv, k, simd) * p.scale;
+            scores[j] = sc;
+            cmax = cmax.max(sc);
+        }
+        if cmax > m {
+            let corr = (m - cmax).exp();
+            if l > 0.0 {
+                scale(acc, corr, simd);
+            }
+            l *= corr;
+            m = cmax;
+        }
+        for j in 0..n {
+            let w = (scores[j] - m).exp();
+            l += w;
+            axpy(acc, w, &kv[vbase + (slot0 + j) * hd..vbase + (slot0 + j + 1) * hd], simd);
+        }
+        pos += n;
+    }
+    let inv = 1.0 / l;
+    for (o, a) in out.iter_mut().zip(acc.iter()) {
+        *o = a * inv;
+    }
+}
+
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32], simd: bool) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when the CPU has AVX2+FMA.
+        return unsafe { crate::simd::dot_f32(a, b) };
+    }
+    let _ = simd;
+    let mut lanes = [0f32; 8];
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for k in 0..8 {
+            lanes[k] += ca[k] * cb[k];
+        }
+    }
+    let tail = a.len() / 8 * 8;
+    lanes.iter().sum::<f32>() + a[tail..].iter().zip(&b[tail..]).map(|(x, y)| x * y).sum::<f32>()
+}
+
+#[inline(always)]
+fn axpy(y: &mut [f32], a: f32, x: &[f32], simd: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when the CPU has AVX2+FMA.
+        return unsafe { crate::simd::axpy_f32(y, a, x) };
+    }
+    let _ = simd;
+    for (yi, &xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
+    }
+}
+
+#[inline(always)]
+fn scale(y: &mut [f32], a: f32, _simd: bool) {
+    y.iter_mut().for_each(|v| *v *= a);
+}
+
+/// Stores one token's k and v (n_kv_heads*head_dim each) at position `pos` of a sequence with block table `blocks`.
+pub fn write_kv(p: &AttnParams, kv_layer: &mut [f32], blocks: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+    let (hd, bs, nkv) = (p.head_dim, p.block_size, p.n_kv_heads);
+    assert_eq!(k.len(), nkv * hd, "write_kv: k must be n_kv_heads * head_dim");
+    assert_eq!(v.len(), nkv * hd, "write_kv: v must be n_kv_heads * head_dim");
+    let b = blocks[pos / bs] as usize;
+    let slot = pos % bs;
+    for h in 0..nkv {
+        let ko = ((b * 2) * nkv + h) * bs * hd + slot * hd;
+        let vo = ((b * 2 + 1) * nkv + h) * bs * hd + slot * hd;
+        kv_layer[ko..ko + hd].copy_from_slice(&k[h * hd..(h + 1) * hd]);
+        kv_layer[vo..vo + hd].copy_from_slice(&v[h * hd..(h + 1) * hd]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Dense reference: softmax(q·Kᵀ·scale) · V over positions 0..=pos, from contiguous per-seq K/V.
+    fn reference(p: &AttnParams, q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], q_pos: usize, head: usize) -> Vec<f32> {
+        let hd = p.head_dim;
+        let kvh = head / (p.n_heads / p.n_kv_heads);
+        let scores: Vec<f64> = (0..=q_pos).map(|t| (0..hd).map(|d| q[d] as f64 * k[t][kvh * hd + d] as f64).sum::<f64>() * p.scale as f64).collect();
+        let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+        let z: f64 = w.iter().sum();
+        (0..hd).map(|d| ((0..=q_pos).map(|t| w[t] * v[t][kvh * hd + d] as f64).sum::<f64>() / z) as f32).collect()
+    }
+
+    pub(crate) fn run_case(simd: bool) {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let p = AttnParams { n_heads: 6, n_kv_heads: 2, head_dim: 64, block_size: 16, scale: 0.125 };
+        let num_blocks = 40;
+        let mut kv = vec![0f32; num_blocks * 2 * p.n_kv_heads * p.block_size * p.head_dim];
+        // Two sequences with scattered block tables: a prefill of 37 new tokens on top of 0, and a decode at 150.
+        let lens = [37usize, 150];
+        let n_new = [37usize, 1];
+        let tables: Vec<Vec<u32>> = vec![vec![7, 3, 30], (10..20).rev().map(|b| b as u32).collect()];
+        let width = p.n_kv_heads * p.head_dim;
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (si, &len) in lens.iter().enumerate() {
+            let mut kk = Vec::new();
+            let mut vv = Vec::new();
+            for pos in 0..len {
+                let k: Vec<f32> = (0..width).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let v: Vec<f32> = (0..width).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                write_kv(&p, &mut kv, &tables[si], pos, &k, &v);
+                kk.push(k);
+                vv.push(v);
+            }
+            ks.push(kk);
+            vs.push(vv);
+        }
+        let row = p.n_heads * p.head_dim;
+        let total_rows = n_new[0] + n_new[1];
+        let q: Vec<f32> = (0..total_rows * row).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let seqs = [
+            AttnSeq { q_row: 0, n_q: n_new[0], ctx_len: lens[0], blocks: &tables[0] },
+            AttnSeq { q_row: n_new[0], n_q: 1, ctx_len: lens[1], blocks: &tables[1] },
+        ];
+        let mut out = vec![f32::NAN; q.len()];
+        let pool = ThreadPool::new(2);
+        paged_attention_with(&pool, &p, &q, &kv, &seqs, &mut out, simd);
+        for (si, s) in seqs.iter().enumerate() {
+            for i in 0..s.n_q {
+                let r = s.q_row + i;
+                for h in 0..p.n_heads {
+                    let qv = &q[r * row + h * p.head_dim..r * row + (h + 1) * p.head_dim];
+                    let want = reference(&p, qv, &ks[si], &vs[si], s.ctx_len - s.n_q + i, h);
+                    let got = &out[r * row + h * p.head_dim..r * row + (h + 1) * p.head_dim];
+                    for (a, b) in got.iter().zip(&want) {
+                        assert!((a - b).abs() < 1e-4, "seq {si} q {i} head {h}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn portable_paged_attention_matches_dense_reference() {
+        run_case(false);
+    }
+
+    #[test]
+    fn write_kv_layout() {
+        let p = AttnParams { n_heads: 2, n_kv_heads: 2, head_dim: 2, block_size: 4, scale: 1.0 };
+        let mut kv = vec![0f32; 3 * 2 * 2 * 4 * 2];
+        write_kv(&p, &mut kv, &[2, 1], 5, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]);
+        // pos 5 -> block 1, slot 1. K head 1 at ((1*2+0)*2+1)*4*2 + 1*2.
+        assert_eq!(&kv[(5 * 8 + 2)..(5 * 8 + 4)], &[3.0, 4.0]);
+        assert_eq!(&kv[(6 * 8 + 2)..(6 * 8 + 4)], &[5.0, 6.0]);
+    }
+}

@@ -1,0 +1,406 @@
+//! `out = x · Wᵀ` for every weight dtype, split over the thread pool by blocks of output features.
+//!
+//! Quantized weights: activations are first quantized per block the way the format needs (Q8_0-style int8
+//! blocks of 32 with an f32 scale and `scale * sum(q)` for Q4_0/Q4_1/Q8_0; Q8_K-style blocks of 256 with
+//! per-16 sums for the K-quants), then dotted in integer arithmetic and accumulated in f32 per block.
+
+use std::ops::Range;
+
+use crate::dispatch::simd_enabled;
+use crate::quant::{f16_at, q6k_value, scale_min_k4, DType, Matrix};
+use crate::threads::ThreadPool;
+
+/// Reusable scratch (quantized activations, per-thread buffers), grow-only.
+#[derive(Default, Debug)]
+pub struct MatmulScratch {
+    qx: Vec<i8>,
+    dx: Vec<f32>,
+    sx: Vec<f32>,
+    bsums: Vec<i16>,
+}
+
+/// Quantized activations of `m` rows, borrowed from the scratch; the row stride is implied by `cols`.
+#[derive(Clone, Copy)]
+pub(crate) struct QuantActs<'a> {
+    /// int8 quants, `m * cols`.
+    pub qx: &'a [i8],
+    /// Per-block scale: `m * cols / 32` (Q8_0 style) or `m * cols / 256` (Q8_K style).
+    pub dx: &'a [f32],
+    /// Q8_0 style only: `scale * sum(q)` per block, for formats with an offset.
+    pub sx: &'a [f32],
+    /// Q8_K style only: sum of quants per 16 elements, `m * cols / 16`.
+    pub bsums: &'a [i16],
+}
+
+/// Shared pointer to the output so tasks can write disjoint parts of it.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr(pub *mut f32);
+// SAFETY: tasks write disjoint elements; the pool joins before the borrow ends.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The raw pointer (a method, so closures capture the whole `Sync` wrapper rather than the field).
+    #[inline(always)]
+    pub fn ptr(&self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Everything a row-range kernel needs: weight rows, activations, where to write.
+pub(crate) struct Job<'a> {
+    pub w: &'a Matrix,
+    pub x: &'a [f32],
+    pub acts: QuantActs<'a>,
+    pub out: OutPtr,
+}
+
+/// Computes `out[i][r]` for rows `rows` of the weight and activation rows `ms`.
+pub(crate) type RangeKernel = fn(&Job, Range<usize>, Range<usize>);
+
+/// Quantizes rows of 32-element blocks the Q8_0 way: d = amax/127, q = round(x/d), s = d*sum(q).
+pub(crate) fn quantize_q8_0_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
+    for (b, ((xb, qb), (d, s))) in x.chunks_exact(32).zip(qx.chunks_exact_mut(32)).zip(dx.iter_mut().zip(sx.iter_mut())).enumerate() {
+        let _ = b;
+        let amax = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let dd = amax / 127.0;
+        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            *q = (v * id).round() as i8;
+            sum += *q as i32;
+        }
+        *d = dd;
+        *s = dd * sum as f32;
+    }
+}
+
+/// Quantizes rows of 256-element blocks the Q8_K way: d = amax/127 and per-16 sums of the quants.
+pub(crate) fn quantize_q8_k_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], bsums: &mut [i16]) {
+    for (((xb, qb), d), bs) in x.chunks_exact(256).zip(qx.chunks_exact_mut(256)).zip(dx.iter_mut()).zip(bsums.chunks_exact_mut(16)) {
+        let amax = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            *q = (v * id).round() as i8;
+        }
+        *d = amax / 127.0;
+        for (s, g) in bs.iter_mut().zip(qb.chunks_exact(16)) {
+            *s = g.iter().map(|&q| q as i16).sum();
+        }
+    }
+}
+
+/// out[m][n] = sum_k x[m][k] * W[n][k]   (x: m × cols row-major, out: m × rows row-major)
+pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], m: usize, out: &mut [f32], scratch: &mut MatmulScratch) {
+    matmul_with(pool, w, x, m, out, scratch, simd_enabled());
+}
+
+/// `matmul` with an explicit kernel choice, so tests can compare the SIMD and portable paths.
+pub(crate) fn matmul_with(pool: &ThreadPool, w: &Matrix, x: &[f32], m: usize, out: &mut [f32], scratch: &mut MatmulScratch, simd: bool) {
+    let (rows, cols) = (w.rows(), w.cols());
+    assert_eq!(x.len(), m * cols, "matmul: x must be m x cols");
+    assert_eq!(out.len(), m * rows, "matmul: out must be m x rows");
+    if m == 0 || rows == 0 {
+        return;
+    }
+    let dt = w.dtype();
+    prepare_acts(pool, dt, x, m, cols, scratch, simd);
+    let acts = QuantActs { qx: &scratch.qx, dx: &scratch.dx, sx: &scratch.sx, bsums: &scratch.bsums };
+    let job = Job { w, x, acts, out: OutPtr(out.as_mut_ptr()) };
+    let kernel = select_kernel(dt, simd);
+
+    // Output features per task: a multiple of 8 (disjoint cache lines per thread), about 4 tasks per thread
+    // for load balance on m = 1, fewer and larger for big m where each task re-reads its weights per m tile.
+    let n_threads = pool.n_threads();
+    let target_tasks = (n_threads * 4).max(1);
+    let mut chunk = rows.div_ceil(target_tasks).next_multiple_of(8).max(8);
+    if m >= 64 {
+        chunk = chunk.min(64);
+    }
+    let m_chunk = if m <= 64 { m } else { 64 };
+    let n_row_tasks = rows.div_ceil(chunk);
+    let n_m_tasks = m.div_ceil(m_chunk);
+    let run_task = |t: usize| {
+        let (rt, mt) = (t % n_row_tasks, t / n_row_tasks);
+        let r = rt * chunk..((rt + 1) * chunk).min(rows);
+        let ms = mt * m_chunk..((mt + 1) * m_chunk).min(m);
+        kernel(&job, r, ms);
+    };
+    pool.run(n_row_tasks * n_m_tasks, &run_task);
+}
+
+fn prepare_acts(pool: &ThreadPool, dt: DType, x: &[f32], m: usize, cols: usize, s: &mut MatmulScratch, simd: bool) {
+    let group = match dt {
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 32,
+        DType::Q4K | DType::Q6K => 256,
+        DType::F32 | DType::F16 | DType::BF16 => return,
+    };
+    let n = m * cols;
+    if s.qx.len() < n {
+        s.qx.resize(n, 0);
+    }
+    if s.dx.len() < n / group {
+        s.dx.resize(n / group, 0.0);
+    }
+    if group == 32 && s.sx.len() < n / 32 {
+        s.sx.resize(n / 32, 0.0);
+    }
+    if group == 256 && s.bsums.len() < n / 16 {
+        s.bsums.resize(n / 16, 0);
+    }
+    let (qx, dx, sx, bs) = (&mut s.qx[..n], &mut s.dx[..n / group], &mut s.sx[..], &mut s.bsums[..]);
+    let quant_rows = |x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32], bs: &mut [i16]| {
+        if group == 32 {
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: `simd` is only true when the CPU has AVX2+FMA+F16C.
+                unsafe { crate::simd::quantize_q8_0_acts(x, qx, dx, sx) };
+                return;
+            }
+            quantize_q8_0_acts(x, qx, dx, sx);
+        } else {
+            quantize_q8_k_acts(x, qx, dx, bs);
+        }
+    };
+    let _ = simd;
+    if m < 32 {
+        quant_rows(x, qx, dx, &mut sx[..if group == 32 { n / 32 } else { 0 }], &mut bs[..if group == 256 { n / 16 } else { 0 }]);
+        return;
+    }
+    // Large batches: quantize rows in parallel, each task owning disjoint rows of every buffer.
+    let rows_per = m.div_ceil(pool.n_threads() * 2);
+    let ptrs = (OutPtrI8(qx.as_mut_ptr()), OutPtr(dx.as_mut_ptr()), OutPtr(sx.as_mut_ptr()), OutPtrI16(bs.as_mut_ptr()));
+    let n_tasks = m.div_ceil(rows_per);
+    pool.run(n_tasks, &|t| {
+        let r = t * rows_per..((t + 1) * rows_per).min(m);
+        let nr = r.len();
+        let p = &ptrs;
+        // SAFETY: row ranges of the tasks are disjoint and inside the buffers sized above.
+        unsafe {
+            let qx = std::slice::from_raw_parts_mut(p.0 .0.add(r.start * cols), nr * cols);
+            let dx = std::slice::from_raw_parts_mut(p.1 .0.add(r.start * cols / group), nr * cols / group);
+            let sx: &mut [f32] = if group == 32 { std::slice::from_raw_parts_mut(p.2 .0.add(r.start * cols / 32), nr * cols / 32) } else { &mut [] };
+            let bs: &mut [i16] = if group == 256 { std::slice::from_raw_parts_mut(p.3 .0.add(r.start * cols / 16), nr * cols / 16) } else { &mut [] };
+            quant_rows(&x[r.start * cols..r.end * cols], qx, dx, sx, bs);
+        }
+    });
+}
+
+#[derive(Clone, Copy)]
+struct OutPtrI8(*mut i8);
+unsafe impl Send for OutPtrI8 {}
+unsafe impl Sync for OutPtrI8 {}
+#[derive(Clone, Copy)]
+struct OutPtrI16(*mut i16);
+unsafe impl Send for OutPtrI16 {}
+unsafe impl Sync for OutPtrI16 {}
+
+fn select_kernel(dt: DType, simd: bool) -> RangeKernel {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        if let Some(k) = crate::simd::matmul_kernel(dt) {
+            return k;
+        }
+    }
+    let _ = simd;
+    portable_kernel
+}
+
+/// Reference kernel: one (activation row, weight row) dot product at a time, plain scalar code.
+fn portable_kernel(job: &Job, rows: Range<usize>, ms: Range<usize>) {
+    let w = job.w;
+    let (cols, total_rows, rb) = (w.cols(), w.rows(), w.row_bytes());
+    let dt = w.dtype();
+    let a = &job.acts;
+    for i in ms {
+        for r in rows.clone() {
+            let wr = &w.bytes()[r * rb..(r + 1) * rb];
+            let v = match dt {
+                DType::F32 | DType::F16 | DType::BF16 => dot_float_portable(dt, wr, &job.x[i * cols..(i + 1) * cols]),
+                DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
+                    let nb = cols / 32;
+                    dot_q32_portable(dt, wr, &a.qx[i * cols..(i + 1) * cols], &a.dx[i * nb..(i + 1) * nb], &a.sx[i * nb..(i + 1) * nb])
+                }
+                DType::Q4K | DType::Q6K => {
+                    let nb = cols / 256;
+                    dot_qk_portable(dt, wr, &a.qx[i * cols..(i + 1) * cols], &a.dx[i * nb..(i + 1) * nb], &a.bsums[i * cols / 16..(i + 1) * cols / 16])
+                }
+            };
+            // SAFETY: (i, r) is inside out (checked in matmul) and owned by this task.
+            unsafe { *job.out.0.add(i * total_rows + r) = v };
+        }
+    }
+}
+
+fn dot_float_portable(dt: DType, wr: &[u8], x: &[f32]) -> f32 {
+    match dt {
+        DType::F32 => wr.chunks_exact(4).zip(x).map(|(c, &v)| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * v).sum(),
+        DType::F16 => wr.chunks_exact(2).zip(x).map(|(c, &v)| f16_at(c) * v).sum(),
+        _ => wr.chunks_exact(2).zip(x).map(|(c, &v)| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) * v).sum(),
+    }
+}
+
+/// Dot of one Q4_0/Q4_1/Q8_0 row with one Q8_0-style activation row.
+pub(crate) fn dot_q32_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], sx: &[f32]) -> f32 {
+    let bb = dt.block_bytes();
+    let mut acc = 0f32;
+    for (b, blk) in wr.chunks_exact(bb).enumerate() {
+        let q = &qx[32 * b..32 * b + 32];
+        let d = f16_at(blk);
+        match dt {
+            DType::Q8_0 => {
+                let dot: i32 = blk[2..34].iter().zip(q).map(|(&w, &x)| w as i8 as i32 * x as i32).sum();
+                acc += d * dx[b] * dot as f32;
+            }
+            _ => {
+                let qs = &blk[bb - 16..];
+                let mut dot = 0i32;
+                for j in 0..16 {
+                    dot += (qs[j] & 0xF) as i32 * q[j] as i32 + (qs[j] >> 4) as i32 * q[j + 16] as i32;
+                }
+                let offset = if dt == DType::Q4_1 { f16_at(&blk[2..]) } else { -8.0 * d };
+                acc += d * dx[b] * dot as f32 + offset * sx[b];
+            }
+        }
+    }
+    acc
+}
+
+/// Dot of one Q4_K/Q6_K row with one Q8_K-style activation row.
+pub(crate) fn dot_qk_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], bsums: &[i16]) -> f32 {
+    let mut acc = 0f32;
+    for (b, blk) in wr.chunks_exact(dt.block_bytes()).enumerate() {
+        let q = &qx[256 * b..256 * b + 256];
+        let bs = &bsums[16 * b..16 * b + 16];
+        if dt == DType::Q4K {
+            let (d, dmin) = (f16_at(blk), f16_at(&blk[2..]));
+            let (scales, qs) = (&blk[4..16], &blk[16..144]);
+            let (mut sumi, mut summ) = (0i32, 0i32);
+            for j in 0..8 {
+                let (sc, mn) = scale_min_k4(j, scales);
+                let (c, hi) = (j / 2, j % 2 == 1);
+                let dot: i32 = (0..32)
+                    .map(|l| {
+                        let byte = qs[32 * c + l];
+                        let w = if hi { byte >> 4 } else { byte & 0xF };
+                        w as i32 * q[32 * j + l] as i32
+                    })
+                    .sum();
+                sumi += sc as i32 * dot;
+                summ += mn as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32);
+            }
+            acc += dx[b] * (d * sumi as f32 - dmin * summ as f32);
+        } else {
+            let d = f16_at(&blk[208..]);
+            let mut sumi = 0i32;
+            for g in 0..16 {
+                let sc = blk[192 + g] as i8 as i32;
+                let dot: i32 = (16 * g..16 * g + 16).map(|i| q6k_value(blk, i) * q[i] as i32).sum();
+                sumi += sc * (dot - 32 * bs[g] as i32);
+            }
+            acc += dx[b] * d * sumi as f32;
+        }
+    }
+    acc
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::quant::{dequantize, quantize_row, WeightBytes};
+    use proptest::prelude::*;
+    use rand::{Rng, SeedableRng};
+    use std::sync::Arc;
+
+    pub(crate) fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    pub(crate) fn quantized_matrix(dt: DType, rows: usize, cols: usize, seed: u64) -> Matrix {
+        let w = rand_vec(rows * cols, seed);
+        let mut bytes = Vec::new();
+        for r in w.chunks_exact(cols) {
+            quantize_row(dt, r, &mut bytes);
+        }
+        Matrix::new(dt, rows, cols, WeightBytes::Owned(Arc::new(bytes))).expect("sizes")
+    }
+
+    /// f32 reference: dequantize the weight, then plain dot products.
+    pub(crate) fn reference(w: &Matrix, x: &[f32], m: usize) -> Vec<f32> {
+        let (rows, cols) = (w.rows(), w.cols());
+        let mut wf = vec![0f32; rows * cols];
+        dequantize(w.dtype(), w.bytes(), &mut wf);
+        let mut out = vec![0f32; m * rows];
+        for i in 0..m {
+            for r in 0..rows {
+                out[i * rows + r] = (0..cols).map(|k| x[i * cols + k] as f64 * wf[r * cols + k] as f64).sum::<f64>() as f32;
+            }
+        }
+        out
+    }
+
+    /// Tolerance from activation quantization: int8 steps of amax/127 on inputs in [-1, 1].
+    pub(crate) fn tolerance(dt: DType, cols: usize) -> f32 {
+        if dt.is_quantized() {
+            0.02 * (cols as f32).sqrt()
+        } else {
+            1e-4 * cols as f32
+        }
+    }
+
+    pub(crate) const ALL: [DType; 8] = [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4K, DType::Q6K];
+
+    fn check(dt: DType, rows: usize, cols: usize, m: usize, threads: usize, simd: bool) {
+        let w = quantized_matrix(dt, rows, cols, 11);
+        let x = rand_vec(m * cols, 12);
+        let pool = ThreadPool::new(threads);
+        let mut out = vec![f32::NAN; m * rows];
+        let mut scratch = MatmulScratch::default();
+        matmul_with(&pool, &w, &x, m, &mut out, &mut scratch, simd);
+        let want = reference(&w, &x, m);
+        let tol = tolerance(dt, cols);
+        for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() <= tol, "{dt:?} {rows}x{cols} m={m} simd={simd}: out[{i}] = {a}, want {b}");
+        }
+    }
+
+    #[test]
+    fn portable_matches_dequantized_reference() {
+        for dt in ALL {
+            for &(rows, cols, m) in &[(8, 256, 1), (40, 512, 3), (72, 256, 70)] {
+                check(dt, rows, cols, m, 2, false);
+            }
+        }
+    }
+
+    #[test]
+    fn activation_quantization_is_exact_for_representable_values() {
+        let x: Vec<f32> = (0..32).map(|i| (i as f32 - 16.0) / 127.0 * 2.0).collect();
+        let (mut q, mut d, mut s) = (vec![0i8; 32], vec![0f32; 1], vec![0f32; 1]);
+        quantize_q8_0_acts(&x, &mut q, &mut d, &mut s);
+        for (qi, xi) in q.iter().zip(&x) {
+            assert!((*qi as f32 * d[0] - xi).abs() < 1e-6);
+        }
+        let sum: i32 = q.iter().map(|&v| v as i32).sum();
+        assert!((s[0] - sum as f32 * d[0]).abs() < 1e-6);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn prop_quantized_matmul_close_to_reference(dt_idx in 0usize..8, rows in 1usize..40, blocks in 1usize..3, m in 1usize..6, seed in 0u64..1000) {
+            let dt = ALL[dt_idx];
+            let cols = blocks * 256;
+            let w = quantized_matrix(dt, rows, cols, seed);
+            let x = rand_vec(m * cols, seed + 1);
+            let pool = ThreadPool::new(2);
+            let mut out = vec![0f32; m * rows];
+            matmul(&pool, &w, &x, m, &mut out, &mut MatmulScratch::default());
+            let want = reference(&w, &x, m);
+            for (a, b) in out.iter().zip(&want) {
+                prop_assert!((a - b).abs() <= tolerance(dt, cols), "{:?}: {} vs {}", dt, a, b);
+            }
+        }
+    }
+}

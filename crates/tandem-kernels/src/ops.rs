@@ -1,0 +1,147 @@
+//! Element-wise and row helpers of the forward pass (norms, residual adds, activations, softmax).
+
+use crate::dispatch::simd_enabled;
+
+/// RMS normalization `out = x / sqrt(mean(x²) + eps) * weight`, the Llama pre-norm.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    assert!(x.len() == weight.len() && x.len() == out.len(), "rms_norm: length mismatch");
+    #[cfg(target_arch = "x86_64")]
+    if simd_enabled() {
+        // SAFETY: simd_enabled implies AVX2+FMA support.
+        return unsafe { crate::simd::rms_norm(x, weight, eps, out) };
+    }
+    rms_norm_portable(x, weight, eps, out)
+}
+
+pub(crate) fn rms_norm_portable(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let ss = sum_squares(x);
+    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = v * inv * w;
+    }
+}
+
+/// Sum of squares with 8 independent lanes so the compiler can vectorize without reassociation.
+fn sum_squares(x: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l += v * v;
+        }
+    }
+    lanes.iter().sum::<f32>() + rest.iter().map(|v| v * v).sum::<f32>()
+}
+
+/// Residual connection `a += b`.
+pub fn add_inplace(a: &mut [f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len(), "add_inplace: length mismatch");
+    for (x, &y) in a.iter_mut().zip(b) {
+        *x += y;
+    }
+}
+
+/// SwiGLU gate: `gate[i] = silu(gate[i]) * up[i]` with silu(x) = x / (1 + e^-x).
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "silu_mul: length mismatch");
+    #[cfg(target_arch = "x86_64")]
+    if simd_enabled() {
+        // SAFETY: simd_enabled implies AVX2+FMA support.
+        return unsafe { crate::simd::silu_mul(gate, up) };
+    }
+    silu_mul_portable(gate, up)
+}
+
+pub(crate) fn silu_mul_portable(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// Numerically stable softmax in place (sampling, logprobs); an all `-inf` row stays `NaN`-free as uniform.
+pub fn softmax_inplace(x: &mut [f32]) {
+    if x.is_empty() {
+        return;
+    }
+    let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        let u = 1.0 / x.len() as f32;
+        x.iter_mut().for_each(|v| *v = u);
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if simd_enabled() {
+        // SAFETY: simd_enabled implies AVX2+FMA support.
+        let sum = unsafe { crate::simd::exp_sub_sum(x, max) };
+        let inv = 1.0 / sum;
+        x.iter_mut().for_each(|v| *v *= inv);
+        return;
+    }
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn rms_norm_unit() {
+        let x = [3.0f32, 4.0];
+        let mut out = [0f32; 2];
+        rms_norm(&x, &[1.0, 2.0], 0.0, &mut out);
+        let rms = (12.5f32).sqrt();
+        assert!((out[0] - 3.0 / rms).abs() < 1e-6 && (out[1] - 8.0 / rms).abs() < 1e-6);
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_handles_neg_inf() {
+        let mut x = [1.0f32, 2.0, 3.0, f32::NEG_INFINITY];
+        softmax_inplace(&mut x);
+        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert_eq!(x[3], 0.0);
+        assert!(x[2] > x[1] && x[1] > x[0]);
+        let mut y = [f32::NEG_INFINITY; 4];
+        softmax_inplace(&mut y);
+        assert_eq!(y, [0.25; 4]);
+    }
+
+    proptest! {
+        #[test]
+        fn prop_ops_match_scalar_definitions(v in proptest::collection::vec(-20.0f32..20.0, 1..300)) {
+            let w: Vec<f32> = v.iter().map(|a| a * 0.5 + 1.0).collect();
+            let mut a = vec![0f32; v.len()];
+            let mut b = vec![0f32; v.len()];
+            rms_norm(&v, &w, 1e-5, &mut a);
+            rms_norm_portable(&v, &w, 1e-5, &mut b);
+            for (x, y) in a.iter().zip(&b) { prop_assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs())); }
+
+            let mut g = v.clone();
+            silu_mul(&mut g, &w);
+            for ((x, &gi), &u) in g.iter().zip(&v).zip(&w) {
+                let want = gi / (1.0 + (-gi).exp()) * u;
+                prop_assert!((x - want).abs() <= 1e-4 * (1.0 + want.abs()), "{} vs {}", x, want);
+            }
+
+            let mut s = v.clone();
+            softmax_inplace(&mut s);
+            let max = v.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let denom: f64 = v.iter().map(|&t| ((t - max) as f64).exp()).sum();
+            for (x, &t) in s.iter().zip(&v) {
+                let want = (((t - max) as f64).exp() / denom) as f32;
+                prop_assert!((x - want).abs() <= 1e-5 + 1e-4 * want);
+            }
+
+            let mut c = v.clone();
+            add_inplace(&mut c, &w);
+            for ((x, &p), &q) in c.iter().zip(&v).zip(&w) { prop_assert_eq!(*x, p + q); }
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! AVX2 matmul kernels: integer dot products for the 32-element GGML formats (`maddubs` + `madd`, f32
+//! accumulation per block) and an FMA kernel for float weights.
+//!
+//! Each kernel computes a tile of `RW` weight rows × `MT` activation rows so one weight-block load serves
+//! `MT` activation rows (batched decode and prefill), and several weight rows give independent
+//! accumulators (latency hiding on m = 1).
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use crate::matmul::{Job, RangeKernel};
+use crate::quant::DType;
+
+/// Format tags for the const-generic block kernel.
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q8_0: u8 = 2;
+
+/// Float format tags.
+const F32: u8 = 0;
+const F16: u8 = 1;
+const BF16: u8 = 2;
+
+/// The AVX2 kernel for `dt`, if one exists.
+pub(crate) fn kernel(dt: DType) -> Option<RangeKernel> {
+    Some(match dt {
+        DType::Q4_0 => run_q32::<Q4_0>,
+        DType::Q4_1 => run_q32::<Q4_1>,
+        DType::Q8_0 => run_q32::<Q8_0>,
+        DType::F32 => run_float::<F32>,
+        DType::F16 => run_float::<F16>,
+        DType::BF16 => run_float::<BF16>,
+        DType::Q4K | DType::Q6K => return None,
+    })
+}
+
+fn run_q32<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
+    // SAFETY: this kernel is only selected when the CPU has AVX2+FMA+F16C; shapes were checked by matmul.
+    unsafe { run_q32_impl::<FMT>(job, rows, ms) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_q32_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
+    let w = job.w;
+    let (cols, total) = (w.cols(), w.rows());
+    let rb = w.row_bytes();
+    let nb = cols / 32;
+    let a = &job.acts;
+    let wp = w.bytes().as_ptr();
+    let args = |i: usize, j: usize| {
+        (wp.add(i * rb), a.qx.as_ptr().add(j * cols), a.dx.as_ptr().add(j * nb), a.sx.as_ptr().add(j * nb), job.out.0.add(j * total + i))
+    };
+    let mut j = ms.start;
+    while j + 4 <= ms.end {
+        let mut i = rows.start;
+        while i + 2 <= rows.end {
+            let (w0, q, d, s, o) = args(i, j);
+            tile_q32::<2, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            i += 2;
+        }
+        if i < rows.end {
+            let (w0, q, d, s, o) = args(i, j);
+            tile_q32::<1, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+        }
+        j += 4;
+    }
+    while j < ms.end {
+        let mut i = rows.start;
+        while i + 4 <= rows.end {
+            let (w0, q, d, s, o) = args(i, j);
+            tile_q32::<4, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            i += 4;
+        }
+        while i < rows.end {
+            let (w0, q, d, s, o) = args(i, j);
+            tile_q32::<1, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            i += 1;
+        }
+        j += 1;
+    }
+}
+
+/// Unpacked weight block: 32 quants as bytes (unsigned for 4-bit, signed for Q8_0), its f32 scale in all
+/// lanes, and the per-block offset term factor (Q4_1: m, Q4_0: -8d, Q8_0: unused).
+#[inline(always)]
+unsafe fn load_block<const FMT: u8>(p: *const u8) -> (__m256i, __m256, f32) {
+    match FMT {
+        Q8_0 => {
+            let d = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32));
+            (_mm256_loadu_si256(p.add(2).cast()), _mm256_broadcastss_ps(d), 0.0)
+        }
+        _ => {
+            let hdr = if FMT == Q4_1 { p.cast::<u32>().read_unaligned() } else { p.cast::<u16>().read_unaligned() as u32 };
+            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(hdr as i32));
+            let qoff = if FMT == Q4_1 { 4 } else { 2 };
+            let raw = _mm_loadu_si128(p.add(qoff).cast());
+            let m4 = _mm_set1_epi8(0x0F);
+            let lo = _mm_and_si128(raw, m4);
+            let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+            let d = _mm_cvtss_f32(dm);
+            let off = if FMT == Q4_1 { _mm_cvtss_f32(_mm_movehdup_ps(dm)) } else { -8.0 * d };
+            (_mm256_set_m128i(hi, lo), _mm256_broadcastss_ps(dm), off)
+        }
+    }
+}
+
+/// out[j][i] for RW weight rows starting at `w` (stride `rb`) and MT activation rows starting at `qx`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(
+    w: *const u8,
+    rb: usize,
+    nb: usize,
+    qx: *const i8,
+    dx: *const f32,
+    sx: *const f32,
+    cols: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let bb = match FMT {
+        Q4_0 => 18,
+        Q4_1 => 20,
+        _ => 34,
+    };
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); MT]; RW];
+    let mut acc_off = [[0f32; MT]; RW];
+    for b in 0..nb {
+        let mut wq = [_mm256_setzero_si256(); RW];
+        let mut wd = [_mm256_setzero_ps(); RW];
+        let mut wo = [0f32; RW];
+        for r in 0..RW {
+            let (q, d, o) = load_block::<FMT>(w.add(r * rb + b * bb));
+            wq[r] = q;
+            wd[r] = d;
+            wo[r] = o;
+        }
+        for t in 0..MT {
+            let xv = _mm256_loadu_si256(qx.add(t * cols + 32 * b).cast());
+            let xd = _mm256_broadcast_ss(&*dx.add(t * nb + b));
+            let xs = if FMT == Q8_0 { 0.0 } else { *sx.add(t * nb + b) };
+            for r in 0..RW {
+                let prod = if FMT == Q8_0 {
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(wq[r], wq[r]), _mm256_sign_epi8(xv, wq[r]))
+                } else {
+                    _mm256_maddubs_epi16(wq[r], xv)
+                };
+                let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+                acc[r][t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(wd[r], xd), acc[r][t]);
+                if FMT != Q8_0 {
+                    acc_off[r][t] += wo[r] * xs;
+                }
+            }
+        }
+    }
+    for r in 0..RW {
+        for t in 0..MT {
+            *out.add(t * out_stride + r) = super::hsum(acc[r][t]) + acc_off[r][t];
+        }
+    }
+}
+
+fn run_float<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
+    // SAFETY: this kernel is only selected when the CPU has AVX2+FMA+F16C; shapes were checked by matmul.
+    unsafe { run_float_impl::<FMT>(job, rows, ms) }
+}
+
+/// Loads 8 weights of any float format as f32.
+#[inline(always)]
+unsafe fn load8<const FMT: u8>(p: *const u8) -> __m256 {
+    match FMT {
+        F32 => _mm256_loadu_ps(p.cast()),
+        F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+        _ => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())), 16)),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_float_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
+    let w = job.w;
+    let (cols, total) = (w.cols(), w.rows());
+    let rb = w.row_bytes();
+    let es = if FMT == F32 { 4 } else { 2 };
+    let x = job.x.as_ptr();
+    let vec_cols = cols / 8 * 8;
+    let mut j = ms.start;
+    while j < ms.end {
+        let mt = (ms.end - j).min(4);
+        for i in rows.clone() {
+            let wr = w.bytes().as_ptr().add(i * rb);
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut k = 0;
+            while k < vec_cols {
+                let wv = load8::<FMT>(wr.add(k * es));
+                for (t, a) in acc.iter_mut().enumerate().take(mt) {
+                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.add((j + t) * cols + k)), *a);
+                }
+                k += 8;
+            }
+            for (t, a) in acc.iter().enumerate().take(mt) {
+                let mut s = super::hsum(*a);
+                for kk in vec_cols..cols {
+                    let wv = match FMT {
+                        F32 => wr.add(kk * 4).cast::<f32>().read_unaligned(),
+                        F16 => half::f16::from_bits(wr.add(kk * 2).cast::<u16>().read_unaligned()).to_f32(),
+                        _ => f32::from_bits((wr.add(kk * 2).cast::<u16>().read_unaligned() as u32) << 16),
+                    };
+                    s += wv * *x.add((j + t) * cols + kk);
+                }
+                *job.out.0.add((j + t) * total + i) = s;
+            }
+        }
+        j += mt;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::dispatch::cpu_has_avx2;
+    use crate::matmul::tests::{quantized_matrix, rand_vec, ALL};
+    use crate::matmul::{matmul_with, MatmulScratch};
+    use crate::threads::ThreadPool;
+
+    /// Every SIMD kernel against the portable one, over shapes that hit every tile and tail path.
+    #[test]
+    fn simd_matmul_matches_portable() {
+        if !cpu_has_avx2() {
+            return;
+        }
+        let pool = ThreadPool::new(2);
+        for dt in ALL {
+            for &(rows, cols, m) in &[(1, 256, 1), (13, 256, 1), (37, 512, 5), (64, 768, 16), (9, 256, 67)] {
+                let w = quantized_matrix(dt, rows, cols, 3);
+                let x = rand_vec(m * cols, 4);
+                let (mut a, mut b) = (vec![0f32; m * rows], vec![0f32; m * rows]);
+                matmul_with(&pool, &w, &x, m, &mut a, &mut MatmulScratch::default(), true);
+                matmul_with(&pool, &w, &x, m, &mut b, &mut MatmulScratch::default(), false);
+                for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+                    // Same quantized activations: only f32 summation order differs.
+                    assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()) * (cols as f32).sqrt(), "{dt:?} {rows}x{cols} m={m}: [{i}] simd {p} vs portable {q}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,67 @@
+//! KV cache transfer between a prefill worker and a decode worker.
+//!
+//! A prefill worker computes a prompt's KV, keeps its blocks pinned, and [`KvServer::register`]s them,
+//! getting a [`TransferHandle`] (worker, endpoint, transfer id, block ids, token count, layout). A decode
+//! worker allocates blocks and [`KvClient::pull`]s the handle into its [`KvSink`]; when every layer has
+//! landed the client acks and the server calls [`KvSource::release`]. Release happens exactly once per
+//! transfer: on ack, on abort (decode failure, sink error, prefill-side [`KvServer::abort`]), when the
+//! pulling control connection drops, or when nobody acked within `pin_timeout`.
+//!
+//! Transports ([`KvTransport`]): [`InProcTransport`] (direct calls, for engine tests), [`TcpTransport`]
+//! (several connections per pull, layer `l` on connection `l % streams`, one frame per layer's blocks,
+//! vectored header+payload writes, one reusable receive buffer per connection) and [`ShmTransport`]
+//! (same host: the server copies blocks into a `/dev/shm` file, only offsets travel on the socket). Both
+//! socket transports hand each layer to the sink as it arrives, so decode can start on layer 0 early.
+//! The module docs of [`transport`] describe how an RDMA/NIXL transport plugs in.
+//!
+//! # Wire format (version 1)
+//!
+//! Every frame is a 40-byte little-endian header followed by `payload_len` bytes:
+//!
+//! | offset | size | field                                                      |
+//! |-------:|-----:|------------------------------------------------------------|
+//! | 0      | 4    | magic `b"TNKV"`                                            |
+//! | 4      | 2    | version (1); a different version is a `wire_version` mismatch |
+//! | 6      | 1    | kind ([`wire::FrameKind`])                                 |
+//! | 7      | 1    | flags (bit 0: `checksum` holds the payload's CRC32)        |
+//! | 8      | 8    | transfer id                                                |
+//! | 16     | 4    | layer                                                      |
+//! | 20     | 4    | first block (index into the transfer's block list)         |
+//! | 24     | 4    | number of blocks                                           |
+//! | 28     | 4    | checksum (CRC32, optional)                                 |
+//! | 32     | 8    | payload length                                             |
+//!
+//! Control payloads are JSON (cold path); `Data` payloads are raw block bytes, `n_blocks * block_bytes`,
+//! each block being the engine's contiguous `[K|V][kv_head][slot][head_dim]` range for one layer.
+//!
+//! A connection: client `Hello(PeerInfo)` → server `HelloReply(PeerInfo)`. Both sides compare model id,
+//! dtype, block size, layer count, head counts and head dim; a difference is refused at first contact as
+//! [`KvError::Mismatch`] naming the field (never a silent recompute). Then either
+//! - `Pull{layers, control, checksum}` → `Data`* → `PullDone` (TCP data plane), or
+//! - `ShmPull` → `ShmOpen{path, total_len, n_blocks}` → `ShmLayer`* → `PullDone`, where layer `l` sits at
+//!   offset `l * n_blocks * block_bytes` of the file and each `ShmLayer` is sent once that layer is written;
+//!
+//! and on the control connection `Ack` → `AckOk` or `Abort`. An `Error(WireError)` frame may replace any
+//! server reply; the server then closes. The shared-memory file is unlinked when the control connection
+//! acks, aborts or ends.
+
+pub mod bench;
+mod error;
+pub mod mem;
+mod metrics;
+mod peer;
+mod registry;
+mod server;
+mod source;
+pub mod transport;
+pub mod wire;
+
+pub use error::KvError;
+pub use metrics::{KvMetrics, KvMetricsSnapshot, ReleaseReason};
+pub use peer::{PeerInfo, WireDtype, WireLayout};
+pub use server::{default_shm_dir, KvListener, KvServer, KvServerConfig};
+pub use source::{KvSink, KvSource, TransferHandle};
+pub use transport::inproc::InProcTransport;
+pub use transport::shm::ShmTransport;
+pub use transport::tcp::{TcpConfig, TcpTransport};
+pub use transport::{KvClient, KvTransport, PullStats};

@@ -1,0 +1,133 @@
+//! What two workers exchange when they first meet, and the compatibility check on it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::KvError;
+
+fn cmp<T: PartialEq + std::fmt::Debug>(field: &'static str, l: &T, r: &T) -> Result<(), KvError> {
+    if l == r {
+        Ok(())
+    } else {
+        Err(KvError::Mismatch { field, local: format!("{l:?}"), remote: format!("{r:?}") })
+    }
+}
+
+/// Element type of the KV cache as it travels on the wire; mirrors `tandem_model::batch::KvDtype` so this
+/// crate stays independent of the model crate's build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WireDtype {
+    /// 32-bit float (the CPU backend's cache).
+    F32,
+    /// bfloat16 (GPU backends).
+    Bf16,
+}
+
+impl WireDtype {
+    /// Bytes per element, needed to size blocks.
+    pub fn size(self) -> usize {
+        match self {
+            WireDtype::F32 => 4,
+            WireDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// The KV cache shape both ends must share for block bytes to be interchangeable.
+///
+/// Same meaning as `tandem_model::batch::KvLayout` minus `num_blocks` (pool sizes legitimately differ
+/// between workers) plus the query head count, which decides how the decode side reads the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WireLayout {
+    /// Transformer layers, each with its own K and V.
+    pub n_layers: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (GQA groups).
+    pub n_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Element type of the cache.
+    pub dtype: WireDtype,
+}
+
+impl WireLayout {
+    /// Refuses a layout whose blocks would not be interchangeable, naming the first differing field.
+    pub fn check_compatible(&self, remote: &WireLayout) -> Result<(), KvError> {
+        let (l, r) = (self, remote);
+        cmp("dtype", &l.dtype, &r.dtype)?;
+        cmp("block_size", &l.block_size, &r.block_size)?;
+        cmp("n_layers", &l.n_layers, &r.n_layers)?;
+        cmp("n_heads", &l.n_heads, &r.n_heads)?;
+        cmp("n_kv_heads", &l.n_kv_heads, &r.n_kv_heads)?;
+        cmp("head_dim", &l.head_dim, &r.head_dim)
+    }
+
+    /// Bytes of one (layer, block) pair: `[K|V][kv_head][slot][head_dim]`, the unit of transfer.
+    pub fn block_bytes(&self) -> usize {
+        2 * self.n_kv_heads * self.block_size * self.head_dim * self.dtype.size()
+    }
+}
+
+/// Handshake payload: who the worker serves and how its KV cache is laid out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerInfo {
+    /// Hash identifying model weights and config (e.g. the model crate's identity hash); KV from another
+    /// model is garbage even when shapes agree.
+    pub model_id: String,
+    /// The cache shape.
+    pub layout: WireLayout,
+}
+
+impl PeerInfo {
+    /// Refuses a peer whose KV bytes would not mean the same thing here, naming the first differing field.
+    pub fn check_compatible(&self, remote: &PeerInfo) -> Result<(), KvError> {
+        cmp("model_id", &self.model_id, &remote.model_id)?;
+        self.layout.check_compatible(&remote.layout)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// The default model's shape: 30 layers, 9 heads, 3 KV heads of 64, blocks of 16 f32 tokens.
+    pub(crate) fn smollm_info() -> PeerInfo {
+        PeerInfo {
+            model_id: "smollm2-135m-q4_1".into(),
+            layout: WireLayout { n_layers: 30, n_heads: 9, n_kv_heads: 3, head_dim: 64, block_size: 16, dtype: WireDtype::F32 },
+        }
+    }
+
+    #[test]
+    fn block_bytes_matches_default_model() {
+        assert_eq!(smollm_info().layout.block_bytes(), 24_576);
+    }
+
+    #[test]
+    fn each_field_mismatch_is_named() {
+        let base = smollm_info();
+        let cases: Vec<(&str, Box<dyn Fn(&mut PeerInfo)>)> = vec![
+            ("model_id", Box::new(|p| p.model_id = "other".into())),
+            ("dtype", Box::new(|p| p.layout.dtype = WireDtype::Bf16)),
+            ("block_size", Box::new(|p| p.layout.block_size = 32)),
+            ("n_layers", Box::new(|p| p.layout.n_layers = 31)),
+            ("n_heads", Box::new(|p| p.layout.n_heads = 12)),
+            ("n_kv_heads", Box::new(|p| p.layout.n_kv_heads = 4)),
+            ("head_dim", Box::new(|p| p.layout.head_dim = 128)),
+        ];
+        assert!(base.check_compatible(&base).is_ok());
+        for (field, mutate) in cases {
+            let mut other = base.clone();
+            mutate(&mut other);
+            match base.check_compatible(&other) {
+                Err(KvError::Mismatch { field: f, local, remote }) => {
+                    assert_eq!(f, field);
+                    assert_ne!(local, remote);
+                }
+                r => panic!("{field}: expected mismatch, got {r:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,329 @@
+//! The prefill side: pins transfers, serves pulls over TCP and shared memory, releases pins.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use memmap2::MmapOptions;
+use parking_lot::Mutex;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+
+use crate::metrics::ReleaseReason;
+use crate::registry::PinRegistry;
+use crate::wire::{self, FrameHeader, FrameKind, FrameReader, PullRequest, ShmOpen, WireError, FLAG_CHECKSUM};
+use crate::{KvError, KvMetrics, KvSource, PeerInfo, TransferHandle};
+
+/// Knobs of a [`KvServer`].
+#[derive(Clone, Debug)]
+pub struct KvServerConfig {
+    /// This worker's name, copied into every handle.
+    pub worker_id: String,
+    /// How long a pin may wait for its ack before the reaper releases it.
+    pub pin_timeout: Duration,
+    /// Bound on every socket read and write.
+    pub io_timeout: Duration,
+    /// Largest data frame payload; a layer's blocks are split into frames of at most this many bytes.
+    pub max_frame_bytes: usize,
+    /// Directory for shared-memory transfer files.
+    pub shm_dir: PathBuf,
+}
+
+impl Default for KvServerConfig {
+    fn default() -> Self {
+        KvServerConfig {
+            worker_id: "prefill-0".into(),
+            pin_timeout: Duration::from_secs(30),
+            io_timeout: Duration::from_secs(10),
+            max_frame_bytes: 64 << 20,
+            shm_dir: default_shm_dir(),
+        }
+    }
+}
+
+/// `/dev/shm` when present (memory-backed on Linux), else the temp dir, so the fast path degrades instead of failing.
+pub fn default_shm_dir() -> PathBuf {
+    let shm = PathBuf::from("/dev/shm");
+    if shm.is_dir() {
+        shm
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+pub(crate) struct ServerInner {
+    pub(crate) config: KvServerConfig,
+    pub(crate) info: PeerInfo,
+    pub(crate) registry: Arc<PinRegistry>,
+    pub(crate) metrics: Arc<KvMetrics>,
+    next_id: AtomicU64,
+    endpoint: Mutex<String>,
+}
+
+/// Serves pinned KV to decode workers; cheap to clone (shared state).
+#[derive(Clone)]
+pub struct KvServer {
+    pub(crate) inner: Arc<ServerInner>,
+}
+
+/// A running TCP listener; dropping it stops accepting and closes its connections.
+pub struct KvListener {
+    addr: SocketAddr,
+    tasks: JoinSet<()>,
+}
+
+impl KvListener {
+    /// The bound address (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting and drops every open connection (their pins are then released as disconnects).
+    pub fn shutdown(mut self) {
+        self.tasks.abort_all();
+    }
+}
+
+impl KvServer {
+    /// A server over `source`, announcing `info` in handshakes.
+    pub fn new(config: KvServerConfig, info: PeerInfo, source: Arc<dyn KvSource>) -> Self {
+        let metrics = Arc::new(KvMetrics::default());
+        // Seed ids from the clock so a restarted worker does not reuse ids a stale decode worker still holds.
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+        KvServer {
+            inner: Arc::new(ServerInner {
+                registry: Arc::new(PinRegistry::new(source, Arc::clone(&metrics))),
+                config,
+                info,
+                metrics,
+                next_id: AtomicU64::new(seed << 16),
+                endpoint: Mutex::new(String::new()),
+            }),
+        }
+    }
+
+    /// Pins `block_ids` (already pinned in the engine) for a pull and returns the handle a decode worker needs.
+    ///
+    /// The source's `release` is called exactly once later: on ack, abort, disconnect or after `pin_timeout`.
+    pub fn register(&self, block_ids: Vec<u32>, n_tokens: usize) -> Result<TransferHandle, KvError> {
+        if block_ids.is_empty() {
+            return Err(KvError::EmptyTransfer);
+        }
+        let transfer_id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        self.inner.registry.register(transfer_id, Arc::from(block_ids.as_slice()), self.inner.config.pin_timeout)?;
+        Ok(TransferHandle {
+            worker_id: self.inner.config.worker_id.clone(),
+            endpoint: self.inner.endpoint.lock().clone(),
+            transfer_id,
+            block_ids,
+            n_tokens,
+            layout: self.inner.info.layout,
+        })
+    }
+
+    /// Releases a transfer from the prefill side (request cancelled); returns whether it was still pinned.
+    pub fn abort(&self, transfer_id: u64) -> bool {
+        self.inner.registry.finish(transfer_id, ReleaseReason::Abort)
+    }
+
+    /// Releases every pin past its timeout; the TCP listener calls this periodically, in-process users may too.
+    pub fn reap_expired(&self) -> usize {
+        self.inner.registry.reap(Instant::now())
+    }
+
+    /// Transfers currently pinned.
+    pub fn pinned(&self) -> usize {
+        self.inner.registry.len()
+    }
+
+    /// This server's counters.
+    pub fn metrics(&self) -> Arc<KvMetrics> {
+        Arc::clone(&self.inner.metrics)
+    }
+
+    /// What this server announces in handshakes.
+    pub fn info(&self) -> &PeerInfo {
+        &self.inner.info
+    }
+
+    /// Binds `addr`, records it as the endpoint for new handles, and serves TCP and shared-memory pulls
+    /// until the returned listener is dropped. Also runs the pin-timeout reaper.
+    pub async fn listen(&self, addr: &str) -> Result<KvListener, KvError> {
+        let listener = TcpListener::bind(addr).await.map_err(KvError::io("binding the KV listener"))?;
+        let local = listener.local_addr().map_err(KvError::io("reading the KV listener address"))?;
+        *self.inner.endpoint.lock() = local.to_string();
+        let mut tasks = JoinSet::new();
+        let inner = Arc::clone(&self.inner);
+        tasks.spawn(accept_loop(inner, listener));
+        let server = self.clone();
+        let period = (self.inner.config.pin_timeout / 4).clamp(Duration::from_millis(5), Duration::from_secs(1));
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            loop {
+                tick.tick().await;
+                let n = server.reap_expired();
+                if n > 0 {
+                    tracing::warn!(n, "released KV pins that were never acked");
+                }
+            }
+        });
+        tracing::info!(%local, worker = %self.inner.config.worker_id, "KV server listening");
+        Ok(KvListener { addr: local, tasks })
+    }
+}
+
+async fn accept_loop(inner: Arc<ServerInner>, listener: TcpListener) {
+    let mut conns = JoinSet::new();
+    loop {
+        while conns.try_join_next().is_some() {}
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let inner = Arc::clone(&inner);
+                conns.spawn(async move {
+                    if let Err(e) = serve_conn(&inner, stream).await {
+                        inner.metrics.serve_error();
+                        tracing::warn!(%peer, error = %e, "KV connection failed");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "KV accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Per-connection state that must be cleaned up however the connection ends.
+struct ConnState {
+    /// Transfer whose ack this connection carries; released as a disconnect if the connection ends first.
+    control: Option<u64>,
+    /// The shared-memory file of the transfer in flight; unlinked on drop.
+    shm: Option<tempfile::NamedTempFile>,
+}
+
+async fn serve_conn(inner: &Arc<ServerInner>, stream: TcpStream) -> Result<(), KvError> {
+    stream.set_nodelay(true).map_err(KvError::io("setting TCP_NODELAY"))?;
+    let io = inner.config.io_timeout;
+    let mut r = FrameReader::new(stream, io);
+    let mut st = ConnState { control: None, shm: None };
+    let res = conn_loop(inner, &mut r, &mut st).await;
+    if let Err(e) = &res {
+        if !matches!(e, KvError::Io { .. } | KvError::Mismatch { .. }) {
+            // Best effort: the peer may already be gone.
+            let _ = wire::send_json(r.get_mut(), FrameKind::Error, 0, &WireError::from(e), Duration::from_millis(200)).await;
+        }
+    }
+    if let Some(t) = st.control.take() {
+        inner.registry.finish(t, ReleaseReason::Disconnect);
+    }
+    res
+}
+
+async fn conn_loop(inner: &Arc<ServerInner>, r: &mut FrameReader<TcpStream>, st: &mut ConnState) -> Result<(), KvError> {
+    let io = inner.config.io_timeout;
+    let h = r.header().await?.ok_or_else(|| KvError::Protocol("closed before the handshake".into()))?;
+    if h.kind != FrameKind::Hello {
+        return Err(KvError::Protocol(format!("expected Hello, got {:?}", h.kind)));
+    }
+    let remote: PeerInfo = r.json(&h).await?;
+    // Reply with our info even on mismatch so the client can name the differing field itself.
+    wire::send_json(r.get_mut(), FrameKind::HelloReply, 0, &inner.info, io).await?;
+    inner.info.check_compatible(&remote)?;
+
+    let mut buf: Vec<u8> = Vec::new();
+    while let Some(h) = r.header().await? {
+        let tid = h.transfer_id;
+        match h.kind {
+            FrameKind::Pull => {
+                let req: PullRequest = r.json(&h).await?;
+                let guard = inner.registry.begin_read(tid)?;
+                if req.control {
+                    st.control = Some(tid);
+                }
+                send_layers(inner, r.get_mut(), tid, &req, &guard.blocks, &mut buf).await?;
+                drop(guard);
+                wire::send(r.get_mut(), FrameHeader::control(FrameKind::PullDone, tid, 0), &[], io).await?;
+            }
+            FrameKind::ShmPull => {
+                let guard = inner.registry.begin_read(tid)?;
+                st.control = Some(tid);
+                st.shm = Some(send_shm(inner, r.get_mut(), tid, &guard.blocks).await?);
+                drop(guard);
+                wire::send(r.get_mut(), FrameHeader::control(FrameKind::PullDone, tid, 0), &[], io).await?;
+            }
+            FrameKind::Ack => {
+                st.shm = None;
+                st.control = None;
+                if !inner.registry.finish(tid, ReleaseReason::Ack) {
+                    // Already released (e.g. timed out after the last byte was read under the pin): the data is still valid.
+                    tracing::debug!(transfer_id = tid, "ack for a transfer that was already released");
+                }
+                wire::send(r.get_mut(), FrameHeader::control(FrameKind::AckOk, tid, 0), &[], io).await?;
+            }
+            FrameKind::Abort => {
+                st.shm = None;
+                st.control = None;
+                inner.registry.finish(tid, ReleaseReason::Abort);
+            }
+            k => return Err(KvError::Protocol(format!("unexpected {k:?} from a client"))),
+        }
+    }
+    Ok(())
+}
+
+async fn send_layers(inner: &ServerInner, w: &mut TcpStream, tid: u64, req: &PullRequest, blocks: &[u32], buf: &mut Vec<u8>) -> Result<(), KvError> {
+    let bb = inner.info.layout.block_bytes();
+    let per_frame = (inner.config.max_frame_bytes / bb).max(1);
+    for &layer in &req.layers {
+        if layer as usize >= inner.info.layout.n_layers {
+            return Err(KvError::Protocol(format!("layer {layer} out of range")));
+        }
+        for (i, chunk) in blocks.chunks(per_frame).enumerate() {
+            let len = chunk.len() * bb;
+            if buf.len() < len {
+                buf.resize(len, 0);
+            }
+            let payload = &mut buf[..len];
+            inner.registry.source().copy_blocks(tid, layer as usize, chunk, payload)?;
+            let mut h = FrameHeader::control(FrameKind::Data, tid, len);
+            h.layer = layer;
+            h.first_block = (i * per_frame) as u32;
+            h.n_blocks = chunk.len() as u32;
+            if req.checksum {
+                h.flags |= FLAG_CHECKSUM;
+                h.checksum = crc32fast::hash(payload);
+            }
+            wire::send(w, h, payload, inner.config.io_timeout).await?;
+            inner.metrics.add_sent(len as u64);
+        }
+    }
+    Ok(())
+}
+
+async fn send_shm(inner: &ServerInner, w: &mut TcpStream, tid: u64, blocks: &[u32]) -> Result<tempfile::NamedTempFile, KvError> {
+    let layout = inner.info.layout;
+    let layer_bytes = blocks.len() * layout.block_bytes();
+    let total = layout.n_layers * layer_bytes;
+    let file = tempfile::Builder::new()
+        .prefix(crate::transport::shm::FILE_PREFIX)
+        .tempfile_in(&inner.config.shm_dir)
+        .map_err(KvError::io("creating the shared-memory file"))?;
+    file.as_file().set_len(total as u64).map_err(KvError::io("sizing the shared-memory file"))?;
+    // SAFETY: the file was just created by us with a random name; nothing else writes it while mapped.
+    let mut map = unsafe { MmapOptions::new().len(total).populate().map_mut(file.as_file()) }.map_err(KvError::io("mapping the shared-memory file"))?;
+    let open = ShmOpen { path: file.path().to_string_lossy().into_owned(), total_len: total as u64, n_blocks: blocks.len() as u32 };
+    wire::send_json(w, FrameKind::ShmOpen, tid, &open, inner.config.io_timeout).await?;
+    for layer in 0..layout.n_layers {
+        let region = &mut map[layer * layer_bytes..(layer + 1) * layer_bytes];
+        inner.registry.source().copy_blocks(tid, layer, blocks, region)?;
+        let mut h = FrameHeader::control(FrameKind::ShmLayer, tid, 0);
+        h.layer = layer as u32;
+        h.n_blocks = blocks.len() as u32;
+        wire::send(w, h, &[], inner.config.io_timeout).await?;
+        inner.metrics.add_sent(layer_bytes as u64);
+    }
+    Ok(file)
+}

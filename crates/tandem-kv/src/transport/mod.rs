@@ -1,0 +1,98 @@
+//! Client-side transports behind one trait, and the [`KvClient`] that meters them.
+//!
+//! Adding a transport (RDMA / NIXL, GPU-direct): implement [`KvTransport::pull`] so that it (1) handshakes
+//! with [`PeerInfo::check_compatible`], (2) delivers every `(layer, block range)` to the sink, calling
+//! `layer_complete` per layer and `complete` once, then (3) acks so the server releases the pin, or aborts on
+//! failure. On the serving side the registry's pin/read-guard/finish protocol is reused unchanged: an RDMA
+//! server would register the engine's KV buffers as memory regions once, send `(rkey, offset, len)` per
+//! layer instead of `ShmLayer` offsets, and let the client issue one-sided reads straight into its own
+//! registered cache (the sink then becomes a no-op copy). Only the data plane differs; the handshake,
+//! handle and release rules stay as they are.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::{KvError, KvMetrics, KvSink, PeerInfo, TransferHandle};
+
+pub mod inproc;
+pub mod shm;
+pub mod tcp;
+
+/// The boxed future a transport returns: dyn-compatible so a client can pick its transport at runtime.
+pub type PullFuture<'a> = Pin<Box<dyn Future<Output = Result<u64, KvError>> + Send + 'a>>;
+
+/// A way to move a pinned transfer from a prefill worker into a decode worker's sink.
+pub trait KvTransport: Send + Sync {
+    /// Short name for logs and benchmarks.
+    fn name(&self) -> &'static str;
+
+    /// The decode worker's identity and layout, sent in the handshake.
+    fn local(&self) -> &PeerInfo;
+
+    /// Moves every layer of `handle` into `sink`, acking on success and aborting on failure; returns payload bytes.
+    fn pull<'a>(&'a self, handle: &'a TransferHandle, sink: Arc<dyn KvSink>) -> PullFuture<'a>;
+}
+
+/// The result of a successful pull.
+#[derive(Clone, Copy, Debug)]
+pub struct PullStats {
+    /// Payload bytes moved.
+    pub bytes: u64,
+    /// Wall time from first connect to ack.
+    pub elapsed: Duration,
+}
+
+impl PullStats {
+    /// Throughput in GB/s (10^9 bytes), the unit the benchmark target is stated in.
+    pub fn gb_per_s(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-12) / 1e9
+    }
+}
+
+/// The decode worker's entry point: pulls handles through one transport and keeps metrics.
+#[derive(Clone)]
+pub struct KvClient {
+    transport: Arc<dyn KvTransport>,
+    metrics: Arc<KvMetrics>,
+}
+
+impl KvClient {
+    /// A client over `transport`.
+    pub fn new(transport: Arc<dyn KvTransport>) -> Self {
+        KvClient { transport, metrics: Arc::new(KvMetrics::default()) }
+    }
+
+    /// Pulls `handle` into `sink`. A layout mismatch against the handle is refused before any connection.
+    pub async fn pull(&self, handle: &TransferHandle, sink: Arc<dyn KvSink>) -> Result<PullStats, KvError> {
+        let start = Instant::now();
+        let res = async {
+            self.transport.local().layout.check_compatible(&handle.layout)?;
+            self.transport.pull(handle, sink).await
+        }
+        .await;
+        let elapsed = start.elapsed();
+        match res {
+            Ok(bytes) => {
+                self.metrics.add_received(bytes);
+                self.metrics.pull_done(true, elapsed.as_nanos() as u64);
+                tracing::debug!(transfer_id = handle.transfer_id, bytes, ?elapsed, transport = self.transport.name(), "KV pull done");
+                Ok(PullStats { bytes, elapsed })
+            }
+            Err(e) => {
+                self.metrics.pull_done(false, 0);
+                tracing::warn!(transfer_id = handle.transfer_id, error = %e, transport = self.transport.name(), "KV pull failed");
+                Err(e)
+            }
+        }
+    }
+
+    /// This client's counters.
+    pub fn metrics(&self) -> Arc<KvMetrics> {
+        Arc::clone(&self.metrics)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,352 @@
+//! Frame encoding shared by the socket transports (format documented in the crate docs).
+
+use std::io::IoSlice;
+use std::time::Duration;
+
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::error::timed;
+use crate::{KvError, PeerInfo};
+
+/// `b"TNKV"` read as a little-endian u32: lets a reader reject a stray connection on the first 4 bytes.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"TNKV");
+/// Wire format version; bumped on any incompatible change and refused on mismatch.
+pub const VERSION: u16 = 1;
+/// Size of the fixed frame header in bytes.
+pub const HEADER_LEN: usize = 40;
+/// Upper bound on a JSON control payload, so a corrupt length cannot make a reader allocate gigabytes.
+pub const MAX_CONTROL_LEN: u64 = 1 << 20;
+/// Header flag: the `checksum` field holds the CRC32 of the payload.
+pub const FLAG_CHECKSUM: u8 = 1;
+
+/// What a frame carries; the discriminant is the byte at header offset 6.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// Client → server: JSON [`PeerInfo`], first frame on every connection.
+    Hello = 1,
+    /// Server → client: the server's JSON [`PeerInfo`]; the client checks it too.
+    HelloReply = 2,
+    /// Client → server: JSON [`PullRequest`] for the header's transfer id.
+    Pull = 3,
+    /// Server → client: raw bytes of `n_blocks` consecutive blocks of one layer.
+    Data = 4,
+    /// Server → client: every layer requested on this connection has been sent.
+    PullDone = 5,
+    /// Client → server: all KV landed; release the pin.
+    Ack = 6,
+    /// Server → client: the pin is released.
+    AckOk = 7,
+    /// Client → server: the pull failed; release the pin now.
+    Abort = 8,
+    /// Either way: JSON [`WireError`], then the sender closes.
+    Error = 9,
+    /// Client → server: send this transfer through a shared-memory file.
+    ShmPull = 10,
+    /// Server → client: JSON [`ShmOpen`] naming the file.
+    ShmOpen = 11,
+    /// Server → client: one layer is complete in the file (no payload).
+    ShmLayer = 12,
+}
+
+impl FrameKind {
+    fn from_u8(v: u8) -> Result<Self, KvError> {
+        use FrameKind::*;
+        Ok(match v {
+            1 => Hello,
+            2 => HelloReply,
+            3 => Pull,
+            4 => Data,
+            5 => PullDone,
+            6 => Ack,
+            7 => AckOk,
+            8 => Abort,
+            9 => Error,
+            10 => ShmPull,
+            11 => ShmOpen,
+            12 => ShmLayer,
+            _ => return Err(KvError::Protocol(format!("unknown frame kind {v}"))),
+        })
+    }
+}
+
+/// The fixed 40-byte header in front of every frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// What the frame carries.
+    pub kind: FrameKind,
+    /// Bit set of `FLAG_*`.
+    pub flags: u8,
+    /// The transfer the frame belongs to (0 for handshake frames).
+    pub transfer_id: u64,
+    /// Layer of a `Data` / `ShmLayer` frame.
+    pub layer: u32,
+    /// Index (into the transfer's block list) of the first block carried.
+    pub first_block: u32,
+    /// Number of consecutive blocks carried.
+    pub n_blocks: u32,
+    /// CRC32 of the payload when `FLAG_CHECKSUM` is set.
+    pub checksum: u32,
+    /// Bytes following the header.
+    pub payload_len: u64,
+}
+
+impl FrameHeader {
+    /// A header with only kind, transfer and payload length set: the shape of every control frame.
+    pub fn control(kind: FrameKind, transfer_id: u64, payload_len: usize) -> Self {
+        FrameHeader { kind, flags: 0, transfer_id, layer: 0, first_block: 0, n_blocks: 0, checksum: 0, payload_len: payload_len as u64 }
+    }
+
+    /// Serializes to the little-endian wire layout.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6] = self.kind as u8;
+        b[7] = self.flags;
+        b[8..16].copy_from_slice(&self.transfer_id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.layer.to_le_bytes());
+        b[20..24].copy_from_slice(&self.first_block.to_le_bytes());
+        b[24..28].copy_from_slice(&self.n_blocks.to_le_bytes());
+        b[28..32].copy_from_slice(&self.checksum.to_le_bytes());
+        b[32..40].copy_from_slice(&self.payload_len.to_le_bytes());
+        b
+    }
+
+    /// Parses and validates magic and version.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, KvError> {
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
+        let magic = u32_at(0);
+        if magic != MAGIC {
+            return Err(KvError::Protocol(format!("bad magic {magic:#010x}")));
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        if version != VERSION {
+            return Err(KvError::Mismatch { field: "wire_version", local: VERSION.to_string(), remote: version.to_string() });
+        }
+        Ok(FrameHeader {
+            kind: FrameKind::from_u8(b[6])?,
+            flags: b[7],
+            transfer_id: u64_at(8),
+            layer: u32_at(16),
+            first_block: u32_at(20),
+            n_blocks: u32_at(24),
+            checksum: u32_at(28),
+            payload_len: u64_at(32),
+        })
+    }
+}
+
+/// Body of a `Pull` frame: which layers this connection should carry.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PullRequest {
+    /// Layers to send on this connection, in order.
+    pub layers: Vec<u32>,
+    /// Whether this connection will carry the `Ack`/`Abort`; its loss before an ack releases the pin.
+    pub control: bool,
+    /// Ask the server to CRC32 each data payload.
+    pub checksum: bool,
+}
+
+/// Body of a `ShmOpen` frame.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ShmOpen {
+    /// Absolute path of the shared-memory file.
+    pub path: String,
+    /// File length: `n_layers * n_blocks * block_bytes`; layer `l` starts at `l * n_blocks * block_bytes`.
+    pub total_len: u64,
+    /// Blocks in the transfer.
+    pub n_blocks: u32,
+}
+
+/// Body of an `Error` frame, structured so a handshake mismatch or unknown transfer stays typed across the wire.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct WireError {
+    /// Human-readable description.
+    pub message: String,
+    /// Set when the error is an unknown/released transfer.
+    pub unknown_transfer: Option<u64>,
+}
+
+impl From<&KvError> for WireError {
+    fn from(e: &KvError) -> Self {
+        let unknown_transfer = match e {
+            KvError::UnknownTransfer(t) => Some(*t),
+            _ => None,
+        };
+        WireError { message: e.to_string(), unknown_transfer }
+    }
+}
+
+impl From<WireError> for KvError {
+    fn from(w: WireError) -> Self {
+        match w.unknown_transfer {
+            Some(t) => KvError::UnknownTransfer(t),
+            None => KvError::Remote(w.message),
+        }
+    }
+}
+
+/// Writes header and payload with vectored writes, so a multi-megabyte payload is never copied
+/// next to its header.
+pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, header: &FrameHeader, payload: &[u8]) -> std::io::Result<()> {
+    let hdr = header.encode();
+    let (mut h, mut p): (&[u8], &[u8]) = (&hdr, payload);
+    while !h.is_empty() {
+        let n = w.write_vectored(&[IoSlice::new(h), IoSlice::new(p)]).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        let from_h = n.min(h.len());
+        h = &h[from_h..];
+        p = &p[n - from_h..];
+    }
+    w.write_all(p).await
+}
+
+/// Writes a control frame with a JSON body, bounded by `io`.
+pub async fn send_json<W: AsyncWrite + Unpin, T: Serialize>(w: &mut W, kind: FrameKind, transfer_id: u64, body: &T, io: Duration) -> Result<(), KvError> {
+    let bytes = serde_json::to_vec(body).map_err(|e| KvError::Protocol(format!("encode {kind:?}: {e}")))?;
+    send(w, FrameHeader::control(kind, transfer_id, bytes.len()), &bytes, io).await
+}
+
+/// Writes one frame, bounded by `io`.
+pub async fn send<W: AsyncWrite + Unpin>(w: &mut W, header: FrameHeader, payload: &[u8], io: Duration) -> Result<(), KvError> {
+    timed(io, "writing a frame", async { write_frame(w, &header, payload).await.map_err(KvError::io("writing a frame")) }).await
+}
+
+/// Reads frames into a reusable, grow-only buffer, so a pull allocates once per connection rather than per block.
+pub struct FrameReader<R> {
+    inner: R,
+    buf: Vec<u8>,
+    io: Duration,
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> FrameReader<R> {
+    /// Wraps a stream; every read waits at most `io`.
+    pub fn new(inner: R, io: Duration) -> Self {
+        FrameReader { inner, buf: Vec::new(), io }
+    }
+
+    /// The stream, for writing replies on the same connection.
+    pub fn get_mut(&mut self) -> &mut R {
+        &mut self.inner
+    }
+
+    /// Reads the next header; `Ok(None)` on a clean end of stream between frames.
+    pub async fn header(&mut self) -> Result<Option<FrameHeader>, KvError> {
+        let mut b = [0u8; HEADER_LEN];
+        let inner = &mut self.inner;
+        let n = timed(self.io, "waiting for a frame", async {
+            let first = inner.read(&mut b).await.map_err(KvError::io("reading a frame header"))?;
+            if first == 0 {
+                return Ok(0);
+            }
+            inner.read_exact(&mut b[first..]).await.map_err(KvError::io("reading a frame header"))?;
+            Ok(HEADER_LEN)
+        })
+        .await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        FrameHeader::decode(&b).map(Some)
+    }
+
+    /// Reads the header's payload into the reusable buffer, checking its CRC when flagged.
+    pub async fn payload(&mut self, h: &FrameHeader) -> Result<&[u8], KvError> {
+        let len = usize::try_from(h.payload_len).map_err(|_| KvError::Protocol("payload too large".into()))?;
+        if self.buf.len() < len {
+            self.buf.resize(len, 0);
+        }
+        let (inner, buf) = (&mut self.inner, &mut self.buf[..len]);
+        timed(self.io, "reading a frame payload", async { inner.read_exact(buf).await.map_err(KvError::io("reading a frame payload")).map(|_| ()) }).await?;
+        let buf = &self.buf[..len];
+        if h.flags & FLAG_CHECKSUM != 0 && crc32fast::hash(buf) != h.checksum {
+            return Err(KvError::Checksum { transfer_id: h.transfer_id, layer: h.layer });
+        }
+        Ok(buf)
+    }
+
+    /// Reads a JSON control payload of at most [`MAX_CONTROL_LEN`] bytes.
+    pub async fn json<T: DeserializeOwned>(&mut self, h: &FrameHeader) -> Result<T, KvError> {
+        if h.payload_len > MAX_CONTROL_LEN {
+            return Err(KvError::Protocol(format!("{:?} frame of {} bytes exceeds the control limit", h.kind, h.payload_len)));
+        }
+        let kind = h.kind;
+        let bytes = self.payload(h).await?;
+        serde_json::from_slice(bytes).map_err(|e| KvError::Protocol(format!("decode {kind:?}: {e}")))
+    }
+
+    /// Reads the next frame header, failing on end of stream and turning an `Error` frame into its error.
+    pub async fn expect_frame(&mut self) -> Result<FrameHeader, KvError> {
+        let h = self.header().await?.ok_or_else(|| KvError::Protocol("peer closed the connection".into()))?;
+        if h.kind == FrameKind::Error {
+            let w: WireError = self.json(&h).await?;
+            return Err(w.into());
+        }
+        Ok(h)
+    }
+}
+
+/// Client half of the handshake: sends our info, reads the server's, and checks it field by field.
+pub async fn client_handshake<S>(r: &mut FrameReader<S>, local: &PeerInfo, io: Duration) -> Result<(), KvError>
+where
+    S: tokio::io::AsyncRead + AsyncWrite + Unpin,
+{
+    send_json(r.get_mut(), FrameKind::Hello, 0, local, io).await?;
+    let h = r.expect_frame().await?;
+    if h.kind != FrameKind::HelloReply {
+        return Err(KvError::Protocol(format!("expected HelloReply, got {:?}", h.kind)));
+    }
+    let remote: PeerInfo = r.json(&h).await?;
+    local.check_compatible(&remote)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn header_round_trips(kind in 1u8..=12, flags: u8, transfer_id: u64, layer: u32, first_block: u32, n_blocks: u32, checksum: u32, payload_len: u64) {
+            let h = FrameHeader { kind: FrameKind::from_u8(kind).unwrap(), flags, transfer_id, layer, first_block, n_blocks, checksum, payload_len };
+            prop_assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
+        }
+    }
+
+    #[test]
+    fn bad_magic_and_version_are_refused() {
+        let mut b = FrameHeader::control(FrameKind::Ack, 7, 0).encode();
+        b[4] = 9;
+        assert!(matches!(FrameHeader::decode(&b), Err(KvError::Mismatch { field: "wire_version", .. })));
+        b[0] = 0;
+        assert!(matches!(FrameHeader::decode(&b), Err(KvError::Protocol(_))));
+    }
+
+    #[tokio::test]
+    async fn vectored_write_then_read_with_checksum() {
+        let (mut a, b) = tokio::io::duplex(64);
+        let payload: Vec<u8> = (0..10_000u32).map(|i| (i * 31) as u8).collect();
+        let mut h = FrameHeader::control(FrameKind::Data, 3, payload.len());
+        h.flags = FLAG_CHECKSUM;
+        h.checksum = crc32fast::hash(&payload);
+        let p2 = payload.clone();
+        let w = tokio::spawn(async move { write_frame(&mut a, &h, &p2).await });
+        let mut r = FrameReader::new(b, Duration::from_secs(5));
+        let got = r.header().await.unwrap().unwrap();
+        assert_eq!(got, h);
+        assert_eq!(r.payload(&got).await.unwrap(), &payload[..]);
+        w.await.unwrap().unwrap();
+        let mut bad = h;
+        bad.checksum ^= 1;
+        let (mut a, b) = tokio::io::duplex(64);
+        let w = tokio::spawn(async move { write_frame(&mut a, &bad, &payload).await });
+        let mut r = FrameReader::new(b, Duration::from_secs(5));
+        let got = r.header().await.unwrap().unwrap();
+        assert!(matches!(r.payload(&got).await, Err(KvError::Checksum { transfer_id: 3, .. })));
+        w.await.unwrap().unwrap();
+    }
+}

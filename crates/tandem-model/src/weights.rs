@@ -1,0 +1,483 @@
+//! The weights of a Llama-family model, loaded zero-copy from GGUF or from (sharded) safetensors.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use memmap2::Mmap;
+use safetensors::{Dtype as StDtype, SafeTensors};
+use tandem_kernels::{dequantize, DType, Matrix, WeightBytes};
+
+use crate::config::ModelConfig;
+use crate::error::ModelError;
+use crate::gguf::GgufFile;
+
+/// Weights of one transformer block.
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    /// RMSNorm weight before attention.
+    pub attn_norm: Vec<f32>,
+    /// Query projection (q_dim × hidden).
+    pub wq: Matrix,
+    /// Key projection (kv_dim × hidden).
+    pub wk: Matrix,
+    /// Value projection (kv_dim × hidden).
+    pub wv: Matrix,
+    /// Attention output projection (hidden × q_dim).
+    pub wo: Matrix,
+    /// Query bias (Qwen2).
+    pub bq: Option<Vec<f32>>,
+    /// Key bias (Qwen2).
+    pub bk: Option<Vec<f32>>,
+    /// Value bias (Qwen2).
+    pub bv: Option<Vec<f32>>,
+    /// RMSNorm weight before the MLP.
+    pub ffn_norm: Vec<f32>,
+    /// MLP gate projection (ffn × hidden).
+    pub w_gate: Matrix,
+    /// MLP up projection (ffn × hidden).
+    pub w_up: Matrix,
+    /// MLP down projection (hidden × ffn).
+    pub w_down: Matrix,
+}
+
+/// All weights of a Llama-family model in the layout the CPU forward pass consumes.
+#[derive(Clone, Debug)]
+pub struct LlamaWeights {
+    /// Token embedding (vocab × hidden); also the output head when tied.
+    pub embed: Matrix,
+    /// The transformer blocks.
+    pub layers: Vec<LayerWeights>,
+    /// Final RMSNorm weight.
+    pub norm: Vec<f32>,
+    /// Output head (vocab × hidden); `None` when tied to `embed`.
+    pub lm_head: Option<Matrix>,
+}
+
+impl LlamaWeights {
+    /// The matrix that maps the final hidden state to logits.
+    pub fn output_head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+}
+
+/// Name, dtype and shape of one stored tensor: what the model identity hashes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorDesc {
+    /// The tensor's name in the file.
+    pub name: String,
+    /// Its dtype as the file names it.
+    pub dtype: String,
+    /// Its shape as the file stores it.
+    pub shape: Vec<usize>,
+    /// The first bytes of its data, so that two fine-tunes of one architecture differ.
+    pub head: Vec<u8>,
+}
+
+/// How many leading bytes of each tensor go into the identity.
+const IDENTITY_SAMPLE: usize = 64;
+
+fn progress_bar(enabled: bool, len: usize, what: &str) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(len as u64);
+    if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tensors") {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb.set_message(what.to_string());
+    pb
+}
+
+/// Source-independent access to named tensors, so the per-layer assembly is written once.
+trait TensorSource {
+    /// A 2-D weight with `rows` output features of `cols` inputs, validated against the expected shape.
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError>;
+    /// A 1-D f32 vector (norm weight or bias) of length `len`.
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError>;
+    /// Whether a tensor exists.
+    fn has(&self, name: &str) -> bool;
+}
+
+/// HF and GGUF spellings of the tensors of one model.
+struct Names {
+    embed: &'static str,
+    norm: &'static str,
+    head: &'static str,
+    layer: fn(usize, &str) -> String,
+}
+
+const GGUF_NAMES: Names = Names {
+    embed: "token_embd.weight",
+    norm: "output_norm.weight",
+    head: "output.weight",
+    layer: |l, part| {
+        let p = match part {
+            "attn_norm" => "attn_norm.weight",
+            "q" => "attn_q.weight",
+            "k" => "attn_k.weight",
+            "v" => "attn_v.weight",
+            "o" => "attn_output.weight",
+            "bq" => "attn_q.bias",
+            "bk" => "attn_k.bias",
+            "bv" => "attn_v.bias",
+            "ffn_norm" => "ffn_norm.weight",
+            "gate" => "ffn_gate.weight",
+            "up" => "ffn_up.weight",
+            "down" => "ffn_down.weight",
+            _ => unreachable!("unknown layer tensor {part}"),
+        };
+        format!("blk.{l}.{p}")
+    },
+};
+
+const HF_NAMES: Names = Names {
+    embed: "model.embed_tokens.weight",
+    norm: "model.norm.weight",
+    head: "lm_head.weight",
+    layer: |l, part| {
+        let p = match part {
+            "attn_norm" => "input_layernorm.weight",
+            "q" => "self_attn.q_proj.weight",
+            "k" => "self_attn.k_proj.weight",
+            "v" => "self_attn.v_proj.weight",
+            "o" => "self_attn.o_proj.weight",
+            "bq" => "self_attn.q_proj.bias",
+            "bk" => "self_attn.k_proj.bias",
+            "bv" => "self_attn.v_proj.bias",
+            "ffn_norm" => "post_attention_layernorm.weight",
+            "gate" => "mlp.gate_proj.weight",
+            "up" => "mlp.up_proj.weight",
+            "down" => "mlp.down_proj.weight",
+            _ => unreachable!("unknown layer tensor {part}"),
+        };
+        format!("model.layers.{l}.{p}")
+    },
+};
+
+fn assemble(src: &dyn TensorSource, names: &Names, c: &ModelConfig, pb: &ProgressBar) -> Result<LlamaWeights, ModelError> {
+    let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+    let embed = src.matrix(names.embed, c.vocab_size, h)?;
+    pb.inc(1);
+    let mut layers = Vec::with_capacity(c.num_layers);
+    for l in 0..c.num_layers {
+        let n = |p: &str| (names.layer)(l, p);
+        let bias = |p: &str, len: usize| -> Result<Option<Vec<f32>>, ModelError> {
+            if c.attention_bias {
+                src.vector(&n(p), len).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let layer = LayerWeights {
+            attn_norm: src.vector(&n("attn_norm"), h)?,
+            wq: src.matrix(&n("q"), q, h)?,
+            wk: src.matrix(&n("k"), kv, h)?,
+            wv: src.matrix(&n("v"), kv, h)?,
+            wo: src.matrix(&n("o"), h, q)?,
+            bq: bias("bq", q)?,
+            bk: bias("bk", kv)?,
+            bv: bias("bv", kv)?,
+            ffn_norm: src.vector(&n("ffn_norm"), h)?,
+            w_gate: src.matrix(&n("gate"), f, h)?,
+            w_up: src.matrix(&n("up"), f, h)?,
+            w_down: src.matrix(&n("down"), h, f)?,
+        };
+        pb.inc(if c.attention_bias { 12 } else { 9 });
+        layers.push(layer);
+    }
+    let norm = src.vector(names.norm, h)?;
+    pb.inc(1);
+    let lm_head = if c.tie_word_embeddings && !src.has(names.head) {
+        None
+    } else {
+        let m = src.matrix(names.head, c.vocab_size, h)?;
+        pb.inc(1);
+        Some(m)
+    };
+    Ok(LlamaWeights { embed, layers, norm, lm_head })
+}
+
+impl TensorSource for GgufFile {
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
+        let t = self.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        // ggml shapes are innermost first: [cols, rows].
+        let actual: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+        if actual != [cols, rows] {
+            return Err(ModelError::Shape { tensor: name.to_string(), expected: vec![cols, rows], actual });
+        }
+        Ok(Matrix::new(t.dtype, rows, cols, self.tensor_bytes(t))?)
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+        let t = self.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let actual: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+        if actual != [len] {
+            return Err(ModelError::Shape { tensor: name.to_string(), expected: vec![len], actual });
+        }
+        let mut out = vec![0.0; len];
+        dequantize(t.dtype, self.tensor_bytes(t).as_slice(), &mut out);
+        Ok(out)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensor(name).is_some()
+    }
+}
+
+/// Loads the weights of a GGUF file (zero-copy for matrices; norms and biases decoded to f32).
+pub fn load_gguf_weights(gguf: &GgufFile, config: &ModelConfig, progress: bool) -> Result<LlamaWeights, ModelError> {
+    let pb = progress_bar(progress, gguf.tensor_names().len(), "loading GGUF weights");
+    let w = assemble(gguf, &GGUF_NAMES, config, &pb);
+    pb.finish_and_clear();
+    w
+}
+
+/// The (name, dtype, shape, head bytes) list of a GGUF file, in file order.
+pub fn gguf_tensor_descs(gguf: &GgufFile) -> Vec<TensorDesc> {
+    gguf.tensor_names()
+        .iter()
+        .filter_map(|n| gguf.tensor(n).map(|t| (n, t)))
+        .map(|(name, t)| {
+            let bytes = gguf.tensor_bytes(t);
+            let s = bytes.as_slice();
+            TensorDesc {
+                name: name.clone(),
+                dtype: format!("{:?}", t.dtype),
+                shape: t.shape.iter().map(|&d| d as usize).collect(),
+                head: s[..s.len().min(IDENTITY_SAMPLE)].to_vec(),
+            }
+        })
+        .collect()
+}
+
+/// One tensor of a safetensors shard: where its bytes are and what they are.
+struct StTensor {
+    shard: usize,
+    dtype: StDtype,
+    shape: Vec<usize>,
+    range: std::ops::Range<usize>,
+}
+
+/// The tensors of a (possibly sharded) safetensors checkpoint, each shard memory-mapped.
+pub struct SafetensorsSet {
+    shards: Vec<(PathBuf, Arc<Mmap>)>,
+    tensors: HashMap<String, StTensor>,
+}
+
+impl SafetensorsSet {
+    /// Opens `model.safetensors`, or every shard listed by `model.safetensors.index.json`, in `dir`.
+    pub fn open(dir: &Path) -> Result<SafetensorsSet, ModelError> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if single.exists() {
+            vec![single]
+        } else if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Safetensors { path: index.clone(), message: e.to_string() })?;
+            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Safetensors {
+                path: index.clone(),
+                message: "no weight_map object".into(),
+            })?;
+            let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
+            names.sort_unstable();
+            names.dedup();
+            names.into_iter().map(|n| dir.join(n)).collect()
+        } else {
+            return Err(ModelError::MissingTensor(format!(
+                "no model.safetensors or model.safetensors.index.json in {}",
+                dir.display()
+            )));
+        };
+        let mut shards = Vec::with_capacity(files.len());
+        let mut tensors = HashMap::new();
+        for (i, path) in files.into_iter().enumerate() {
+            let file = std::fs::File::open(&path).map_err(|e| ModelError::io(&path, e))?;
+            // SAFETY: read-only map; the checkpoint must not change while loaded.
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(&path, e))?;
+            let st_err = |e: safetensors::SafeTensorError| ModelError::Safetensors { path: path.clone(), message: e.to_string() };
+            // deserialize() validates the header against the buffer (offsets inside the file, sizes consistent).
+            SafeTensors::deserialize(&map).map_err(st_err)?;
+            let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(st_err)?;
+            let base = 8 + header_len;
+            for (name, info) in meta.tensors() {
+                let (s, e) = info.data_offsets;
+                tensors.insert(name, StTensor { shard: i, dtype: info.dtype, shape: info.shape.clone(), range: base + s..base + e });
+            }
+            shards.push((path, Arc::new(map)));
+        }
+        Ok(SafetensorsSet { shards, tensors })
+    }
+
+    fn bytes(&self, t: &StTensor) -> &[u8] {
+        &self.shards[t.shard].1[t.range.clone()]
+    }
+
+    /// The (name, dtype, shape, head bytes) list, sorted by name (shard order is not meaningful).
+    pub fn tensor_descs(&self) -> Vec<TensorDesc> {
+        let mut v: Vec<TensorDesc> = self
+            .tensors
+            .iter()
+            .map(|(name, t)| {
+                let s = self.bytes(t);
+                TensorDesc {
+                    name: name.clone(),
+                    dtype: t.dtype.to_string(),
+                    shape: t.shape.clone(),
+                    head: s[..s.len().min(IDENTITY_SAMPLE)].to_vec(),
+                }
+            })
+            .collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    fn get(&self, name: &str) -> Result<&StTensor, ModelError> {
+        self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+    }
+}
+
+impl TensorSource for SafetensorsSet {
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
+        let t = self.get(name)?;
+        if t.shape != [rows, cols] {
+            return Err(ModelError::Shape { tensor: name.to_string(), expected: vec![rows, cols], actual: t.shape.clone() });
+        }
+        let dtype = match t.dtype {
+            StDtype::F32 => DType::F32,
+            StDtype::F16 => DType::F16,
+            StDtype::BF16 => DType::BF16,
+            other => return Err(ModelError::UnsupportedDtype { tensor: name.to_string(), dtype: other.to_string() }),
+        };
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.shards[t.shard].1.clone();
+        Ok(Matrix::new(dtype, rows, cols, WeightBytes::Shared { owner, range: t.range.clone() })?)
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+        let t = self.get(name)?;
+        if t.shape != [len] {
+            return Err(ModelError::Shape { tensor: name.to_string(), expected: vec![len], actual: t.shape.clone() });
+        }
+        let dtype = match t.dtype {
+            StDtype::F32 => DType::F32,
+            StDtype::F16 => DType::F16,
+            StDtype::BF16 => DType::BF16,
+            other => return Err(ModelError::UnsupportedDtype { tensor: name.to_string(), dtype: other.to_string() }),
+        };
+        let mut out = vec![0.0; len];
+        dequantize(dtype, self.bytes(t), &mut out);
+        Ok(out)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
+
+/// Loads the weights of an HF safetensors checkpoint (f16/bf16/f32 matrices kept as stored).
+pub fn load_safetensors_weights(set: &SafetensorsSet, config: &ModelConfig, progress: bool) -> Result<LlamaWeights, ModelError> {
+    let pb = progress_bar(progress, set.tensors.len(), "loading safetensors weights");
+    let w = assemble(set, &HF_NAMES, config, &pb);
+    pb.finish_and_clear();
+    w
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap as Map;
+
+    fn tiny_config() -> ModelConfig {
+        ModelConfig {
+            architecture: "llama".into(),
+            hidden_size: 4,
+            intermediate_size: 8,
+            num_layers: 1,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 2,
+            vocab_size: 6,
+            max_position_embeddings: 16,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: tandem_kernels::RopeScaling::None,
+            rope_style: tandem_kernels::RopeStyle::Neox,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    /// Writes an HF-named safetensors checkpoint of `config` with bf16 matrices and f32 norms.
+    fn write_checkpoint(dir: &Path, c: &ModelConfig, skip: Option<&str>) {
+        let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let mut tensors: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> = Vec::new();
+        let bf16 = |n: usize| -> Vec<u8> {
+            (0..n).flat_map(|i| half::bf16::from_f32(i as f32 * 0.01).to_le_bytes()).collect()
+        };
+        let f32v = |n: usize| -> Vec<u8> { (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect() };
+        tensors.push((HF_NAMES.embed.into(), StDtype::BF16, vec![c.vocab_size, h], bf16(c.vocab_size * h)));
+        tensors.push((HF_NAMES.norm.into(), StDtype::F32, vec![h], f32v(h)));
+        for (part, shape) in [("q", [q, h]), ("k", [kv, h]), ("v", [kv, h]), ("o", [h, q]), ("gate", [f, h]), ("up", [f, h]), ("down", [h, f])] {
+            tensors.push(((HF_NAMES.layer)(0, part), StDtype::BF16, shape.to_vec(), bf16(shape[0] * shape[1])));
+        }
+        for part in ["attn_norm", "ffn_norm"] {
+            tensors.push(((HF_NAMES.layer)(0, part), StDtype::F32, vec![h], f32v(h)));
+        }
+        let views: Map<String, safetensors::tensor::TensorView> = tensors
+            .iter()
+            .filter(|t| Some(t.0.as_str()) != skip)
+            .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(&views, None, &dir.join("model.safetensors")).unwrap();
+    }
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("tandem-model-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn loads_bf16_safetensors_zero_copy() {
+        let dir = temp_dir("st-ok");
+        let c = tiny_config();
+        write_checkpoint(&dir, &c, None);
+        let set = SafetensorsSet::open(&dir).unwrap();
+        let w = load_safetensors_weights(&set, &c, false).unwrap();
+        assert_eq!(w.embed.dtype(), DType::BF16);
+        assert!(w.lm_head.is_none());
+        assert_eq!(w.layers[0].wq.rows(), 4);
+        assert_eq!(w.layers[0].w_down.cols(), 8);
+        assert_eq!(w.norm, vec![1.0; 4]);
+        let mut row = vec![0.0; 4];
+        w.embed.dequantize_row(1, &mut row);
+        assert!((row[0] - 0.04).abs() < 1e-3, "{row:?}");
+        assert_eq!(set.tensor_descs().len(), 12);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn missing_and_misshapen_tensors_are_named() {
+        let dir = temp_dir("st-missing");
+        let c = tiny_config();
+        write_checkpoint(&dir, &c, Some("model.layers.0.mlp.up_proj.weight"));
+        let set = SafetensorsSet::open(&dir).unwrap();
+        match load_safetensors_weights(&set, &c, false) {
+            Err(ModelError::MissingTensor(n)) => assert_eq!(n, "model.layers.0.mlp.up_proj.weight"),
+            other => panic!("unexpected {:?}", other.map(|_| ())),
+        }
+        let mut wrong = c.clone();
+        wrong.intermediate_size = 6;
+        write_checkpoint(&dir, &c, None);
+        let set = SafetensorsSet::open(&dir).unwrap();
+        match load_safetensors_weights(&set, &wrong, false) {
+            Err(ModelError::Shape { tensor, .. }) => assert_eq!(tensor, "model.layers.0.mlp.gate_proj.weight"),
+            other => panic!("unexpected {:?}", other.map(|_| ())),
+        }
+        std::fs::remove_dir_all(dir).ok();
+    }
+}

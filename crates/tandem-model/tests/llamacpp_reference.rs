@@ -1,0 +1,362 @@
+//! Checks tandem on the default GGUF (SmolLM2-135M-Instruct Q4_1) against llama.cpp's outputs recorded
+//! by scripts/llamacpp-ref.py in tests/fixtures/llamacpp.
+//!
+//! * top-1 agreement of teacher-forced logits at every prompt position (≥ 98%);
+//! * KL(llama.cpp || tandem) < 0.02 on average, computed two ways:
+//!   - exactly, over the full 49152-token distribution, at the sampled positions whose full logits the
+//!     fixture stores (every 16th position and each prompt's last);
+//!   - at every position over llama.cpp's top-64 tokens plus one bucket holding the rest of the mass of
+//!     each distribution: merging outcomes never increases KL, so this is a lower bound of the true KL;
+//! * greedy 32-token continuations identical to llama.cpp's for at least 3/4 of the prompts;
+//! * tokenization of the prompt texts identical to llama.cpp's.
+//!
+//! Needs models/SmolLM2-135M-Instruct.Q4_1.gguf (scripts/fetch-model.sh).
+
+use std::path::{Path, PathBuf};
+
+use tandem_model::{load, CpuLlama, ForwardBatch, KvCache, LoadOptions, LogitsWanted};
+
+const MIN_TOP1: f64 = 0.98;
+const MAX_MEAN_KL: f64 = 0.02;
+const BLOCK_SIZE: usize = 16;
+
+struct Prompt {
+    name: String,
+    text: String,
+    ids: Vec<u32>,
+    argmax: Vec<u32>,
+    greedy: Vec<u32>,
+}
+
+struct Reference {
+    vocab: usize,
+    topk: usize,
+    prompts: Vec<Prompt>,
+    /// Per position (prompt after prompt): llama.cpp's top-k token ids and log-probabilities.
+    top_ids: Vec<u32>,
+    top_lp: Vec<f32>,
+    /// (prompt, position) of each full row in `full`.
+    full_positions: Vec<(usize, usize)>,
+    /// Full llama.cpp logits at `full_positions`, one row of `vocab` each.
+    full: Vec<f32>,
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn reference() -> Reference {
+    let dir = root().join("tests/fixtures/llamacpp");
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("ref.json")).expect("read ref.json"))
+            .unwrap();
+    let vocab = meta["n_vocab"].as_u64().unwrap() as usize;
+    let topk = meta["topk"].as_u64().unwrap() as usize;
+    let prompts: Vec<Prompt> = meta["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| Prompt {
+            name: p["name"].as_str().unwrap().to_string(),
+            text: p["text"].as_str().unwrap().to_string(),
+            ids: ids(&p["token_ids"]),
+            argmax: ids(&p["argmax"]),
+            greedy: ids(&p["greedy"]),
+        })
+        .collect();
+    let positions: usize = prompts.iter().map(|p| p.ids.len()).sum();
+    let raw = std::fs::read(dir.join(meta["topk_file"].as_str().unwrap())).expect("read topk.bin");
+    assert_eq!(raw.len(), positions * topk * 8, "topk.bin size");
+    let (mut top_ids, mut top_lp) = (Vec::new(), Vec::new());
+    for rec in raw.chunks_exact(topk * 8) {
+        let (a, b) = rec.split_at(topk * 4);
+        top_ids.extend(
+            a.chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+        top_lp.extend(
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+    }
+    let full_positions: Vec<(usize, usize)> = meta["full_positions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            (
+                v[0].as_u64().unwrap() as usize,
+                v[1].as_u64().unwrap() as usize,
+            )
+        })
+        .collect();
+    let raw =
+        std::fs::read(dir.join(meta["full_file"].as_str().unwrap())).expect("read full_f16.bin");
+    assert_eq!(
+        raw.len(),
+        full_positions.len() * vocab * 2,
+        "full_f16.bin size"
+    );
+    let full = raw
+        .chunks_exact(2)
+        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect();
+    Reference {
+        vocab,
+        topk,
+        prompts,
+        top_ids,
+        top_lp,
+        full_positions,
+        full,
+    }
+}
+
+fn model_path() -> PathBuf {
+    let p = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-model.sh",
+        p.display()
+    );
+    p
+}
+
+fn model(vocab: usize, max_tokens: usize) -> (CpuLlama, KvCache) {
+    let loaded =
+        load(&model_path(), &LoadOptions { progress: false }).expect("load the default GGUF");
+    assert_eq!(loaded.config.vocab_size, vocab);
+    let model = CpuLlama::new(loaded.config, loaded.weights, 2);
+    let kv = KvCache::new(model.kv_layout(BLOCK_SIZE, max_tokens.div_ceil(BLOCK_SIZE)));
+    (model, kv)
+}
+
+/// Log-softmax in f64 (KL sums thousands of tiny terms).
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let lse = m + logits
+        .iter()
+        .map(|&x| (x as f64 - m).exp())
+        .sum::<f64>()
+        .ln();
+    logits.iter().map(|&x| x as f64 - lse).collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// KL(p || q) over full distributions given as log-probabilities.
+fn kl_full(lp: &[f64], lq: &[f64]) -> f64 {
+    lp.iter().zip(lq).map(|(&a, &b)| a.exp() * (a - b)).sum()
+}
+
+/// KL over llama.cpp's top-k tokens plus one bucket for everything else (a lower bound of the full KL).
+fn kl_topk_lumped(top_ids: &[u32], top_lp: &[f32], lq: &[f64]) -> f64 {
+    let (mut kl, mut p_in, mut q_in) = (0.0f64, 0.0f64, 0.0f64);
+    for (&t, &a) in top_ids.iter().zip(top_lp) {
+        let (a, b) = (a as f64, lq[t as usize]);
+        kl += a.exp() * (a - b);
+        p_in += a.exp();
+        q_in += b.exp();
+    }
+    let (p_out, q_out) = ((1.0 - p_in).max(1e-12), (1.0 - q_in).max(1e-12));
+    kl + p_out * (p_out / q_out).ln()
+}
+
+/// Our logits for every position of a prompt, in one chunk; rows are appended to `out`.
+fn prompt_logits(model: &mut CpuLlama, kv: &mut KvCache, prompt: &[u32], out: &mut Vec<f32>) {
+    let blocks: Vec<u32> = (0..prompt.len().div_ceil(BLOCK_SIZE) as u32).collect();
+    let mut batch = ForwardBatch::default();
+    batch.push(prompt, 0, blocks, LogitsWanted::All);
+    model.forward(&batch, kv, out).expect("forward");
+}
+
+#[test]
+fn teacher_forced_logits_match_llamacpp() {
+    let r = reference();
+    let max_len = r.prompts.iter().map(|p| p.ids.len()).max().unwrap();
+    let (mut model, mut kv) = model(r.vocab, max_len);
+    let mut logits = Vec::new();
+    let (mut agree, mut total, mut kl_lumped_sum) = (0usize, 0usize, 0.0f64);
+    let (mut kl_full_sum, mut kl_full_max, mut kl_full_n) =
+        (0.0f64, (0.0f64, String::new()), 0usize);
+    let mut disagreements = Vec::new();
+    let mut row_base = 0;
+    for (pi, p) in r.prompts.iter().enumerate() {
+        prompt_logits(&mut model, &mut kv, &p.ids, &mut logits);
+        assert_eq!(
+            logits.len(),
+            p.ids.len() * r.vocab,
+            "{}: rows returned",
+            p.name
+        );
+        let (mut p_agree, mut p_kl) = (0usize, 0.0f64);
+        for pos in 0..p.ids.len() {
+            let row = &logits[pos * r.vocab..(pos + 1) * r.vocab];
+            let ours = argmax(row);
+            if ours == p.argmax[pos] {
+                p_agree += 1;
+            } else {
+                disagreements.push(format!(
+                    "{}@{pos}: llama.cpp {} ours {ours}",
+                    p.name, p.argmax[pos]
+                ));
+            }
+            let lq = log_softmax(row);
+            let g = (row_base + pos) * r.topk;
+            p_kl += kl_topk_lumped(&r.top_ids[g..g + r.topk], &r.top_lp[g..g + r.topk], &lq);
+            for (k, _) in r
+                .full_positions
+                .iter()
+                .enumerate()
+                .filter(|(_, &(fp, fpos))| fp == pi && fpos == pos)
+            {
+                let lp = log_softmax(&r.full[k * r.vocab..(k + 1) * r.vocab]);
+                let kl = kl_full(&lp, &lq);
+                kl_full_sum += kl;
+                kl_full_n += 1;
+                if kl > kl_full_max.0 {
+                    kl_full_max = (kl, format!("{}@{pos}", p.name));
+                }
+            }
+        }
+        println!(
+            "{:<12} {:>3} tokens  top-1 {:>3}/{:<3}  mean KL (top-{} + tail, lower bound) {:.5}",
+            p.name,
+            p.ids.len(),
+            p_agree,
+            p.ids.len(),
+            r.topk,
+            p_kl / p.ids.len() as f64
+        );
+        agree += p_agree;
+        total += p.ids.len();
+        kl_lumped_sum += p_kl;
+        row_base += p.ids.len();
+    }
+    let top1 = agree as f64 / total as f64;
+    let kl_lumped = kl_lumped_sum / total as f64;
+    let kl_exact = kl_full_sum / kl_full_n as f64;
+    println!("top-1 agreement {agree}/{total} = {:.2}%", 100.0 * top1);
+    println!(
+        "mean KL over top-{} + tail at all {total} positions: {kl_lumped:.5}",
+        r.topk
+    );
+    println!(
+        "mean exact KL at {kl_full_n} sampled positions: {kl_exact:.5} (max {:.5} at {})",
+        kl_full_max.0, kl_full_max.1
+    );
+    if !disagreements.is_empty() {
+        println!("top-1 disagreements: {}", disagreements.join(", "));
+    }
+    assert_eq!(
+        kl_full_n,
+        r.full_positions.len(),
+        "every full-logit position was visited"
+    );
+    assert!(
+        top1 >= MIN_TOP1,
+        "top-1 agreement {:.2}% < {:.0}%",
+        100.0 * top1,
+        100.0 * MIN_TOP1
+    );
+    assert!(
+        kl_exact < MAX_MEAN_KL,
+        "mean exact KL {kl_exact} >= {MAX_MEAN_KL}"
+    );
+    assert!(
+        kl_lumped < MAX_MEAN_KL,
+        "mean top-k KL {kl_lumped} >= {MAX_MEAN_KL}"
+    );
+}
+
+#[test]
+fn greedy_generations_match_llamacpp() {
+    let r = reference();
+    let max_len = r
+        .prompts
+        .iter()
+        .map(|p| p.ids.len() + p.greedy.len())
+        .max()
+        .unwrap();
+    let (mut model, mut kv) = model(r.vocab, max_len);
+    let blocks: Vec<u32> = (0..max_len.div_ceil(BLOCK_SIZE) as u32).collect();
+    let mut logits = Vec::new();
+    let mut batch = ForwardBatch::default();
+    let mut identical = 0;
+    for p in &r.prompts {
+        batch.clear();
+        batch.push(&p.ids, 0, blocks.clone(), LogitsWanted::Last);
+        model
+            .forward(&batch, &mut kv, &mut logits)
+            .expect("prefill");
+        let mut ours = Vec::with_capacity(p.greedy.len());
+        while ours.len() < p.greedy.len() {
+            let next = argmax(&logits);
+            ours.push(next);
+            batch.clear();
+            batch.push(
+                &[next],
+                p.ids.len() + ours.len() - 1,
+                blocks.clone(),
+                LogitsWanted::Last,
+            );
+            model.forward(&batch, &mut kv, &mut logits).expect("decode");
+        }
+        let same = ours
+            .iter()
+            .zip(&p.greedy)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if same == p.greedy.len() {
+            identical += 1;
+            println!("{:<12} identical ({} tokens)", p.name, same);
+        } else {
+            println!(
+                "{:<12} diverges at token {same}: llama.cpp {:?} ours {:?}",
+                p.name,
+                &p.greedy[same..],
+                &ours[same..]
+            );
+        }
+    }
+    println!(
+        "greedy continuations identical: {identical}/{}",
+        r.prompts.len()
+    );
+    assert!(
+        4 * identical >= 3 * r.prompts.len(),
+        "only {identical}/{} greedy continuations match llama.cpp",
+        r.prompts.len()
+    );
+}
+
+#[test]
+fn tokenizer_matches_llamacpp() {
+    let r = reference();
+    let loaded =
+        load(&model_path(), &LoadOptions { progress: false }).expect("load the default GGUF");
+    for p in &r.prompts {
+        let ours = loaded.tokenizer.encode(&p.text, true).expect("encode");
+        assert_eq!(
+            ours, p.ids,
+            "{}: tokenization differs from llama.cpp",
+            p.name
+        );
+    }
+}

@@ -1,0 +1,212 @@
+//! `tandem chat`: an interactive terminal chat against a running tandem (or any OpenAI-compatible) server.
+
+use std::io::Write;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+/// Flags of `tandem chat`.
+#[derive(Clone, Debug, Args)]
+pub struct ChatArgs {
+    /// Base URL of the server.
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub url: String,
+    /// Model name (default: the server's first model).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Bearer token, if the server requires one.
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// System prompt that starts the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Completion length cap per answer.
+    #[arg(long, default_value_t = 512)]
+    pub max_tokens: u32,
+    /// Sampling temperature.
+    #[arg(long, default_value_t = 0.7)]
+    pub temperature: f32,
+}
+
+/// Splits complete SSE events off the front of `buf`, returning the `data:` payloads.
+fn drain_events(buf: &mut String) -> Vec<String> {
+    let mut out = Vec::new();
+    while let Some(end) = buf.find("\n\n") {
+        let event: String = buf.drain(..end + 2).collect();
+        for line in event.lines() {
+            if let Some(data) = line.strip_prefix("data:") {
+                out.push(data.trim_start().to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// The text delta of one chat chunk, or the error message an error event carries.
+fn chunk_text(data: &str) -> Result<String> {
+    let v: Value = serde_json::from_str(data).with_context(|| format!("bad event: {data}"))?;
+    if let Some(err) = v.get("error") {
+        bail!(
+            "server error: {}",
+            err["message"].as_str().unwrap_or("unknown")
+        );
+    }
+    Ok(v["choices"][0]["delta"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+struct Client {
+    http: reqwest::Client,
+    args: ChatArgs,
+}
+
+impl Client {
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let url = format!("{}{}", self.args.url.trim_end_matches('/'), path);
+        let req = self.http.request(method, url);
+        match &self.args.api_key {
+            Some(key) => req.bearer_auth(key),
+            None => req,
+        }
+    }
+
+    async fn first_model(&self) -> Result<String> {
+        let v: Value = self
+            .request(reqwest::Method::GET, "/v1/models")
+            .send()
+            .await
+            .context("is the server running? (tandem serve)")?
+            .error_for_status()?
+            .json()
+            .await?;
+        v["data"][0]["id"]
+            .as_str()
+            .map(str::to_owned)
+            .context("the server lists no models")
+    }
+
+    /// Streams one answer to stdout and returns its full text.
+    async fn answer(&self, model: &str, messages: &[Value]) -> Result<String> {
+        let body = json!({
+            "model": model,
+            "messages": messages,
+            "stream": true,
+            "max_tokens": self.args.max_tokens,
+            "temperature": self.args.temperature,
+        });
+        let response = self
+            .request(reqwest::Method::POST, "/v1/chat/completions")
+            .json(&body)
+            .send()
+            .await?;
+        if !response.status().is_success() {
+            let status = response.status();
+            let text = response.text().await.unwrap_or_default();
+            bail!("{status}: {text}");
+        }
+        let mut stream = response.bytes_stream();
+        let mut buf = String::new();
+        let mut answer = String::new();
+        let mut stdout = std::io::stdout();
+        while let Some(bytes) = stream.next().await {
+            buf.push_str(&String::from_utf8_lossy(&bytes?));
+            for data in drain_events(&mut buf) {
+                if data == "[DONE]" {
+                    return Ok(answer);
+                }
+                let text = chunk_text(&data)?;
+                print!("{text}");
+                stdout.flush()?;
+                answer.push_str(&text);
+            }
+        }
+        Ok(answer)
+    }
+}
+
+/// Runs the read-answer loop until EOF or `/exit`; `/reset` forgets the conversation.
+pub fn run(args: ChatArgs) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let client = Client {
+            http: reqwest::Client::new(),
+            args,
+        };
+        let model = match &client.args.model {
+            Some(m) => m.clone(),
+            None => client.first_model().await?,
+        };
+        let system: Vec<Value> = client
+            .args
+            .system
+            .iter()
+            .map(|s| json!({"role": "system", "content": s}))
+            .collect();
+        let mut messages = system.clone();
+        eprintln!(
+            "chatting with {model} at {} (/reset, /exit)",
+            client.args.url
+        );
+        let mut lines = BufReader::new(tokio::io::stdin()).lines();
+        loop {
+            eprint!("> ");
+            let Some(line) = lines.next_line().await? else {
+                break;
+            };
+            match line.trim() {
+                "" => continue,
+                "/exit" | "/quit" => break,
+                "/reset" => {
+                    messages = system.clone();
+                    continue;
+                }
+                text => messages.push(json!({"role": "user", "content": text})),
+            }
+            match client.answer(&model, &messages).await {
+                Ok(answer) => {
+                    println!();
+                    messages.push(json!({"role": "assistant", "content": answer}));
+                }
+                Err(e) => {
+                    eprintln!("\nerror: {e:#}");
+                    messages.pop();
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_split_across_reads() {
+        let mut buf = String::from("data: {\"a\":1}\n\ndata: [DO");
+        assert_eq!(drain_events(&mut buf), vec!["{\"a\":1}".to_owned()]);
+        buf.push_str("NE]\n\n");
+        assert_eq!(drain_events(&mut buf), vec!["[DONE]".to_owned()]);
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn chunk_text_reads_deltas_and_errors() {
+        assert_eq!(
+            chunk_text(r#"{"choices":[{"delta":{"content":"hi"}}]}"#).unwrap(),
+            "hi"
+        );
+        assert_eq!(
+            chunk_text(r#"{"choices":[{"delta":{"role":"assistant"}}]}"#).unwrap(),
+            ""
+        );
+        assert!(chunk_text(r#"{"error":{"message":"boom"}}"#).is_err());
+    }
+}

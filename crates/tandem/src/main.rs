@@ -1,0 +1,94 @@
+//! The `tandem` command: `serve` runs the OpenAI-compatible server, `chat` talks to one.
+
+mod chat;
+mod config;
+mod serve;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+use crate::config::{LogFormat, ServeArgs};
+
+/// tandem: LLM serving on CPU with an OpenAI-compatible API.
+#[derive(Parser, Debug)]
+#[command(name = "tandem", version, about)]
+struct Cli {
+    /// Log format: readable text or one JSON object per line (overrides the config file).
+    #[arg(long, global = true, value_enum)]
+    log_format: Option<LogFormat>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve a model over an OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
+    /// Chat interactively with a running server.
+    Chat(chat::ChatArgs),
+}
+
+/// Installs the global tracing subscriber; RUST_LOG refines the default `info` level.
+fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => {
+            let file = match &args.config {
+                Some(path) => config::FileConfig::load(path)?,
+                None => config::FileConfig::default(),
+            };
+            let settings = config::ServeSettings::resolve(&args, file)?;
+            init_logging(cli.log_format.or(settings.log_format).unwrap_or_default());
+            serve::run(settings)
+        }
+        Command::Chat(args) => {
+            init_logging(cli.log_format.unwrap_or_default());
+            chat::run(args)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent_and_parses_serve_flags() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from([
+            "tandem",
+            "serve",
+            "m.gguf",
+            "--port",
+            "9000",
+            "--kv-cache-memory",
+            "1GiB",
+            "--no-prefix-caching",
+            "--log-format",
+            "json",
+        ])
+        .unwrap();
+        assert_eq!(cli.log_format, Some(LogFormat::Json));
+        let Command::Serve(args) = cli.command else {
+            panic!("expected serve")
+        };
+        assert_eq!(args.port, Some(9000));
+        assert_eq!(args.kv_cache_memory.map(|b| b.0), Some(1 << 30));
+        assert!(args.no_prefix_caching);
+        assert!(Cli::try_parse_from(["tandem", "serve", "--kv-cache-memory", "lots"]).is_err());
+    }
+}

@@ -1,0 +1,181 @@
+//! `tandem serve`: load the model, start the engine thread, serve the HTTP API until a signal.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use tandem_api::{ApiConfig, AppState, ModelCodec};
+use tandem_engine::{CpuBackend, Engine};
+use tandem_model::{CpuLlama, LoadOptions};
+use tracing::info;
+
+use crate::config::{ServeSettings, DEFAULT_MODEL};
+
+/// Where the default model fetch script lives, relative to the repository root.
+const FETCH_SCRIPT: &str = "scripts/fetch-model.sh";
+
+/// Directories that may be the repository root: the working directory and the binary's ancestors
+/// (target/release/tandem sits three levels below it).
+fn candidate_roots() -> Vec<PathBuf> {
+    let mut roots = Vec::new();
+    if let Ok(cwd) = std::env::current_dir() {
+        roots.push(cwd);
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        roots.extend(exe.ancestors().skip(1).take(4).map(Path::to_path_buf));
+    }
+    roots
+}
+
+/// The model to load: the one given, or the default model, fetched with scripts/fetch-model.sh if missing.
+fn resolve_model(model: Option<&Path>) -> Result<PathBuf> {
+    if let Some(path) = model {
+        if !path.exists() {
+            bail!("model path {} does not exist", path.display());
+        }
+        return Ok(path.to_path_buf());
+    }
+    let roots = candidate_roots();
+    if let Some(found) = roots
+        .iter()
+        .map(|r| r.join(DEFAULT_MODEL))
+        .find(|p| p.is_file())
+    {
+        return Ok(found);
+    }
+    let Some(root) = roots.iter().find(|r| r.join(FETCH_SCRIPT).is_file()) else {
+        bail!("no model given, {DEFAULT_MODEL} is missing and {FETCH_SCRIPT} was not found to fetch it");
+    };
+    info!(script = %root.join(FETCH_SCRIPT).display(), "fetching the default model");
+    let status = Command::new("bash")
+        .arg(root.join(FETCH_SCRIPT))
+        .status()
+        .with_context(|| format!("running {FETCH_SCRIPT}"))?;
+    if !status.success() {
+        bail!("{FETCH_SCRIPT} failed ({status})");
+    }
+    let path = root.join(DEFAULT_MODEL);
+    if !path.is_file() {
+        bail!(
+            "{FETCH_SCRIPT} succeeded but {} is still missing",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Resolves on Ctrl-C or SIGTERM, so that in-flight requests finish before exit.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+    info!("shutting down");
+}
+
+/// Runs the server with the merged settings.
+pub fn run(settings: ServeSettings) -> Result<()> {
+    let model_path = resolve_model(settings.model.as_deref())?;
+    info!(path = %model_path.display(), "loading model");
+    let loaded = tandem_model::load(&model_path, &LoadOptions { progress: true })
+        .with_context(|| format!("loading {}", model_path.display()))?;
+    let template = match &settings.chat_template {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading chat template {}", path.display()))?,
+        ),
+        None => loaded.chat_template.clone(),
+    };
+    if template.is_none() {
+        tracing::warn!("the model has no chat template; /v1/chat/completions will answer 400 (see --chat-template)");
+    }
+    let codec =
+        ModelCodec::new(loaded.tokenizer.clone(), template.as_deref()).context("chat template")?;
+    let served_name = settings
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| loaded.name.clone());
+    let fingerprint = format!(
+        "fp_{}",
+        loaded.identity.0.chars().take(16).collect::<String>()
+    );
+    let model_root = loaded.name.clone();
+
+    let engine_config = settings.engine.clone();
+    let cpu_model = CpuLlama::new(loaded.config, loaded.weights, engine_config.threads);
+    let backend = CpuBackend::new(
+        cpu_model,
+        engine_config.block_size,
+        engine_config.kv_cache_bytes,
+    );
+    let engine = Engine::start(backend, engine_config.clone()).context("starting the engine")?;
+    info!(
+        max_model_len = engine.max_model_len(),
+        block_size = engine_config.block_size,
+        kv_cache_bytes = engine_config.kv_cache_bytes,
+        "engine started"
+    );
+
+    let config = ApiConfig {
+        served_model_names: vec![served_name.clone()],
+        model_root,
+        api_key: settings.api_key.clone(),
+        system_fingerprint: fingerprint,
+    };
+    let state = Arc::new(AppState::new(
+        Arc::new(engine.clone()),
+        Arc::new(codec),
+        config,
+    )?);
+
+    // The engine computes on its own threads; the HTTP side needs only a couple of workers.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("tandem-http")
+        .enable_all()
+        .build()
+        .context("building the tokio runtime")?;
+    let result = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind((settings.host.as_str(), settings.port))
+            .await
+            .with_context(|| format!("binding {}:{}", settings.host, settings.port))?;
+        info!(address = %listener.local_addr()?, model = %served_name, "serving the OpenAI API");
+        tandem_api::serve(listener, state, shutdown_signal())
+            .await
+            .context("HTTP server")
+    });
+    engine.shutdown();
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_explicit_model_is_an_error() {
+        let err = resolve_model(Some(Path::new("/nonexistent/model.gguf"))).unwrap_err();
+        assert!(err.to_string().contains("does not exist"));
+    }
+}

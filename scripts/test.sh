@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The one test command (also what CI runs through .ci/run): fetch the model, build, run every Rust test,
+# lint, check formatting, then run the black-box Python tests against the release binary.
+# Every step runs even after a failure (except the Python tests, which need the binary); a summary is
+# printed at the end and the exit status is non-zero when any step failed.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+summary=()
+failed=0
+run_step() {
+  local name="$1"
+  shift
+  local start=$SECONDS
+  echo
+  echo "==> $name: $*"
+  if "$@"; then
+    summary+=("ok    $name ($((SECONDS - start)) s)")
+    return 0
+  fi
+  summary+=("FAIL  $name ($((SECONDS - start)) s)")
+  failed=1
+  return 1
+}
+
+python_tests() {
+  local dir="$root/tests/python"
+  if [ ! -f "$dir/requirements.txt" ]; then
+    echo "tests/python/requirements.txt is missing" >&2
+    return 1
+  fi
+  local venv="$root/.venv-test"
+  local stamp
+  stamp="$(sha256sum "$dir/requirements.txt" | cut -d' ' -f1)"
+  # Reuse the venv while requirements.txt is unchanged.
+  if [ "$(cat "$venv/.requirements.sha256" 2>/dev/null)" != "$stamp" ]; then
+    rm -rf "$venv"
+    python3 -m venv "$venv" &&
+      "$venv/bin/pip" install --quiet -r "$dir/requirements.txt" &&
+      echo "$stamp" >"$venv/.requirements.sha256" || return 1
+  fi
+  TANDEM_BIN="$root/target/release/tandem" "$venv/bin/python" -m pytest -q "$dir"
+}
+
+total_start=$SECONDS
+run_step "fetch model" bash scripts/fetch-model.sh
+run_step "cargo fmt --check" cargo fmt --all --check
+build_ok=0
+run_step "cargo build --release" cargo build --workspace --release && build_ok=1
+run_step "cargo test --release" cargo test --workspace --release
+run_step "cargo clippy -D warnings" cargo clippy --workspace --all-targets -- -D warnings
+if [ "$build_ok" = 1 ]; then
+  run_step "pytest tests/python" python_tests
+else
+  summary+=("FAIL  pytest tests/python (skipped: the release build failed)")
+  failed=1
+fi
+
+echo
+echo "==== summary ($((SECONDS - total_start)) s) ===="
+printf '%s\n' "${summary[@]}"
+if [ "$failed" != 0 ]; then
+  echo "RESULT: FAILED"
+  exit 1
+fi
+echo "RESULT: all steps passed"
