@@ -14,6 +14,7 @@ Each folder gets, besides the usual HF files:
 """
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -140,17 +141,23 @@ def write_fixture(out_dir, name, model, tokenizer, save_dtype=None, max_shard_si
         do_sample=False,
         max_new_tokens=16,
     )
+    to_save = model
     if save_dtype is not None:
-        # Round the weights to the stored dtype, then compute the reference in f32 from those values.
-        model = model.to(save_dtype)
-    kwargs = {"safe_serialization": True}
+        # Round the parameters to the stored dtype and compute the reference in f32 from those values.
+        # Only parameters: `model.to(bf16)` would also round the rotary inv_freq buffer, which no
+        # checkpoint stores and every runtime recomputes.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(save_dtype).to(torch.float32))
+        to_save = copy.deepcopy(model).to(save_dtype)
+    kwargs = {}
     if max_shard_size is not None:
         kwargs["max_shard_size"] = max_shard_size
-    model.save_pretrained(path, **kwargs)
+    to_save.save_pretrained(path, **kwargs)
     tokenizer.save_pretrained(path)
     if legacy_config:
         legacy_layout(path)
-    model = model.to(torch.float32).eval()
+    model = model.eval()
 
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in PROMPT_TEXTS]
     rows = []

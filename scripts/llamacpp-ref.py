@@ -35,7 +35,7 @@ PROMPTS = [
     (
         "prose",
         "The history of the bicycle begins in the early nineteenth century, when inventors in Germany and "
-        "France built wooden machines that riders pushed along with their feet. Pedals attached to the front "
+        "France built simple wooden machines that riders pushed along the road with their feet. Pedals attached to the front "
         "wheel came decades later, and the safety bicycle, with two wheels of equal size and a chain driving "
         "the rear wheel, made cycling popular with",
     ),
@@ -62,7 +62,8 @@ PROMPTS = [
     (
         "chat",
         CHAT_SYS
-        + "<|im_start|>user\nWhat are three good habits for staying healthy while working from home? "
+        + "<|im_start|>user\nWhat are three good habits for staying healthy while working from home? I sit at my "
+        "desk most of the day, I often skip lunch, and I rarely go outside. "
         "Please keep the answer short and practical.<|im_end|>\n<|im_start|>assistant\n",
     ),
     (

@@ -61,6 +61,10 @@ pub trait GenerateBackend: Send + Sync + 'static {
     fn max_model_len(&self) -> usize;
     /// Resolves `Ok` when the backend can take requests now; /health answers 503 otherwise.
     fn health(&self) -> BoxFuture<'static, Result<(), BackendError>>;
+    /// Extra Prometheus text appended to /metrics (a P/D router's transfer and per-role metrics).
+    fn extra_metrics(&self) -> String {
+        String::new()
+    }
 }
 
 impl From<EngineError> for BackendError {

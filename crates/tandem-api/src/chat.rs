@@ -52,12 +52,14 @@ fn normalize_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> 
                     for part in parts {
                         match (part.kind.as_str(), &part.text) {
                             ("text", Some(t)) => text.push_str(t),
-                            (kind, _) => return Err(ApiError::invalid(
-                                format!(
+                            (kind, _) => {
+                                return Err(ApiError::invalid(
+                                    format!(
                                     "content part type `{kind}` is not supported by a text model"
                                 ),
-                                Some("messages"),
-                            )),
+                                    Some("messages"),
+                                ))
+                            }
                         }
                     }
                     text

@@ -9,7 +9,9 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use tower_http::trace::TraceLayer;
+use tower_http::trace::{DefaultOnResponse, TraceLayer};
+use tower_http::LatencyUnit;
+use tracing::Level;
 
 use crate::error::ApiError;
 use crate::protocol::{
@@ -55,8 +57,16 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(fallback)
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(request_span)
+                .on_response(
+                    DefaultOnResponse::new()
+                        .level(Level::INFO)
+                        .latency_unit(LatencyUnit::Millis),
+                ),
+        )
         .layer(middleware::from_fn(request_id))
-        .layer(TraceLayer::new_for_http())
         .with_state(state)
 }
 
@@ -76,19 +86,32 @@ async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next:
     next.run(req).await
 }
 
-/// Echoes the client's `x-request-id`, or mints one, on every response.
-async fn request_id(req: Request, next: Next) -> Response {
-    let id = req
-        .headers()
-        .get(&X_REQUEST_ID)
-        .cloned()
-        .unwrap_or_else(|| {
-            HeaderValue::from_str(&uuid::Uuid::new_v4().simple().to_string())
-                .unwrap_or_else(|_| HeaderValue::from_static("unknown"))
-        });
+/// Echoes the client's `x-request-id`, or mints one, on every response (and puts it on the request so
+/// the trace span carries it).
+async fn request_id(mut req: Request, next: Next) -> Response {
+    let id = match req.headers().get(&X_REQUEST_ID) {
+        Some(id) => id.clone(),
+        None => {
+            let minted = HeaderValue::from_str(&uuid::Uuid::new_v4().simple().to_string())
+                .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+            req.headers_mut()
+                .insert(X_REQUEST_ID.clone(), minted.clone());
+            minted
+        }
+    };
     let mut response = next.run(req).await;
     response.headers_mut().insert(X_REQUEST_ID.clone(), id);
     response
+}
+
+/// One INFO span per HTTP request, tagged with its request id.
+fn request_span(req: &Request) -> tracing::Span {
+    let id = req
+        .headers()
+        .get(&X_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = %id)
 }
 
 async fn fallback(req: Request) -> ApiError {
@@ -202,10 +225,11 @@ async fn health(State(state): State<Arc<AppState>>) -> Result<StatusCode, ApiErr
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
-    let text = state
+    let mut text = state
         .metrics
         .render(&state.backend.stats())
         .map_err(|e| ApiError::internal(e.to_string()))?;
+    text.push_str(&state.backend.extra_metrics());
     Ok((
         [(
             header::CONTENT_TYPE,

@@ -1,6 +1,6 @@
 //! The seam between scheduling and model math: the engine drives any [`Backend`] (CPU now, CUDA later).
 
-use crate::kvtypes::{ForwardBatch, KvLayout};
+use tandem_model::{ForwardBatch, KvLayout};
 
 /// A model step failed; the engine fails the requests of that step and keeps serving.
 #[derive(Debug, thiserror::Error)]

@@ -207,7 +207,7 @@ impl BlockPool {
     /// Checks that every block is exactly one of free, cached-evictable or referenced, and that
     /// `refs` (block ids held by all live tables and pins, with multiplicity) explains every refcount.
     pub fn check_invariants(&self, refs: &[u32]) -> Result<(), String> {
-        let n = self.num_blocks().unwrap();
+        let n = self.num_blocks();
         let mut expected = vec![0u32; n];
         for &b in refs {
             expected[b as usize] += 1;
@@ -334,7 +334,7 @@ mod tests {
                     Op::Grow(s, n) => {
                         let want = tables[s].capacity(3) + n;
                         if p.ensure_capacity(&mut tables[s], want).is_ok() {
-                            while toks[s].len() < want { toks[s].push((toks[s].len() % 5) as u32); }
+                            while toks[s].len() < want { let v = (toks[s].len() % 5) as u32; toks[s].push(v); }
                         }
                     }
                     Op::Release(s) => { p.release(&mut tables[s]); toks[s].clear(); }

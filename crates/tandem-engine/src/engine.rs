@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
-use crate::kvtypes::{ForwardBatch, KvLayout};
+use tandem_model::{ForwardBatch, KvLayout};
 use tokio::sync::{mpsc, oneshot};
 
 /// Knobs of one engine; defaults suit the default model on a laptop.
@@ -119,7 +119,7 @@ pub enum EngineError {
 }
 
 /// Counters and gauges the API exports as Prometheus metrics.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct EngineStats {
     /// Sequences in the running list.
     pub running: usize,
@@ -730,6 +730,7 @@ impl<B: Backend> Worker<B> {
         seq.num_computed = seq.prompt_len;
         self.pool.register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
         let token = seq.ext.first_token.take().expect("importing sequences carry their first token");
+        seq.tokens.push(token);
         self.sched.add_running(seq);
         let idx = self.sched.running.len() - 1;
         self.emit(idx, token, None);

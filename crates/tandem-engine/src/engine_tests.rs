@@ -128,12 +128,9 @@ fn submit_validates_synchronously() {
 
 #[test]
 fn queue_full_when_too_many_wait() {
-    // A backend that never finishes a step quickly is not needed: requests queue while the engine
-    // thread is held up by a big prompt on a one-sequence engine.
-    let e = start(4, 1024, |c| {
-        c.max_waiting = 2;
-        c.max_num_seqs = 1;
-    });
+    // One sequence at a time on a slowed-down mock: the rest must queue.
+    let slow = MockBackend::new(4, 1024).with_step_delay(Duration::from_millis(1));
+    let e = Engine::start(slow, EngineConfig { max_waiting: 2, max_num_seqs: 1, ..cfg(4) }).unwrap();
     let mut streams = Vec::new();
     let mut full = false;
     for id in 0..50 {
@@ -155,7 +152,8 @@ fn queue_full_when_too_many_wait() {
 
 #[test]
 fn abort_and_dropped_stream_free_blocks_at_once() {
-    let e = start(4, 64, |c| c.enable_prefix_caching = false);
+    let slow = MockBackend::new(4, 64).with_step_delay(Duration::from_millis(5));
+    let e = Engine::start(slow, EngineConfig { enable_prefix_caching: false, ..cfg(4) }).unwrap();
     let mut s = e.submit(EngineRequest::new(1, vec![1, 2, 3], greedy(10_000))).unwrap();
     for _ in 0..3 {
         assert!(s.blocking_recv().unwrap().finish.is_none());
@@ -191,7 +189,7 @@ fn backend_error_fails_the_step_and_engine_keeps_serving() {
 
 #[test]
 fn shutdown_closes_live_streams() {
-    let e = start(4, 64, |_| {});
+    let e = Engine::start(MockBackend::new(4, 64).with_step_delay(Duration::from_millis(5)), cfg(4)).unwrap();
     let mut s = e.submit(EngineRequest::new(1, vec![1, 2], greedy(1_000_000))).unwrap();
     s.blocking_recv().unwrap();
     e.shutdown();

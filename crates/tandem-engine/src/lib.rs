@@ -7,10 +7,8 @@
 pub mod backend;
 pub mod bench;
 pub mod block_pool;
+pub mod cpu;
 pub mod engine;
-// TEMPSHIM
-#[path = "../../tandem-model/src/batch.rs"]
-pub mod kvtypes;
 pub mod mock;
 pub mod prefix_cache;
 pub mod sampler;
@@ -18,5 +16,6 @@ pub mod scheduler;
 pub mod types;
 
 pub use backend::{Backend, BackendError};
+pub use cpu::CpuBackend;
 pub use engine::{Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, Pending, RequestStream};
 pub use types::*;

@@ -8,7 +8,8 @@
 use crate::backend::{Backend, BackendError};
 use crate::prefix_cache::FxHasher;
 use std::hash::Hasher;
-use crate::kvtypes::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
+use std::time::Duration;
+use tandem_model::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
 
 const LAYERS: usize = 2;
 const HEAD_DIM: usize = 2;
@@ -22,6 +23,7 @@ pub struct MockBackend {
     eos: Vec<u32>,
     kv: Vec<Vec<f32>>,
     fail_at_step: Option<u64>,
+    step_delay: Duration,
     steps: u64,
 }
 
@@ -43,6 +45,7 @@ impl MockBackend {
             eos: vec![63],
             kv: vec![vec![0.0; layout.block_elems() * num_blocks]; LAYERS],
             fail_at_step: None,
+            step_delay: Duration::ZERO,
             steps: 0,
         }
     }
@@ -56,6 +59,12 @@ impl MockBackend {
     /// Makes the `step`-th forward call (0-based) fail, to test error handling.
     pub fn fail_at_step(mut self, step: u64) -> Self {
         self.fail_at_step = Some(step);
+        self
+    }
+
+    /// Makes every forward call take at least `delay`, so tests can act while requests are running.
+    pub fn with_step_delay(mut self, delay: Duration) -> Self {
+        self.step_delay = delay;
         self
     }
 
@@ -87,6 +96,9 @@ impl Backend for MockBackend {
         self.steps += 1;
         if self.fail_at_step == Some(step) {
             return Err(BackendError::new(format!("injected failure at step {step}")));
+        }
+        if !self.step_delay.is_zero() {
+            std::thread::sleep(self.step_delay);
         }
         let bs = self.layout.block_size;
         for c in &batch.seqs {

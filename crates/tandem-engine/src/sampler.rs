@@ -312,7 +312,7 @@ mod tests {
         // Repetition penalty divides positive logits and multiplies negative ones, once per token.
         let rep = SamplingParams { repetition_penalty: 2.0, ..greedy.clone() };
         assert_eq!(s.sample(&[3.0, 2.0, -1.0], &rep, &[0, 0], &[], &mut SeqRng::new(None)).token, 1);
-        assert_eq!(s.sample(&[1.0, -0.5, -0.9], &rep, &[0], &[2], &mut SeqRng::new(None)).token, 1);
+        assert_eq!(s.sample(&[1.0, 0.6, -0.9], &rep, &[0], &[2], &mut SeqRng::new(None)).token, 1);
         // Frequency scales with the count in the output; presence is flat; the prompt does not count.
         let freq = SamplingParams { frequency_penalty: 1.0, ..greedy.clone() };
         assert_eq!(s.sample(&[3.0, 1.5], &freq, &[1, 1, 1], &[0, 0], &mut SeqRng::new(None)).token, 1);

@@ -9,7 +9,7 @@
 use crate::block_pool::{BlockPool, BlockTable};
 use crate::types::RequestId;
 use std::collections::VecDeque;
-use crate::kvtypes::{ForwardBatch, LogitsWanted};
+use tandem_model::{ForwardBatch, LogitsWanted};
 
 /// Scheduling knobs taken from the engine config.
 #[derive(Clone, Copy, Debug)]
@@ -216,7 +216,7 @@ impl<E> Scheduler<E> {
             };
             pool.ensure_capacity(&mut seq.table, seq.num_computed + len).expect("chunk sized to fit");
             self.scheduled.push(Scheduled { index: i, len, sample: seq.num_computed + len == seq.tokens.len() });
-            budget -= len;
+            budget = budget.saturating_sub(len);
         }
 
         // 3. New (or preempted) requests, FCFS; none are admitted in a step that had to preempt.
@@ -236,7 +236,7 @@ impl<E> Scheduler<E> {
             let seq = self.waiting.pop_front().expect("front exists");
             self.running.push(seq);
             self.scheduled.push(Scheduled { index: self.running.len() - 1, len, sample });
-            budget -= len;
+            budget = budget.saturating_sub(len);
         }
     }
 
@@ -259,7 +259,7 @@ impl<E> Scheduler<E> {
                 c.blocks.extend_from_slice(&seq.table.blocks[..nblocks]);
                 c.logits = logits;
             } else {
-                spare.push(crate::kvtypes::SeqChunk {
+                spare.push(tandem_model::SeqChunk {
                     tokens: start..batch.tokens.len(),
                     pos: seq.num_computed,
                     blocks: seq.table.blocks[..nblocks].to_vec(),
@@ -353,13 +353,16 @@ mod tests {
         s.schedule(&mut pool, &mut b);
         assert_eq!(s.scheduled().len(), 2);
         apply(&mut s, &mut pool);
-        // Both now hold 4 tokens (2 blocks) and need a third block to decode; only the oldest gets it.
+        s.schedule(&mut pool, &mut b);
+        assert_eq!(s.scheduled().len(), 2, "position 3 still fits in two blocks");
+        apply(&mut s, &mut pool);
+        // Both now hold 5 tokens and need a third block to decode; only the oldest gets it.
         s.schedule(&mut pool, &mut b);
         assert_eq!(s.preempted(), &[2]);
         assert_eq!(s.scheduled(), &[Scheduled { index: 0, len: 1, sample: true }]);
         assert_eq!(s.waiting.front().unwrap().num_computed, 0);
         assert!(s.waiting.front().unwrap().table.is_empty());
-        assert_eq!(s.waiting.front().unwrap().tokens.len(), 4, "generated token kept for recompute");
+        assert_eq!(s.waiting.front().unwrap().tokens.len(), 5, "generated tokens kept for recompute");
         pool.check_invariants(&s.running[0].table.blocks).unwrap();
     }
 

@@ -8,7 +8,9 @@ use std::sync::OnceLock;
 pub fn simd_enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
     *ENABLED.get_or_init(|| {
-        let forced_portable = std::env::var("TANDEM_KERNELS").map(|v| v.eq_ignore_ascii_case("portable")).unwrap_or(false);
+        let forced_portable = std::env::var("TANDEM_KERNELS")
+            .map(|v| v.eq_ignore_ascii_case("portable"))
+            .unwrap_or(false);
         !forced_portable && cpu_has_avx2()
     })
 }
@@ -17,7 +19,9 @@ pub fn simd_enabled() -> bool {
 pub(crate) fn cpu_has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

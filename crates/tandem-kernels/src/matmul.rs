@@ -60,7 +60,12 @@ pub(crate) type RangeKernel = fn(&Job, Range<usize>, Range<usize>);
 
 /// Quantizes rows of 32-element blocks the Q8_0 way: d = amax/127, q = round(x/d), s = d*sum(q).
 pub(crate) fn quantize_q8_0_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
-    for (b, ((xb, qb), (d, s))) in x.chunks_exact(32).zip(qx.chunks_exact_mut(32)).zip(dx.iter_mut().zip(sx.iter_mut())).enumerate() {
+    for (b, ((xb, qb), (d, s))) in x
+        .chunks_exact(32)
+        .zip(qx.chunks_exact_mut(32))
+        .zip(dx.iter_mut().zip(sx.iter_mut()))
+        .enumerate()
+    {
         let _ = b;
         let amax = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
         let dd = amax / 127.0;
@@ -77,7 +82,12 @@ pub(crate) fn quantize_q8_0_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &
 
 /// Quantizes rows of 256-element blocks the Q8_K way: d = amax/127 and per-16 sums of the quants.
 pub(crate) fn quantize_q8_k_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], bsums: &mut [i16]) {
-    for (((xb, qb), d), bs) in x.chunks_exact(256).zip(qx.chunks_exact_mut(256)).zip(dx.iter_mut()).zip(bsums.chunks_exact_mut(16)) {
+    for (((xb, qb), d), bs) in x
+        .chunks_exact(256)
+        .zip(qx.chunks_exact_mut(256))
+        .zip(dx.iter_mut())
+        .zip(bsums.chunks_exact_mut(16))
+    {
         let amax = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
         let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
         for (q, &v) in qb.iter_mut().zip(xb) {
@@ -91,12 +101,27 @@ pub(crate) fn quantize_q8_k_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], bsums
 }
 
 /// out[m][n] = sum_k x[m][k] * W[n][k]   (x: m × cols row-major, out: m × rows row-major)
-pub fn matmul(pool: &ThreadPool, w: &Matrix, x: &[f32], m: usize, out: &mut [f32], scratch: &mut MatmulScratch) {
+pub fn matmul(
+    pool: &ThreadPool,
+    w: &Matrix,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+) {
     matmul_with(pool, w, x, m, out, scratch, simd_enabled());
 }
 
 /// `matmul` with an explicit kernel choice, so tests can compare the SIMD and portable paths.
-pub(crate) fn matmul_with(pool: &ThreadPool, w: &Matrix, x: &[f32], m: usize, out: &mut [f32], scratch: &mut MatmulScratch, simd: bool) {
+pub(crate) fn matmul_with(
+    pool: &ThreadPool,
+    w: &Matrix,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+    simd: bool,
+) {
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(x.len(), m * cols, "matmul: x must be m x cols");
     assert_eq!(out.len(), m * rows, "matmul: out must be m x rows");
@@ -105,8 +130,18 @@ pub(crate) fn matmul_with(pool: &ThreadPool, w: &Matrix, x: &[f32], m: usize, ou
     }
     let dt = w.dtype();
     prepare_acts(pool, dt, x, m, cols, scratch, simd);
-    let acts = QuantActs { qx: &scratch.qx, dx: &scratch.dx, sx: &scratch.sx, bsums: &scratch.bsums };
-    let job = Job { w, x, acts, out: OutPtr(out.as_mut_ptr()) };
+    let acts = QuantActs {
+        qx: &scratch.qx,
+        dx: &scratch.dx,
+        sx: &scratch.sx,
+        bsums: &scratch.bsums,
+    };
+    let job = Job {
+        w,
+        x,
+        acts,
+        out: OutPtr(out.as_mut_ptr()),
+    };
     let kernel = select_kernel(dt, simd);
 
     // Output features per task: a multiple of 8 (disjoint cache lines per thread), about 4 tasks per thread
@@ -129,7 +164,15 @@ pub(crate) fn matmul_with(pool: &ThreadPool, w: &Matrix, x: &[f32], m: usize, ou
     pool.run(n_row_tasks * n_m_tasks, &run_task);
 }
 
-fn prepare_acts(pool: &ThreadPool, dt: DType, x: &[f32], m: usize, cols: usize, s: &mut MatmulScratch, simd: bool) {
+fn prepare_acts(
+    pool: &ThreadPool,
+    dt: DType,
+    x: &[f32],
+    m: usize,
+    cols: usize,
+    s: &mut MatmulScratch,
+    simd: bool,
+) {
     let group = match dt {
         DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 32,
         DType::Q4K | DType::Q6K => 256,
@@ -148,7 +191,12 @@ fn prepare_acts(pool: &ThreadPool, dt: DType, x: &[f32], m: usize, cols: usize, 
     if group == 256 && s.bsums.len() < n / 16 {
         s.bsums.resize(n / 16, 0);
     }
-    let (qx, dx, sx, bs) = (&mut s.qx[..n], &mut s.dx[..n / group], &mut s.sx[..], &mut s.bsums[..]);
+    let (qx, dx, sx, bs) = (
+        &mut s.qx[..n],
+        &mut s.dx[..n / group],
+        &mut s.sx[..],
+        &mut s.bsums[..],
+    );
     let quant_rows = |x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32], bs: &mut [i16]| {
         if group == 32 {
             #[cfg(target_arch = "x86_64")]
@@ -164,12 +212,23 @@ fn prepare_acts(pool: &ThreadPool, dt: DType, x: &[f32], m: usize, cols: usize, 
     };
     let _ = simd;
     if m < 32 {
-        quant_rows(x, qx, dx, &mut sx[..if group == 32 { n / 32 } else { 0 }], &mut bs[..if group == 256 { n / 16 } else { 0 }]);
+        quant_rows(
+            x,
+            qx,
+            dx,
+            &mut sx[..if group == 32 { n / 32 } else { 0 }],
+            &mut bs[..if group == 256 { n / 16 } else { 0 }],
+        );
         return;
     }
     // Large batches: quantize rows in parallel, each task owning disjoint rows of every buffer.
     let rows_per = m.div_ceil(pool.n_threads() * 2);
-    let ptrs = (OutPtrI8(qx.as_mut_ptr()), OutPtr(dx.as_mut_ptr()), OutPtr(sx.as_mut_ptr()), OutPtrI16(bs.as_mut_ptr()));
+    let ptrs = (
+        OutPtrI8(qx.as_mut_ptr()),
+        OutPtr(dx.as_mut_ptr()),
+        OutPtr(sx.as_mut_ptr()),
+        OutPtrI16(bs.as_mut_ptr()),
+    );
     let n_tasks = m.div_ceil(rows_per);
     pool.run(n_tasks, &|t| {
         let r = t * rows_per..((t + 1) * rows_per).min(m);
@@ -178,9 +237,20 @@ fn prepare_acts(pool: &ThreadPool, dt: DType, x: &[f32], m: usize, cols: usize, 
         // SAFETY: row ranges of the tasks are disjoint and inside the buffers sized above.
         unsafe {
             let qx = std::slice::from_raw_parts_mut(p.0 .0.add(r.start * cols), nr * cols);
-            let dx = std::slice::from_raw_parts_mut(p.1 .0.add(r.start * cols / group), nr * cols / group);
-            let sx: &mut [f32] = if group == 32 { std::slice::from_raw_parts_mut(p.2 .0.add(r.start * cols / 32), nr * cols / 32) } else { &mut [] };
-            let bs: &mut [i16] = if group == 256 { std::slice::from_raw_parts_mut(p.3 .0.add(r.start * cols / 16), nr * cols / 16) } else { &mut [] };
+            let dx = std::slice::from_raw_parts_mut(
+                p.1 .0.add(r.start * cols / group),
+                nr * cols / group,
+            );
+            let sx: &mut [f32] = if group == 32 {
+                std::slice::from_raw_parts_mut(p.2 .0.add(r.start * cols / 32), nr * cols / 32)
+            } else {
+                &mut []
+            };
+            let bs: &mut [i16] = if group == 256 {
+                std::slice::from_raw_parts_mut(p.3 .0.add(r.start * cols / 16), nr * cols / 16)
+            } else {
+                &mut []
+            };
             quant_rows(&x[r.start * cols..r.end * cols], qx, dx, sx, bs);
         }
     });
@@ -216,14 +286,28 @@ fn portable_kernel(job: &Job, rows: Range<usize>, ms: Range<usize>) {
         for r in rows.clone() {
             let wr = &w.bytes()[r * rb..(r + 1) * rb];
             let v = match dt {
-                DType::F32 | DType::F16 | DType::BF16 => dot_float_portable(dt, wr, &job.x[i * cols..(i + 1) * cols]),
+                DType::F32 | DType::F16 | DType::BF16 => {
+                    dot_float_portable(dt, wr, &job.x[i * cols..(i + 1) * cols])
+                }
                 DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
                     let nb = cols / 32;
-                    dot_q32_portable(dt, wr, &a.qx[i * cols..(i + 1) * cols], &a.dx[i * nb..(i + 1) * nb], &a.sx[i * nb..(i + 1) * nb])
+                    dot_q32_portable(
+                        dt,
+                        wr,
+                        &a.qx[i * cols..(i + 1) * cols],
+                        &a.dx[i * nb..(i + 1) * nb],
+                        &a.sx[i * nb..(i + 1) * nb],
+                    )
                 }
                 DType::Q4K | DType::Q6K => {
                     let nb = cols / 256;
-                    dot_qk_portable(dt, wr, &a.qx[i * cols..(i + 1) * cols], &a.dx[i * nb..(i + 1) * nb], &a.bsums[i * cols / 16..(i + 1) * cols / 16])
+                    dot_qk_portable(
+                        dt,
+                        wr,
+                        &a.qx[i * cols..(i + 1) * cols],
+                        &a.dx[i * nb..(i + 1) * nb],
+                        &a.bsums[i * cols / 16..(i + 1) * cols / 16],
+                    )
                 }
             };
             // SAFETY: (i, r) is inside out (checked in matmul) and owned by this task.
@@ -234,9 +318,17 @@ fn portable_kernel(job: &Job, rows: Range<usize>, ms: Range<usize>) {
 
 fn dot_float_portable(dt: DType, wr: &[u8], x: &[f32]) -> f32 {
     match dt {
-        DType::F32 => wr.chunks_exact(4).zip(x).map(|(c, &v)| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * v).sum(),
+        DType::F32 => wr
+            .chunks_exact(4)
+            .zip(x)
+            .map(|(c, &v)| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * v)
+            .sum(),
         DType::F16 => wr.chunks_exact(2).zip(x).map(|(c, &v)| f16_at(c) * v).sum(),
-        _ => wr.chunks_exact(2).zip(x).map(|(c, &v)| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) * v).sum(),
+        _ => wr
+            .chunks_exact(2)
+            .zip(x)
+            .map(|(c, &v)| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) * v)
+            .sum(),
     }
 }
 
@@ -249,16 +341,25 @@ pub(crate) fn dot_q32_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], sx: 
         let d = f16_at(blk);
         match dt {
             DType::Q8_0 => {
-                let dot: i32 = blk[2..34].iter().zip(q).map(|(&w, &x)| w as i8 as i32 * x as i32).sum();
+                let dot: i32 = blk[2..34]
+                    .iter()
+                    .zip(q)
+                    .map(|(&w, &x)| w as i8 as i32 * x as i32)
+                    .sum();
                 acc += d * dx[b] * dot as f32;
             }
             _ => {
                 let qs = &blk[bb - 16..];
                 let mut dot = 0i32;
                 for j in 0..16 {
-                    dot += (qs[j] & 0xF) as i32 * q[j] as i32 + (qs[j] >> 4) as i32 * q[j + 16] as i32;
+                    dot +=
+                        (qs[j] & 0xF) as i32 * q[j] as i32 + (qs[j] >> 4) as i32 * q[j + 16] as i32;
                 }
-                let offset = if dt == DType::Q4_1 { f16_at(&blk[2..]) } else { -8.0 * d };
+                let offset = if dt == DType::Q4_1 {
+                    f16_at(&blk[2..])
+                } else {
+                    -8.0 * d
+                };
                 acc += d * dx[b] * dot as f32 + offset * sx[b];
             }
         }
@@ -295,7 +396,9 @@ pub(crate) fn dot_qk_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], bsums
             let mut sumi = 0i32;
             for g in 0..16 {
                 let sc = blk[192 + g] as i8 as i32;
-                let dot: i32 = (16 * g..16 * g + 16).map(|i| q6k_value(blk, i) * q[i] as i32).sum();
+                let dot: i32 = (16 * g..16 * g + 16)
+                    .map(|i| q6k_value(blk, i) * q[i] as i32)
+                    .sum();
                 sumi += sc * (dot - 32 * bs[g] as i32);
             }
             acc += dx[b] * d * sumi as f32;
@@ -334,7 +437,9 @@ pub(crate) mod tests {
         let mut out = vec![0f32; m * rows];
         for i in 0..m {
             for r in 0..rows {
-                out[i * rows + r] = (0..cols).map(|k| x[i * cols + k] as f64 * wf[r * cols + k] as f64).sum::<f64>() as f32;
+                out[i * rows + r] = (0..cols)
+                    .map(|k| x[i * cols + k] as f64 * wf[r * cols + k] as f64)
+                    .sum::<f64>() as f32;
             }
         }
         out
@@ -349,7 +454,16 @@ pub(crate) mod tests {
         }
     }
 
-    pub(crate) const ALL: [DType; 8] = [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4K, DType::Q6K];
+    pub(crate) const ALL: [DType; 8] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::Q4K,
+        DType::Q6K,
+    ];
 
     fn check(dt: DType, rows: usize, cols: usize, m: usize, threads: usize, simd: bool) {
         let w = quantized_matrix(dt, rows, cols, 11);
@@ -361,7 +475,10 @@ pub(crate) mod tests {
         let want = reference(&w, &x, m);
         let tol = tolerance(dt, cols);
         for (i, (a, b)) in out.iter().zip(&want).enumerate() {
-            assert!((a - b).abs() <= tol, "{dt:?} {rows}x{cols} m={m} simd={simd}: out[{i}] = {a}, want {b}");
+            assert!(
+                (a - b).abs() <= tol,
+                "{dt:?} {rows}x{cols} m={m} simd={simd}: out[{i}] = {a}, want {b}"
+            );
         }
     }
 
@@ -376,7 +493,15 @@ pub(crate) mod tests {
 
     #[test]
     fn activation_quantization_is_exact_for_representable_values() {
-        let x: Vec<f32> = (0..32).map(|i| (i as f32 - 16.0) / 127.0 * 2.0).collect();
+        let x: Vec<f32> = (0..32)
+            .map(|i| {
+                if i == 0 {
+                    1.27
+                } else {
+                    (i * 7 - 100) as f32 * 0.01
+                }
+            })
+            .collect();
         let (mut q, mut d, mut s) = (vec![0i8; 32], vec![0f32; 1], vec![0f32; 1]);
         quantize_q8_0_acts(&x, &mut q, &mut d, &mut s);
         for (qi, xi) in q.iter().zip(&x) {

@@ -4,7 +4,10 @@ use crate::dispatch::simd_enabled;
 
 /// RMS normalization `out = x / sqrt(mean(x²) + eps) * weight`, the Llama pre-norm.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    assert!(x.len() == weight.len() && x.len() == out.len(), "rms_norm: length mismatch");
+    assert!(
+        x.len() == weight.len() && x.len() == out.len(),
+        "rms_norm: length mismatch"
+    );
     #[cfg(target_arch = "x86_64")]
     if simd_enabled() {
         // SAFETY: simd_enabled implies AVX2+FMA support.

@@ -52,8 +52,18 @@ fn inv_freqs(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<f64> {
             match *scaling {
                 RopeScaling::None => f,
                 RopeScaling::Linear { factor } => f / factor as f64,
-                RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
-                    let (factor, lo, hi, old) = (factor as f64, low_freq_factor as f64, high_freq_factor as f64, original_max_position as f64);
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position,
+                } => {
+                    let (factor, lo, hi, old) = (
+                        factor as f64,
+                        low_freq_factor as f64,
+                        high_freq_factor as f64,
+                        original_max_position as f64,
+                    );
                     let wavelen = 2.0 * std::f64::consts::PI / f;
                     if wavelen < old / hi {
                         f
@@ -71,8 +81,14 @@ fn inv_freqs(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<f64> {
 
 impl RopeTable {
     /// Precomputes cos/sin for positions `0..max_positions` (computed in f64 to keep long positions exact).
-    pub fn new(head_dim: usize, theta: f32, scaling: &RopeScaling, max_positions: usize, style: RopeStyle) -> RopeTable {
-        assert!(head_dim % 2 == 0, "rope head_dim must be even");
+    pub fn new(
+        head_dim: usize,
+        theta: f32,
+        scaling: &RopeScaling,
+        max_positions: usize,
+        style: RopeStyle,
+    ) -> RopeTable {
+        assert!(head_dim.is_multiple_of(2), "rope head_dim must be even");
         let freqs = inv_freqs(head_dim, theta, scaling);
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(max_positions * half);
@@ -84,7 +100,13 @@ impl RopeTable {
                 sin.push(a.sin() as f32);
             }
         }
-        RopeTable { head_dim, max_positions, style, cos, sin }
+        RopeTable {
+            head_dim,
+            max_positions,
+            style,
+            cos,
+            sin,
+        }
     }
 
     /// Width of one head this table rotates.
@@ -107,8 +129,16 @@ impl RopeTable {
 pub fn apply_rope(x: &mut [f32], n_heads: usize, pos: usize, table: &RopeTable) {
     let hd = table.head_dim;
     let half = hd / 2;
-    assert_eq!(x.len(), n_heads * hd, "apply_rope: x must be n_heads * head_dim");
-    assert!(pos < table.max_positions, "apply_rope: position {pos} beyond table of {}", table.max_positions);
+    assert_eq!(
+        x.len(),
+        n_heads * hd,
+        "apply_rope: x must be n_heads * head_dim"
+    );
+    assert!(
+        pos < table.max_positions,
+        "apply_rope: position {pos} beyond table of {}",
+        table.max_positions
+    );
     let cos = &table.cos[pos * half..(pos + 1) * half];
     let sin = &table.sin[pos * half..(pos + 1) * half];
     for head in x.chunks_exact_mut(hd) {
@@ -159,18 +189,34 @@ mod tests {
         let a = RopeTable::new(hd, 100000.0, &RopeScaling::None, 10, RopeStyle::Neox);
         let b = RopeTable::new(hd, 100000.0, &RopeScaling::None, 10, RopeStyle::Interleaved);
         let x: Vec<f32> = (0..hd).map(|i| i as f32 * 0.1 - 3.0).collect();
-        let mut y: Vec<f32> = (0..hd).map(|j| if j % 2 == 0 { x[j / 2] } else { x[j / 2 + hd / 2] }).collect();
+        let mut y: Vec<f32> = (0..hd)
+            .map(|j| {
+                if j % 2 == 0 {
+                    x[j / 2]
+                } else {
+                    x[j / 2 + hd / 2]
+                }
+            })
+            .collect();
         let mut xn = x.clone();
         apply_rope(&mut xn, 1, 7, &a);
         apply_rope(&mut y, 1, 7, &b);
         for i in 0..hd / 2 {
-            assert!((xn[i] - y[2 * i]).abs() < 1e-5 && (xn[i + hd / 2] - y[2 * i + 1]).abs() < 1e-5);
+            assert!(
+                (xn[i] - y[2 * i]).abs() < 1e-5 && (xn[i + hd / 2] - y[2 * i + 1]).abs() < 1e-5
+            );
         }
     }
 
     #[test]
     fn rotation_angle_is_pos_times_freq() {
-        let t = RopeTable::new(4, 100.0, &RopeScaling::Linear { factor: 2.0 }, 8, RopeStyle::Interleaved);
+        let t = RopeTable::new(
+            4,
+            100.0,
+            &RopeScaling::Linear { factor: 2.0 },
+            8,
+            RopeStyle::Interleaved,
+        );
         let mut x = vec![1.0, 0.0, 1.0, 0.0];
         apply_rope(&mut x, 1, 3, &t);
         // pair 0: freq 1 / 2 -> angle 1.5; pair 1: freq 100^-0.5 / 2 = 0.05 -> angle 0.15.
@@ -180,7 +226,12 @@ mod tests {
 
     #[test]
     fn llama3_scaling_matches_hf_bands() {
-        let s = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 };
+        let s = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192,
+        };
         let base = inv_freqs(128, 500000.0, &RopeScaling::None);
         let f = inv_freqs(128, 500000.0, &s);
         assert_eq!(f[0], base[0]); // highest frequency: wavelength 2π < 2048, kept

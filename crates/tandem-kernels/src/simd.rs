@@ -40,7 +40,10 @@ pub(crate) unsafe fn exp256(x: __m256) -> __m256 {
     let lo_bound = _mm256_set1_ps(-87.3);
     let keep = _mm256_cmp_ps(x, lo_bound, _CMP_GT_OQ);
     let xc = _mm256_min_ps(_mm256_max_ps(x, lo_bound), _mm256_set1_ps(88.3));
-    let n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(std::f32::consts::LOG2_E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    let n = _mm256_round_ps(
+        _mm256_mul_ps(xc, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+    );
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), xc);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
     let mut y = _mm256_set1_ps(1.987_569_1e-4);
@@ -48,10 +51,13 @@ pub(crate) unsafe fn exp256(x: __m256) -> __m256 {
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.333_452e-3));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.166_579_6e-2));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.666_666_5e-1));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.000_000_1e-1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5));
     let r2 = _mm256_mul_ps(r, r);
     y = _mm256_fmadd_ps(y, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
-    let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    let e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+        23,
+    );
     _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep)
 }
 
@@ -79,7 +85,10 @@ pub(crate) unsafe fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f3
     while i + 8 <= n {
         let a = _mm256_loadu_ps(x.as_ptr().add(i));
         let w = _mm256_loadu_ps(weight.as_ptr().add(i));
-        _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(_mm256_mul_ps(a, vi), w));
+        _mm256_storeu_ps(
+            out.as_mut_ptr().add(i),
+            _mm256_mul_ps(_mm256_mul_ps(a, vi), w),
+        );
         i += 8;
     }
     for j in i..n {
@@ -136,7 +145,11 @@ pub(crate) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let mut i = 0;
     while i + 16 <= n {
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+        acc1 = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i + 8)),
+            _mm256_loadu_ps(pb.add(i + 8)),
+            acc1,
+        );
         i += 16;
     }
     if i + 8 <= n {
@@ -160,7 +173,10 @@ pub(crate) unsafe fn axpy_f32(y: &mut [f32], a: f32, x: &[f32]) {
     let mut i = 0;
     while i + 8 <= n {
         let p = y.as_mut_ptr().add(i);
-        _mm256_storeu_ps(p, _mm256_fmadd_ps(va, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)));
+        _mm256_storeu_ps(
+            p,
+            _mm256_fmadd_ps(va, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)),
+        );
         i += 8;
     }
     while i < n {
@@ -176,20 +192,33 @@ pub(crate) unsafe fn quantize_q8_0_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32]
     let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for b in 0..x.len() / 32 {
         let p = x.as_ptr().add(32 * b);
-        let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
         let m01 = _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1]));
         let m23 = _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]));
         let amax = hmax(_mm256_max_ps(m01, m23));
         let d = amax / 127.0;
         let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
-        let r = |v: __m256| _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        let r = |v: __m256| {
+            _mm256_cvtps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(v, id),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            ))
+        };
         let (i0, i1, i2, i3) = (r(v[0]), r(v[1]), r(v[2]), r(v[3]));
         let s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
         let s128 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
         let s128 = _mm_hadd_epi32(s128, s128);
         let sum = _mm_cvtsi128_si32(_mm_hadd_epi32(s128, s128));
         let packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-        _mm256_storeu_si256(qx.as_mut_ptr().add(32 * b) as *mut __m256i, _mm256_permutevar8x32_epi32(packed, perm));
+        _mm256_storeu_si256(
+            qx.as_mut_ptr().add(32 * b) as *mut __m256i,
+            _mm256_permutevar8x32_epi32(packed, perm),
+        );
         dx[b] = d;
         sx[b] = d * sum as f32;
     }
@@ -211,7 +240,10 @@ mod tests {
             unsafe { _mm256_storeu_ps(out.as_mut_ptr(), exp256(_mm256_loadu_ps(c.as_ptr()))) };
             for (o, &x) in out.iter().zip(c) {
                 let want = (x as f64).exp();
-                assert!(((*o as f64) - want).abs() <= 2e-7 * want, "exp({x}) = {o}, want {want}");
+                assert!(
+                    ((*o as f64) - want).abs() <= 2e-7 * want,
+                    "exp({x}) = {o}, want {want}"
+                );
             }
         }
         let mut out = [1f32; 8];
@@ -224,7 +256,9 @@ mod tests {
         if !cpu_has_avx2() {
             return;
         }
-        let x: Vec<f32> = (0..256).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0 + 0.0013).collect();
+        let x: Vec<f32> = (0..256)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0 + 0.0013)
+            .collect();
         let (mut q1, mut d1, mut s1) = (vec![0i8; 256], vec![0f32; 8], vec![0f32; 8]);
         let (mut q2, mut d2, mut s2) = (vec![0i8; 256], vec![0f32; 8], vec![0f32; 8]);
         crate::matmul::quantize_q8_0_acts(&x, &mut q1, &mut d1, &mut s1);

@@ -44,7 +44,11 @@ fn pack(generation: u32, n: usize, next: usize) -> u64 {
 
 #[inline(always)]
 fn unpack(s: u64) -> (u32, usize, usize) {
-    ((s >> 32) as u32, ((s >> 16) & 0xFFFF) as usize, (s & 0xFFFF) as usize)
+    (
+        (s >> 32) as u32,
+        ((s >> 16) & 0xFFFF) as usize,
+        (s & 0xFFFF) as usize,
+    )
 }
 
 impl Shared {
@@ -56,7 +60,10 @@ impl Shared {
             if g != generation || next >= n {
                 return;
             }
-            match self.state.compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire) {
+            match self
+                .state
+                .compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
                 Ok(_) => {
                     // SAFETY: holding an unfinished task of `generation` means the caller is still inside `run`
                     // for this generation, so `job` is set and the closure it points to is alive.
@@ -105,7 +112,12 @@ impl ThreadPool {
                     .expect("spawn kernel worker thread")
             })
             .collect();
-        ThreadPool { shared, workers, n_threads, dispatch: Mutex::new(0) }
+        ThreadPool {
+            shared,
+            workers,
+            n_threads,
+            dispatch: Mutex::new(0),
+        }
     }
 
     /// Threads that run tasks, the caller included: kernels size their work split with it.
@@ -176,10 +188,12 @@ fn worker_loop(sh: &Shared) {
                 break g;
             }
             i = i.wrapping_add(1);
-            if i % 64 == 0 && spin_start.elapsed() > SPIN {
+            if i.is_multiple_of(64) && spin_start.elapsed() > SPIN {
                 let mut guard = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
                 sh.sleepers.fetch_add(1, Ordering::SeqCst);
-                while unpack(sh.state.load(Ordering::SeqCst)).0 == seen && !sh.shutdown.load(Ordering::SeqCst) {
+                while unpack(sh.state.load(Ordering::SeqCst)).0 == seen
+                    && !sh.shutdown.load(Ordering::SeqCst)
+                {
                     guard = sh.wake.wait(guard).unwrap_or_else(|e| e.into_inner());
                 }
                 sh.sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -210,7 +224,9 @@ impl Drop for ThreadPool {
 
 impl std::fmt::Debug for ThreadPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ThreadPool").field("n_threads", &self.n_threads).finish()
+        f.debug_struct("ThreadPool")
+            .field("n_threads", &self.n_threads)
+            .finish()
     }
 }
 
@@ -227,7 +243,10 @@ mod tests {
                 pool.run(n, &|i| {
                     hits[i].fetch_add(1, Ordering::Relaxed);
                 });
-                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "threads {threads} n {n}");
+                assert!(
+                    hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                    "threads {threads} n {n}"
+                );
             }
         }
     }

@@ -6,7 +6,10 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::mem::{MemSink, MemSource};
-use crate::{InProcTransport, KvClient, KvError, KvServer, KvServerConfig, KvTransport, PeerInfo, ShmTransport, TcpConfig, TcpTransport, WireDtype, WireLayout};
+use crate::{
+    InProcTransport, KvClient, KvError, KvServer, KvServerConfig, KvTransport, PeerInfo,
+    ShmTransport, TcpConfig, TcpTransport, WireDtype, WireLayout,
+};
 
 /// Which transport a benchmark run exercises.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -52,16 +55,42 @@ pub struct BenchReport {
 /// Runs `cfg` against a local server (random data, checked once after the warm-up) and reports GB/s.
 pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, KvError> {
     // block_bytes = 2 * n_kv_heads * block_size * head_dim * 4 with n_kv_heads = block_size = 1.
-    let layout = WireLayout { n_layers: cfg.n_layers, n_heads: 1, n_kv_heads: 1, head_dim: (cfg.block_bytes / 8).max(1), block_size: 1, dtype: WireDtype::F32 };
-    let info = PeerInfo { model_id: "bench".into(), layout };
+    let layout = WireLayout {
+        n_layers: cfg.n_layers,
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: (cfg.block_bytes / 8).max(1),
+        block_size: 1,
+        dtype: WireDtype::F32,
+    };
+    let info = PeerInfo {
+        model_id: "bench".into(),
+        layout,
+    };
     let source = Arc::new(MemSource::random(layout, cfg.n_blocks, 7));
-    let server = KvServer::new(KvServerConfig { pin_timeout: Duration::from_secs(120), io_timeout: Duration::from_secs(60), ..KvServerConfig::default() }, info.clone(), source.clone());
+    let server = KvServer::new(
+        KvServerConfig {
+            pin_timeout: Duration::from_secs(120),
+            io_timeout: Duration::from_secs(60),
+            ..KvServerConfig::default()
+        },
+        info.clone(),
+        source.clone(),
+    );
     let listener = server.listen("127.0.0.1:0").await?;
-    let tcp = |streams| TcpConfig { streams, io_timeout: Duration::from_secs(60), ..TcpConfig::default() };
+    let tcp = |streams| TcpConfig {
+        streams,
+        io_timeout: Duration::from_secs(60),
+        ..TcpConfig::default()
+    };
     let transport: Arc<dyn KvTransport> = match cfg.transport {
         BenchTransport::InProc => Arc::new(InProcTransport::new(server.clone(), info.clone())),
         BenchTransport::Tcp(s) => Arc::new(TcpTransport::new(info.clone(), tcp(s))),
-        BenchTransport::Shm => Arc::new(ShmTransport::new(info.clone(), tcp(1), crate::default_shm_dir())),
+        BenchTransport::Shm => Arc::new(ShmTransport::new(
+            info.clone(),
+            tcp(1),
+            crate::default_shm_dir(),
+        )),
     };
     let client = KvClient::new(transport);
     // Blocks in reverse order, so the source gathers rather than copying one contiguous run.
@@ -77,7 +106,9 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, KvError> {
             for l in [0, cfg.n_layers - 1] {
                 for (i, &b) in blocks.iter().enumerate() {
                     if sink.block(l, i) != source.block(l, b) {
-                        return Err(KvError::Sink(format!("benchmark data mismatch at layer {l} block {i}")));
+                        return Err(KvError::Sink(format!(
+                            "benchmark data mismatch at layer {l} block {i}"
+                        )));
                     }
                 }
             }
@@ -88,5 +119,11 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, KvError> {
     listener.shutdown();
     times.sort_by(f64::total_cmp);
     let median_s = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
-    Ok(BenchReport { transport: cfg.transport, bytes_per_pull: bytes, iters: cfg.iters, median_s, gb_per_s: bytes as f64 / median_s / 1e9 })
+    Ok(BenchReport {
+        transport: cfg.transport,
+        bytes_per_pull: bytes,
+        iters: cfg.iters,
+        median_s,
+        gb_per_s: bytes as f64 / median_s / 1e9,
+    })
 }

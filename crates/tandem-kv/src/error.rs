@@ -73,7 +73,11 @@ impl KvError {
 }
 
 /// Awaits `fut` for at most `after`, turning an elapsed deadline into [`KvError::Timeout`].
-pub(crate) async fn timed<T, F>(after: Duration, context: &'static str, fut: F) -> Result<T, KvError>
+pub(crate) async fn timed<T, F>(
+    after: Duration,
+    context: &'static str,
+    fut: F,
+) -> Result<T, KvError>
 where
     F: std::future::Future<Output = Result<T, KvError>>,
 {

@@ -38,12 +38,14 @@
 //! dtype, block size, layer count, head counts and head dim; a difference is refused at first contact as
 //! [`KvError::Mismatch`] naming the field (never a silent recompute). Then either
 //! - `Pull{layers, control, checksum}` → `Data`* → `PullDone` (TCP data plane), or
-//! - `ShmPull` → `ShmOpen{path, total_len, n_blocks}` → `ShmLayer`* → `PullDone`, where layer `l` sits at
-//!   offset `l * n_blocks * block_bytes` of the file and each `ShmLayer` is sent once that layer is written;
+//! - `ShmPull` → `ShmOpen{path, map_len, total_len, n_blocks}` → `ShmLayer`* → `PullDone`, where layer `l`
+//!   sits at offset `l * n_blocks * block_bytes` of the file and each `ShmLayer` is sent once that layer is
+//!   written;
 //!
 //! and on the control connection `Ack` → `AckOk` or `Abort`. An `Error(WireError)` frame may replace any
-//! server reply; the server then closes. The shared-memory file is unlinked when the control connection
-//! acks, aborts or ends.
+//! server reply; the server then closes. Shared-memory files are pooled: a segment belongs to one transfer
+//! from `ShmOpen` until that transfer's ack, abort or disconnect, then returns to the server's pool (files
+//! beyond `shm_cache_bytes` are unlinked); clients keep their read-only mappings cached.
 
 pub mod bench;
 mod error;
@@ -52,6 +54,7 @@ mod metrics;
 mod peer;
 mod registry;
 mod server;
+mod shm_pool;
 mod source;
 pub mod transport;
 pub mod wire;

@@ -27,7 +27,11 @@ impl MemSource {
                 v
             })
             .collect();
-        MemSource { layers, block_bytes, releases: Mutex::new(HashMap::new()) }
+        MemSource {
+            layers,
+            block_bytes,
+            releases: Mutex::new(HashMap::new()),
+        }
     }
 
     /// The bytes of one (layer, block), to compare against what a sink received.
@@ -43,15 +47,30 @@ impl MemSource {
 }
 
 impl KvSource for MemSource {
-    fn copy_blocks(&self, _transfer_id: u64, layer: usize, blocks: &[u32], out: &mut [u8]) -> Result<(), KvError> {
+    fn copy_blocks(
+        &self,
+        _transfer_id: u64,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), KvError> {
         let bb = self.block_bytes;
-        let src = self.layers.get(layer).ok_or_else(|| KvError::Source(format!("no layer {layer}")))?;
+        let src = self
+            .layers
+            .get(layer)
+            .ok_or_else(|| KvError::Source(format!("no layer {layer}")))?;
         if out.len() != blocks.len() * bb {
-            return Err(KvError::Source(format!("buffer of {} bytes for {} blocks", out.len(), blocks.len())));
+            return Err(KvError::Source(format!(
+                "buffer of {} bytes for {} blocks",
+                out.len(),
+                blocks.len()
+            )));
         }
         for (dst, &b) in out.chunks_exact_mut(bb).zip(blocks) {
             let off = b as usize * bb;
-            let s = src.get(off..off + bb).ok_or_else(|| KvError::Source(format!("no block {b}")))?;
+            let s = src
+                .get(off..off + bb)
+                .ok_or_else(|| KvError::Source(format!("no block {b}")))?;
             dst.copy_from_slice(s);
         }
         Ok(())
@@ -75,7 +94,9 @@ impl MemSink {
     /// A zeroed destination for a transfer of `n_blocks` blocks.
     pub fn new(layout: WireLayout, n_blocks: usize) -> Self {
         MemSink {
-            layers: (0..layout.n_layers).map(|_| Mutex::new(vec![0u8; n_blocks * layout.block_bytes()])).collect(),
+            layers: (0..layout.n_layers)
+                .map(|_| Mutex::new(vec![0u8; n_blocks * layout.block_bytes()]))
+                .collect(),
             block_bytes: layout.block_bytes(),
             layers_complete: AtomicUsize::new(0),
             completes: AtomicUsize::new(0),
@@ -85,7 +106,10 @@ impl MemSink {
 
     /// A sink whose writes to `layer` fail, to exercise the abort path.
     pub fn failing_at(layout: WireLayout, n_blocks: usize, layer: usize) -> Self {
-        MemSink { fail_at_layer: Some(layer), ..MemSink::new(layout, n_blocks) }
+        MemSink {
+            fail_at_layer: Some(layer),
+            ..MemSink::new(layout, n_blocks)
+        }
     }
 
     /// Copy of block index `i` (within the transfer) of `layer`.
@@ -109,10 +133,15 @@ impl KvSink for MemSink {
         if self.fail_at_layer == Some(layer) {
             return Err(KvError::Sink(format!("injected failure at layer {layer}")));
         }
-        let dst = self.layers.get(layer).ok_or_else(|| KvError::Sink(format!("no layer {layer}")))?;
+        let dst = self
+            .layers
+            .get(layer)
+            .ok_or_else(|| KvError::Sink(format!("no layer {layer}")))?;
         let mut dst = dst.lock();
         let off = first_block * self.block_bytes;
-        let slot = dst.get_mut(off..off + data.len()).ok_or_else(|| KvError::Sink(format!("blocks past the end at layer {layer}")))?;
+        let slot = dst
+            .get_mut(off..off + data.len())
+            .ok_or_else(|| KvError::Sink(format!("blocks past the end at layer {layer}")))?;
         slot.copy_from_slice(data);
         Ok(())
     }

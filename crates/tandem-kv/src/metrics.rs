@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Why a pin was released; counted separately so a dashboard shows timeouts and aborts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,7 +33,7 @@ pub struct KvMetrics {
 }
 
 /// A point-in-time copy of [`KvMetrics`], for export and tests.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvMetricsSnapshot {
     /// Payload bytes a server sent.
     pub bytes_sent: u64,

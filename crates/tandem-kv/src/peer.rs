@@ -8,7 +8,11 @@ fn cmp<T: PartialEq + std::fmt::Debug>(field: &'static str, l: &T, r: &T) -> Res
     if l == r {
         Ok(())
     } else {
-        Err(KvError::Mismatch { field, local: format!("{l:?}"), remote: format!("{r:?}") })
+        Err(KvError::Mismatch {
+            field,
+            local: format!("{l:?}"),
+            remote: format!("{r:?}"),
+        })
     }
 }
 
@@ -96,8 +100,31 @@ pub(crate) mod tests {
     pub(crate) fn smollm_info() -> PeerInfo {
         PeerInfo {
             model_id: "smollm2-135m-q4_1".into(),
-            layout: WireLayout { n_layers: 30, n_heads: 9, n_kv_heads: 3, head_dim: 64, block_size: 16, dtype: WireDtype::F32 },
+            layout: WireLayout {
+                n_layers: 30,
+                n_heads: 9,
+                n_kv_heads: 3,
+                head_dim: 64,
+                block_size: 16,
+                dtype: WireDtype::F32,
+            },
         }
+    }
+
+    /// Mutates a `PeerInfo` so that one field no longer matches.
+    pub(crate) type Breaker = fn(&mut PeerInfo);
+
+    /// One way to break each handshake field, paired with the field name the refusal must carry.
+    pub(crate) fn mismatch_cases() -> Vec<(&'static str, Breaker)> {
+        vec![
+            ("model_id", |p| p.model_id = "llama-3-8b".into()),
+            ("dtype", |p| p.layout.dtype = WireDtype::Bf16),
+            ("block_size", |p| p.layout.block_size = 32),
+            ("n_layers", |p| p.layout.n_layers = 32),
+            ("n_heads", |p| p.layout.n_heads = 32),
+            ("n_kv_heads", |p| p.layout.n_kv_heads = 8),
+            ("head_dim", |p| p.layout.head_dim = 128),
+        ]
     }
 
     #[test]
@@ -108,21 +135,17 @@ pub(crate) mod tests {
     #[test]
     fn each_field_mismatch_is_named() {
         let base = smollm_info();
-        let cases: Vec<(&str, Box<dyn Fn(&mut PeerInfo)>)> = vec![
-            ("model_id", Box::new(|p| p.model_id = "other".into())),
-            ("dtype", Box::new(|p| p.layout.dtype = WireDtype::Bf16)),
-            ("block_size", Box::new(|p| p.layout.block_size = 32)),
-            ("n_layers", Box::new(|p| p.layout.n_layers = 31)),
-            ("n_heads", Box::new(|p| p.layout.n_heads = 12)),
-            ("n_kv_heads", Box::new(|p| p.layout.n_kv_heads = 4)),
-            ("head_dim", Box::new(|p| p.layout.head_dim = 128)),
-        ];
+        let cases = mismatch_cases();
         assert!(base.check_compatible(&base).is_ok());
         for (field, mutate) in cases {
             let mut other = base.clone();
             mutate(&mut other);
             match base.check_compatible(&other) {
-                Err(KvError::Mismatch { field: f, local, remote }) => {
+                Err(KvError::Mismatch {
+                    field: f,
+                    local,
+                    remote,
+                }) => {
                     assert_eq!(f, field);
                     assert_ne!(local, remote);
                 }

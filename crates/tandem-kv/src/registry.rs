@@ -27,19 +27,36 @@ pub(crate) struct PinRegistry {
 
 impl PinRegistry {
     pub(crate) fn new(source: Arc<dyn KvSource>, metrics: Arc<KvMetrics>) -> Self {
-        PinRegistry { pins: Mutex::new(HashMap::new()), source, metrics }
+        PinRegistry {
+            pins: Mutex::new(HashMap::new()),
+            source,
+            metrics,
+        }
     }
 
     pub(crate) fn source(&self) -> &dyn KvSource {
         &*self.source
     }
 
-    pub(crate) fn register(&self, transfer_id: u64, blocks: Arc<[u32]>, ttl: Duration) -> Result<(), KvError> {
+    pub(crate) fn register(
+        &self,
+        transfer_id: u64,
+        blocks: Arc<[u32]>,
+        ttl: Duration,
+    ) -> Result<(), KvError> {
         let mut pins = self.pins.lock();
         if pins.contains_key(&transfer_id) {
             return Err(KvError::DuplicateTransfer(transfer_id));
         }
-        pins.insert(transfer_id, Pin { blocks, deadline: Instant::now() + ttl, readers: 0, pending: None });
+        pins.insert(
+            transfer_id,
+            Pin {
+                blocks,
+                deadline: Instant::now() + ttl,
+                readers: 0,
+                pending: None,
+            },
+        );
         Ok(())
     }
 
@@ -49,7 +66,11 @@ impl PinRegistry {
         match pins.get_mut(&transfer_id) {
             Some(p) if p.pending.is_none() => {
                 p.readers += 1;
-                Ok(ReadGuard { registry: Arc::clone(self), transfer_id, blocks: Arc::clone(&p.blocks) })
+                Ok(ReadGuard {
+                    registry: Arc::clone(self),
+                    transfer_id,
+                    blocks: Arc::clone(&p.blocks),
+                })
             }
             _ => Err(KvError::UnknownTransfer(transfer_id)),
         }
@@ -59,7 +80,9 @@ impl PinRegistry {
     pub(crate) fn finish(&self, transfer_id: u64, why: ReleaseReason) -> bool {
         let blocks = {
             let mut pins = self.pins.lock();
-            let Some(p) = pins.get_mut(&transfer_id) else { return false };
+            let Some(p) = pins.get_mut(&transfer_id) else {
+                return false;
+            };
             if p.pending.is_some() {
                 return false;
             }
@@ -75,9 +98,17 @@ impl PinRegistry {
 
     /// Releases every pin whose deadline passed; returns how many it claimed.
     pub(crate) fn reap(&self, now: Instant) -> usize {
-        let expired: Vec<u64> =
-            self.pins.lock().iter().filter(|(_, p)| p.deadline <= now && p.pending.is_none()).map(|(t, _)| *t).collect();
-        expired.into_iter().filter(|t| self.finish(*t, ReleaseReason::Timeout)).count()
+        let expired: Vec<u64> = self
+            .pins
+            .lock()
+            .iter()
+            .filter(|(_, p)| p.deadline <= now && p.pending.is_none())
+            .map(|(t, _)| *t)
+            .collect();
+        expired
+            .into_iter()
+            .filter(|t| self.finish(*t, ReleaseReason::Timeout))
+            .count()
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -85,7 +116,12 @@ impl PinRegistry {
     }
 
     fn release(&self, transfer_id: u64, blocks: &[u32], why: ReleaseReason) {
-        tracing::debug!(transfer_id, ?why, n_blocks = blocks.len(), "releasing KV pin");
+        tracing::debug!(
+            transfer_id,
+            ?why,
+            n_blocks = blocks.len(),
+            "releasing KV pin"
+        );
         self.metrics.released(why);
         self.source.release(transfer_id, blocks);
     }
@@ -102,10 +138,14 @@ impl Drop for ReadGuard {
     fn drop(&mut self) {
         let released = {
             let mut pins = self.registry.pins.lock();
-            let p = pins.get_mut(&self.transfer_id).expect("a read guard keeps its pin registered");
+            let p = pins
+                .get_mut(&self.transfer_id)
+                .expect("a read guard keeps its pin registered");
             p.readers -= 1;
             match p.pending {
-                Some(why) if p.readers == 0 => Some((pins.remove(&self.transfer_id).expect("present").blocks, why)),
+                Some(why) if p.readers == 0 => {
+                    Some((pins.remove(&self.transfer_id).expect("present").blocks, why))
+                }
                 _ => None,
             }
         };
@@ -123,19 +163,26 @@ mod tests {
 
     fn registry() -> (Arc<MemSource>, Arc<PinRegistry>) {
         let src = Arc::new(MemSource::random(smollm_info().layout, 8, 1));
-        let reg = Arc::new(PinRegistry::new(src.clone(), Arc::new(KvMetrics::default())));
+        let reg = Arc::new(PinRegistry::new(
+            src.clone(),
+            Arc::new(KvMetrics::default()),
+        ));
         (src, reg)
     }
 
     #[test]
     fn release_waits_for_readers_and_happens_once() {
         let (src, reg) = registry();
-        reg.register(1, Arc::from(vec![0u32, 1]), Duration::from_secs(60)).unwrap();
+        reg.register(1, Arc::from(vec![0u32, 1]), Duration::from_secs(60))
+            .unwrap();
         let g = reg.begin_read(1).unwrap();
         assert!(reg.finish(1, ReleaseReason::Abort));
         assert_eq!(src.releases(1), 0, "must not release under a reader");
         assert!(!reg.finish(1, ReleaseReason::Ack));
-        assert!(reg.begin_read(1).is_err(), "no new readers after release was requested");
+        assert!(
+            reg.begin_read(1).is_err(),
+            "no new readers after release was requested"
+        );
         drop(g);
         assert_eq!(src.releases(1), 1);
         assert!(!reg.finish(1, ReleaseReason::Ack));
@@ -146,9 +193,14 @@ mod tests {
     #[test]
     fn reaper_releases_expired_only() {
         let (src, reg) = registry();
-        reg.register(1, Arc::from(vec![0u32]), Duration::from_millis(0)).unwrap();
-        reg.register(2, Arc::from(vec![1u32]), Duration::from_secs(60)).unwrap();
-        assert!(matches!(reg.register(2, Arc::from(vec![1u32]), Duration::from_secs(60)), Err(KvError::DuplicateTransfer(2))));
+        reg.register(1, Arc::from(vec![0u32]), Duration::from_millis(0))
+            .unwrap();
+        reg.register(2, Arc::from(vec![1u32]), Duration::from_secs(60))
+            .unwrap();
+        assert!(matches!(
+            reg.register(2, Arc::from(vec![1u32]), Duration::from_secs(60)),
+            Err(KvError::DuplicateTransfer(2))
+        ));
         assert_eq!(reg.reap(Instant::now()), 1);
         assert_eq!((src.releases(1), src.releases(2)), (1, 0));
         assert_eq!(reg.len(), 1);

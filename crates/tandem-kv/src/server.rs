@@ -6,14 +6,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use memmap2::MmapOptions;
 use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
 use crate::metrics::ReleaseReason;
 use crate::registry::PinRegistry;
-use crate::wire::{self, FrameHeader, FrameKind, FrameReader, PullRequest, ShmOpen, WireError, FLAG_CHECKSUM};
+use crate::shm_pool::{ShmPool, ShmSegment};
+use crate::wire::{
+    self, FrameHeader, FrameKind, FrameReader, PullRequest, ShmOpen, WireError, FLAG_CHECKSUM,
+};
 use crate::{KvError, KvMetrics, KvSource, PeerInfo, TransferHandle};
 
 /// Knobs of a [`KvServer`].
@@ -29,6 +31,8 @@ pub struct KvServerConfig {
     pub max_frame_bytes: usize,
     /// Directory for shared-memory transfer files.
     pub shm_dir: PathBuf,
+    /// Bytes of idle shared-memory segments kept mapped for reuse.
+    pub shm_cache_bytes: usize,
 }
 
 impl Default for KvServerConfig {
@@ -39,6 +43,7 @@ impl Default for KvServerConfig {
             io_timeout: Duration::from_secs(10),
             max_frame_bytes: 64 << 20,
             shm_dir: default_shm_dir(),
+            shm_cache_bytes: 2 << 30,
         }
     }
 }
@@ -58,6 +63,7 @@ pub(crate) struct ServerInner {
     pub(crate) info: PeerInfo,
     pub(crate) registry: Arc<PinRegistry>,
     pub(crate) metrics: Arc<KvMetrics>,
+    pub(crate) shm_pool: ShmPool,
     next_id: AtomicU64,
     endpoint: Mutex<String>,
 }
@@ -91,10 +97,14 @@ impl KvServer {
     pub fn new(config: KvServerConfig, info: PeerInfo, source: Arc<dyn KvSource>) -> Self {
         let metrics = Arc::new(KvMetrics::default());
         // Seed ids from the clock so a restarted worker does not reuse ids a stale decode worker still holds.
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
         KvServer {
             inner: Arc::new(ServerInner {
                 registry: Arc::new(PinRegistry::new(source, Arc::clone(&metrics))),
+                shm_pool: ShmPool::new(config.shm_dir.clone(), config.shm_cache_bytes),
                 config,
                 info,
                 metrics,
@@ -107,12 +117,20 @@ impl KvServer {
     /// Pins `block_ids` (already pinned in the engine) for a pull and returns the handle a decode worker needs.
     ///
     /// The source's `release` is called exactly once later: on ack, abort, disconnect or after `pin_timeout`.
-    pub fn register(&self, block_ids: Vec<u32>, n_tokens: usize) -> Result<TransferHandle, KvError> {
+    pub fn register(
+        &self,
+        block_ids: Vec<u32>,
+        n_tokens: usize,
+    ) -> Result<TransferHandle, KvError> {
         if block_ids.is_empty() {
             return Err(KvError::EmptyTransfer);
         }
         let transfer_id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        self.inner.registry.register(transfer_id, Arc::from(block_ids.as_slice()), self.inner.config.pin_timeout)?;
+        self.inner.registry.register(
+            transfer_id,
+            Arc::from(block_ids.as_slice()),
+            self.inner.config.pin_timeout,
+        )?;
         Ok(TransferHandle {
             worker_id: self.inner.config.worker_id.clone(),
             endpoint: self.inner.endpoint.lock().clone(),
@@ -125,7 +143,9 @@ impl KvServer {
 
     /// Releases a transfer from the prefill side (request cancelled); returns whether it was still pinned.
     pub fn abort(&self, transfer_id: u64) -> bool {
-        self.inner.registry.finish(transfer_id, ReleaseReason::Abort)
+        self.inner
+            .registry
+            .finish(transfer_id, ReleaseReason::Abort)
     }
 
     /// Releases every pin past its timeout; the TCP listener calls this periodically, in-process users may too.
@@ -151,14 +171,19 @@ impl KvServer {
     /// Binds `addr`, records it as the endpoint for new handles, and serves TCP and shared-memory pulls
     /// until the returned listener is dropped. Also runs the pin-timeout reaper.
     pub async fn listen(&self, addr: &str) -> Result<KvListener, KvError> {
-        let listener = TcpListener::bind(addr).await.map_err(KvError::io("binding the KV listener"))?;
-        let local = listener.local_addr().map_err(KvError::io("reading the KV listener address"))?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(KvError::io("binding the KV listener"))?;
+        let local = listener
+            .local_addr()
+            .map_err(KvError::io("reading the KV listener address"))?;
         *self.inner.endpoint.lock() = local.to_string();
         let mut tasks = JoinSet::new();
         let inner = Arc::clone(&self.inner);
         tasks.spawn(accept_loop(inner, listener));
         let server = self.clone();
-        let period = (self.inner.config.pin_timeout / 4).clamp(Duration::from_millis(5), Duration::from_secs(1));
+        let period = (self.inner.config.pin_timeout / 4)
+            .clamp(Duration::from_millis(5), Duration::from_secs(1));
         tasks.spawn(async move {
             let mut tick = tokio::time::interval(period);
             loop {
@@ -200,33 +225,58 @@ async fn accept_loop(inner: Arc<ServerInner>, listener: TcpListener) {
 struct ConnState {
     /// Transfer whose ack this connection carries; released as a disconnect if the connection ends first.
     control: Option<u64>,
-    /// The shared-memory file of the transfer in flight; unlinked on drop.
-    shm: Option<tempfile::NamedTempFile>,
+    /// The shared-memory segment of the transfer in flight; back to the pool when the transfer ends.
+    shm: Option<ShmSegment>,
 }
 
 async fn serve_conn(inner: &Arc<ServerInner>, stream: TcpStream) -> Result<(), KvError> {
-    stream.set_nodelay(true).map_err(KvError::io("setting TCP_NODELAY"))?;
+    stream
+        .set_nodelay(true)
+        .map_err(KvError::io("setting TCP_NODELAY"))?;
     let io = inner.config.io_timeout;
     let mut r = FrameReader::new(stream, io);
-    let mut st = ConnState { control: None, shm: None };
+    let mut st = ConnState {
+        control: None,
+        shm: None,
+    };
     let res = conn_loop(inner, &mut r, &mut st).await;
     if let Err(e) = &res {
         if !matches!(e, KvError::Io { .. } | KvError::Mismatch { .. }) {
             // Best effort: the peer may already be gone.
-            let _ = wire::send_json(r.get_mut(), FrameKind::Error, 0, &WireError::from(e), Duration::from_millis(200)).await;
+            let _ = wire::send_json(
+                r.get_mut(),
+                FrameKind::Error,
+                0,
+                &WireError::from(e),
+                Duration::from_millis(200),
+            )
+            .await;
         }
     }
     if let Some(t) = st.control.take() {
         inner.registry.finish(t, ReleaseReason::Disconnect);
     }
+    if let Some(seg) = st.shm.take() {
+        inner.shm_pool.put(seg);
+    }
     res
 }
 
-async fn conn_loop(inner: &Arc<ServerInner>, r: &mut FrameReader<TcpStream>, st: &mut ConnState) -> Result<(), KvError> {
+async fn conn_loop(
+    inner: &Arc<ServerInner>,
+    r: &mut FrameReader<TcpStream>,
+    st: &mut ConnState,
+) -> Result<(), KvError> {
     let io = inner.config.io_timeout;
-    let h = r.header().await?.ok_or_else(|| KvError::Protocol("closed before the handshake".into()))?;
+    let h = r
+        .header()
+        .await?
+        .ok_or_else(|| KvError::Protocol("closed before the handshake".into()))?;
     if h.kind != FrameKind::Hello {
-        return Err(KvError::Protocol(format!("expected Hello, got {:?}", h.kind)));
+        return Err(KvError::Protocol(format!(
+            "expected Hello, got {:?}",
+            h.kind
+        )));
     }
     let remote: PeerInfo = r.json(&h).await?;
     // Reply with our info even on mismatch so the client can name the differing field itself.
@@ -245,26 +295,51 @@ async fn conn_loop(inner: &Arc<ServerInner>, r: &mut FrameReader<TcpStream>, st:
                 }
                 send_layers(inner, r.get_mut(), tid, &req, &guard.blocks, &mut buf).await?;
                 drop(guard);
-                wire::send(r.get_mut(), FrameHeader::control(FrameKind::PullDone, tid, 0), &[], io).await?;
+                wire::send(
+                    r.get_mut(),
+                    FrameHeader::control(FrameKind::PullDone, tid, 0),
+                    &[],
+                    io,
+                )
+                .await?;
             }
             FrameKind::ShmPull => {
                 let guard = inner.registry.begin_read(tid)?;
                 st.control = Some(tid);
-                st.shm = Some(send_shm(inner, r.get_mut(), tid, &guard.blocks).await?);
+                send_shm(inner, r.get_mut(), tid, &guard.blocks, &mut st.shm).await?;
                 drop(guard);
-                wire::send(r.get_mut(), FrameHeader::control(FrameKind::PullDone, tid, 0), &[], io).await?;
+                wire::send(
+                    r.get_mut(),
+                    FrameHeader::control(FrameKind::PullDone, tid, 0),
+                    &[],
+                    io,
+                )
+                .await?;
             }
             FrameKind::Ack => {
-                st.shm = None;
+                if let Some(seg) = st.shm.take() {
+                    inner.shm_pool.put(seg);
+                }
                 st.control = None;
                 if !inner.registry.finish(tid, ReleaseReason::Ack) {
                     // Already released (e.g. timed out after the last byte was read under the pin): the data is still valid.
-                    tracing::debug!(transfer_id = tid, "ack for a transfer that was already released");
+                    tracing::debug!(
+                        transfer_id = tid,
+                        "ack for a transfer that was already released"
+                    );
                 }
-                wire::send(r.get_mut(), FrameHeader::control(FrameKind::AckOk, tid, 0), &[], io).await?;
+                wire::send(
+                    r.get_mut(),
+                    FrameHeader::control(FrameKind::AckOk, tid, 0),
+                    &[],
+                    io,
+                )
+                .await?;
             }
             FrameKind::Abort => {
-                st.shm = None;
+                if let Some(seg) = st.shm.take() {
+                    inner.shm_pool.put(seg);
+                }
                 st.control = None;
                 inner.registry.finish(tid, ReleaseReason::Abort);
             }
@@ -274,7 +349,14 @@ async fn conn_loop(inner: &Arc<ServerInner>, r: &mut FrameReader<TcpStream>, st:
     Ok(())
 }
 
-async fn send_layers(inner: &ServerInner, w: &mut TcpStream, tid: u64, req: &PullRequest, blocks: &[u32], buf: &mut Vec<u8>) -> Result<(), KvError> {
+async fn send_layers(
+    inner: &ServerInner,
+    w: &mut TcpStream,
+    tid: u64,
+    req: &PullRequest,
+    blocks: &[u32],
+    buf: &mut Vec<u8>,
+) -> Result<(), KvError> {
     let bb = inner.info.layout.block_bytes();
     let per_frame = (inner.config.max_frame_bytes / bb).max(1);
     for &layer in &req.layers {
@@ -287,7 +369,10 @@ async fn send_layers(inner: &ServerInner, w: &mut TcpStream, tid: u64, req: &Pul
                 buf.resize(len, 0);
             }
             let payload = &mut buf[..len];
-            inner.registry.source().copy_blocks(tid, layer as usize, chunk, payload)?;
+            inner
+                .registry
+                .source()
+                .copy_blocks(tid, layer as usize, chunk, payload)?;
             let mut h = FrameHeader::control(FrameKind::Data, tid, len);
             h.layer = layer;
             h.first_block = (i * per_frame) as u32;
@@ -303,27 +388,40 @@ async fn send_layers(inner: &ServerInner, w: &mut TcpStream, tid: u64, req: &Pul
     Ok(())
 }
 
-async fn send_shm(inner: &ServerInner, w: &mut TcpStream, tid: u64, blocks: &[u32]) -> Result<tempfile::NamedTempFile, KvError> {
+/// Copies every layer into a pooled segment, announcing each as soon as it is written. The segment is
+/// parked in `slot` first so that it returns to the pool however this ends.
+async fn send_shm(
+    inner: &ServerInner,
+    w: &mut TcpStream,
+    tid: u64,
+    blocks: &[u32],
+    slot: &mut Option<ShmSegment>,
+) -> Result<(), KvError> {
     let layout = inner.info.layout;
     let layer_bytes = blocks.len() * layout.block_bytes();
     let total = layout.n_layers * layer_bytes;
-    let file = tempfile::Builder::new()
-        .prefix(crate::transport::shm::FILE_PREFIX)
-        .tempfile_in(&inner.config.shm_dir)
-        .map_err(KvError::io("creating the shared-memory file"))?;
-    file.as_file().set_len(total as u64).map_err(KvError::io("sizing the shared-memory file"))?;
-    // SAFETY: the file was just created by us with a random name; nothing else writes it while mapped.
-    let mut map = unsafe { MmapOptions::new().len(total).populate().map_mut(file.as_file()) }.map_err(KvError::io("mapping the shared-memory file"))?;
-    let open = ShmOpen { path: file.path().to_string_lossy().into_owned(), total_len: total as u64, n_blocks: blocks.len() as u32 };
+    if let Some(old) = slot.take() {
+        inner.shm_pool.put(old);
+    }
+    let seg = slot.insert(inner.shm_pool.take(total)?);
+    let open = ShmOpen {
+        path: seg.path().to_string_lossy().into_owned(),
+        map_len: seg.map.len() as u64,
+        total_len: total as u64,
+        n_blocks: blocks.len() as u32,
+    };
     wire::send_json(w, FrameKind::ShmOpen, tid, &open, inner.config.io_timeout).await?;
     for layer in 0..layout.n_layers {
-        let region = &mut map[layer * layer_bytes..(layer + 1) * layer_bytes];
-        inner.registry.source().copy_blocks(tid, layer, blocks, region)?;
+        let region = &mut seg.map[layer * layer_bytes..(layer + 1) * layer_bytes];
+        inner
+            .registry
+            .source()
+            .copy_blocks(tid, layer, blocks, region)?;
         let mut h = FrameHeader::control(FrameKind::ShmLayer, tid, 0);
         h.layer = layer as u32;
         h.n_blocks = blocks.len() as u32;
         wire::send(w, h, &[], inner.config.io_timeout).await?;
         inner.metrics.add_sent(layer_bytes as u64);
     }
-    Ok(file)
+    Ok(())
 }

@@ -12,7 +12,13 @@ pub trait KvSource: Send + Sync + 'static {
     /// Copies blocks `blocks` of `layer` back to back into `out` (`out.len() == blocks.len() * block_bytes`).
     ///
     /// Only called for pinned transfers, between registration and release.
-    fn copy_blocks(&self, transfer_id: u64, layer: usize, blocks: &[u32], out: &mut [u8]) -> Result<(), KvError>;
+    fn copy_blocks(
+        &self,
+        transfer_id: u64,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), KvError>;
 
     /// Unpins the transfer's blocks; the server calls it exactly once per registered transfer
     /// (on ack, abort, disconnect or timeout).

@@ -95,7 +95,16 @@ pub struct FrameHeader {
 impl FrameHeader {
     /// A header with only kind, transfer and payload length set: the shape of every control frame.
     pub fn control(kind: FrameKind, transfer_id: u64, payload_len: usize) -> Self {
-        FrameHeader { kind, flags: 0, transfer_id, layer: 0, first_block: 0, n_blocks: 0, checksum: 0, payload_len: payload_len as u64 }
+        FrameHeader {
+            kind,
+            flags: 0,
+            transfer_id,
+            layer: 0,
+            first_block: 0,
+            n_blocks: 0,
+            checksum: 0,
+            payload_len: payload_len as u64,
+        }
     }
 
     /// Serializes to the little-endian wire layout.
@@ -124,7 +133,11 @@ impl FrameHeader {
         }
         let version = u16::from_le_bytes([b[4], b[5]]);
         if version != VERSION {
-            return Err(KvError::Mismatch { field: "wire_version", local: VERSION.to_string(), remote: version.to_string() });
+            return Err(KvError::Mismatch {
+                field: "wire_version",
+                local: VERSION.to_string(),
+                remote: version.to_string(),
+            });
         }
         Ok(FrameHeader {
             kind: FrameKind::from_u8(b[6])?,
@@ -155,7 +168,9 @@ pub struct PullRequest {
 pub struct ShmOpen {
     /// Absolute path of the shared-memory file.
     pub path: String,
-    /// File length: `n_layers * n_blocks * block_bytes`; layer `l` starts at `l * n_blocks * block_bytes`.
+    /// Length of the whole file, which is reused across transfers and may exceed this one.
+    pub map_len: u64,
+    /// Bytes this transfer uses: `n_layers * n_blocks * block_bytes`; layer `l` starts at `l * n_blocks * block_bytes`.
     pub total_len: u64,
     /// Blocks in the transfer.
     pub n_blocks: u32,
@@ -176,7 +191,10 @@ impl From<&KvError> for WireError {
             KvError::UnknownTransfer(t) => Some(*t),
             _ => None,
         };
-        WireError { message: e.to_string(), unknown_transfer }
+        WireError {
+            message: e.to_string(),
+            unknown_transfer,
+        }
     }
 }
 
@@ -191,11 +209,17 @@ impl From<WireError> for KvError {
 
 /// Writes header and payload with vectored writes, so a multi-megabyte payload is never copied
 /// next to its header.
-pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, header: &FrameHeader, payload: &[u8]) -> std::io::Result<()> {
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    header: &FrameHeader,
+    payload: &[u8],
+) -> std::io::Result<()> {
     let hdr = header.encode();
     let (mut h, mut p): (&[u8], &[u8]) = (&hdr, payload);
     while !h.is_empty() {
-        let n = w.write_vectored(&[IoSlice::new(h), IoSlice::new(p)]).await?;
+        let n = w
+            .write_vectored(&[IoSlice::new(h), IoSlice::new(p)])
+            .await?;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
@@ -207,14 +231,37 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, header: &FrameHeader,
 }
 
 /// Writes a control frame with a JSON body, bounded by `io`.
-pub async fn send_json<W: AsyncWrite + Unpin, T: Serialize>(w: &mut W, kind: FrameKind, transfer_id: u64, body: &T, io: Duration) -> Result<(), KvError> {
-    let bytes = serde_json::to_vec(body).map_err(|e| KvError::Protocol(format!("encode {kind:?}: {e}")))?;
-    send(w, FrameHeader::control(kind, transfer_id, bytes.len()), &bytes, io).await
+pub async fn send_json<W: AsyncWrite + Unpin, T: Serialize>(
+    w: &mut W,
+    kind: FrameKind,
+    transfer_id: u64,
+    body: &T,
+    io: Duration,
+) -> Result<(), KvError> {
+    let bytes =
+        serde_json::to_vec(body).map_err(|e| KvError::Protocol(format!("encode {kind:?}: {e}")))?;
+    send(
+        w,
+        FrameHeader::control(kind, transfer_id, bytes.len()),
+        &bytes,
+        io,
+    )
+    .await
 }
 
 /// Writes one frame, bounded by `io`.
-pub async fn send<W: AsyncWrite + Unpin>(w: &mut W, header: FrameHeader, payload: &[u8], io: Duration) -> Result<(), KvError> {
-    timed(io, "writing a frame", async { write_frame(w, &header, payload).await.map_err(KvError::io("writing a frame")) }).await
+pub async fn send<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    header: FrameHeader,
+    payload: &[u8],
+    io: Duration,
+) -> Result<(), KvError> {
+    timed(io, "writing a frame", async {
+        write_frame(w, &header, payload)
+            .await
+            .map_err(KvError::io("writing a frame"))
+    })
+    .await
 }
 
 /// Reads frames into a reusable, grow-only buffer, so a pull allocates once per connection rather than per block.
@@ -227,7 +274,11 @@ pub struct FrameReader<R> {
 impl<R: tokio::io::AsyncRead + Unpin> FrameReader<R> {
     /// Wraps a stream; every read waits at most `io`.
     pub fn new(inner: R, io: Duration) -> Self {
-        FrameReader { inner, buf: Vec::new(), io }
+        FrameReader {
+            inner,
+            buf: Vec::new(),
+            io,
+        }
     }
 
     /// The stream, for writing replies on the same connection.
@@ -240,11 +291,17 @@ impl<R: tokio::io::AsyncRead + Unpin> FrameReader<R> {
         let mut b = [0u8; HEADER_LEN];
         let inner = &mut self.inner;
         let n = timed(self.io, "waiting for a frame", async {
-            let first = inner.read(&mut b).await.map_err(KvError::io("reading a frame header"))?;
+            let first = inner
+                .read(&mut b)
+                .await
+                .map_err(KvError::io("reading a frame header"))?;
             if first == 0 {
                 return Ok(0);
             }
-            inner.read_exact(&mut b[first..]).await.map_err(KvError::io("reading a frame header"))?;
+            inner
+                .read_exact(&mut b[first..])
+                .await
+                .map_err(KvError::io("reading a frame header"))?;
             Ok(HEADER_LEN)
         })
         .await?;
@@ -256,15 +313,26 @@ impl<R: tokio::io::AsyncRead + Unpin> FrameReader<R> {
 
     /// Reads the header's payload into the reusable buffer, checking its CRC when flagged.
     pub async fn payload(&mut self, h: &FrameHeader) -> Result<&[u8], KvError> {
-        let len = usize::try_from(h.payload_len).map_err(|_| KvError::Protocol("payload too large".into()))?;
+        let len = usize::try_from(h.payload_len)
+            .map_err(|_| KvError::Protocol("payload too large".into()))?;
         if self.buf.len() < len {
             self.buf.resize(len, 0);
         }
         let (inner, buf) = (&mut self.inner, &mut self.buf[..len]);
-        timed(self.io, "reading a frame payload", async { inner.read_exact(buf).await.map_err(KvError::io("reading a frame payload")).map(|_| ()) }).await?;
+        timed(self.io, "reading a frame payload", async {
+            inner
+                .read_exact(buf)
+                .await
+                .map_err(KvError::io("reading a frame payload"))
+                .map(|_| ())
+        })
+        .await?;
         let buf = &self.buf[..len];
         if h.flags & FLAG_CHECKSUM != 0 && crc32fast::hash(buf) != h.checksum {
-            return Err(KvError::Checksum { transfer_id: h.transfer_id, layer: h.layer });
+            return Err(KvError::Checksum {
+                transfer_id: h.transfer_id,
+                layer: h.layer,
+            });
         }
         Ok(buf)
     }
@@ -272,16 +340,23 @@ impl<R: tokio::io::AsyncRead + Unpin> FrameReader<R> {
     /// Reads a JSON control payload of at most [`MAX_CONTROL_LEN`] bytes.
     pub async fn json<T: DeserializeOwned>(&mut self, h: &FrameHeader) -> Result<T, KvError> {
         if h.payload_len > MAX_CONTROL_LEN {
-            return Err(KvError::Protocol(format!("{:?} frame of {} bytes exceeds the control limit", h.kind, h.payload_len)));
+            return Err(KvError::Protocol(format!(
+                "{:?} frame of {} bytes exceeds the control limit",
+                h.kind, h.payload_len
+            )));
         }
         let kind = h.kind;
         let bytes = self.payload(h).await?;
-        serde_json::from_slice(bytes).map_err(|e| KvError::Protocol(format!("decode {kind:?}: {e}")))
+        serde_json::from_slice(bytes)
+            .map_err(|e| KvError::Protocol(format!("decode {kind:?}: {e}")))
     }
 
     /// Reads the next frame header, failing on end of stream and turning an `Error` frame into its error.
     pub async fn expect_frame(&mut self) -> Result<FrameHeader, KvError> {
-        let h = self.header().await?.ok_or_else(|| KvError::Protocol("peer closed the connection".into()))?;
+        let h = self
+            .header()
+            .await?
+            .ok_or_else(|| KvError::Protocol("peer closed the connection".into()))?;
         if h.kind == FrameKind::Error {
             let w: WireError = self.json(&h).await?;
             return Err(w.into());
@@ -291,14 +366,21 @@ impl<R: tokio::io::AsyncRead + Unpin> FrameReader<R> {
 }
 
 /// Client half of the handshake: sends our info, reads the server's, and checks it field by field.
-pub async fn client_handshake<S>(r: &mut FrameReader<S>, local: &PeerInfo, io: Duration) -> Result<(), KvError>
+pub async fn client_handshake<S>(
+    r: &mut FrameReader<S>,
+    local: &PeerInfo,
+    io: Duration,
+) -> Result<(), KvError>
 where
     S: tokio::io::AsyncRead + AsyncWrite + Unpin,
 {
     send_json(r.get_mut(), FrameKind::Hello, 0, local, io).await?;
     let h = r.expect_frame().await?;
     if h.kind != FrameKind::HelloReply {
-        return Err(KvError::Protocol(format!("expected HelloReply, got {:?}", h.kind)));
+        return Err(KvError::Protocol(format!(
+            "expected HelloReply, got {:?}",
+            h.kind
+        )));
     }
     let remote: PeerInfo = r.json(&h).await?;
     local.check_compatible(&remote)
@@ -321,7 +403,13 @@ mod tests {
     fn bad_magic_and_version_are_refused() {
         let mut b = FrameHeader::control(FrameKind::Ack, 7, 0).encode();
         b[4] = 9;
-        assert!(matches!(FrameHeader::decode(&b), Err(KvError::Mismatch { field: "wire_version", .. })));
+        assert!(matches!(
+            FrameHeader::decode(&b),
+            Err(KvError::Mismatch {
+                field: "wire_version",
+                ..
+            })
+        ));
         b[0] = 0;
         assert!(matches!(FrameHeader::decode(&b), Err(KvError::Protocol(_))));
     }
@@ -346,7 +434,10 @@ mod tests {
         let w = tokio::spawn(async move { write_frame(&mut a, &bad, &payload).await });
         let mut r = FrameReader::new(b, Duration::from_secs(5));
         let got = r.header().await.unwrap().unwrap();
-        assert!(matches!(r.payload(&got).await, Err(KvError::Checksum { transfer_id: 3, .. })));
+        assert!(matches!(
+            r.payload(&got).await,
+            Err(KvError::Checksum { transfer_id: 3, .. })
+        ));
         w.await.unwrap().unwrap();
     }
 }

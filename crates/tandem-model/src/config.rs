@@ -244,7 +244,12 @@ impl ModelConfig {
                 tracing::warn!(window = w, "sliding-window attention is not implemented; attention is full-context");
             }
         }
-        let rope_scaling = parse_hf_rope_scaling(json.get("rope_scaling"))?;
+        // transformers v5 moved rope_theta and the scaling into `rope_parameters`.
+        let rope_params = json.get("rope_parameters").filter(|v| v.is_object());
+        let rope_scaling = parse_hf_rope_scaling(json.get("rope_scaling").filter(|v| !v.is_null()).or(rope_params))?;
+        let rope_theta = opt_f("rope_theta")
+            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")).and_then(|v| v.as_f64()).map(|v| v as f32))
+            .unwrap_or(10_000.0);
         let eos_from = |v: Option<&serde_json::Value>| -> Vec<u32> {
             match v {
                 Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
@@ -274,7 +279,7 @@ impl ModelConfig {
             vocab_size: req("vocab_size")?,
             max_position_embeddings: opt("max_position_embeddings").unwrap_or(4096),
             rms_norm_eps: opt_f("rms_norm_eps").unwrap_or(1e-6),
-            rope_theta: opt_f("rope_theta").unwrap_or(10_000.0),
+            rope_theta,
             rope_scaling,
             rope_style: RopeStyle::Neox,
             tie_word_embeddings: json.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
@@ -380,6 +385,17 @@ mod tests {
         let mut j = llama_json();
         j["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
         assert!(matches!(ModelConfig::from_hf_json(&j, None), Err(ModelError::Config(_))));
+    }
+
+    #[test]
+    fn reads_transformers_v5_rope_parameters() {
+        let mut j = llama_json();
+        j.as_object_mut().unwrap().remove("rope_theta");
+        j["rope_scaling"] = json!(null);
+        j["rope_parameters"] = json!({"rope_theta": 50000.0, "rope_type": "default"});
+        let c = ModelConfig::from_hf_json(&j, None).unwrap();
+        assert_eq!(c.rope_theta, 50000.0);
+        assert_eq!(c.rope_scaling, RopeScaling::None);
     }
 
     #[test]

@@ -3,13 +3,25 @@
 
 pub mod batch;
 pub mod config;
+pub mod detok;
 pub mod error;
 pub mod gguf;
+pub mod identity;
+pub mod kv;
+pub mod llama;
+pub mod load;
+pub mod template;
 pub mod tokenizer;
 pub mod weights;
 
 pub use batch::{ForwardBatch, KvDtype, KvLayout, LogitsWanted, SeqChunk};
 pub use config::ModelConfig;
+pub use detok::IncrementalDecoder;
 pub use error::ModelError;
+pub use identity::ModelIdentity;
+pub use kv::KvCache;
+pub use llama::CpuLlama;
+pub use load::{load, LoadOptions, LoadedModel};
+pub use template::ChatTemplate;
 pub use tokenizer::Tokenizer;
 pub use weights::{LayerWeights, LlamaWeights};

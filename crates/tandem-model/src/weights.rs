@@ -456,7 +456,7 @@ mod tests {
         let mut row = vec![0.0; 4];
         w.embed.dequantize_row(1, &mut row);
         assert!((row[0] - 0.04).abs() < 1e-3, "{row:?}");
-        assert_eq!(set.tensor_descs().len(), 12);
+        assert_eq!(set.tensor_descs().len(), 11);
         std::fs::remove_dir_all(dir).ok();
     }
 

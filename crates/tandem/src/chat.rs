@@ -6,7 +6,6 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use futures::StreamExt;
 use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 /// Flags of `tandem chat`.
 #[derive(Clone, Debug, Args)]
@@ -130,58 +129,58 @@ impl Client {
 }
 
 /// Runs the read-answer loop until EOF or `/exit`; `/reset` forgets the conversation.
+///
+/// Input is read with blocking std I/O between requests: nothing else runs while the user types.
 pub fn run(args: ChatArgs) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(async move {
-        let client = Client {
-            http: reqwest::Client::new(),
-            args,
+    let client = Client {
+        http: reqwest::Client::new(),
+        args,
+    };
+    let model = match &client.args.model {
+        Some(m) => m.clone(),
+        None => runtime.block_on(client.first_model())?,
+    };
+    let system: Vec<Value> = client
+        .args
+        .system
+        .iter()
+        .map(|s| json!({"role": "system", "content": s}))
+        .collect();
+    let mut messages = system.clone();
+    eprintln!(
+        "chatting with {model} at {} (/reset, /exit)",
+        client.args.url
+    );
+    let mut lines = std::io::stdin().lines();
+    loop {
+        eprint!("> ");
+        let Some(line) = lines.next().transpose()? else {
+            break;
         };
-        let model = match &client.args.model {
-            Some(m) => m.clone(),
-            None => client.first_model().await?,
-        };
-        let system: Vec<Value> = client
-            .args
-            .system
-            .iter()
-            .map(|s| json!({"role": "system", "content": s}))
-            .collect();
-        let mut messages = system.clone();
-        eprintln!(
-            "chatting with {model} at {} (/reset, /exit)",
-            client.args.url
-        );
-        let mut lines = BufReader::new(tokio::io::stdin()).lines();
-        loop {
-            eprint!("> ");
-            let Some(line) = lines.next_line().await? else {
-                break;
-            };
-            match line.trim() {
-                "" => continue,
-                "/exit" | "/quit" => break,
-                "/reset" => {
-                    messages = system.clone();
-                    continue;
-                }
-                text => messages.push(json!({"role": "user", "content": text})),
+        match line.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                messages = system.clone();
+                continue;
             }
-            match client.answer(&model, &messages).await {
-                Ok(answer) => {
-                    println!();
-                    messages.push(json!({"role": "assistant", "content": answer}));
-                }
-                Err(e) => {
-                    eprintln!("\nerror: {e:#}");
-                    messages.pop();
-                }
+            text => messages.push(json!({"role": "user", "content": text})),
+        }
+        match runtime.block_on(client.answer(&model, &messages)) {
+            Ok(answer) => {
+                println!();
+                messages.push(json!({"role": "assistant", "content": answer}));
+            }
+            Err(e) => {
+                eprintln!("\nerror: {e:#}");
+                messages.pop();
             }
         }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
 #[cfg(test)]

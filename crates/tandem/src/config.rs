@@ -143,8 +143,12 @@ pub struct DeploymentSection {
     pub prefill: Option<RoleSection>,
     /// Decode workers.
     pub decode: Option<RoleSection>,
-    /// KV transfer settings; their schema is defined by the KV transfer work.
-    pub kv_transfer: Option<serde_yaml::Mapping>,
+    /// KV transfer settings.
+    pub kv_transfer: Option<tandem_cluster::KvTransferConfig>,
+    /// Routing policy knobs.
+    pub routing: Option<tandem_cluster::RoutingConfig>,
+    /// Ingress time limits.
+    pub timeouts: Option<tandem_cluster::TimeoutConfig>,
 }
 
 /// The whole YAML document of `tandem serve --config`.

@@ -2,7 +2,9 @@
 
 mod chat;
 mod config;
+mod launch;
 mod serve;
+mod worker;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -28,6 +30,8 @@ enum Command {
     Serve(ServeArgs),
     /// Chat interactively with a running server.
     Chat(chat::ChatArgs),
+    /// Run one prefill or decode worker of a disaggregated deployment.
+    Worker(worker::WorkerArgs),
 }
 
 /// Installs the global tracing subscriber; RUST_LOG refines the default `info` level.
@@ -50,9 +54,17 @@ fn main() -> Result<()> {
                 Some(path) => config::FileConfig::load(path)?,
                 None => config::FileConfig::default(),
             };
+            if file.deployment.as_ref().is_some_and(|d| d.mode == config::DeploymentMode::Pd) {
+                init_logging(cli.log_format.or(file.log_format).unwrap_or_default());
+                return launch::run(&args, file);
+            }
             let settings = config::ServeSettings::resolve(&args, file)?;
             init_logging(cli.log_format.or(settings.log_format).unwrap_or_default());
             serve::run(settings)
+        }
+        Command::Worker(args) => {
+            init_logging(cli.log_format.unwrap_or_default());
+            worker::run(args)
         }
         Command::Chat(args) => {
             init_logging(cli.log_format.unwrap_or_default());

@@ -29,7 +29,7 @@ fn candidate_roots() -> Vec<PathBuf> {
 }
 
 /// The model to load: the one given, or the default model, fetched with scripts/fetch-model.sh if missing.
-fn resolve_model(model: Option<&Path>) -> Result<PathBuf> {
+pub(crate) fn resolve_model(model: Option<&Path>) -> Result<PathBuf> {
     if let Some(path) = model {
         if !path.exists() {
             bail!("model path {} does not exist", path.display());
@@ -66,7 +66,7 @@ fn resolve_model(model: Option<&Path>) -> Result<PathBuf> {
 }
 
 /// Resolves on Ctrl-C or SIGTERM, so that in-flight requests finish before exit.
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {
         if let Err(e) = tokio::signal::ctrl_c().await {
             tracing::error!(error = %e, "cannot listen for Ctrl-C");

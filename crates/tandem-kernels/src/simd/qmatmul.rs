@@ -48,7 +48,13 @@ unsafe fn run_q32_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<u
     let a = &job.acts;
     let wp = w.bytes().as_ptr();
     let args = |i: usize, j: usize| {
-        (wp.add(i * rb), a.qx.as_ptr().add(j * cols), a.dx.as_ptr().add(j * nb), a.sx.as_ptr().add(j * nb), job.out.0.add(j * total + i))
+        (
+            wp.add(i * rb),
+            a.qx.as_ptr().add(j * cols),
+            a.dx.as_ptr().add(j * nb),
+            a.sx.as_ptr().add(j * nb),
+            job.out.0.add(j * total + i),
+        )
     };
     let mut j = ms.start;
     while j + 4 <= ms.end {
@@ -87,10 +93,18 @@ unsafe fn load_block<const FMT: u8>(p: *const u8) -> (__m256i, __m256, f32) {
     match FMT {
         Q8_0 => {
             let d = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32));
-            (_mm256_loadu_si256(p.add(2).cast()), _mm256_broadcastss_ps(d), 0.0)
+            (
+                _mm256_loadu_si256(p.add(2).cast()),
+                _mm256_broadcastss_ps(d),
+                0.0,
+            )
         }
         _ => {
-            let hdr = if FMT == Q4_1 { p.cast::<u32>().read_unaligned() } else { p.cast::<u16>().read_unaligned() as u32 };
+            let hdr = if FMT == Q4_1 {
+                p.cast::<u32>().read_unaligned()
+            } else {
+                p.cast::<u16>().read_unaligned() as u32
+            };
             let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(hdr as i32));
             let qoff = if FMT == Q4_1 { 4 } else { 2 };
             let raw = _mm_loadu_si128(p.add(qoff).cast());
@@ -98,7 +112,11 @@ unsafe fn load_block<const FMT: u8>(p: *const u8) -> (__m256i, __m256, f32) {
             let lo = _mm_and_si128(raw, m4);
             let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
             let d = _mm_cvtss_f32(dm);
-            let off = if FMT == Q4_1 { _mm_cvtss_f32(_mm_movehdup_ps(dm)) } else { -8.0 * d };
+            let off = if FMT == Q4_1 {
+                _mm_cvtss_f32(_mm_movehdup_ps(dm))
+            } else {
+                -8.0 * d
+            };
             (_mm256_set_m128i(hi, lo), _mm256_broadcastss_ps(dm), off)
         }
     }
@@ -139,10 +157,17 @@ unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(
         for t in 0..MT {
             let xv = _mm256_loadu_si256(qx.add(t * cols + 32 * b).cast());
             let xd = _mm256_broadcast_ss(&*dx.add(t * nb + b));
-            let xs = if FMT == Q8_0 { 0.0 } else { *sx.add(t * nb + b) };
+            let xs = if FMT == Q8_0 {
+                0.0
+            } else {
+                *sx.add(t * nb + b)
+            };
             for r in 0..RW {
                 let prod = if FMT == Q8_0 {
-                    _mm256_maddubs_epi16(_mm256_sign_epi8(wq[r], wq[r]), _mm256_sign_epi8(xv, wq[r]))
+                    _mm256_maddubs_epi16(
+                        _mm256_sign_epi8(wq[r], wq[r]),
+                        _mm256_sign_epi8(xv, wq[r]),
+                    )
                 } else {
                     _mm256_maddubs_epi16(wq[r], xv)
                 };
@@ -172,7 +197,10 @@ unsafe fn load8<const FMT: u8>(p: *const u8) -> __m256 {
     match FMT {
         F32 => _mm256_loadu_ps(p.cast()),
         F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-        _ => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())), 16)),
+        _ => _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())),
+            16,
+        )),
     }
 }
 
@@ -203,8 +231,11 @@ unsafe fn run_float_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range
                 for kk in vec_cols..cols {
                     let wv = match FMT {
                         F32 => wr.add(kk * 4).cast::<f32>().read_unaligned(),
-                        F16 => half::f16::from_bits(wr.add(kk * 2).cast::<u16>().read_unaligned()).to_f32(),
-                        _ => f32::from_bits((wr.add(kk * 2).cast::<u16>().read_unaligned() as u32) << 16),
+                        F16 => half::f16::from_bits(wr.add(kk * 2).cast::<u16>().read_unaligned())
+                            .to_f32(),
+                        _ => f32::from_bits(
+                            (wr.add(kk * 2).cast::<u16>().read_unaligned() as u32) << 16,
+                        ),
                     };
                     s += wv * *x.add((j + t) * cols + kk);
                 }
@@ -230,15 +261,40 @@ mod tests {
         }
         let pool = ThreadPool::new(2);
         for dt in ALL {
-            for &(rows, cols, m) in &[(1, 256, 1), (13, 256, 1), (37, 512, 5), (64, 768, 16), (9, 256, 67)] {
+            for &(rows, cols, m) in &[
+                (1, 256, 1),
+                (13, 256, 1),
+                (37, 512, 5),
+                (64, 768, 16),
+                (9, 256, 67),
+            ] {
                 let w = quantized_matrix(dt, rows, cols, 3);
                 let x = rand_vec(m * cols, 4);
                 let (mut a, mut b) = (vec![0f32; m * rows], vec![0f32; m * rows]);
-                matmul_with(&pool, &w, &x, m, &mut a, &mut MatmulScratch::default(), true);
-                matmul_with(&pool, &w, &x, m, &mut b, &mut MatmulScratch::default(), false);
+                matmul_with(
+                    &pool,
+                    &w,
+                    &x,
+                    m,
+                    &mut a,
+                    &mut MatmulScratch::default(),
+                    true,
+                );
+                matmul_with(
+                    &pool,
+                    &w,
+                    &x,
+                    m,
+                    &mut b,
+                    &mut MatmulScratch::default(),
+                    false,
+                );
                 for (i, (p, q)) in a.iter().zip(&b).enumerate() {
                     // Same quantized activations: only f32 summation order differs.
-                    assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()) * (cols as f32).sqrt(), "{dt:?} {rows}x{cols} m={m}: [{i}] simd {p} vs portable {q}");
+                    assert!(
+                        (p - q).abs() <= 1e-4 * (1.0 + q.abs()) * (cols as f32).sqrt(),
+                        "{dt:?} {rows}x{cols} m={m}: [{i}] simd {p} vs portable {q}"
+                    );
                 }
             }
         }

@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use crate::metrics::ReleaseReason;
 use crate::transport::{KvTransport, PullFuture};
 use crate::{KvError, KvServer, KvSink, PeerInfo, TransferHandle};
@@ -10,35 +12,52 @@ use crate::{KvError, KvServer, KvSink, PeerInfo, TransferHandle};
 pub struct InProcTransport {
     server: KvServer,
     local: PeerInfo,
+    /// Idle layer buffers, reused so a pull does not fault in fresh pages.
+    bufs: Mutex<Vec<Vec<u8>>>,
 }
 
 impl InProcTransport {
     /// A transport into `server` for a decode side described by `local`.
     pub fn new(server: KvServer, local: PeerInfo) -> Self {
-        InProcTransport { server, local }
+        InProcTransport {
+            server,
+            local,
+            bufs: Mutex::new(Vec::new()),
+        }
     }
 
     fn pull_sync(&self, handle: &TransferHandle, sink: &dyn KvSink) -> Result<u64, KvError> {
         let inner = &self.server.inner;
         self.local.check_compatible(&inner.info)?;
         let tid = handle.transfer_id;
+        let mut buf = self.bufs.lock().pop().unwrap_or_default();
         let res = (|| {
             let guard = inner.registry.begin_read(tid)?;
             let bb = inner.info.layout.block_bytes();
             let layer_bytes = guard.blocks.len() * bb;
-            // One buffer per pull, reused for every layer.
-            let mut buf = vec![0u8; layer_bytes];
+            if buf.len() < layer_bytes {
+                buf.resize(layer_bytes, 0);
+            }
+            let buf = &mut buf[..layer_bytes];
             for layer in 0..inner.info.layout.n_layers {
-                inner.registry.source().copy_blocks(tid, layer, &guard.blocks, &mut buf)?;
+                inner
+                    .registry
+                    .source()
+                    .copy_blocks(tid, layer, &guard.blocks, buf)?;
                 inner.metrics.add_sent(layer_bytes as u64);
-                sink.write(layer, 0, &buf)?;
+                sink.write(layer, 0, buf)?;
                 sink.layer_complete(layer)?;
             }
             drop(guard);
             sink.complete()?;
             Ok((layer_bytes * inner.info.layout.n_layers) as u64)
         })();
-        let why = if res.is_ok() { ReleaseReason::Ack } else { ReleaseReason::Abort };
+        self.bufs.lock().push(buf);
+        let why = if res.is_ok() {
+            ReleaseReason::Ack
+        } else {
+            ReleaseReason::Abort
+        };
         inner.registry.finish(tid, why);
         res
     }

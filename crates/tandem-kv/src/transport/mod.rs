@@ -61,14 +61,24 @@ pub struct KvClient {
 impl KvClient {
     /// A client over `transport`.
     pub fn new(transport: Arc<dyn KvTransport>) -> Self {
-        KvClient { transport, metrics: Arc::new(KvMetrics::default()) }
+        KvClient {
+            transport,
+            metrics: Arc::new(KvMetrics::default()),
+        }
     }
 
     /// Pulls `handle` into `sink`. A layout mismatch against the handle is refused before any connection.
-    pub async fn pull(&self, handle: &TransferHandle, sink: Arc<dyn KvSink>) -> Result<PullStats, KvError> {
+    pub async fn pull(
+        &self,
+        handle: &TransferHandle,
+        sink: Arc<dyn KvSink>,
+    ) -> Result<PullStats, KvError> {
         let start = Instant::now();
         let res = async {
-            self.transport.local().layout.check_compatible(&handle.layout)?;
+            self.transport
+                .local()
+                .layout
+                .check_compatible(&handle.layout)?;
             self.transport.pull(handle, sink).await
         }
         .await;
@@ -77,7 +87,13 @@ impl KvClient {
             Ok(bytes) => {
                 self.metrics.add_received(bytes);
                 self.metrics.pull_done(true, elapsed.as_nanos() as u64);
-                tracing::debug!(transfer_id = handle.transfer_id, bytes, ?elapsed, transport = self.transport.name(), "KV pull done");
+                tracing::debug!(
+                    transfer_id = handle.transfer_id,
+                    bytes,
+                    ?elapsed,
+                    transport = self.transport.name(),
+                    "KV pull done"
+                );
                 Ok(PullStats { bytes, elapsed })
             }
             Err(e) => {

@@ -3,73 +3,109 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use memmap2::MmapOptions;
-
+use crate::shm_pool::{MapCache, FILE_PREFIX};
 use crate::transport::tcp::{connect, finish_on_control, TcpConfig};
 use crate::transport::{KvTransport, PullFuture};
 use crate::wire::{self, FrameHeader, FrameKind, ShmOpen};
 use crate::{KvError, KvSink, PeerInfo, TransferHandle};
-
-/// Name prefix of transfer files; the client refuses to map anything else.
-pub(crate) const FILE_PREFIX: &str = "tandem-kv-";
 
 /// Pulls through shared memory, with the TCP connection used only for control.
 pub struct ShmTransport {
     local: PeerInfo,
     config: TcpConfig,
     shm_dir: PathBuf,
+    maps: MapCache,
 }
 
 impl ShmTransport {
     /// A shared-memory transport; `shm_dir` must be the server's `KvServerConfig::shm_dir`.
     pub fn new(local: PeerInfo, config: TcpConfig, shm_dir: PathBuf) -> Self {
-        ShmTransport { local, config, shm_dir }
+        ShmTransport {
+            local,
+            config,
+            shm_dir,
+            maps: MapCache::new(16),
+        }
     }
 
     /// Accepts only files the server could have created, so a hostile peer cannot make us map arbitrary paths.
     fn check_path(&self, path: &Path) -> Result<(), KvError> {
-        let name_ok = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(FILE_PREFIX));
+        let name_ok = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(FILE_PREFIX));
         if name_ok && path.parent() == Some(self.shm_dir.as_path()) {
             Ok(())
         } else {
-            Err(KvError::Protocol(format!("refusing shared-memory path {}", path.display())))
+            Err(KvError::Protocol(format!(
+                "refusing shared-memory path {}",
+                path.display()
+            )))
         }
     }
 
-    async fn pull_impl(&self, handle: &TransferHandle, sink: Arc<dyn KvSink>) -> Result<u64, KvError> {
+    async fn pull_impl(
+        &self,
+        handle: &TransferHandle,
+        sink: Arc<dyn KvSink>,
+    ) -> Result<u64, KvError> {
         let tid = handle.transfer_id;
         let io = self.config.io_timeout;
         let mut c = connect(&handle.endpoint, &self.local, &self.config).await?;
-        wire::send(c.get_mut(), FrameHeader::control(FrameKind::ShmPull, tid, 0), &[], io).await?;
+        wire::send(
+            c.get_mut(),
+            FrameHeader::control(FrameKind::ShmPull, tid, 0),
+            &[],
+            io,
+        )
+        .await?;
         let res = self.receive(&mut c, handle, &*sink).await;
         let res = match res {
             Ok(b) => sink.complete().map(|()| b),
             e => e,
         };
         match res {
-            Ok(bytes) => finish_on_control(&mut c, tid, None, io).await.map(|()| bytes),
-            Err(e) => finish_on_control(&mut c, tid, Some(e), io).await.map(|()| 0),
+            Ok(bytes) => finish_on_control(&mut c, tid, None, io)
+                .await
+                .map(|()| bytes),
+            Err(e) => finish_on_control(&mut c, tid, Some(e), io)
+                .await
+                .map(|()| 0),
         }
     }
 
-    async fn receive(&self, c: &mut wire::FrameReader<tokio::net::TcpStream>, handle: &TransferHandle, sink: &dyn KvSink) -> Result<u64, KvError> {
+    async fn receive(
+        &self,
+        c: &mut wire::FrameReader<tokio::net::TcpStream>,
+        handle: &TransferHandle,
+        sink: &dyn KvSink,
+    ) -> Result<u64, KvError> {
         let n_layers = handle.layout.n_layers;
         let n_blocks = handle.block_ids.len();
         let layer_bytes = n_blocks * handle.layout.block_bytes();
         let h = c.expect_frame().await?;
         if h.kind != FrameKind::ShmOpen {
-            return Err(KvError::Protocol(format!("expected ShmOpen, got {:?}", h.kind)));
+            return Err(KvError::Protocol(format!(
+                "expected ShmOpen, got {:?}",
+                h.kind
+            )));
         }
         let open: ShmOpen = c.json(&h).await?;
         let path = PathBuf::from(&open.path);
         self.check_path(&path)?;
         if open.n_blocks as usize != n_blocks || open.total_len != (n_layers * layer_bytes) as u64 {
-            return Err(KvError::Protocol(format!("shared-memory file of {} bytes / {} blocks does not match the handle", open.total_len, open.n_blocks)));
+            return Err(KvError::Protocol(format!(
+                "shared-memory file of {} bytes / {} blocks does not match the handle",
+                open.total_len, open.n_blocks
+            )));
         }
-        let file = std::fs::File::open(&path).map_err(KvError::io("opening the shared-memory file"))?;
-        // SAFETY: the server writes each layer's region before announcing it with ShmLayer and never after; we
-        // read only announced regions, and the length was checked against the handle.
-        let map = unsafe { MmapOptions::new().len(open.total_len as usize).populate().map(&file) }.map_err(KvError::io("mapping the shared-memory file"))?;
+        if open.total_len > open.map_len {
+            return Err(KvError::Protocol(format!(
+                "transfer of {} bytes in a file of {}",
+                open.total_len, open.map_len
+            )));
+        }
+        let map = self.maps.get(&path, open.map_len as usize)?;
         let mut seen = vec![false; n_layers];
         let mut bytes = 0u64;
         loop {
@@ -78,17 +114,31 @@ impl ShmTransport {
                 FrameKind::ShmLayer => {
                     let layer = h.layer as usize;
                     if layer >= n_layers || seen[layer] {
-                        return Err(KvError::Protocol(format!("bad or repeated shared-memory layer {layer}")));
+                        return Err(KvError::Protocol(format!(
+                            "bad or repeated shared-memory layer {layer}"
+                        )));
                     }
                     seen[layer] = true;
-                    sink.write(layer, 0, &map[layer * layer_bytes..(layer + 1) * layer_bytes])?;
+                    sink.write(
+                        layer,
+                        0,
+                        &map[layer * layer_bytes..(layer + 1) * layer_bytes],
+                    )?;
                     sink.layer_complete(layer)?;
                     bytes += layer_bytes as u64;
                 }
                 FrameKind::PullDone => {
-                    return if seen.iter().all(|&s| s) { Ok(bytes) } else { Err(KvError::Protocol("shared-memory pull ended early".into())) };
+                    return if seen.iter().all(|&s| s) {
+                        Ok(bytes)
+                    } else {
+                        Err(KvError::Protocol("shared-memory pull ended early".into()))
+                    };
                 }
-                k => return Err(KvError::Protocol(format!("unexpected {k:?} during a shared-memory pull"))),
+                k => {
+                    return Err(KvError::Protocol(format!(
+                        "unexpected {k:?} during a shared-memory pull"
+                    )))
+                }
             }
         }
     }

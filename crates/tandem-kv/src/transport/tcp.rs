@@ -26,7 +26,12 @@ pub struct TcpConfig {
 
 impl Default for TcpConfig {
     fn default() -> Self {
-        TcpConfig { streams: 4, connect_timeout: Duration::from_secs(5), io_timeout: Duration::from_secs(10), checksum: false }
+        TcpConfig {
+            streams: 4,
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(10),
+            checksum: false,
+        }
     }
 }
 
@@ -42,7 +47,11 @@ impl TcpTransport {
         TcpTransport { local, config }
     }
 
-    async fn pull_impl(&self, handle: &TransferHandle, sink: Arc<dyn KvSink>) -> Result<u64, KvError> {
+    async fn pull_impl(
+        &self,
+        handle: &TransferHandle,
+        sink: Arc<dyn KvSink>,
+    ) -> Result<u64, KvError> {
         let n_layers = handle.layout.n_layers;
         let streams = self.config.streams.clamp(1, n_layers.max(1));
         let mut set = JoinSet::new();
@@ -79,7 +88,9 @@ impl TcpTransport {
                 Err(j) if j.is_cancelled() => {}
                 Err(j) => {
                     set.abort_all();
-                    err = err.or(Some(KvError::Protocol(format!("pull stream task failed: {j}"))));
+                    err = err.or(Some(KvError::Protocol(format!(
+                        "pull stream task failed: {j}"
+                    ))));
                 }
             }
         }
@@ -93,36 +104,70 @@ impl TcpTransport {
         };
         let io = self.config.io_timeout;
         let tid = handle.transfer_id;
-        finish_on_control(&mut c, tid, err, io).await.map(|()| bytes)
+        finish_on_control(&mut c, tid, err, io)
+            .await
+            .map(|()| bytes)
     }
 }
 
 /// Acks on success (waiting for `AckOk`) or aborts on failure over the control connection.
-pub(crate) async fn finish_on_control(c: &mut FrameReader<TcpStream>, tid: u64, err: Option<KvError>, io: Duration) -> Result<(), KvError> {
+pub(crate) async fn finish_on_control(
+    c: &mut FrameReader<TcpStream>,
+    tid: u64,
+    err: Option<KvError>,
+    io: Duration,
+) -> Result<(), KvError> {
     match err {
         None => {
-            wire::send(c.get_mut(), FrameHeader::control(FrameKind::Ack, tid, 0), &[], io).await?;
+            wire::send(
+                c.get_mut(),
+                FrameHeader::control(FrameKind::Ack, tid, 0),
+                &[],
+                io,
+            )
+            .await?;
             let h = c.expect_frame().await?;
             if h.kind != FrameKind::AckOk || h.transfer_id != tid {
-                return Err(KvError::Protocol(format!("expected AckOk for {tid}, got {:?}", h.kind)));
+                return Err(KvError::Protocol(format!(
+                    "expected AckOk for {tid}, got {:?}",
+                    h.kind
+                )));
             }
             Ok(())
         }
         Some(e) => {
             // Best effort: if this fails the server still releases on disconnect or timeout.
-            let _ = wire::send(c.get_mut(), FrameHeader::control(FrameKind::Abort, tid, 0), &[], io).await;
+            let _ = wire::send(
+                c.get_mut(),
+                FrameHeader::control(FrameKind::Abort, tid, 0),
+                &[],
+                io,
+            )
+            .await;
             Err(e)
         }
     }
 }
 
 /// Opens a connection to `endpoint` and runs the client handshake on it.
-pub(crate) async fn connect(endpoint: &str, local: &PeerInfo, config: &TcpConfig) -> Result<FrameReader<TcpStream>, KvError> {
-    let stream = timed(config.connect_timeout, "connecting to the KV server", async {
-        TcpStream::connect(endpoint).await.map_err(KvError::io("connecting to the KV server"))
-    })
+pub(crate) async fn connect(
+    endpoint: &str,
+    local: &PeerInfo,
+    config: &TcpConfig,
+) -> Result<FrameReader<TcpStream>, KvError> {
+    let stream = timed(
+        config.connect_timeout,
+        "connecting to the KV server",
+        async {
+            TcpStream::connect(endpoint)
+                .await
+                .map_err(KvError::io("connecting to the KV server"))
+        },
+    )
     .await?;
-    stream.set_nodelay(true).map_err(KvError::io("setting TCP_NODELAY"))?;
+    stream
+        .set_nodelay(true)
+        .map_err(KvError::io("setting TCP_NODELAY"))?;
     let mut r = FrameReader::new(stream, config.io_timeout);
     wire::client_handshake(&mut r, local, config.io_timeout).await?;
     Ok(r)
@@ -146,8 +191,19 @@ impl StreamJob {
     /// Receives this connection's layers into the sink; returns the connection if it carries the ack.
     async fn run(self) -> Result<(Option<FrameReader<TcpStream>>, u64), KvError> {
         let mut r = connect(&self.endpoint, &self.local, &self.config).await?;
-        let req = PullRequest { layers: self.layers.clone(), control: self.control, checksum: self.config.checksum };
-        wire::send_json(r.get_mut(), FrameKind::Pull, self.transfer_id, &req, self.config.io_timeout).await?;
+        let req = PullRequest {
+            layers: self.layers.clone(),
+            control: self.control,
+            checksum: self.config.checksum,
+        };
+        wire::send_json(
+            r.get_mut(),
+            FrameKind::Pull,
+            self.transfer_id,
+            &req,
+            self.config.io_timeout,
+        )
+        .await?;
         // Blocks still expected per layer; u32::MAX marks layers not assigned to this connection.
         let mut remaining = vec![u32::MAX; self.n_layers];
         for &l in &self.layers {
@@ -157,14 +213,21 @@ impl StreamJob {
         loop {
             let h = r.expect_frame().await?;
             if h.transfer_id != self.transfer_id {
-                return Err(KvError::Protocol(format!("frame for transfer {} on a pull of {}", h.transfer_id, self.transfer_id)));
+                return Err(KvError::Protocol(format!(
+                    "frame for transfer {} on a pull of {}",
+                    h.transfer_id, self.transfer_id
+                )));
             }
             match h.kind {
                 FrameKind::Data => {
                     let layer = h.layer as usize;
                     let left = remaining.get(layer).copied().unwrap_or(u32::MAX);
                     let end = h.first_block as u64 + h.n_blocks as u64;
-                    if left == u32::MAX || h.n_blocks > left || end > self.n_blocks as u64 || h.payload_len != h.n_blocks as u64 * self.block_bytes as u64 {
+                    if left == u32::MAX
+                        || h.n_blocks > left
+                        || end > self.n_blocks as u64
+                        || h.payload_len != h.n_blocks as u64 * self.block_bytes as u64
+                    {
                         return Err(KvError::Protocol(format!(
                             "bad data frame: layer {layer}, blocks {}+{}, {} bytes",
                             h.first_block, h.n_blocks, h.payload_len
@@ -180,7 +243,9 @@ impl StreamJob {
                 }
                 FrameKind::PullDone => {
                     if let Some(&l) = self.layers.iter().find(|&&l| remaining[l as usize] != 0) {
-                        return Err(KvError::Protocol(format!("pull ended with layer {l} incomplete")));
+                        return Err(KvError::Protocol(format!(
+                            "pull ended with layer {l} incomplete"
+                        )));
                     }
                     return Ok((self.control.then_some(r), bytes));
                 }

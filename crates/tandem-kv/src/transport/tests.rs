@@ -24,7 +24,10 @@ struct Fixture {
 async fn fixture(pin_timeout: Duration) -> Fixture {
     let info = smollm_info();
     let source = Arc::new(MemSource::random(info.layout, NUM_BLOCKS, 42));
-    let shm_dir = tempfile::Builder::new().prefix("kvtest").tempdir_in(default_shm_dir()).unwrap();
+    let shm_dir = tempfile::Builder::new()
+        .prefix("kvtest")
+        .tempdir_in(default_shm_dir())
+        .unwrap();
     let config = KvServerConfig {
         pin_timeout,
         io_timeout: Duration::from_secs(5),
@@ -34,11 +37,22 @@ async fn fixture(pin_timeout: Duration) -> Fixture {
     };
     let server = KvServer::new(config, info.clone(), source.clone());
     let listener = server.listen("127.0.0.1:0").await.unwrap();
-    Fixture { server, source, listener, info, shm_dir }
+    Fixture {
+        server,
+        source,
+        listener,
+        info,
+        shm_dir,
+    }
 }
 
 fn tcp_config(streams: usize, checksum: bool) -> TcpConfig {
-    TcpConfig { streams, checksum, io_timeout: Duration::from_secs(5), connect_timeout: Duration::from_secs(5) }
+    TcpConfig {
+        streams,
+        checksum,
+        io_timeout: Duration::from_secs(5),
+        connect_timeout: Duration::from_secs(5),
+    }
 }
 
 fn transports(f: &Fixture) -> Vec<Arc<dyn KvTransport>> {
@@ -47,19 +61,28 @@ fn transports(f: &Fixture) -> Vec<Arc<dyn KvTransport>> {
         Arc::new(TcpTransport::new(f.info.clone(), tcp_config(1, false))),
         Arc::new(TcpTransport::new(f.info.clone(), tcp_config(3, true))),
         Arc::new(TcpTransport::new(f.info.clone(), tcp_config(64, false))),
-        Arc::new(ShmTransport::new(f.info.clone(), tcp_config(1, false), f.shm_dir.path().to_path_buf())),
+        Arc::new(ShmTransport::new(
+            f.info.clone(),
+            tcp_config(1, false),
+            f.shm_dir.path().to_path_buf(),
+        )),
     ]
 }
 
 /// A scattered, out-of-order block list, as a real block table would be.
 fn scattered_blocks(n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 37 + 11) % NUM_BLOCKS as u32).collect()
+    (0..n as u32)
+        .map(|i| (i * 37 + 11) % NUM_BLOCKS as u32)
+        .collect()
 }
 
 fn assert_same(f: &Fixture, sink: &MemSink, blocks: &[u32]) {
     for layer in 0..f.info.layout.n_layers {
         for (i, &b) in blocks.iter().enumerate() {
-            assert!(sink.block(layer, i) == f.source.block(layer, b), "layer {layer} block {i} differs");
+            assert!(
+                sink.block(layer, i) == f.source.block(layer, b),
+                "layer {layer} block {i} differs"
+            );
         }
     }
 }
@@ -73,7 +96,11 @@ async fn wait_released(f: &Fixture, tid: u64) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     tokio::time::sleep(Duration::from_millis(20)).await;
-    assert_eq!(f.source.releases(tid), 1, "transfer {tid} must be released exactly once");
+    assert_eq!(
+        f.source.releases(tid),
+        1,
+        "transfer {tid} must be released exactly once"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -81,55 +108,86 @@ async fn round_trip_over_every_transport() {
     let f = fixture(Duration::from_secs(30)).await;
     for (ti, t) in transports(&f).into_iter().enumerate() {
         let blocks = scattered_blocks(13 + ti);
-        let handle = f.server.register(blocks.clone(), blocks.len() * 16 - 3).unwrap();
+        let handle = f
+            .server
+            .register(blocks.clone(), blocks.len() * 16 - 3)
+            .unwrap();
         assert_eq!(handle.endpoint, f.listener.local_addr().to_string());
         let sink = Arc::new(MemSink::new(f.info.layout, blocks.len()));
         let client = KvClient::new(t.clone());
-        let stats = client.pull(&handle, sink.clone()).await.unwrap_or_else(|e| panic!("{}: {e}", t.name()));
+        let stats = client
+            .pull(&handle, sink.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", t.name()));
         assert_eq!(stats.bytes, handle.total_bytes(), "{}", t.name());
         assert_same(&f, &sink, &blocks);
-        assert_eq!(sink.layers_complete(), f.info.layout.n_layers, "{}", t.name());
+        assert_eq!(
+            sink.layers_complete(),
+            f.info.layout.n_layers,
+            "{}",
+            t.name()
+        );
         assert_eq!(sink.completes(), 1);
         wait_released(&f, handle.transfer_id).await;
         assert_eq!(client.metrics().snapshot().pulls_ok, 1);
         assert_eq!(client.metrics().snapshot().bytes_received, stats.bytes);
         // The pin is gone, so the handle cannot be pulled again.
-        let again = client.pull(&handle, Arc::new(MemSink::new(f.info.layout, blocks.len()))).await;
-        assert!(matches!(again, Err(KvError::UnknownTransfer(t)) if t == handle.transfer_id), "{}: {again:?}", t.name());
+        let again = client
+            .pull(&handle, Arc::new(MemSink::new(f.info.layout, blocks.len())))
+            .await;
+        assert!(
+            matches!(again, Err(KvError::UnknownTransfer(t)) if t == handle.transfer_id),
+            "{}: {again:?}",
+            t.name()
+        );
     }
     let m = f.server.metrics().snapshot();
     assert_eq!(m.released_ack, 5);
     assert_eq!(f.server.pinned(), 0);
-    let leftovers = std::fs::read_dir(f.shm_dir.path()).unwrap().count();
-    assert_eq!(leftovers, 0, "shared-memory files must be unlinked after ack");
+    // Sequential shared-memory pulls reuse one pooled segment instead of leaving a file per transfer.
+    let shm = KvClient::new(Arc::new(ShmTransport::new(
+        f.info.clone(),
+        tcp_config(1, false),
+        f.shm_dir.path().to_path_buf(),
+    )));
+    for n in [3, 20] {
+        let blocks = scattered_blocks(n);
+        let handle = f.server.register(blocks.clone(), n * 16).unwrap();
+        let sink = Arc::new(MemSink::new(f.info.layout, n));
+        shm.pull(&handle, sink.clone()).await.unwrap();
+        assert_same(&f, &sink, &blocks);
+        wait_released(&f, handle.transfer_id).await;
+    }
+    let files = std::fs::read_dir(f.shm_dir.path()).unwrap().count();
+    assert_eq!(files, 1, "one pooled shared-memory segment");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handshake_refuses_each_mismatched_field() {
     let f = fixture(Duration::from_secs(30)).await;
     let handle = f.server.register(scattered_blocks(4), 64).unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&mut PeerInfo)>)> = vec![
-        ("model_id", Box::new(|p| p.model_id = "llama-3-8b".into())),
-        ("dtype", Box::new(|p| p.layout.dtype = WireDtype::Bf16)),
-        ("block_size", Box::new(|p| p.layout.block_size = 32)),
-        ("n_layers", Box::new(|p| p.layout.n_layers = 32)),
-        ("n_heads", Box::new(|p| p.layout.n_heads = 32)),
-        ("n_kv_heads", Box::new(|p| p.layout.n_kv_heads = 8)),
-        ("head_dim", Box::new(|p| p.layout.head_dim = 128)),
-    ];
+    let cases = crate::peer::tests::mismatch_cases();
     for (field, mutate) in cases {
         let mut local = f.info.clone();
         mutate(&mut local);
         let transports: Vec<Arc<dyn KvTransport>> = vec![
             Arc::new(TcpTransport::new(local.clone(), tcp_config(2, false))),
-            Arc::new(ShmTransport::new(local.clone(), tcp_config(1, false), f.shm_dir.path().to_path_buf())),
+            Arc::new(ShmTransport::new(
+                local.clone(),
+                tcp_config(1, false),
+                f.shm_dir.path().to_path_buf(),
+            )),
             Arc::new(InProcTransport::new(f.server.clone(), local.clone())),
         ];
         for t in transports {
             // Straight to the transport, past the client's pre-check, so the wire handshake itself is tested.
             let sink = Arc::new(MemSink::new(f.info.layout, 4));
             match t.pull(&handle, sink.clone()).await {
-                Err(KvError::Mismatch { field: got, local: l, remote: r }) => {
+                Err(KvError::Mismatch {
+                    field: got,
+                    local: l,
+                    remote: r,
+                }) => {
                     assert_eq!(got, field, "{}", t.name());
                     assert_ne!(l, r);
                 }
@@ -140,14 +198,22 @@ async fn handshake_refuses_each_mismatched_field() {
         if field != "model_id" {
             // The layout travels in the handle, so the client refuses before connecting.
             let client = KvClient::new(Arc::new(TcpTransport::new(local, tcp_config(1, false))));
-            let r = client.pull(&handle, Arc::new(MemSink::new(f.info.layout, 4))).await;
+            let r = client
+                .pull(&handle, Arc::new(MemSink::new(f.info.layout, 4)))
+                .await;
             assert!(matches!(r, Err(KvError::Mismatch { field: got, .. }) if got == field));
         }
     }
     // A refused peer does not release the pin: a compatible worker can still pull it.
     assert_eq!(f.source.releases(handle.transfer_id), 0);
     let sink = Arc::new(MemSink::new(f.info.layout, 4));
-    KvClient::new(Arc::new(TcpTransport::new(f.info.clone(), tcp_config(2, false)))).pull(&handle, sink).await.unwrap();
+    KvClient::new(Arc::new(TcpTransport::new(
+        f.info.clone(),
+        tcp_config(2, false),
+    )))
+    .pull(&handle, sink)
+    .await
+    .unwrap();
     wait_released(&f, handle.transfer_id).await;
 }
 
@@ -178,11 +244,20 @@ async fn unacked_pins_time_out_and_cannot_be_pulled() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(f.source.releases(handle.transfer_id), 1);
     assert_eq!(f.server.metrics().snapshot().released_timeout, 1);
-    let client = KvClient::new(Arc::new(TcpTransport::new(f.info.clone(), tcp_config(2, false))));
-    let r = client.pull(&handle, Arc::new(MemSink::new(f.info.layout, 3))).await;
+    let client = KvClient::new(Arc::new(TcpTransport::new(
+        f.info.clone(),
+        tcp_config(2, false),
+    )));
+    let r = client
+        .pull(&handle, Arc::new(MemSink::new(f.info.layout, 3)))
+        .await;
     assert!(matches!(r, Err(KvError::UnknownTransfer(_))), "{r:?}");
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(f.source.releases(handle.transfer_id), 1, "no second release after the timeout");
+    assert_eq!(
+        f.source.releases(handle.transfer_id),
+        1,
+        "no second release after the timeout"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -192,17 +267,37 @@ async fn prefill_side_abort_releases_once() {
     assert!(f.server.abort(handle.transfer_id));
     assert!(!f.server.abort(handle.transfer_id));
     assert_eq!(f.source.releases(handle.transfer_id), 1);
-    assert!(matches!(f.server.register(Vec::new(), 0), Err(KvError::EmptyTransfer)));
+    assert!(matches!(
+        f.server.register(Vec::new(), 0),
+        Err(KvError::EmptyTransfer)
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_control_connection_releases() {
     let f = fixture(Duration::from_secs(30)).await;
-    let handle = f.server.register(scattered_blocks(NUM_BLOCKS), 1000).unwrap();
+    let handle = f
+        .server
+        .register(scattered_blocks(NUM_BLOCKS), 1000)
+        .unwrap();
     let cfg = tcp_config(1, false);
-    let mut c = crate::transport::tcp::connect(&handle.endpoint, &f.info, &cfg).await.unwrap();
-    let req = PullRequest { layers: (0..30).collect(), control: true, checksum: false };
-    wire::send_json(c.get_mut(), FrameKind::Pull, handle.transfer_id, &req, cfg.io_timeout).await.unwrap();
+    let mut c = crate::transport::tcp::connect(&handle.endpoint, &f.info, &cfg)
+        .await
+        .unwrap();
+    let req = PullRequest {
+        layers: (0..30).collect(),
+        control: true,
+        checksum: false,
+    };
+    wire::send_json(
+        c.get_mut(),
+        FrameKind::Pull,
+        handle.transfer_id,
+        &req,
+        cfg.io_timeout,
+    )
+    .await
+    .unwrap();
     // Read one frame to be sure the server is mid-transfer, then vanish.
     let h = c.expect_frame().await.unwrap();
     assert_eq!(h.kind, FrameKind::Data);
@@ -214,16 +309,27 @@ async fn dropped_control_connection_releases() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_and_unknown_transfers_are_refused() {
     let f = fixture(Duration::from_secs(30)).await;
-    let mut s = tokio::net::TcpStream::connect(f.listener.local_addr()).await.unwrap();
+    let mut s = tokio::net::TcpStream::connect(f.listener.local_addr())
+        .await
+        .unwrap();
     s.write_all(&[0xAB; 64]).await.unwrap();
     let mut r = FrameReader::new(s, Duration::from_secs(2));
     let end = r.header().await;
-    assert!(matches!(end, Ok(None) | Ok(Some(_)) | Err(KvError::Io { .. })), "{end:?}");
+    assert!(
+        matches!(end, Ok(None) | Ok(Some(_)) | Err(KvError::Io { .. })),
+        "{end:?}"
+    );
     let mut bogus = f.server.register(scattered_blocks(2), 20).unwrap();
     bogus.transfer_id ^= 0xdead_beef;
     for t in transports(&f) {
-        let r = t.pull(&bogus, Arc::new(MemSink::new(f.info.layout, 2))).await;
-        assert!(matches!(r, Err(KvError::UnknownTransfer(_))), "{}: {r:?}", t.name());
+        let r = t
+            .pull(&bogus, Arc::new(MemSink::new(f.info.layout, 2)))
+            .await;
+        assert!(
+            matches!(r, Err(KvError::UnknownTransfer(_))),
+            "{}: {r:?}",
+            t.name()
+        );
     }
     assert!(f.server.metrics().snapshot().serve_errors >= 1);
 }
@@ -231,15 +337,25 @@ async fn garbage_and_unknown_transfers_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_pulls_each_release_once() {
     let f = Arc::new(fixture(Duration::from_secs(30)).await);
-    let tcp: Arc<dyn KvTransport> = Arc::new(TcpTransport::new(f.info.clone(), tcp_config(3, false)));
-    let shm: Arc<dyn KvTransport> = Arc::new(ShmTransport::new(f.info.clone(), tcp_config(1, false), f.shm_dir.path().to_path_buf()));
+    let tcp: Arc<dyn KvTransport> =
+        Arc::new(TcpTransport::new(f.info.clone(), tcp_config(3, false)));
+    let shm: Arc<dyn KvTransport> = Arc::new(ShmTransport::new(
+        f.info.clone(),
+        tcp_config(1, false),
+        f.shm_dir.path().to_path_buf(),
+    ));
     let mut tasks = Vec::new();
     for i in 0..12usize {
         let f = Arc::clone(&f);
         let client = KvClient::new(if i % 3 == 0 { shm.clone() } else { tcp.clone() });
         tasks.push(tokio::spawn(async move {
-            let blocks: Vec<u32> = (0..(5 + i as u32)).map(|b| (b * 7 + i as u32) % NUM_BLOCKS as u32).collect();
-            let handle = f.server.register(blocks.clone(), blocks.len() * 16).unwrap();
+            let blocks: Vec<u32> = (0..(5 + i as u32))
+                .map(|b| (b * 7 + i as u32) % NUM_BLOCKS as u32)
+                .collect();
+            let handle = f
+                .server
+                .register(blocks.clone(), blocks.len() * 16)
+                .unwrap();
             let sink = Arc::new(MemSink::new(f.info.layout, blocks.len()));
             client.pull(&handle, sink.clone()).await.unwrap();
             assert_same(&f, &sink, &blocks);

@@ -1,0 +1,91 @@
+//! The crate's typed errors and their HTTP mapping on the worker side.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use tandem_engine::EngineError;
+use tandem_kv::KvError;
+
+use crate::protocol::ErrorBody;
+
+/// Everything that can fail in the cluster layer; callers match on it to retry, fall back or refuse.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// The local engine refused or failed the request.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// Moving KV failed (or the peers' layouts differ).
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// A worker was refused at registration: its KV would not be interchangeable (the error names the field).
+    #[error("worker {url} refused: {source}")]
+    Refused {
+        /// The worker's base URL.
+        url: String,
+        /// Why, naming the differing handshake field.
+        #[source]
+        source: KvError,
+    },
+    /// A worker's role cannot serve the RPC it received (e.g. prefill sent to a decode worker).
+    #[error("this {role} worker does not serve {what}")]
+    WrongRole {
+        /// The worker's role.
+        role: crate::protocol::Role,
+        /// The RPC it refused.
+        what: &'static str,
+    },
+    /// An RPC to another process failed at the transport level (connection refused, reset, timeout).
+    #[error("RPC to {url} failed: {source}")]
+    Rpc {
+        /// The worker's base URL.
+        url: String,
+        /// The HTTP client's error.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// A worker answered with an error status.
+    #[error("worker {url} answered {status}: {message}")]
+    Remote {
+        /// The worker's base URL.
+        url: String,
+        /// The HTTP status.
+        status: u16,
+        /// The worker's error message.
+        message: String,
+    },
+    /// A worker answered something that does not follow the protocol.
+    #[error("bad answer from {url}: {message}")]
+    Protocol {
+        /// The worker's base URL.
+        url: String,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+impl ClusterError {
+    /// The HTTP status a worker answers this error with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ClusterError::Engine(EngineError::QueueFull { .. }) => StatusCode::SERVICE_UNAVAILABLE,
+            ClusterError::Engine(
+                EngineError::PromptTooLong { .. }
+                | EngineError::KvCacheTooSmall { .. }
+                | EngineError::EmptyPrompt
+                | EngineError::InvalidParams(_),
+            ) => StatusCode::BAD_REQUEST,
+            ClusterError::WrongRole { .. } => StatusCode::NOT_FOUND,
+            ClusterError::Refused { .. } => StatusCode::CONFLICT,
+            ClusterError::Kv(_) | ClusterError::Rpc { .. } | ClusterError::Remote { .. } | ClusterError::Protocol { .. } => {
+                StatusCode::BAD_GATEWAY
+            }
+            ClusterError::Engine(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+impl IntoResponse for ClusterError {
+    fn into_response(self) -> Response {
+        (self.status(), Json(ErrorBody { error: self.to_string() })).into_response()
+    }
+}

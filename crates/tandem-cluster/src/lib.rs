@@ -1,0 +1,46 @@
+//! Prefill/decode disaggregation behind one OpenAI endpoint.
+//!
+//! Three roles: the **ingress** (the OpenAI API of `tandem-api`, tokenization, templates, routing and
+//! streaming) runs [`Ingress`], a [`tandem_api::GenerateBackend`]; **prefill workers** and **decode
+//! workers** each run one engine behind a [`WorkerService`]. A request goes:
+//!
+//! 1. the ingress picks a decode worker D (least loaded by KV blocks and sequences, power of two
+//!    choices) and, unless the part of the prompt not already cached on D is shorter than
+//!    `routing.local_prefill_threshold`, a prefill worker P (longest cached prefix, within a load bound);
+//! 2. P runs the prompt prefill-only, pins its KV blocks and answers with the first token and a
+//!    [`tandem_kv::TransferHandle`]; the ingress streams that first token to the client at once;
+//! 3. D reserves blocks, **pulls** the KV from P over `tandem-kv` (which acks, so P unpins), decodes,
+//!    and streams the remaining tokens back as NDJSON.
+//!
+//! Failures: a prefill RPC that fails is retried on another prefill worker, then on D itself; a pull that
+//! fails makes D prefill itself. The client gets a complete answer either way. Pins are released on ack,
+//! on abort (client gone: the ingress posts `release`), on pull failure and by timeout.
+//!
+//! # Why the control RPC is HTTP + JSON
+//!
+//! Ingress ↔ worker control traffic (register, prefill, decode, release, load polls) is HTTP with JSON
+//! bodies whose serde types live in [`protocol`], served by axum on the worker and called with reqwest
+//! from the ingress; token streams are NDJSON. No protoc or code generation, the same stack as the
+//! OpenAI API, and every call can be debugged with curl. The hot data path — the KV bytes — does not go
+//! through this RPC at all: it is `tandem-kv`'s binary wire format over TCP or shared memory.
+//!
+//! Worker compatibility is checked twice: at registration in the ingress (model identity and KV layout,
+//! a mismatch refused with [`ClusterError::Refused`] naming the field) and again in every `tandem-kv`
+//! connection handshake.
+
+pub mod error;
+pub mod ingress;
+pub mod metrics;
+pub mod prefix;
+pub mod protocol;
+pub mod routing;
+pub mod worker;
+
+pub use error::ClusterError;
+pub use ingress::{Ingress, TimeoutConfig, WorkerStatus};
+pub use protocol::{Role, WorkerInfo, WorkerLoad};
+pub use routing::RoutingConfig;
+pub use worker::{peer_info, KvTransferConfig, TransportKind, WorkerConfig, WorkerService};
+
+#[cfg(test)]
+mod cluster_tests;

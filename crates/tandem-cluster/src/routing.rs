@@ -1,0 +1,154 @@
+//! Routing policies, as pure functions over load snapshots so they are testable without processes.
+
+use rand::Rng;
+use serde::Deserialize;
+
+/// Knobs of the routing policies (YAML `routing:`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoutingConfig {
+    /// Prompts whose part not already cached on the chosen decode worker is shorter than this many
+    /// tokens are prefilled on that decode worker (a transfer would cost more than it saves).
+    pub local_prefill_threshold: usize,
+    /// A prefill worker is only preferred for its cached prefix while its in-flight requests exceed
+    /// the least-loaded prefill worker's by at most this many (keeps one hot prefix from burying a worker).
+    pub prefill_load_bound: usize,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig { local_prefill_threshold: 16, prefill_load_bound: 2 }
+    }
+}
+
+/// What the decode policy weighs for one worker.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeLoad {
+    /// KV blocks in use (sequences and pins) as last polled.
+    pub kv_blocks_used: usize,
+    /// KV blocks in the pool.
+    pub kv_blocks_total: usize,
+    /// Running plus waiting sequences as last polled.
+    pub seqs: usize,
+    /// Requests the ingress has sent and not seen finish (fresher than the poll).
+    pub in_flight: usize,
+    /// The worker's batch size, which normalises the sequence count.
+    pub max_num_seqs: usize,
+}
+
+impl DecodeLoad {
+    /// Lower is better: fraction of KV in use plus fraction of batch slots taken.
+    pub fn score(&self) -> f64 {
+        let kv = self.kv_blocks_used as f64 / self.kv_blocks_total.max(1) as f64;
+        let seqs = self.seqs.max(self.in_flight) as f64 / self.max_num_seqs.max(1) as f64;
+        kv + seqs
+    }
+}
+
+/// Power of two choices: sample two distinct candidates, keep the less loaded; `None` if there are none.
+///
+/// Cheaper and less herd-prone than a global minimum over stale load reports.
+pub fn pick_decode(loads: &[DecodeLoad], rng: &mut impl Rng) -> Option<usize> {
+    match loads.len() {
+        0 => None,
+        1 => Some(0),
+        n => {
+            let a = rng.random_range(0..n);
+            let mut b = rng.random_range(0..n - 1);
+            if b >= a {
+                b += 1;
+            }
+            Some(if loads[b].score() < loads[a].score() { b } else { a })
+        }
+    }
+}
+
+/// What the prefill policy weighs for one worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefillCandidate {
+    /// Leading prompt blocks believed cached on the worker.
+    pub matched_blocks: usize,
+    /// Requests in flight on the worker (ingress count).
+    pub in_flight: usize,
+}
+
+/// Prefix-aware with a load bound: among workers within `load_bound` of the least loaded, the longest
+/// cached prefix wins, then the lower load; `None` if there are no candidates.
+pub fn pick_prefill(cands: &[PrefillCandidate], load_bound: usize) -> Option<usize> {
+    let min_load = cands.iter().map(|c| c.in_flight).min()?;
+    cands
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.in_flight <= min_load + load_bound)
+        .max_by(|(i, a), (j, b)| {
+            a.matched_blocks
+                .cmp(&b.matched_blocks)
+                .then(b.in_flight.cmp(&a.in_flight))
+                // Prefer the lower index on a full tie so the choice is deterministic.
+                .then(j.cmp(i))
+        })
+        .map(|(i, _)| i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rand::SeedableRng;
+
+    fn load(used: usize, seqs: usize) -> DecodeLoad {
+        DecodeLoad { kv_blocks_used: used, kv_blocks_total: 100, seqs, in_flight: 0, max_num_seqs: 10 }
+    }
+
+    #[test]
+    fn two_choices_picks_the_less_loaded_of_two() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        let loads = [load(90, 9), load(0, 0)];
+        for _ in 0..20 {
+            assert_eq!(pick_decode(&loads, &mut rng), Some(1));
+        }
+        assert_eq!(pick_decode(&[], &mut rng), None);
+        assert_eq!(pick_decode(&loads[..1], &mut rng), Some(0));
+    }
+
+    #[test]
+    fn in_flight_counts_when_fresher_than_the_poll() {
+        let busy = DecodeLoad { in_flight: 8, ..load(0, 0) };
+        assert!(busy.score() > load(0, 1).score());
+    }
+
+    #[test]
+    fn prefill_prefers_cached_prefix_within_the_load_bound() {
+        let c = |m, l| PrefillCandidate { matched_blocks: m, in_flight: l };
+        assert_eq!(pick_prefill(&[c(0, 0), c(5, 1)], 2), Some(1));
+        assert_eq!(pick_prefill(&[c(0, 0), c(5, 3)], 2), Some(0), "hot worker over the bound is skipped");
+        assert_eq!(pick_prefill(&[c(2, 1), c(2, 0)], 2), Some(1), "tie on prefix goes to lower load");
+        assert_eq!(pick_prefill(&[], 2), None);
+    }
+
+    proptest! {
+        #[test]
+        fn pick_prefill_respects_the_bound(
+            cands in proptest::collection::vec((0usize..10, 0usize..10), 1..8),
+            bound in 0usize..4,
+        ) {
+            let cands: Vec<_> = cands.into_iter().map(|(m, l)| PrefillCandidate { matched_blocks: m, in_flight: l }).collect();
+            let i = pick_prefill(&cands, bound).unwrap();
+            let min = cands.iter().map(|c| c.in_flight).min().unwrap();
+            prop_assert!(cands[i].in_flight <= min + bound);
+            for c in &cands {
+                if c.in_flight <= min + bound {
+                    prop_assert!(c.matched_blocks <= cands[i].matched_blocks);
+                }
+            }
+        }
+
+        #[test]
+        fn pick_decode_never_returns_the_worse_of_two(used in proptest::collection::vec(0usize..100, 2..3), seed in 0u64..1000) {
+            let loads: Vec<_> = used.iter().map(|&u| load(u, 0)).collect();
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let i = pick_decode(&loads, &mut rng).unwrap();
+            prop_assert!(loads[i].score() <= loads[1 - i].score());
+        }
+    }
+}

@@ -1,0 +1,455 @@
+//! A prefill or decode worker: one engine behind the control RPC, plus its side of the KV transfer.
+//!
+//! Prefill: run the prompt prefill-only, keep its blocks pinned in the engine, copy them out once and
+//! register them with the [`KvServer`]; the server's release (ack, abort, disconnect, timeout) unpins
+//! them in the engine. Decode: reserve blocks, pull into them through a [`KvSink`] that forwards each
+//! block to the engine thread, then start decoding with zero prefill compute.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use parking_lot::Mutex;
+use serde::Deserialize;
+use tandem_engine::{
+    EngineError, EngineHandle, EngineRequest, ExportedKv, FinishReason, Pending, RequestMode, RequestStream,
+};
+use tandem_kv::{
+    KvClient, KvError, KvListener, KvServer, KvServerConfig, KvSink, KvSource, PeerInfo, ShmTransport, TcpConfig,
+    TcpTransport, WireDtype, WireLayout,
+};
+
+use crate::error::ClusterError;
+use crate::protocol::{
+    DecodeRequest, PrefillRequest, PrefillResponse, ReleaseRequest, Role, StreamEvent, WireToken, WorkerInfo,
+    WorkerLoad, PATH_DECODE, PATH_INFO, PATH_LOAD, PATH_PREFILL, PATH_RELEASE,
+};
+
+/// How decode workers pull KV (YAML `kv_transfer.transport`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// TCP, several connections per pull: works across hosts.
+    #[default]
+    Tcp,
+    /// Shared-memory file plus a TCP control connection: same host only, fewer copies through the kernel.
+    Shm,
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "tcp" => Ok(TransportKind::Tcp),
+            "shm" => Ok(TransportKind::Shm),
+            other => Err(format!("unknown KV transport `{other}` (expected tcp or shm)")),
+        }
+    }
+}
+
+/// KV transfer settings shared by every worker of a deployment (YAML `kv_transfer:`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvTransferConfig {
+    /// Data plane used by decode workers.
+    pub transport: TransportKind,
+    /// Parallel TCP connections per pull.
+    pub streams: usize,
+    /// Seconds a prefill worker keeps KV pinned without an ack.
+    pub pin_timeout_secs: f64,
+    /// Seconds bound on every KV socket read or write.
+    pub io_timeout_secs: f64,
+    /// CRC32 every data frame.
+    pub checksum: bool,
+}
+
+impl Default for KvTransferConfig {
+    fn default() -> Self {
+        KvTransferConfig { transport: TransportKind::Tcp, streams: 4, pin_timeout_secs: 30.0, io_timeout_secs: 10.0, checksum: false }
+    }
+}
+
+impl KvTransferConfig {
+    fn pin_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.pin_timeout_secs.max(0.001))
+    }
+
+    fn io_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.io_timeout_secs.max(0.001))
+    }
+}
+
+/// Settings of one worker process.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// Unique name in the deployment.
+    pub worker_id: String,
+    /// Prefill or decode.
+    pub role: Role,
+    /// Address the KV server binds (prefill workers), e.g. `127.0.0.1:0`.
+    pub kv_listen: String,
+    /// KV transfer settings.
+    pub kv: KvTransferConfig,
+    /// The engine's batch size, reported to the router.
+    pub max_num_seqs: usize,
+}
+
+/// Builds the handshake record of an engine: the model identity plus its KV shape.
+///
+/// The query head count is not part of the engine's layout, so the caller passes it from the model config.
+pub fn peer_info(engine: &EngineHandle, model_id: String, n_heads: usize) -> PeerInfo {
+    let l = engine.kv_layout();
+    let dtype = if l.dtype.size() == 2 { WireDtype::Bf16 } else { WireDtype::F32 };
+    PeerInfo {
+        model_id,
+        layout: WireLayout {
+            n_layers: l.n_layers,
+            n_heads,
+            n_kv_heads: l.n_kv_heads,
+            head_dim: l.head_dim,
+            block_size: l.block_size,
+            dtype,
+        },
+    }
+}
+
+/// Pinned prefills this worker serves to decode workers, by transfer id.
+struct EngineSource {
+    engine: EngineHandle,
+    pins: Mutex<HashMap<u64, PinnedKv>>,
+}
+
+/// One pinned prefill: the engine request holding the pin and a copy of its KV.
+struct PinnedKv {
+    request: u64,
+    kv: Arc<ExportedKv>,
+}
+
+impl EngineSource {
+    fn pinned_blocks(&self) -> usize {
+        self.pins.lock().values().map(|p| p.kv.num_blocks).sum()
+    }
+}
+
+impl KvSource for EngineSource {
+    fn copy_blocks(&self, transfer_id: u64, layer: usize, blocks: &[u32], out: &mut [u8]) -> Result<(), KvError> {
+        let kv = self
+            .pins
+            .lock()
+            .get(&transfer_id)
+            .map(|p| Arc::clone(&p.kv))
+            .ok_or(KvError::UnknownTransfer(transfer_id))?;
+        let n = kv.layout.block_bytes();
+        if layer >= kv.layout.n_layers || out.len() != blocks.len() * n {
+            return Err(KvError::Source(format!("bad copy: layer {layer}, {} blocks into {} bytes", blocks.len(), out.len())));
+        }
+        for (dst, &b) in out.chunks_exact_mut(n).zip(blocks) {
+            if b as usize >= kv.num_blocks {
+                return Err(KvError::Source(format!("block {b} outside the transfer's {} blocks", kv.num_blocks)));
+            }
+            dst.copy_from_slice(kv.block(layer, b as usize));
+        }
+        Ok(())
+    }
+
+    fn release(&self, transfer_id: u64, _blocks: &[u32]) {
+        if let Some(p) = self.pins.lock().remove(&transfer_id) {
+            self.engine.release_pin(p.request);
+        }
+    }
+}
+
+/// Forwards pulled blocks to the engine thread; the engine applies them in order before `start_decoding`.
+struct EngineSink {
+    engine: EngineHandle,
+    request: u64,
+    block_bytes: usize,
+    pending: Mutex<Vec<Pending<()>>>,
+}
+
+impl KvSink for EngineSink {
+    fn write(&self, layer: usize, first_block: usize, data: &[u8]) -> Result<(), KvError> {
+        if data.len() % self.block_bytes != 0 {
+            return Err(KvError::Sink(format!("{} bytes is not a whole number of blocks", data.len())));
+        }
+        let mut pending = self.pending.lock();
+        for (k, block) in data.chunks_exact(self.block_bytes).enumerate() {
+            pending.push(self.engine.import_block(self.request, layer, first_block + k, block.to_vec()));
+        }
+        Ok(())
+    }
+}
+
+impl EngineSink {
+    /// Waits until the engine has stored every block written so far.
+    async fn settle(&self) -> Result<(), EngineError> {
+        let pending = std::mem::take(&mut *self.pending.lock());
+        for p in pending {
+            p.wait().await?;
+        }
+        Ok(())
+    }
+}
+
+/// Releases an engine pin unless disarmed: covers a prefill whose HTTP caller went away mid-handler.
+struct EnginePinGuard {
+    engine: EngineHandle,
+    request: u64,
+    armed: bool,
+}
+
+impl Drop for EnginePinGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.engine.release_pin(self.request);
+        }
+    }
+}
+
+/// Counts a request as in flight for as long as it lives.
+struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn new(c: &Arc<AtomicUsize>) -> Self {
+        c.fetch_add(1, Ordering::Relaxed);
+        InFlight(Arc::clone(c))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One worker's engine, KV endpoint and RPC handlers.
+pub struct WorkerService {
+    engine: EngineHandle,
+    info: WorkerInfo,
+    config: WorkerConfig,
+    source: Arc<EngineSource>,
+    kv_server: Option<KvServer>,
+    kv_client: Option<KvClient>,
+    _listener: Option<KvListener>,
+    next_id: AtomicU64,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl WorkerService {
+    /// Starts the role's KV side (the listener of a prefill worker, the client of a decode worker).
+    pub async fn start(engine: EngineHandle, peer: PeerInfo, config: WorkerConfig) -> Result<Arc<Self>, ClusterError> {
+        let source = Arc::new(EngineSource { engine: engine.clone(), pins: Mutex::new(HashMap::new()) });
+        let (kv_server, listener, kv_client) = match config.role {
+            Role::Prefill => {
+                let server = KvServer::new(
+                    KvServerConfig {
+                        worker_id: config.worker_id.clone(),
+                        pin_timeout: config.kv.pin_timeout(),
+                        io_timeout: config.kv.io_timeout(),
+                        ..KvServerConfig::default()
+                    },
+                    peer.clone(),
+                    Arc::clone(&source) as Arc<dyn KvSource>,
+                );
+                let listener = server.listen(&config.kv_listen).await?;
+                (Some(server), Some(listener), None)
+            }
+            Role::Decode => {
+                let tcp = TcpConfig {
+                    streams: config.kv.streams.max(1),
+                    io_timeout: config.kv.io_timeout(),
+                    checksum: config.kv.checksum,
+                    ..TcpConfig::default()
+                };
+                let transport: Arc<dyn tandem_kv::KvTransport> = match config.kv.transport {
+                    TransportKind::Tcp => Arc::new(TcpTransport::new(peer.clone(), tcp)),
+                    TransportKind::Shm => Arc::new(ShmTransport::new(peer.clone(), tcp, tandem_kv::default_shm_dir())),
+                };
+                (None, None, Some(KvClient::new(transport)))
+            }
+        };
+        let info = WorkerInfo {
+            worker_id: config.worker_id.clone(),
+            role: config.role,
+            peer,
+            kv_endpoint: listener.as_ref().map(|l| l.local_addr().to_string()).unwrap_or_default(),
+            max_model_len: engine.max_model_len(),
+            max_num_seqs: config.max_num_seqs,
+            pid: std::process::id(),
+        };
+        Ok(Arc::new(WorkerService {
+            engine,
+            info,
+            config,
+            source,
+            kv_server,
+            kv_client,
+            _listener: listener,
+            next_id: AtomicU64::new(1),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+        }))
+    }
+
+    /// What the worker announces at registration.
+    pub fn info(&self) -> &WorkerInfo {
+        &self.info
+    }
+
+    /// Current load and counters.
+    pub fn load(&self) -> WorkerLoad {
+        let kv = match (&self.kv_server, &self.kv_client) {
+            (Some(s), _) => s.metrics().snapshot(),
+            (None, Some(c)) => c.metrics().snapshot(),
+            (None, None) => Default::default(),
+        };
+        WorkerLoad {
+            engine: self.engine.stats(),
+            pinned_blocks: self.source.pinned_blocks(),
+            pinned_transfers: self.kv_server.as_ref().map_or(0, KvServer::pinned),
+            in_flight: self.in_flight.load(Ordering::Relaxed),
+            kv,
+        }
+    }
+
+    /// The worker's HTTP routes.
+    pub fn router(self: Arc<Self>) -> Router {
+        Router::new()
+            .route(PATH_INFO, get(|State(s): State<Arc<Self>>| async move { Json(s.info.clone()) }))
+            .route(PATH_LOAD, get(|State(s): State<Arc<Self>>| async move { Json(s.load()) }))
+            .route(PATH_PREFILL, post(prefill))
+            .route(PATH_DECODE, post(decode))
+            .route(PATH_RELEASE, post(release))
+            .with_state(self)
+    }
+
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Runs a prompt prefill-only and pins its KV for a pull.
+    pub async fn prefill(&self, req: PrefillRequest) -> Result<PrefillResponse, ClusterError> {
+        let Some(server) = &self.kv_server else {
+            return Err(ClusterError::WrongRole { role: self.config.role, what: "prefill" });
+        };
+        let _busy = InFlight::new(&self.in_flight);
+        let id = self.next_id();
+        let prompt_len = req.prompt.len();
+        let max_tokens = req.params.max_tokens;
+        // The engine pin outlives the KV server's so the server's release is what normally frees it.
+        let pin_timeout = self.config.kv.pin_timeout() + Duration::from_secs(5);
+        let mut stream = self.engine.submit(EngineRequest {
+            id,
+            prompt: req.prompt,
+            params: req.params,
+            mode: RequestMode::PrefillOnly { pin_timeout },
+        })?;
+        let out = next_output(&mut stream).await?;
+        let mut guard = EnginePinGuard { engine: self.engine.clone(), request: id, armed: true };
+        // A prefill-only request always ends after one token; say whether the whole request ends here.
+        let finish = match out.finish {
+            Some(FinishReason::Stop) => Some(FinishReason::Stop),
+            _ if max_tokens <= 1 || prompt_len + 1 >= self.engine.max_model_len() => Some(FinishReason::Length),
+            _ => None,
+        };
+        let first = WireToken { token: out.token, logprobs: out.logprobs, finish };
+        if finish.is_some() {
+            return Ok(PrefillResponse { first, handle: None });
+        }
+        let kv = Arc::new(self.engine.export_blocks(id).wait().await?);
+        let handle = server.register((0..kv.num_blocks as u32).collect(), kv.num_tokens)?;
+        self.source.pins.lock().insert(handle.transfer_id, PinnedKv { request: id, kv });
+        guard.armed = false;
+        tracing::debug!(transfer_id = handle.transfer_id, blocks = handle.block_ids.len(), "prefill pinned");
+        Ok(PrefillResponse { first, handle: Some(handle) })
+    }
+
+    /// Starts a decode: pulls the prefilled KV (or prefills here) and returns the token stream.
+    pub async fn start_decode(&self, req: DecodeRequest) -> Result<(Option<StreamEvent>, RequestStream), ClusterError> {
+        let Some(client) = &self.kv_client else {
+            return Err(ClusterError::WrongRole { role: self.config.role, what: "decode" });
+        };
+        let id = self.next_id();
+        let engine_req = EngineRequest::new(id, req.prompt, req.params);
+        let Some(pre) = req.prefilled else {
+            return Ok((None, self.engine.submit(engine_req)?));
+        };
+        let (stream, blocks) = self.engine.import_prefilled(engine_req, pre.first_token)?;
+        // From here on, dropping `stream` (on any error) aborts the import and frees its blocks.
+        let blocks = blocks.wait().await?;
+        if blocks.len() != pre.handle.block_ids.len() {
+            return Err(ClusterError::Protocol {
+                url: pre.handle.endpoint.clone(),
+                message: format!("handle has {} blocks, the prompt needs {}", pre.handle.block_ids.len(), blocks.len()),
+            });
+        }
+        let sink = Arc::new(EngineSink {
+            engine: self.engine.clone(),
+            request: id,
+            block_bytes: pre.handle.layout.block_bytes(),
+            pending: Mutex::new(Vec::new()),
+        });
+        let stats = client.pull(&pre.handle, Arc::clone(&sink) as Arc<dyn KvSink>).await;
+        // Settle even after a failed pull so no import outlives the request.
+        let settled = sink.settle().await;
+        let stats = stats?;
+        settled?;
+        self.engine.start_decoding(id).wait().await?;
+        let event = StreamEvent::Transfer { bytes: stats.bytes, seconds: stats.elapsed.as_secs_f64(), blocks: blocks.len() };
+        Ok((Some(event), stream))
+    }
+}
+
+/// The next output of a stream, or the engine's reason for ending it.
+async fn next_output(stream: &mut RequestStream) -> Result<tandem_engine::TokenOutput, ClusterError> {
+    match stream.recv().await {
+        Some(out) => Ok(out),
+        None => Err(stream.take_error().unwrap_or(EngineError::Stopped).into()),
+    }
+}
+
+async fn prefill(State(s): State<Arc<WorkerService>>, Json(req): Json<PrefillRequest>) -> Result<Json<PrefillResponse>, ClusterError> {
+    s.prefill(req).await.map(Json)
+}
+
+async fn release(State(s): State<Arc<WorkerService>>, Json(req): Json<ReleaseRequest>) -> Json<bool> {
+    Json(s.kv_server.as_ref().is_some_and(|srv| srv.abort(req.transfer_id)))
+}
+
+fn ndjson(event: &StreamEvent) -> Bytes {
+    let mut line = serde_json::to_vec(event).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes());
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+async fn decode(State(s): State<Arc<WorkerService>>, Json(req): Json<DecodeRequest>) -> Result<Response, ClusterError> {
+    let busy = InFlight::new(&s.in_flight);
+    let (first, stream) = s.start_decode(req).await?;
+    // The body owns the engine stream: when the ingress disconnects, the body is dropped and the
+    // request aborted, which frees its blocks.
+    let tokens = futures::stream::unfold(Some((stream, busy)), |state| async move {
+        let (mut stream, busy) = state?;
+        match stream.recv().await {
+            Some(out) => {
+                let done = out.finish.is_some();
+                let line = ndjson(&StreamEvent::Token(WireToken::from(out)));
+                Some((line, (!done).then_some((stream, busy))))
+            }
+            None => {
+                let err = stream.take_error().map_or_else(|| "the engine ended the request".to_owned(), |e| e.to_string());
+                Some((ndjson(&StreamEvent::Error(err)), None))
+            }
+        }
+    });
+    let body = futures::stream::iter(first.as_ref().map(ndjson)).chain(tokens).map(Ok::<_, Infallible>);
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(body)).into_response())
+}

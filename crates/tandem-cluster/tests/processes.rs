@@ -1,0 +1,255 @@
+//! End-to-end tests of the disaggregated deployment with real processes on loopback.
+//!
+//! They run the release binary: build it first with `cargo build --release -p tandem` (or point
+//! `TANDEM_BIN` at one). Each test starts its own topology with a small KV cache and one thread per
+//! worker, one test at a time.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::{json, Value};
+use tandem_cluster::{Role, WorkerStatus};
+
+/// Serializes the tests: the machine has few cores and each topology loads the model three times.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn bin() -> PathBuf {
+    let path = std::env::var_os("TANDEM_BIN").map(PathBuf::from).unwrap_or_else(|| root().join("target/release/tandem"));
+    assert!(path.is_file(), "{} is missing: run `cargo build --release -p tandem` first", path.display());
+    path
+}
+
+fn model() -> PathBuf {
+    let path = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(path.is_file(), "{} is missing: run scripts/fetch-model.sh", path.display());
+    path
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+const ENGINE: &str = "engine: {block_size: 16, kv_cache_memory: 64MiB, threads: 1, max_num_seqs: 8}\n";
+
+fn pd_yaml(prefill: usize) -> String {
+    format!(
+        "model: {}\n{ENGINE}deployment:\n  mode: pd\n  prefill: {{replicas: {prefill}}}\n  decode: {{replicas: 1}}\n  \
+         kv_transfer: {{transport: tcp, pin_timeout_secs: 20}}\n  routing: {{local_prefill_threshold: 16}}\n  \
+         timeouts: {{poll_interval_secs: 0.2}}\n",
+        model().display()
+    )
+}
+
+fn colocated_yaml() -> String {
+    format!("model: {}\n{ENGINE}deployment: {{mode: colocated}}\n", model().display())
+}
+
+/// A running `tandem serve`; killed (with its workers, which exit when its pipe closes) on drop.
+struct Server {
+    child: Child,
+    url: String,
+    http: reqwest::Client,
+    _dir: TempDir,
+}
+
+/// A scratch directory removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    async fn start(yaml: &str) -> Server {
+        let dir = std::env::temp_dir().join(format!("tandem-cluster-test-{}-{}", std::process::id(), free_port()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("config.yaml");
+        std::fs::write(&config, yaml).unwrap();
+        let port = free_port();
+        let child = Command::new(bin())
+            .args(["serve", "--config"])
+            .arg(&config)
+            .args(["--port", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("serve.log")).unwrap())
+            .spawn()
+            .expect("tandem serve starts");
+        let server = Server { child, url: format!("http://127.0.0.1:{port}"), http: reqwest::Client::new(), _dir: TempDir(dir) };
+        server.wait_healthy().await;
+        server
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self._dir.0.join("serve.log")).unwrap_or_default()
+    }
+
+    async fn wait_healthy(&self) {
+        let deadline = Instant::now() + Duration::from_secs(240);
+        loop {
+            if let Ok(r) = self.http.get(format!("{}/health", self.url)).send().await {
+                if r.status().is_success() {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "server never became healthy:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    async fn complete(&self, prompt: &str, max_tokens: usize) -> Value {
+        let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+        let r = self.http.post(format!("{}/v1/completions", self.url)).json(&body).send().await.expect("completion sent");
+        let status = r.status();
+        let v: Value = r.json().await.expect("json answer");
+        assert!(status.is_success(), "{status}: {v}\n{}", self.log());
+        v
+    }
+
+    async fn workers(&self) -> Vec<WorkerStatus> {
+        self.http.get(format!("{}/v1/cluster/workers", self.url)).send().await.unwrap().json().await.unwrap()
+    }
+
+    async fn worker(&self, role: Role) -> WorkerStatus {
+        self.workers().await.into_iter().find(|w| w.info.role == role).expect("a worker of that role")
+    }
+
+    async fn load(&self, worker_url: &str) -> tandem_cluster::WorkerLoad {
+        self.http.get(format!("{worker_url}/v1/worker/load")).send().await.unwrap().json().await.unwrap()
+    }
+}
+
+fn text(v: &Value) -> String {
+    v["choices"][0]["text"].as_str().expect("choice text").to_owned()
+}
+
+const PROMPTS: &[&str] = &[
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to",
+    "In computer science, a hash table is a data structure that implements an associative array, which",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_matches_colocated_and_decode_never_prefills() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let colocated = Server::start(&colocated_yaml()).await;
+    let mut want = Vec::new();
+    for p in PROMPTS {
+        want.push(colocated.complete(p, 12).await);
+    }
+    drop(colocated);
+
+    let pd = Server::start(&pd_yaml(1)).await;
+    let decode = pd.worker(Role::Decode).await;
+    let before = pd.load(&decode.url).await;
+    let mut expected_bytes = 0u64;
+    let layout = decode.info.peer.layout;
+    for (p, want) in PROMPTS.iter().zip(&want) {
+        let got = pd.complete(p, 12).await;
+        assert_eq!(text(&got), text(want), "prompt {p:?}");
+        let prompt_tokens = got["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        assert!(prompt_tokens >= 16, "the prompt must exceed the local-prefill threshold");
+        expected_bytes += (prompt_tokens.div_ceil(layout.block_size) * layout.block_bytes() * layout.n_layers) as u64;
+    }
+    let after = pd.load(&decode.url).await;
+    assert_eq!(after.engine.prefill_tokens_computed, before.engine.prefill_tokens_computed, "decode worker prefilled");
+    assert_eq!(after.kv.bytes_received - before.kv.bytes_received, expected_bytes);
+    assert_eq!(after.kv.pulls_ok - before.kv.pulls_ok, PROMPTS.len() as u64);
+    let metrics = pd.http.get(format!("{}/metrics", pd.url)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(&format!("tandem:kv_transfer_bytes_total {expected_bytes}")), "{metrics}");
+    assert!(metrics.contains("tandem:pd_requests_total{prefill=\"remote\"} 3"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_prefill_worker_mid_request_still_answers() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let pd = Server::start(&pd_yaml(1)).await;
+    let prefill = pd.worker(Role::Prefill).await;
+    let long: String = PROMPTS.iter().cycle().take(12).copied().collect::<Vec<_>>().join(" ");
+    let request = {
+        let (http, url, long) = (pd.http.clone(), pd.url.clone(), long.clone());
+        tokio::spawn(async move {
+            let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": long, "max_tokens": 8, "temperature": 0});
+            http.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap().json::<Value>().await.unwrap()
+        })
+    };
+    // Wait until the prefill worker is busy with it, then kill it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pd.load(&prefill.url).await.in_flight == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let status = Command::new("kill").args(["-9", &prefill.info.pid.to_string()]).status().unwrap();
+    assert!(status.success());
+    let got = request.await.unwrap();
+    let finish = got["choices"][0]["finish_reason"].as_str().unwrap_or_default().to_owned();
+    assert!(finish == "length" || finish == "stop", "incomplete answer: {got}\n{}", pd.log());
+    // The same prompt now goes to the decode worker alone; greedy answers must agree.
+    let again = pd.complete(&long, 8).await;
+    assert_eq!(text(&got), text(&again));
+    let metrics = pd.http.get(format!("{}/metrics", pd.url)).send().await.unwrap().text().await.unwrap();
+    assert!(!metrics.contains("tandem:pd_requests_total{prefill=\"fallback\"} 0"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_abort_frees_blocks_on_both_sides() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let pd = Server::start(&pd_yaml(1)).await;
+    let prefill = pd.worker(Role::Prefill).await;
+    let decode = pd.worker(Role::Decode).await;
+    let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": true, "ignore_eos": true});
+    let resp = pd.http.post(format!("{}/v1/completions", pd.url)).json(&body).send().await.unwrap();
+    assert!(resp.status().is_success());
+    let mut body = resp.bytes_stream();
+    let mut chunks = 0;
+    while chunks < 4 {
+        let chunk = body.next().await.expect("stream continues").unwrap();
+        chunks += String::from_utf8_lossy(&chunk).matches("data:").count();
+    }
+    assert!(pd.load(&decode.url).await.engine.kv_blocks_used > 0, "the decode worker holds the sequence");
+    drop(body);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (p, d) = (pd.load(&prefill.url).await, pd.load(&decode.url).await);
+        let freed = p.engine.kv_blocks_used == 0 && p.pinned_blocks == 0 && d.engine.kv_blocks_used == 0 && d.engine.running == 0;
+        if freed {
+            assert!(d.engine.generation_tokens_total < 2000, "the request ran to the end instead of aborting");
+            break;
+        }
+        assert!(Instant::now() < deadline, "blocks not freed: prefill {p:?}, decode {d:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_another_block_size_is_refused_naming_the_field() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let pd = Server::start(&pd_yaml(1)).await;
+    let out = Command::new(bin())
+        .args(["worker", "--role", "decode", "--block-size", "32", "--kv-cache-memory", "64MiB", "--threads", "1"])
+        .arg("--model")
+        .arg(model())
+        .args(["--register", &pd.url])
+        .stdin(Stdio::null())
+        .output()
+        .expect("worker runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a mismatched worker must not stay up:\n{stderr}");
+    assert!(stderr.contains("block_size"), "the refusal must name block_size:\n{stderr}");
+    assert_eq!(pd.workers().await.len(), 2, "the refused worker must not be registered");
+}

@@ -1,0 +1,154 @@
+//! End-to-end checks on the default model (models/SmolLM2-135M-Instruct.Q4_1.gguf, fetched by
+//! scripts/fetch-model.sh): configuration, GGUF-built tokenizer against Python `tokenizers`, chat
+//! template, greedy generation, and chunked-prefill consistency.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use tandem_model::{
+    load, ChatTemplate, CpuLlama, ForwardBatch, IncrementalDecoder, KvCache, LoadOptions, LoadedModel, LogitsWanted,
+};
+
+fn model_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// The loaded default model, or None (with a message) when models/ lacks it.
+fn loaded() -> Option<&'static LoadedModel> {
+    static M: OnceLock<Option<LoadedModel>> = OnceLock::new();
+    M.get_or_init(|| {
+        let p = model_path();
+        if !p.exists() {
+            eprintln!("SKIP: {} missing; run scripts/fetch-model.sh", p.display());
+            return None;
+        }
+        Some(load(&p, &LoadOptions { progress: false }).expect("load default model"))
+    })
+    .as_ref()
+}
+
+fn new_model(m: &LoadedModel) -> CpuLlama {
+    CpuLlama::new(m.config.clone(), m.weights.clone(), 2)
+}
+
+#[test]
+fn config_matches_the_gguf_metadata() {
+    let Some(m) = loaded() else { return };
+    let c = &m.config;
+    assert_eq!(m.name, "SmolLM2-135M-Instruct.Q4_1");
+    assert_eq!(c.architecture, "llama");
+    assert_eq!((c.num_layers, c.hidden_size, c.intermediate_size), (30, 576, 1536));
+    assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (9, 3, 64));
+    assert_eq!((c.vocab_size, c.max_position_embeddings), (49152, 8192));
+    assert_eq!(c.rope_theta, 100000.0);
+    assert!((c.rms_norm_eps - 1e-5).abs() < 1e-9);
+    assert_eq!(c.rope_style, tandem_kernels::RopeStyle::Interleaved);
+    assert!(c.tie_word_embeddings && !c.attention_bias);
+    assert!(m.weights.lm_head.is_none());
+    assert_eq!(m.weights.embed.dtype(), tandem_kernels::DType::Q8_0);
+    assert_eq!(m.weights.layers[0].wq.dtype(), tandem_kernels::DType::Q4_1);
+    assert_eq!(c.bos_token_id, Some(1));
+    assert_eq!(c.eos_token_ids, vec![2]);
+    assert_eq!(m.tokenizer.eos_token().as_deref(), Some("<|im_end|>"));
+    assert_eq!(m.identity.0.len(), 16);
+    assert!(m.chat_template.as_deref().unwrap_or("").contains("<|im_start|>"));
+}
+
+#[test]
+fn identity_is_stable_across_loads() {
+    let Some(m) = loaded() else { return };
+    let again = load(&model_path(), &LoadOptions { progress: false }).unwrap();
+    assert_eq!(m.identity, again.identity);
+}
+
+#[test]
+fn gguf_tokenizer_matches_python_tokenizers() {
+    let Some(m) = loaded() else { return };
+    let text = include_str!("fixtures/smollm2_tokenizer.json");
+    let fixture: serde_json::Value = serde_json::from_str(text).unwrap();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert!(cases.len() >= 10);
+    for case in cases {
+        let s = case["text"].as_str().unwrap();
+        let want: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let got = m.tokenizer.encode(s, false).unwrap();
+        assert_eq!(got, want, "encoding {s:?}");
+        assert_eq!(m.tokenizer.decode(&got, false).unwrap(), s, "round trip of {s:?}");
+    }
+    assert_eq!(m.tokenizer.encode("<|im_start|>", false).unwrap(), vec![1]);
+}
+
+/// Greedy generation of up to `max` tokens after `prompt`, decoding incrementally.
+fn greedy(model: &mut CpuLlama, m: &LoadedModel, prompt: &[u32], max: usize) -> String {
+    let layout = model.kv_layout(16, 64);
+    let mut kv = KvCache::new(layout);
+    let blocks: Vec<u32> = (0..64).rev().collect();
+    let mut batch = ForwardBatch::default();
+    let mut logits = Vec::new();
+    batch.push(prompt, 0, blocks.clone(), LogitsWanted::Last);
+    let mut pos = prompt.len();
+    let mut dec = IncrementalDecoder::new(m.tokenizer.clone(), true);
+    let mut text = String::new();
+    for _ in 0..max {
+        model.forward(&batch, &mut kv, &mut logits).unwrap();
+        let next = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i as u32)
+            .unwrap();
+        if m.config.eos_token_ids.contains(&next) {
+            break;
+        }
+        text += &dec.push(next).unwrap();
+        batch.clear();
+        batch.push(&[next], pos, blocks.clone(), LogitsWanted::Last);
+        pos += 1;
+    }
+    text + &dec.finish().unwrap()
+}
+
+#[test]
+fn answers_the_capital_of_france() {
+    let Some(m) = loaded() else { return };
+    let tmpl = ChatTemplate::new(m.chat_template.as_deref().unwrap(), m.tokenizer.bos_token(), m.tokenizer.eos_token()).unwrap();
+    let prompt =
+        tmpl.render(&[serde_json::json!({"role": "user", "content": "What is the capital of France?"})], true, None).unwrap();
+    let ids = m.tokenizer.encode(&prompt, false).unwrap();
+    let mut model = new_model(m);
+    let answer = greedy(&mut model, m, &ids, 24);
+    eprintln!("answer: {answer:?}");
+    assert!(answer.contains("Paris"), "answer was {answer:?}");
+}
+
+#[test]
+fn chunked_prefill_matches_one_shot_and_token_by_token() {
+    let Some(m) = loaded() else { return };
+    let ids = m.tokenizer.encode("<|im_start|>user\nTell me a story about a brave little crab.<|im_end|>\n", false).unwrap();
+    let n = ids.len();
+    let mut model = new_model(m);
+    let run = |model: &mut CpuLlama, cuts: &[usize]| -> Vec<f32> {
+        let mut kv = KvCache::new(model.kv_layout(4, 32));
+        let blocks: Vec<u32> = (0..32).map(|i| (i * 7) % 32).collect();
+        let mut batch = ForwardBatch::default();
+        let mut logits = Vec::new();
+        let mut all = Vec::new();
+        let mut start = 0;
+        for &end in cuts.iter().chain(std::iter::once(&n)) {
+            batch.clear();
+            batch.push(&ids[start..end], start, blocks.clone(), LogitsWanted::All);
+            model.forward(&batch, &mut kv, &mut logits).unwrap();
+            all.extend_from_slice(&logits);
+            start = end;
+        }
+        all
+    };
+    let one = run(&mut model, &[]);
+    let chunks = run(&mut model, &[3, 4, 11]);
+    let each: Vec<usize> = (1..n).collect();
+    let single = run(&mut model, &each);
+    assert_eq!(one.len(), n * m.config.vocab_size);
+    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(max_diff(&one, &chunks) < 1e-4, "chunks differ by {}", max_diff(&one, &chunks));
+    assert!(max_diff(&one, &single) < 1e-4, "token-by-token differs by {}", max_diff(&one, &single));
+}
