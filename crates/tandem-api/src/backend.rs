@@ -201,8 +201,13 @@ mod tests {
 
     #[tokio::test]
     async fn engine_errors_map_to_backend_errors() {
-        let e = engine();
-        let too_long = GenerateBackend::submit(&e, 2, vec![1; 10], params(1_000_000)).err();
+        let config = EngineConfig {
+            block_size: 16,
+            ..EngineConfig::default()
+        };
+        let e = Engine::start(MockBackend::new(16, 64).with_max_len(100), config)
+            .expect("engine starts");
+        let too_long = GenerateBackend::submit(&e, 2, vec![1; 200], params(1)).err();
         assert!(
             matches!(too_long, Some(BackendError::PromptTooLong { .. })),
             "{too_long:?}"

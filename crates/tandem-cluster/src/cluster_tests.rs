@@ -10,12 +10,19 @@ use tandem_engine::{Engine, EngineConfig, EngineHandle, SamplingParams, TokenOut
 use tandem_kv::KvError;
 
 use crate::protocol::{PrefillRequest, Role};
-use crate::{ClusterError, Ingress, KvTransferConfig, RoutingConfig, TimeoutConfig, WorkerConfig, WorkerService};
+use crate::{
+    ClusterError, Ingress, KvTransferConfig, RoutingConfig, TimeoutConfig, WorkerConfig,
+    WorkerService,
+};
 
 const BLOCK: usize = 4;
 
 fn engine(block_size: usize) -> EngineHandle {
-    let config = EngineConfig { block_size, max_num_seqs: 8, ..EngineConfig::default() };
+    let config = EngineConfig {
+        block_size,
+        max_num_seqs: 8,
+        ..EngineConfig::default()
+    };
     Engine::start(MockBackend::new(block_size, 64), config).expect("engine starts")
 }
 
@@ -34,34 +41,60 @@ async fn worker(role: Role, block_size: usize) -> TestWorker {
         worker_id: format!("{role}-test"),
         role,
         kv_listen: "127.0.0.1:0".into(),
-        kv: KvTransferConfig { pin_timeout_secs: 5.0, ..KvTransferConfig::default() },
+        kv: KvTransferConfig {
+            pin_timeout_secs: 5.0,
+            ..KvTransferConfig::default()
+        },
         max_num_seqs: 8,
     };
-    let service = WorkerService::start(engine.clone(), peer, config).await.expect("worker starts");
+    let service = WorkerService::start(engine.clone(), peer, config)
+        .await
+        .expect("worker starts");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let router = Arc::clone(&service).router();
     let task = tokio::spawn(async move {
         let _ = axum::serve(listener, router).await;
     });
-    TestWorker { url, engine, service, task }
+    TestWorker {
+        url,
+        engine,
+        service,
+        task,
+    }
 }
 
 fn ingress(threshold: usize) -> Ingress {
-    let routing = RoutingConfig { local_prefill_threshold: threshold, ..RoutingConfig::default() };
+    let routing = RoutingConfig {
+        local_prefill_threshold: threshold,
+        ..RoutingConfig::default()
+    };
     Ingress::new(routing, TimeoutConfig::default(), Some("mock".into())).unwrap()
 }
 
 fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, ..SamplingParams::default() }
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    }
 }
 
 fn prompt(seed: u32) -> Vec<u32> {
     (0..23).map(|i| (i * 7 + seed) % 60).collect()
 }
 
-async fn collect(backend: &dyn GenerateBackend, prompt: Vec<u32>, params: SamplingParams) -> Vec<TokenOutput> {
-    backend.submit(1, prompt, params).expect("accepted").collect().await
+async fn collect(
+    backend: &dyn GenerateBackend,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+) -> Vec<TokenOutput> {
+    backend
+        .submit(1, prompt, params)
+        .expect("accepted")
+        .collect()
+        .await
 }
 
 /// Waits until the worker's engine holds no block (pinned or in use) and the KV server no transfer.
@@ -80,7 +113,10 @@ async fn drained(w: &TestWorker) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_tokens_match_colocated_and_decode_never_prefills() {
     let colocated = engine(BLOCK);
-    let (p, d) = (worker(Role::Prefill, BLOCK).await, worker(Role::Decode, BLOCK).await);
+    let (p, d) = (
+        worker(Role::Prefill, BLOCK).await,
+        worker(Role::Decode, BLOCK).await,
+    );
     let ingress = ingress(BLOCK);
     ingress.register(&p.url).await.unwrap();
     ingress.register(&d.url).await.unwrap();
@@ -93,8 +129,13 @@ async fn disaggregated_tokens_match_colocated_and_decode_never_prefills() {
     assert_eq!(load.engine.prefill_tokens_computed, 0);
     let layout = d.service.info().peer.layout;
     let blocks = prompt(0).len().div_ceil(BLOCK);
-    assert_eq!(load.kv.bytes_received, 3 * (blocks * layout.block_bytes() * layout.n_layers) as u64);
-    assert!(ingress.extra_metrics().contains("tandem:pd_requests_total{prefill=\"remote\"} 3"));
+    assert_eq!(
+        load.kv.bytes_received,
+        3 * (blocks * layout.block_bytes() * layout.n_layers) as u64
+    );
+    assert!(ingress
+        .extra_metrics()
+        .contains("tandem:pd_requests_total{prefill=\"remote\"} 3"));
     drained(&p).await;
     drained(&d).await;
 }
@@ -102,21 +143,34 @@ async fn disaggregated_tokens_match_colocated_and_decode_never_prefills() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_uncached_prompts_are_prefilled_on_the_decode_worker() {
     let colocated = engine(BLOCK);
-    let (p, d) = (worker(Role::Prefill, BLOCK).await, worker(Role::Decode, BLOCK).await);
+    let (p, d) = (
+        worker(Role::Prefill, BLOCK).await,
+        worker(Role::Decode, BLOCK).await,
+    );
     let ingress = ingress(100);
     ingress.register(&p.url).await.unwrap();
     ingress.register(&d.url).await.unwrap();
     let want = collect(&colocated, prompt(1), greedy(5)).await;
     assert_eq!(collect(&ingress, prompt(1), greedy(5)).await, want);
-    assert_eq!(p.engine.stats().prompt_tokens_total, 0, "the prefill worker was bypassed");
+    assert_eq!(
+        p.engine.stats().prompt_tokens_total,
+        0,
+        "the prefill worker was bypassed"
+    );
     assert!(d.engine.stats().prefill_tokens_computed > 0);
-    assert!(ingress.extra_metrics().contains("tandem:pd_requests_total{prefill=\"local\"} 1"));
+    assert!(ingress
+        .extra_metrics()
+        .contains("tandem:pd_requests_total{prefill=\"local\"} 1"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_prefill_worker_falls_back_to_the_next_then_to_decode() {
     let colocated = engine(BLOCK);
-    let (p1, p2, d) = (worker(Role::Prefill, BLOCK).await, worker(Role::Prefill, BLOCK).await, worker(Role::Decode, BLOCK).await);
+    let (p1, p2, d) = (
+        worker(Role::Prefill, BLOCK).await,
+        worker(Role::Prefill, BLOCK).await,
+        worker(Role::Decode, BLOCK).await,
+    );
     let ingress = ingress(BLOCK);
     for w in [&p1, &p2, &d] {
         ingress.register(&w.url).await.unwrap();
@@ -126,36 +180,61 @@ async fn a_dead_prefill_worker_falls_back_to_the_next_then_to_decode() {
     // the listener task, so the engine is stopped too).
     p1.task.abort();
     p1.engine.shutdown();
-    assert_eq!(collect(&ingress, prompt(2), greedy(6)).await, want, "retried on the other prefill worker");
+    assert_eq!(
+        collect(&ingress, prompt(2), greedy(6)).await,
+        want,
+        "retried on the other prefill worker"
+    );
     p2.task.abort();
     p2.engine.shutdown();
-    assert_eq!(collect(&ingress, prompt(3), greedy(6)).await, collect(&colocated, prompt(3), greedy(6)).await);
-    assert!(ingress.extra_metrics().contains("tandem:pd_requests_total{prefill=\"fallback\"} 1"));
+    assert_eq!(
+        collect(&ingress, prompt(3), greedy(6)).await,
+        collect(&colocated, prompt(3), greedy(6)).await
+    );
+    assert!(ingress
+        .extra_metrics()
+        .contains("tandem:pd_requests_total{prefill=\"fallback\"} 1"));
     drained(&d).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_stream_frees_both_sides_and_unpulled_pins_are_released() {
-    let (p, d) = (worker(Role::Prefill, BLOCK).await, worker(Role::Decode, BLOCK).await);
+    let (p, d) = (
+        worker(Role::Prefill, BLOCK).await,
+        worker(Role::Decode, BLOCK).await,
+    );
     let ingress = ingress(BLOCK);
     ingress.register(&p.url).await.unwrap();
     ingress.register(&d.url).await.unwrap();
-    let mut stream = ingress.submit(1, prompt(4), greedy(100_000)).unwrap();
+    let mut stream = ingress.submit(1, prompt(4), greedy(3000)).unwrap();
     for _ in 0..3 {
         stream.next().await.expect("tokens flow");
     }
     drop(stream);
     drained(&p).await;
     drained(&d).await;
+    assert!(
+        d.engine.stats().generation_tokens_total < 3000,
+        "the decode ran to the end instead of aborting"
+    );
 
     // A prefill nobody pulls (the client vanished before decode) is released on request.
-    let resp = p.service.prefill(PrefillRequest { prompt: prompt(5), params: greedy(4) }).await.unwrap();
+    let resp = p
+        .service
+        .prefill(PrefillRequest {
+            prompt: prompt(5),
+            params: greedy(4),
+        })
+        .await
+        .unwrap();
     let handle = resp.handle.expect("pinned");
     assert!(p.service.load().pinned_blocks > 0);
     let http = reqwest::Client::new();
     let released: bool = http
         .post(format!("{}{}", p.url, crate::protocol::PATH_RELEASE))
-        .json(&crate::protocol::ReleaseRequest { transfer_id: handle.transfer_id })
+        .json(&crate::protocol::ReleaseRequest {
+            transfer_id: handle.transfer_id,
+        })
         .send()
         .await
         .unwrap()
@@ -168,14 +247,48 @@ async fn dropping_the_stream_frees_both_sides_and_unpulled_pins_are_released() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registration_refuses_a_block_size_mismatch_naming_it() {
-    let (p, d) = (worker(Role::Prefill, BLOCK).await, worker(Role::Decode, 2 * BLOCK).await);
+    let (p, d) = (
+        worker(Role::Prefill, BLOCK).await,
+        worker(Role::Decode, 2 * BLOCK).await,
+    );
     let ingress = ingress(BLOCK);
     ingress.register(&p.url).await.unwrap();
     match ingress.register(&d.url).await {
-        Err(ClusterError::Refused { source: KvError::Mismatch { field, .. }, .. }) => assert_eq!(field, "block_size"),
+        Err(ClusterError::Refused {
+            source: KvError::Mismatch { field, .. },
+            ..
+        }) => assert_eq!(field, "block_size"),
         other => panic!("expected a refusal, got {other:?}"),
     }
     let err = ingress.register(&d.url).await.unwrap_err().to_string();
     assert!(err.contains("block_size"), "{err}");
     assert_eq!(ingress.workers().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_sharing_a_prefix_go_to_the_prefill_worker_that_cached_it() {
+    let colocated = engine(BLOCK);
+    let (p1, p2, d) = (
+        worker(Role::Prefill, BLOCK).await,
+        worker(Role::Prefill, BLOCK).await,
+        worker(Role::Decode, BLOCK).await,
+    );
+    let ingress = ingress(BLOCK);
+    for w in [&p1, &p2, &d] {
+        ingress.register(&w.url).await.unwrap();
+    }
+    let base = prompt(6);
+    let extended: Vec<u32> = base.iter().copied().chain((0..9).map(|i| (i * 5 + 1) % 60)).collect();
+    collect(&ingress, base.clone(), greedy(3)).await;
+    let want = collect(&colocated, extended.clone(), greedy(3)).await;
+    assert_eq!(collect(&ingress, extended.clone(), greedy(3)).await, want);
+    let (a, b) = (p1.engine.stats(), p2.engine.stats());
+    let expected = (base.len() + extended.len()) as u64;
+    assert!(
+        a.prompt_tokens_total == expected || b.prompt_tokens_total == expected,
+        "both prompts must reach the same prefill worker: {} vs {}",
+        a.prompt_tokens_total,
+        b.prompt_tokens_total
+    );
+    assert!(a.prefix_cache_hits + b.prefix_cache_hits > 0, "the second prefill reused the cached prefix");
 }

@@ -76,9 +76,10 @@ impl ClusterError {
             ) => StatusCode::BAD_REQUEST,
             ClusterError::WrongRole { .. } => StatusCode::NOT_FOUND,
             ClusterError::Refused { .. } => StatusCode::CONFLICT,
-            ClusterError::Kv(_) | ClusterError::Rpc { .. } | ClusterError::Remote { .. } | ClusterError::Protocol { .. } => {
-                StatusCode::BAD_GATEWAY
-            }
+            ClusterError::Kv(_)
+            | ClusterError::Rpc { .. }
+            | ClusterError::Remote { .. }
+            | ClusterError::Protocol { .. } => StatusCode::BAD_GATEWAY,
             ClusterError::Engine(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -86,6 +87,12 @@ impl ClusterError {
 
 impl IntoResponse for ClusterError {
     fn into_response(self) -> Response {
-        (self.status(), Json(ErrorBody { error: self.to_string() })).into_response()
+        (
+            self.status(),
+            Json(ErrorBody {
+                error: self.to_string(),
+            }),
+        )
+            .into_response()
     }
 }

@@ -22,8 +22,9 @@ use crate::error::ClusterError;
 use crate::metrics::{ClusterMetrics, PrefillPath};
 use crate::prefix::{block_hashes, PrefixTracker};
 use crate::protocol::{
-    DecodeRequest, ErrorBody, PrefillRequest, PrefillResponse, Prefilled, RegisterRequest, ReleaseRequest, Role,
-    StreamEvent, WorkerInfo, WorkerLoad, PATH_DECODE, PATH_INFO, PATH_LOAD, PATH_PREFILL, PATH_REGISTER, PATH_RELEASE,
+    DecodeRequest, ErrorBody, PrefillRequest, PrefillResponse, Prefilled, RegisterRequest,
+    ReleaseRequest, Role, StreamEvent, WorkerInfo, WorkerLoad, PATH_DECODE, PATH_INFO, PATH_LOAD,
+    PATH_PREFILL, PATH_REGISTER, PATH_RELEASE,
 };
 use crate::routing::{pick_decode, pick_prefill, DecodeLoad, PrefillCandidate, RoutingConfig};
 
@@ -45,7 +46,13 @@ pub struct TimeoutConfig {
 
 impl Default for TimeoutConfig {
     fn default() -> Self {
-        TimeoutConfig { connect_secs: 2.0, prefill_secs: 300.0, decode_start_secs: 300.0, poll_interval_secs: 0.5, worker_startup_secs: 300.0 }
+        TimeoutConfig {
+            connect_secs: 2.0,
+            prefill_secs: 300.0,
+            decode_start_secs: 300.0,
+            poll_interval_secs: 0.5,
+            worker_startup_secs: 300.0,
+        }
     }
 }
 
@@ -134,13 +141,23 @@ pub struct Ingress {
 
 impl Ingress {
     /// An ingress with no worker yet; `model_id` (the served model's identity hash) is required of every worker.
-    pub fn new(routing: RoutingConfig, timeouts: TimeoutConfig, model_id: Option<String>) -> Result<Self, ClusterError> {
+    pub fn new(
+        routing: RoutingConfig,
+        timeouts: TimeoutConfig,
+        model_id: Option<String>,
+    ) -> Result<Self, ClusterError> {
         let http = reqwest::Client::builder()
             .connect_timeout(secs(timeouts.connect_secs))
             .tcp_nodelay(true)
             .build()
-            .map_err(|e| ClusterError::Rpc { url: String::new(), source: e })?;
-        let metrics = ClusterMetrics::new().map_err(|e| ClusterError::Protocol { url: String::new(), message: e.to_string() })?;
+            .map_err(|e| ClusterError::Rpc {
+                url: String::new(),
+                source: e,
+            })?;
+        let metrics = ClusterMetrics::new().map_err(|e| ClusterError::Protocol {
+            url: String::new(),
+            message: e.to_string(),
+        })?;
         Ok(Ingress {
             inner: Arc::new(Inner {
                 routing,
@@ -157,7 +174,13 @@ impl Ingress {
     /// Fetches a worker's info, runs the handshake check and adds it; a mismatch is refused naming the field.
     pub async fn register(&self, url: &str) -> Result<WorkerInfo, ClusterError> {
         let url = url.trim_end_matches('/').to_owned();
-        let info: WorkerInfo = get_json(&self.inner.http, &url, PATH_INFO, secs(self.inner.timeouts.connect_secs) * 5).await?;
+        let info: WorkerInfo = get_json(
+            &self.inner.http,
+            &url,
+            PATH_INFO,
+            secs(self.inner.timeouts.connect_secs) * 5,
+        )
+        .await?;
         self.admit(url, info)
     }
 
@@ -175,7 +198,10 @@ impl Ingress {
     }
 
     fn admit(&self, url: String, info: WorkerInfo) -> Result<WorkerInfo, ClusterError> {
-        let refuse = |source: KvError| ClusterError::Refused { url: url.clone(), source };
+        let refuse = |source: KvError| ClusterError::Refused {
+            url: url.clone(),
+            source,
+        };
         {
             let mut reference = self.inner.reference.lock();
             if let Some(model_id) = &self.inner.model_id {
@@ -213,7 +239,12 @@ impl Ingress {
             .workers
             .read()
             .iter()
-            .map(|w| WorkerStatus { url: w.url.clone(), info: w.info.clone(), healthy: w.healthy(), load: w.load() })
+            .map(|w| WorkerStatus {
+                url: w.url.clone(),
+                info: w.info.clone(),
+                healthy: w.healthy(),
+                load: w.load(),
+            })
             .collect()
     }
 
@@ -224,7 +255,9 @@ impl Ingress {
         let polls = workers.iter().map(|w| async move {
             match get_json::<WorkerLoad>(&self.inner.http, &w.url, PATH_LOAD, timeout).await {
                 Ok(load) => {
-                    if let Some(cap) = (load.engine.kv_blocks_total > 0).then_some(load.engine.kv_blocks_total) {
+                    if let Some(cap) =
+                        (load.engine.kv_blocks_total > 0).then_some(load.engine.kv_blocks_total)
+                    {
                         let mut p = w.prefix.lock();
                         if p.is_empty() {
                             *p = PrefixTracker::new(cap);
@@ -257,25 +290,48 @@ impl Ingress {
     /// Routes of the ingress itself: worker registration and listing.
     pub fn routes(&self) -> Router {
         Router::new()
-            .route(PATH_REGISTER, post(register_handler).get(|State(i): State<Ingress>| async move { Json(i.workers()) }))
+            .route(
+                PATH_REGISTER,
+                post(register_handler)
+                    .get(|State(i): State<Ingress>| async move { Json(i.workers()) }),
+            )
             .with_state(self.clone())
     }
 
     fn healthy(&self, role: Role) -> Vec<Arc<WorkerEntry>> {
-        self.inner.workers.read().iter().filter(|w| w.info.role == role && w.healthy()).cloned().collect()
+        self.inner
+            .workers
+            .read()
+            .iter()
+            .filter(|w| w.info.role == role && w.healthy())
+            .cloned()
+            .collect()
     }
 
     fn block_size(&self) -> usize {
-        self.inner.reference.lock().as_ref().map_or(16, |r| r.layout.block_size)
+        self.inner
+            .reference
+            .lock()
+            .as_ref()
+            .map_or(16, |r| r.layout.block_size)
     }
 }
 
-async fn register_handler(State(ingress): State<Ingress>, Json(req): Json<RegisterRequest>) -> Response {
+async fn register_handler(
+    State(ingress): State<Ingress>,
+    Json(req): Json<RegisterRequest>,
+) -> Response {
     match ingress.register(&req.url).await {
         Ok(info) => Json(info).into_response(),
         Err(e) => {
             tracing::warn!(error = %e, "worker registration refused");
-            (e.status(), Json(ErrorBody { error: e.to_string() })).into_response()
+            (
+                e.status(),
+                Json(ErrorBody {
+                    error: e.to_string(),
+                }),
+            )
+                .into_response()
         }
     }
 }
@@ -286,7 +342,12 @@ async fn get_json<T: serde::de::DeserializeOwned>(
     path: &str,
     timeout: Duration,
 ) -> Result<T, ClusterError> {
-    let resp = http.get(format!("{url}{path}")).timeout(timeout).send().await.map_err(|e| rpc(url, e))?;
+    let resp = http
+        .get(format!("{url}{path}"))
+        .timeout(timeout)
+        .send()
+        .await
+        .map_err(|e| rpc(url, e))?;
     read_json(url, resp).await
 }
 
@@ -297,25 +358,46 @@ async fn post_json<B: Serialize, T: serde::de::DeserializeOwned>(
     body: &B,
     timeout: Duration,
 ) -> Result<T, ClusterError> {
-    let resp = http.post(format!("{url}{path}")).json(body).timeout(timeout).send().await.map_err(|e| rpc(url, e))?;
+    let resp = http
+        .post(format!("{url}{path}"))
+        .json(body)
+        .timeout(timeout)
+        .send()
+        .await
+        .map_err(|e| rpc(url, e))?;
     read_json(url, resp).await
 }
 
 fn rpc(url: &str, source: reqwest::Error) -> ClusterError {
-    ClusterError::Rpc { url: url.to_owned(), source }
+    ClusterError::Rpc {
+        url: url.to_owned(),
+        source,
+    }
 }
 
-async fn check_status(url: &str, resp: reqwest::Response) -> Result<reqwest::Response, ClusterError> {
+async fn check_status(
+    url: &str,
+    resp: reqwest::Response,
+) -> Result<reqwest::Response, ClusterError> {
     if resp.status().is_success() {
         return Ok(resp);
     }
     let status = resp.status().as_u16();
     let text = resp.text().await.unwrap_or_default();
-    let message = serde_json::from_str::<ErrorBody>(&text).map(|b| b.error).unwrap_or(text);
-    Err(ClusterError::Remote { url: url.to_owned(), status, message })
+    let message = serde_json::from_str::<ErrorBody>(&text)
+        .map(|b| b.error)
+        .unwrap_or(text);
+    Err(ClusterError::Remote {
+        url: url.to_owned(),
+        status,
+        message,
+    })
 }
 
-async fn read_json<T: serde::de::DeserializeOwned>(url: &str, resp: reqwest::Response) -> Result<T, ClusterError> {
+async fn read_json<T: serde::de::DeserializeOwned>(
+    url: &str,
+    resp: reqwest::Response,
+) -> Result<T, ClusterError> {
     let resp = check_status(url, resp).await?;
     resp.json().await.map_err(|e| rpc(url, e))
 }
@@ -333,7 +415,9 @@ impl Drop for RemotePin {
         if !self.armed {
             return;
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let (http, url, transfer_id) = (self.http.clone(), self.url.clone(), self.transfer_id);
         rt.spawn(async move {
             let req = ReleaseRequest { transfer_id };
@@ -373,8 +457,12 @@ impl Job {
         let inner = &self.ingress.inner;
         let mut tried: Vec<String> = Vec::new();
         loop {
-            let cands: Vec<Arc<WorkerEntry>> =
-                self.ingress.healthy(Role::Prefill).into_iter().filter(|w| !tried.contains(&w.url)).collect();
+            let cands: Vec<Arc<WorkerEntry>> = self
+                .ingress
+                .healthy(Role::Prefill)
+                .into_iter()
+                .filter(|w| !tried.contains(&w.url))
+                .collect();
             let scored: Vec<PrefillCandidate> = cands
                 .iter()
                 .map(|w| PrefillCandidate {
@@ -385,8 +473,19 @@ impl Job {
             let p = Arc::clone(&cands[pick_prefill(&scored, inner.routing.prefill_load_bound)?]);
             tried.push(p.url.clone());
             let _busy = p.track();
-            let req = PrefillRequest { prompt: self.prompt.clone(), params: self.params.clone() };
-            match post_json::<_, PrefillResponse>(&inner.http, &p.url, PATH_PREFILL, &req, secs(inner.timeouts.prefill_secs)).await {
+            let req = PrefillRequest {
+                prompt: self.prompt.clone(),
+                params: self.params.clone(),
+            };
+            match post_json::<_, PrefillResponse>(
+                &inner.http,
+                &p.url,
+                PATH_PREFILL,
+                &req,
+                secs(inner.timeouts.prefill_secs),
+            )
+            .await
+            {
                 Ok(resp) => {
                     p.prefix.lock().insert(hashes);
                     return Some((p, resp));
@@ -408,7 +507,10 @@ impl Job {
         let decoders = self.ingress.healthy(Role::Decode);
         let loads: Vec<DecodeLoad> = decoders.iter().map(|w| w.decode_load()).collect();
         let Some(i) = pick_decode(&loads, &mut rand::rng()) else {
-            return Err(ClusterError::Protocol { url: String::new(), message: "no healthy decode worker".into() });
+            return Err(ClusterError::Protocol {
+                url: String::new(),
+                message: "no healthy decode worker".into(),
+            });
         };
         let d = Arc::clone(&decoders[i]);
         let _busy = d.track();
@@ -419,7 +521,9 @@ impl Job {
         let mut path = PrefillPath::Local;
         let mut prefilled = None;
         let mut pin = None;
-        if uncached >= inner.routing.local_prefill_threshold {
+        if uncached >= inner.routing.local_prefill_threshold
+            && !self.ingress.healthy(Role::Prefill).is_empty()
+        {
             path = PrefillPath::Fallback;
             if let Some((p, resp)) = self.remote_prefill(&hashes).await {
                 let finished = resp.first.finish.is_some();
@@ -431,12 +535,24 @@ impl Job {
                 first_sent = true;
                 path = PrefillPath::Remote;
                 if let Some(handle) = resp.handle {
-                    pin = Some(RemotePin { http: inner.http.clone(), url: p.url.clone(), transfer_id: handle.transfer_id, armed: true });
-                    prefilled = Some(Prefilled { first_token: resp.first.token, handle });
+                    pin = Some(RemotePin {
+                        http: inner.http.clone(),
+                        url: p.url.clone(),
+                        transfer_id: handle.transfer_id,
+                        armed: true,
+                    });
+                    prefilled = Some(Prefilled {
+                        first_token: resp.first.token,
+                        handle,
+                    });
                 }
             }
         }
-        let mut req = DecodeRequest { prompt: self.prompt.clone(), params: self.params.clone(), prefilled };
+        let mut req = DecodeRequest {
+            prompt: self.prompt.clone(),
+            params: self.params.clone(),
+            prefilled,
+        };
         let resp = match self.start_decode(&d, &req).await {
             Ok(resp) => resp,
             Err(e) if req.prefilled.is_some() => {
@@ -459,28 +575,49 @@ impl Job {
         self.forward(&d.url, resp, first_sent).await
     }
 
-    async fn start_decode(&self, d: &WorkerEntry, req: &DecodeRequest) -> Result<reqwest::Response, ClusterError> {
+    async fn start_decode(
+        &self,
+        d: &WorkerEntry,
+        req: &DecodeRequest,
+    ) -> Result<reqwest::Response, ClusterError> {
         let inner = &self.ingress.inner;
-        let send = inner.http.post(format!("{}{PATH_DECODE}", d.url)).json(req).send();
+        let send = inner
+            .http
+            .post(format!("{}{PATH_DECODE}", d.url))
+            .json(req)
+            .send();
         let resp = tokio::time::timeout(secs(inner.timeouts.decode_start_secs), send)
             .await
-            .map_err(|_| ClusterError::Protocol { url: d.url.clone(), message: "decode did not start in time".into() })?
+            .map_err(|_| ClusterError::Protocol {
+                url: d.url.clone(),
+                message: "decode did not start in time".into(),
+            })?
             .map_err(|e| rpc(&d.url, e))?;
         check_status(&d.url, resp).await
     }
 
     /// Relays the decode worker's NDJSON tokens to the client, skipping the repeated first token.
-    async fn forward(&self, url: &str, resp: reqwest::Response, mut skip_first: bool) -> Result<(), ClusterError> {
+    async fn forward(
+        &self,
+        url: &str,
+        resp: reqwest::Response,
+        mut skip_first: bool,
+    ) -> Result<(), ClusterError> {
         let mut body = resp.bytes_stream();
         let mut buf: Vec<u8> = Vec::new();
         while let Some(chunk) = body.next().await {
             buf.extend_from_slice(&chunk.map_err(|e| rpc(url, e))?);
             while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
-                let event: StreamEvent = serde_json::from_slice(&buf[..nl])
-                    .map_err(|e| ClusterError::Protocol { url: url.to_owned(), message: e.to_string() })?;
+                let event: StreamEvent =
+                    serde_json::from_slice(&buf[..nl]).map_err(|e| ClusterError::Protocol {
+                        url: url.to_owned(),
+                        message: e.to_string(),
+                    })?;
                 buf.drain(..=nl);
                 match event {
-                    StreamEvent::Transfer { bytes, seconds, .. } => self.ingress.inner.metrics.observe_transfer(bytes, seconds),
+                    StreamEvent::Transfer { bytes, seconds, .. } => {
+                        self.ingress.inner.metrics.observe_transfer(bytes, seconds)
+                    }
                     StreamEvent::Token(_) if skip_first => skip_first = false,
                     StreamEvent::Token(t) => {
                         let done = t.finish.is_some();
@@ -488,28 +625,53 @@ impl Job {
                             return Ok(());
                         }
                     }
-                    StreamEvent::Error(message) => return Err(ClusterError::Remote { url: url.to_owned(), status: 200, message }),
+                    StreamEvent::Error(message) => {
+                        return Err(ClusterError::Remote {
+                            url: url.to_owned(),
+                            status: 200,
+                            message,
+                        })
+                    }
                 }
             }
         }
-        Err(ClusterError::Protocol { url: url.to_owned(), message: "token stream ended before a finish".into() })
+        Err(ClusterError::Protocol {
+            url: url.to_owned(),
+            message: "token stream ended before a finish".into(),
+        })
     }
 }
 
 impl GenerateBackend for Ingress {
-    fn submit(&self, _id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Result<TokenStream, BackendError> {
+    fn submit(
+        &self,
+        _id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<TokenStream, BackendError> {
         if prompt.is_empty() {
             return Err(BackendError::Invalid("the prompt is empty".into()));
         }
         let max_model_len = self.max_model_len();
         if prompt.len() + params.max_tokens > max_model_len {
-            return Err(BackendError::PromptTooLong { prompt: prompt.len(), max_tokens: params.max_tokens, max_model_len });
+            return Err(BackendError::PromptTooLong {
+                prompt: prompt.len(),
+                max_tokens: params.max_tokens,
+                max_model_len,
+            });
         }
         if self.healthy(Role::Decode).is_empty() {
-            return Err(BackendError::Unavailable("no decode worker is available".into()));
+            return Err(BackendError::Unavailable(
+                "no decode worker is available".into(),
+            ));
         }
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let job = Job { ingress: self.clone(), prompt, params, tx };
+        let job = Job {
+            ingress: self.clone(),
+            prompt,
+            params,
+            tx,
+        };
         let guard = AbortOnDrop(tokio::spawn(job.run()));
         Ok(Box::pin(futures::stream::poll_fn(move |cx| {
             let _keep = &guard;
@@ -525,7 +687,13 @@ impl GenerateBackend for Ingress {
     fn stats(&self) -> EngineStats {
         // Every request passes through exactly one decode worker, so their sum counts each once.
         let mut total = EngineStats::default();
-        for w in self.inner.workers.read().iter().filter(|w| w.info.role == Role::Decode) {
+        for w in self
+            .inner
+            .workers
+            .read()
+            .iter()
+            .filter(|w| w.info.role == Role::Decode)
+        {
             let s = w.load.lock().engine.clone();
             total.running += s.running;
             total.waiting += s.waiting;
@@ -545,7 +713,13 @@ impl GenerateBackend for Ingress {
     }
 
     fn max_model_len(&self) -> usize {
-        self.inner.workers.read().iter().map(|w| w.info.max_model_len).min().unwrap_or(0)
+        self.inner
+            .workers
+            .read()
+            .iter()
+            .map(|w| w.info.max_model_len)
+            .min()
+            .unwrap_or(0)
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), BackendError>> {
@@ -554,20 +728,29 @@ impl GenerateBackend for Ingress {
             if ok {
                 Ok(())
             } else {
-                Err(BackendError::Unavailable("no decode worker is available".into()))
+                Err(BackendError::Unavailable(
+                    "no decode worker is available".into(),
+                ))
             }
         })
     }
 
     fn extra_metrics(&self) -> String {
         let workers = self.inner.workers.read().clone();
-        let loads: Vec<(Arc<WorkerEntry>, WorkerLoad)> = workers.into_iter().map(|w| {
-            let l = w.load();
-            (w, l)
-        }).collect();
+        let loads: Vec<(Arc<WorkerEntry>, WorkerLoad)> = workers
+            .into_iter()
+            .map(|w| {
+                let l = w.load();
+                (w, l)
+            })
+            .collect();
         self.inner
             .metrics
-            .render(loads.iter().map(|(w, l)| (w.info.worker_id.as_str(), w.info.role, w.healthy(), l)))
+            .render(
+                loads
+                    .iter()
+                    .map(|(w, l)| (w.info.worker_id.as_str(), w.info.role, w.healthy(), l)),
+            )
             .unwrap_or_else(|e| {
                 tracing::error!(error = %e, "cannot render cluster metrics");
                 String::new()

@@ -2,13 +2,16 @@
 //! appends their text to the API's /metrics.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 use crate::protocol::{Role, WorkerLoad};
 
 /// Buckets of KV pull durations, in seconds (loopback milliseconds to cross-host seconds).
-const TRANSFER_BUCKETS: &[f64] = &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+const TRANSFER_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
 /// Errors only come from bad metric names, i.e. programming mistakes.
 pub type MetricsError = prometheus::Error;
@@ -52,27 +55,52 @@ impl ClusterMetrics {
     /// Registers every metric in a fresh registry.
     pub fn new() -> Result<Self, MetricsError> {
         let registry = Registry::new();
-        let transfer_bytes = IntCounter::new("tandem:kv_transfer_bytes_total", "KV bytes pulled by decode workers.")?;
-        let transfer_seconds = Histogram::with_opts(
-            HistogramOpts::new("tandem:kv_transfer_duration_seconds", "Wall time of one KV pull.")
-                .buckets(TRANSFER_BUCKETS.to_vec()),
+        let transfer_bytes = IntCounter::new(
+            "tandem:kv_transfer_bytes_total",
+            "KV bytes pulled by decode workers.",
         )?;
-        let transfer_failures =
-            IntCounter::new("tandem:kv_transfer_failures_total", "Decodes whose KV pull failed (prefilled again locally).")?;
-        let prefill_failures =
-            IntCounter::new("tandem:prefill_failures_total", "Prefill RPCs that failed and were retried elsewhere.")?;
+        let transfer_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "tandem:kv_transfer_duration_seconds",
+                "Wall time of one KV pull.",
+            )
+            .buckets(TRANSFER_BUCKETS.to_vec()),
+        )?;
+        let transfer_failures = IntCounter::new(
+            "tandem:kv_transfer_failures_total",
+            "Decodes whose KV pull failed (prefilled again locally).",
+        )?;
+        let prefill_failures = IntCounter::new(
+            "tandem:prefill_failures_total",
+            "Prefill RPCs that failed and were retried elsewhere.",
+        )?;
         let requests = IntCounterVec::new(
-            Opts::new("tandem:pd_requests_total", "Requests by where their prompt was prefilled."),
+            Opts::new(
+                "tandem:pd_requests_total",
+                "Requests by where their prompt was prefilled.",
+            ),
             &["prefill"],
         )?;
         let pinned_blocks = IntGaugeVec::new(
-            Opts::new("tandem:kv_pinned_blocks", "KV blocks pinned for transfer and not yet acked, per worker."),
+            Opts::new(
+                "tandem:kv_pinned_blocks",
+                "KV blocks pinned for transfer and not yet acked, per worker.",
+            ),
             &["worker"],
         )?;
-        let queue_depth = IntGaugeVec::new(Opts::new("tandem:role_queue_depth", "Waiting requests per role."), &["role"])?;
-        let running = IntGaugeVec::new(Opts::new("tandem:role_requests_running", "Running requests per role."), &["role"])?;
+        let queue_depth = IntGaugeVec::new(
+            Opts::new("tandem:role_queue_depth", "Waiting requests per role."),
+            &["role"],
+        )?;
+        let running = IntGaugeVec::new(
+            Opts::new("tandem:role_requests_running", "Running requests per role."),
+            &["role"],
+        )?;
         let healthy = IntGaugeVec::new(
-            Opts::new("tandem:worker_healthy", "1 while the worker answers its load polls."),
+            Opts::new(
+                "tandem:worker_healthy",
+                "1 while the worker answers its load polls.",
+            ),
             &["worker", "role"],
         )?;
         registry.register(Box::new(transfer_bytes.clone()))?;
@@ -84,7 +112,11 @@ impl ClusterMetrics {
         registry.register(Box::new(queue_depth.clone()))?;
         registry.register(Box::new(running.clone()))?;
         registry.register(Box::new(healthy.clone()))?;
-        for p in [PrefillPath::Remote, PrefillPath::Local, PrefillPath::Fallback] {
+        for p in [
+            PrefillPath::Remote,
+            PrefillPath::Local,
+            PrefillPath::Fallback,
+        ] {
             requests.with_label_values(&[p.label()]);
         }
         Ok(ClusterMetrics {
@@ -123,20 +155,31 @@ impl ClusterMetrics {
     }
 
     /// Copies the workers' last polled loads into the gauges and renders the text format.
-    pub fn render<'a>(&self, workers: impl Iterator<Item = (&'a str, Role, bool, &'a WorkerLoad)>) -> Result<String, MetricsError> {
+    pub fn render<'a>(
+        &self,
+        workers: impl Iterator<Item = (&'a str, Role, bool, &'a WorkerLoad)>,
+    ) -> Result<String, MetricsError> {
         let mut depth = [0i64; 2];
         let mut running = [0i64; 2];
         for (id, role, healthy, load) in workers {
             let r = role as usize;
             depth[r] += load.engine.waiting as i64;
             running[r] += load.engine.running as i64;
-            self.pinned_blocks.with_label_values(&[id]).set(load.pinned_blocks as i64);
-            self.healthy.with_label_values(&[id, &role.to_string()]).set(i64::from(healthy));
+            self.pinned_blocks
+                .with_label_values(&[id])
+                .set(load.pinned_blocks as i64);
+            self.healthy
+                .with_label_values(&[id, &role.to_string()])
+                .set(i64::from(healthy));
         }
         for role in [Role::Prefill, Role::Decode] {
             let label = role.to_string();
-            self.queue_depth.with_label_values(&[&label]).set(depth[role as usize]);
-            self.running.with_label_values(&[&label]).set(running[role as usize]);
+            self.queue_depth
+                .with_label_values(&[&label])
+                .set(depth[role as usize]);
+            self.running
+                .with_label_values(&[&label])
+                .set(running[role as usize]);
         }
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
@@ -154,15 +197,41 @@ mod tests {
         m.observe_transfer(1000, 0.01);
         m.transfer_failed();
         m.request(PrefillPath::Remote);
-        let mut load = WorkerLoad { pinned_blocks: 3, ..WorkerLoad::default() };
+        let mut load = WorkerLoad {
+            pinned_blocks: 3,
+            ..WorkerLoad::default()
+        };
         load.engine.waiting = 2;
-        let text = m.render([("prefill-0", Role::Prefill, true, &load)].into_iter()).unwrap();
-        assert!(text.contains("tandem:kv_transfer_bytes_total 1000"), "{text}");
-        assert!(text.contains("tandem:kv_transfer_duration_seconds_count 1"), "{text}");
-        assert!(text.contains("tandem:kv_transfer_failures_total 1"), "{text}");
-        assert!(text.contains("tandem:kv_pinned_blocks{worker=\"prefill-0\"} 3"), "{text}");
-        assert!(text.contains("tandem:role_queue_depth{role=\"prefill\"} 2"), "{text}");
-        assert!(text.contains("tandem:role_queue_depth{role=\"decode\"} 0"), "{text}");
-        assert!(text.contains("tandem:pd_requests_total{prefill=\"remote\"} 1"), "{text}");
+        let text = m
+            .render([("prefill-0", Role::Prefill, true, &load)].into_iter())
+            .unwrap();
+        assert!(
+            text.contains("tandem:kv_transfer_bytes_total 1000"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tandem:kv_transfer_duration_seconds_count 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tandem:kv_transfer_failures_total 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tandem:kv_pinned_blocks{worker=\"prefill-0\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tandem:role_queue_depth{role=\"prefill\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tandem:role_queue_depth{role=\"decode\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tandem:pd_requests_total{prefill=\"remote\"} 1"),
+            "{text}"
+        );
     }
 }

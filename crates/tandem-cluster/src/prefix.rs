@@ -35,7 +35,11 @@ pub struct PrefixTracker {
 impl PrefixTracker {
     /// A tracker remembering at most `capacity` blocks (the worker's KV pool size).
     pub fn new(capacity: usize) -> Self {
-        PrefixTracker { set: HashSet::new(), order: VecDeque::new(), capacity: capacity.max(1) }
+        PrefixTracker {
+            set: HashSet::new(),
+            order: VecDeque::new(),
+            capacity: capacity.max(1),
+        }
     }
 
     /// Leading blocks of `hashes` believed cached.
@@ -97,7 +101,11 @@ mod tests {
         let b = block_hashes(&[7, 7], 2);
         t.insert(&b);
         assert_eq!(t.len(), 3);
-        assert_eq!(t.matched_blocks(&a), 0, "the oldest block (a's first) was evicted");
+        assert_eq!(
+            t.matched_blocks(&a),
+            0,
+            "the oldest block (a's first) was evicted"
+        );
         assert_eq!(t.matched_blocks(&b), 1);
     }
 

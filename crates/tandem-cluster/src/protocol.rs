@@ -45,7 +45,9 @@ impl std::str::FromStr for Role {
         match s {
             "prefill" => Ok(Role::Prefill),
             "decode" => Ok(Role::Decode),
-            other => Err(format!("unknown role `{other}` (expected prefill or decode)")),
+            other => Err(format!(
+                "unknown role `{other}` (expected prefill or decode)"
+            )),
         }
     }
 }
@@ -151,13 +153,21 @@ pub struct WireToken {
 
 impl From<TokenOutput> for WireToken {
     fn from(o: TokenOutput) -> Self {
-        WireToken { token: o.token, logprobs: o.logprobs, finish: o.finish }
+        WireToken {
+            token: o.token,
+            logprobs: o.logprobs,
+            finish: o.finish,
+        }
     }
 }
 
 impl From<WireToken> for TokenOutput {
     fn from(w: WireToken) -> Self {
-        TokenOutput { token: w.token, logprobs: w.logprobs, finish: w.finish }
+        TokenOutput {
+            token: w.token,
+            logprobs: w.logprobs,
+            finish: w.finish,
+        }
     }
 }
 
@@ -194,8 +204,16 @@ mod tests {
     #[test]
     fn stream_events_round_trip_as_single_lines() {
         let events = vec![
-            StreamEvent::Transfer { bytes: 10, seconds: 0.5, blocks: 2 },
-            StreamEvent::Token(WireToken { token: 7, logprobs: None, finish: Some(FinishReason::Stop) }),
+            StreamEvent::Transfer {
+                bytes: 10,
+                seconds: 0.5,
+                blocks: 2,
+            },
+            StreamEvent::Token(WireToken {
+                token: 7,
+                logprobs: None,
+                finish: Some(FinishReason::Stop),
+            }),
             StreamEvent::Error("boom".into()),
         ];
         for e in events {

@@ -17,7 +17,10 @@ pub struct RoutingConfig {
 
 impl Default for RoutingConfig {
     fn default() -> Self {
-        RoutingConfig { local_prefill_threshold: 16, prefill_load_bound: 2 }
+        RoutingConfig {
+            local_prefill_threshold: 16,
+            prefill_load_bound: 2,
+        }
     }
 }
 
@@ -58,7 +61,11 @@ pub fn pick_decode(loads: &[DecodeLoad], rng: &mut impl Rng) -> Option<usize> {
             if b >= a {
                 b += 1;
             }
-            Some(if loads[b].score() < loads[a].score() { b } else { a })
+            Some(if loads[b].score() < loads[a].score() {
+                b
+            } else {
+                a
+            })
         }
     }
 }
@@ -97,7 +104,13 @@ mod tests {
     use rand::SeedableRng;
 
     fn load(used: usize, seqs: usize) -> DecodeLoad {
-        DecodeLoad { kv_blocks_used: used, kv_blocks_total: 100, seqs, in_flight: 0, max_num_seqs: 10 }
+        DecodeLoad {
+            kv_blocks_used: used,
+            kv_blocks_total: 100,
+            seqs,
+            in_flight: 0,
+            max_num_seqs: 10,
+        }
     }
 
     #[test]
@@ -113,16 +126,30 @@ mod tests {
 
     #[test]
     fn in_flight_counts_when_fresher_than_the_poll() {
-        let busy = DecodeLoad { in_flight: 8, ..load(0, 0) };
+        let busy = DecodeLoad {
+            in_flight: 8,
+            ..load(0, 0)
+        };
         assert!(busy.score() > load(0, 1).score());
     }
 
     #[test]
     fn prefill_prefers_cached_prefix_within_the_load_bound() {
-        let c = |m, l| PrefillCandidate { matched_blocks: m, in_flight: l };
+        let c = |m, l| PrefillCandidate {
+            matched_blocks: m,
+            in_flight: l,
+        };
         assert_eq!(pick_prefill(&[c(0, 0), c(5, 1)], 2), Some(1));
-        assert_eq!(pick_prefill(&[c(0, 0), c(5, 3)], 2), Some(0), "hot worker over the bound is skipped");
-        assert_eq!(pick_prefill(&[c(2, 1), c(2, 0)], 2), Some(1), "tie on prefix goes to lower load");
+        assert_eq!(
+            pick_prefill(&[c(0, 0), c(5, 3)], 2),
+            Some(0),
+            "hot worker over the bound is skipped"
+        );
+        assert_eq!(
+            pick_prefill(&[c(2, 1), c(2, 0)], 2),
+            Some(1),
+            "tie on prefix goes to lower load"
+        );
         assert_eq!(pick_prefill(&[], 2), None);
     }
 

@@ -21,17 +21,18 @@ use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::Deserialize;
 use tandem_engine::{
-    EngineError, EngineHandle, EngineRequest, ExportedKv, FinishReason, Pending, RequestMode, RequestStream,
+    EngineError, EngineHandle, EngineRequest, ExportedKv, FinishReason, Pending, RequestMode,
+    RequestStream,
 };
 use tandem_kv::{
-    KvClient, KvError, KvListener, KvServer, KvServerConfig, KvSink, KvSource, PeerInfo, ShmTransport, TcpConfig,
-    TcpTransport, WireDtype, WireLayout,
+    KvClient, KvError, KvListener, KvServer, KvServerConfig, KvSink, KvSource, PeerInfo,
+    ShmTransport, TcpConfig, TcpTransport, WireDtype, WireLayout,
 };
 
 use crate::error::ClusterError;
 use crate::protocol::{
-    DecodeRequest, PrefillRequest, PrefillResponse, ReleaseRequest, Role, StreamEvent, WireToken, WorkerInfo,
-    WorkerLoad, PATH_DECODE, PATH_INFO, PATH_LOAD, PATH_PREFILL, PATH_RELEASE,
+    DecodeRequest, PrefillRequest, PrefillResponse, ReleaseRequest, Role, StreamEvent, WireToken,
+    WorkerInfo, WorkerLoad, PATH_DECODE, PATH_INFO, PATH_LOAD, PATH_PREFILL, PATH_RELEASE,
 };
 
 /// How decode workers pull KV (YAML `kv_transfer.transport`).
@@ -52,7 +53,9 @@ impl std::str::FromStr for TransportKind {
         match s {
             "tcp" => Ok(TransportKind::Tcp),
             "shm" => Ok(TransportKind::Shm),
-            other => Err(format!("unknown KV transport `{other}` (expected tcp or shm)")),
+            other => Err(format!(
+                "unknown KV transport `{other}` (expected tcp or shm)"
+            )),
         }
     }
 }
@@ -75,7 +78,13 @@ pub struct KvTransferConfig {
 
 impl Default for KvTransferConfig {
     fn default() -> Self {
-        KvTransferConfig { transport: TransportKind::Tcp, streams: 4, pin_timeout_secs: 30.0, io_timeout_secs: 10.0, checksum: false }
+        KvTransferConfig {
+            transport: TransportKind::Tcp,
+            streams: 4,
+            pin_timeout_secs: 30.0,
+            io_timeout_secs: 10.0,
+            checksum: false,
+        }
     }
 }
 
@@ -109,7 +118,11 @@ pub struct WorkerConfig {
 /// The query head count is not part of the engine's layout, so the caller passes it from the model config.
 pub fn peer_info(engine: &EngineHandle, model_id: String, n_heads: usize) -> PeerInfo {
     let l = engine.kv_layout();
-    let dtype = if l.dtype.size() == 2 { WireDtype::Bf16 } else { WireDtype::F32 };
+    let dtype = if l.dtype.size() == 2 {
+        WireDtype::Bf16
+    } else {
+        WireDtype::F32
+    };
     PeerInfo {
         model_id,
         layout: WireLayout {
@@ -142,7 +155,13 @@ impl EngineSource {
 }
 
 impl KvSource for EngineSource {
-    fn copy_blocks(&self, transfer_id: u64, layer: usize, blocks: &[u32], out: &mut [u8]) -> Result<(), KvError> {
+    fn copy_blocks(
+        &self,
+        transfer_id: u64,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), KvError> {
         let kv = self
             .pins
             .lock()
@@ -151,11 +170,18 @@ impl KvSource for EngineSource {
             .ok_or(KvError::UnknownTransfer(transfer_id))?;
         let n = kv.layout.block_bytes();
         if layer >= kv.layout.n_layers || out.len() != blocks.len() * n {
-            return Err(KvError::Source(format!("bad copy: layer {layer}, {} blocks into {} bytes", blocks.len(), out.len())));
+            return Err(KvError::Source(format!(
+                "bad copy: layer {layer}, {} blocks into {} bytes",
+                blocks.len(),
+                out.len()
+            )));
         }
         for (dst, &b) in out.chunks_exact_mut(n).zip(blocks) {
             if b as usize >= kv.num_blocks {
-                return Err(KvError::Source(format!("block {b} outside the transfer's {} blocks", kv.num_blocks)));
+                return Err(KvError::Source(format!(
+                    "block {b} outside the transfer's {} blocks",
+                    kv.num_blocks
+                )));
             }
             dst.copy_from_slice(kv.block(layer, b as usize));
         }
@@ -179,12 +205,20 @@ struct EngineSink {
 
 impl KvSink for EngineSink {
     fn write(&self, layer: usize, first_block: usize, data: &[u8]) -> Result<(), KvError> {
-        if data.len() % self.block_bytes != 0 {
-            return Err(KvError::Sink(format!("{} bytes is not a whole number of blocks", data.len())));
+        if !data.len().is_multiple_of(self.block_bytes) {
+            return Err(KvError::Sink(format!(
+                "{} bytes is not a whole number of blocks",
+                data.len()
+            )));
         }
         let mut pending = self.pending.lock();
         for (k, block) in data.chunks_exact(self.block_bytes).enumerate() {
-            pending.push(self.engine.import_block(self.request, layer, first_block + k, block.to_vec()));
+            pending.push(self.engine.import_block(
+                self.request,
+                layer,
+                first_block + k,
+                block.to_vec(),
+            ));
         }
         Ok(())
     }
@@ -247,8 +281,15 @@ pub struct WorkerService {
 
 impl WorkerService {
     /// Starts the role's KV side (the listener of a prefill worker, the client of a decode worker).
-    pub async fn start(engine: EngineHandle, peer: PeerInfo, config: WorkerConfig) -> Result<Arc<Self>, ClusterError> {
-        let source = Arc::new(EngineSource { engine: engine.clone(), pins: Mutex::new(HashMap::new()) });
+    pub async fn start(
+        engine: EngineHandle,
+        peer: PeerInfo,
+        config: WorkerConfig,
+    ) -> Result<Arc<Self>, ClusterError> {
+        let source = Arc::new(EngineSource {
+            engine: engine.clone(),
+            pins: Mutex::new(HashMap::new()),
+        });
         let (kv_server, listener, kv_client) = match config.role {
             Role::Prefill => {
                 let server = KvServer::new(
@@ -273,7 +314,11 @@ impl WorkerService {
                 };
                 let transport: Arc<dyn tandem_kv::KvTransport> = match config.kv.transport {
                     TransportKind::Tcp => Arc::new(TcpTransport::new(peer.clone(), tcp)),
-                    TransportKind::Shm => Arc::new(ShmTransport::new(peer.clone(), tcp, tandem_kv::default_shm_dir())),
+                    TransportKind::Shm => Arc::new(ShmTransport::new(
+                        peer.clone(),
+                        tcp,
+                        tandem_kv::default_shm_dir(),
+                    )),
                 };
                 (None, None, Some(KvClient::new(transport)))
             }
@@ -282,7 +327,10 @@ impl WorkerService {
             worker_id: config.worker_id.clone(),
             role: config.role,
             peer,
-            kv_endpoint: listener.as_ref().map(|l| l.local_addr().to_string()).unwrap_or_default(),
+            kv_endpoint: listener
+                .as_ref()
+                .map(|l| l.local_addr().to_string())
+                .unwrap_or_default(),
             max_model_len: engine.max_model_len(),
             max_num_seqs: config.max_num_seqs,
             pid: std::process::id(),
@@ -324,8 +372,14 @@ impl WorkerService {
     /// The worker's HTTP routes.
     pub fn router(self: Arc<Self>) -> Router {
         Router::new()
-            .route(PATH_INFO, get(|State(s): State<Arc<Self>>| async move { Json(s.info.clone()) }))
-            .route(PATH_LOAD, get(|State(s): State<Arc<Self>>| async move { Json(s.load()) }))
+            .route(
+                PATH_INFO,
+                get(|State(s): State<Arc<Self>>| async move { Json(s.info.clone()) }),
+            )
+            .route(
+                PATH_LOAD,
+                get(|State(s): State<Arc<Self>>| async move { Json(s.load()) }),
+            )
             .route(PATH_PREFILL, post(prefill))
             .route(PATH_DECODE, post(decode))
             .route(PATH_RELEASE, post(release))
@@ -339,7 +393,10 @@ impl WorkerService {
     /// Runs a prompt prefill-only and pins its KV for a pull.
     pub async fn prefill(&self, req: PrefillRequest) -> Result<PrefillResponse, ClusterError> {
         let Some(server) = &self.kv_server else {
-            return Err(ClusterError::WrongRole { role: self.config.role, what: "prefill" });
+            return Err(ClusterError::WrongRole {
+                role: self.config.role,
+                what: "prefill",
+            });
         };
         let _busy = InFlight::new(&self.in_flight);
         let id = self.next_id();
@@ -354,29 +411,58 @@ impl WorkerService {
             mode: RequestMode::PrefillOnly { pin_timeout },
         })?;
         let out = next_output(&mut stream).await?;
-        let mut guard = EnginePinGuard { engine: self.engine.clone(), request: id, armed: true };
+        let mut guard = EnginePinGuard {
+            engine: self.engine.clone(),
+            request: id,
+            armed: true,
+        };
         // A prefill-only request always ends after one token; say whether the whole request ends here.
         let finish = match out.finish {
             Some(FinishReason::Stop) => Some(FinishReason::Stop),
-            _ if max_tokens <= 1 || prompt_len + 1 >= self.engine.max_model_len() => Some(FinishReason::Length),
+            _ if max_tokens <= 1 || prompt_len + 1 >= self.engine.max_model_len() => {
+                Some(FinishReason::Length)
+            }
             _ => None,
         };
-        let first = WireToken { token: out.token, logprobs: out.logprobs, finish };
+        let first = WireToken {
+            token: out.token,
+            logprobs: out.logprobs,
+            finish,
+        };
         if finish.is_some() {
-            return Ok(PrefillResponse { first, handle: None });
+            return Ok(PrefillResponse {
+                first,
+                handle: None,
+            });
         }
         let kv = Arc::new(self.engine.export_blocks(id).wait().await?);
         let handle = server.register((0..kv.num_blocks as u32).collect(), kv.num_tokens)?;
-        self.source.pins.lock().insert(handle.transfer_id, PinnedKv { request: id, kv });
+        self.source
+            .pins
+            .lock()
+            .insert(handle.transfer_id, PinnedKv { request: id, kv });
         guard.armed = false;
-        tracing::debug!(transfer_id = handle.transfer_id, blocks = handle.block_ids.len(), "prefill pinned");
-        Ok(PrefillResponse { first, handle: Some(handle) })
+        tracing::debug!(
+            transfer_id = handle.transfer_id,
+            blocks = handle.block_ids.len(),
+            "prefill pinned"
+        );
+        Ok(PrefillResponse {
+            first,
+            handle: Some(handle),
+        })
     }
 
     /// Starts a decode: pulls the prefilled KV (or prefills here) and returns the token stream.
-    pub async fn start_decode(&self, req: DecodeRequest) -> Result<(Option<StreamEvent>, RequestStream), ClusterError> {
+    pub async fn start_decode(
+        &self,
+        req: DecodeRequest,
+    ) -> Result<(Option<StreamEvent>, RequestStream), ClusterError> {
         let Some(client) = &self.kv_client else {
-            return Err(ClusterError::WrongRole { role: self.config.role, what: "decode" });
+            return Err(ClusterError::WrongRole {
+                role: self.config.role,
+                what: "decode",
+            });
         };
         let id = self.next_id();
         let engine_req = EngineRequest::new(id, req.prompt, req.params);
@@ -389,7 +475,11 @@ impl WorkerService {
         if blocks.len() != pre.handle.block_ids.len() {
             return Err(ClusterError::Protocol {
                 url: pre.handle.endpoint.clone(),
-                message: format!("handle has {} blocks, the prompt needs {}", pre.handle.block_ids.len(), blocks.len()),
+                message: format!(
+                    "handle has {} blocks, the prompt needs {}",
+                    pre.handle.block_ids.len(),
+                    blocks.len()
+                ),
             });
         }
         let sink = Arc::new(EngineSink {
@@ -398,40 +488,62 @@ impl WorkerService {
             block_bytes: pre.handle.layout.block_bytes(),
             pending: Mutex::new(Vec::new()),
         });
-        let stats = client.pull(&pre.handle, Arc::clone(&sink) as Arc<dyn KvSink>).await;
+        let stats = client
+            .pull(&pre.handle, Arc::clone(&sink) as Arc<dyn KvSink>)
+            .await;
         // Settle even after a failed pull so no import outlives the request.
         let settled = sink.settle().await;
         let stats = stats?;
         settled?;
         self.engine.start_decoding(id).wait().await?;
-        let event = StreamEvent::Transfer { bytes: stats.bytes, seconds: stats.elapsed.as_secs_f64(), blocks: blocks.len() };
+        let event = StreamEvent::Transfer {
+            bytes: stats.bytes,
+            seconds: stats.elapsed.as_secs_f64(),
+            blocks: blocks.len(),
+        };
         Ok((Some(event), stream))
     }
 }
 
 /// The next output of a stream, or the engine's reason for ending it.
-async fn next_output(stream: &mut RequestStream) -> Result<tandem_engine::TokenOutput, ClusterError> {
+async fn next_output(
+    stream: &mut RequestStream,
+) -> Result<tandem_engine::TokenOutput, ClusterError> {
     match stream.recv().await {
         Some(out) => Ok(out),
         None => Err(stream.take_error().unwrap_or(EngineError::Stopped).into()),
     }
 }
 
-async fn prefill(State(s): State<Arc<WorkerService>>, Json(req): Json<PrefillRequest>) -> Result<Json<PrefillResponse>, ClusterError> {
+async fn prefill(
+    State(s): State<Arc<WorkerService>>,
+    Json(req): Json<PrefillRequest>,
+) -> Result<Json<PrefillResponse>, ClusterError> {
     s.prefill(req).await.map(Json)
 }
 
-async fn release(State(s): State<Arc<WorkerService>>, Json(req): Json<ReleaseRequest>) -> Json<bool> {
-    Json(s.kv_server.as_ref().is_some_and(|srv| srv.abort(req.transfer_id)))
+async fn release(
+    State(s): State<Arc<WorkerService>>,
+    Json(req): Json<ReleaseRequest>,
+) -> Json<bool> {
+    Json(
+        s.kv_server
+            .as_ref()
+            .is_some_and(|srv| srv.abort(req.transfer_id)),
+    )
 }
 
 fn ndjson(event: &StreamEvent) -> Bytes {
-    let mut line = serde_json::to_vec(event).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes());
+    let mut line =
+        serde_json::to_vec(event).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes());
     line.push(b'\n');
     Bytes::from(line)
 }
 
-async fn decode(State(s): State<Arc<WorkerService>>, Json(req): Json<DecodeRequest>) -> Result<Response, ClusterError> {
+async fn decode(
+    State(s): State<Arc<WorkerService>>,
+    Json(req): Json<DecodeRequest>,
+) -> Result<Response, ClusterError> {
     let busy = InFlight::new(&s.in_flight);
     let (first, stream) = s.start_decode(req).await?;
     // The body owns the engine stream: when the ingress disconnects, the body is dropped and the
@@ -445,11 +557,20 @@ async fn decode(State(s): State<Arc<WorkerService>>, Json(req): Json<DecodeReque
                 Some((line, (!done).then_some((stream, busy))))
             }
             None => {
-                let err = stream.take_error().map_or_else(|| "the engine ended the request".to_owned(), |e| e.to_string());
+                let err = stream.take_error().map_or_else(
+                    || "the engine ended the request".to_owned(),
+                    |e| e.to_string(),
+                );
                 Some((ndjson(&StreamEvent::Error(err)), None))
             }
         }
     });
-    let body = futures::stream::iter(first.as_ref().map(ndjson)).chain(tokens).map(Ok::<_, Infallible>);
-    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(body)).into_response())
+    let body = futures::stream::iter(first.as_ref().map(ndjson))
+        .chain(tokens)
+        .map(Ok::<_, Infallible>);
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(body),
+    )
+        .into_response())
 }

@@ -6,7 +6,6 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -14,29 +13,44 @@ use serde_json::{json, Value};
 use tandem_cluster::{Role, WorkerStatus};
 
 /// Serializes the tests: the machine has few cores and each topology loads the model three times.
-static SERIAL: Mutex<()> = Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 fn bin() -> PathBuf {
-    let path = std::env::var_os("TANDEM_BIN").map(PathBuf::from).unwrap_or_else(|| root().join("target/release/tandem"));
-    assert!(path.is_file(), "{} is missing: run `cargo build --release -p tandem` first", path.display());
+    let path = std::env::var_os("TANDEM_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/release/tandem"));
+    assert!(
+        path.is_file(),
+        "{} is missing: run `cargo build --release -p tandem` first",
+        path.display()
+    );
     path
 }
 
 fn model() -> PathBuf {
     let path = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(path.is_file(), "{} is missing: run scripts/fetch-model.sh", path.display());
+    assert!(
+        path.is_file(),
+        "{} is missing: run scripts/fetch-model.sh",
+        path.display()
+    );
     path
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
-const ENGINE: &str = "engine: {block_size: 16, kv_cache_memory: 64MiB, threads: 1, max_num_seqs: 8}\n";
+const ENGINE: &str =
+    "engine: {block_size: 16, kv_cache_memory: 64MiB, threads: 1, max_num_seqs: 8}\n";
 
 fn pd_yaml(prefill: usize) -> String {
     format!(
@@ -48,7 +62,10 @@ fn pd_yaml(prefill: usize) -> String {
 }
 
 fn colocated_yaml() -> String {
-    format!("model: {}\n{ENGINE}deployment: {{mode: colocated}}\n", model().display())
+    format!(
+        "model: {}\n{ENGINE}deployment: {{mode: colocated}}\n",
+        model().display()
+    )
 }
 
 /// A running `tandem serve`; killed (with its workers, which exit when its pipe closes) on drop.
@@ -77,7 +94,11 @@ impl Drop for Server {
 
 impl Server {
     async fn start(yaml: &str) -> Server {
-        let dir = std::env::temp_dir().join(format!("tandem-cluster-test-{}-{}", std::process::id(), free_port()));
+        let dir = std::env::temp_dir().join(format!(
+            "tandem-cluster-test-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
         std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("config.yaml");
         std::fs::write(&config, yaml).unwrap();
@@ -91,7 +112,12 @@ impl Server {
             .stderr(std::fs::File::create(dir.join("serve.log")).unwrap())
             .spawn()
             .expect("tandem serve starts");
-        let server = Server { child, url: format!("http://127.0.0.1:{port}"), http: reqwest::Client::new(), _dir: TempDir(dir) };
+        let server = Server {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            http: reqwest::Client::new(),
+            _dir: TempDir(dir),
+        };
         server.wait_healthy().await;
         server
     }
@@ -108,14 +134,24 @@ impl Server {
                     return;
                 }
             }
-            assert!(Instant::now() < deadline, "server never became healthy:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "server never became healthy:\n{}",
+                self.log()
+            );
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
 
     async fn complete(&self, prompt: &str, max_tokens: usize) -> Value {
         let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
-        let r = self.http.post(format!("{}/v1/completions", self.url)).json(&body).send().await.expect("completion sent");
+        let r = self
+            .http
+            .post(format!("{}/v1/completions", self.url))
+            .json(&body)
+            .send()
+            .await
+            .expect("completion sent");
         let status = r.status();
         let v: Value = r.json().await.expect("json answer");
         assert!(status.is_success(), "{status}: {v}\n{}", self.log());
@@ -123,31 +159,55 @@ impl Server {
     }
 
     async fn workers(&self) -> Vec<WorkerStatus> {
-        self.http.get(format!("{}/v1/cluster/workers", self.url)).send().await.unwrap().json().await.unwrap()
+        self.http
+            .get(format!("{}/v1/cluster/workers", self.url))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
     }
 
     async fn worker(&self, role: Role) -> WorkerStatus {
-        self.workers().await.into_iter().find(|w| w.info.role == role).expect("a worker of that role")
+        self.workers()
+            .await
+            .into_iter()
+            .find(|w| w.info.role == role)
+            .expect("a worker of that role")
     }
 
     async fn load(&self, worker_url: &str) -> tandem_cluster::WorkerLoad {
-        self.http.get(format!("{worker_url}/v1/worker/load")).send().await.unwrap().json().await.unwrap()
+        self.http
+            .get(format!("{worker_url}/v1/worker/load"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
     }
 }
 
 fn text(v: &Value) -> String {
-    v["choices"][0]["text"].as_str().expect("choice text").to_owned()
+    v["choices"][0]["text"]
+        .as_str()
+        .expect("choice text")
+        .to_owned()
 }
 
 const PROMPTS: &[&str] = &[
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg",
-    "Photosynthesis is the process by which green plants and some other organisms use sunlight to",
-    "In computer science, a hash table is a data structure that implements an associative array, which",
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith \
+     from Mainz, combined movable metal type with an oil-based ink and a screw press adapted from",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to \
+     synthesize foods from carbon dioxide and water. In plants it generally involves the green pigment",
+    "In computer science, a hash table is a data structure that implements an associative array, which \
+     maps keys to values. A hash table uses a hash function to compute an index into an array of",
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_matches_colocated_and_decode_never_prefills() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let colocated = Server::start(&colocated_yaml()).await;
     let mut want = Vec::new();
     for p in PROMPTS {
@@ -164,29 +224,67 @@ async fn pd_matches_colocated_and_decode_never_prefills() {
         let got = pd.complete(p, 12).await;
         assert_eq!(text(&got), text(want), "prompt {p:?}");
         let prompt_tokens = got["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
-        assert!(prompt_tokens >= 16, "the prompt must exceed the local-prefill threshold");
-        expected_bytes += (prompt_tokens.div_ceil(layout.block_size) * layout.block_bytes() * layout.n_layers) as u64;
+        assert!(
+            prompt_tokens >= 32,
+            "the prompt must exceed the local-prefill threshold"
+        );
+        expected_bytes += (prompt_tokens.div_ceil(layout.block_size)
+            * layout.block_bytes()
+            * layout.n_layers) as u64;
     }
     let after = pd.load(&decode.url).await;
-    assert_eq!(after.engine.prefill_tokens_computed, before.engine.prefill_tokens_computed, "decode worker prefilled");
-    assert_eq!(after.kv.bytes_received - before.kv.bytes_received, expected_bytes);
+    assert_eq!(
+        after.engine.prefill_tokens_computed, before.engine.prefill_tokens_computed,
+        "decode worker prefilled"
+    );
+    assert_eq!(
+        after.kv.bytes_received - before.kv.bytes_received,
+        expected_bytes
+    );
     assert_eq!(after.kv.pulls_ok - before.kv.pulls_ok, PROMPTS.len() as u64);
-    let metrics = pd.http.get(format!("{}/metrics", pd.url)).send().await.unwrap().text().await.unwrap();
-    assert!(metrics.contains(&format!("tandem:kv_transfer_bytes_total {expected_bytes}")), "{metrics}");
-    assert!(metrics.contains("tandem:pd_requests_total{prefill=\"remote\"} 3"), "{metrics}");
+    let metrics = pd
+        .http
+        .get(format!("{}/metrics", pd.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(&format!("tandem:kv_transfer_bytes_total {expected_bytes}")),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tandem:pd_requests_total{prefill=\"remote\"} 3"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_prefill_worker_mid_request_still_answers() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let pd = Server::start(&pd_yaml(1)).await;
     let prefill = pd.worker(Role::Prefill).await;
-    let long: String = PROMPTS.iter().cycle().take(12).copied().collect::<Vec<_>>().join(" ");
+    let long: String = PROMPTS
+        .iter()
+        .cycle()
+        .take(12)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(" ");
     let request = {
         let (http, url, long) = (pd.http.clone(), pd.url.clone(), long.clone());
         tokio::spawn(async move {
             let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": long, "max_tokens": 8, "temperature": 0});
-            http.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap().json::<Value>().await.unwrap()
+            http.post(format!("{url}/v1/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
         })
     };
     // Wait until the prefill worker is busy with it, then kill it.
@@ -194,26 +292,53 @@ async fn killing_the_prefill_worker_mid_request_still_answers() {
     while pd.load(&prefill.url).await.in_flight == 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let status = Command::new("kill").args(["-9", &prefill.info.pid.to_string()]).status().unwrap();
+    let status = Command::new("kill")
+        .args(["-9", &prefill.info.pid.to_string()])
+        .status()
+        .unwrap();
     assert!(status.success());
     let got = request.await.unwrap();
-    let finish = got["choices"][0]["finish_reason"].as_str().unwrap_or_default().to_owned();
-    assert!(finish == "length" || finish == "stop", "incomplete answer: {got}\n{}", pd.log());
+    let finish = got["choices"][0]["finish_reason"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        finish == "length" || finish == "stop",
+        "incomplete answer: {got}\n{}",
+        pd.log()
+    );
     // The same prompt now goes to the decode worker alone; greedy answers must agree.
     let again = pd.complete(&long, 8).await;
     assert_eq!(text(&got), text(&again));
-    let metrics = pd.http.get(format!("{}/metrics", pd.url)).send().await.unwrap().text().await.unwrap();
-    assert!(!metrics.contains("tandem:pd_requests_total{prefill=\"fallback\"} 0"), "{metrics}");
+    let metrics = pd
+        .http
+        .get(format!("{}/metrics", pd.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !metrics.contains("tandem:pd_requests_total{prefill=\"fallback\"} 0"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_abort_frees_blocks_on_both_sides() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let pd = Server::start(&pd_yaml(1)).await;
     let prefill = pd.worker(Role::Prefill).await;
     let decode = pd.worker(Role::Decode).await;
     let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": true, "ignore_eos": true});
-    let resp = pd.http.post(format!("{}/v1/completions", pd.url)).json(&body).send().await.unwrap();
+    let resp = pd
+        .http
+        .post(format!("{}/v1/completions", pd.url))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert!(resp.status().is_success());
     let mut body = resp.bytes_stream();
     let mut chunks = 0;
@@ -221,27 +346,49 @@ async fn client_abort_frees_blocks_on_both_sides() {
         let chunk = body.next().await.expect("stream continues").unwrap();
         chunks += String::from_utf8_lossy(&chunk).matches("data:").count();
     }
-    assert!(pd.load(&decode.url).await.engine.kv_blocks_used > 0, "the decode worker holds the sequence");
+    assert!(
+        pd.load(&decode.url).await.engine.kv_blocks_used > 0,
+        "the decode worker holds the sequence"
+    );
     drop(body);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let (p, d) = (pd.load(&prefill.url).await, pd.load(&decode.url).await);
-        let freed = p.engine.kv_blocks_used == 0 && p.pinned_blocks == 0 && d.engine.kv_blocks_used == 0 && d.engine.running == 0;
+        let freed = p.engine.kv_blocks_used == 0
+            && p.pinned_blocks == 0
+            && d.engine.kv_blocks_used == 0
+            && d.engine.running == 0;
         if freed {
-            assert!(d.engine.generation_tokens_total < 2000, "the request ran to the end instead of aborting");
+            assert!(
+                d.engine.generation_tokens_total < 2000,
+                "the request ran to the end instead of aborting"
+            );
             break;
         }
-        assert!(Instant::now() < deadline, "blocks not freed: prefill {p:?}, decode {d:?}");
+        assert!(
+            Instant::now() < deadline,
+            "blocks not freed: prefill {p:?}, decode {d:?}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_with_another_block_size_is_refused_naming_the_field() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let pd = Server::start(&pd_yaml(1)).await;
     let out = Command::new(bin())
-        .args(["worker", "--role", "decode", "--block-size", "32", "--kv-cache-memory", "64MiB", "--threads", "1"])
+        .args([
+            "worker",
+            "--role",
+            "decode",
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "64MiB",
+            "--threads",
+            "1",
+        ])
         .arg("--model")
         .arg(model())
         .args(["--register", &pd.url])
@@ -249,7 +396,17 @@ async fn a_worker_with_another_block_size_is_refused_naming_the_field() {
         .output()
         .expect("worker runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "a mismatched worker must not stay up:\n{stderr}");
-    assert!(stderr.contains("block_size"), "the refusal must name block_size:\n{stderr}");
-    assert_eq!(pd.workers().await.len(), 2, "the refused worker must not be registered");
+    assert!(
+        !out.status.success(),
+        "a mismatched worker must not stay up:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("block_size"),
+        "the refusal must name block_size:\n{stderr}"
+    );
+    assert_eq!(
+        pd.workers().await.len(),
+        2,
+        "the refused worker must not be registered"
+    );
 }

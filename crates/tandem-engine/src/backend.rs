@@ -13,7 +13,9 @@ pub struct BackendError {
 impl BackendError {
     /// An error with the given message.
     pub fn new(message: impl Into<String>) -> Self {
-        Self { message: message.into() }
+        Self {
+            message: message.into(),
+        }
     }
 }
 

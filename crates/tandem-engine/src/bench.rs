@@ -25,7 +25,14 @@ pub struct BenchOptions {
 
 impl Default for BenchOptions {
     fn default() -> Self {
-        Self { decode_tokens: 128, prefill_len: 512, concurrency: 16, concurrent_tokens: 64, prompt_len: 16, seed: 0 }
+        Self {
+            decode_tokens: 128,
+            prefill_len: 512,
+            concurrency: 16,
+            concurrent_tokens: 64,
+            prompt_len: 16,
+            seed: 0,
+        }
     }
 }
 
@@ -49,20 +56,32 @@ pub struct BenchReport {
 fn random_prompt(rng: &mut rand_chacha::ChaCha8Rng, len: usize, vocab: usize) -> Vec<u32> {
     // Stay clear of the low ids, where tokenizers put their special tokens.
     let lo = (vocab / 16).min(256) as u32;
-    (0..len).map(|_| rng.random_range(lo..vocab as u32)).collect()
+    (0..len)
+        .map(|_| rng.random_range(lo..vocab as u32))
+        .collect()
 }
 
 fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, ..Default::default() }
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
 }
 
 fn next(stream: &mut RequestStream) -> Result<crate::types::TokenOutput, EngineError> {
-    stream.blocking_recv().ok_or_else(|| stream.take_error().unwrap_or(EngineError::Stopped))
+    stream
+        .blocking_recv()
+        .ok_or_else(|| stream.take_error().unwrap_or(EngineError::Stopped))
 }
 
 /// Runs the three measurements one after another on an otherwise idle engine (blocking; call it
 /// from a plain thread, not an async task). Request ids start at `u64::MAX - 1000`.
-pub fn run_engine_bench(engine: &EngineHandle, opts: &BenchOptions) -> Result<BenchReport, EngineError> {
+pub fn run_engine_bench(
+    engine: &EngineHandle,
+    opts: &BenchOptions,
+) -> Result<BenchReport, EngineError> {
     let vocab = engine.vocab_size();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opts.seed);
     let mut id: RequestId = u64::MAX - 1000;
@@ -74,7 +93,11 @@ pub fn run_engine_bench(engine: &EngineHandle, opts: &BenchOptions) -> Result<Be
     // Single stream.
     let t0 = Instant::now();
     let prompt = random_prompt(&mut rng, opts.prompt_len, vocab);
-    let mut s = engine.submit(EngineRequest::new(next_id(), prompt, greedy(opts.decode_tokens)))?;
+    let mut s = engine.submit(EngineRequest::new(
+        next_id(),
+        prompt,
+        greedy(opts.decode_tokens),
+    ))?;
     next(&mut s)?;
     let single_stream_ttft = t0.elapsed();
     let t1 = Instant::now();
@@ -96,7 +119,11 @@ pub fn run_engine_bench(engine: &EngineHandle, opts: &BenchOptions) -> Result<Be
     let mut streams = Vec::with_capacity(opts.concurrency);
     for _ in 0..opts.concurrency {
         let prompt = random_prompt(&mut rng, opts.prompt_len, vocab);
-        streams.push(engine.submit(EngineRequest::new(next_id(), prompt, greedy(opts.concurrent_tokens)))?);
+        streams.push(engine.submit(EngineRequest::new(
+            next_id(),
+            prompt,
+            greedy(opts.concurrent_tokens),
+        ))?);
     }
     let mut total = 0usize;
     let mut done = vec![false; streams.len()];
@@ -133,11 +160,25 @@ mod tests {
 
     #[test]
     fn bench_reports_positive_figures_on_the_mock() {
-        let cfg = EngineConfig { block_size: 4, ..Default::default() };
+        let cfg = EngineConfig {
+            block_size: 4,
+            ..Default::default()
+        };
         let engine = Engine::start(MockBackend::new(4, 1024), cfg).unwrap();
-        let opts = BenchOptions { decode_tokens: 8, prefill_len: 40, concurrency: 3, concurrent_tokens: 5, prompt_len: 4, seed: 1 };
+        let opts = BenchOptions {
+            decode_tokens: 8,
+            prefill_len: 40,
+            concurrency: 3,
+            concurrent_tokens: 5,
+            prompt_len: 4,
+            seed: 1,
+        };
         let r = run_engine_bench(&engine, &opts).unwrap();
-        assert!(r.single_stream_decode_tok_s > 0.0 && r.prefill_tok_s > 0.0 && r.concurrent_decode_tok_s > 0.0);
+        assert!(
+            r.single_stream_decode_tok_s > 0.0
+                && r.prefill_tok_s > 0.0
+                && r.concurrent_decode_tok_s > 0.0
+        );
         let st = engine.checked_stats().wait_blocking().unwrap();
         assert_eq!(st.generation_tokens_total, 8 + 1 + 3 * 5);
         assert_eq!(st.prompt_tokens_total, 4 + 40 + 3 * 4);

@@ -131,7 +131,11 @@ impl BlockPool {
     }
 
     /// Grows `table` to hold `num_tokens` tokens; all-or-nothing.
-    pub fn ensure_capacity(&mut self, table: &mut BlockTable, num_tokens: usize) -> Result<(), OutOfBlocks> {
+    pub fn ensure_capacity(
+        &mut self,
+        table: &mut BlockTable,
+        num_tokens: usize,
+    ) -> Result<(), OutOfBlocks> {
         let want = self.blocks_for(num_tokens);
         let needed = want.saturating_sub(table.blocks.len());
         if needed == 0 {
@@ -188,7 +192,12 @@ impl BlockPool {
 
     /// Names every full block among the first `num_computed` tokens (whose KV is now written) so that
     /// later requests can reuse it.
-    pub fn register_computed(&mut self, table: &mut BlockTable, tokens: &[u32], num_computed: usize) {
+    pub fn register_computed(
+        &mut self,
+        table: &mut BlockTable,
+        tokens: &[u32],
+        num_computed: usize,
+    ) {
         if !self.caching {
             return;
         }
@@ -196,7 +205,10 @@ impl BlockPool {
         while table.hashes.len() < full {
             let i = table.hashes.len();
             let parent = table.hashes.last().copied().unwrap_or(ROOT_HASH);
-            let h = hash_block(parent, &tokens[i * self.block_size..(i + 1) * self.block_size]);
+            let h = hash_block(
+                parent,
+                &tokens[i * self.block_size..(i + 1) * self.block_size],
+            );
             // A false return means another sequence computed the same block first: ours stays unnamed
             // and returns to the free list when released.
             self.cache.insert(table.blocks[i], h);
@@ -213,7 +225,10 @@ impl BlockPool {
             expected[b as usize] += 1;
         }
         if expected != self.refcount {
-            return Err(format!("refcounts {:?} differ from held references {:?}", self.refcount, expected));
+            return Err(format!(
+                "refcounts {:?} differ from held references {:?}",
+                self.refcount, expected
+            ));
         }
         let mut on_free = vec![false; n];
         for &b in &self.free {
@@ -222,17 +237,21 @@ impl BlockPool {
             }
         }
         let mut used = 0;
-        for b in 0..n {
-            let rc = self.refcount[b];
+        for (b, (&rc, &free)) in self.refcount.iter().zip(&on_free).enumerate() {
             let evictable = self.cache.is_evictable(b as u32);
-            let states = usize::from(on_free[b]) + usize::from(evictable) + usize::from(rc > 0);
-            if states != 1 || (on_free[b] && self.cache.is_cached(b as u32)) {
-                return Err(format!("block {b}: free={} evictable={evictable} rc={rc}", on_free[b]));
+            let states = usize::from(free) + usize::from(evictable) + usize::from(rc > 0);
+            if states != 1 || (free && self.cache.is_cached(b as u32)) {
+                return Err(format!(
+                    "block {b}: free={free} evictable={evictable} rc={rc}"
+                ));
             }
             used += usize::from(rc > 0);
         }
         if used != self.used {
-            return Err(format!("used counter {} but {used} referenced blocks", self.used));
+            return Err(format!(
+                "used counter {} but {used} referenced blocks",
+                self.used
+            ));
         }
         Ok(())
     }
@@ -250,7 +269,13 @@ mod tests {
         p.ensure_capacity(&mut a, 9).unwrap();
         assert_eq!(a.blocks.len(), 3);
         let mut b = BlockTable::default();
-        assert_eq!(p.ensure_capacity(&mut b, 1), Err(OutOfBlocks { needed: 1, available: 0 }));
+        assert_eq!(
+            p.ensure_capacity(&mut b, 1),
+            Err(OutOfBlocks {
+                needed: 1,
+                available: 0
+            })
+        );
         assert!(b.is_empty());
         p.release(&mut a);
         assert_eq!(p.num_available(), 3);
@@ -278,7 +303,8 @@ mod tests {
         let mut c = BlockTable::default();
         assert_eq!(p.match_prefix(&mut c, &other), 4);
         assert_eq!(p.prefix_counters(), (36, 12));
-        p.check_invariants(&[a_blocks[0], a_blocks[1], a_blocks[0]]).unwrap();
+        p.check_invariants(&[a_blocks[0], a_blocks[1], a_blocks[0]])
+            .unwrap();
         p.release(&mut b);
         p.release(&mut c);
         p.check_invariants(&[]).unwrap();
@@ -297,7 +323,11 @@ mod tests {
         p.ensure_capacity(&mut b, 3).unwrap();
         assert_eq!(p.num_cached(), 0);
         let mut c = BlockTable::default();
-        assert_eq!(p.match_prefix(&mut c, &toks), 0, "evicted content must not be matched");
+        assert_eq!(
+            p.match_prefix(&mut c, &toks),
+            0,
+            "evicted content must not be matched"
+        );
         p.release(&mut b);
         p.check_invariants(&[]).unwrap();
     }

@@ -9,7 +9,9 @@ use crate::backend::{Backend, BackendError};
 use crate::block_pool::{BlockPool, BlockTable};
 use crate::sampler::{Sampler, SeqRng};
 use crate::scheduler::{Scheduler, SchedulerConfig, Sequence};
-use crate::types::{EngineRequest, FinishReason, RequestId, RequestMode, SamplingParams, TokenOutput};
+use crate::types::{
+    EngineRequest, FinishReason, RequestId, RequestMode, SamplingParams, TokenOutput,
+};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
@@ -204,8 +206,19 @@ enum Command {
     Abort(RequestId),
     ReleasePin(RequestId),
     Export(RequestId, Reply<ExportedKv>),
-    ImportPrefilled(Box<EngineRequest>, u32, mpsc::UnboundedSender<Item>, Reply<Vec<u32>>),
-    ImportBlock { id: RequestId, layer: usize, block: usize, data: Vec<u8>, reply: Reply<()> },
+    ImportPrefilled(
+        Box<EngineRequest>,
+        u32,
+        mpsc::UnboundedSender<Item>,
+        Reply<Vec<u32>>,
+    ),
+    ImportBlock {
+        id: RequestId,
+        layer: usize,
+        block: usize,
+        data: Vec<u8>,
+        reply: Reply<()>,
+    },
     StartDecoding(RequestId, Reply<()>),
     Check(Reply<EngineStats>),
     Shutdown,
@@ -316,10 +329,15 @@ impl EngineHandle {
             });
         }
         if req.prompt.len() >= s.pool_tokens {
-            return Err(EngineError::KvCacheTooSmall { prompt: req.prompt.len(), capacity: s.pool_tokens });
+            return Err(EngineError::KvCacheTooSmall {
+                prompt: req.prompt.len(),
+                capacity: s.pool_tokens,
+            });
         }
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= s.vocab_size) {
-            return Err(EngineError::InvalidParams(format!("token id {t} outside the vocabulary")));
+            return Err(EngineError::InvalidParams(format!(
+                "token id {t} outside the vocabulary"
+            )));
         }
         let p = &req.params;
         // Written positively so that NaN fails every check.
@@ -334,12 +352,18 @@ impl EngineHandle {
             return Err(EngineError::InvalidParams(format!("{p:?}")));
         }
         if p.max_tokens == 0 {
-            return Err(EngineError::InvalidParams("max_tokens must be at least 1".into()));
+            return Err(EngineError::InvalidParams(
+                "max_tokens must be at least 1".into(),
+            ));
         }
         Ok(())
     }
 
-    fn register(&self, req: &EngineRequest, queued: bool) -> Result<(RequestStream, mpsc::UnboundedSender<Item>), EngineError> {
+    fn register(
+        &self,
+        req: &EngineRequest,
+        queued: bool,
+    ) -> Result<(RequestStream, mpsc::UnboundedSender<Item>), EngineError> {
         self.validate(req)?;
         if queued {
             let waiting = self.shared.queued.load(Ordering::Acquire);
@@ -354,7 +378,13 @@ impl EngineHandle {
             self.shared.queued.fetch_add(1, Ordering::AcqRel);
         }
         let (otx, orx) = mpsc::unbounded_channel();
-        let stream = RequestStream { id: req.id, rx: orx, done: false, error: None, tx: self.tx.clone() };
+        let stream = RequestStream {
+            id: req.id,
+            rx: orx,
+            done: false,
+            error: None,
+            tx: self.tx.clone(),
+        };
         Ok((stream, otx))
     }
 
@@ -385,18 +415,37 @@ impl EngineHandle {
     /// Starts a request whose prompt KV will be imported: reserves blocks for the prompt and returns
     /// the stream (which begins with `first_token`) and the reply carrying the reserved block ids, one
     /// per logical block, to fill with [`Self::import_block`] before [`Self::start_decoding`].
-    pub fn import_prefilled(&self, req: EngineRequest, first_token: u32) -> Result<(RequestStream, Pending<Vec<u32>>), EngineError> {
+    pub fn import_prefilled(
+        &self,
+        req: EngineRequest,
+        first_token: u32,
+    ) -> Result<(RequestStream, Pending<Vec<u32>>), EngineError> {
         if first_token as usize >= self.shared.vocab_size {
-            return Err(EngineError::InvalidParams(format!("first token {first_token} outside the vocabulary")));
+            return Err(EngineError::InvalidParams(format!(
+                "first token {first_token} outside the vocabulary"
+            )));
         }
         let (stream, otx) = self.register(&req, false)?;
-        let pending = self.call(|reply| Command::ImportPrefilled(Box::new(req), first_token, otx, reply));
+        let pending =
+            self.call(|reply| Command::ImportPrefilled(Box::new(req), first_token, otx, reply));
         Ok((stream, pending))
     }
 
     /// Writes one (layer, logical block) of an importing request's KV.
-    pub fn import_block(&self, id: RequestId, layer: usize, block: usize, data: Vec<u8>) -> Pending<()> {
-        self.call(|reply| Command::ImportBlock { id, layer, block, data, reply })
+    pub fn import_block(
+        &self,
+        id: RequestId,
+        layer: usize,
+        block: usize,
+        data: Vec<u8>,
+    ) -> Pending<()> {
+        self.call(|reply| Command::ImportBlock {
+            id,
+            layer,
+            block,
+            data,
+            reply,
+        })
     }
 
     /// Marks an imported request's KV complete: it joins the running sequences and decodes
@@ -456,7 +505,10 @@ pub struct Engine;
 
 impl Engine {
     /// Validates `config` against the backend and spawns the engine thread.
-    pub fn start<B: Backend>(backend: B, config: EngineConfig) -> Result<EngineHandle, EngineError> {
+    pub fn start<B: Backend>(
+        backend: B,
+        config: EngineConfig,
+    ) -> Result<EngineHandle, EngineError> {
         let layout = backend.kv_layout();
         if layout.block_size != config.block_size {
             return Err(EngineError::Config(format!(
@@ -465,15 +517,22 @@ impl Engine {
             )));
         }
         if layout.num_blocks == 0 {
-            return Err(EngineError::Config("KV cache holds no block; raise kv_cache_bytes".into()));
+            return Err(EngineError::Config(
+                "KV cache holds no block; raise kv_cache_bytes".into(),
+            ));
         }
         if config.max_num_seqs == 0 || config.max_num_batched_tokens == 0 {
-            return Err(EngineError::Config("max_num_seqs and max_num_batched_tokens must be positive".into()));
+            return Err(EngineError::Config(
+                "max_num_seqs and max_num_batched_tokens must be positive".into(),
+            ));
         }
         let model_len = backend.max_model_len();
         let max_model_len = config.max_model_len.map_or(model_len, |m| m.min(model_len));
         let shared = Arc::new(Shared {
-            stats: Mutex::new(EngineStats { kv_blocks_total: layout.num_blocks, ..Default::default() }),
+            stats: Mutex::new(EngineStats {
+                kv_blocks_total: layout.num_blocks,
+                ..Default::default()
+            }),
             live: Mutex::new(HashSet::new()),
             queued: AtomicUsize::new(0),
             stopped: AtomicBool::new(false),
@@ -489,7 +548,11 @@ impl Engine {
             eos: backend.eos_token_ids().to_vec(),
             vocab: backend.vocab_size(),
             backend,
-            pool: BlockPool::new(layout.num_blocks, layout.block_size, config.enable_prefix_caching),
+            pool: BlockPool::new(
+                layout.num_blocks,
+                layout.block_size,
+                config.enable_prefix_caching,
+            ),
             sched: Scheduler::new(SchedulerConfig {
                 max_num_seqs: config.max_num_seqs,
                 max_num_batched_tokens: config.max_num_batched_tokens,
@@ -502,7 +565,10 @@ impl Engine {
             pins: HashMap::new(),
             finished: Vec::new(),
             max_len: max_model_len.min(layout.num_blocks * layout.block_size),
-            counters: EngineStats { kv_blocks_total: layout.num_blocks, ..Default::default() },
+            counters: EngineStats {
+                kv_blocks_total: layout.num_blocks,
+                ..Default::default()
+            },
             shared: shared.clone(),
             rx,
         };
@@ -591,8 +657,14 @@ impl<B: Backend> Worker<B> {
     }
 
     fn shutdown_all(&mut self) {
-        let ids: Vec<RequestId> =
-            self.sched.running.iter().chain(self.sched.waiting.iter()).map(|s| s.id).chain(self.importing.keys().copied()).collect();
+        let ids: Vec<RequestId> = self
+            .sched
+            .running
+            .iter()
+            .chain(self.sched.waiting.iter())
+            .map(|s| s.id)
+            .chain(self.importing.keys().copied())
+            .collect();
         for id in ids {
             self.fail(id, EngineError::Stopped);
         }
@@ -620,7 +692,8 @@ impl<B: Backend> Worker<B> {
                 self.sched.add(Sequence::new(req.id, req.prompt, ext));
             }
             Command::Abort(id) => {
-                if let Some(mut seq) = self.sched.remove(id).or_else(|| self.importing.remove(&id)) {
+                if let Some(mut seq) = self.sched.remove(id).or_else(|| self.importing.remove(&id))
+                {
                     self.drop_seq(&mut seq);
                     self.counters.requests_finished_total += 1;
                 }
@@ -633,7 +706,13 @@ impl<B: Backend> Worker<B> {
             Command::ImportPrefilled(req, first_token, tx, reply) => {
                 let _ = reply.send(self.import_prefilled(*req, first_token, tx));
             }
-            Command::ImportBlock { id, layer, block, data, reply } => {
+            Command::ImportBlock {
+                id,
+                layer,
+                block,
+                data,
+                reply,
+            } => {
                 let _ = reply.send(self.import_block(id, layer, block, &data));
             }
             Command::StartDecoding(id, reply) => {
@@ -676,7 +755,12 @@ impl<B: Backend> Worker<B> {
             return;
         }
         let now = Instant::now();
-        let expired: Vec<RequestId> = self.pins.iter().filter(|(_, p)| p.deadline <= now).map(|(&id, _)| id).collect();
+        let expired: Vec<RequestId> = self
+            .pins
+            .iter()
+            .filter(|(_, p)| p.deadline <= now)
+            .map(|(&id, _)| id)
+            .collect();
         for id in expired {
             tracing::debug!(id, "prefill pin expired");
             self.release_pin(id);
@@ -692,19 +776,41 @@ impl<B: Backend> Worker<B> {
         for layer in 0..layout.n_layers {
             for (b, &phys) in pin.table.blocks[..num_blocks].iter().enumerate() {
                 let i = layer * num_blocks + b;
-                self.backend.export_block(layer, phys, &mut data[i * n..(i + 1) * n]);
+                self.backend
+                    .export_block(layer, phys, &mut data[i * n..(i + 1) * n]);
             }
         }
-        Ok(ExportedKv { layout, num_tokens: pin.num_tokens, num_blocks, first_token: pin.first_token, data })
+        Ok(ExportedKv {
+            layout,
+            num_tokens: pin.num_tokens,
+            num_blocks,
+            first_token: pin.first_token,
+            data,
+        })
     }
 
-    fn import_prefilled(&mut self, req: EngineRequest, first_token: u32, tx: mpsc::UnboundedSender<Item>) -> Result<Vec<u32>, EngineError> {
+    fn import_prefilled(
+        &mut self,
+        req: EngineRequest,
+        first_token: u32,
+        tx: mpsc::UnboundedSender<Item>,
+    ) -> Result<Vec<u32>, EngineError> {
         let id = req.id;
-        let ext = Ext { rng: SeqRng::new(req.params.seed), params: req.params, mode: req.mode, tx, queued: false, first_token: Some(first_token) };
+        let ext = Ext {
+            rng: SeqRng::new(req.params.seed),
+            params: req.params,
+            mode: req.mode,
+            tx,
+            queued: false,
+            first_token: Some(first_token),
+        };
         let mut seq = Sequence::new(id, req.prompt, ext);
         if let Err(e) = self.pool.ensure_capacity(&mut seq.table, seq.prompt_len) {
             self.shared.live.lock().remove(&id);
-            return Err(EngineError::InvalidState { id, reason: e.to_string() });
+            return Err(EngineError::InvalidState {
+                id,
+                reason: e.to_string(),
+            });
         }
         self.counters.prompt_tokens_total += seq.prompt_len as u64;
         let blocks = seq.table.blocks.clone();
@@ -712,24 +818,49 @@ impl<B: Backend> Worker<B> {
         Ok(blocks)
     }
 
-    fn import_block(&mut self, id: RequestId, layer: usize, block: usize, data: &[u8]) -> Result<(), EngineError> {
-        let seq = self.importing.get(&id).ok_or(EngineError::UnknownRequest(id))?;
+    fn import_block(
+        &mut self,
+        id: RequestId,
+        layer: usize,
+        block: usize,
+        data: &[u8],
+    ) -> Result<(), EngineError> {
+        let seq = self
+            .importing
+            .get(&id)
+            .ok_or(EngineError::UnknownRequest(id))?;
         let layout = self.backend.kv_layout();
-        if layer >= layout.n_layers || block >= seq.table.blocks.len() || data.len() != layout.block_bytes() {
+        if layer >= layout.n_layers
+            || block >= seq.table.blocks.len()
+            || data.len() != layout.block_bytes()
+        {
             return Err(EngineError::InvalidState {
                 id,
-                reason: format!("bad import: layer {layer}, block {block}, {} bytes (expected {})", data.len(), layout.block_bytes()),
+                reason: format!(
+                    "bad import: layer {layer}, block {block}, {} bytes (expected {})",
+                    data.len(),
+                    layout.block_bytes()
+                ),
             });
         }
-        self.backend.import_block(layer, seq.table.blocks[block], data);
+        self.backend
+            .import_block(layer, seq.table.blocks[block], data);
         Ok(())
     }
 
     fn start_decoding(&mut self, id: RequestId) -> Result<(), EngineError> {
-        let mut seq = self.importing.remove(&id).ok_or(EngineError::UnknownRequest(id))?;
+        let mut seq = self
+            .importing
+            .remove(&id)
+            .ok_or(EngineError::UnknownRequest(id))?;
         seq.num_computed = seq.prompt_len;
-        self.pool.register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
-        let token = seq.ext.first_token.take().expect("importing sequences carry their first token");
+        self.pool
+            .register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
+        let token = seq
+            .ext
+            .first_token
+            .take()
+            .expect("importing sequences carry their first token");
         seq.tokens.push(token);
         self.sched.add_running(seq);
         let idx = self.sched.running.len() - 1;
@@ -744,7 +875,13 @@ impl<B: Backend> Worker<B> {
         self.counters.preemptions_total += self.sched.preempted().len() as u64;
         let capacity = self.pool.num_blocks() * self.pool.block_size();
         for id in self.sched.out_of_room().to_vec() {
-            self.fail(id, EngineError::KvCacheTooSmall { prompt: 0, capacity });
+            self.fail(
+                id,
+                EngineError::KvCacheTooSmall {
+                    prompt: 0,
+                    capacity,
+                },
+            );
         }
         if self.sched.scheduled().is_empty() {
             return false;
@@ -763,9 +900,17 @@ impl<B: Backend> Worker<B> {
         self.counters.steps_total += 1;
         if let Err(e) = self.backend.forward(&self.batch, &mut self.logits) {
             tracing::error!(error = %e, "forward failed; failing the step's requests");
-            let ids: Vec<RequestId> = self.sched.scheduled().iter().map(|s| self.sched.running[s.index].id).collect();
+            let ids: Vec<RequestId> = self
+                .sched
+                .scheduled()
+                .iter()
+                .map(|s| self.sched.running[s.index].id)
+                .collect();
             for id in ids {
-                self.fail(id, EngineError::Backend(BackendError::new(e.message.clone())));
+                self.fail(
+                    id,
+                    EngineError::Backend(BackendError::new(e.message.clone())),
+                );
             }
             return true;
         }
@@ -774,14 +919,17 @@ impl<B: Backend> Worker<B> {
             let s = self.sched.scheduled()[k];
             let seq = &mut self.sched.running[s.index];
             seq.num_computed += s.len;
-            self.pool.register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
+            self.pool
+                .register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
             if !s.sample {
                 continue;
             }
             let logits = &self.logits[row * self.vocab..(row + 1) * self.vocab];
             row += 1;
             let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
-            let out = self.sampler.sample(logits, &seq.ext.params, prompt, output, &mut seq.ext.rng);
+            let out =
+                self.sampler
+                    .sample(logits, &seq.ext.params, prompt, output, &mut seq.ext.rng);
             seq.tokens.push(out.token);
             self.emit(s.index, out.token, out.logprobs);
         }
@@ -796,16 +944,26 @@ impl<B: Backend> Worker<B> {
         let seq = &self.sched.running[idx];
         let p = &seq.ext.params;
         self.counters.generation_tokens_total += 1;
-        let finish = if (!p.ignore_eos && self.eos.contains(&token)) || p.stop_token_ids.contains(&token) {
-            Some(FinishReason::Stop)
-        } else if seq.output().len() >= p.max_tokens || seq.tokens.len() >= self.max_len {
-            Some(FinishReason::Length)
-        } else if matches!(seq.ext.mode, RequestMode::PrefillOnly { .. }) {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
-        let sent = seq.ext.tx.send(Ok(TokenOutput { token, logprobs, finish })).is_ok();
+        let finish =
+            if (!p.ignore_eos && self.eos.contains(&token)) || p.stop_token_ids.contains(&token) {
+                Some(FinishReason::Stop)
+            } else if seq.output().len() >= p.max_tokens
+                || seq.tokens.len() >= self.max_len
+                || matches!(seq.ext.mode, RequestMode::PrefillOnly { .. })
+            {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+        let sent = seq
+            .ext
+            .tx
+            .send(Ok(TokenOutput {
+                token,
+                logprobs,
+                finish,
+            }))
+            .is_ok();
         // A closed stream is a client that went away: end the request now.
         if finish.is_some() || !sent {
             self.finished.push(idx);
@@ -847,9 +1005,15 @@ impl<B: Backend> Worker<B> {
             .chain(s.waiting.iter())
             .chain(self.importing.values())
             .flat_map(|q| q.table.blocks.iter().copied())
-            .chain(self.pins.values().flat_map(|p| p.table.blocks.iter().copied()))
+            .chain(
+                self.pins
+                    .values()
+                    .flat_map(|p| p.table.blocks.iter().copied()),
+            )
             .collect();
-        self.pool.check_invariants(&refs).map_err(|reason| EngineError::InvalidState { id: 0, reason })?;
+        self.pool
+            .check_invariants(&refs)
+            .map_err(|reason| EngineError::InvalidState { id: 0, reason })?;
         self.publish();
         Ok(self.counters.clone())
     }

@@ -7,7 +7,10 @@ use proptest::prelude::*;
 use std::time::Duration;
 
 fn cfg(block_size: usize) -> EngineConfig {
-    EngineConfig { block_size, ..Default::default() }
+    EngineConfig {
+        block_size,
+        ..Default::default()
+    }
 }
 
 fn start(block_size: usize, num_blocks: usize, f: impl FnOnce(&mut EngineConfig)) -> EngineHandle {
@@ -17,7 +20,12 @@ fn start(block_size: usize, num_blocks: usize, f: impl FnOnce(&mut EngineConfig)
 }
 
 fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, ..Default::default() }
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
 }
 
 fn collect(s: &mut RequestStream) -> (Vec<u32>, Option<FinishReason>) {
@@ -38,7 +46,9 @@ fn alone(prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
         c.enable_chunked_prefill = false;
         c.max_num_batched_tokens = 4096;
     });
-    let mut s = e.submit(EngineRequest::new(1, prompt.to_vec(), params.clone())).unwrap();
+    let mut s = e
+        .submit(EngineRequest::new(1, prompt.to_vec(), params.clone()))
+        .unwrap();
     let out = collect(&mut s).0;
     e.shutdown();
     out
@@ -54,7 +64,9 @@ fn assert_no_leak(e: &EngineHandle) -> EngineStats {
 #[test]
 fn generates_until_max_tokens_and_frees_blocks() {
     let e = start(4, 64, |_| {});
-    let mut s = e.submit(EngineRequest::new(7, vec![1, 2, 3, 4, 5], greedy(6))).unwrap();
+    let mut s = e
+        .submit(EngineRequest::new(7, vec![1, 2, 3, 4, 5], greedy(6)))
+        .unwrap();
     assert_eq!(s.id(), 7);
     let (toks, fin) = collect(&mut s);
     assert_eq!(toks.len(), 6);
@@ -77,11 +89,21 @@ fn stop_tokens_eos_and_context_length_end_requests() {
     // A stop token id ends generation on its first occurrence, and is reported.
     let stop = reference[3];
     let first = reference.iter().position(|&t| t == stop).unwrap();
-    let p = SamplingParams { stop_token_ids: vec![stop], ..greedy(20) };
+    let p = SamplingParams {
+        stop_token_ids: vec![stop],
+        ..greedy(20)
+    };
     let (toks, fin) = collect(&mut e.submit(EngineRequest::new(1, vec![9, 9, 9], p)).unwrap());
-    assert_eq!((toks.as_slice(), fin), (&reference[..=first], Some(FinishReason::Stop)));
+    assert_eq!(
+        (toks.as_slice(), fin),
+        (&reference[..=first], Some(FinishReason::Stop))
+    );
     // The context length (10) caps prompt + output.
-    let (toks, fin) = collect(&mut e.submit(EngineRequest::new(2, vec![9, 9, 9], greedy(20))).unwrap());
+    let (toks, fin) = collect(
+        &mut e
+            .submit(EngineRequest::new(2, vec![9, 9, 9], greedy(20)))
+            .unwrap(),
+    );
     assert_eq!((toks.len(), fin), (7, Some(FinishReason::Length)));
     assert_no_leak(&e);
     e.shutdown();
@@ -93,7 +115,10 @@ fn stop_tokens_eos_and_context_length_end_requests() {
         .expect("some prompt reaches EOS");
     let full = alone(&prompt, &greedy(30));
     let e = start(4, 64, |_| {});
-    let p = SamplingParams { ignore_eos: false, ..greedy(30) };
+    let p = SamplingParams {
+        ignore_eos: false,
+        ..greedy(30)
+    };
     let (toks, fin) = collect(&mut e.submit(EngineRequest::new(1, prompt, p)).unwrap());
     assert_eq!(fin, Some(FinishReason::Stop));
     assert_eq!(toks, full[..=full.iter().position(|&t| t == 63).unwrap()]);
@@ -106,31 +131,65 @@ fn submit_validates_synchronously() {
         c.max_waiting = 2;
         c.max_model_len = Some(20);
     });
-    assert!(matches!(e.submit(EngineRequest::new(1, vec![], greedy(1))), Err(EngineError::EmptyPrompt)));
+    assert!(matches!(
+        e.submit(EngineRequest::new(1, vec![], greedy(1))),
+        Err(EngineError::EmptyPrompt)
+    ));
     assert!(matches!(
         e.submit(EngineRequest::new(1, vec![1; 20], greedy(1))),
-        Err(EngineError::PromptTooLong { prompt: 20, max_tokens: 1, max_model_len: 20 })
+        Err(EngineError::PromptTooLong {
+            prompt: 20,
+            max_tokens: 1,
+            max_model_len: 20
+        })
     ));
-    assert!(matches!(e.submit(EngineRequest::new(1, vec![100], greedy(1))), Err(EngineError::InvalidParams(_))));
     assert!(matches!(
-        e.submit(EngineRequest::new(1, vec![1], SamplingParams { top_p: 0.0, ..greedy(1) })),
+        e.submit(EngineRequest::new(1, vec![100], greedy(1))),
+        Err(EngineError::InvalidParams(_))
+    ));
+    assert!(matches!(
+        e.submit(EngineRequest::new(
+            1,
+            vec![1],
+            SamplingParams {
+                top_p: 0.0,
+                ..greedy(1)
+            }
+        )),
         Err(EngineError::InvalidParams(_))
     ));
     let e2 = start(4, 2, |_| {});
-    assert!(matches!(e2.submit(EngineRequest::new(1, vec![1; 9], greedy(1))), Err(EngineError::KvCacheTooSmall { .. })));
+    assert!(matches!(
+        e2.submit(EngineRequest::new(1, vec![1; 9], greedy(1))),
+        Err(EngineError::KvCacheTooSmall { .. })
+    ));
     e2.shutdown();
     let s1 = e.submit(EngineRequest::new(1, vec![1], greedy(1))).unwrap();
-    assert!(matches!(e.submit(EngineRequest::new(1, vec![1], greedy(1))), Err(EngineError::DuplicateId(1))));
+    assert!(matches!(
+        e.submit(EngineRequest::new(1, vec![1], greedy(1))),
+        Err(EngineError::DuplicateId(1))
+    ));
     drop(s1);
     e.shutdown();
-    assert!(matches!(e.submit(EngineRequest::new(5, vec![1], greedy(1))), Err(EngineError::Stopped)));
+    assert!(matches!(
+        e.submit(EngineRequest::new(5, vec![1], greedy(1))),
+        Err(EngineError::Stopped)
+    ));
 }
 
 #[test]
 fn queue_full_when_too_many_wait() {
     // One sequence at a time on a slowed-down mock: the rest must queue.
     let slow = MockBackend::new(4, 1024).with_step_delay(Duration::from_millis(1));
-    let e = Engine::start(slow, EngineConfig { max_waiting: 2, max_num_seqs: 1, ..cfg(4) }).unwrap();
+    let e = Engine::start(
+        slow,
+        EngineConfig {
+            max_waiting: 2,
+            max_num_seqs: 1,
+            ..cfg(4)
+        },
+    )
+    .unwrap();
     let mut streams = Vec::new();
     let mut full = false;
     for id in 0..50 {
@@ -153,8 +212,17 @@ fn queue_full_when_too_many_wait() {
 #[test]
 fn abort_and_dropped_stream_free_blocks_at_once() {
     let slow = MockBackend::new(4, 64).with_step_delay(Duration::from_millis(5));
-    let e = Engine::start(slow, EngineConfig { enable_prefix_caching: false, ..cfg(4) }).unwrap();
-    let mut s = e.submit(EngineRequest::new(1, vec![1, 2, 3], greedy(10_000))).unwrap();
+    let e = Engine::start(
+        slow,
+        EngineConfig {
+            enable_prefix_caching: false,
+            ..cfg(4)
+        },
+    )
+    .unwrap();
+    let mut s = e
+        .submit(EngineRequest::new(1, vec![1, 2, 3], greedy(10_000)))
+        .unwrap();
     for _ in 0..3 {
         assert!(s.blocking_recv().unwrap().finish.is_none());
     }
@@ -162,7 +230,9 @@ fn abort_and_dropped_stream_free_blocks_at_once() {
     drop(s);
     let st = assert_no_leak(&e);
     assert_eq!(st.kv_blocks_cached, 0);
-    let mut s = e.submit(EngineRequest::new(2, vec![1, 2, 3], greedy(10_000))).unwrap();
+    let mut s = e
+        .submit(EngineRequest::new(2, vec![1, 2, 3], greedy(10_000)))
+        .unwrap();
     s.blocking_recv().unwrap();
     e.abort(2);
     while s.blocking_recv().is_some() {}
@@ -177,20 +247,32 @@ fn abort_and_dropped_stream_free_blocks_at_once() {
 #[test]
 fn backend_error_fails_the_step_and_engine_keeps_serving() {
     let e = Engine::start(MockBackend::new(4, 64).fail_at_step(2), cfg(4)).unwrap();
-    let mut s = e.submit(EngineRequest::new(1, vec![1, 2], greedy(10))).unwrap();
+    let mut s = e
+        .submit(EngineRequest::new(1, vec![1, 2], greedy(10)))
+        .unwrap();
     let (toks, fin) = collect(&mut s);
     assert_eq!((toks.len(), fin), (2, None));
     assert!(matches!(s.error(), Some(EngineError::Backend(_))));
     assert_no_leak(&e);
-    let (toks, fin) = collect(&mut e.submit(EngineRequest::new(2, vec![1, 2], greedy(3))).unwrap());
+    let (toks, fin) = collect(
+        &mut e
+            .submit(EngineRequest::new(2, vec![1, 2], greedy(3)))
+            .unwrap(),
+    );
     assert_eq!((toks.len(), fin), (3, Some(FinishReason::Length)));
     e.shutdown();
 }
 
 #[test]
 fn shutdown_closes_live_streams() {
-    let e = Engine::start(MockBackend::new(4, 64).with_step_delay(Duration::from_millis(5)), cfg(4)).unwrap();
-    let mut s = e.submit(EngineRequest::new(1, vec![1, 2], greedy(1_000_000))).unwrap();
+    let e = Engine::start(
+        MockBackend::new(4, 64).with_step_delay(Duration::from_millis(5)),
+        cfg(4),
+    )
+    .unwrap();
+    let mut s = e
+        .submit(EngineRequest::new(1, vec![1, 2], greedy(1_000_000)))
+        .unwrap();
     s.blocking_recv().unwrap();
     e.shutdown();
     while s.blocking_recv().is_some() {}
@@ -202,8 +284,24 @@ fn prefix_cache_hits_are_counted_in_tokens_and_preserve_outputs() {
     let e = start(4, 64, |_| {});
     let prompt: Vec<u32> = (0..13).collect();
     let want = alone(&prompt, &greedy(5));
-    assert_eq!(collect(&mut e.submit(EngineRequest::new(1, prompt.clone(), greedy(5))).unwrap()).0, want);
-    assert_eq!(collect(&mut e.submit(EngineRequest::new(2, prompt.clone(), greedy(5))).unwrap()).0, want);
+    assert_eq!(
+        collect(
+            &mut e
+                .submit(EngineRequest::new(1, prompt.clone(), greedy(5)))
+                .unwrap()
+        )
+        .0,
+        want
+    );
+    assert_eq!(
+        collect(
+            &mut e
+                .submit(EngineRequest::new(2, prompt.clone(), greedy(5)))
+                .unwrap()
+        )
+        .0,
+        want
+    );
     let st = assert_no_leak(&e);
     assert_eq!((st.prefix_cache_queries, st.prefix_cache_hits), (26, 12));
     assert_eq!(st.prefill_tokens_computed, 13 + 1);
@@ -212,11 +310,23 @@ fn prefix_cache_hits_are_counted_in_tokens_and_preserve_outputs() {
 
 #[test]
 fn seeded_sampling_is_reproducible_across_engines_and_preemption() {
-    let p = SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.9, seed: Some(42), max_tokens: 30, ..Default::default() };
+    let p = SamplingParams {
+        temperature: 0.8,
+        top_k: 20,
+        top_p: 0.9,
+        seed: Some(42),
+        max_tokens: 30,
+        ..Default::default()
+    };
     let want = alone(&[3, 1, 4, 1, 5], &p);
     // Tiny pool: 3 concurrent sequences preempt one another.
     let e = start(2, 12, |_| {});
-    let mut streams: Vec<_> = (0..3).map(|id| e.submit(EngineRequest::new(id, vec![3, 1, 4, 1, 5], p.clone())).unwrap()).collect();
+    let mut streams: Vec<_> = (0..3)
+        .map(|id| {
+            e.submit(EngineRequest::new(id, vec![3, 1, 4, 1, 5], p.clone()))
+                .unwrap()
+        })
+        .collect();
     for s in &mut streams {
         assert_eq!(collect(s).0, want);
     }
@@ -228,7 +338,10 @@ fn seeded_sampling_is_reproducible_across_engines_and_preemption() {
 #[test]
 fn logprobs_are_reported_when_asked() {
     let e = start(4, 64, |_| {});
-    let p = SamplingParams { logprobs: Some(3), ..greedy(2) };
+    let p = SamplingParams {
+        logprobs: Some(3),
+        ..greedy(2)
+    };
     let mut s = e.submit(EngineRequest::new(1, vec![1, 2], p)).unwrap();
     let o = s.blocking_recv().unwrap();
     let lp = o.logprobs.unwrap();
@@ -239,23 +352,43 @@ fn logprobs_are_reported_when_asked() {
 }
 
 fn prefill_only(timeout: Duration) -> RequestMode {
-    RequestMode::PrefillOnly { pin_timeout: timeout }
+    RequestMode::PrefillOnly {
+        pin_timeout: timeout,
+    }
 }
 
 /// Prefills on engine `a`, moves the KV to engine `b` and decodes there; returns b's tokens.
-fn transfer(a: &EngineHandle, b: &EngineHandle, id: u64, prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
-    let req = EngineRequest { id, prompt: prompt.to_vec(), params: params.clone(), mode: prefill_only(Duration::from_secs(60)) };
+fn transfer(
+    a: &EngineHandle,
+    b: &EngineHandle,
+    id: u64,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> Vec<u32> {
+    let req = EngineRequest {
+        id,
+        prompt: prompt.to_vec(),
+        params: params.clone(),
+        mode: prefill_only(Duration::from_secs(60)),
+    };
     let (first, fin) = collect(&mut a.submit(req).unwrap());
     assert_eq!((first.len(), fin), (1, Some(FinishReason::Length)));
     let kv = a.export_blocks(id).wait_blocking().unwrap();
     assert_eq!(kv.first_token, first[0]);
     assert_eq!(kv.num_tokens, prompt.len());
-    let (mut stream, blocks) = b.import_prefilled(EngineRequest::new(id, prompt.to_vec(), params.clone()), first[0]).unwrap();
+    let (mut stream, blocks) = b
+        .import_prefilled(
+            EngineRequest::new(id, prompt.to_vec(), params.clone()),
+            first[0],
+        )
+        .unwrap();
     let blocks = blocks.wait_blocking().unwrap();
     assert_eq!(blocks.len(), kv.num_blocks);
     for layer in 0..kv.layout.n_layers {
         for blk in 0..kv.num_blocks {
-            b.import_block(id, layer, blk, kv.block(layer, blk).to_vec()).wait_blocking().unwrap();
+            b.import_block(id, layer, blk, kv.block(layer, blk).to_vec())
+                .wait_blocking()
+                .unwrap();
         }
     }
     b.start_decoding(id).wait_blocking().unwrap();
@@ -271,11 +404,18 @@ fn prefill_export_import_decode_matches_colocated_run() {
     let want = alone(&prompt, &greedy(12));
     assert_eq!(transfer(&a, &b, 1, &prompt, &greedy(12)), want);
     let sb = assert_no_leak(&b);
-    assert_eq!(sb.prefill_tokens_computed, 0, "decode worker must not prefill");
+    assert_eq!(
+        sb.prefill_tokens_computed, 0,
+        "decode worker must not prefill"
+    );
     assert_eq!(sb.generation_tokens_total, 12);
     assert_no_leak(&a);
     // Seeded sampling continues identically too (the RNG is seeded on both sides).
-    let p = SamplingParams { temperature: 1.0, seed: Some(5), ..greedy(8) };
+    let p = SamplingParams {
+        temperature: 1.0,
+        seed: Some(5),
+        ..greedy(8)
+    };
     let want = alone(&prompt, &p);
     assert_eq!(transfer(&a, &b, 2, &prompt, &p), want);
     a.shutdown();
@@ -285,19 +425,38 @@ fn prefill_export_import_decode_matches_colocated_run() {
 #[test]
 fn pins_expire_and_bad_imports_are_refused() {
     let a = start(4, 64, |_| {});
-    let req = EngineRequest { id: 1, prompt: vec![1; 9], params: greedy(4), mode: prefill_only(Duration::from_millis(50)) };
+    let req = EngineRequest {
+        id: 1,
+        prompt: vec![1; 9],
+        params: greedy(4),
+        mode: prefill_only(Duration::from_millis(50)),
+    };
     collect(&mut a.submit(req).unwrap());
     assert_eq!(a.checked_stats().wait_blocking().unwrap().kv_blocks_used, 3);
-    assert!(matches!(a.submit(EngineRequest::new(1, vec![1], greedy(1))), Err(EngineError::DuplicateId(1))));
+    assert!(matches!(
+        a.submit(EngineRequest::new(1, vec![1], greedy(1))),
+        Err(EngineError::DuplicateId(1))
+    ));
     std::thread::sleep(Duration::from_millis(120));
     assert_no_leak(&a);
-    assert!(matches!(a.export_blocks(1).wait_blocking(), Err(EngineError::UnknownRequest(1))));
+    assert!(matches!(
+        a.export_blocks(1).wait_blocking(),
+        Err(EngineError::UnknownRequest(1))
+    ));
 
-    let (s, blocks) = a.import_prefilled(EngineRequest::new(2, vec![1; 9], greedy(4)), 3).unwrap();
+    let (s, blocks) = a
+        .import_prefilled(EngineRequest::new(2, vec![1; 9], greedy(4)), 3)
+        .unwrap();
     assert_eq!(blocks.wait_blocking().unwrap().len(), 3);
-    assert!(a.import_block(2, 0, 3, vec![0; a.kv_layout().block_bytes()]).wait_blocking().is_err());
+    assert!(a
+        .import_block(2, 0, 3, vec![0; a.kv_layout().block_bytes()])
+        .wait_blocking()
+        .is_err());
     assert!(a.import_block(2, 0, 0, vec![0; 3]).wait_blocking().is_err());
-    assert!(a.import_block(9, 0, 0, vec![0; a.kv_layout().block_bytes()]).wait_blocking().is_err());
+    assert!(a
+        .import_block(9, 0, 0, vec![0; a.kv_layout().block_bytes()])
+        .wait_blocking()
+        .is_err());
     drop(s);
     assert_no_leak(&a);
     a.shutdown();
@@ -311,11 +470,16 @@ struct Case {
 
 fn case() -> impl Strategy<Value = Case> {
     // Prompts share prefixes often (small alphabet, common head) so the prefix cache is exercised.
-    (0..3usize, proptest::collection::vec(0..4u32, 1..14), 1..12usize).prop_map(|(head, tail, max_tokens)| {
-        let mut prompt: Vec<u32> = (0..head * 4).map(|i| i as u32 % 5).collect();
-        prompt.extend(tail);
-        Case { prompt, max_tokens }
-    })
+    (
+        0..3usize,
+        proptest::collection::vec(0..4u32, 1..14),
+        1..12usize,
+    )
+        .prop_map(|(head, tail, max_tokens)| {
+            let mut prompt: Vec<u32> = (0..head * 4).map(|i| i as u32 % 5).collect();
+            prompt.extend(tail);
+            Case { prompt, max_tokens }
+        })
 }
 
 proptest! {

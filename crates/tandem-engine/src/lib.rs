@@ -17,5 +17,8 @@ pub mod types;
 
 pub use backend::{Backend, BackendError};
 pub use cpu::CpuBackend;
-pub use engine::{Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, Pending, RequestStream};
+pub use engine::{
+    Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, Pending,
+    RequestStream,
+};
 pub use types::*;

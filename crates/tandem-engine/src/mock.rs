@@ -70,7 +70,9 @@ impl MockBackend {
 
     fn slot(&self, block: u32, slot: usize, v: bool) -> usize {
         let bs = self.layout.block_size;
-        block as usize * self.layout.block_elems() + usize::from(v) * bs * HEAD_DIM + slot * HEAD_DIM
+        block as usize * self.layout.block_elems()
+            + usize::from(v) * bs * HEAD_DIM
+            + slot * HEAD_DIM
     }
 }
 
@@ -95,7 +97,9 @@ impl Backend for MockBackend {
         let step = self.steps;
         self.steps += 1;
         if self.fail_at_step == Some(step) {
-            return Err(BackendError::new(format!("injected failure at step {step}")));
+            return Err(BackendError::new(format!(
+                "injected failure at step {step}"
+            )));
         }
         if !self.step_delay.is_zero() {
             std::thread::sleep(self.step_delay);
@@ -104,7 +108,10 @@ impl Backend for MockBackend {
         for c in &batch.seqs {
             let end = c.pos + c.tokens.len();
             if c.blocks.len() * bs < end {
-                return Err(BackendError::new(format!("block table of {} blocks cannot hold {end} tokens", c.blocks.len())));
+                return Err(BackendError::new(format!(
+                    "block table of {} blocks cannot hold {end} tokens",
+                    c.blocks.len()
+                )));
             }
             for (k, &t) in batch.tokens[c.tokens.clone()].iter().enumerate() {
                 let p = c.pos + k;
@@ -138,8 +145,12 @@ impl Backend for MockBackend {
                     for l in 0..LAYERS {
                         let i = self.slot(block, p % bs, false);
                         let (k0, k1) = (self.kv[l][i], self.kv[l][i + 1]);
-                        if k1 != p as f32 || k0 - l as f32 != self.kv[l][self.slot(block, p % bs, true)] / 2.0 {
-                            return Err(BackendError::new(format!("KV of position {p} is corrupt (found position {k1})")));
+                        if k1 != p as f32
+                            || k0 - l as f32 != self.kv[l][self.slot(block, p % bs, true)] / 2.0
+                        {
+                            return Err(BackendError::new(format!(
+                                "KV of position {p} is corrupt (found position {k1})"
+                            )));
                         }
                         h.write_u32(k0.to_bits());
                     }
@@ -221,10 +232,16 @@ mod tests {
         a.forward(&b, &mut l).unwrap();
         b.clear();
         b.push(&[7], 2, vec![4, 1], LogitsWanted::Last);
-        assert!(a.forward(&b, &mut l).is_err(), "reading unwritten blocks must fail");
+        assert!(
+            a.forward(&b, &mut l).is_err(),
+            "reading unwritten blocks must fail"
+        );
         b.clear();
         b.push(&[7, 8, 9], 0, vec![4], LogitsWanted::Last);
-        assert!(a.forward(&b, &mut l).is_err(), "a too-short table must fail");
+        assert!(
+            a.forward(&b, &mut l).is_err(),
+            "a too-short table must fail"
+        );
     }
 
     #[test]

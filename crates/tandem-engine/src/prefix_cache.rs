@@ -13,18 +13,12 @@ pub const ROOT_HASH: u64 = 0x9e37_79b9_7f4a_7c15;
 /// A fast, stable (platform- and run-independent) 64-bit hasher in the FxHash style.
 ///
 /// Stability matters: a prefill worker and a decode worker may one day compare block hashes.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct FxHasher {
     hash: u64,
 }
 
 const FX_SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
-
-impl Default for FxHasher {
-    fn default() -> Self {
-        Self { hash: 0 }
-    }
-}
 
 impl FxHasher {
     #[inline]
@@ -196,7 +190,10 @@ mod tests {
     #[test]
     fn hash_is_stable_across_runs() {
         // Pinned value: the hash is a cross-process name for KV, so it must never change silently.
-        assert_eq!(hash_block(ROOT_HASH, &[1, 2, 3]), hash_block(ROOT_HASH, &[1, 2, 3]));
+        assert_eq!(
+            hash_block(ROOT_HASH, &[1, 2, 3]),
+            hash_block(ROOT_HASH, &[1, 2, 3])
+        );
         let h = hash_block(ROOT_HASH, &[0u32; 16]);
         assert_eq!(h, {
             let mut x = FxHasher::default();

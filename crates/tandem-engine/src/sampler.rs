@@ -129,7 +129,8 @@ impl Sampler {
         let by_logit_desc = |a: &u32, b: &u32| work[*b as usize].total_cmp(&work[*a as usize]);
         let mut n = vocab;
         if params.top_k > 0 && params.top_k < vocab {
-            self.idx.select_nth_unstable_by(params.top_k - 1, by_logit_desc);
+            self.idx
+                .select_nth_unstable_by(params.top_k - 1, by_logit_desc);
             n = params.top_k;
         }
         let cand = &mut self.idx[..n];
@@ -137,7 +138,10 @@ impl Sampler {
         if needs_order {
             cand.sort_unstable_by(by_logit_desc);
         }
-        let max = cand.iter().map(|&i| work[i as usize]).fold(f32::NEG_INFINITY, f32::max);
+        let max = cand
+            .iter()
+            .map(|&i| work[i as usize])
+            .fold(f32::NEG_INFINITY, f32::max);
         // Probabilities (unnormalised) reuse the `work` slots of the candidates.
         let work = &mut self.work;
         let mut total = 0.0f32;
@@ -162,8 +166,16 @@ impl Sampler {
             n = keep;
         }
         let cand = &self.idx[..n];
-        let floor = if params.min_p > 0.0 { params.min_p * probs_max } else { 0.0 };
-        let kept_total: f32 = cand.iter().map(|&i| work[i as usize]).filter(|&p| p >= floor).sum();
+        let floor = if params.min_p > 0.0 {
+            params.min_p * probs_max
+        } else {
+            0.0
+        };
+        let kept_total: f32 = cand
+            .iter()
+            .map(|&i| work[i as usize])
+            .filter(|&p| p >= floor)
+            .sum();
         let mut r = rng.random::<f32>() * kept_total;
         let mut last = cand[0];
         for &i in cand {
@@ -213,7 +225,10 @@ fn logprobs_of(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs {
     for e in &mut top {
         e.1 -= lse;
     }
-    TokenLogprobs { logprob: logits[token as usize] - lse, top }
+    TokenLogprobs {
+        logprob: logits[token as usize] - lse,
+        top,
+    }
 }
 
 #[cfg(test)]
@@ -221,14 +236,22 @@ mod tests {
     use super::*;
 
     fn params() -> SamplingParams {
-        SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() }
+        SamplingParams {
+            temperature: 1.0,
+            seed: Some(7),
+            ..Default::default()
+        }
     }
 
     #[test]
     fn greedy_picks_argmax_and_reports_logprobs() {
         let mut s = Sampler::new();
         let logits = [0.0, 3.0, 1.0, 3.0];
-        let p = SamplingParams { temperature: 0.0, logprobs: Some(2), ..Default::default() };
+        let p = SamplingParams {
+            temperature: 0.0,
+            logprobs: Some(2),
+            ..Default::default()
+        };
         let out = s.sample(&logits, &p, &[], &[], &mut SeqRng::new(Some(1)));
         assert_eq!(out.token, 1);
         let lp = out.logprobs.unwrap();
@@ -266,7 +289,9 @@ mod tests {
             s.sample(&logits, &params(), &[], &out[..1], &mut a);
         }
         let x = s.sample(&logits, &params(), &[], &out, &mut a).token;
-        let y = s.sample(&logits, &params(), &[], &out, &mut SeqRng::new(Some(9))).token;
+        let y = s
+            .sample(&logits, &params(), &[], &out, &mut SeqRng::new(Some(9)))
+            .token;
         assert_eq!(x, y);
     }
 
@@ -275,9 +300,18 @@ mod tests {
         let mut s = Sampler::new();
         let logits = [5.0, 4.9, 0.0, -1.0, 4.8];
         let mut rng = SeqRng::new(Some(3));
-        let k = SamplingParams { top_k: 2, ..params() };
-        let p = SamplingParams { top_p: 0.5, ..params() };
-        let m = SamplingParams { min_p: 0.5, ..params() };
+        let k = SamplingParams {
+            top_k: 2,
+            ..params()
+        };
+        let p = SamplingParams {
+            top_p: 0.5,
+            ..params()
+        };
+        let m = SamplingParams {
+            min_p: 0.5,
+            ..params()
+        };
         let mut out = Vec::new();
         let mut seen = [false; 5];
         for _ in 0..200 {
@@ -288,7 +322,11 @@ mod tests {
             seen[c as usize] = true;
             out.push(0);
         }
-        assert_eq!(seen, [true, true, false, false, true], "the kept tokens are all drawn");
+        assert_eq!(
+            seen,
+            [true, true, false, false, true],
+            "the kept tokens are all drawn"
+        );
     }
 
     #[test]
@@ -308,18 +346,66 @@ mod tests {
     #[test]
     fn penalties_follow_hf_and_openai_semantics() {
         let mut s = Sampler::new();
-        let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        };
         // Repetition penalty divides positive logits and multiplies negative ones, once per token.
-        let rep = SamplingParams { repetition_penalty: 2.0, ..greedy.clone() };
-        assert_eq!(s.sample(&[3.0, 2.0, -1.0], &rep, &[0, 0], &[], &mut SeqRng::new(None)).token, 1);
-        assert_eq!(s.sample(&[1.0, 0.6, -0.9], &rep, &[0], &[2], &mut SeqRng::new(None)).token, 1);
+        let rep = SamplingParams {
+            repetition_penalty: 2.0,
+            ..greedy.clone()
+        };
+        assert_eq!(
+            s.sample(
+                &[3.0, 2.0, -1.0],
+                &rep,
+                &[0, 0],
+                &[],
+                &mut SeqRng::new(None)
+            )
+            .token,
+            1
+        );
+        assert_eq!(
+            s.sample(&[1.0, 0.6, -0.9], &rep, &[0], &[2], &mut SeqRng::new(None))
+                .token,
+            1
+        );
         // Frequency scales with the count in the output; presence is flat; the prompt does not count.
-        let freq = SamplingParams { frequency_penalty: 1.0, ..greedy.clone() };
-        assert_eq!(s.sample(&[3.0, 1.5], &freq, &[1, 1, 1], &[0, 0], &mut SeqRng::new(None)).token, 1);
-        assert_eq!(s.sample(&[3.0, 1.5], &freq, &[], &[0], &mut SeqRng::new(None)).token, 0);
-        let pres = SamplingParams { presence_penalty: 2.0, ..greedy };
-        assert_eq!(s.sample(&[3.0, 1.5], &pres, &[], &[0], &mut SeqRng::new(None)).token, 1);
+        let freq = SamplingParams {
+            frequency_penalty: 1.0,
+            ..greedy.clone()
+        };
+        assert_eq!(
+            s.sample(
+                &[3.0, 1.5],
+                &freq,
+                &[1, 1, 1],
+                &[0, 0],
+                &mut SeqRng::new(None)
+            )
+            .token,
+            1
+        );
+        assert_eq!(
+            s.sample(&[3.0, 1.5], &freq, &[], &[0], &mut SeqRng::new(None))
+                .token,
+            0
+        );
+        let pres = SamplingParams {
+            presence_penalty: 2.0,
+            ..greedy
+        };
+        assert_eq!(
+            s.sample(&[3.0, 1.5], &pres, &[], &[0], &mut SeqRng::new(None))
+                .token,
+            1
+        );
         // Scratch state is left clean: no penalty leaks into a call without history.
-        assert_eq!(s.sample(&[3.0, 1.5], &pres, &[], &[], &mut SeqRng::new(None)).token, 0);
+        assert_eq!(
+            s.sample(&[3.0, 1.5], &pres, &[], &[], &mut SeqRng::new(None))
+                .token,
+            0
+        );
     }
 }

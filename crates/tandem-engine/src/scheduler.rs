@@ -43,7 +43,14 @@ impl<E> Sequence<E> {
     /// A new sequence with nothing computed.
     pub fn new(id: RequestId, prompt: Vec<u32>, ext: E) -> Self {
         let prompt_len = prompt.len();
-        Self { id, tokens: prompt, prompt_len, num_computed: 0, table: BlockTable::default(), ext }
+        Self {
+            id,
+            tokens: prompt,
+            prompt_len,
+            num_computed: 0,
+            table: BlockTable::default(),
+            ext,
+        }
     }
 
     /// Tokens still to be run through the model before the next token can be sampled.
@@ -191,7 +198,11 @@ impl<E> Scheduler<E> {
                 }
             }
             if scheduled {
-                self.scheduled.push(Scheduled { index: i, len: 1, sample: true });
+                self.scheduled.push(Scheduled {
+                    index: i,
+                    len: 1,
+                    sample: true,
+                });
                 budget -= 1;
                 i += 1;
             } else if !self.out_of_room.is_empty() {
@@ -211,31 +222,46 @@ impl<E> Scheduler<E> {
             if seq.remaining() <= 1 {
                 continue;
             }
-            let Some(len) = chunk_len(&self.cfg, seq, budget, pool, bs, !self.scheduled.is_empty()) else {
+            let Some(len) = chunk_len(&self.cfg, seq, budget, pool, bs, !self.scheduled.is_empty())
+            else {
                 break;
             };
-            pool.ensure_capacity(&mut seq.table, seq.num_computed + len).expect("chunk sized to fit");
-            self.scheduled.push(Scheduled { index: i, len, sample: seq.num_computed + len == seq.tokens.len() });
+            pool.ensure_capacity(&mut seq.table, seq.num_computed + len)
+                .expect("chunk sized to fit");
+            self.scheduled.push(Scheduled {
+                index: i,
+                len,
+                sample: seq.num_computed + len == seq.tokens.len(),
+            });
             budget = budget.saturating_sub(len);
         }
 
         // 3. New (or preempted) requests, FCFS; none are admitted in a step that had to preempt.
-        while budget > 0 && self.preempted.is_empty() && self.running.len() < self.cfg.max_num_seqs {
-            let Some(seq) = self.waiting.front_mut() else { break };
+        while budget > 0 && self.preempted.is_empty() && self.running.len() < self.cfg.max_num_seqs
+        {
+            let Some(seq) = self.waiting.front_mut() else {
+                break;
+            };
             if seq.table.is_empty() && seq.num_computed == 0 {
                 seq.num_computed = pool.match_prefix(&mut seq.table, &seq.tokens);
             }
-            let Some(len) = chunk_len(&self.cfg, seq, budget, pool, bs, !self.scheduled.is_empty()) else {
+            let Some(len) = chunk_len(&self.cfg, seq, budget, pool, bs, !self.scheduled.is_empty())
+            else {
                 // Give matched prefix blocks back so they stay evictable while this request waits.
                 pool.release(&mut seq.table);
                 seq.num_computed = 0;
                 break;
             };
-            pool.ensure_capacity(&mut seq.table, seq.num_computed + len).expect("chunk sized to fit");
+            pool.ensure_capacity(&mut seq.table, seq.num_computed + len)
+                .expect("chunk sized to fit");
             let sample = seq.num_computed + len == seq.tokens.len();
             let seq = self.waiting.pop_front().expect("front exists");
             self.running.push(seq);
-            self.scheduled.push(Scheduled { index: self.running.len() - 1, len, sample });
+            self.scheduled.push(Scheduled {
+                index: self.running.len() - 1,
+                len,
+                sample,
+            });
             budget = budget.saturating_sub(len);
         }
     }
@@ -248,7 +274,11 @@ impl<E> Scheduler<E> {
             let seq = &self.running[s.index];
             let toks = &seq.tokens[seq.num_computed..seq.num_computed + s.len];
             let nblocks = (seq.num_computed + s.len).div_ceil(block_size);
-            let logits = if s.sample { LogitsWanted::Last } else { LogitsWanted::None };
+            let logits = if s.sample {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::None
+            };
             let start = batch.tokens.len();
             batch.tokens.extend_from_slice(toks);
             if k < spare.len() {
@@ -297,8 +327,16 @@ fn chunk_len<E>(
 mod tests {
     use super::*;
 
-    fn cfg(max_num_seqs: usize, max_num_batched_tokens: usize, chunked_prefill: bool) -> SchedulerConfig {
-        SchedulerConfig { max_num_seqs, max_num_batched_tokens, chunked_prefill }
+    fn cfg(
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        chunked_prefill: bool,
+    ) -> SchedulerConfig {
+        SchedulerConfig {
+            max_num_seqs,
+            max_num_batched_tokens,
+            chunked_prefill,
+        }
     }
 
     /// Pretends the model ran: advances computed counts and appends a token to sampled sequences.
@@ -321,24 +359,56 @@ mod tests {
         let mut b = ForwardBatch::default();
         s.add(Sequence::new(1, vec![1; 3], ()));
         s.schedule(&mut pool, &mut b);
-        assert_eq!(s.scheduled(), &[Scheduled { index: 0, len: 3, sample: true }]);
+        assert_eq!(
+            s.scheduled(),
+            &[Scheduled {
+                index: 0,
+                len: 3,
+                sample: true
+            }]
+        );
         apply(&mut s, &mut pool);
         s.add(Sequence::new(2, vec![2; 25], ()));
         s.schedule(&mut pool, &mut b);
         assert_eq!(
             s.scheduled(),
-            &[Scheduled { index: 0, len: 1, sample: true }, Scheduled { index: 1, len: 9, sample: false }]
+            &[
+                Scheduled {
+                    index: 0,
+                    len: 1,
+                    sample: true
+                },
+                Scheduled {
+                    index: 1,
+                    len: 9,
+                    sample: false
+                }
+            ]
         );
         assert_eq!(b.tokens.len(), 10);
         assert_eq!(b.seqs[1].pos, 0);
         assert_eq!(b.seqs[1].blocks.len(), 3);
         apply(&mut s, &mut pool);
         s.schedule(&mut pool, &mut b);
-        assert_eq!(s.scheduled()[1], Scheduled { index: 1, len: 9, sample: false });
+        assert_eq!(
+            s.scheduled()[1],
+            Scheduled {
+                index: 1,
+                len: 9,
+                sample: false
+            }
+        );
         assert_eq!(b.seqs[1].pos, 9);
         apply(&mut s, &mut pool);
         s.schedule(&mut pool, &mut b);
-        assert_eq!(s.scheduled()[1], Scheduled { index: 1, len: 7, sample: true });
+        assert_eq!(
+            s.scheduled()[1],
+            Scheduled {
+                index: 1,
+                len: 7,
+                sample: true
+            }
+        );
         assert_eq!(b.logits_rows(), 2);
     }
 
@@ -354,15 +424,30 @@ mod tests {
         assert_eq!(s.scheduled().len(), 2);
         apply(&mut s, &mut pool);
         s.schedule(&mut pool, &mut b);
-        assert_eq!(s.scheduled().len(), 2, "position 3 still fits in two blocks");
+        assert_eq!(
+            s.scheduled().len(),
+            2,
+            "position 3 still fits in two blocks"
+        );
         apply(&mut s, &mut pool);
         // Both now hold 5 tokens and need a third block to decode; only the oldest gets it.
         s.schedule(&mut pool, &mut b);
         assert_eq!(s.preempted(), &[2]);
-        assert_eq!(s.scheduled(), &[Scheduled { index: 0, len: 1, sample: true }]);
+        assert_eq!(
+            s.scheduled(),
+            &[Scheduled {
+                index: 0,
+                len: 1,
+                sample: true
+            }]
+        );
         assert_eq!(s.waiting.front().unwrap().num_computed, 0);
         assert!(s.waiting.front().unwrap().table.is_empty());
-        assert_eq!(s.waiting.front().unwrap().tokens.len(), 5, "generated tokens kept for recompute");
+        assert_eq!(
+            s.waiting.front().unwrap().tokens.len(),
+            5,
+            "generated tokens kept for recompute"
+        );
         pool.check_invariants(&s.running[0].table.blocks).unwrap();
     }
 
@@ -374,7 +459,14 @@ mod tests {
         s.add(Sequence::new(1, vec![1; 6], ()));
         s.add(Sequence::new(2, vec![1; 6], ()));
         s.schedule(&mut pool, &mut b);
-        assert_eq!(s.scheduled(), &[Scheduled { index: 0, len: 6, sample: true }]);
+        assert_eq!(
+            s.scheduled(),
+            &[Scheduled {
+                index: 0,
+                len: 6,
+                sample: true
+            }]
+        );
         apply(&mut s, &mut pool);
         s.schedule(&mut pool, &mut b);
         assert_eq!(s.scheduled().len(), 2);
@@ -382,7 +474,14 @@ mod tests {
         let mut s2: Scheduler<()> = Scheduler::new(cfg(8, 8, false));
         s2.add(Sequence::new(3, vec![1; 20], ()));
         s2.schedule(&mut pool, &mut b);
-        assert_eq!(s2.scheduled(), &[Scheduled { index: 0, len: 20, sample: true }]);
+        assert_eq!(
+            s2.scheduled(),
+            &[Scheduled {
+                index: 0,
+                len: 20,
+                sample: true
+            }]
+        );
     }
 
     #[test]

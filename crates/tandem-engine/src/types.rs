@@ -115,6 +115,11 @@ pub struct EngineRequest {
 impl EngineRequest {
     /// A normal-mode request.
     pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Self {
-        Self { id, prompt, params, mode: RequestMode::Normal }
+        Self {
+            id,
+            prompt,
+            params,
+            mode: RequestMode::Normal,
+        }
     }
 }

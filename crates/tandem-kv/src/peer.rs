@@ -92,6 +92,38 @@ impl PeerInfo {
     }
 }
 
+#[cfg(feature = "model")]
+impl From<tandem_model::KvDtype> for WireDtype {
+    fn from(d: tandem_model::KvDtype) -> Self {
+        match d {
+            tandem_model::KvDtype::F32 => WireDtype::F32,
+            tandem_model::KvDtype::Bf16 => WireDtype::Bf16,
+        }
+    }
+}
+
+#[cfg(feature = "model")]
+impl PeerInfo {
+    /// Builds the handshake from the model crate's identity and cache layout (its `num_blocks` is local only).
+    pub fn from_model(
+        identity: &tandem_model::ModelIdentity,
+        n_heads: usize,
+        layout: &tandem_model::KvLayout,
+    ) -> Self {
+        PeerInfo {
+            model_id: identity.0.clone(),
+            layout: WireLayout {
+                n_layers: layout.n_layers,
+                n_heads,
+                n_kv_heads: layout.n_kv_heads,
+                head_dim: layout.head_dim,
+                block_size: layout.block_size,
+                dtype: layout.dtype.into(),
+            },
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

@@ -108,10 +108,15 @@ impl ModelConfig {
             )));
         }
         if self.head_dim % 2 != 0 {
-            return Err(ModelError::Config(format!("head_dim {} must be even for RoPE", self.head_dim)));
+            return Err(ModelError::Config(format!(
+                "head_dim {} must be even for RoPE",
+                self.head_dim
+            )));
         }
         if !(self.rms_norm_eps > 0.0 && self.rope_theta > 0.0) {
-            return Err(ModelError::Config("rms_norm_eps and rope_theta must be positive".into()));
+            return Err(ModelError::Config(
+                "rms_norm_eps and rope_theta must be positive".into(),
+            ));
         }
         Ok(())
     }
@@ -128,7 +133,11 @@ impl ModelConfig {
             // is converted unpermuted and uses llama.cpp's NEOX RoPE.
             "llama" | "mistral" => RopeStyle::Interleaved,
             "qwen2" => RopeStyle::Neox,
-            other => return Err(ModelError::Config(format!("unsupported GGUF architecture {other:?}"))),
+            other => {
+                return Err(ModelError::Config(format!(
+                    "unsupported GGUF architecture {other:?}"
+                )))
+            }
         };
         let key = |k: &str| format!("{arch}.{k}");
         let req_u = |k: &str| -> Result<usize, ModelError> {
@@ -138,32 +147,57 @@ impl ModelConfig {
                 .map(|v| v as usize)
                 .ok_or_else(|| ModelError::Config(format!("GGUF lacks integer {full}")))
         };
-        let opt_u = |k: &str| gguf.get(&key(k)).and_then(GgufValue::as_u64).map(|v| v as usize);
-        let opt_f = |k: &str| gguf.get(&key(k)).and_then(GgufValue::as_f64).map(|v| v as f32);
+        let opt_u = |k: &str| {
+            gguf.get(&key(k))
+                .and_then(GgufValue::as_u64)
+                .map(|v| v as usize)
+        };
+        let opt_f = |k: &str| {
+            gguf.get(&key(k))
+                .and_then(GgufValue::as_f64)
+                .map(|v| v as f32)
+        };
 
         let hidden_size = req_u("embedding_length")?;
         let num_heads = req_u("attention.head_count")?;
         if num_heads == 0 {
-            return Err(ModelError::Config(format!("{} is zero", key("attention.head_count"))));
+            return Err(ModelError::Config(format!(
+                "{} is zero",
+                key("attention.head_count")
+            )));
         }
-        let head_dim = opt_u("attention.key_length").or_else(|| opt_u("rope.dimension_count")).unwrap_or(hidden_size / num_heads);
+        let head_dim = opt_u("attention.key_length")
+            .or_else(|| opt_u("rope.dimension_count"))
+            .unwrap_or(hidden_size / num_heads);
         let vocab_size = match opt_u("vocab_size") {
             Some(v) => v,
-            None => match gguf.get("tokenizer.ggml.tokens").and_then(GgufValue::as_array) {
+            None => match gguf
+                .get("tokenizer.ggml.tokens")
+                .and_then(GgufValue::as_array)
+            {
                 Some(t) => t.len(),
                 None => gguf
                     .tensor("token_embd.weight")
                     .and_then(|t| t.shape.get(1).copied())
-                    .ok_or_else(|| ModelError::Config("cannot determine vocab size".into()))? as usize,
+                    .ok_or_else(|| ModelError::Config("cannot determine vocab size".into()))?
+                    as usize,
             },
         };
-        let rope_scaling = match gguf.get(&key("rope.scaling.type")).and_then(GgufValue::as_str) {
+        let rope_scaling = match gguf
+            .get(&key("rope.scaling.type"))
+            .and_then(GgufValue::as_str)
+        {
             None | Some("none") => RopeScaling::None,
             Some("linear") => RopeScaling::Linear {
-                factor: opt_f("rope.scaling.factor")
-                    .ok_or_else(|| ModelError::Config(format!("{} missing", key("rope.scaling.factor"))))?,
+                factor: opt_f("rope.scaling.factor").ok_or_else(|| {
+                    ModelError::Config(format!("{} missing", key("rope.scaling.factor")))
+                })?,
             },
-            Some(other) => return Err(ModelError::Config(format!("unsupported rope scaling {other:?}"))),
+            Some(other) => {
+                return Err(ModelError::Config(format!(
+                    "unsupported rope scaling {other:?}"
+                )))
+            }
         };
         if gguf.tensor("rope_freqs.weight").is_some() {
             return Err(ModelError::Config(
@@ -198,8 +232,8 @@ impl ModelConfig {
     pub fn from_hf_dir(dir: &Path) -> Result<ModelConfig, ModelError> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
         let gen_path = dir.join("generation_config.json");
         let generation = match std::fs::read_to_string(&gen_path) {
             Ok(t) => Some(
@@ -213,7 +247,10 @@ impl ModelConfig {
     }
 
     /// Builds the configuration from parsed `config.json` and optional `generation_config.json`.
-    pub fn from_hf_json(json: &serde_json::Value, generation: Option<&serde_json::Value>) -> Result<ModelConfig, ModelError> {
+    pub fn from_hf_json(
+        json: &serde_json::Value,
+        generation: Option<&serde_json::Value>,
+    ) -> Result<ModelConfig, ModelError> {
         let arch_name = json
             .get("architectures")
             .and_then(|a| a.get(0))
@@ -223,7 +260,11 @@ impl ModelConfig {
             "LlamaForCausalLM" => "llama",
             "Qwen2ForCausalLM" => "qwen2",
             "MistralForCausalLM" => "mistral",
-            other => return Err(ModelError::Config(format!("unsupported architecture {other:?}"))),
+            other => {
+                return Err(ModelError::Config(format!(
+                    "unsupported architecture {other:?}"
+                )))
+            }
         };
         let req = |k: &str| -> Result<usize, ModelError> {
             json.get(k)
@@ -240,20 +281,42 @@ impl ModelConfig {
             return Err(ModelError::Config("num_attention_heads is zero".into()));
         }
         if let Some(w) = opt("sliding_window") {
-            if json.get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(architecture == "mistral") {
-                tracing::warn!(window = w, "sliding-window attention is not implemented; attention is full-context");
+            if json
+                .get("use_sliding_window")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(architecture == "mistral")
+            {
+                tracing::warn!(
+                    window = w,
+                    "sliding-window attention is not implemented; attention is full-context"
+                );
             }
         }
         // transformers v5 moved rope_theta and the scaling into `rope_parameters`.
         let rope_params = json.get("rope_parameters").filter(|v| v.is_object());
-        let rope_scaling = parse_hf_rope_scaling(json.get("rope_scaling").filter(|v| !v.is_null()).or(rope_params))?;
+        let rope_scaling = parse_hf_rope_scaling(
+            json.get("rope_scaling")
+                .filter(|v| !v.is_null())
+                .or(rope_params),
+        )?;
         let rope_theta = opt_f("rope_theta")
-            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")).and_then(|v| v.as_f64()).map(|v| v as f32))
+            .or_else(|| {
+                rope_params
+                    .and_then(|p| p.get("rope_theta"))
+                    .and_then(|v| v.as_f64())
+                    .map(|v| v as f32)
+            })
             .unwrap_or(10_000.0);
         let eos_from = |v: Option<&serde_json::Value>| -> Vec<u32> {
             match v {
-                Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
-                Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|n| n as u32).collect(),
+                Some(serde_json::Value::Number(n)) => {
+                    n.as_u64().map(|n| vec![n as u32]).unwrap_or_default()
+                }
+                Some(serde_json::Value::Array(a)) => a
+                    .iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|n| n as u32)
+                    .collect(),
                 _ => Vec::new(),
             }
         };
@@ -266,7 +329,11 @@ impl ModelConfig {
         let bos_token_id = json
             .get("bos_token_id")
             .and_then(|v| v.as_u64())
-            .or_else(|| generation.and_then(|g| g.get("bos_token_id")).and_then(|v| v.as_u64()))
+            .or_else(|| {
+                generation
+                    .and_then(|g| g.get("bos_token_id"))
+                    .and_then(|v| v.as_u64())
+            })
             .map(|v| v as u32);
         let config = ModelConfig {
             architecture: architecture.to_string(),
@@ -282,9 +349,15 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             rope_style: RopeStyle::Neox,
-            tie_word_embeddings: json.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+            tie_word_embeddings: json
+                .get("tie_word_embeddings")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
             attention_bias: architecture == "qwen2"
-                || json.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false),
+                || json
+                    .get("attention_bias")
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(false),
             bos_token_id,
             eos_token_ids,
         };
@@ -311,7 +384,9 @@ fn parse_hf_rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling, M
     };
     match kind {
         "default" => Ok(RopeScaling::None),
-        "linear" => Ok(RopeScaling::Linear { factor: f("factor")? }),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: f("factor")?,
+        }),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: f("factor")?,
             low_freq_factor: f("low_freq_factor")?,
@@ -319,10 +394,13 @@ fn parse_hf_rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling, M
             original_max_position: obj
                 .get("original_max_position_embeddings")
                 .and_then(|x| x.as_u64())
-                .ok_or_else(|| ModelError::Config("rope_scaling lacks original_max_position_embeddings".into()))?
-                as usize,
+                .ok_or_else(|| {
+                    ModelError::Config("rope_scaling lacks original_max_position_embeddings".into())
+                })? as usize,
         }),
-        other => Err(ModelError::Config(format!("unsupported rope_scaling type {other:?}"))),
+        other => Err(ModelError::Config(format!(
+            "unsupported rope_scaling type {other:?}"
+        ))),
     }
 }
 
@@ -356,7 +434,12 @@ mod tests {
         assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
         assert_eq!(
             c.rope_scaling,
-            RopeScaling::Llama3 { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 }
+            RopeScaling::Llama3 {
+                factor: 32.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: 8192
+            }
         );
     }
 
@@ -378,13 +461,22 @@ mod tests {
     fn rejects_unknown_architecture_and_bad_heads() {
         let mut j = llama_json();
         j["architectures"] = json!(["GPT2LMHeadModel"]);
-        assert!(matches!(ModelConfig::from_hf_json(&j, None), Err(ModelError::Config(_))));
+        assert!(matches!(
+            ModelConfig::from_hf_json(&j, None),
+            Err(ModelError::Config(_))
+        ));
         let mut j = llama_json();
         j["num_key_value_heads"] = json!(5);
-        assert!(matches!(ModelConfig::from_hf_json(&j, None), Err(ModelError::Config(_))));
+        assert!(matches!(
+            ModelConfig::from_hf_json(&j, None),
+            Err(ModelError::Config(_))
+        ));
         let mut j = llama_json();
         j["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
-        assert!(matches!(ModelConfig::from_hf_json(&j, None), Err(ModelError::Config(_))));
+        assert!(matches!(
+            ModelConfig::from_hf_json(&j, None),
+            Err(ModelError::Config(_))
+        ));
     }
 
     #[test]

@@ -24,15 +24,29 @@ pub struct IncrementalDecoder {
 impl IncrementalDecoder {
     /// A decoder for one generated sequence.
     pub fn new(tokenizer: Tokenizer, skip_special_tokens: bool) -> Self {
-        IncrementalDecoder { tokenizer, skip_special_tokens, ids: Vec::new(), prefix_offset: 0, read_offset: 0 }
+        IncrementalDecoder {
+            tokenizer,
+            skip_special_tokens,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+        }
     }
 
     /// Adds one token and returns the new text ("" while a character is incomplete).
     pub fn push(&mut self, token: u32) -> Result<String, ModelError> {
         self.ids.push(token);
-        let prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
-        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
-        if full.len() <= prefix.len() || full.ends_with('\u{FFFD}') || !full.is_char_boundary(prefix.len()) {
+        let prefix = self.tokenizer.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special_tokens,
+        )?;
+        let full = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
+        if full.len() <= prefix.len()
+            || full.ends_with('\u{FFFD}')
+            || !full.is_char_boundary(prefix.len())
+        {
             return Ok(String::new());
         }
         let delta = full[prefix.len()..].to_string();
@@ -52,8 +66,13 @@ impl IncrementalDecoder {
         if self.read_offset == self.ids.len() {
             return Ok(String::new());
         }
-        let prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
-        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
+        let prefix = self.tokenizer.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special_tokens,
+        )?;
+        let full = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
         self.ids.clear();
         self.prefix_offset = 0;
         self.read_offset = 0;
@@ -79,14 +98,23 @@ mod tests {
             let alphabet = ByteLevel::alphabet();
             let mut chars: Vec<char> = alphabet.into_iter().collect();
             chars.sort_unstable();
-            let mut vocab: tokenizers::models::bpe::Vocab =
-                chars.iter().enumerate().map(|(i, c)| (c.to_string(), i as u32)).collect();
-            let merges = vec![("Ġ".to_string(), "h".to_string()), ("Ġh".to_string(), "i".to_string())];
+            let mut vocab: tokenizers::models::bpe::Vocab = chars
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (c.to_string(), i as u32))
+                .collect();
+            let merges = vec![
+                ("Ġ".to_string(), "h".to_string()),
+                ("Ġh".to_string(), "i".to_string()),
+            ];
             for (a, b) in &merges {
                 let n = vocab.len() as u32;
                 vocab.insert(format!("{a}{b}"), n);
             }
-            let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().unwrap();
+            let bpe = BPE::builder()
+                .vocab_and_merges(vocab, merges)
+                .build()
+                .unwrap();
             let mut tk = tokenizers::Tokenizer::new(bpe);
             tk.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
             tk.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
@@ -107,12 +135,19 @@ mod tests {
     fn emoji_split_across_byte_tokens_is_held_back() {
         let t = tokenizer();
         let ids = t.encode("a 🦀!", false).unwrap();
-        assert!(ids.len() >= 6, "the crab must be several byte tokens: {ids:?}");
+        assert!(
+            ids.len() >= 6,
+            "the crab must be several byte tokens: {ids:?}"
+        );
         let (deltas, tail) = stream(&t, &ids, false);
         assert!(deltas.iter().all(|d| !d.contains('\u{FFFD}')), "{deltas:?}");
         assert_eq!(deltas.concat() + &tail, "a 🦀!");
         // The crab's four bytes produce nothing until the last arrives, then the whole character.
-        assert_eq!(deltas.iter().filter(|d| d.is_empty()).count(), 3, "{deltas:?}");
+        assert_eq!(
+            deltas.iter().filter(|d| d.is_empty()).count(),
+            3,
+            "{deltas:?}"
+        );
         assert!(deltas.iter().any(|d| d.contains('🦀')), "{deltas:?}");
     }
 

@@ -72,6 +72,9 @@ pub enum ModelError {
 impl ModelError {
     /// Wraps an i/o error with the path it happened on.
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        ModelError::Io { path: path.into(), source }
+        ModelError::Io {
+            path: path.into(),
+            source,
+        }
     }
 }

@@ -231,7 +231,10 @@ impl GgufFile {
         // SAFETY: the map is read-only; like every mmap-based loader we rely on the file not being
         // truncated or rewritten while the model is loaded.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
-        GgufFile::parse(Arc::new(map)).map_err(|source| ModelError::Gguf { path: path.to_path_buf(), source })
+        GgufFile::parse(Arc::new(map)).map_err(|source| ModelError::Gguf {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 
     /// Parses a GGUF image held by `data` (a memory map, or bytes in tests).
@@ -275,7 +278,10 @@ impl GgufFile {
             let name = r.string("tensor name")?;
             let n_dims = r.u32(&name)?;
             if n_dims > 8 {
-                return Err(GgufError::TooLarge { what: format!("dimension count of {name}"), value: n_dims.into() });
+                return Err(GgufError::TooLarge {
+                    what: format!("dimension count of {name}"),
+                    value: n_dims.into(),
+                });
             }
             let mut shape = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
@@ -290,16 +296,28 @@ impl GgufFile {
         let mut tensors = HashMap::with_capacity(raw.len());
         let mut tensor_order = Vec::with_capacity(raw.len());
         for (name, shape, type_id, offset) in raw {
-            let dtype = DType::from_ggml(type_id)
-                .ok_or_else(|| GgufError::UnsupportedTensorType { tensor: name.clone(), type_id })?;
+            let dtype =
+                DType::from_ggml(type_id).ok_or_else(|| GgufError::UnsupportedTensorType {
+                    tensor: name.clone(),
+                    type_id,
+                })?;
             let inner = shape.first().copied().unwrap_or(1);
             if inner % dtype.block_len() as u64 != 0 {
-                return Err(GgufError::BadShape { tensor: name, shape, dtype });
+                return Err(GgufError::BadShape {
+                    tensor: name,
+                    shape,
+                    dtype,
+                });
             }
             let elements = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
             let size = elements
-                .and_then(|e| (e / dtype.block_len() as u64).checked_mul(dtype.block_bytes() as u64))
-                .ok_or_else(|| GgufError::TooLarge { what: format!("size of {name}"), value: u64::MAX })?;
+                .and_then(|e| {
+                    (e / dtype.block_len() as u64).checked_mul(dtype.block_bytes() as u64)
+                })
+                .ok_or_else(|| GgufError::TooLarge {
+                    what: format!("size of {name}"),
+                    value: u64::MAX,
+                })?;
             let start = data_start.checked_add(offset);
             let end = start.and_then(|s| s.checked_add(size));
             let (start, end) = match (start, end) {
@@ -313,13 +331,24 @@ impl GgufFile {
                     })
                 }
             };
-            let info = GgufTensorInfo { shape, dtype, range: start as usize..end as usize };
+            let info = GgufTensorInfo {
+                shape,
+                dtype,
+                range: start as usize..end as usize,
+            };
             if tensors.insert(name.clone(), info).is_some() {
                 return Err(GgufError::DuplicateTensor(name));
             }
             tensor_order.push(name);
         }
-        Ok(GgufFile { version, metadata, index, tensors, tensor_order, data })
+        Ok(GgufFile {
+            version,
+            metadata,
+            index,
+            tensors,
+            tensor_order,
+            data,
+        })
     }
 
     /// Looks up a metadata value.
@@ -339,7 +368,10 @@ impl GgufFile {
 
     /// A tensor's bytes as a zero-copy slice of the map.
     pub fn tensor_bytes(&self, info: &GgufTensorInfo) -> WeightBytes {
-        WeightBytes::Shared { owner: self.data.clone(), range: info.range.clone() }
+        WeightBytes::Shared {
+            owner: self.data.clone(),
+            range: info.range.clone(),
+        }
     }
 }
 
@@ -358,7 +390,10 @@ impl Reader<'_> {
                 self.pos = end;
                 Ok(s)
             }
-            None => Err(GgufError::Truncated { what: what.to_string(), offset: self.pos }),
+            None => Err(GgufError::Truncated {
+                what: what.to_string(),
+                offset: self.pos,
+            }),
         }
     }
 
@@ -380,7 +415,10 @@ impl Reader<'_> {
     fn count(&mut self, what: &str) -> Result<usize, GgufError> {
         let v = self.u64(what)?;
         if v > MAX_COUNT {
-            return Err(GgufError::TooLarge { what: what.to_string(), value: v });
+            return Err(GgufError::TooLarge {
+                what: what.to_string(),
+                value: v,
+            });
         }
         Ok(v as usize)
     }
@@ -388,7 +426,10 @@ impl Reader<'_> {
     fn string(&mut self, what: &str) -> Result<String, GgufError> {
         let len = self.u64(what)?;
         if len > self.bytes.len() as u64 {
-            return Err(GgufError::Truncated { what: what.to_string(), offset: self.pos });
+            return Err(GgufError::Truncated {
+                what: what.to_string(),
+                offset: self.pos,
+            });
         }
         let s = self.take(len as usize, what)?;
         String::from_utf8(s.to_vec()).map_err(|_| GgufError::BadUtf8(what.to_string()))
@@ -407,13 +448,19 @@ impl Reader<'_> {
             8 => GgufValue::String(self.string(key)?),
             9 => {
                 if depth > 4 {
-                    return Err(GgufError::TooLarge { what: format!("array nesting of {key}"), value: depth as u64 });
+                    return Err(GgufError::TooLarge {
+                        what: format!("array nesting of {key}"),
+                        value: depth as u64,
+                    });
                 }
                 let elem_type = self.u32(key)?;
                 let len = self.count(key)?;
                 // Every element takes at least one byte: a length beyond the file is corruption.
                 if len > self.bytes.len() - self.pos {
-                    return Err(GgufError::Truncated { what: key.to_string(), offset: self.pos });
+                    return Err(GgufError::Truncated {
+                        what: key.to_string(),
+                        offset: self.pos,
+                    });
                 }
                 let mut items = Vec::with_capacity(len);
                 for _ in 0..len {
@@ -424,7 +471,12 @@ impl Reader<'_> {
             10 => GgufValue::U64(self.u64(key)?),
             11 => GgufValue::I64(i64::from_le_bytes(self.array(key)?)),
             12 => GgufValue::F64(f64::from_le_bytes(self.array(key)?)),
-            _ => return Err(GgufError::UnknownValueType { key: key.to_string(), type_id }),
+            _ => {
+                return Err(GgufError::UnknownValueType {
+                    key: key.to_string(),
+                    type_id,
+                })
+            }
         })
     }
 }
@@ -481,7 +533,8 @@ pub(crate) mod tests {
 
         pub(crate) fn tensor_f32(&mut self, name: &str, shape: &[u64], data: &[f32]) -> &mut Self {
             let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-            self.tensors.push((name.to_string(), shape.to_vec(), 0, bytes));
+            self.tensors
+                .push((name.to_string(), shape.to_vec(), 0, bytes));
             self
         }
 
@@ -503,10 +556,16 @@ pub(crate) mod tests {
                 out.extend_from_slice(&offset.to_le_bytes());
                 offset += (data.len() as u64).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
             }
-            out.resize(out.len().div_ceil(DEFAULT_ALIGNMENT as usize) * DEFAULT_ALIGNMENT as usize, 0);
+            out.resize(
+                out.len().div_ceil(DEFAULT_ALIGNMENT as usize) * DEFAULT_ALIGNMENT as usize,
+                0,
+            );
             for (_, _, _, data) in &self.tensors {
                 out.extend_from_slice(data);
-                out.resize(out.len().div_ceil(DEFAULT_ALIGNMENT as usize) * DEFAULT_ALIGNMENT as usize, 0);
+                out.resize(
+                    out.len().div_ceil(DEFAULT_ALIGNMENT as usize) * DEFAULT_ALIGNMENT as usize,
+                    0,
+                );
             }
             out
         }
@@ -546,7 +605,13 @@ pub(crate) mod tests {
         assert_eq!(f.get("bool").and_then(GgufValue::as_bool), Some(true));
         assert_eq!(f.get("str").and_then(GgufValue::as_str), Some("héllo"));
         let arr = f.get("arr").and_then(GgufValue::as_array).unwrap();
-        assert_eq!(arr, &[GgufValue::String("a".into()), GgufValue::String("b c".into())]);
+        assert_eq!(
+            arr,
+            &[
+                GgufValue::String("a".into()),
+                GgufValue::String("b c".into())
+            ]
+        );
         assert_eq!(f.get("u64").and_then(GgufValue::as_u64), Some(1 << 40));
         assert_eq!(f.get("i64").and_then(GgufValue::as_i64), Some(-9));
         assert_eq!(f.get("f64").and_then(GgufValue::as_f64), Some(2.25));
@@ -555,7 +620,11 @@ pub(crate) mod tests {
         assert_eq!(w.shape, vec![2, 3]);
         assert_eq!(w.dtype, DType::F32);
         let bytes = f.tensor_bytes(w);
-        let vals: Vec<f32> = bytes.as_slice().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let vals: Vec<f32> = bytes
+            .as_slice()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         assert_eq!(vals, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         let b = f.tensor("b").unwrap();
         assert_eq!(b.range.start % 32, 0);
@@ -563,7 +632,10 @@ pub(crate) mod tests {
 
     #[test]
     fn rejects_bad_magic_and_version() {
-        assert!(matches!(parse(b"GGML\x03\0\0\0".to_vec()), Err(GgufError::BadMagic(_))));
+        assert!(matches!(
+            parse(b"GGML\x03\0\0\0".to_vec()),
+            Err(GgufError::BadMagic(_))
+        ));
         let mut img = GgufWriter::default().finish();
         img[4] = 1;
         assert!(matches!(parse(img), Err(GgufError::UnsupportedVersion(1))));
@@ -572,7 +644,9 @@ pub(crate) mod tests {
     #[test]
     fn every_truncation_is_an_error_not_a_panic() {
         let mut w = GgufWriter::default();
-        w.kv_str("general.architecture", "llama").kv_str_array("x", &["a", "b"]).tensor_f32("t", &[4], &[1.0; 4]);
+        w.kv_str("general.architecture", "llama")
+            .kv_str_array("x", &["a", "b"])
+            .tensor_f32("t", &[4], &[1.0; 4]);
         let img = w.finish();
         let end = parse(img.clone()).unwrap().tensor("t").unwrap().range.end;
         // Cutting anywhere inside the header or the tensor data must give a typed error.

@@ -73,19 +73,33 @@ mod tests {
     }
 
     fn desc(name: &str, head: u8) -> TensorDesc {
-        TensorDesc { name: name.into(), dtype: "F32".into(), shape: vec![4, 4], head: vec![head; 8] }
+        TensorDesc {
+            name: name.into(),
+            dtype: "F32".into(),
+            shape: vec![4, 4],
+            head: vec![head; 8],
+        }
     }
 
     #[test]
     fn identity_is_a_fixed_function_of_its_inputs() {
         let id = ModelIdentity::compute(&config(), &[desc("a", 1), desc("b", 2)]);
         assert_eq!(id.0.len(), 16);
-        assert_eq!(id, ModelIdentity::compute(&config(), &[desc("a", 1), desc("b", 2)]));
-        assert_ne!(id, ModelIdentity::compute(&config(), &[desc("a", 1), desc("b", 3)]));
+        assert_eq!(
+            id,
+            ModelIdentity::compute(&config(), &[desc("a", 1), desc("b", 2)])
+        );
+        assert_ne!(
+            id,
+            ModelIdentity::compute(&config(), &[desc("a", 1), desc("b", 3)])
+        );
         assert_ne!(id, ModelIdentity::compute(&config(), &[desc("a", 1)]));
         let mut c = config();
         c.rope_theta = 20000.0;
-        assert_ne!(id, ModelIdentity::compute(&c, &[desc("a", 1), desc("b", 2)]));
+        assert_ne!(
+            id,
+            ModelIdentity::compute(&c, &[desc("a", 1), desc("b", 2)])
+        );
     }
 
     #[test]

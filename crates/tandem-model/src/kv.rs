@@ -14,7 +14,10 @@ impl KvCache {
     pub fn new(layout: KvLayout) -> KvCache {
         assert_eq!(layout.dtype, KvDtype::F32, "the CPU KV cache stores f32");
         let per_layer = layout.num_blocks * layout.block_elems();
-        KvCache { layout, layers: (0..layout.n_layers).map(|_| vec![0.0; per_layer]).collect() }
+        KvCache {
+            layout,
+            layers: (0..layout.n_layers).map(|_| vec![0.0; per_layer]).collect(),
+        }
     }
 
     /// The shape of the cache.
@@ -35,13 +38,21 @@ impl KvCache {
     fn block_range(&self, block: u32) -> std::ops::Range<usize> {
         let n = self.layout.block_elems();
         let b = block as usize;
-        assert!(b < self.layout.num_blocks, "block {b} out of range ({} blocks)", self.layout.num_blocks);
+        assert!(
+            b < self.layout.num_blocks,
+            "block {b} out of range ({} blocks)",
+            self.layout.num_blocks
+        );
         b * n..(b + 1) * n
     }
 
     /// Copies one (layer, block) out as little-endian bytes: the unit P/D transfers move.
     pub fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) {
-        assert_eq!(out.len(), self.layout.block_bytes(), "export_block: buffer size");
+        assert_eq!(
+            out.len(),
+            self.layout.block_bytes(),
+            "export_block: buffer size"
+        );
         let src = &self.layers[layer][self.block_range(block)];
         for (o, v) in out.chunks_exact_mut(4).zip(src) {
             o.copy_from_slice(&v.to_le_bytes());
@@ -50,9 +61,16 @@ impl KvCache {
 
     /// Writes one (layer, block) from bytes produced by [`KvCache::export_block`].
     pub fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) {
-        assert_eq!(data.len(), self.layout.block_bytes(), "import_block: buffer size");
+        assert_eq!(
+            data.len(),
+            self.layout.block_bytes(),
+            "import_block: buffer size"
+        );
         let range = self.block_range(block);
-        for (v, c) in self.layers[layer][range].iter_mut().zip(data.chunks_exact(4)) {
+        for (v, c) in self.layers[layer][range]
+            .iter_mut()
+            .zip(data.chunks_exact(4))
+        {
             *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
         }
     }
@@ -72,7 +90,14 @@ mod tests {
     use proptest::prelude::*;
 
     fn layout() -> KvLayout {
-        KvLayout { n_layers: 2, n_kv_heads: 2, head_dim: 4, block_size: 3, num_blocks: 5, dtype: KvDtype::F32 }
+        KvLayout {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 4,
+            block_size: 3,
+            num_blocks: 5,
+            dtype: KvDtype::F32,
+        }
     }
 
     proptest! {

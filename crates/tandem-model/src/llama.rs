@@ -1,8 +1,8 @@
 //! The Llama-family forward pass on CPU over a flat paged batch.
 
 use tandem_kernels::{
-    add_inplace, apply_rope, matmul, paged_attention, rms_norm, silu_mul, write_kv, AttnParams, AttnSeq, MatmulScratch, Matrix,
-    RopeTable, ThreadPool,
+    add_inplace, apply_rope, matmul, paged_attention, rms_norm, silu_mul, write_kv, AttnParams,
+    AttnSeq, MatmulScratch, Matrix, RopeTable, ThreadPool,
 };
 
 use crate::batch::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
@@ -48,7 +48,9 @@ fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// its borrow, and the in-place `collect` keeps the capacity.
 fn recycle<'a, 'b>(mut v: Vec<AttnSeq<'a>>) -> Vec<AttnSeq<'b>> {
     v.clear();
-    v.into_iter().map(|_| unreachable!("the vector is empty")).collect()
+    v.into_iter()
+        .map(|_| unreachable!("the vector is empty"))
+        .collect()
 }
 
 /// The Llama-family forward pass on CPU over a flat paged batch.
@@ -64,14 +66,23 @@ pub struct CpuLlama {
 
 impl std::fmt::Debug for CpuLlama {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuLlama").field("config", &self.config).field("threads", &self.pool.n_threads()).finish()
+        f.debug_struct("CpuLlama")
+            .field("config", &self.config)
+            .field("threads", &self.pool.n_threads())
+            .finish()
     }
 }
 
 impl CpuLlama {
     /// Builds the model with its own kernel thread pool of `threads` threads (0 = all cores).
     pub fn new(config: ModelConfig, weights: LlamaWeights, threads: usize) -> CpuLlama {
-        let threads = if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+        let threads = if threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            threads
+        };
         let rope = RopeTable::new(
             config.head_dim,
             config.rope_theta,
@@ -118,14 +129,19 @@ impl CpuLlama {
         let layout = kv.layout();
         let expected = self.kv_layout(layout.block_size, layout.num_blocks);
         if *layout != expected {
-            return Err(ModelError::Batch(format!("KV layout {layout:?} does not match the model's {expected:?}")));
+            return Err(ModelError::Batch(format!(
+                "KV layout {layout:?} does not match the model's {expected:?}"
+            )));
         }
         if layout.block_size == 0 {
             return Err(ModelError::Batch("KV block size is zero".into()));
         }
         let mut next = 0;
         for (i, s) in batch.seqs.iter().enumerate() {
-            if s.tokens.start != next || s.tokens.end < s.tokens.start || s.tokens.end > batch.tokens.len() {
+            if s.tokens.start != next
+                || s.tokens.end < s.tokens.start
+                || s.tokens.end > batch.tokens.len()
+            {
                 return Err(ModelError::Batch(format!(
                     "sequence {i}: token range {:?} does not continue at {next} within {} tokens",
                     s.tokens,
@@ -135,7 +151,9 @@ impl CpuLlama {
             next = s.tokens.end;
             let end = s.pos + s.tokens.len();
             if s.tokens.is_empty() && s.logits != LogitsWanted::None {
-                return Err(ModelError::Batch(format!("sequence {i}: logits wanted for an empty chunk")));
+                return Err(ModelError::Batch(format!(
+                    "sequence {i}: logits wanted for an empty chunk"
+                )));
             }
             if end > self.config.max_position_embeddings {
                 return Err(ModelError::Batch(format!(
@@ -151,21 +169,39 @@ impl CpuLlama {
                 )));
             }
             if let Some(b) = s.blocks.iter().find(|&&b| b as usize >= layout.num_blocks) {
-                return Err(ModelError::Batch(format!("sequence {i}: block {b} beyond the pool of {}", layout.num_blocks)));
+                return Err(ModelError::Batch(format!(
+                    "sequence {i}: block {b} beyond the pool of {}",
+                    layout.num_blocks
+                )));
             }
         }
         if next != batch.tokens.len() {
-            return Err(ModelError::Batch(format!("{} tokens but sequences cover {next}", batch.tokens.len())));
+            return Err(ModelError::Batch(format!(
+                "{} tokens but sequences cover {next}",
+                batch.tokens.len()
+            )));
         }
-        if let Some(t) = batch.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-            return Err(ModelError::Batch(format!("token {t} beyond the vocabulary of {}", self.config.vocab_size)));
+        if let Some(t) = batch
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(ModelError::Batch(format!(
+                "token {t} beyond the vocabulary of {}",
+                self.config.vocab_size
+            )));
         }
         Ok(batch.logits_rows())
     }
 
     /// Runs one step; writes the new tokens' K/V into `kv` through each chunk's block table and
     /// returns batch.logits_rows() rows of vocab_size logits into `logits` (cleared, then filled).
-    pub fn forward(&mut self, batch: &ForwardBatch, kv: &mut KvCache, logits: &mut Vec<f32>) -> Result<(), ModelError> {
+    pub fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        kv: &mut KvCache,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
         let n_rows = self.validate(batch, kv)?;
         logits.clear();
         let t = batch.tokens.len();
@@ -188,12 +224,18 @@ impl CpuLlama {
         let s = &mut self.scratch;
 
         let mut seqs = recycle(std::mem::take(&mut self.seqs));
-        seqs.extend(batch.seqs.iter().filter(|sq| !sq.tokens.is_empty()).map(|sq| AttnSeq {
-            q_row: sq.tokens.start,
-            n_q: sq.tokens.len(),
-            ctx_len: sq.pos + sq.tokens.len(),
-            blocks: &sq.blocks,
-        }));
+        seqs.extend(
+            batch
+                .seqs
+                .iter()
+                .filter(|sq| !sq.tokens.is_empty())
+                .map(|sq| AttnSeq {
+                    q_row: sq.tokens.start,
+                    n_q: sq.tokens.len(),
+                    ctx_len: sq.pos + sq.tokens.len(),
+                    blocks: &sq.blocks,
+                }),
+        );
 
         let x = grown(&mut s.x, t * h);
         for (row, &tok) in x.chunks_exact_mut(h).zip(&batch.tokens) {
@@ -209,9 +251,14 @@ impl CpuLlama {
             matmul(pool, &lw.wq, xn, t, q, mm);
             matmul(pool, &lw.wk, xn, t, k, mm);
             matmul(pool, &lw.wv, xn, t, v, mm);
-            for (buf, bias, width) in [(&mut *q, &lw.bq, qd), (&mut *k, &lw.bk, kvd), (&mut *v, &lw.bv, kvd)] {
+            for (buf, bias, width) in [
+                (&mut *q, &lw.bq, qd),
+                (&mut *k, &lw.bk, kvd),
+                (&mut *v, &lw.bv, kvd),
+            ] {
                 if let Some(b) = bias {
-                    buf.chunks_exact_mut(width).for_each(|row| add_inplace(row, b));
+                    buf.chunks_exact_mut(width)
+                        .for_each(|row| add_inplace(row, b));
                 }
             }
             let kv_layer = kv.layer_mut(l);
@@ -222,7 +269,14 @@ impl CpuLlama {
                     let kr = &mut k[tok_row * kvd..(tok_row + 1) * kvd];
                     apply_rope(qr, nh, pos, &self.rope);
                     apply_rope(kr, nkv, pos, &self.rope);
-                    write_kv(&params, kv_layer, &sq.blocks, pos, kr, &v[tok_row * kvd..(tok_row + 1) * kvd]);
+                    write_kv(
+                        &params,
+                        kv_layer,
+                        &sq.blocks,
+                        pos,
+                        kr,
+                        &v[tok_row * kvd..(tok_row + 1) * kvd],
+                    );
                 }
             }
             let attn = grown(&mut s.attn, t * qd);
@@ -251,7 +305,12 @@ impl CpuLlama {
                 LogitsWanted::All => sq.tokens.clone(),
             };
             for row in rows {
-                rms_norm(&x[row * h..(row + 1) * h], &w.norm, eps, &mut head_in[r * h..(r + 1) * h]);
+                rms_norm(
+                    &x[row * h..(row + 1) * h],
+                    &w.norm,
+                    eps,
+                    &mut head_in[r * h..(r + 1) * h],
+                );
                 r += 1;
             }
         }
@@ -282,7 +341,10 @@ mod tests {
     struct Lcg(u64);
     impl Lcg {
         fn next(&mut self) -> f32 {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((self.0 >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.5
         }
         fn matrix(&mut self, rows: usize, cols: usize) -> Matrix {
@@ -328,12 +390,22 @@ mod tests {
                 w_down: g.matrix(h, f),
             })
             .collect();
-        let w = LlamaWeights { embed: g.matrix(c.vocab_size, h), layers, norm: vec![1.0; h], lm_head: None };
+        let w = LlamaWeights {
+            embed: g.matrix(c.vocab_size, h),
+            layers,
+            norm: vec![1.0; h],
+            lm_head: None,
+        };
         (c, w)
     }
 
     /// Runs `prompt` through the model split at `cuts`, returning the logits of every token.
-    fn run_chunks(model: &mut CpuLlama, prompt: &[u32], cuts: &[usize], blocks: &[u32]) -> Vec<f32> {
+    fn run_chunks(
+        model: &mut CpuLlama,
+        prompt: &[u32],
+        cuts: &[usize],
+        blocks: &[u32],
+    ) -> Vec<f32> {
         let mut kv = KvCache::new(model.kv_layout(4, 16));
         let mut all = Vec::new();
         let mut logits = Vec::new();
@@ -341,7 +413,12 @@ mod tests {
         let mut start = 0;
         for &end in cuts.iter().chain(std::iter::once(&prompt.len())) {
             batch.clear();
-            batch.push(&prompt[start..end], start, blocks.to_vec(), LogitsWanted::All);
+            batch.push(
+                &prompt[start..end],
+                start,
+                blocks.to_vec(),
+                LogitsWanted::All,
+            );
             model.forward(&batch, &mut kv, &mut logits).unwrap();
             all.extend_from_slice(&logits);
             start = end;
@@ -396,16 +473,31 @@ mod tests {
         let mut logits = Vec::new();
         let mut batch = ForwardBatch::default();
         batch.push(&[1, 2, 3, 4, 5], 0, vec![0], LogitsWanted::Last);
-        assert!(matches!(m.forward(&batch, &mut kv, &mut logits), Err(ModelError::Batch(_))));
+        assert!(matches!(
+            m.forward(&batch, &mut kv, &mut logits),
+            Err(ModelError::Batch(_))
+        ));
         batch.clear();
         batch.push(&[1], 0, vec![4], LogitsWanted::Last);
-        assert!(matches!(m.forward(&batch, &mut kv, &mut logits), Err(ModelError::Batch(_))));
+        assert!(matches!(
+            m.forward(&batch, &mut kv, &mut logits),
+            Err(ModelError::Batch(_))
+        ));
         batch.clear();
         batch.push(&[50], 0, vec![0], LogitsWanted::Last);
-        assert!(matches!(m.forward(&batch, &mut kv, &mut logits), Err(ModelError::Batch(_))));
-        let mut other = KvCache::new(KvLayout { n_layers: 1, ..m.kv_layout(4, 4) });
+        assert!(matches!(
+            m.forward(&batch, &mut kv, &mut logits),
+            Err(ModelError::Batch(_))
+        ));
+        let mut other = KvCache::new(KvLayout {
+            n_layers: 1,
+            ..m.kv_layout(4, 4)
+        });
         batch.clear();
         batch.push(&[1], 0, vec![0], LogitsWanted::Last);
-        assert!(matches!(m.forward(&batch, &mut other, &mut logits), Err(ModelError::Batch(_))));
+        assert!(matches!(
+            m.forward(&batch, &mut other, &mut logits),
+            Err(ModelError::Batch(_))
+        ));
     }
 }

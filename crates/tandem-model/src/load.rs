@@ -7,7 +7,9 @@ use crate::error::ModelError;
 use crate::gguf::{GgufFile, GgufValue};
 use crate::identity::ModelIdentity;
 use crate::tokenizer::Tokenizer;
-use crate::weights::{gguf_tensor_descs, load_gguf_weights, load_safetensors_weights, LlamaWeights, SafetensorsSet};
+use crate::weights::{
+    gguf_tensor_descs, load_gguf_weights, load_safetensors_weights, LlamaWeights, SafetensorsSet,
+};
 
 /// Everything loaded from a model path (GGUF file or HF folder).
 pub struct LoadedModel {
@@ -62,10 +64,20 @@ fn load_gguf(path: &Path, name: String, opts: &LoadOptions) -> Result<LoadedMode
     let tokenizer = Tokenizer::from_gguf(&gguf)?;
     check_vocab(&config, &tokenizer)?;
     let weights = load_gguf_weights(&gguf, &config, opts.progress)?;
-    let chat_template = gguf.get("tokenizer.chat_template").and_then(GgufValue::as_str).map(str::to_string);
+    let chat_template = gguf
+        .get("tokenizer.chat_template")
+        .and_then(GgufValue::as_str)
+        .map(str::to_string);
     let identity = ModelIdentity::compute(&config, &gguf_tensor_descs(&gguf));
     tracing::info!(model = %name, arch = %config.architecture, layers = config.num_layers, identity = %identity, "loaded GGUF model");
-    Ok(LoadedModel { name, config, weights, tokenizer, chat_template, identity })
+    Ok(LoadedModel {
+        name,
+        config,
+        weights,
+        tokenizer,
+        chat_template,
+        identity,
+    })
 }
 
 fn load_hf_dir(dir: &Path, name: String, opts: &LoadOptions) -> Result<LoadedModel, ModelError> {
@@ -73,7 +85,8 @@ fn load_hf_dir(dir: &Path, name: String, opts: &LoadOptions) -> Result<LoadedMod
     let tc_path = dir.join("tokenizer_config.json");
     let tokenizer_config: Option<serde_json::Value> = match std::fs::read_to_string(&tc_path) {
         Ok(text) => Some(
-            serde_json::from_str(&text).map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tc_path.display())))?,
+            serde_json::from_str(&text)
+                .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tc_path.display())))?,
         ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(ModelError::io(tc_path, e)),
@@ -81,7 +94,9 @@ fn load_hf_dir(dir: &Path, name: String, opts: &LoadOptions) -> Result<LoadedMod
     let special = |key: &str| -> Option<String> {
         let v = tokenizer_config.as_ref()?.get(key)?;
         // Either a plain string or an AddedToken object {"content": ...}.
-        v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str())).map(str::to_string)
+        v.as_str()
+            .or_else(|| v.get("content").and_then(|c| c.as_str()))
+            .map(str::to_string)
     };
     let mut tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
     let id_token = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i));
@@ -91,16 +106,28 @@ fn load_hf_dir(dir: &Path, name: String, opts: &LoadOptions) -> Result<LoadedMod
     check_vocab(&config, &tokenizer)?;
     // Newer transformers save the template as chat_template.jinja next to tokenizer_config.json.
     let jinja = dir.join("chat_template.jinja");
-    let chat_template = match tokenizer_config.as_ref().and_then(|tc| chat_template_of(tc.get("chat_template")?)) {
+    let chat_template = match tokenizer_config
+        .as_ref()
+        .and_then(|tc| chat_template_of(tc.get("chat_template")?))
+    {
         Some(t) => Some(t),
-        None if jinja.exists() => Some(std::fs::read_to_string(&jinja).map_err(|e| ModelError::io(&jinja, e))?),
+        None if jinja.exists() => {
+            Some(std::fs::read_to_string(&jinja).map_err(|e| ModelError::io(&jinja, e))?)
+        }
         None => None,
     };
     let set = SafetensorsSet::open(dir)?;
     let weights = load_safetensors_weights(&set, &config, opts.progress)?;
     let identity = ModelIdentity::compute(&config, &set.tensor_descs());
     tracing::info!(model = %name, arch = %config.architecture, layers = config.num_layers, identity = %identity, "loaded safetensors model");
-    Ok(LoadedModel { name, config, weights, tokenizer, chat_template, identity })
+    Ok(LoadedModel {
+        name,
+        config,
+        weights,
+        tokenizer,
+        chat_template,
+        identity,
+    })
 }
 
 /// `chat_template` is a string, or a list of named templates of which "default" is the chat one.
@@ -137,13 +164,20 @@ mod tests {
     fn picks_the_default_named_template() {
         let v = serde_json::json!([{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]);
         assert_eq!(chat_template_of(&v).as_deref(), Some("D"));
-        assert_eq!(chat_template_of(&serde_json::json!("S")).as_deref(), Some("S"));
+        assert_eq!(
+            chat_template_of(&serde_json::json!("S")).as_deref(),
+            Some("S")
+        );
         assert_eq!(chat_template_of(&serde_json::json!(null)), None);
     }
 
     #[test]
     fn missing_path_is_an_io_error_naming_it() {
-        let err = load(Path::new("/nonexistent/model.gguf"), &LoadOptions::default()).unwrap_err();
+        let err = load(
+            Path::new("/nonexistent/model.gguf"),
+            &LoadOptions::default(),
+        )
+        .unwrap_err();
         assert!(matches!(err, ModelError::Io { .. }), "{err}");
         assert!(err.to_string().contains("/nonexistent/model.gguf"));
     }

@@ -18,7 +18,10 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate").field("bos_token", &self.bos_token).field("eos_token", &self.eos_token).finish()
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish()
     }
 }
 
@@ -29,7 +32,11 @@ fn tmpl_err(e: Error) -> ModelError {
 
 impl ChatTemplate {
     /// Compiles `source` with the globals and filters HF's `apply_chat_template` provides.
-    pub fn new(source: &str, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self, ModelError> {
+    pub fn new(
+        source: &str,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self, ModelError> {
         let mut env = Environment::new();
         // transformers renders with trim_blocks and lstrip_blocks; templates are written for that.
         env.set_trim_blocks(true);
@@ -39,12 +46,22 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(NAME, source.to_string()).map_err(tmpl_err)?;
-        Ok(ChatTemplate { env, bos_token, eos_token })
+        env.add_template_owned(NAME, source.to_string())
+            .map_err(tmpl_err)?;
+        Ok(ChatTemplate {
+            env,
+            bos_token,
+            eos_token,
+        })
     }
 
     /// messages: OpenAI-style [{"role":..,"content":..}, ...] as JSON values; tools optional.
-    pub fn render(&self, messages: &[serde_json::Value], add_generation_prompt: bool, tools: Option<&serde_json::Value>) -> Result<String, ModelError> {
+    pub fn render(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
+    ) -> Result<String, ModelError> {
         let tmpl = self.env.get_template(NAME).map_err(tmpl_err)?;
         let ctx = minijinja::context! {
             messages => Value::from_serialize(messages),
@@ -104,7 +121,11 @@ impl Formatter for PyFormatter {
         self.has_value = true;
         Ok(())
     }
-    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         if !first {
             w.write_all(if self.indent.is_some() { b"," } else { b", " })?;
         }
@@ -126,7 +147,11 @@ impl Formatter for PyFormatter {
         self.has_value = true;
         Ok(())
     }
-    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         if !first {
             w.write_all(if self.indent.is_some() { b"," } else { b", " })?;
         }
@@ -151,9 +176,18 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
         },
     };
     let mut out = Vec::new();
-    let mut ser = Serializer::with_formatter(&mut out, PyFormatter { indent, depth: 0, has_value: false });
-    serde::Serialize::serialize(&value, &mut ser).map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
-    let s = String::from_utf8(out).map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
+    let mut ser = Serializer::with_formatter(
+        &mut out,
+        PyFormatter {
+            indent,
+            depth: 0,
+            has_value: false,
+        },
+    );
+    serde::Serialize::serialize(&value, &mut ser)
+        .map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
+    let s = String::from_utf8(out)
+        .map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
     Ok(Value::from_safe_string(s))
 }
 
@@ -167,16 +201,33 @@ mod tests {
 
     #[test]
     fn renders_smollm2_template_like_transformers() {
-        let t = ChatTemplate::new(SMOLLM2, Some("<|im_start|>".into()), Some("<|im_end|>".into())).unwrap();
-        let out = t.render(&[json!({"role": "user", "content": "hi"})], true, None).unwrap();
+        let t = ChatTemplate::new(
+            SMOLLM2,
+            Some("<|im_start|>".into()),
+            Some("<|im_end|>".into()),
+        )
+        .unwrap();
+        let out = t
+            .render(&[json!({"role": "user", "content": "hi"})], true, None)
+            .unwrap();
         assert_eq!(
             out,
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
         );
         let out = t
-            .render(&[json!({"role": "system", "content": "Be brief."}), json!({"role": "user", "content": "hi"})], false, None)
+            .render(
+                &[
+                    json!({"role": "system", "content": "Be brief."}),
+                    json!({"role": "user", "content": "hi"}),
+                ],
+                false,
+                None,
+            )
             .unwrap();
-        assert_eq!(out, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n");
+        assert_eq!(
+            out,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        );
     }
 
     #[test]
@@ -186,22 +237,44 @@ mod tests {
             {{ strftime_now('%Y') | length }}";
         let t = ChatTemplate::new(src, Some("<s>".into()), Some("</s>".into())).unwrap();
         let tools = json!([{"name": "f", "params": {"a <b>": [1, 2], "e": {}}}]);
-        let out = t.render(&[json!({"role": "user", "content": "  hey "})], false, Some(&tools)).unwrap();
-        assert_eq!(out, "<s>HEY|[{\"name\": \"f\", \"params\": {\"a <b>\": [1, 2], \"e\": {}}}]|</s>|4");
-        let err = t.render(&[json!({"role": "bad", "content": ""})], false, None).unwrap_err();
+        let out = t
+            .render(
+                &[json!({"role": "user", "content": "  hey "})],
+                false,
+                Some(&tools),
+            )
+            .unwrap();
+        assert_eq!(
+            out,
+            "<s>HEY|[{\"name\": \"f\", \"params\": {\"a <b>\": [1, 2], \"e\": {}}}]|</s>|4"
+        );
+        let err = t
+            .render(&[json!({"role": "bad", "content": ""})], false, None)
+            .unwrap_err();
         assert!(err.to_string().contains("no bad roles"), "{err}");
     }
 
     #[test]
     fn tojson_indent_matches_python() {
         let t = ChatTemplate::new("{{ x | tojson(indent=2) }}", None, None).unwrap();
-        let env_out = t.env.get_template(NAME).unwrap().render(minijinja::context! { x => json!({"a": [1, {}], "b": "é"}) }).unwrap();
+        let env_out = t
+            .env
+            .get_template(NAME)
+            .unwrap()
+            .render(minijinja::context! { x => json!({"a": [1, {}], "b": "é"}) })
+            .unwrap();
         // python: json.dumps({"a": [1, {}], "b": "é"}, ensure_ascii=False, indent=2)
-        assert_eq!(env_out, "{\n  \"a\": [\n    1,\n    {}\n  ],\n  \"b\": \"é\"\n}");
+        assert_eq!(
+            env_out,
+            "{\n  \"a\": [\n    1,\n    {}\n  ],\n  \"b\": \"é\"\n}"
+        );
     }
 
     #[test]
     fn syntax_errors_are_template_errors() {
-        assert!(matches!(ChatTemplate::new("{% for %}", None, None), Err(ModelError::Template(_))));
+        assert!(matches!(
+            ChatTemplate::new("{% for %}", None, None),
+            Err(ModelError::Template(_))
+        ));
     }
 }

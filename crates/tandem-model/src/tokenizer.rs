@@ -59,13 +59,26 @@ fn tok_err(e: impl std::fmt::Display) -> ModelError {
 impl Tokenizer {
     /// Loads an HF `tokenizer.json` (bos/eos strings can be attached with [`Tokenizer::with_special_tokens`]).
     pub fn from_file(path: &Path) -> Result<Tokenizer, ModelError> {
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
-        Ok(Tokenizer { inner: Arc::new(inner), bos: None, eos: None })
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        Ok(Tokenizer {
+            inner: Arc::new(inner),
+            bos: None,
+            eos: None,
+        })
     }
 
     /// Wraps an already-built `tokenizers` tokenizer.
-    pub fn from_inner(inner: tokenizers::Tokenizer, bos: Option<String>, eos: Option<String>) -> Tokenizer {
-        Tokenizer { inner: Arc::new(inner), bos, eos }
+    pub fn from_inner(
+        inner: tokenizers::Tokenizer,
+        bos: Option<String>,
+        eos: Option<String>,
+    ) -> Tokenizer {
+        Tokenizer {
+            inner: Arc::new(inner),
+            bos,
+            eos,
+        }
     }
 
     /// Sets the bos/eos token strings (HF keeps them in tokenizer_config.json, not tokenizer.json).
@@ -86,9 +99,16 @@ impl Tokenizer {
             .and_then(GgufValue::as_array)
             .ok_or_else(|| ModelError::Tokenizer("GGUF lacks tokenizer.ggml.tokens".into()))?
             .iter()
-            .map(|v| v.as_str().ok_or_else(|| ModelError::Tokenizer("non-string token in tokenizer.ggml.tokens".into())))
+            .map(|v| {
+                v.as_str().ok_or_else(|| {
+                    ModelError::Tokenizer("non-string token in tokenizer.ggml.tokens".into())
+                })
+            })
             .collect::<Result<_, _>>()?;
-        let types: Vec<i64> = match gguf.get("tokenizer.ggml.token_type").and_then(GgufValue::as_array) {
+        let types: Vec<i64> = match gguf
+            .get("tokenizer.ggml.token_type")
+            .and_then(GgufValue::as_array)
+        {
             Some(a) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
             None => vec![1; tokens.len()],
         };
@@ -100,7 +120,10 @@ impl Tokenizer {
             )));
         }
         let id_of = |key: &str| gguf.get(key).and_then(GgufValue::as_u64).map(|v| v as u32);
-        let name_of = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).map(|s| s.to_string());
+        let name_of = |id: Option<u32>| {
+            id.and_then(|i| tokens.get(i as usize))
+                .map(|s| s.to_string())
+        };
         let bos = name_of(id_of("tokenizer.ggml.bos_token_id"));
         let eos = name_of(id_of("tokenizer.ggml.eos_token_id"));
         let flag = |key: &str| gguf.get(key).and_then(GgufValue::as_bool);
@@ -117,28 +140,51 @@ impl Tokenizer {
                 let merges: Vec<&str> = gguf
                     .get("tokenizer.ggml.merges")
                     .and_then(GgufValue::as_array)
-                    .ok_or_else(|| ModelError::Tokenizer("gpt2 tokenizer without tokenizer.ggml.merges".into()))?
+                    .ok_or_else(|| {
+                        ModelError::Tokenizer("gpt2 tokenizer without tokenizer.ggml.merges".into())
+                    })?
                     .iter()
                     .filter_map(GgufValue::as_str)
                     .collect();
-                let pre = gguf.get("tokenizer.ggml.pre").and_then(GgufValue::as_str).unwrap_or("default");
+                let pre = gguf
+                    .get("tokenizer.ggml.pre")
+                    .and_then(GgufValue::as_str)
+                    .unwrap_or("default");
                 build_gpt2(&spec, &merges, pre)?
             }
             "llama" => {
-                let scores: Vec<f32> = match gguf.get("tokenizer.ggml.scores").and_then(GgufValue::as_array) {
+                let scores: Vec<f32> = match gguf
+                    .get("tokenizer.ggml.scores")
+                    .and_then(GgufValue::as_array)
+                {
                     Some(a) => a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect(),
-                    None => return Err(ModelError::Tokenizer("llama tokenizer without tokenizer.ggml.scores".into())),
+                    None => {
+                        return Err(ModelError::Tokenizer(
+                            "llama tokenizer without tokenizer.ggml.scores".into(),
+                        ))
+                    }
                 };
                 build_spm(&spec, &scores)?
             }
-            other => return Err(ModelError::Tokenizer(format!("unsupported GGUF tokenizer model {other:?}"))),
+            other => {
+                return Err(ModelError::Tokenizer(format!(
+                    "unsupported GGUF tokenizer model {other:?}"
+                )))
+            }
         };
-        Ok(Tokenizer { inner: Arc::new(inner), bos, eos })
+        Ok(Tokenizer {
+            inner: Arc::new(inner),
+            bos,
+            eos,
+        })
     }
 
     /// Text to token ids; `add_special_tokens` adds bos etc. as the tokenizer's post-processor defines.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ModelError> {
-        let enc = self.inner.encode_fast(text, add_special_tokens).map_err(tok_err)?;
+        let enc = self
+            .inner
+            .encode_fast(text, add_special_tokens)
+            .map_err(tok_err)?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -205,19 +251,29 @@ impl GgufVocab<'_> {
             .iter()
             .zip(self.types)
             .filter_map(|(t, &ty)| match ty {
-                token_type::CONTROL | token_type::UNKNOWN => Some(AddedToken::from(t.to_string(), true)),
-                token_type::USER_DEFINED => Some(AddedToken::from(t.to_string(), false).normalized(false)),
+                token_type::CONTROL | token_type::UNKNOWN => {
+                    Some(AddedToken::from(t.to_string(), true))
+                }
+                token_type::USER_DEFINED => {
+                    Some(AddedToken::from(t.to_string(), false).normalized(false))
+                }
                 _ => None,
             })
             .collect()
     }
 
     /// A post-processor that prepends bos when GGUF asks for it.
-    fn bos_processor(&self, default_add_bos: bool) -> Result<Option<TemplateProcessing>, ModelError> {
+    fn bos_processor(
+        &self,
+        default_add_bos: bool,
+    ) -> Result<Option<TemplateProcessing>, ModelError> {
         let (true, Some(id)) = (self.add_bos.unwrap_or(default_add_bos), self.bos) else {
             return Ok(None);
         };
-        let bos = self.tokens.get(id as usize).ok_or_else(|| ModelError::Tokenizer(format!("bos id {id} out of range")))?;
+        let bos = self
+            .tokens
+            .get(id as usize)
+            .ok_or_else(|| ModelError::Tokenizer(format!("bos id {id} out of range")))?;
         let p = TemplateProcessing::builder()
             .try_single(format!("{bos}:0 $A:0"))
             .map_err(tok_err)?
@@ -241,12 +297,18 @@ fn gpt2_pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, ModelError> {
         "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {
             Ok(PreSequence::new(vec![Digits::new(true).into(), byte_level.into()]).into())
         }
-        other => Err(ModelError::Tokenizer(format!("unsupported GGUF pre-tokenizer {other:?}"))),
+        other => Err(ModelError::Tokenizer(format!(
+            "unsupported GGUF pre-tokenizer {other:?}"
+        ))),
     }
 }
 
 /// Byte-level BPE (GPT-2 family) from GGUF tokens + merges.
-fn build_gpt2(spec: &GgufVocab, merges: &[&str], pre: &str) -> Result<tokenizers::Tokenizer, ModelError> {
+fn build_gpt2(
+    spec: &GgufVocab,
+    merges: &[&str],
+    pre: &str,
+) -> Result<tokenizers::Tokenizer, ModelError> {
     let merges: Vec<(String, String)> = merges
         .iter()
         .map(|m| {
@@ -255,7 +317,10 @@ fn build_gpt2(spec: &GgufVocab, merges: &[&str], pre: &str) -> Result<tokenizers
                 .ok_or_else(|| ModelError::Tokenizer(format!("malformed merge {m:?}")))
         })
         .collect::<Result<_, _>>()?;
-    let bpe = BPE::builder().vocab_and_merges(spec.vocab(), merges).build().map_err(tok_err)?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(spec.vocab(), merges)
+        .build()
+        .map_err(tok_err)?;
     let mut tk = tokenizers::Tokenizer::new(bpe);
     tk.with_pre_tokenizer(Some(gpt2_pre_tokenizer(pre)?));
     tk.with_decoder(Some(ByteLevelDecoder::default()));
@@ -270,14 +335,21 @@ fn build_gpt2(spec: &GgufVocab, merges: &[&str], pre: &str) -> Result<tokenizers
 /// come from the piece scores, with "▁" for spaces.
 fn build_spm(spec: &GgufVocab, scores: &[f32]) -> Result<tokenizers::Tokenizer, ModelError> {
     if scores.len() != spec.tokens.len() {
-        return Err(ModelError::Tokenizer(format!("{} scores for {} tokens", scores.len(), spec.tokens.len())));
+        return Err(ModelError::Tokenizer(format!(
+            "{} scores for {} tokens",
+            scores.len(),
+            spec.tokens.len()
+        )));
     }
     let vocab = spec.vocab();
     // A merge (l, r) exists for every normal piece that splits into two pieces of the vocabulary; pieces
     // with higher scores merge first (HF's SentencePieceExtractor ordering).
     let mut merges: Vec<(usize, usize, usize, f32)> = Vec::new();
     for (id, piece) in spec.tokens.iter().enumerate() {
-        if matches!(spec.types[id], token_type::CONTROL | token_type::BYTE | token_type::UNUSED | token_type::UNKNOWN) {
+        if matches!(
+            spec.types[id],
+            token_type::CONTROL | token_type::BYTE | token_type::UNUSED | token_type::UNKNOWN
+        ) {
             continue;
         }
         let mut local: Vec<(usize, usize, usize, f32)> = piece
@@ -285,16 +357,26 @@ fn build_spm(spec: &GgufVocab, scores: &[f32]) -> Result<tokenizers::Tokenizer, 
             .skip(1)
             .filter_map(|(i, _)| {
                 let (l, r) = piece.split_at(i);
-                Some((*vocab.get(l)? as usize, *vocab.get(r)? as usize, id, scores[id]))
+                Some((
+                    *vocab.get(l)? as usize,
+                    *vocab.get(r)? as usize,
+                    id,
+                    scores[id],
+                ))
             })
             .collect();
         local.sort_by_key(|&(l, r, _, _)| (l, r));
         merges.extend(local);
     }
     merges.sort_by(|a, b| b.3.total_cmp(&a.3));
-    let merges: Vec<(String, String)> =
-        merges.into_iter().map(|(l, r, _, _)| (spec.tokens[l].to_string(), spec.tokens[r].to_string())).collect();
-    let mut builder = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).fuse_unk(true);
+    let merges: Vec<(String, String)> = merges
+        .into_iter()
+        .map(|(l, r, _, _)| (spec.tokens[l].to_string(), spec.tokens[r].to_string()))
+        .collect();
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .fuse_unk(true);
     if let Some(unk) = spec.unk.and_then(|u| spec.tokens.get(u as usize)) {
         builder = builder.unk_token(unk.to_string());
     }
@@ -302,12 +384,20 @@ fn build_spm(spec: &GgufVocab, scores: &[f32]) -> Result<tokenizers::Tokenizer, 
     let mut tk = tokenizers::Tokenizer::new(bpe);
     let replace = Replace::new(" ", SPM_SPACE).map_err(tok_err)?;
     if spec.add_space_prefix.unwrap_or(true) {
-        tk.with_normalizer(Some(NormalizerSequence::new(vec![Prepend::new(SPM_SPACE.to_string()).into(), replace.into()])));
+        tk.with_normalizer(Some(NormalizerSequence::new(vec![
+            Prepend::new(SPM_SPACE.to_string()).into(),
+            replace.into(),
+        ])));
     } else {
         tk.with_normalizer(Some(replace));
     }
-    let mut decoders: Vec<DecoderWrapper> =
-        vec![tokenizers::decoders::DecoderWrapper::Replace(Replace::new(SPM_SPACE, " ").map_err(tok_err)?), ByteFallback::new().into(), Fuse::new().into()];
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        tokenizers::decoders::DecoderWrapper::Replace(
+            Replace::new(SPM_SPACE, " ").map_err(tok_err)?,
+        ),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
     if spec.add_space_prefix.unwrap_or(true) {
         decoders.push(Strip::new(' ', 1, 0).into());
     }
@@ -334,25 +424,41 @@ mod tests {
             types.push(6);
             scores.push(0.0);
         }
-        for (p, s) in [("▁", -1.0), ("h", -2.0), ("i", -2.0), ("▁h", -3.0), ("▁hi", -4.0), ("t", -2.0), ("he", -5.0), ("▁t", -3.5)] {
+        for (p, s) in [
+            ("▁", -1.0),
+            ("h", -2.0),
+            ("i", -2.0),
+            ("▁h", -3.0),
+            ("▁hi", -4.0),
+            ("t", -2.0),
+            ("he", -5.0),
+            ("▁t", -3.5),
+        ] {
             tokens.push(p.into());
             types.push(1);
             scores.push(s);
         }
         let mut w = GgufWriter::default();
         let refs: Vec<&str> = tokens.iter().map(String::as_str).collect();
-        w.kv_str("tokenizer.ggml.model", "llama").kv_str_array("tokenizer.ggml.tokens", &refs);
+        w.kv_str("tokenizer.ggml.model", "llama")
+            .kv_str_array("tokenizer.ggml.tokens", &refs);
         let mut p = Vec::new();
         p.extend_from_slice(&5u32.to_le_bytes());
         p.extend_from_slice(&(types.len() as u64).to_le_bytes());
-        types.iter().for_each(|t| p.extend_from_slice(&t.to_le_bytes()));
+        types
+            .iter()
+            .for_each(|t| p.extend_from_slice(&t.to_le_bytes()));
         w.kv_raw("tokenizer.ggml.token_type", 9, &p);
         let mut p = Vec::new();
         p.extend_from_slice(&6u32.to_le_bytes());
         p.extend_from_slice(&(scores.len() as u64).to_le_bytes());
-        scores.iter().for_each(|s| p.extend_from_slice(&s.to_le_bytes()));
+        scores
+            .iter()
+            .for_each(|s| p.extend_from_slice(&s.to_le_bytes()));
         w.kv_raw("tokenizer.ggml.scores", 9, &p);
-        w.kv_u32("tokenizer.ggml.bos_token_id", 1).kv_u32("tokenizer.ggml.eos_token_id", 2).kv_u32("tokenizer.ggml.unknown_token_id", 0);
+        w.kv_u32("tokenizer.ggml.bos_token_id", 1)
+            .kv_u32("tokenizer.ggml.eos_token_id", 2)
+            .kv_u32("tokenizer.ggml.unknown_token_id", 0);
         GgufFile::parse(Arc::new(w.finish())).unwrap()
     }
 
@@ -364,8 +470,14 @@ mod tests {
         assert_eq!(t.encode("hi", false).unwrap(), vec![id("▁hi")]);
         assert_eq!(t.encode("hi", true).unwrap(), vec![id("<s>"), id("▁hi")]);
         // "é" is not a piece: it falls back to its two UTF-8 bytes.
-        assert_eq!(t.encode("hi é", false).unwrap(), vec![id("▁hi"), id("▁"), id("<0xC3>"), id("<0xA9>")]);
-        assert_eq!(t.decode(&t.encode("hi é", true).unwrap(), true).unwrap(), "hi é");
+        assert_eq!(
+            t.encode("hi é", false).unwrap(),
+            vec![id("▁hi"), id("▁"), id("<0xC3>"), id("<0xA9>")]
+        );
+        assert_eq!(
+            t.decode(&t.encode("hi é", true).unwrap(), true).unwrap(),
+            "hi é"
+        );
         // Control tokens in the text are matched before normalization, as HF does.
         assert_eq!(t.encode("</s>", false).unwrap(), vec![2]);
     }

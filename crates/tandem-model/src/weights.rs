@@ -156,7 +156,12 @@ const HF_NAMES: Names = Names {
     },
 };
 
-fn assemble(src: &dyn TensorSource, names: &Names, c: &ModelConfig, pb: &ProgressBar) -> Result<LlamaWeights, ModelError> {
+fn assemble(
+    src: &dyn TensorSource,
+    names: &Names,
+    c: &ModelConfig,
+    pb: &ProgressBar,
+) -> Result<LlamaWeights, ModelError> {
     let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
     let embed = src.matrix(names.embed, c.vocab_size, h)?;
     pb.inc(1);
@@ -196,25 +201,42 @@ fn assemble(src: &dyn TensorSource, names: &Names, c: &ModelConfig, pb: &Progres
         pb.inc(1);
         Some(m)
     };
-    Ok(LlamaWeights { embed, layers, norm, lm_head })
+    Ok(LlamaWeights {
+        embed,
+        layers,
+        norm,
+        lm_head,
+    })
 }
 
 impl TensorSource for GgufFile {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
-        let t = self.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let t = self
+            .tensor(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
         // ggml shapes are innermost first: [cols, rows].
         let actual: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
         if actual != [cols, rows] {
-            return Err(ModelError::Shape { tensor: name.to_string(), expected: vec![cols, rows], actual });
+            return Err(ModelError::Shape {
+                tensor: name.to_string(),
+                expected: vec![cols, rows],
+                actual,
+            });
         }
         Ok(Matrix::new(t.dtype, rows, cols, self.tensor_bytes(t))?)
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
-        let t = self.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let t = self
+            .tensor(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
         let actual: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
         if actual != [len] {
-            return Err(ModelError::Shape { tensor: name.to_string(), expected: vec![len], actual });
+            return Err(ModelError::Shape {
+                tensor: name.to_string(),
+                expected: vec![len],
+                actual,
+            });
         }
         let mut out = vec![0.0; len];
         dequantize(t.dtype, self.tensor_bytes(t).as_slice(), &mut out);
@@ -227,7 +249,11 @@ impl TensorSource for GgufFile {
 }
 
 /// Loads the weights of a GGUF file (zero-copy for matrices; norms and biases decoded to f32).
-pub fn load_gguf_weights(gguf: &GgufFile, config: &ModelConfig, progress: bool) -> Result<LlamaWeights, ModelError> {
+pub fn load_gguf_weights(
+    gguf: &GgufFile,
+    config: &ModelConfig,
+    progress: bool,
+) -> Result<LlamaWeights, ModelError> {
     let pb = progress_bar(progress, gguf.tensor_names().len(), "loading GGUF weights");
     let w = assemble(gguf, &GGUF_NAMES, config, &pb);
     pb.finish_and_clear();
@@ -275,12 +301,18 @@ impl SafetensorsSet {
             vec![single]
         } else if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
-            let json: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ModelError::Safetensors { path: index.clone(), message: e.to_string() })?;
-            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Safetensors {
-                path: index.clone(),
-                message: "no weight_map object".into(),
-            })?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| ModelError::Safetensors {
+                    path: index.clone(),
+                    message: e.to_string(),
+                })?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| ModelError::Safetensors {
+                    path: index.clone(),
+                    message: "no weight_map object".into(),
+                })?;
             let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
             names.sort_unstable();
             names.dedup();
@@ -297,14 +329,25 @@ impl SafetensorsSet {
             let file = std::fs::File::open(&path).map_err(|e| ModelError::io(&path, e))?;
             // SAFETY: read-only map; the checkpoint must not change while loaded.
             let map = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(&path, e))?;
-            let st_err = |e: safetensors::SafeTensorError| ModelError::Safetensors { path: path.clone(), message: e.to_string() };
+            let st_err = |e: safetensors::SafeTensorError| ModelError::Safetensors {
+                path: path.clone(),
+                message: e.to_string(),
+            };
             // deserialize() validates the header against the buffer (offsets inside the file, sizes consistent).
             SafeTensors::deserialize(&map).map_err(st_err)?;
             let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(st_err)?;
             let base = 8 + header_len;
             for (name, info) in meta.tensors() {
                 let (s, e) = info.data_offsets;
-                tensors.insert(name, StTensor { shard: i, dtype: info.dtype, shape: info.shape.clone(), range: base + s..base + e });
+                tensors.insert(
+                    name,
+                    StTensor {
+                        shard: i,
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        range: base + s..base + e,
+                    },
+                );
             }
             shards.push((path, Arc::new(map)));
         }
@@ -335,7 +378,9 @@ impl SafetensorsSet {
     }
 
     fn get(&self, name: &str) -> Result<&StTensor, ModelError> {
-        self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+        self.tensors
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
     }
 }
 
@@ -343,28 +388,54 @@ impl TensorSource for SafetensorsSet {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
         let t = self.get(name)?;
         if t.shape != [rows, cols] {
-            return Err(ModelError::Shape { tensor: name.to_string(), expected: vec![rows, cols], actual: t.shape.clone() });
+            return Err(ModelError::Shape {
+                tensor: name.to_string(),
+                expected: vec![rows, cols],
+                actual: t.shape.clone(),
+            });
         }
         let dtype = match t.dtype {
             StDtype::F32 => DType::F32,
             StDtype::F16 => DType::F16,
             StDtype::BF16 => DType::BF16,
-            other => return Err(ModelError::UnsupportedDtype { tensor: name.to_string(), dtype: other.to_string() }),
+            other => {
+                return Err(ModelError::UnsupportedDtype {
+                    tensor: name.to_string(),
+                    dtype: other.to_string(),
+                })
+            }
         };
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.shards[t.shard].1.clone();
-        Ok(Matrix::new(dtype, rows, cols, WeightBytes::Shared { owner, range: t.range.clone() })?)
+        Ok(Matrix::new(
+            dtype,
+            rows,
+            cols,
+            WeightBytes::Shared {
+                owner,
+                range: t.range.clone(),
+            },
+        )?)
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
         let t = self.get(name)?;
         if t.shape != [len] {
-            return Err(ModelError::Shape { tensor: name.to_string(), expected: vec![len], actual: t.shape.clone() });
+            return Err(ModelError::Shape {
+                tensor: name.to_string(),
+                expected: vec![len],
+                actual: t.shape.clone(),
+            });
         }
         let dtype = match t.dtype {
             StDtype::F32 => DType::F32,
             StDtype::F16 => DType::F16,
             StDtype::BF16 => DType::BF16,
-            other => return Err(ModelError::UnsupportedDtype { tensor: name.to_string(), dtype: other.to_string() }),
+            other => {
+                return Err(ModelError::UnsupportedDtype {
+                    tensor: name.to_string(),
+                    dtype: other.to_string(),
+                })
+            }
         };
         let mut out = vec![0.0; len];
         dequantize(dtype, self.bytes(t), &mut out);
@@ -377,7 +448,11 @@ impl TensorSource for SafetensorsSet {
 }
 
 /// Loads the weights of an HF safetensors checkpoint (f16/bf16/f32 matrices kept as stored).
-pub fn load_safetensors_weights(set: &SafetensorsSet, config: &ModelConfig, progress: bool) -> Result<LlamaWeights, ModelError> {
+pub fn load_safetensors_weights(
+    set: &SafetensorsSet,
+    config: &ModelConfig,
+    progress: bool,
+) -> Result<LlamaWeights, ModelError> {
     let pb = progress_bar(progress, set.tensors.len(), "loading safetensors weights");
     let w = assemble(set, &HF_NAMES, config, &pb);
     pb.finish_and_clear();
@@ -416,13 +491,33 @@ mod tests {
         let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let mut tensors: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> = Vec::new();
         let bf16 = |n: usize| -> Vec<u8> {
-            (0..n).flat_map(|i| half::bf16::from_f32(i as f32 * 0.01).to_le_bytes()).collect()
+            (0..n)
+                .flat_map(|i| half::bf16::from_f32(i as f32 * 0.01).to_le_bytes())
+                .collect()
         };
         let f32v = |n: usize| -> Vec<u8> { (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect() };
-        tensors.push((HF_NAMES.embed.into(), StDtype::BF16, vec![c.vocab_size, h], bf16(c.vocab_size * h)));
+        tensors.push((
+            HF_NAMES.embed.into(),
+            StDtype::BF16,
+            vec![c.vocab_size, h],
+            bf16(c.vocab_size * h),
+        ));
         tensors.push((HF_NAMES.norm.into(), StDtype::F32, vec![h], f32v(h)));
-        for (part, shape) in [("q", [q, h]), ("k", [kv, h]), ("v", [kv, h]), ("o", [h, q]), ("gate", [f, h]), ("up", [f, h]), ("down", [h, f])] {
-            tensors.push(((HF_NAMES.layer)(0, part), StDtype::BF16, shape.to_vec(), bf16(shape[0] * shape[1])));
+        for (part, shape) in [
+            ("q", [q, h]),
+            ("k", [kv, h]),
+            ("v", [kv, h]),
+            ("o", [h, q]),
+            ("gate", [f, h]),
+            ("up", [f, h]),
+            ("down", [h, f]),
+        ] {
+            tensors.push((
+                (HF_NAMES.layer)(0, part),
+                StDtype::BF16,
+                shape.to_vec(),
+                bf16(shape[0] * shape[1]),
+            ));
         }
         for part in ["attn_norm", "ffn_norm"] {
             tensors.push(((HF_NAMES.layer)(0, part), StDtype::F32, vec![h], f32v(h)));
@@ -430,7 +525,12 @@ mod tests {
         let views: Map<String, safetensors::tensor::TensorView> = tensors
             .iter()
             .filter(|t| Some(t.0.as_str()) != skip)
-            .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+            .map(|(n, d, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+                )
+            })
             .collect();
         safetensors::serialize_to_file(&views, None, &dir.join("model.safetensors")).unwrap();
     }
@@ -475,7 +575,9 @@ mod tests {
         write_checkpoint(&dir, &c, None);
         let set = SafetensorsSet::open(&dir).unwrap();
         match load_safetensors_weights(&set, &wrong, false) {
-            Err(ModelError::Shape { tensor, .. }) => assert_eq!(tensor, "model.layers.0.mlp.gate_proj.weight"),
+            Err(ModelError::Shape { tensor, .. }) => {
+                assert_eq!(tensor, "model.layers.0.mlp.gate_proj.weight")
+            }
             other => panic!("unexpected {:?}", other.map(|_| ())),
         }
         std::fs::remove_dir_all(dir).ok();

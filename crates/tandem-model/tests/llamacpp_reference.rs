@@ -1,13 +1,19 @@
 //! Checks tandem on the default GGUF (SmolLM2-135M-Instruct Q4_1) against llama.cpp's outputs recorded
 //! by scripts/llamacpp-ref.py in tests/fixtures/llamacpp.
 //!
-//! * top-1 agreement of teacher-forced logits at every prompt position (≥ 98%);
+//! llama.cpp quantizes activations to 8 bits before its Q4_1/Q8_0 dot products, so even an exact f32
+//! implementation of the same weights does not reproduce it bit for bit: an independent numpy f32
+//! forward pass over the dequantized weights agrees with llama.cpp on 682/705 top-1 tokens (96.7%) at
+//! mean KL 0.0026, every disagreement a near-tie. The checks therefore are:
 //! * KL(llama.cpp || tandem) < 0.02 on average, computed two ways:
 //!   - exactly, over the full 49152-token distribution, at the sampled positions whose full logits the
 //!     fixture stores (every 16th position and each prompt's last);
 //!   - at every position over llama.cpp's top-64 tokens plus one bucket holding the rest of the mass of
 //!     each distribution: merging outcomes never increases KL, so this is a lower bound of the true KL;
-//! * greedy 32-token continuations identical to llama.cpp's for at least 3/4 of the prompts;
+//! * top-1 agreement at prompt positions ≥ 96%, and every disagreement a near-tie: tandem's token is
+//!   within NEAR_TIE nats of llama.cpp's top token under llama.cpp's own distribution;
+//! * greedy 32-token continuations: where one departs from llama.cpp's, llama.cpp's token must be within
+//!   NEAR_TIE nats of tandem's choice under tandem's distribution (identical ones are counted);
 //! * tokenization of the prompt texts identical to llama.cpp's.
 //!
 //! Needs models/SmolLM2-135M-Instruct.Q4_1.gguf (scripts/fetch-model.sh).
@@ -16,7 +22,9 @@ use std::path::{Path, PathBuf};
 
 use tandem_model::{load, CpuLlama, ForwardBatch, KvCache, LoadOptions, LogitsWanted};
 
-const MIN_TOP1: f64 = 0.98;
+const MIN_TOP1: f64 = 0.96;
+/// Largest log-probability gap (nats) at which two implementations may pick different top tokens.
+const NEAR_TIE: f64 = 0.5;
 const MAX_MEAN_KL: f64 = 0.02;
 const BLOCK_SIZE: usize = 16;
 
@@ -193,9 +201,10 @@ fn teacher_forced_logits_match_llamacpp() {
     let (mut model, mut kv) = model(r.vocab, max_len);
     let mut logits = Vec::new();
     let (mut agree, mut total, mut kl_lumped_sum) = (0usize, 0usize, 0.0f64);
-    let (mut kl_full_sum, mut kl_full_max, mut kl_full_n) =
-        (0.0f64, (0.0f64, String::new()), 0usize);
+    let (mut kl_full_sum, mut kl_full_n) = (0.0f64, 0usize);
+    let mut kl_full_max = (0.0f64, String::new());
     let mut disagreements = Vec::new();
+    let mut max_gap = 0.0f64;
     let mut row_base = 0;
     for (pi, p) in r.prompts.iter().enumerate() {
         prompt_logits(&mut model, &mut kv, &p.ids, &mut logits);
@@ -208,26 +217,32 @@ fn teacher_forced_logits_match_llamacpp() {
         let (mut p_agree, mut p_kl) = (0usize, 0.0f64);
         for pos in 0..p.ids.len() {
             let row = &logits[pos * r.vocab..(pos + 1) * r.vocab];
+            let g = (row_base + pos) * r.topk;
+            let (top_ids, top_lp) = (&r.top_ids[g..g + r.topk], &r.top_lp[g..g + r.topk]);
             let ours = argmax(row);
             if ours == p.argmax[pos] {
                 p_agree += 1;
             } else {
+                // llama.cpp's log-probability of its own top token minus that of ours.
+                let gap = top_ids
+                    .iter()
+                    .position(|&t| t == ours)
+                    .map_or(f64::INFINITY, |i| (top_lp[0] - top_lp[i]) as f64);
+                max_gap = max_gap.max(gap);
                 disagreements.push(format!(
-                    "{}@{pos}: llama.cpp {} ours {ours}",
+                    "{}@{pos}: llama.cpp {} ours {ours} (gap {gap:.3})",
                     p.name, p.argmax[pos]
                 ));
             }
             let lq = log_softmax(row);
-            let g = (row_base + pos) * r.topk;
-            p_kl += kl_topk_lumped(&r.top_ids[g..g + r.topk], &r.top_lp[g..g + r.topk], &lq);
+            p_kl += kl_topk_lumped(top_ids, top_lp, &lq);
             for (k, _) in r
                 .full_positions
                 .iter()
                 .enumerate()
                 .filter(|(_, &(fp, fpos))| fp == pi && fpos == pos)
             {
-                let lp = log_softmax(&r.full[k * r.vocab..(k + 1) * r.vocab]);
-                let kl = kl_full(&lp, &lq);
+                let kl = kl_full(&log_softmax(&r.full[k * r.vocab..(k + 1) * r.vocab]), &lq);
                 kl_full_sum += kl;
                 kl_full_n += 1;
                 if kl > kl_full_max.0 {
@@ -276,6 +291,10 @@ fn teacher_forced_logits_match_llamacpp() {
         100.0 * MIN_TOP1
     );
     assert!(
+        max_gap <= NEAR_TIE,
+        "a top-1 disagreement is not a near-tie: gap {max_gap:.3} > {NEAR_TIE} nats"
+    );
+    assert!(
         kl_exact < MAX_MEAN_KL,
         "mean exact KL {kl_exact} >= {MAX_MEAN_KL}"
     );
@@ -298,7 +317,7 @@ fn greedy_generations_match_llamacpp() {
     let blocks: Vec<u32> = (0..max_len.div_ceil(BLOCK_SIZE) as u32).collect();
     let mut logits = Vec::new();
     let mut batch = ForwardBatch::default();
-    let mut identical = 0;
+    let (mut identical, mut confident) = (0, Vec::new());
     for p in &r.prompts {
         batch.clear();
         batch.push(&p.ids, 0, blocks.clone(), LogitsWanted::Last);
@@ -306,8 +325,15 @@ fn greedy_generations_match_llamacpp() {
             .forward(&batch, &mut kv, &mut logits)
             .expect("prefill");
         let mut ours = Vec::with_capacity(p.greedy.len());
+        // Our log-probability of our choice minus that of llama.cpp's, where they first differ.
+        let mut divergence_gap = None;
         while ours.len() < p.greedy.len() {
             let next = argmax(&logits);
+            let theirs = p.greedy[ours.len()];
+            if divergence_gap.is_none() && next != theirs {
+                let lq = log_softmax(&logits);
+                divergence_gap = Some(lq[next as usize] - lq[theirs as usize]);
+            }
             ours.push(next);
             batch.clear();
             batch.push(
@@ -323,16 +349,22 @@ fn greedy_generations_match_llamacpp() {
             .zip(&p.greedy)
             .take_while(|(a, b)| a == b)
             .count();
-        if same == p.greedy.len() {
-            identical += 1;
-            println!("{:<12} identical ({} tokens)", p.name, same);
-        } else {
-            println!(
-                "{:<12} diverges at token {same}: llama.cpp {:?} ours {:?}",
-                p.name,
-                &p.greedy[same..],
-                &ours[same..]
-            );
+        match divergence_gap {
+            None => {
+                identical += 1;
+                println!("{:<12} identical ({same} tokens)", p.name);
+            }
+            Some(gap) => {
+                println!(
+                    "{:<12} diverges at token {same} (gap {gap:.3} nats): llama.cpp {:?} ours {:?}",
+                    p.name,
+                    &p.greedy[same..],
+                    &ours[same..]
+                );
+                if gap > NEAR_TIE {
+                    confident.push(format!("{} at token {same} (gap {gap:.3})", p.name));
+                }
+            }
         }
     }
     println!(
@@ -340,9 +372,9 @@ fn greedy_generations_match_llamacpp() {
         r.prompts.len()
     );
     assert!(
-        4 * identical >= 3 * r.prompts.len(),
-        "only {identical}/{} greedy continuations match llama.cpp",
-        r.prompts.len()
+        confident.is_empty(),
+        "greedy continuations depart from llama.cpp without a near-tie: {}",
+        confident.join(", ")
     );
 }
 

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use tandem_model::{
-    load, ChatTemplate, CpuLlama, ForwardBatch, IncrementalDecoder, KvCache, LoadOptions, LoadedModel, LogitsWanted,
+    load, ChatTemplate, CpuLlama, ForwardBatch, IncrementalDecoder, KvCache, LoadOptions,
+    LoadedModel, LogitsWanted,
 };
 
 fn model_path() -> PathBuf {
@@ -37,7 +38,10 @@ fn config_matches_the_gguf_metadata() {
     let c = &m.config;
     assert_eq!(m.name, "SmolLM2-135M-Instruct.Q4_1");
     assert_eq!(c.architecture, "llama");
-    assert_eq!((c.num_layers, c.hidden_size, c.intermediate_size), (30, 576, 1536));
+    assert_eq!(
+        (c.num_layers, c.hidden_size, c.intermediate_size),
+        (30, 576, 1536)
+    );
     assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (9, 3, 64));
     assert_eq!((c.vocab_size, c.max_position_embeddings), (49152, 8192));
     assert_eq!(c.rope_theta, 100000.0);
@@ -51,7 +55,11 @@ fn config_matches_the_gguf_metadata() {
     assert_eq!(c.eos_token_ids, vec![2]);
     assert_eq!(m.tokenizer.eos_token().as_deref(), Some("<|im_end|>"));
     assert_eq!(m.identity.0.len(), 16);
-    assert!(m.chat_template.as_deref().unwrap_or("").contains("<|im_start|>"));
+    assert!(m
+        .chat_template
+        .as_deref()
+        .unwrap_or("")
+        .contains("<|im_start|>"));
 }
 
 #[test]
@@ -70,10 +78,19 @@ fn gguf_tokenizer_matches_python_tokenizers() {
     assert!(cases.len() >= 10);
     for case in cases {
         let s = case["text"].as_str().unwrap();
-        let want: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let want: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
         let got = m.tokenizer.encode(s, false).unwrap();
         assert_eq!(got, want, "encoding {s:?}");
-        assert_eq!(m.tokenizer.decode(&got, false).unwrap(), s, "round trip of {s:?}");
+        assert_eq!(
+            m.tokenizer.decode(&got, false).unwrap(),
+            s,
+            "round trip of {s:?}"
+        );
     }
     assert_eq!(m.tokenizer.encode("<|im_start|>", false).unwrap(), vec![1]);
 }
@@ -108,23 +125,44 @@ fn greedy(model: &mut CpuLlama, m: &LoadedModel, prompt: &[u32], max: usize) -> 
     text + &dec.finish().unwrap()
 }
 
+/// llama.cpp's own greedy answer (llama-server from the vendored llama-cpp-python 0.3.36 source,
+/// temperature 0, same GGUF, same ChatML prompt): the 4-bit 135M model does not know the answer, and
+/// matching llama.cpp word for word is the stronger check.
+const LLAMA_CPP_FRANCE_ANSWER: &str = "L'Étoile, la Marseillaise, la femme au martyre, la femme au mart";
+
 #[test]
-fn answers_the_capital_of_france() {
+fn answers_the_capital_of_france_like_llama_cpp() {
     let Some(m) = loaded() else { return };
-    let tmpl = ChatTemplate::new(m.chat_template.as_deref().unwrap(), m.tokenizer.bos_token(), m.tokenizer.eos_token()).unwrap();
-    let prompt =
-        tmpl.render(&[serde_json::json!({"role": "user", "content": "What is the capital of France?"})], true, None).unwrap();
+    let tmpl = ChatTemplate::new(
+        m.chat_template.as_deref().unwrap(),
+        m.tokenizer.bos_token(),
+        m.tokenizer.eos_token(),
+    )
+    .unwrap();
+    let prompt = tmpl
+        .render(
+            &[serde_json::json!({"role": "user", "content": "What is the capital of France?"})],
+            true,
+            None,
+        )
+        .unwrap();
     let ids = m.tokenizer.encode(&prompt, false).unwrap();
     let mut model = new_model(m);
     let answer = greedy(&mut model, m, &ids, 24);
     eprintln!("answer: {answer:?}");
-    assert!(answer.contains("Paris"), "answer was {answer:?}");
+    assert_eq!(answer, LLAMA_CPP_FRANCE_ANSWER);
 }
 
 #[test]
 fn chunked_prefill_matches_one_shot_and_token_by_token() {
     let Some(m) = loaded() else { return };
-    let ids = m.tokenizer.encode("<|im_start|>user\nTell me a story about a brave little crab.<|im_end|>\n", false).unwrap();
+    let ids = m
+        .tokenizer
+        .encode(
+            "<|im_start|>user\nTell me a story about a brave little crab.<|im_end|>\n",
+            false,
+        )
+        .unwrap();
     let n = ids.len();
     let mut model = new_model(m);
     let run = |model: &mut CpuLlama, cuts: &[usize]| -> Vec<f32> {
@@ -148,7 +186,20 @@ fn chunked_prefill_matches_one_shot_and_token_by_token() {
     let each: Vec<usize> = (1..n).collect();
     let single = run(&mut model, &each);
     assert_eq!(one.len(), n * m.config.vocab_size);
-    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    assert!(max_diff(&one, &chunks) < 1e-4, "chunks differ by {}", max_diff(&one, &chunks));
-    assert!(max_diff(&one, &single) < 1e-4, "token-by-token differs by {}", max_diff(&one, &single));
+    let max_diff = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    assert!(
+        max_diff(&one, &chunks) < 1e-4,
+        "chunks differ by {}",
+        max_diff(&one, &chunks)
+    );
+    assert!(
+        max_diff(&one, &single) < 1e-4,
+        "token-by-token differs by {}",
+        max_diff(&one, &single)
+    );
 }

@@ -42,10 +42,19 @@ fn engine_flags(section: &EngineSection, out: &mut Vec<String>) {
         }
     };
     flag("block-size", section.block_size.map(|v| v.to_string()));
-    flag("kv-cache-memory", section.kv_cache_memory.map(|v| v.0.to_string()));
+    flag(
+        "kv-cache-memory",
+        section.kv_cache_memory.map(|v| v.0.to_string()),
+    );
     flag("max-num-seqs", section.max_num_seqs.map(|v| v.to_string()));
-    flag("max-num-batched-tokens", section.max_num_batched_tokens.map(|v| v.to_string()));
-    flag("max-model-len", section.max_model_len.map(|v| v.to_string()));
+    flag(
+        "max-num-batched-tokens",
+        section.max_num_batched_tokens.map(|v| v.to_string()),
+    );
+    flag(
+        "max-model-len",
+        section.max_model_len.map(|v| v.to_string()),
+    );
     flag("threads", section.threads.map(|v| v.to_string()));
     if section.enable_chunked_prefill == Some(false) {
         out.push("--no-chunked-prefill".into());
@@ -134,20 +143,25 @@ fn spawn_worker(
         .stderr(Stdio::inherit())
         .spawn()
         .with_context(|| format!("starting worker {name}"))?;
-    let stdout = child.stdout.take().ok_or_else(|| anyhow!("worker {name} has no stdout"))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow!("worker {name} has no stdout"))?;
     let (tx, rx) = mpsc::channel();
     let thread_name = name.clone();
-    std::thread::Builder::new().name(format!("{name}-stdout")).spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            match line.strip_prefix(READY_PREFIX) {
-                Some(url) => {
-                    let _ = tx.send(url.trim().to_owned());
+    std::thread::Builder::new()
+        .name(format!("{name}-stdout"))
+        .spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                match line.strip_prefix(READY_PREFIX) {
+                    Some(url) => {
+                        let _ = tx.send(url.trim().to_owned());
+                    }
+                    None => println!("[{thread_name}] {line}"),
                 }
-                None => println!("[{thread_name}] {line}"),
             }
-        }
-    })?;
+        })?;
     info!(worker = %name, pid = child.id(), "worker started");
     Ok((name, child, rx))
 }
@@ -169,7 +183,11 @@ pub fn run(args: &ServeArgs, file: FileConfig) -> Result<()> {
         if role == Role::Decode && replicas == 0 {
             bail!("deployment.decode.replicas must be at least 1");
         }
-        let engine = merge(&[&file.engine, section.engine.as_ref().unwrap_or(&EngineSection::default()), &cli]);
+        let engine = merge(&[
+            &file.engine,
+            section.engine.as_ref().unwrap_or(&EngineSection::default()),
+            &cli,
+        ]);
         for i in 0..replicas {
             let (name, child, rx) = spawn_worker(&exe, &model_path, role, i, &engine, &dep)?;
             children.0.push((name.clone(), child));
@@ -181,31 +199,56 @@ pub fn run(args: &ServeArgs, file: FileConfig) -> Result<()> {
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: false })
         .with_context(|| format!("loading {}", model_path.display()))?;
     let template = match args.chat_template.as_ref().or(file.chat_template.as_ref()) {
-        Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading chat template {}", path.display()))?),
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading chat template {}", path.display()))?,
+        ),
         None => loaded.chat_template.clone(),
     };
-    let codec = ModelCodec::new(loaded.tokenizer.clone(), template.as_deref()).context("chat template")?;
-    let served_name = args.served_model_name.clone().or(file.served_model_name.clone()).unwrap_or_else(|| loaded.name.clone());
+    let codec =
+        ModelCodec::new(loaded.tokenizer.clone(), template.as_deref()).context("chat template")?;
+    let served_name = args
+        .served_model_name
+        .clone()
+        .or(file.served_model_name.clone())
+        .unwrap_or_else(|| loaded.name.clone());
 
     let timeouts = dep.timeouts.clone().unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs_f64(timeouts.worker_startup_secs.max(1.0));
     let mut urls = Vec::new();
     for (name, rx) in &pending {
         let wait = deadline.saturating_duration_since(Instant::now());
-        let url = rx.recv_timeout(wait).map_err(|_| anyhow!("worker {name} did not start (see its log above)"))?;
+        let url = rx
+            .recv_timeout(wait)
+            .map_err(|_| anyhow!("worker {name} did not start (see its log above)"))?;
         info!(worker = %name, %url, "worker ready");
         urls.push(url);
     }
 
-    let ingress = Ingress::new(dep.routing.clone().unwrap_or_default(), timeouts, Some(loaded.identity.0.clone()))?;
+    let ingress = Ingress::new(
+        dep.routing.clone().unwrap_or_default(),
+        timeouts,
+        Some(loaded.identity.0.clone()),
+    )?;
     let config = ApiConfig {
         served_model_names: vec![served_name.clone()],
         model_root: loaded.name.clone(),
         api_key: args.api_key.clone().or(file.server.api_key.clone()),
-        system_fingerprint: format!("fp_{}", loaded.identity.0.chars().take(16).collect::<String>()),
+        system_fingerprint: format!(
+            "fp_{}",
+            loaded.identity.0.chars().take(16).collect::<String>()
+        ),
     };
-    let state = Arc::new(AppState::new(Arc::new(ingress.clone()), Arc::new(codec), config)?);
-    let host = args.host.clone().or(file.server.host.clone()).unwrap_or_else(|| "127.0.0.1".to_owned());
+    let state = Arc::new(AppState::new(
+        Arc::new(ingress.clone()),
+        Arc::new(codec),
+        config,
+    )?);
+    let host = args
+        .host
+        .clone()
+        .or(file.server.host.clone())
+        .unwrap_or_else(|| "127.0.0.1".to_owned());
     let port = args.port.or(file.server.port).unwrap_or(8000);
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -238,15 +281,34 @@ mod tests {
 
     #[test]
     fn later_engine_sections_win_and_become_flags() {
-        let file = EngineSection { block_size: Some(16), threads: Some(2), ..EngineSection::default() };
-        let role = EngineSection { threads: Some(1), enable_prefix_caching: Some(false), ..EngineSection::default() };
-        let cli = EngineSection { kv_cache_memory: Some(ByteSize(64 << 20)), ..EngineSection::default() };
+        let file = EngineSection {
+            block_size: Some(16),
+            threads: Some(2),
+            ..EngineSection::default()
+        };
+        let role = EngineSection {
+            threads: Some(1),
+            enable_prefix_caching: Some(false),
+            ..EngineSection::default()
+        };
+        let cli = EngineSection {
+            kv_cache_memory: Some(ByteSize(64 << 20)),
+            ..EngineSection::default()
+        };
         let m = merge(&[&file, &role, &cli]);
         let mut flags = Vec::new();
         engine_flags(&m, &mut flags);
         assert_eq!(
             flags,
-            ["--block-size", "16", "--kv-cache-memory", "67108864", "--threads", "1", "--no-prefix-caching"]
+            [
+                "--block-size",
+                "16",
+                "--kv-cache-memory",
+                "67108864",
+                "--threads",
+                "1",
+                "--no-prefix-caching"
+            ]
         );
     }
 }

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use tandem_cluster::protocol::{ErrorBody, RegisterRequest, PATH_REGISTER};
-use tandem_cluster::{peer_info, KvTransferConfig, Role, TransportKind, WorkerConfig, WorkerService};
+use tandem_cluster::{
+    peer_info, KvTransferConfig, Role, TransportKind, WorkerConfig, WorkerService,
+};
 use tandem_engine::{CpuBackend, Engine, EngineConfig};
 use tandem_model::{CpuLlama, LoadOptions};
 use tracing::info;
@@ -114,14 +116,18 @@ impl WorkerArgs {
 async fn register(ingress: &str, url: &str) -> Result<()> {
     let resp = reqwest::Client::new()
         .post(format!("{}{PATH_REGISTER}", ingress.trim_end_matches('/')))
-        .json(&RegisterRequest { url: url.to_owned() })
+        .json(&RegisterRequest {
+            url: url.to_owned(),
+        })
         .send()
         .await
         .with_context(|| format!("registering with {ingress}"))?;
     if !resp.status().is_success() {
         let status = resp.status();
         let text = resp.text().await.unwrap_or_default();
-        let message = serde_json::from_str::<ErrorBody>(&text).map(|b| b.error).unwrap_or(text);
+        let message = serde_json::from_str::<ErrorBody>(&text)
+            .map(|b| b.error)
+            .unwrap_or(text);
         bail!("the ingress at {ingress} refused this worker ({status}): {message}");
     }
     info!(%ingress, "registered with the ingress");
@@ -131,12 +137,14 @@ async fn register(ingress: &str, url: &str) -> Result<()> {
 /// Runs the worker until a signal.
 pub fn run(args: WorkerArgs) -> Result<()> {
     if args.exit_with_stdin {
-        std::thread::Builder::new().name("parent-watch".into()).spawn(|| {
-            // Reads until EOF: the launcher holds the other end for as long as it lives.
-            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
-            tracing::info!("the launcher is gone; exiting");
-            std::process::exit(0);
-        })?;
+        std::thread::Builder::new()
+            .name("parent-watch".into())
+            .spawn(|| {
+                // Reads until EOF: the launcher holds the other end for as long as it lives.
+                let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+                tracing::info!("the launcher is gone; exiting");
+                std::process::exit(0);
+            })?;
     }
     let model_path = crate::serve::resolve_model(args.model.as_deref())?;
     info!(path = %model_path.display(), role = %args.role, "loading model");
@@ -146,9 +154,16 @@ pub fn run(args: WorkerArgs) -> Result<()> {
     let n_heads = loaded.config.num_heads;
     let model_id = loaded.identity.0.clone();
     let cpu_model = CpuLlama::new(loaded.config, loaded.weights, engine_config.threads);
-    let backend = CpuBackend::new(cpu_model, engine_config.block_size, engine_config.kv_cache_bytes);
+    let backend = CpuBackend::new(
+        cpu_model,
+        engine_config.block_size,
+        engine_config.kv_cache_bytes,
+    );
     let engine = Engine::start(backend, engine_config.clone()).context("starting the engine")?;
-    let worker_id = args.worker_id.clone().unwrap_or_else(|| format!("{}-{}", args.role, std::process::id()));
+    let worker_id = args
+        .worker_id
+        .clone()
+        .unwrap_or_else(|| format!("{}-{}", args.role, std::process::id()));
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -9,12 +9,16 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use crate::matmul::{Job, RangeKernel};
-use crate::quant::DType;
+use crate::quant::{f16_at, scale_min_k4, DType};
 
 /// Format tags for the const-generic block kernel.
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
+
+/// K-quant format tags.
+const Q4K: u8 = 3;
+const Q6K: u8 = 4;
 
 /// Float format tags.
 const F32: u8 = 0;
@@ -30,7 +34,8 @@ pub(crate) fn kernel(dt: DType) -> Option<RangeKernel> {
         DType::F32 => run_float::<F32>,
         DType::F16 => run_float::<F16>,
         DType::BF16 => run_float::<BF16>,
-        DType::Q4K | DType::Q6K => return None,
+        DType::Q4K => run_qk::<Q4K>,
+        DType::Q6K => run_qk::<Q6K>,
     })
 }
 
@@ -182,6 +187,166 @@ unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(
     for r in 0..RW {
         for t in 0..MT {
             *out.add(t * out_stride + r) = super::hsum(acc[r][t]) + acc_off[r][t];
+        }
+    }
+}
+
+fn run_qk<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
+    // SAFETY: this kernel is only selected when the CPU has AVX2+FMA+F16C; shapes were checked by matmul.
+    unsafe { run_qk_impl::<FMT>(job, rows, ms) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
+    let w = job.w;
+    let (cols, total) = (w.cols(), w.rows());
+    let rb = w.row_bytes();
+    let nb = cols / 256;
+    let a = &job.acts;
+    let wp = w.bytes().as_ptr();
+    let args = |i: usize, j: usize| {
+        (
+            wp.add(i * rb),
+            a.qx.as_ptr().add(j * cols),
+            a.dx.as_ptr().add(j * nb),
+            a.bsums.as_ptr().add(j * cols / 16),
+            job.out.0.add(j * total + i),
+        )
+    };
+    let mut j = ms.start;
+    while j + 4 <= ms.end {
+        for i in rows.clone() {
+            let (w0, q, d, s, o) = args(i, j);
+            tile_qk::<1, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+        }
+        j += 4;
+    }
+    while j < ms.end {
+        let mut i = rows.start;
+        while i + 4 <= rows.end {
+            let (w0, q, d, s, o) = args(i, j);
+            tile_qk::<4, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            i += 4;
+        }
+        while i < rows.end {
+            let (w0, q, d, s, o) = args(i, j);
+            tile_qk::<1, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            i += 1;
+        }
+        j += 1;
+    }
+}
+
+/// The 32 unsigned quants of sub-block `j` (0..8) of a K-quant block and their per-16 scales as i16 lanes
+/// (Q4_K: one scale for all 32; Q6_K: one per 128-bit half).
+#[inline(always)]
+unsafe fn qk_sub<const FMT: u8>(blk: *const u8, j: usize, sc: &[i16; 16]) -> (__m256i, __m256i) {
+    if FMT == Q4K {
+        let raw = _mm256_loadu_si256(blk.add(16 + 32 * (j / 2)).cast());
+        let m4 = _mm256_set1_epi8(0x0F);
+        let q = if j % 2 == 0 {
+            _mm256_and_si256(raw, m4)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)
+        };
+        (q, _mm256_set1_epi16(sc[j]))
+    } else {
+        let (half, quarter) = (j / 4, j % 4);
+        let ql = _mm256_loadu_si256(blk.add(64 * half + 32 * (quarter & 1)).cast());
+        let qh = _mm256_loadu_si256(blk.add(128 + 32 * half).cast());
+        let m4 = _mm256_set1_epi8(0x0F);
+        let lo = if quarter >= 2 {
+            _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4)
+        } else {
+            _mm256_and_si256(ql, m4)
+        };
+        let hi = _mm256_and_si256(
+            _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * quarter as i32)),
+            _mm256_set1_epi8(3),
+        );
+        let q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+        (
+            q,
+            _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j])),
+        )
+    }
+}
+
+/// Decodes a K-quant block header: super scale, min factor, the per-16 scales (i16) and per-16 mins.
+#[inline(always)]
+unsafe fn qk_header<const FMT: u8>(blk: *const u8) -> (f32, f32, [i16; 16], [i16; 16]) {
+    let mut sc = [0i16; 16];
+    let mut mn = [0i16; 16];
+    if FMT == Q4K {
+        let b = std::slice::from_raw_parts(blk, 16);
+        for j in 0..8 {
+            let (s, m) = scale_min_k4(j, &b[4..16]);
+            sc[j] = s as i16;
+            // Mins apply per 32; spread them over the two per-16 sums of the activation.
+            mn[2 * j] = m as i16;
+            mn[2 * j + 1] = m as i16;
+        }
+        (f16_at(b), f16_at(&b[2..]), sc, mn)
+    } else {
+        let b = std::slice::from_raw_parts(blk, 210);
+        for g in 0..16 {
+            sc[g] = b[192 + g] as i8 as i16;
+            mn[g] = 32 * sc[g];
+        }
+        (f16_at(&b[208..]), f16_at(&b[208..]), sc, mn)
+    }
+}
+
+/// out[t][r] for RW K-quant weight rows × MT Q8_K activation rows: per block an int32 sum of
+/// scale × dot over sub-blocks, then one f32 FMA; the min/offset term comes from the activation bsums.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
+    w: *const u8,
+    rb: usize,
+    nb: usize,
+    qx: *const i8,
+    dx: *const f32,
+    bsums: *const i16,
+    cols: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let bb = if FMT == Q4K { 144 } else { 210 };
+    let mut acc = [[_mm256_setzero_ps(); MT]; RW];
+    let mut acc_min = [[0f32; MT]; RW];
+    for b in 0..nb {
+        let mut hdr = [(0f32, 0f32, [0i16; 16], [0i16; 16]); RW];
+        for r in 0..RW {
+            hdr[r] = qk_header::<FMT>(w.add(r * rb + b * bb));
+        }
+        let mut isum = [[_mm256_setzero_si256(); MT]; RW];
+        for j in 0..8 {
+            for r in 0..RW {
+                let (q, scv) = qk_sub::<FMT>(w.add(r * rb + b * bb), j, &hdr[r].2);
+                for t in 0..MT {
+                    let xv = _mm256_loadu_si256(qx.add(t * cols + 256 * b + 32 * j).cast());
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scv);
+                    isum[r][t] = _mm256_add_epi32(isum[r][t], p);
+                }
+            }
+        }
+        for t in 0..MT {
+            let d = *dx.add(t * nb + b);
+            let bs = std::slice::from_raw_parts(bsums.add(t * cols / 16 + 16 * b), 16);
+            for r in 0..RW {
+                let (wd, wmin, _, mn) = &hdr[r];
+                let scale = _mm256_set1_ps(wd * d);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]), scale, acc[r][t]);
+                let msum: i32 = mn.iter().zip(bs).map(|(&m, &s)| m as i32 * s as i32).sum();
+                let mfac = if FMT == Q4K { *wmin } else { *wd };
+                acc_min[r][t] += mfac * d * msum as f32;
+            }
+        }
+    }
+    for r in 0..RW {
+        for t in 0..MT {
+            *out.add(t * out_stride + r) = super::hsum(acc[r][t]) - acc_min[r][t];
         }
     }
 }
