@@ -41,6 +41,7 @@ async fn worker(role: Role, block_size: usize) -> TestWorker {
         worker_id: format!("{role}-test"),
         role,
         kv_listen: "127.0.0.1:0".into(),
+        kv_advertise_host: None,
         kv: KvTransferConfig {
             pin_timeout_secs: 5.0,
             ..KvTransferConfig::default()
@@ -278,7 +279,11 @@ async fn prompts_sharing_a_prefix_go_to_the_prefill_worker_that_cached_it() {
         ingress.register(&w.url).await.unwrap();
     }
     let base = prompt(6);
-    let extended: Vec<u32> = base.iter().copied().chain((0..9).map(|i| (i * 5 + 1) % 60)).collect();
+    let extended: Vec<u32> = base
+        .iter()
+        .copied()
+        .chain((0..9).map(|i| (i * 5 + 1) % 60))
+        .collect();
     collect(&ingress, base.clone(), greedy(3)).await;
     let want = collect(&colocated, extended.clone(), greedy(3)).await;
     assert_eq!(collect(&ingress, extended.clone(), greedy(3)).await, want);
@@ -290,5 +295,8 @@ async fn prompts_sharing_a_prefix_go_to_the_prefill_worker_that_cached_it() {
         a.prompt_tokens_total,
         b.prompt_tokens_total
     );
-    assert!(a.prefix_cache_hits + b.prefix_cache_hits > 0, "the second prefill reused the cached prefix");
+    assert!(
+        a.prefix_cache_hits + b.prefix_cache_hits > 0,
+        "the second prefill reused the cached prefix"
+    );
 }

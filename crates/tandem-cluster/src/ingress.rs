@@ -652,18 +652,19 @@ impl GenerateBackend for Ingress {
         if prompt.is_empty() {
             return Err(BackendError::Invalid("the prompt is empty".into()));
         }
+        if self.healthy(Role::Decode).is_empty() {
+            return Err(BackendError::Unavailable(
+                "no decode worker is available".into(),
+            ));
+        }
         let max_model_len = self.max_model_len();
-        if prompt.len() + params.max_tokens > max_model_len {
+        // Same rule as the engine: the prompt must leave room for one generated token.
+        if prompt.len() >= max_model_len {
             return Err(BackendError::PromptTooLong {
                 prompt: prompt.len(),
                 max_tokens: params.max_tokens,
                 max_model_len,
             });
-        }
-        if self.healthy(Role::Decode).is_empty() {
-            return Err(BackendError::Unavailable(
-                "no decode worker is available".into(),
-            ));
         }
         let (tx, mut rx) = mpsc::unbounded_channel();
         let job = Job {

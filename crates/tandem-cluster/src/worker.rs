@@ -107,6 +107,8 @@ pub struct WorkerConfig {
     pub role: Role,
     /// Address the KV server binds (prefill workers), e.g. `127.0.0.1:0`.
     pub kv_listen: String,
+    /// Host decode workers should dial for KV when `kv_listen` binds a wildcard (e.g. `0.0.0.0`).
+    pub kv_advertise_host: Option<String>,
     /// KV transfer settings.
     pub kv: KvTransferConfig,
     /// The engine's batch size, reported to the router.
@@ -329,7 +331,10 @@ impl WorkerService {
             peer,
             kv_endpoint: listener
                 .as_ref()
-                .map(|l| l.local_addr().to_string())
+                .map(|l| match &config.kv_advertise_host {
+                    Some(host) => format!("{host}:{}", l.local_addr().port()),
+                    None => l.local_addr().to_string(),
+                })
                 .unwrap_or_default(),
             max_model_len: engine.max_model_len(),
             max_num_seqs: config.max_num_seqs,
@@ -436,7 +441,8 @@ impl WorkerService {
             });
         }
         let kv = Arc::new(self.engine.export_blocks(id).wait().await?);
-        let handle = server.register((0..kv.num_blocks as u32).collect(), kv.num_tokens)?;
+        let mut handle = server.register((0..kv.num_blocks as u32).collect(), kv.num_tokens)?;
+        handle.endpoint.clone_from(&self.info.kv_endpoint);
         self.source
             .pins
             .lock()

@@ -101,13 +101,13 @@ impl ModelConfig {
                 return Err(ModelError::Config(format!("{name} must be positive")));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(ModelError::Config(format!(
                 "num_heads {} is not a multiple of num_kv_heads {}",
                 self.num_heads, self.num_kv_heads
             )));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(ModelError::Config(format!(
                 "head_dim {} must be even for RoPE",
                 self.head_dim

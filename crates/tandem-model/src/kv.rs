@@ -126,10 +126,10 @@ mod tests {
         let before: Vec<Vec<f32>> = (0..2).map(|l| kv.layer(l).to_vec()).collect();
         kv.copy_block(1, 3);
         let n = layout().block_elems();
-        for l in 0..2 {
-            assert_eq!(&kv.layer(l)[3 * n..4 * n], &before[l][n..2 * n]);
-            assert_eq!(&kv.layer(l)[..3 * n], &before[l][..3 * n]);
-            assert_eq!(&kv.layer(l)[4 * n..], &before[l][4 * n..]);
+        for (l, old) in before.iter().enumerate() {
+            assert_eq!(&kv.layer(l)[3 * n..4 * n], &old[n..2 * n]);
+            assert_eq!(&kv.layer(l)[..3 * n], &old[..3 * n]);
+            assert_eq!(&kv.layer(l)[4 * n..], &old[4 * n..]);
         }
     }
 }

@@ -103,10 +103,9 @@ fn greedy(model: &mut CpuLlama, m: &LoadedModel, prompt: &[u32], max: usize) -> 
     let mut batch = ForwardBatch::default();
     let mut logits = Vec::new();
     batch.push(prompt, 0, blocks.clone(), LogitsWanted::Last);
-    let mut pos = prompt.len();
     let mut dec = IncrementalDecoder::new(m.tokenizer.clone(), true);
     let mut text = String::new();
-    for _ in 0..max {
+    for pos in prompt.len()..prompt.len() + max {
         model.forward(&batch, &mut kv, &mut logits).unwrap();
         let next = logits
             .iter()
@@ -120,7 +119,6 @@ fn greedy(model: &mut CpuLlama, m: &LoadedModel, prompt: &[u32], max: usize) -> 
         text += &dec.push(next).unwrap();
         batch.clear();
         batch.push(&[next], pos, blocks.clone(), LogitsWanted::Last);
-        pos += 1;
     }
     text + &dec.finish().unwrap()
 }

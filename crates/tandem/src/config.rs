@@ -1,7 +1,8 @@
 //! `tandem serve` settings: the YAML file schema, the CLI flags, and how flags override the file.
 //!
-//! The schema already has the shape the prefill/decode deployment will need (`deployment:`), but only
-//! `mode: colocated` is accepted for now.
+//! `deployment.mode: colocated` (the default) runs one engine in this process and is resolved into
+//! [`ServeSettings`]; `mode: pd` starts prefill and decode workers as child processes and is run by
+//! `crate::launch` straight from the parsed [`FileConfig`].
 
 use std::path::{Path, PathBuf};
 
@@ -118,11 +119,11 @@ pub enum DeploymentMode {
     /// Prefill and decode in one engine (the only mode implemented).
     #[default]
     Colocated,
-    /// Disaggregated prefill and decode workers (reserved).
+    /// Disaggregated prefill and decode workers behind this process as the ingress.
     Pd,
 }
 
-/// One worker role of a P/D deployment (reserved).
+/// One worker role of a P/D deployment.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RoleSection {
@@ -295,16 +296,15 @@ impl ServeSettings {
     pub fn resolve(args: &ServeArgs, file: FileConfig) -> Result<Self> {
         if let Some(deployment) = &file.deployment {
             if deployment.mode != DeploymentMode::Colocated {
-                bail!(
-                    "deployment.mode `pd` (disaggregated prefill/decode) is not supported yet; \
-                     use `mode: colocated` or remove the deployment section"
-                );
+                bail!("deployment.mode `pd` is run by the P/D launcher, not as a single engine");
             }
             if deployment.prefill.is_some()
                 || deployment.decode.is_some()
                 || deployment.kv_transfer.is_some()
+                || deployment.routing.is_some()
+                || deployment.timeouts.is_some()
             {
-                bail!("deployment.prefill, deployment.decode and deployment.kv_transfer only apply to `mode: pd`");
+                bail!("deployment.prefill, decode, kv_transfer, routing and timeouts only apply to `mode: pd`");
             }
         }
         let mut engine = EngineConfig::default();
@@ -410,13 +410,41 @@ mod tests {
     }
 
     #[test]
-    fn pd_mode_is_reserved() {
+    fn pd_sections_parse_typed_and_stay_out_of_colocated() {
         let file = FileConfig::from_yaml(
-            "deployment:\n  mode: pd\n  prefill: {replicas: 1}\n  decode: {replicas: 2, engine: {block_size: 16}}\n  kv_transfer: {transport: tcp}\n",
+            "deployment:\n  mode: pd\n  prefill: {replicas: 1}\n  decode: {replicas: 2, engine: {block_size: 16}}\n  \
+             kv_transfer: {transport: shm, streams: 2}\n  routing: {local_prefill_threshold: 64}\n  \
+             timeouts: {prefill_secs: 5}\n",
         )
         .unwrap();
+        let d = file.deployment.clone().unwrap();
+        assert_eq!(d.mode, DeploymentMode::Pd);
+        assert_eq!(d.decode.unwrap().replicas, Some(2));
+        let kv = d.kv_transfer.unwrap();
+        assert_eq!(
+            (kv.transport, kv.streams),
+            (tandem_cluster::TransportKind::Shm, 2)
+        );
+        assert_eq!(d.routing.unwrap().local_prefill_threshold, 64);
+        assert_eq!(d.timeouts.unwrap().prefill_secs, 5.0);
         let err = ServeSettings::resolve(&ServeArgs::default(), file).unwrap_err();
-        assert!(err.to_string().contains("not supported yet"), "{err}");
+        assert!(err.to_string().contains("P/D launcher"), "{err}");
+        let err = FileConfig::from_yaml("deployment: {mode: pd, kv_transfer: {transprot: tcp}}\n")
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("transprot"), "{err:#}");
+        let colocated =
+            FileConfig::from_yaml("deployment: {routing: {prefill_load_bound: 1}}\n").unwrap();
+        assert!(ServeSettings::resolve(&ServeArgs::default(), colocated).is_err());
         assert!(FileConfig::from_yaml("deployment: {mode: sideways}\n").is_err());
+    }
+
+    #[test]
+    fn shipped_examples_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+        for name in ["pd.yaml", "pd-2p1d.yaml", "colocated.yaml"] {
+            let file = FileConfig::load(&dir.join(name)).unwrap();
+            let mode = file.deployment.as_ref().map(|d| d.mode).unwrap_or_default();
+            assert_eq!(mode == DeploymentMode::Pd, name.starts_with("pd"), "{name}");
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! The `tandem` command: `serve` runs the OpenAI-compatible server, `chat` talks to one.
 
+mod bench_engine;
 mod chat;
 mod config;
 mod launch;
@@ -32,6 +33,8 @@ enum Command {
     Chat(chat::ChatArgs),
     /// Run one prefill or decode worker of a disaggregated deployment.
     Worker(worker::WorkerArgs),
+    /// Measure the engine's decode and prefill speed on one model, in process.
+    BenchEngine(bench_engine::BenchEngineArgs),
 }
 
 /// Installs the global tracing subscriber; RUST_LOG refines the default `info` level.
@@ -54,7 +57,11 @@ fn main() -> Result<()> {
                 Some(path) => config::FileConfig::load(path)?,
                 None => config::FileConfig::default(),
             };
-            if file.deployment.as_ref().is_some_and(|d| d.mode == config::DeploymentMode::Pd) {
+            if file
+                .deployment
+                .as_ref()
+                .is_some_and(|d| d.mode == config::DeploymentMode::Pd)
+            {
                 init_logging(cli.log_format.or(file.log_format).unwrap_or_default());
                 return launch::run(&args, file);
             }
@@ -69,6 +76,10 @@ fn main() -> Result<()> {
         Command::Chat(args) => {
             init_logging(cli.log_format.unwrap_or_default());
             chat::run(args)
+        }
+        Command::BenchEngine(args) => {
+            init_logging(cli.log_format.unwrap_or_default());
+            bench_engine::run(args)
         }
     }
 }

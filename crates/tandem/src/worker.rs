@@ -41,6 +41,9 @@ pub struct WorkerArgs {
     /// Port of the RPC server (0 = any free port).
     #[arg(long, default_value_t = 0)]
     pub port: u16,
+    /// Host other machines use to reach this worker (RPC and KV) when --host is a wildcard like 0.0.0.0.
+    #[arg(long)]
+    pub advertise_host: Option<String>,
     /// Port of the KV server of a prefill worker (0 = any free port); it binds the --host address.
     #[arg(long, default_value_t = 0)]
     pub kv_port: u16,
@@ -176,6 +179,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             worker_id: worker_id.clone(),
             role: args.role,
             kv_listen: format!("{}:{}", args.host, args.kv_port),
+            kv_advertise_host: args.advertise_host.clone(),
             kv: KvTransferConfig {
                 transport: args.transport,
                 streams: args.kv_streams,
@@ -189,7 +193,11 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
             .await
             .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-        let url = format!("http://{}", listener.local_addr()?);
+        let local = listener.local_addr()?;
+        let url = match &args.advertise_host {
+            Some(host) => format!("http://{host}:{}", local.port()),
+            None => format!("http://{local}"),
+        };
         info!(%url, worker = %worker_id, role = %args.role, kv = %service.info().kv_endpoint, "worker serving");
         let server = axum::serve(listener, Arc::clone(&service).router())
             .with_graceful_shutdown(crate::serve::shutdown_signal());

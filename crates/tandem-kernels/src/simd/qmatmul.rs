@@ -244,7 +244,7 @@ unsafe fn qk_sub<const FMT: u8>(blk: *const u8, j: usize, sc: &[i16; 16]) -> (__
     if FMT == Q4K {
         let raw = _mm256_loadu_si256(blk.add(16 + 32 * (j / 2)).cast());
         let m4 = _mm256_set1_epi8(0x0F);
-        let q = if j % 2 == 0 {
+        let q = if j.is_multiple_of(2) {
             _mm256_and_si256(raw, m4)
         } else {
             _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)
@@ -317,17 +317,17 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
     let mut acc_min = [[0f32; MT]; RW];
     for b in 0..nb {
         let mut hdr = [(0f32, 0f32, [0i16; 16], [0i16; 16]); RW];
-        for r in 0..RW {
-            hdr[r] = qk_header::<FMT>(w.add(r * rb + b * bb));
+        for (r, h) in hdr.iter_mut().enumerate() {
+            *h = qk_header::<FMT>(w.add(r * rb + b * bb));
         }
         let mut isum = [[_mm256_setzero_si256(); MT]; RW];
         for j in 0..8 {
             for r in 0..RW {
                 let (q, scv) = qk_sub::<FMT>(w.add(r * rb + b * bb), j, &hdr[r].2);
-                for t in 0..MT {
+                for (t, acc_t) in isum[r].iter_mut().enumerate() {
                     let xv = _mm256_loadu_si256(qx.add(t * cols + 256 * b + 32 * j).cast());
                     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scv);
-                    isum[r][t] = _mm256_add_epi32(isum[r][t], p);
+                    *acc_t = _mm256_add_epi32(*acc_t, p);
                 }
             }
         }

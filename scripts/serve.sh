@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The quick start: fetch the default model (once), build tandem (release) and serve it on 127.0.0.1:8000
+# as the embedded default deployment — one ingress, one prefill worker, one decode worker, each its own
+# OS process on this machine. Extra arguments go to `tandem serve` (e.g. --port 9000).
+# TANDEM_CONFIG picks another deployment file (examples/colocated.yaml for a single process).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/fetch-model.sh
+cargo build --release -p tandem
+exec target/release/tandem serve --config "${TANDEM_CONFIG:-examples/pd.yaml}" "$@"
