@@ -48,7 +48,7 @@ run_step "fetch model" bash scripts/fetch-model.sh
 run_step "cargo fmt --check" cargo fmt --all --check
 build_ok=0
 run_step "cargo build --release" cargo build --workspace --release && build_ok=1
-run_step "cargo test --release" cargo test --workspace --release
+run_step "cargo test --release" cargo test --workspace --release --no-fail-fast
 run_step "cargo clippy -D warnings" cargo clippy --workspace --all-targets --release -- -D warnings
 if [ "$build_ok" = 1 ]; then
   run_step "pytest tests/python" python_tests

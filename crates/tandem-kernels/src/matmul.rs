@@ -58,13 +58,6 @@ pub(crate) struct Job<'a> {
 /// Computes `out[i][r]` for rows `rows` of the weight and activation rows `ms`.
 pub(crate) type RangeKernel = fn(&Job, Range<usize>, Range<usize>);
 
-/// Rounds a block scale to f16 precision, as GGML stores activation scales in its Q8_0/Q8_1 blocks:
-/// keeping the same rounding keeps our logits within noise of llama.cpp's on the same file.
-#[inline]
-pub(crate) fn round_to_f16(x: f32) -> f32 {
-    half::f16::from_f32(x).to_f32()
-}
-
 /// Quantizes rows of 32-element blocks the Q8_0 way: d = amax/127, q = round(x/d), s = d*sum(q).
 pub(crate) fn quantize_q8_0_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
     for (b, ((xb, qb), (d, s))) in x
@@ -82,8 +75,8 @@ pub(crate) fn quantize_q8_0_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &
             *q = (v * id).round_ties_even() as i8;
             sum += *q as i32;
         }
-        *d = round_to_f16(dd);
-        *s = round_to_f16(dd * sum as f32);
+        *d = dd;
+        *s = dd * sum as f32;
     }
 }
 

@@ -219,8 +219,8 @@ pub(crate) unsafe fn quantize_q8_0_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32]
             qx.as_mut_ptr().add(32 * b) as *mut __m256i,
             _mm256_permutevar8x32_epi32(packed, perm),
         );
-        dx[b] = crate::matmul::round_to_f16(d);
-        sx[b] = crate::matmul::round_to_f16(d * sum as f32);
+        dx[b] = d;
+        sx[b] = d * sum as f32;
     }
 }
 

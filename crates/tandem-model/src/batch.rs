@@ -49,7 +49,12 @@ impl ForwardBatch {
     pub fn push(&mut self, tokens: &[u32], pos: usize, blocks: Vec<u32>, logits: LogitsWanted) {
         let start = self.tokens.len();
         self.tokens.extend_from_slice(tokens);
-        self.seqs.push(SeqChunk { tokens: start..self.tokens.len(), pos, blocks, logits });
+        self.seqs.push(SeqChunk {
+            tokens: start..self.tokens.len(),
+            pos,
+            blocks,
+            logits,
+        });
     }
 
     /// Number of logits rows a forward pass over this batch returns.
@@ -121,7 +126,14 @@ impl KvLayout {
     }
 
     /// How many blocks a budget of `bytes` holds for a model with this shape.
-    pub fn blocks_for_budget(bytes: usize, n_layers: usize, n_kv_heads: usize, head_dim: usize, block_size: usize, dtype: KvDtype) -> usize {
+    pub fn blocks_for_budget(
+        bytes: usize,
+        n_layers: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+        dtype: KvDtype,
+    ) -> usize {
         let per_block = n_layers * 2 * n_kv_heads * block_size * head_dim * dtype.size();
         bytes / per_block.max(1)
     }

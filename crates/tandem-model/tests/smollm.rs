@@ -126,7 +126,8 @@ fn greedy(model: &mut CpuLlama, m: &LoadedModel, prompt: &[u32], max: usize) -> 
 /// llama.cpp's own greedy answer (llama-server from the vendored llama-cpp-python 0.3.36 source,
 /// temperature 0, same GGUF, same ChatML prompt): the 4-bit 135M model does not know the answer, and
 /// matching llama.cpp word for word is the stronger check.
-const LLAMA_CPP_FRANCE_ANSWER: &str = "L'Étoile, la Marseillaise, la femme au martyre, la femme au mart";
+const LLAMA_CPP_FRANCE_ANSWER: &str =
+    "L'Étoile, la Marseillaise, la femme au martyre, la femme au mart";
 
 #[test]
 fn answers_the_capital_of_france_like_llama_cpp() {

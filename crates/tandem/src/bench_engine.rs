@@ -41,8 +41,13 @@ pub struct BenchEngineArgs {
 /// Loads the model, starts an engine and prints the measured figures.
 pub fn run(args: BenchEngineArgs) -> Result<()> {
     let path = resolve_model(args.model.as_deref())?;
-    let loaded = tandem_model::load(&path, &LoadOptions { progress: !args.json })
-        .with_context(|| format!("loading {}", path.display()))?;
+    let loaded = tandem_model::load(
+        &path,
+        &LoadOptions {
+            progress: !args.json,
+        },
+    )
+    .with_context(|| format!("loading {}", path.display()))?;
     let config = EngineConfig {
         threads: args.threads,
         max_num_batched_tokens: args.prefill_len.max(512),

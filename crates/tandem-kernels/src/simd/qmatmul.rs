@@ -153,6 +153,16 @@ unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(
         let mut wq = [_mm256_setzero_si256(); RW];
         let mut wd = [_mm256_setzero_ps(); RW];
         let mut wo = [0f32; RW];
+        if MT == 1 {
+            // m = 1 (decode) streams every weight byte once and is bound by memory latency: ask for the
+            // rows two tiles ahead now so their lines arrive while this tile computes (a prefetch past the
+            // end of the matrix is harmless; `wrapping_add` keeps the address arithmetic defined).
+            for r in 0..RW {
+                _mm_prefetch::<_MM_HINT_T0>(
+                    w.wrapping_add((r + 2 * RW) * rb + b * bb).cast::<i8>(),
+                );
+            }
+        }
         for r in 0..RW {
             let (q, d, o) = load_block::<FMT>(w.add(r * rb + b * bb));
             wq[r] = q;
