@@ -188,29 +188,9 @@ impl FileConfig {
     }
 }
 
-/// Flags of `tandem serve`; each one overrides the same setting of the config file.
+/// The engine flags shared by `tandem serve` and `tandem worker`; each overrides the same `engine:` key.
 #[derive(Clone, Debug, Default, Args)]
-pub struct ServeArgs {
-    /// GGUF file or HF folder (default: models/SmolLM2-135M-Instruct.Q4_1.gguf, fetched if missing).
-    pub model: Option<PathBuf>,
-    /// YAML file with the same settings; flags override it.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Address to listen on [default: 127.0.0.1].
-    #[arg(long)]
-    pub host: Option<String>,
-    /// Port to listen on [default: 8000].
-    #[arg(long)]
-    pub port: Option<u16>,
-    /// Name clients use in `model` [default: the model's file stem or folder name].
-    #[arg(long)]
-    pub served_model_name: Option<String>,
-    /// Require `Authorization: Bearer KEY` on /v1 routes.
-    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
-    pub api_key: Option<String>,
-    /// Jinja chat template file overriding the model's own.
-    #[arg(long)]
-    pub chat_template: Option<PathBuf>,
+pub struct EngineArgs {
     /// Tokens per KV block.
     #[arg(long)]
     pub block_size: Option<usize>,
@@ -238,6 +218,58 @@ pub struct ServeArgs {
     /// Compute threads (0 = all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+}
+
+impl EngineArgs {
+    /// The flags as an `engine:` section (unset flags stay unset), so they merge like the file's keys.
+    pub fn as_section(&self) -> EngineSection {
+        EngineSection {
+            block_size: self.block_size,
+            kv_cache_memory: self.kv_cache_memory,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            enable_chunked_prefill: self.no_chunked_prefill.then_some(false),
+            enable_prefix_caching: self.no_prefix_caching.then_some(false),
+            max_model_len: self.max_model_len,
+            max_waiting: self.max_waiting,
+            threads: self.threads,
+        }
+    }
+
+    /// Engine defaults with these flags applied.
+    pub fn engine_config(&self) -> EngineConfig {
+        let mut engine = EngineConfig::default();
+        apply_engine(&self.as_section(), &mut engine);
+        engine
+    }
+}
+
+/// Flags of `tandem serve`; each one overrides the same setting of the config file.
+#[derive(Clone, Debug, Default, Args)]
+pub struct ServeArgs {
+    /// GGUF file or HF folder (default: models/SmolLM2-135M-Instruct.Q4_1.gguf, fetched if missing).
+    pub model: Option<PathBuf>,
+    /// YAML file with the same settings; flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on [default: 8000].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Name clients use in `model` [default: the model's file stem or folder name].
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Jinja chat template file overriding the model's own.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// Engine knobs.
+    #[command(flatten)]
+    pub engine: EngineArgs,
 }
 
 /// The merged settings `tandem serve` runs with.
@@ -309,18 +341,7 @@ impl ServeSettings {
         }
         let mut engine = EngineConfig::default();
         apply_engine(&file.engine, &mut engine);
-        let flags = EngineSection {
-            block_size: args.block_size,
-            kv_cache_memory: args.kv_cache_memory,
-            max_num_seqs: args.max_num_seqs,
-            max_num_batched_tokens: args.max_num_batched_tokens,
-            enable_chunked_prefill: args.no_chunked_prefill.then_some(false),
-            enable_prefix_caching: args.no_prefix_caching.then_some(false),
-            max_model_len: args.max_model_len,
-            max_waiting: args.max_waiting,
-            threads: args.threads,
-        };
-        apply_engine(&flags, &mut engine);
+        apply_engine(&args.engine.as_section(), &mut engine);
         Ok(Self {
             model: args.model.clone().or(file.model),
             served_model_name: args.served_model_name.clone().or(file.served_model_name),
@@ -364,7 +385,10 @@ mod tests {
         .unwrap();
         let args = ServeArgs {
             port: Some(9100),
-            max_num_seqs: Some(4),
+            engine: EngineArgs {
+                max_num_seqs: Some(4),
+                ..EngineArgs::default()
+            },
             ..ServeArgs::default()
         };
         let s = ServeSettings::resolve(&args, file).unwrap();
@@ -388,7 +412,10 @@ mod tests {
         let d = EngineConfig::default();
         assert_eq!(s.engine.block_size, d.block_size);
         let args = ServeArgs {
-            no_chunked_prefill: true,
+            engine: EngineArgs {
+                no_chunked_prefill: true,
+                ..EngineArgs::default()
+            },
             ..ServeArgs::default()
         };
         assert!(

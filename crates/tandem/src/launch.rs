@@ -55,6 +55,7 @@ fn engine_flags(section: &EngineSection, out: &mut Vec<String>) {
         "max-model-len",
         section.max_model_len.map(|v| v.to_string()),
     );
+    flag("max-waiting", section.max_waiting.map(|v| v.to_string()));
     flag("threads", section.threads.map(|v| v.to_string()));
     if section.enable_chunked_prefill == Some(false) {
         out.push("--no-chunked-prefill".into());
@@ -88,17 +89,7 @@ fn merge(layers: &[&EngineSection]) -> EngineSection {
 
 /// The engine flags given on the `tandem serve` command line, which apply to every worker.
 fn cli_engine(args: &ServeArgs) -> EngineSection {
-    EngineSection {
-        block_size: args.block_size,
-        kv_cache_memory: args.kv_cache_memory,
-        max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        enable_chunked_prefill: args.no_chunked_prefill.then_some(false),
-        enable_prefix_caching: args.no_prefix_caching.then_some(false),
-        max_model_len: args.max_model_len,
-        max_waiting: args.max_waiting,
-        threads: args.threads,
-    }
+    args.engine.as_section()
 }
 
 /// Starts one worker and returns it with a receiver for its RPC URL (sent once it serves).

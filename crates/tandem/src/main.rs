@@ -110,8 +110,8 @@ mod tests {
             panic!("expected serve")
         };
         assert_eq!(args.port, Some(9000));
-        assert_eq!(args.kv_cache_memory.map(|b| b.0), Some(1 << 30));
-        assert!(args.no_prefix_caching);
+        assert_eq!(args.engine.kv_cache_memory.map(|b| b.0), Some(1 << 30));
+        assert!(args.engine.no_prefix_caching);
         assert!(Cli::try_parse_from(["tandem", "serve", "--kv-cache-memory", "lots"]).is_err());
     }
 }

@@ -14,11 +14,11 @@ use tandem_cluster::protocol::{ErrorBody, RegisterRequest, PATH_REGISTER};
 use tandem_cluster::{
     peer_info, KvTransferConfig, Role, TransportKind, WorkerConfig, WorkerService,
 };
-use tandem_engine::{CpuBackend, Engine, EngineConfig};
+use tandem_engine::{CpuBackend, Engine};
 use tandem_model::{CpuLlama, LoadOptions};
 use tracing::info;
 
-use crate::config::ByteSize;
+use crate::config::EngineArgs;
 
 /// The line a worker prints on stdout once it serves, so a launcher can learn its address.
 pub const READY_PREFIX: &str = "TANDEM_WORKER_READY ";
@@ -59,60 +59,12 @@ pub struct WorkerArgs {
     /// Seconds a prefill worker keeps KV pinned waiting for the pull's ack.
     #[arg(long, default_value_t = 30.0)]
     pub pin_timeout: f64,
-    /// Tokens per KV block (must match every other worker).
-    #[arg(long)]
-    pub block_size: Option<usize>,
-    /// Memory for the KV cache, e.g. 1GiB or 64MiB.
-    #[arg(long)]
-    pub kv_cache_memory: Option<ByteSize>,
-    /// Running sequences per step.
-    #[arg(long)]
-    pub max_num_seqs: Option<usize>,
-    /// Token budget per step.
-    #[arg(long)]
-    pub max_num_batched_tokens: Option<usize>,
-    /// Prefill whole prompts in one step.
-    #[arg(long)]
-    pub no_chunked_prefill: bool,
-    /// Do not reuse KV of shared prompt prefixes.
-    #[arg(long)]
-    pub no_prefix_caching: bool,
-    /// Context length cap.
-    #[arg(long)]
-    pub max_model_len: Option<usize>,
-    /// Compute threads (0 = all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
+    /// Engine knobs; `block_size` must match every other worker's.
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Exit when stdin closes: set by `tandem serve`, whose death closes the pipe.
     #[arg(long, hide = true)]
     pub exit_with_stdin: bool,
-}
-
-impl WorkerArgs {
-    fn engine_config(&self) -> EngineConfig {
-        let mut e = EngineConfig::default();
-        if let Some(v) = self.block_size {
-            e.block_size = v;
-        }
-        if let Some(v) = self.kv_cache_memory {
-            e.kv_cache_bytes = v.0;
-        }
-        if let Some(v) = self.max_num_seqs {
-            e.max_num_seqs = v;
-        }
-        if let Some(v) = self.max_num_batched_tokens {
-            e.max_num_batched_tokens = v;
-        }
-        e.enable_chunked_prefill &= !self.no_chunked_prefill;
-        e.enable_prefix_caching &= !self.no_prefix_caching;
-        if self.max_model_len.is_some() {
-            e.max_model_len = self.max_model_len;
-        }
-        if let Some(v) = self.threads {
-            e.threads = v;
-        }
-        e
-    }
 }
 
 /// Asks the ingress to add this worker; a refusal (e.g. a `block_size` mismatch) is an error naming the field.
@@ -153,7 +105,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
     info!(path = %model_path.display(), role = %args.role, "loading model");
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: false })
         .with_context(|| format!("loading {}", model_path.display()))?;
-    let engine_config = args.engine_config();
+    let engine_config = args.engine.engine_config();
     let n_heads = loaded.config.num_heads;
     let model_id = loaded.identity.0.clone();
     let cpu_model = CpuLlama::new(loaded.config, loaded.weights, engine_config.threads);
