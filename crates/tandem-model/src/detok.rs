@@ -33,9 +33,9 @@ impl IncrementalDecoder {
         }
     }
 
-    /// Adds one token and returns the new text ("" while a character is incomplete).
-    pub fn push(&mut self, token: u32) -> Result<String, ModelError> {
-        self.ids.push(token);
+    /// Decodes the text already emitted from the window (`prefix`) and the whole window (`full`);
+    /// the new text is what `full` has beyond `prefix`.
+    fn decode_window(&self) -> Result<(String, String), ModelError> {
         let prefix = self.tokenizer.decode(
             &self.ids[self.prefix_offset..self.read_offset],
             self.skip_special_tokens,
@@ -43,6 +43,13 @@ impl IncrementalDecoder {
         let full = self
             .tokenizer
             .decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
+        Ok((prefix, full))
+    }
+
+    /// Adds one token and returns the new text ("" while a character is incomplete).
+    pub fn push(&mut self, token: u32) -> Result<String, ModelError> {
+        self.ids.push(token);
+        let (prefix, full) = self.decode_window()?;
         if full.len() <= prefix.len()
             || full.ends_with('\u{FFFD}')
             || !full.is_char_boundary(prefix.len())
@@ -66,13 +73,7 @@ impl IncrementalDecoder {
         if self.read_offset == self.ids.len() {
             return Ok(String::new());
         }
-        let prefix = self.tokenizer.decode(
-            &self.ids[self.prefix_offset..self.read_offset],
-            self.skip_special_tokens,
-        )?;
-        let full = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
+        let (prefix, full) = self.decode_window()?;
         self.ids.clear();
         self.prefix_offset = 0;
         self.read_offset = 0;
