@@ -295,26 +295,14 @@ async fn conn_loop(
                 }
                 send_layers(inner, r.get_mut(), tid, &req, &guard.blocks, &mut buf).await?;
                 drop(guard);
-                wire::send(
-                    r.get_mut(),
-                    FrameHeader::control(FrameKind::PullDone, tid, 0),
-                    &[],
-                    io,
-                )
-                .await?;
+                send_control(r.get_mut(), FrameKind::PullDone, tid, io).await?;
             }
             FrameKind::ShmPull => {
                 let guard = inner.registry.begin_read(tid)?;
                 st.control = Some(tid);
                 send_shm(inner, r.get_mut(), tid, &guard.blocks, &mut st.shm).await?;
                 drop(guard);
-                wire::send(
-                    r.get_mut(),
-                    FrameHeader::control(FrameKind::PullDone, tid, 0),
-                    &[],
-                    io,
-                )
-                .await?;
+                send_control(r.get_mut(), FrameKind::PullDone, tid, io).await?;
             }
             FrameKind::Ack => {
                 if let Some(seg) = st.shm.take() {
@@ -328,13 +316,7 @@ async fn conn_loop(
                         "ack for a transfer that was already released"
                     );
                 }
-                wire::send(
-                    r.get_mut(),
-                    FrameHeader::control(FrameKind::AckOk, tid, 0),
-                    &[],
-                    io,
-                )
-                .await?;
+                send_control(r.get_mut(), FrameKind::AckOk, tid, io).await?;
             }
             FrameKind::Abort => {
                 if let Some(seg) = st.shm.take() {
@@ -424,4 +406,14 @@ async fn send_shm(
         inner.metrics.add_sent(layer_bytes as u64);
     }
     Ok(())
+}
+
+/// Sends a control frame without payload (`PullDone`, `AckOk`, ...) for transfer `tid`.
+async fn send_control<W: tokio::io::AsyncWrite + Unpin>(
+    w: &mut W,
+    kind: FrameKind,
+    tid: u64,
+    io: std::time::Duration,
+) -> Result<(), KvError> {
+    wire::send(w, FrameHeader::control(kind, tid, 0), &[], io).await
 }
