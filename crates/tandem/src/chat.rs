@@ -1,4 +1,5 @@
-//! `tandem chat`: an interactive terminal chat against a running tandem (or any OpenAI-compatible) server.
+//! `tandem chat`: an interactive terminal chat against a running tandem (or any OpenAI-compatible) server,
+//! or, with `--local`, against a model served inside this process.
 
 use std::io::Write;
 
@@ -7,12 +8,24 @@ use clap::Args;
 use futures::StreamExt;
 use serde_json::{json, Value};
 
+use crate::config::{EngineArgs, FileConfig, ServeArgs, ServeSettings};
+use crate::serve::LocalServer;
+
 /// Flags of `tandem chat`.
 #[derive(Clone, Debug, Args)]
 pub struct ChatArgs {
-    /// Base URL of the server.
+    /// Base URL of the server (ignored with --local).
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     pub url: String,
+    /// Load the model in this process instead of talking to a running server.
+    #[arg(long)]
+    pub local: bool,
+    /// With --local: GGUF file or HF folder (default: the default model, fetched if missing).
+    #[arg(long, requires = "local")]
+    pub model_path: Option<std::path::PathBuf>,
+    /// With --local: engine knobs, as for `tandem serve`.
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Model name (default: the server's first model).
     #[arg(long)]
     pub model: Option<String>,
@@ -131,7 +144,15 @@ impl Client {
 /// Runs the read-answer loop until EOF or `/exit`; `/reset` forgets the conversation.
 ///
 /// Input is read with blocking std I/O between requests: nothing else runs while the user types.
-pub fn run(args: ChatArgs) -> Result<()> {
+pub fn run(mut args: ChatArgs) -> Result<()> {
+    // Declared before the client so it outlives every request; dropping it stops the engine.
+    let local = if args.local {
+        let server = LocalServer::start(local_settings(&args)?)?;
+        args.url = server.url.clone();
+        Some(server)
+    } else {
+        None
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -150,10 +171,11 @@ pub fn run(args: ChatArgs) -> Result<()> {
         .map(|s| json!({"role": "system", "content": s}))
         .collect();
     let mut messages = system.clone();
-    eprintln!(
-        "chatting with {model} at {} (/reset, /exit)",
-        client.args.url
-    );
+    let place = match &local {
+        Some(_) => "in this process".to_owned(),
+        None => format!("at {}", client.args.url),
+    };
+    eprintln!("chatting with {model} {place} (/reset, /exit)");
     let mut lines = std::io::stdin().lines();
     loop {
         eprint!("> ");
@@ -180,7 +202,20 @@ pub fn run(args: ChatArgs) -> Result<()> {
             }
         }
     }
-    Ok(())
+    match local {
+        Some(server) => server.stop(),
+        None => Ok(()),
+    }
+}
+
+/// The settings of the in-process server: `tandem serve`'s defaults plus the chat's engine flags.
+fn local_settings(args: &ChatArgs) -> Result<ServeSettings> {
+    let serve = ServeArgs {
+        model: args.model_path.clone(),
+        engine: args.engine.clone(),
+        ..ServeArgs::default()
+    };
+    ServeSettings::resolve(&serve, FileConfig::default())
 }
 
 #[cfg(test)]

@@ -29,7 +29,7 @@ struct Cli {
 enum Command {
     /// Serve a model over an OpenAI-compatible HTTP API.
     Serve(ServeArgs),
-    /// Chat interactively with a running server.
+    /// Chat interactively with a running server, or with a model loaded in process (--local).
     Chat(chat::ChatArgs),
     /// Run one prefill or decode worker of a disaggregated deployment.
     Worker(worker::WorkerArgs),
@@ -39,7 +39,13 @@ enum Command {
 
 /// Installs the global tracing subscriber; RUST_LOG refines the default `info` level.
 fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    init_logging_at(format, "info");
+}
+
+/// Installs the global tracing subscriber with `default_level` unless RUST_LOG says otherwise.
+fn init_logging_at(format: LogFormat, default_level: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -74,7 +80,9 @@ fn main() -> Result<()> {
             worker::run(args)
         }
         Command::Chat(args) => {
-            init_logging(cli.log_format.unwrap_or_default());
+            // In-process serving would interleave its info logs with the conversation.
+            let level = if args.local { "warn" } else { "info" };
+            init_logging_at(cli.log_format.unwrap_or_default(), level);
             chat::run(args)
         }
         Command::BenchEngine(args) => {

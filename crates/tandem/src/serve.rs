@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use tandem_api::{ApiConfig, AppState, ModelCodec};
-use tandem_engine::{CpuBackend, Engine};
+use tandem_engine::{CpuBackend, Engine, EngineHandle};
 use tandem_model::{CpuLlama, LoadOptions};
 use tracing::info;
 
@@ -94,8 +94,15 @@ pub(crate) async fn shutdown_signal() {
     info!("shutting down");
 }
 
-/// Runs the server with the merged settings.
-pub fn run(settings: ServeSettings) -> Result<()> {
+/// A loaded model behind a running engine, ready to be served over HTTP.
+struct Prepared {
+    engine: EngineHandle,
+    state: Arc<AppState>,
+    served_name: String,
+}
+
+/// Loads the model, starts the engine thread and builds the API state: everything but the listener.
+fn prepare(settings: &ServeSettings) -> Result<Prepared> {
     let model_path = resolve_model(settings.model.as_deref())?;
     info!(path = %model_path.display(), "loading model");
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: true })
@@ -148,15 +155,31 @@ pub fn run(settings: ServeSettings) -> Result<()> {
         Arc::new(codec),
         config,
     )?);
+    Ok(Prepared {
+        engine,
+        state,
+        served_name,
+    })
+}
 
-    // The engine computes on its own threads; the HTTP side needs only a couple of workers.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+/// The HTTP side's runtime: the engine computes on its own threads, so a couple of workers suffice.
+fn http_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("tandem-http")
         .enable_all()
         .build()
-        .context("building the tokio runtime")?;
-    let result = runtime.block_on(async {
+        .context("building the tokio runtime")
+}
+
+/// Runs the server with the merged settings.
+pub fn run(settings: ServeSettings) -> Result<()> {
+    let Prepared {
+        engine,
+        state,
+        served_name,
+    } = prepare(&settings)?;
+    let result = http_runtime()?.block_on(async {
         let listener = tokio::net::TcpListener::bind((settings.host.as_str(), settings.port))
             .await
             .with_context(|| format!("binding {}:{}", settings.host, settings.port))?;
@@ -167,6 +190,74 @@ pub fn run(settings: ServeSettings) -> Result<()> {
     });
     engine.shutdown();
     result
+}
+
+/// A server running inside this process on an ephemeral loopback port (`tandem chat --local`).
+pub struct LocalServer {
+    /// Where the server listens, e.g. `http://127.0.0.1:41234`.
+    pub url: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<Result<()>>>,
+}
+
+impl LocalServer {
+    /// Loads the model and serves it on 127.0.0.1 with an OS-chosen port; returns once it accepts connections.
+    pub fn start(mut settings: ServeSettings) -> Result<Self> {
+        settings.host = "127.0.0.1".to_owned();
+        let Prepared { engine, state, .. } = prepare(&settings)?;
+        let runtime = http_runtime()?;
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind(("127.0.0.1", 0)))
+            .context("binding a loopback port")?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("tandem-local-server".to_owned())
+            .spawn(move || {
+                let result = runtime.block_on(async {
+                    let shutdown = async {
+                        // A dropped sender means the chat ended: stop either way.
+                        let _ = stopped.await;
+                    };
+                    tandem_api::serve(listener, state, shutdown)
+                        .await
+                        .context("HTTP server")
+                });
+                engine.shutdown();
+                result
+            })
+            .context("spawning the local server thread")?;
+        Ok(Self {
+            url,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops accepting requests, shuts the engine down and reports how the server ended.
+    pub fn stop(mut self) -> Result<()> {
+        self.stop_inner()
+    }
+
+    fn stop_inner(&mut self) -> Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.thread.take() {
+            Some(thread) => thread
+                .join()
+                .map_err(|_| anyhow::anyhow!("the local server thread panicked"))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for LocalServer {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop_inner() {
+            tracing::warn!(error = %e, "local server ended with an error");
+        }
+    }
 }
 
 #[cfg(test)]
