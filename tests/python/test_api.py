@@ -192,6 +192,38 @@ def test_completion_echo_and_logprobs(client):
     assert lp.text_offset == sorted(lp.text_offset)
     plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0)
     assert c.text == prompt + plain.choices[0].text
+    # The prompt is scored too: null for its first token only (nothing precedes it), as OpenAI does.
+    scored = lp.token_logprobs[: r.usage.prompt_tokens]
+    assert scored[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in scored[1:])
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    # Streamed, the scored echo rides on the first chunk: the same text and logprobs in the end.
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=2, stream=True
+        )
+    )
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
+    streamed = [v for ch in chunks if ch.choices and ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+
+
+def test_echo_scores_match_generation(client, server):
+    """Scoring prompt + generated token (echo with logprobs, as lm-eval does) gives the logprob that the
+    generation reported for that token."""
+    prompt = "The capital of France is"
+    gen = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
+    piece = gen.choices[0].text
+    ids = tokenize(server, prompt=prompt)["tokens"]
+    both = tokenize(server, prompt=prompt + piece)["tokens"]
+    assert both[: len(ids)] == ids and len(both) == len(ids) + 1, "the piece must re-tokenize as one token"
+    echo = client.completions.create(
+        model=MODEL_NAME, prompt=prompt + piece, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    lp = echo.choices[0].logprobs
+    assert echo.usage.prompt_tokens == len(both)
+    scored = lp.token_logprobs[len(ids)]
+    assert abs(scored - gen.choices[0].logprobs.token_logprobs[0]) < 1e-2
 
 
 def test_completion_max_tokens_length(client):

@@ -7,6 +7,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
+use crate::codec::TextCodec;
 use crate::error::ApiError;
 use crate::generate::{collect, push_completion_logprobs, submit_choices, GeneratedToken, Step};
 use crate::protocol::{
@@ -16,6 +17,7 @@ use crate::routes::{check_token_ids, ApiJson};
 use crate::sse::{stream_choices, to_json, UsageRenderer};
 use crate::state::AppState;
 use crate::validate::{logprobs_count, plan, resolve_max_tokens};
+use tandem_engine::TokenLogprobs;
 
 /// OpenAI's default completion length for this endpoint.
 const DEFAULT_MAX_TOKENS: i64 = 16;
@@ -63,6 +65,40 @@ fn tokenize_prompts(state: &AppState, input: PromptInput) -> Result<Vec<Prompt>,
     Ok(prompts)
 }
 
+/// The echoed prompt of one choice: its text (when echoing) and, when logprobs were asked for, its
+/// tokens with their scores (`scores[i]` is token i's; absent scores give nulls).
+fn echo_part(
+    codec: &dyn TextCodec,
+    prompt: &Prompt,
+    echo: bool,
+    logprobs: Option<usize>,
+    scores: Option<&[Option<TokenLogprobs>]>,
+    offset: &mut usize,
+) -> (String, Option<CompletionLogprobs>) {
+    let logprobs = logprobs.map(|_| {
+        let mut lp = CompletionLogprobs::default();
+        if echo {
+            let tokens: Vec<GeneratedToken> = prompt
+                .ids
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| GeneratedToken {
+                    id,
+                    logprobs: scores.and_then(|s| s.get(i).cloned().flatten()),
+                })
+                .collect();
+            push_completion_logprobs(codec, &mut lp, &tokens, offset);
+        }
+        lp
+    });
+    let text = if echo {
+        prompt.text.clone()
+    } else {
+        String::new()
+    };
+    (text, logprobs)
+}
+
 /// The handler.
 pub async fn completions(
     State(state): State<Arc<AppState>>,
@@ -74,7 +110,7 @@ pub async fn completions(
         return Err(ApiError::invalid("suffix is not supported", Some("suffix")));
     }
     let logprobs = logprobs_count(req.logprobs, "logprobs")?;
-    let plan = plan(
+    let mut plan = plan(
         &req.sampling,
         Some(req.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)),
         "max_tokens",
@@ -87,6 +123,10 @@ pub async fn completions(
         ));
     }
     let echo = req.echo.unwrap_or(false);
+    if echo {
+        // Echoed prompt tokens carry logprobs too: the engine scores the prompt.
+        plan.params.prompt_logprobs = logprobs;
+    }
     let prompts = tokenize_prompts(&state, req.prompt)?;
     let max_model_len = state.backend.max_model_len();
     let mut runs = Vec::with_capacity(prompts.len() * plan.n);
@@ -117,37 +157,23 @@ pub async fn completions(
             usage,
         }
     };
-    // Echoed prompt tokens carry no logprobs: the engine computes none for prompts.
-    let echo_part = |prompt: &Prompt, offset: &mut usize| -> (String, Option<CompletionLogprobs>) {
-        let logprobs = logprobs.map(|_| {
-            let mut lp = CompletionLogprobs::default();
-            if echo {
-                let tokens: Vec<GeneratedToken> = prompt
-                    .ids
-                    .iter()
-                    .map(|&id| GeneratedToken { id, logprobs: None })
-                    .collect();
-                push_completion_logprobs(state.codec.as_ref(), &mut lp, &tokens, offset);
-            }
-            lp
-        });
-        (
-            if echo {
-                prompt.text.clone()
-            } else {
-                String::new()
-            },
-            logprobs,
-        )
-    };
-
     if plan.stream {
         let total = prompts.len() * plan.n;
         let mut offsets = vec![0usize; total];
         let mut prelude = Vec::new();
-        if echo {
+        // Scores arrive with the first token, so a scored echo rides on each choice's first chunk;
+        // a plain echo goes out at once.
+        let scored_echo = echo && logprobs.is_some();
+        if echo && !scored_echo {
             for (index, offset) in offsets.iter_mut().enumerate() {
-                let (text, logprobs) = echo_part(&prompts[index / plan.n], offset);
+                let (text, logprobs) = echo_part(
+                    state.codec.as_ref(),
+                    &prompts[index / plan.n],
+                    echo,
+                    logprobs,
+                    None,
+                    offset,
+                );
                 let choice = CompletionChoice {
                     index,
                     text,
@@ -157,25 +183,41 @@ pub async fn completions(
                 prelude.push(to_json(&response(vec![choice], None)));
             }
         }
+        let mut echo_pending = vec![scored_echo; total];
+        let n = plan.n;
         let codec = state.codec.clone();
         let step_response = response.clone();
         let render = move |index: usize, step: Step| {
-            let logprobs = logprobs.map(|_| {
-                let mut lp = CompletionLogprobs::default();
+            let (mut text, mut logprobs) = if std::mem::take(&mut echo_pending[index]) {
+                echo_part(
+                    codec.as_ref(),
+                    &prompts[index / n],
+                    echo,
+                    logprobs,
+                    step.prompt_logprobs.as_deref(),
+                    &mut offsets[index],
+                )
+            } else {
+                (
+                    String::new(),
+                    logprobs.map(|_| CompletionLogprobs::default()),
+                )
+            };
+            if let Some(lp) = logprobs.as_mut() {
                 push_completion_logprobs(
                     codec.as_ref(),
-                    &mut lp,
+                    lp,
                     std::slice::from_ref(&step.token),
                     &mut offsets[index],
                 );
-                lp
-            });
-            if step.text.is_empty() && logprobs.is_none() && step.finish.is_none() {
+            }
+            text.push_str(&step.text);
+            if text.is_empty() && logprobs.is_none() && step.finish.is_none() {
                 return None;
             }
             let choice = CompletionChoice {
                 index,
-                text: step.text,
+                text,
                 logprobs,
                 finish_reason: step.finish,
             };
@@ -197,7 +239,14 @@ pub async fn completions(
         let c = c?;
         completion_tokens += c.tokens.len();
         let mut offset = 0;
-        let (mut text, mut logprobs) = echo_part(&prompts[index / plan.n], &mut offset);
+        let (mut text, mut logprobs) = echo_part(
+            state.codec.as_ref(),
+            &prompts[index / plan.n],
+            echo,
+            logprobs,
+            c.prompt_logprobs.as_deref(),
+            &mut offset,
+        );
         if let Some(lp) = logprobs.as_mut() {
             push_completion_logprobs(state.codec.as_ref(), lp, &c.tokens, &mut offset);
         }

@@ -33,6 +33,9 @@ pub struct Step {
     pub token: GeneratedToken,
     /// OpenAI finish reason on the choice's last step.
     pub finish: Option<&'static str>,
+    /// On the first step of a request that scored its prompt (echo with logprobs): one entry per
+    /// prompt token, `None` for the first.
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
 }
 
 /// The state of one choice while it generates.
@@ -98,7 +101,8 @@ impl ChoiceRun {
         }
         self.last_token_at = Some(now);
         match self.step(&out) {
-            Ok(step) => {
+            Ok(mut step) => {
+                step.prompt_logprobs = out.prompt_logprobs;
                 if let Some(reason) = step.finish {
                     self.stream = None;
                     self.state
@@ -134,6 +138,7 @@ impl ChoiceRun {
                 text,
                 token,
                 finish: Some("stop"),
+                prompt_logprobs: None,
             });
         }
         let Some(reason) = out.finish else {
@@ -141,6 +146,7 @@ impl ChoiceRun {
                 text,
                 token,
                 finish: None,
+                prompt_logprobs: None,
             });
         };
         let tail = self.decoder.finish().map_err(decode_err)?;
@@ -151,6 +157,7 @@ impl ChoiceRun {
                 text,
                 token,
                 finish: Some("stop"),
+                prompt_logprobs: None,
             });
         }
         text.push_str(&self.stop.flush());
@@ -158,6 +165,7 @@ impl ChoiceRun {
             text,
             token,
             finish: Some(finish_reason_str(reason)),
+            prompt_logprobs: None,
         })
     }
 }
@@ -171,6 +179,8 @@ pub struct CollectedChoice {
     pub tokens: Vec<GeneratedToken>,
     /// The finish reason.
     pub finish: Option<&'static str>,
+    /// The prompt's scores, when the request asked for them.
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
 }
 
 /// Runs a choice to its end.
@@ -178,6 +188,9 @@ pub async fn collect(mut run: ChoiceRun) -> Result<CollectedChoice, ApiError> {
     let mut out = CollectedChoice::default();
     while let Some(step) = run.next().await {
         let step = step?;
+        if step.prompt_logprobs.is_some() {
+            out.prompt_logprobs = step.prompt_logprobs;
+        }
         out.text.push_str(&step.text);
         out.tokens.push(step.token);
         out.finish = step.finish;

@@ -190,6 +190,7 @@ impl GenerateBackend for FakeBackend {
                 token: t,
                 logprobs,
                 finish,
+                prompt_logprobs: None,
             });
             if finish.is_some() {
                 break;

@@ -140,6 +140,7 @@ pub fn plan(
         stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs,
+        prompt_logprobs: None,
     };
     Ok(GenPlan {
         n: n as usize,

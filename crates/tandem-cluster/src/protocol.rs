@@ -149,6 +149,9 @@ pub struct WireToken {
     /// Set on the request's last token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finish: Option<FinishReason>,
+    /// On the first token of a request that scored its prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
 }
 
 impl From<TokenOutput> for WireToken {
@@ -157,6 +160,7 @@ impl From<TokenOutput> for WireToken {
             token: o.token,
             logprobs: o.logprobs,
             finish: o.finish,
+            prompt_logprobs: o.prompt_logprobs,
         }
     }
 }
@@ -167,6 +171,7 @@ impl From<WireToken> for TokenOutput {
             token: w.token,
             logprobs: w.logprobs,
             finish: w.finish,
+            prompt_logprobs: w.prompt_logprobs,
         }
     }
 }
@@ -213,6 +218,7 @@ mod tests {
                 token: 7,
                 logprobs: None,
                 finish: Some(FinishReason::Stop),
+                prompt_logprobs: None,
             }),
             StreamEvent::Error("boom".into()),
         ];

@@ -433,6 +433,7 @@ impl WorkerService {
             token: out.token,
             logprobs: out.logprobs,
             finish,
+            prompt_logprobs: out.prompt_logprobs,
         };
         if finish.is_some() {
             return Ok(PrefillResponse {

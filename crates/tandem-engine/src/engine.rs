@@ -7,10 +7,10 @@
 
 use crate::backend::{Backend, BackendError};
 use crate::block_pool::{BlockPool, BlockTable};
-use crate::sampler::{Sampler, SeqRng};
+use crate::sampler::{logprobs_of, Sampler, SeqRng};
 use crate::scheduler::{Scheduler, SchedulerConfig, Sequence};
 use crate::types::{
-    EngineRequest, FinishReason, RequestId, RequestMode, SamplingParams, TokenOutput,
+    EngineRequest, FinishReason, RequestId, RequestMode, SamplingParams, TokenLogprobs, TokenOutput,
 };
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
-use tandem_model::{ForwardBatch, KvLayout};
+use tandem_model::{ForwardBatch, KvLayout, LogitsWanted};
 use tokio::sync::{mpsc, oneshot};
 
 /// Knobs of one engine; defaults suit the default model on a laptop.
@@ -591,9 +591,28 @@ struct Ext {
     queued: bool,
     /// Imported requests: the first token, emitted when decoding starts.
     first_token: Option<u32>,
+    /// Requests scoring their prompt: one entry per prompt position, filled as prompt chunks run and
+    /// handed out with the first token.
+    prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
 }
 
 type Seq = Sequence<Ext>;
+
+/// Scores prompt positions `start + 1 ..` from the chunk's logits rows (row j predicts the token after
+/// position `start + j`); a no-op for sequences that did not ask for prompt logprobs.
+fn score_prompt_rows(seq: &mut Seq, start: usize, rows: &[f32], vocab: usize) {
+    let top_n = seq.ext.params.prompt_logprobs.unwrap_or(0);
+    let Some(scores) = seq.ext.prompt_logprobs.as_mut() else {
+        return;
+    };
+    for (j, logits) in rows.chunks_exact(vocab).enumerate() {
+        let next = start + j + 1;
+        if next >= seq.prompt_len {
+            break;
+        }
+        scores[next] = Some(logprobs_of(logits, seq.tokens[next], top_n));
+    }
+}
 
 struct Pin {
     table: BlockTable,
@@ -681,15 +700,19 @@ impl<B: Backend> Worker<B> {
         match cmd {
             Command::Submit(req, tx) => {
                 self.counters.prompt_tokens_total += req.prompt.len() as u64;
+                let score_prompt = req.params.prompt_logprobs.is_some();
                 let ext = Ext {
                     rng: SeqRng::new(req.params.seed),
+                    prompt_logprobs: score_prompt.then(|| vec![None; req.prompt.len()]),
                     params: req.params,
                     mode: req.mode,
                     tx,
                     queued: true,
                     first_token: None,
                 };
-                self.sched.add(Sequence::new(req.id, req.prompt, ext));
+                let mut seq = Sequence::new(req.id, req.prompt, ext);
+                seq.score_prompt = score_prompt;
+                self.sched.add(seq);
             }
             Command::Abort(id) => {
                 if let Some(mut seq) = self.sched.remove(id).or_else(|| self.importing.remove(&id))
@@ -803,6 +826,7 @@ impl<B: Backend> Worker<B> {
             tx,
             queued: false,
             first_token: Some(first_token),
+            prompt_logprobs: None,
         };
         let mut seq = Sequence::new(id, req.prompt, ext);
         if let Err(e) = self.pool.ensure_capacity(&mut seq.table, seq.prompt_len) {
@@ -918,14 +942,29 @@ impl<B: Backend> Worker<B> {
         for k in 0..self.sched.scheduled().len() {
             let s = self.sched.scheduled()[k];
             let seq = &mut self.sched.running[s.index];
+            let start = seq.num_computed;
             seq.num_computed += s.len;
             self.pool
                 .register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
+            let rows = match self.batch.seqs[k].logits {
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => 1,
+                LogitsWanted::All => s.len,
+            };
+            let first_row = row;
+            row += rows;
+            if self.batch.seqs[k].logits == LogitsWanted::All {
+                score_prompt_rows(
+                    seq,
+                    start,
+                    &self.logits[first_row * self.vocab..row * self.vocab],
+                    self.vocab,
+                );
+            }
             if !s.sample {
                 continue;
             }
-            let logits = &self.logits[row * self.vocab..(row + 1) * self.vocab];
-            row += 1;
+            let logits = &self.logits[(row - 1) * self.vocab..row * self.vocab];
             let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
             let out =
                 self.sampler
@@ -955,6 +994,8 @@ impl<B: Backend> Worker<B> {
             } else {
                 None
             };
+        let prompt_logprobs = self.sched.running[idx].ext.prompt_logprobs.take();
+        let seq = &self.sched.running[idx];
         let sent = seq
             .ext
             .tx
@@ -962,6 +1003,7 @@ impl<B: Backend> Worker<B> {
                 token,
                 logprobs,
                 finish,
+                prompt_logprobs,
             }))
             .is_ok();
         // A closed stream is a client that went away: end the request now.

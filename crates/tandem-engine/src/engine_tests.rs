@@ -512,3 +512,40 @@ proptest! {
         e.shutdown();
     }
 }
+
+#[test]
+fn prompt_logprobs_score_every_prompt_token_chunked_and_past_the_prefix_cache() {
+    let prompt: Vec<u32> = (0..23).map(|i| (i * 5 + 3) % 60).collect();
+    // Reference: one unchunked pass over the whole prompt returning every row.
+    let mut mock = MockBackend::new(4, 64);
+    let mut batch = ForwardBatch::default();
+    batch.push(&prompt, 0, (0..6).collect(), LogitsWanted::All);
+    let mut logits = Vec::new();
+    mock.forward(&batch, &mut logits).unwrap();
+    let vocab = mock.vocab_size();
+    let expected: Vec<Option<TokenLogprobs>> = (0..prompt.len())
+        .map(|p| (p > 0).then(|| logprobs_of(&logits[(p - 1) * vocab..p * vocab], prompt[p], 2)))
+        .collect();
+
+    let e = start(4, 64, |c| c.max_num_batched_tokens = 8);
+    let params = SamplingParams {
+        prompt_logprobs: Some(2),
+        ..greedy(3)
+    };
+    // The second request finds the whole prompt cached and must still score every position.
+    for id in 1..=2 {
+        let mut s = e
+            .submit(EngineRequest::new(id, prompt.clone(), params.clone()))
+            .unwrap();
+        let first = s.blocking_recv().unwrap();
+        assert_eq!(first.prompt_logprobs.as_deref(), Some(&expected[..]));
+        let mut toks = vec![first.token];
+        while let Some(o) = s.blocking_recv() {
+            assert!(o.prompt_logprobs.is_none(), "only the first output scores");
+            toks.push(o.token);
+        }
+        assert_eq!(toks, alone(&prompt, &greedy(3)));
+    }
+    let st = assert_no_leak(&e);
+    assert_eq!(st.prefill_tokens_computed, 2 * prompt.len() as u64);
+}

@@ -207,7 +207,7 @@ pub fn argmax(xs: &[f32]) -> u32 {
 }
 
 /// Log-softmax of the raw logits at `token`, plus the `top_n` most likely tokens (most likely first).
-fn logprobs_of(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs {
+pub(crate) fn logprobs_of(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
     // A small insertion-sorted list: top_n is tiny (OpenAI caps it at 20), the vocab is not.

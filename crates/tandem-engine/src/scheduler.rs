@@ -35,6 +35,9 @@ pub struct Sequence<E> {
     pub num_computed: usize,
     /// The sequence's blocks.
     pub table: BlockTable,
+    /// The prompt is scored position by position (prompt logprobs): every prompt chunk returns all its
+    /// logits rows, and the prefix cache is bypassed so that no prompt position goes uncomputed.
+    pub score_prompt: bool,
     /// Engine-specific per-request data.
     pub ext: E,
 }
@@ -49,8 +52,15 @@ impl<E> Sequence<E> {
             prompt_len,
             num_computed: 0,
             table: BlockTable::default(),
+            score_prompt: false,
             ext,
         }
+    }
+
+    /// Whether the next prompt chunk must return every logits row: scoring was asked for and the first
+    /// token is not out yet (a sequence preempted after it recomputes without scoring).
+    pub fn scoring_prompt(&self) -> bool {
+        self.score_prompt && self.tokens.len() == self.prompt_len
     }
 
     /// Tokens still to be run through the model before the next token can be sampled.
@@ -242,7 +252,7 @@ impl<E> Scheduler<E> {
             let Some(seq) = self.waiting.front_mut() else {
                 break;
             };
-            if seq.table.is_empty() && seq.num_computed == 0 {
+            if seq.table.is_empty() && seq.num_computed == 0 && !seq.scoring_prompt() {
                 seq.num_computed = pool.match_prefix(&mut seq.table, &seq.tokens);
             }
             let Some(len) = chunk_len(&self.cfg, seq, budget, pool, bs, !self.scheduled.is_empty())
@@ -274,7 +284,9 @@ impl<E> Scheduler<E> {
             let seq = &self.running[s.index];
             let toks = &seq.tokens[seq.num_computed..seq.num_computed + s.len];
             let nblocks = (seq.num_computed + s.len).div_ceil(block_size);
-            let logits = if s.sample {
+            let logits = if seq.scoring_prompt() {
+                LogitsWanted::All
+            } else if s.sample {
                 LogitsWanted::Last
             } else {
                 LogitsWanted::None

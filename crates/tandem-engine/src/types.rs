@@ -33,6 +33,10 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Return the chosen token's logprob and this many top alternatives; None returns none.
     pub logprobs: Option<usize>,
+    /// Also score the prompt (OpenAI `echo` with `logprobs`): each prompt token's logprob and this many
+    /// alternatives, delivered with the first output. Such a prompt bypasses the prefix cache.
+    #[serde(default)]
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -50,6 +54,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -83,6 +88,9 @@ pub struct TokenOutput {
     pub logprobs: Option<TokenLogprobs>,
     /// Set on the request's last output.
     pub finish: Option<FinishReason>,
+    /// On the first output of a request that asked for `prompt_logprobs`: one entry per prompt token,
+    /// `None` for the first (nothing precedes it).
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
 }
 
 /// How the engine treats a request: the seam for prefill/decode disaggregation.
