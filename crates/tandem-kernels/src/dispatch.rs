@@ -1,30 +1,66 @@
-//! Runtime choice between the portable kernels and the AVX2 ones.
+//! Runtime choice of the instruction set the kernels use: portable, AVX2, or AVX-512 (VNNI).
 
 use std::sync::OnceLock;
 
-/// Whether the AVX2+FMA+F16C kernels are used: CPU support and not overridden by `TANDEM_KERNELS=portable`.
-///
-/// Decided once per process so every call of a kernel takes the same path.
-pub fn simd_enabled() -> bool {
-    static ENABLED: OnceLock<bool> = OnceLock::new();
-    *ENABLED.get_or_init(|| {
-        let forced_portable = std::env::var("TANDEM_KERNELS")
-            .map(|v| v.eq_ignore_ascii_case("portable"))
-            .unwrap_or(false);
-        !forced_portable && cpu_has_avx2()
+/// Instruction-set levels a kernel may be written for, in increasing order of capability.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// Plain scalar Rust: the reference every other level is tested against.
+    Portable,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// AVX-512 F/BW/VL + VNNI on top of AVX2 (int8 dot products in one instruction, 512-bit lanes).
+    Avx512,
+}
+
+/// The level the kernels run at: the best the CPU supports, capped by `TANDEM_KERNELS`
+/// (`portable`, `avx2` or `avx512`). Decided once per process so every call of a kernel takes the same path.
+pub fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        let cap = match std::env::var("TANDEM_KERNELS")
+            .unwrap_or_default()
+            .to_ascii_lowercase()
+            .as_str()
+        {
+            "portable" => Isa::Portable,
+            "avx2" => Isa::Avx2,
+            _ => Isa::Avx512,
+        };
+        cpu_isa().min(cap)
     })
 }
 
-/// Whether the CPU itself supports the SIMD kernels, regardless of the override (tests compare both paths).
-pub(crate) fn cpu_has_avx2() -> bool {
+/// Whether the AVX2+FMA+F16C kernels (or better) are used.
+pub fn simd_enabled() -> bool {
+    isa() >= Isa::Avx2
+}
+
+/// The best level the CPU itself supports, regardless of the override (tests compare every level).
+pub(crate) fn cpu_isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx2")
+        let avx2 = is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
+            && is_x86_feature_detected!("f16c");
+        let avx512 = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni");
+        match (avx2, avx512) {
+            (true, true) => Isa::Avx512,
+            (true, false) => Isa::Avx2,
+            _ => Isa::Portable,
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        false
+        Isa::Portable
     }
+}
+
+/// Whether the CPU itself supports the AVX2 kernels, regardless of the override.
+#[cfg(test)]
+pub(crate) fn cpu_has_avx2() -> bool {
+    cpu_isa() >= Isa::Avx2
 }

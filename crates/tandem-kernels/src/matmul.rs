@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use crate::dispatch::simd_enabled;
+use crate::dispatch::{isa, Isa};
 use crate::quant::{f16_at, q6k_value, scale_min_k4, DType, Matrix};
 use crate::threads::ThreadPool;
 
@@ -109,10 +109,10 @@ pub fn matmul(
     out: &mut [f32],
     scratch: &mut MatmulScratch,
 ) {
-    matmul_with(pool, w, x, m, out, scratch, simd_enabled());
+    matmul_with(pool, w, x, m, out, scratch, isa());
 }
 
-/// `matmul` with an explicit kernel choice, so tests can compare the SIMD and portable paths.
+/// `matmul` at an explicit instruction-set level, so tests can compare every level against the portable one.
 pub(crate) fn matmul_with(
     pool: &ThreadPool,
     w: &Matrix,
@@ -120,8 +120,9 @@ pub(crate) fn matmul_with(
     m: usize,
     out: &mut [f32],
     scratch: &mut MatmulScratch,
-    simd: bool,
+    level: Isa,
 ) {
+    let simd = level >= Isa::Avx2;
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(x.len(), m * cols, "matmul: x must be m x cols");
     assert_eq!(out.len(), m * rows, "matmul: out must be m x rows");
@@ -142,7 +143,7 @@ pub(crate) fn matmul_with(
         acts,
         out: OutPtr(out.as_mut_ptr()),
     };
-    let kernel = select_kernel(dt, simd);
+    let kernel = select_kernel(dt, level);
 
     // Output features per task: a multiple of 8 (disjoint cache lines per thread), about 4 tasks per thread
     // for load balance on m = 1, fewer and larger for big m where each task re-reads its weights per m tile.
@@ -265,14 +266,21 @@ struct OutPtrI16(*mut i16);
 unsafe impl Send for OutPtrI16 {}
 unsafe impl Sync for OutPtrI16 {}
 
-fn select_kernel(dt: DType, simd: bool) -> RangeKernel {
+fn select_kernel(dt: DType, level: Isa) -> RangeKernel {
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        if let Some(k) = crate::simd::matmul_kernel(dt) {
-            return k;
+    {
+        if level >= Isa::Avx512 {
+            if let Some(k) = crate::simd::matmul_kernel_avx512(dt) {
+                return k;
+            }
+        }
+        if level >= Isa::Avx2 {
+            if let Some(k) = crate::simd::matmul_kernel(dt) {
+                return k;
+            }
         }
     }
-    let _ = simd;
+    let _ = level;
     portable_kernel
 }
 
@@ -465,19 +473,19 @@ pub(crate) mod tests {
         DType::Q6K,
     ];
 
-    fn check(dt: DType, rows: usize, cols: usize, m: usize, threads: usize, simd: bool) {
+    fn check(dt: DType, rows: usize, cols: usize, m: usize, threads: usize, level: Isa) {
         let w = quantized_matrix(dt, rows, cols, 11);
         let x = rand_vec(m * cols, 12);
         let pool = ThreadPool::new(threads);
         let mut out = vec![f32::NAN; m * rows];
         let mut scratch = MatmulScratch::default();
-        matmul_with(&pool, &w, &x, m, &mut out, &mut scratch, simd);
+        matmul_with(&pool, &w, &x, m, &mut out, &mut scratch, level);
         let want = reference(&w, &x, m);
         let tol = tolerance(dt, cols);
         for (i, (a, b)) in out.iter().zip(&want).enumerate() {
             assert!(
                 (a - b).abs() <= tol,
-                "{dt:?} {rows}x{cols} m={m} simd={simd}: out[{i}] = {a}, want {b}"
+                "{dt:?} {rows}x{cols} m={m} {level:?}: out[{i}] = {a}, want {b}"
             );
         }
     }
@@ -486,7 +494,7 @@ pub(crate) mod tests {
     fn portable_matches_dequantized_reference() {
         for dt in ALL {
             for &(rows, cols, m) in &[(8, 256, 1), (40, 512, 3), (72, 256, 70)] {
-                check(dt, rows, cols, m, 2, false);
+                check(dt, rows, cols, m, 2, Isa::Portable);
             }
         }
     }

@@ -7,10 +7,16 @@ use crate::matmul::RangeKernel;
 use crate::quant::DType;
 
 mod qmatmul;
+mod qmatmul512;
 
-/// The SIMD matmul kernel for `dt`, if one exists.
+/// The AVX2 matmul kernel for `dt`, if one exists.
 pub(crate) fn matmul_kernel(dt: DType) -> Option<RangeKernel> {
     qmatmul::kernel(dt)
+}
+
+/// The AVX-512 VNNI matmul kernel for `dt`, if one exists; callers must have checked `Isa::Avx512`.
+pub(crate) fn matmul_kernel_avx512(dt: DType) -> Option<RangeKernel> {
+    qmatmul512::kernel(dt)
 }
 
 #[inline(always)]

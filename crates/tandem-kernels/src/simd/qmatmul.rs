@@ -423,53 +423,47 @@ unsafe fn run_float_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range
 
 #[cfg(test)]
 mod tests {
-    use crate::dispatch::cpu_has_avx2;
+    use crate::dispatch::{cpu_isa, Isa};
     use crate::matmul::tests::{quantized_matrix, rand_vec, ALL};
     use crate::matmul::{matmul_with, MatmulScratch};
     use crate::threads::ThreadPool;
 
-    /// Every SIMD kernel against the portable one, over shapes that hit every tile and tail path.
+    /// Every SIMD kernel the CPU supports against the portable one, over shapes that hit every tile and
+    /// tail path (odd block counts, row and activation-row remainders).
     #[test]
     fn simd_matmul_matches_portable() {
-        if !cpu_has_avx2() {
-            return;
-        }
+        let levels: Vec<Isa> = [Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|&l| l <= cpu_isa())
+            .collect();
         let pool = ThreadPool::new(2);
-        for dt in ALL {
-            for &(rows, cols, m) in &[
-                (1, 256, 1),
-                (13, 256, 1),
-                (37, 512, 5),
-                (64, 768, 16),
-                (9, 256, 67),
-            ] {
-                let w = quantized_matrix(dt, rows, cols, 3);
-                let x = rand_vec(m * cols, 4);
-                let (mut a, mut b) = (vec![0f32; m * rows], vec![0f32; m * rows]);
-                matmul_with(
-                    &pool,
-                    &w,
-                    &x,
-                    m,
-                    &mut a,
-                    &mut MatmulScratch::default(),
-                    true,
-                );
-                matmul_with(
-                    &pool,
-                    &w,
-                    &x,
-                    m,
-                    &mut b,
-                    &mut MatmulScratch::default(),
-                    false,
-                );
-                for (i, (p, q)) in a.iter().zip(&b).enumerate() {
-                    // Same quantized activations: only f32 summation order differs.
-                    assert!(
-                        (p - q).abs() <= 1e-4 * (1.0 + q.abs()) * (cols as f32).sqrt(),
-                        "{dt:?} {rows}x{cols} m={m}: [{i}] simd {p} vs portable {q}"
-                    );
+        for level in levels {
+            for dt in ALL {
+                for &(rows, cols, m) in &[
+                    (1, 256, 1),
+                    (13, 256, 1),
+                    (37, 512, 5),
+                    (64, 768, 16),
+                    (9, 256, 67),
+                    (11, 288, 3),
+                    (19, 96, 9),
+                ] {
+                    if cols % dt.block_len() != 0 {
+                        continue;
+                    }
+                    let w = quantized_matrix(dt, rows, cols, 3);
+                    let x = rand_vec(m * cols, 4);
+                    let (mut a, mut b) = (vec![0f32; m * rows], vec![0f32; m * rows]);
+                    let mut scratch = MatmulScratch::default();
+                    matmul_with(&pool, &w, &x, m, &mut a, &mut scratch, level);
+                    matmul_with(&pool, &w, &x, m, &mut b, &mut scratch, Isa::Portable);
+                    for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+                        // Same quantized activations: only f32 summation order differs.
+                        assert!(
+                            (p - q).abs() <= 1e-4 * (1.0 + q.abs()) * (cols as f32).sqrt(),
+                            "{level:?} {dt:?} {rows}x{cols} m={m}: [{i}] simd {p} vs portable {q}"
+                        );
+                    }
                 }
             }
         }
