@@ -5,17 +5,23 @@ The Rust test crates/tandem-model/tests/hf_reference.rs loads each folder with t
 compares its forward pass against the logits that transformers computes here. Everything is seeded, so
 rerunning the script reproduces the same files (up to float summation order of the torch build).
 
-Usage: .venv-ref/bin/python scripts/gen-hf-fixtures.py [--out tests/fixtures/hf]
-(the venv holds CPU torch + transformers; see scripts/ref-venv.sh).
+Usage: .venv-ref/bin/python scripts/gen-hf-fixtures.py [--out tests/fixtures/hf] [--only NAME ...]
+(the venv holds CPU torch + transformers + gguf; scripts/gen-hf-fixtures.sh makes it).
 
 Each folder gets, besides the usual HF files:
   expected.json        prompts (token ids), tokenizer cases and the layout of expected_logits.bin
   expected_logits.bin  little-endian f32 logits, prompt after prompt, one row of vocab_size per position
+
+One fixture is a GGUF file instead of an HF folder: tiny-llama3-gguf/model.gguf holds the Llama 3 rope
+model of tiny-llama3-rope written the way llama.cpp's converter writes Llama 3.1 (Q/K permuted for
+interleaved RoPE, the frequency scaling as a `rope_freqs.weight` tensor, the BPE vocabulary and merges
+as tokenizer metadata), with the same expected logits.
 """
 
 import argparse
 import copy
 import json
+import math
 import os
 import shutil
 
@@ -25,6 +31,8 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -130,8 +138,10 @@ def legacy_layout(path):
         f.write("\n")
 
 
-def write_fixture(out_dir, name, model, tokenizer, save_dtype=None, max_shard_size=None, legacy_config=True):
-    """Save the model folder and the reference logits computed in f32 from the weights as saved."""
+def write_fixture(out_dir, name, model, tokenizer, save_dtype=None, max_shard_size=None, legacy_config=True,
+                  gguf=False):
+    """Save the model folder (or, with `gguf`, one model.gguf) and the reference logits computed in f32
+    from the weights as saved."""
     path = os.path.join(out_dir, name)
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
@@ -153,10 +163,13 @@ def write_fixture(out_dir, name, model, tokenizer, save_dtype=None, max_shard_si
     kwargs = {}
     if max_shard_size is not None:
         kwargs["max_shard_size"] = max_shard_size
-    to_save.save_pretrained(path, **kwargs)
-    tokenizer.save_pretrained(path)
-    if legacy_config:
-        legacy_layout(path)
+    if gguf:
+        write_gguf(os.path.join(path, "model.gguf"), model, tokenizer)
+    else:
+        to_save.save_pretrained(path, **kwargs)
+        tokenizer.save_pretrained(path)
+        if legacy_config:
+            legacy_layout(path)
     model = model.eval()
 
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in PROMPT_TEXTS]
@@ -198,6 +211,98 @@ def write_fixture(out_dir, name, model, tokenizer, save_dtype=None, max_shard_si
     print(f"{name}: {total / 1024:.0f} KiB, files: {sorted(os.listdir(path))}")
 
 
+def permute_for_interleaved_rope(w, n_heads):
+    """llama.cpp's converter reorders each head's Q/K rows from NeoX halves to adjacent pairs, so that its
+    interleaved RoPE rotates the same coordinates HF's rotate_half does."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_params(cfg):
+    """rope_theta and scaling keys of a config, from transformers 5's `rope_parameters` or the older keys."""
+    if getattr(cfg, "rope_parameters", None):
+        return dict(cfg.rope_parameters)
+    return dict(cfg.rope_scaling or {}, rope_theta=cfg.rope_theta)
+
+
+def llama3_freq_factors(cfg):
+    """Per-pair frequency divisors equivalent to HF's llama3 rope rule, as a GGUF rope_freqs tensor."""
+    rs = rope_params(cfg)
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * rs["rope_theta"] ** (i / dim)
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def write_gguf(path, model, tokenizer):
+    """An f32 GGUF of a Llama model with a byte-level BPE tokenizer, laid out as llama.cpp writes it."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("tiny-llama3-gguf")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_rope_dimension_count(cfg.hidden_size // nh)
+    w.add_rope_freq_base(rope_params(cfg)["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    vocab = tokenizer.get_vocab()
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    specials = set(tokenizer.all_special_tokens)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    w.add_add_bos_token(False)
+    w.add_chat_template(tokenizer.chat_template)
+
+    sd = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
+    w.add_tensor("rope_freqs.weight", np.array(llama3_freq_factors(cfg), dtype=np.float32))
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.attn_q.weight", permute_for_interleaved_rope(sd[p + "self_attn.q_proj.weight"], nh))
+        w.add_tensor(f"blk.{i}.attn_k.weight", permute_for_interleaved_rope(sd[p + "self_attn.k_proj.weight"], nkv))
+        w.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        w.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def llama_config(**over):
     """The shared tiny Llama shape: GQA (4 query heads over 2 KV heads), head_dim 16."""
     cfg = dict(
@@ -222,7 +327,9 @@ def main():
     ap = argparse.ArgumentParser()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap.add_argument("--out", default=os.path.join(root, "tests", "fixtures", "hf"))
+    ap.add_argument("--only", nargs="*", help="regenerate only these fixtures (default: all)")
     args = ap.parse_args()
+    wanted = lambda name: not args.only or name in args.only
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(SEED)
     torch.set_num_threads(1)
@@ -234,7 +341,8 @@ def main():
     m = LlamaForCausalLM(llama_config())
     m.config._attn_implementation = "eager"
     randomize(m, 0.2)
-    write_fixture(args.out, "tiny-llama", m, llama_tok)
+    if wanted("tiny-llama"):
+        write_fixture(args.out, "tiny-llama", m, llama_tok)
 
     # (a') Llama 3 style rope scaling: with head_dim 16 and theta 1e4, the two lowest frequencies fall in
     # the scaled and the smoothed bands of the llama3 rule, so a wrong implementation changes the logits.
@@ -253,7 +361,11 @@ def main():
     )
     m.config._attn_implementation = "eager"
     randomize(m, 0.2)
-    write_fixture(args.out, "tiny-llama3-rope", m, llama_tok)
+    if wanted("tiny-llama3-rope"):
+        write_fixture(args.out, "tiny-llama3-rope", m, llama_tok)
+    # (a'') the same model as llama.cpp's converter writes a Llama 3.1 GGUF (rope_freqs tensor).
+    if wanted("tiny-llama3-gguf"):
+        write_fixture(args.out, "tiny-llama3-gguf", m, llama_tok, gguf=True)
 
     # (b) Qwen2: q/k/v biases, tied embeddings, 3 layers.
     qwen_tok = build_tokenizer(
@@ -278,7 +390,8 @@ def main():
     m.config._attn_implementation = "eager"
     randomize(m, 0.2)
     m.tie_weights()
-    write_fixture(args.out, "tiny-qwen2", m, qwen_tok)
+    if wanted("tiny-qwen2"):
+        write_fixture(args.out, "tiny-qwen2", m, qwen_tok)
 
     # (c) bf16 weights sharded over several safetensors files with an index; the folder keeps the
     # transformers 5 layout (`rope_parameters`, chat_template.jinja) so that both layouts are covered,
@@ -286,10 +399,35 @@ def main():
     m = LlamaForCausalLM(llama_config(num_hidden_layers=3, rope_theta=50000.0))
     m.config._attn_implementation = "eager"
     randomize(m, 0.2)
-    write_fixture(
-        args.out, "tiny-llama-sharded-bf16", m, llama_tok, save_dtype=torch.bfloat16, max_shard_size="200KB",
-        legacy_config=False,
+    if wanted("tiny-llama-sharded-bf16"):
+        write_fixture(
+            args.out, "tiny-llama-sharded-bf16", m, llama_tok, save_dtype=torch.bfloat16, max_shard_size="200KB",
+            legacy_config=False,
+        )
+
+    # (d) Mistral with a sliding window shorter than every prompt but the first, and not a multiple of
+    # the tests' block size: tokens beyond the window must drop out of attention.
+    mcfg = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        sliding_window=7,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
+    m = MistralForCausalLM(mcfg)
+    m.config._attn_implementation = "eager"
+    randomize(m, 0.2)
+    if wanted("tiny-mistral-sw"):
+        write_fixture(args.out, "tiny-mistral-sw", m, llama_tok)
 
 
 if __name__ == "__main__":

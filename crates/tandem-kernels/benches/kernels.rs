@@ -84,6 +84,7 @@ fn bench_attention(c: &mut Criterion) {
         head_dim: 64,
         block_size: 16,
         scale: 0.125,
+        window: None,
     };
     let ctx = 512;
     let n_blocks = ctx / p.block_size;

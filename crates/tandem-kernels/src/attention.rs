@@ -22,6 +22,9 @@ pub struct AttnParams {
     pub block_size: usize,
     /// Score multiplier, usually 1/sqrt(head_dim).
     pub scale: f32,
+    /// Sliding-window attention (Mistral): a query sees only the last `window` positions, itself
+    /// included. `None` is full causal attention.
+    pub window: Option<usize>,
 }
 
 /// One sequence of the flat batch: its queries are rows q_row..q_row+n_q of q; the sequence then holds
@@ -161,7 +164,7 @@ fn attend_one(
     let mut m = f32::NEG_INFINITY;
     let mut l = 0f32;
     let n_pos = last_pos + 1;
-    let mut pos = 0;
+    let mut pos = p.window.map_or(0, |w| n_pos.saturating_sub(w));
     while pos < n_pos {
         let b = blocks[pos / bs] as usize;
         let slot0 = pos % bs;
@@ -291,7 +294,8 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    /// Dense reference: softmax(q·Kᵀ·scale) · V over positions 0..=pos, from contiguous per-seq K/V.
+    /// Dense reference: softmax(q·Kᵀ·scale) · V over positions 0..=pos (the last `window` of them when
+    /// set), from contiguous per-seq K/V.
     fn reference(
         p: &AttnParams,
         q: &[f32],
@@ -302,8 +306,12 @@ mod tests {
     ) -> Vec<f32> {
         let hd = p.head_dim;
         let kvh = head / (p.n_heads / p.n_kv_heads);
+        let first = p.window.map_or(0, |w| (q_pos + 1).saturating_sub(w));
         let scores: Vec<f64> = (0..=q_pos)
             .map(|t| {
+                if t < first {
+                    return f64::NEG_INFINITY;
+                }
                 (0..hd)
                     .map(|d| q[d] as f64 * k[t][kvh * hd + d] as f64)
                     .sum::<f64>()
@@ -323,7 +331,7 @@ mod tests {
             .collect()
     }
 
-    fn run_case(simd: bool) {
+    fn run_case(simd: bool, window: Option<usize>) {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let p = AttnParams {
             n_heads: 6,
@@ -331,6 +339,7 @@ mod tests {
             head_dim: 64,
             block_size: 16,
             scale: 0.125,
+            window,
         };
         let num_blocks = 40;
         let mut kv = vec![0f32; num_blocks * 2 * p.n_kv_heads * p.block_size * p.head_dim];
@@ -394,13 +403,22 @@ mod tests {
 
     #[test]
     fn portable_paged_attention_matches_dense_reference() {
-        run_case(false);
+        run_case(false, None);
+    }
+
+    /// A window shorter than both contexts and not aligned to blocks: the first keys are skipped.
+    #[test]
+    fn sliding_window_matches_dense_reference() {
+        run_case(false, Some(21));
+        if crate::dispatch::cpu_has_avx2() {
+            run_case(true, Some(21));
+        }
     }
 
     #[test]
     fn simd_paged_attention_matches_dense_reference() {
         if crate::dispatch::cpu_has_avx2() {
-            run_case(true);
+            run_case(true, None);
         }
     }
 
@@ -412,6 +430,7 @@ mod tests {
             head_dim: 2,
             block_size: 4,
             scale: 1.0,
+            window: None,
         };
         let mut kv = vec![0f32; 3 * 2 * 2 * 4 * 2];
         write_kv(

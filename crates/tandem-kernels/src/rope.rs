@@ -30,6 +30,12 @@ pub enum RopeScaling {
         /// Training context of the base model.
         original_max_position: usize,
     },
+    /// Per-pair frequency divisors, one per rotated pair: how GGUF files carry Llama 3.1+ scaling
+    /// (`rope_freqs.weight`, llama.cpp's export of the same Llama 3 rule).
+    FreqFactors {
+        /// Pair `i`'s frequency is divided by `factors[i]`.
+        factors: Vec<f32>,
+    },
 }
 
 /// cos/sin tables precomputed up to max_positions.
@@ -52,6 +58,7 @@ fn inv_freqs(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<f64> {
             match *scaling {
                 RopeScaling::None => f,
                 RopeScaling::Linear { factor } => f / factor as f64,
+                RopeScaling::FreqFactors { ref factors } => f / factors[i] as f64,
                 RopeScaling::Llama3 {
                     factor,
                     low_freq_factor,
@@ -89,6 +96,13 @@ impl RopeTable {
         style: RopeStyle,
     ) -> RopeTable {
         assert!(head_dim.is_multiple_of(2), "rope head_dim must be even");
+        if let RopeScaling::FreqFactors { factors } = scaling {
+            assert_eq!(
+                factors.len(),
+                head_dim / 2,
+                "one rope frequency factor per pair"
+            );
+        }
         let freqs = inv_freqs(head_dim, theta, scaling);
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(max_positions * half);
@@ -122,6 +136,16 @@ impl RopeTable {
     /// Pair convention of this table.
     pub fn style(&self) -> RopeStyle {
         self.style
+    }
+
+    /// cos of every (position, pair) as `[pos][head_dim / 2]`, for backends that upload the table.
+    pub fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// sin of every (position, pair) as `[pos][head_dim / 2]`, for backends that upload the table.
+    pub fn sin(&self) -> &[f32] {
+        &self.sin
     }
 }
 
@@ -242,5 +266,28 @@ mod tests {
         });
         let i = mid.expect("a smoothed band exists");
         assert!(f[i] < base[i] && f[i] > base[i] / 8.0);
+    }
+
+    /// GGUF's per-pair factors (llama.cpp writes `1 / (llama3 scale of pair i)`) give the same frequencies
+    /// as the Llama 3 rule they were exported from.
+    #[test]
+    fn freq_factors_reproduce_llama3() {
+        let s = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192,
+        };
+        let base = inv_freqs(128, 500000.0, &RopeScaling::None);
+        let llama3 = inv_freqs(128, 500000.0, &s);
+        let factors: Vec<f32> = base
+            .iter()
+            .zip(&llama3)
+            .map(|(b, l)| (b / l) as f32)
+            .collect();
+        let f = inv_freqs(128, 500000.0, &RopeScaling::FreqFactors { factors });
+        for (a, b) in f.iter().zip(&llama3) {
+            assert!((a - b).abs() <= 1e-6 * b.abs());
+        }
     }
 }

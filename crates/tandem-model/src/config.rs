@@ -22,6 +22,9 @@ enum RopeScalingDef {
         high_freq_factor: f32,
         original_max_position: usize,
     },
+    FreqFactors {
+        factors: Vec<f32>,
+    },
 }
 
 /// Serde mirror of [`RopeStyle`].
@@ -71,6 +74,9 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// Tokens that end generation.
     pub eos_token_ids: Vec<u32>,
+    /// Sliding-window attention span (Mistral v0.1): each token attends to this many latest positions.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
 }
 
 impl ModelConfig {
@@ -199,11 +205,36 @@ impl ModelConfig {
                 )))
             }
         };
-        if gguf.tensor("rope_freqs.weight").is_some() {
-            return Err(ModelError::Config(
-                "GGUF carries rope_freqs.weight (Llama 3.1+ frequency factors), which is not supported yet".into(),
-            ));
-        }
+        // Llama 3.1+ exports carry their frequency scaling as a tensor of per-pair divisors.
+        let rope_scaling = match gguf.tensor("rope_freqs.weight") {
+            None => rope_scaling,
+            Some(_) if rope_scaling != RopeScaling::None => {
+                return Err(ModelError::Config(
+                    "GGUF has both rope_freqs.weight and a rope scaling type".into(),
+                ))
+            }
+            Some(info) => {
+                let pairs = head_dim / 2;
+                if info.dtype != tandem_kernels::DType::F32 || info.elements() != pairs as u64 {
+                    return Err(ModelError::Config(format!(
+                        "rope_freqs.weight must be {pairs} f32 values (one per rotated pair), got {:?} {:?}",
+                        info.dtype, info.shape
+                    )));
+                }
+                let bytes = gguf.tensor_bytes(info);
+                let factors: Vec<f32> = bytes
+                    .as_slice()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                if factors.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+                    return Err(ModelError::Config(
+                        "rope_freqs.weight holds a non-positive or non-finite factor".into(),
+                    ));
+                }
+                RopeScaling::FreqFactors { factors }
+            }
+        };
         let tok_u32 = |k: &str| gguf.get(k).and_then(GgufValue::as_u64).map(|v| v as u32);
         let config = ModelConfig {
             architecture: arch.clone(),
@@ -223,6 +254,7 @@ impl ModelConfig {
             attention_bias: gguf.tensor("blk.0.attn_q.bias").is_some(),
             bos_token_id: tok_u32("tokenizer.ggml.bos_token_id"),
             eos_token_ids: tok_u32("tokenizer.ggml.eos_token_id").into_iter().collect(),
+            sliding_window: None,
         };
         config.validate()?;
         Ok(config)
@@ -280,18 +312,12 @@ impl ModelConfig {
         if num_heads == 0 {
             return Err(ModelError::Config("num_attention_heads is zero".into()));
         }
-        if let Some(w) = opt("sliding_window") {
-            if json
-                .get("use_sliding_window")
+        // Mistral applies its window unless told otherwise; Qwen2 declares one but enables it explicitly.
+        let sliding_window = opt("sliding_window").filter(|_| {
+            json.get("use_sliding_window")
                 .and_then(|v| v.as_bool())
                 .unwrap_or(architecture == "mistral")
-            {
-                tracing::warn!(
-                    window = w,
-                    "sliding-window attention is not implemented; attention is full-context"
-                );
-            }
-        }
+        });
         // transformers v5 moved rope_theta and the scaling into `rope_parameters`.
         let rope_params = json.get("rope_parameters").filter(|v| v.is_object());
         let rope_scaling = parse_hf_rope_scaling(
@@ -360,6 +386,7 @@ impl ModelConfig {
                     .unwrap_or(false),
             bos_token_id,
             eos_token_ids,
+            sliding_window,
         };
         config.validate()?;
         Ok(config)

@@ -217,6 +217,7 @@ impl CpuLlama {
             head_dim: c.head_dim,
             block_size: kv.layout().block_size,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
+            window: c.sliding_window,
         };
         let w = &self.weights;
         let pool = &self.pool;
@@ -371,6 +372,7 @@ mod tests {
             attention_bias: bias,
             bos_token_id: None,
             eos_token_ids: vec![],
+            sliding_window: None,
         };
         let mut g = Lcg(7);
         let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);

@@ -483,6 +483,7 @@ mod tests {
             attention_bias: false,
             bos_token_id: None,
             eos_token_ids: vec![],
+            sliding_window: None,
         }
     }
 

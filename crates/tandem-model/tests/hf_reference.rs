@@ -3,6 +3,8 @@
 //!
 //! Each fixture holds f32 logits for every position of four prompts; tandem must reproduce them to
 //! within 1e-4 whether a prompt runs as one chunk, as many small chunks, or batched with the others.
+//! A fixture folder holding `model.gguf` is loaded from that file instead (the same model as llama.cpp's
+//! converter writes it), which checks the GGUF path against transformers too.
 
 use std::path::{Path, PathBuf};
 
@@ -16,11 +18,13 @@ const TOL: f32 = 1e-4;
 const BLOCK_SIZE: usize = 4;
 const NUM_BLOCKS: usize = 96;
 
-const FIXTURES: [&str; 4] = [
+const FIXTURES: [&str; 6] = [
     "tiny-llama",
     "tiny-llama3-rope",
+    "tiny-llama3-gguf",
     "tiny-qwen2",
     "tiny-llama-sharded-bf16",
+    "tiny-mistral-sw",
 ];
 
 struct Prompt {
@@ -30,7 +34,8 @@ struct Prompt {
 }
 
 struct Fixture {
-    dir: PathBuf,
+    /// What `load` opens: the HF folder, or its `model.gguf`.
+    model: PathBuf,
     expected: serde_json::Value,
     vocab: usize,
     prompts: Vec<Prompt>,
@@ -67,8 +72,9 @@ fn fixture(name: &str) -> Fixture {
             Prompt { ids, logits }
         })
         .collect();
+    let gguf = dir.join("model.gguf");
     Fixture {
-        dir,
+        model: if gguf.exists() { gguf } else { dir },
         expected,
         vocab,
         prompts,
@@ -76,13 +82,13 @@ fn fixture(name: &str) -> Fixture {
 }
 
 fn load_model(f: &Fixture) -> (CpuLlama, KvCache) {
-    let loaded: LoadedModel = load(&f.dir, &LoadOptions { progress: false })
-        .unwrap_or_else(|e| panic!("load {}: {e}", f.dir.display()));
+    let loaded: LoadedModel = load(&f.model, &LoadOptions { progress: false })
+        .unwrap_or_else(|e| panic!("load {}: {e}", f.model.display()));
     assert_eq!(
         loaded.config.vocab_size,
         f.vocab,
         "vocab size of {}",
-        f.dir.display()
+        f.model.display()
     );
     let model = CpuLlama::new(loaded.config, loaded.weights, 2);
     let kv = KvCache::new(model.kv_layout(BLOCK_SIZE, NUM_BLOCKS));
@@ -229,7 +235,7 @@ fn batched(name: &str) {
 /// The tokenizer and chat template loaded from the folder agree with transformers.
 fn tokenizer_and_template(name: &str) {
     let f = fixture(name);
-    let loaded = load(&f.dir, &LoadOptions { progress: false }).unwrap();
+    let loaded = load(&f.model, &LoadOptions { progress: false }).unwrap();
     for case in f.expected["tokenizer_cases"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
         let want: Vec<u32> = case["ids"]
@@ -298,8 +304,10 @@ macro_rules! fixture_tests {
 fixture_tests! {
     tiny_llama => "tiny-llama",
     tiny_llama3_rope => "tiny-llama3-rope",
+    tiny_llama3_gguf => "tiny-llama3-gguf",
     tiny_qwen2 => "tiny-qwen2",
     tiny_llama_sharded_bf16 => "tiny-llama-sharded-bf16",
+    tiny_mistral_sw => "tiny-mistral-sw",
 }
 
 /// Every fixture folder on disk is covered by the list above (so a new one cannot be silently skipped).
