@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use tandem_api::GenerateBackend;
 use tandem_engine::mock::MockBackend;
-use tandem_engine::{Engine, EngineConfig, EngineHandle, SamplingParams, TokenOutput};
+use tandem_engine::{Backend, Engine, EngineConfig, EngineHandle, SamplingParams, TokenOutput};
 use tandem_kv::KvError;
 
 use crate::protocol::{PrefillRequest, Role};
@@ -18,12 +18,16 @@ use crate::{
 const BLOCK: usize = 4;
 
 fn engine(block_size: usize) -> EngineHandle {
+    engine_on(MockBackend::new(block_size, 64))
+}
+
+fn engine_on(mock: MockBackend) -> EngineHandle {
     let config = EngineConfig {
-        block_size,
+        block_size: mock.kv_layout().block_size,
         max_num_seqs: 8,
         ..EngineConfig::default()
     };
-    Engine::start(MockBackend::new(block_size, 64), config).expect("engine starts")
+    Engine::start(mock, config).expect("engine starts")
 }
 
 /// A worker serving on loopback; abort the task to make it vanish like a killed process.
@@ -35,7 +39,10 @@ struct TestWorker {
 }
 
 async fn worker(role: Role, block_size: usize) -> TestWorker {
-    let engine = engine(block_size);
+    worker_on(role, engine(block_size)).await
+}
+
+async fn worker_on(role: Role, engine: EngineHandle) -> TestWorker {
     let peer = crate::peer_info(&engine, "mock".into(), 2);
     let config = WorkerConfig {
         worker_id: format!("{role}-test"),
@@ -299,4 +306,186 @@ async fn prompts_sharing_a_prefix_go_to_the_prefill_worker_that_cached_it() {
         a.prefix_cache_hits + b.prefix_cache_hits > 0,
         "the second prefill reused the cached prefix"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decode_worker_pulls_only_blocks_its_prefix_cache_lacks() {
+    let colocated = engine(BLOCK);
+    let (p, d) = (
+        worker(Role::Prefill, BLOCK).await,
+        worker(Role::Decode, BLOCK).await,
+    );
+    let ingress = ingress(BLOCK);
+    ingress.register(&p.url).await.unwrap();
+    ingress.register(&d.url).await.unwrap();
+    let layout = d.service.info().peer.layout;
+    let block_bytes = (layout.block_bytes() * layout.n_layers) as u64;
+    // A 4-block shared head; `a` ends in a partial block, `b` diverges right after the head.
+    let head: Vec<u32> = (0..16).map(|i| (i * 13 + 5) % 60).collect();
+    let a: Vec<u32> = head.iter().copied().chain([1, 2, 3]).collect();
+    let b: Vec<u32> = head
+        .iter()
+        .copied()
+        .chain((0..9).map(|i| (i * 3 + 40) % 60))
+        .collect();
+    for (prompt, pulled, skipped) in [(&a, 5u64, 0u64), (&b, 3, 4)] {
+        let before = d.service.load().kv;
+        let want = collect(&colocated, prompt.clone(), greedy(7)).await;
+        assert_eq!(collect(&ingress, prompt.clone(), greedy(7)).await, want);
+        let after = d.service.load().kv;
+        assert_eq!(
+            after.bytes_received - before.bytes_received,
+            pulled * block_bytes
+        );
+        assert_eq!(
+            (
+                after.blocks_pulled - before.blocks_pulled,
+                after.blocks_skipped - before.blocks_skipped
+            ),
+            (pulled, skipped)
+        );
+    }
+    let metrics = ingress.extra_metrics();
+    assert!(
+        metrics.contains("tandem:kv_transfer_blocks_skipped_total 4"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tandem:kv_transfer_blocks_total 8"),
+        "{metrics}"
+    );
+
+    // Every block of the prompt cached on the decode side: nothing moves, but the pull still acks and
+    // the prefill worker's pin is released.
+    let acked = p.service.load().kv.released_ack;
+    let params = greedy(5);
+    let resp = p
+        .service
+        .prefill(PrefillRequest {
+            prompt: head.clone(),
+            params: params.clone(),
+        })
+        .await
+        .unwrap();
+    let handle = resp.handle.expect("pinned");
+    let (event, mut stream) = d
+        .service
+        .start_decode(crate::protocol::DecodeRequest {
+            prompt: head.clone(),
+            params: params.clone(),
+            prefilled: Some(crate::protocol::Prefilled {
+                first_token: resp.first.token,
+                handle,
+            }),
+            resume: Vec::new(),
+        })
+        .await
+        .unwrap();
+    match event {
+        Some(crate::protocol::StreamEvent::Transfer {
+            bytes,
+            blocks,
+            skipped_blocks,
+            ..
+        }) => assert_eq!((bytes, blocks, skipped_blocks), (0, 0, 4)),
+        other => panic!("expected a transfer event, got {other:?}"),
+    }
+    let mut got = Vec::new();
+    while let Some(out) = stream.recv().await {
+        got.push(out);
+    }
+    assert_eq!(got, collect(&colocated, head.clone(), params).await);
+    drained(&p).await;
+    drained(&d).await;
+    assert_eq!(p.service.load().kv.released_ack, acked + 1);
+    assert_eq!(d.engine.stats().prefill_tokens_computed, 0);
+}
+
+fn seeded(max_tokens: usize, seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.9,
+        top_k: 30,
+        seed: Some(seed),
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_sampling_through_prefill_and_decode_matches_colocated() {
+    let colocated = engine(BLOCK);
+    let (p, d) = (
+        worker(Role::Prefill, BLOCK).await,
+        worker(Role::Decode, BLOCK).await,
+    );
+    let ingress = ingress(BLOCK);
+    ingress.register(&p.url).await.unwrap();
+    ingress.register(&d.url).await.unwrap();
+    // P samples the first token, D the rest: one RNG stream only if both index it by output position.
+    for s in 0..3 {
+        let want = collect(&colocated, prompt(s), seeded(12, 40 + s as u64)).await;
+        let got = collect(&ingress, prompt(s), seeded(12, 40 + s as u64)).await;
+        assert_eq!(got, want, "seed {}", 40 + s);
+    }
+    assert_ne!(
+        collect(&colocated, prompt(0), seeded(12, 40)).await,
+        collect(&colocated, prompt(0), seeded(12, 41)).await,
+        "the sampling must depend on the seed for this test to mean anything"
+    );
+    assert!(ingress
+        .extra_metrics()
+        .contains("tandem:pd_requests_total{prefill=\"remote\"} 3"));
+    assert_eq!(d.engine.stats().prefill_tokens_computed, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_lost_mid_stream_is_replaced_without_changing_the_answer() {
+    let colocated = engine(BLOCK);
+    let slow = || MockBackend::new(BLOCK, 64).with_step_delay(Duration::from_millis(5));
+    let p = worker(Role::Prefill, BLOCK).await;
+    let d1 = worker_on(Role::Decode, engine_on(slow())).await;
+    let d2 = worker_on(Role::Decode, engine_on(slow())).await;
+    let ingress = ingress(BLOCK);
+    for w in [&p, &d1, &d2] {
+        ingress.register(&w.url).await.unwrap();
+    }
+    let params = seeded(60, 9);
+    let want = collect(&colocated, prompt(8), params.clone()).await;
+    let mut stream = ingress.submit(1, prompt(8), params).unwrap();
+    let mut got = Vec::new();
+    for _ in 0..6 {
+        got.push(stream.next().await.expect("tokens flow"));
+    }
+    let (lost, other) = if d1.service.load().in_flight > 0 {
+        (&d1, &d2)
+    } else {
+        (&d2, &d1)
+    };
+    assert!(
+        lost.service.load().in_flight > 0,
+        "one decode worker serves"
+    );
+    // Like a crash: the engine fails its requests and the worker stops answering.
+    lost.task.abort();
+    lost.engine.shutdown();
+    while let Some(out) = stream.next().await {
+        got.push(out);
+    }
+    assert_eq!(got, want, "the resumed stream continues the same tokens");
+    assert!(
+        other.engine.stats().prefill_tokens_computed > 0,
+        "resumed by recompute"
+    );
+    let metrics = ingress.extra_metrics();
+    assert!(
+        metrics.contains("tandem:decode_failures_total 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tandem:decode_resumes_total 1"),
+        "{metrics}"
+    );
+    drained(other).await;
+    drained(&p).await;
 }

@@ -513,11 +513,12 @@ impl Job {
             });
         };
         let d = Arc::clone(&decoders[i]);
-        let _busy = d.track();
+        let busy = d.track();
         let cached = d.prefix.lock().matched_blocks(&hashes) * self.ingress.block_size();
         let uncached = self.prompt.len().saturating_sub(cached);
 
-        let mut first_sent = false;
+        // Tokens delivered to the client so far: what a replacement decode worker resumes after.
+        let mut sent: Vec<u32> = Vec::new();
         let mut path = PrefillPath::Local;
         let mut prefilled = None;
         let mut pin = None;
@@ -532,7 +533,7 @@ impl Job {
                     inner.metrics.request(PrefillPath::Remote);
                     return Ok(());
                 }
-                first_sent = true;
+                sent.push(resp.first.token);
                 path = PrefillPath::Remote;
                 if let Some(handle) = resp.handle {
                     pin = Some(RemotePin {
@@ -548,10 +549,12 @@ impl Job {
                 }
             }
         }
+        let first_sent = !sent.is_empty();
         let mut req = DecodeRequest {
             prompt: self.prompt.clone(),
             params: self.params.clone(),
             prefilled,
+            resume: Vec::new(),
         };
         let resp = match self.start_decode(&d, &req).await {
             Ok(resp) => resp,
@@ -572,7 +575,80 @@ impl Job {
         }
         inner.metrics.request(path);
         d.prefix.lock().insert(&hashes);
-        self.forward(&d.url, resp, first_sent).await
+        self.stream(d, busy, resp, first_sent, sent, &hashes).await
+    }
+
+    /// Relays the decode worker's tokens; if it fails mid-stream (process died, connection lost, engine
+    /// error), resumes the request on another healthy decode worker after the tokens already delivered,
+    /// and gives up with the error (the client's stream ends without a finish, which the API reports)
+    /// when no other decode worker is left to try.
+    async fn stream(
+        &self,
+        d: Arc<WorkerEntry>,
+        busy: InFlight,
+        mut resp: reqwest::Response,
+        mut skip_first: bool,
+        mut sent: Vec<u32>,
+        hashes: &[u64],
+    ) -> Result<(), ClusterError> {
+        let inner = &self.ingress.inner;
+        let mut tried = vec![d.url.clone()];
+        // The worker streaming now, with its in-flight count held until it is replaced or we return.
+        let (mut d, mut _busy) = (d, busy);
+        loop {
+            let err = match self.forward(&d.url, resp, skip_first, &mut sent).await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            if !matches!(err, ClusterError::Remote { .. }) {
+                // Not an error the worker reported: it is gone or unreachable.
+                d.healthy.store(false, Ordering::Relaxed);
+            }
+            inner.metrics.decode_failed();
+            let req = DecodeRequest {
+                prompt: self.prompt.clone(),
+                params: self.params.clone(),
+                prefilled: None,
+                resume: sent.clone(),
+            };
+            let mut restarted = None;
+            while let Some(next) = self.next_decoder(&tried) {
+                tried.push(next.url.clone());
+                tracing::warn!(from = %d.url, to = %next.url, delivered = sent.len(), error = %err, "decode worker lost mid-stream; resuming elsewhere");
+                let next_busy = next.track();
+                match self.start_decode(&next, &req).await {
+                    Ok(r) => {
+                        restarted = Some((next, next_busy, r));
+                        break;
+                    }
+                    Err(e) => {
+                        if !matches!(e, ClusterError::Remote { .. }) {
+                            next.healthy.store(false, Ordering::Relaxed);
+                        }
+                        tracing::warn!(url = %next.url, error = %e, "resuming failed");
+                    }
+                }
+            }
+            let Some((next, next_busy, r)) = restarted else {
+                return Err(err);
+            };
+            inner.metrics.decode_resumed();
+            next.prefix.lock().insert(hashes);
+            (d, _busy, resp, skip_first) = (next, next_busy, r, false);
+        }
+    }
+
+    /// The least loaded healthy decode worker not yet tried for this request.
+    fn next_decoder(&self, tried: &[String]) -> Option<Arc<WorkerEntry>> {
+        let cands: Vec<Arc<WorkerEntry>> = self
+            .ingress
+            .healthy(Role::Decode)
+            .into_iter()
+            .filter(|w| !tried.contains(&w.url))
+            .collect();
+        let loads: Vec<DecodeLoad> = cands.iter().map(|w| w.decode_load()).collect();
+        let i = pick_decode(&loads, &mut rand::rng())?;
+        Some(Arc::clone(&cands[i]))
     }
 
     async fn start_decode(
@@ -596,12 +672,14 @@ impl Job {
         check_status(&d.url, resp).await
     }
 
-    /// Relays the decode worker's NDJSON tokens to the client, skipping the repeated first token.
+    /// Relays the decode worker's NDJSON tokens to the client, skipping the repeated first token and
+    /// recording each delivered token in `sent`. `Ok` once the request finished or the client left.
     async fn forward(
         &self,
         url: &str,
         resp: reqwest::Response,
         mut skip_first: bool,
+        sent: &mut Vec<u32>,
     ) -> Result<(), ClusterError> {
         let mut body = resp.bytes_stream();
         let mut buf: Vec<u8> = Vec::new();
@@ -615,12 +693,21 @@ impl Job {
                     })?;
                 buf.drain(..=nl);
                 match event {
-                    StreamEvent::Transfer { bytes, seconds, .. } => {
-                        self.ingress.inner.metrics.observe_transfer(bytes, seconds)
-                    }
+                    StreamEvent::Transfer {
+                        bytes,
+                        seconds,
+                        blocks,
+                        skipped_blocks,
+                    } => self.ingress.inner.metrics.observe_transfer(
+                        bytes,
+                        seconds,
+                        blocks,
+                        skipped_blocks,
+                    ),
                     StreamEvent::Token(_) if skip_first => skip_first = false,
                     StreamEvent::Token(t) => {
                         let done = t.finish.is_some();
+                        sent.push(t.token);
                         if self.tx.send(t.into()).is_err() || done {
                             return Ok(());
                         }
@@ -706,6 +793,8 @@ impl GenerateBackend for Ingress {
             total.prompt_tokens_total += s.prompt_tokens_total;
             total.generation_tokens_total += s.generation_tokens_total;
             total.prefill_tokens_computed += s.prefill_tokens_computed;
+            total.import_blocks_cached += s.import_blocks_cached;
+            total.import_blocks_needed += s.import_blocks_needed;
             total.preemptions_total += s.preemptions_total;
             total.requests_finished_total += s.requests_finished_total;
             total.steps_total += s.steps_total;

@@ -13,7 +13,11 @@
 //!    and streams the remaining tokens back as NDJSON.
 //!
 //! Failures: a prefill RPC that fails is retried on another prefill worker, then on D itself; a pull that
-//! fails makes D prefill itself. The client gets a complete answer either way. Pins are released on ack,
+//! fails makes D prefill itself. The client gets a complete answer either way. A decode worker lost
+//! mid-stream (killed, unreachable, engine error) is replaced: the ingress resumes the request on another
+//! healthy decode worker, which recomputes the prompt and the tokens already delivered
+//! (`RequestMode::Resume`, so greedy and seeded outputs continue unchanged) and streams the rest; with no
+//! decode worker left the stream ends with an error the client sees, never a hang. Pins are released on ack,
 //! on abort (client gone: the ingress posts `release`), on pull failure and by timeout.
 //!
 //! # Why the control RPC is HTTP + JSON

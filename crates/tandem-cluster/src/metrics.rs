@@ -41,9 +41,13 @@ impl PrefillPath {
 pub struct ClusterMetrics {
     registry: Registry,
     transfer_bytes: IntCounter,
+    transfer_blocks: IntCounter,
+    transfer_blocks_skipped: IntCounter,
     transfer_seconds: Histogram,
     transfer_failures: IntCounter,
     prefill_failures: IntCounter,
+    decode_failures: IntCounter,
+    decode_resumes: IntCounter,
     requests: IntCounterVec,
     pinned_blocks: IntGaugeVec,
     queue_depth: IntGaugeVec,
@@ -59,6 +63,14 @@ impl ClusterMetrics {
             "tandem:kv_transfer_bytes_total",
             "KV bytes pulled by decode workers.",
         )?;
+        let transfer_blocks = IntCounter::new(
+            "tandem:kv_transfer_blocks_total",
+            "KV blocks (all layers of one logical block) pulled by decode workers.",
+        )?;
+        let transfer_blocks_skipped = IntCounter::new(
+            "tandem:kv_transfer_blocks_skipped_total",
+            "Prompt blocks a decode worker's prefix cache already held, so they were not pulled.",
+        )?;
         let transfer_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 "tandem:kv_transfer_duration_seconds",
@@ -73,6 +85,14 @@ impl ClusterMetrics {
         let prefill_failures = IntCounter::new(
             "tandem:prefill_failures_total",
             "Prefill RPCs that failed and were retried elsewhere.",
+        )?;
+        let decode_failures = IntCounter::new(
+            "tandem:decode_failures_total",
+            "Decode streams that broke mid-request (worker died, connection lost, engine error).",
+        )?;
+        let decode_resumes = IntCounter::new(
+            "tandem:decode_resumes_total",
+            "Broken decode streams resumed on another decode worker after the tokens already sent.",
         )?;
         let requests = IntCounterVec::new(
             Opts::new(
@@ -104,9 +124,13 @@ impl ClusterMetrics {
             &["worker", "role"],
         )?;
         registry.register(Box::new(transfer_bytes.clone()))?;
+        registry.register(Box::new(transfer_blocks.clone()))?;
+        registry.register(Box::new(transfer_blocks_skipped.clone()))?;
         registry.register(Box::new(transfer_seconds.clone()))?;
         registry.register(Box::new(transfer_failures.clone()))?;
         registry.register(Box::new(prefill_failures.clone()))?;
+        registry.register(Box::new(decode_failures.clone()))?;
+        registry.register(Box::new(decode_resumes.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(pinned_blocks.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
@@ -122,9 +146,13 @@ impl ClusterMetrics {
         Ok(ClusterMetrics {
             registry,
             transfer_bytes,
+            transfer_blocks,
+            transfer_blocks_skipped,
             transfer_seconds,
             transfer_failures,
             prefill_failures,
+            decode_failures,
+            decode_resumes,
             requests,
             pinned_blocks,
             queue_depth,
@@ -133,9 +161,11 @@ impl ClusterMetrics {
         })
     }
 
-    /// Records a finished KV pull.
-    pub fn observe_transfer(&self, bytes: u64, seconds: f64) {
+    /// Records a finished KV pull: its bytes, wall time, blocks moved and prompt blocks found cached.
+    pub fn observe_transfer(&self, bytes: u64, seconds: f64, blocks: usize, skipped: usize) {
         self.transfer_bytes.inc_by(bytes);
+        self.transfer_blocks.inc_by(blocks as u64);
+        self.transfer_blocks_skipped.inc_by(skipped as u64);
         self.transfer_seconds.observe(seconds);
     }
 
@@ -147,6 +177,16 @@ impl ClusterMetrics {
     /// Records a failed prefill RPC.
     pub fn prefill_failed(&self) {
         self.prefill_failures.inc();
+    }
+
+    /// Records a decode stream that broke mid-request.
+    pub fn decode_failed(&self) {
+        self.decode_failures.inc();
+    }
+
+    /// Records a broken decode stream resumed on another decode worker.
+    pub fn decode_resumed(&self) {
+        self.decode_resumes.inc();
     }
 
     /// Records where a request was prefilled.
@@ -194,7 +234,7 @@ mod tests {
     #[test]
     fn transfer_and_worker_gauges_render() {
         let m = ClusterMetrics::new().unwrap();
-        m.observe_transfer(1000, 0.01);
+        m.observe_transfer(1000, 0.01, 2, 5);
         m.transfer_failed();
         m.request(PrefillPath::Remote);
         let mut load = WorkerLoad {
@@ -207,6 +247,11 @@ mod tests {
             .unwrap();
         assert!(
             text.contains("tandem:kv_transfer_bytes_total 1000"),
+            "{text}"
+        );
+        assert!(text.contains("tandem:kv_transfer_blocks_total 2"), "{text}");
+        assert!(
+            text.contains("tandem:kv_transfer_blocks_skipped_total 5"),
             "{text}"
         );
         assert!(

@@ -113,6 +113,10 @@ pub struct DecodeRequest {
     pub params: SamplingParams,
     /// The KV to pull and the first token it produced; `None` means prefill here.
     pub prefilled: Option<Prefilled>,
+    /// Tokens already generated and delivered by a decode worker that was lost mid-stream: this worker
+    /// recomputes them after the prompt and streams only what follows (needs `prefilled: None`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resume: Vec<u32>,
 }
 
 /// A finished remote prefill handed to a decode worker.
@@ -188,6 +192,9 @@ pub enum StreamEvent {
         seconds: f64,
         /// Blocks moved.
         blocks: usize,
+        /// Prompt blocks the decode worker's prefix cache already held, so they were not moved.
+        #[serde(default)]
+        skipped_blocks: usize,
     },
     /// A generated token (after a pull the first one repeats the prefill worker's first token).
     Token(WireToken),
@@ -213,6 +220,7 @@ mod tests {
                 bytes: 10,
                 seconds: 0.5,
                 blocks: 2,
+                skipped_blocks: 3,
             },
             StreamEvent::Token(WireToken {
                 token: 7,

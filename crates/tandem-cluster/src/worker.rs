@@ -2,8 +2,9 @@
 //!
 //! Prefill: run the prompt prefill-only, keep its blocks pinned in the engine, copy them out once and
 //! register them with the [`KvServer`]; the server's release (ack, abort, disconnect, timeout) unpins
-//! them in the engine. Decode: reserve blocks, pull into them through a [`KvSink`] that forwards each
-//! block to the engine thread, then start decoding with zero prefill compute.
+//! them in the engine. Decode: share the blocks the engine's prefix cache already holds, reserve the
+//! rest, pull only those through a [`KvSink`] that forwards each block to the engine thread, then start
+//! decoding with zero prefill compute.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -25,8 +26,8 @@ use tandem_engine::{
     RequestStream,
 };
 use tandem_kv::{
-    KvClient, KvError, KvListener, KvServer, KvServerConfig, KvSink, KvSource, PeerInfo,
-    ShmTransport, TcpConfig, TcpTransport, WireDtype, WireLayout,
+    BlockSelection, KvClient, KvError, KvListener, KvServer, KvServerConfig, KvSink, KvSource,
+    PeerInfo, ShmTransport, TcpConfig, TcpTransport, WireDtype, WireLayout,
 };
 
 use crate::error::ClusterError;
@@ -472,23 +473,37 @@ impl WorkerService {
             });
         };
         let id = self.next_id();
-        let engine_req = EngineRequest::new(id, req.prompt, req.params);
+        let prompt_len = req.prompt.len();
+        let mut engine_req = EngineRequest::new(id, req.prompt, req.params);
         let Some(pre) = req.prefilled else {
+            if !req.resume.is_empty() {
+                engine_req.mode = RequestMode::Resume { output: req.resume };
+            }
             return Ok((None, self.engine.submit(engine_req)?));
         };
-        let (stream, blocks) = self.engine.import_prefilled(engine_req, pre.first_token)?;
+        if !req.resume.is_empty() {
+            return Err(ClusterError::Protocol {
+                url: pre.handle.endpoint.clone(),
+                message: "a resumed decode cannot import prefilled KV".into(),
+            });
+        }
+        let (stream, plan) = self.engine.import_prefilled(engine_req, pre.first_token)?;
         // From here on, dropping `stream` (on any error) aborts the import and frees its blocks.
-        let blocks = blocks.wait().await?;
-        if blocks.len() != pre.handle.block_ids.len() {
+        let plan = plan.wait().await?;
+        if plan.num_blocks != pre.handle.block_ids.len() || pre.handle.n_tokens != prompt_len {
             return Err(ClusterError::Protocol {
                 url: pre.handle.endpoint.clone(),
                 message: format!(
-                    "handle has {} blocks, the prompt needs {}",
+                    "handle has {} blocks of {} tokens, the prompt needs {} blocks of {prompt_len}",
                     pre.handle.block_ids.len(),
-                    blocks.len()
+                    pre.handle.n_tokens,
+                    plan.num_blocks
                 ),
             });
         }
+        // Blocks this engine's prefix cache already holds are shared, not pulled; with all of them
+        // cached the pull only acks, which still releases the prefill worker's pin.
+        let wanted = BlockSelection::range(plan.cached as u32..plan.num_blocks as u32);
         let sink = Arc::new(EngineSink {
             engine: self.engine.clone(),
             request: id,
@@ -496,17 +511,24 @@ impl WorkerService {
             pending: Mutex::new(Vec::new()),
         });
         let stats = client
-            .pull(&pre.handle, Arc::clone(&sink) as Arc<dyn KvSink>)
+            .pull_blocks(&pre.handle, &wanted, Arc::clone(&sink) as Arc<dyn KvSink>)
             .await;
         // Settle even after a failed pull so no import outlives the request.
         let settled = sink.settle().await;
         let stats = stats?;
         settled?;
         self.engine.start_decoding(id).wait().await?;
+        tracing::debug!(
+            transfer_id = pre.handle.transfer_id,
+            pulled = wanted.len(),
+            cached = plan.cached,
+            "KV imported"
+        );
         let event = StreamEvent::Transfer {
             bytes: stats.bytes,
             seconds: stats.elapsed.as_secs_f64(),
-            blocks: blocks.len(),
+            blocks: wanted.len(),
+            skipped_blocks: plan.cached,
         };
         Ok((Some(event), stream))
     }

@@ -53,8 +53,12 @@ const ENGINE: &str =
     "engine: {block_size: 16, kv_cache_memory: 64MiB, threads: 1, max_num_seqs: 8}\n";
 
 fn pd_yaml(prefill: usize) -> String {
+    pd_yaml_with(prefill, 1)
+}
+
+fn pd_yaml_with(prefill: usize, decode: usize) -> String {
     format!(
-        "model: {}\n{ENGINE}deployment:\n  mode: pd\n  prefill: {{replicas: {prefill}}}\n  decode: {{replicas: 1}}\n  \
+        "model: {}\n{ENGINE}deployment:\n  mode: pd\n  prefill: {{replicas: {prefill}}}\n  decode: {{replicas: {decode}}}\n  \
          kv_transfer: {{transport: tcp, pin_timeout_secs: 20}}\n  routing: {{local_prefill_threshold: 16}}\n  \
          timeouts: {{poll_interval_secs: 0.2}}\n",
         model().display()
@@ -156,6 +160,39 @@ impl Server {
         let v: Value = r.json().await.expect("json answer");
         assert!(status.is_success(), "{status}: {v}\n{}", self.log());
         v
+    }
+
+    /// A greedy completion of a prompt given as token ids.
+    async fn complete_ids(&self, prompt: &[u32], max_tokens: usize) -> Value {
+        self.complete_with(json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}))
+            .await
+    }
+
+    /// A completion with the given body (the model name is filled in); panics on an error answer.
+    async fn complete_with(&self, mut body: Value) -> Value {
+        body["model"] = json!("SmolLM2-135M-Instruct.Q4_1");
+        let r = self
+            .http
+            .post(format!("{}/v1/completions", self.url))
+            .json(&body)
+            .send()
+            .await
+            .expect("completion sent");
+        let status = r.status();
+        let v: Value = r.json().await.expect("json answer");
+        assert!(status.is_success(), "{status}: {v}\n{}", self.log());
+        v
+    }
+
+    async fn metrics(&self) -> String {
+        self.http
+            .get(format!("{}/metrics", self.url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
     }
 
     async fn workers(&self) -> Vec<WorkerStatus> {
@@ -262,6 +299,104 @@ async fn pd_matches_colocated_and_decode_never_prefills() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_cached_on_the_decode_worker_is_not_transferred_again() {
+    let _serial = SERIAL.lock().await;
+    // Token-id prompts, so the shared head is exactly 4 blocks of 16 whatever the tokenizer does.
+    let head: Vec<u32> = (0..64u32).map(|i| 300 + (i * 131) % 4000).collect();
+    let first: Vec<u32> = head
+        .iter()
+        .copied()
+        .chain((0..20).map(|i| 5000 + i * 7))
+        .collect();
+    let second: Vec<u32> = head
+        .iter()
+        .copied()
+        .chain((0..40).map(|i| 7000 + i * 11))
+        .collect();
+    // Sampled with a seed: the prefill worker draws the first token, the decode worker the rest (after
+    // pulling the 2 blocks past the cached head: 94 tokens).
+    let third: Vec<u32> = head
+        .iter()
+        .copied()
+        .chain((0..30).map(|i| 9000 + i * 5))
+        .collect();
+    let sampled =
+        json!({"prompt": third, "max_tokens": 16, "temperature": 0.8, "top_k": 40, "seed": 1234});
+    let colocated = Server::start(&colocated_yaml()).await;
+    let want = [
+        colocated.complete_ids(&first, 10).await,
+        colocated.complete_ids(&second, 10).await,
+    ];
+    let want_sampled = colocated.complete_with(sampled.clone()).await;
+    drop(colocated);
+
+    let pd = Server::start(&pd_yaml(1)).await;
+    let decode = pd.worker(Role::Decode).await;
+    let layout = decode.info.peer.layout;
+    assert_eq!(layout.block_size, 16);
+    let block_bytes = (layout.block_bytes() * layout.n_layers) as u64;
+    // first: 84 tokens = 6 blocks, nothing cached; second: 104 tokens = 7 blocks, the 4 head blocks cached.
+    for ((prompt, want), (pulled, skipped)) in [&first, &second]
+        .iter()
+        .zip(&want)
+        .zip([(6u64, 0u64), (3, 4)])
+    {
+        let before = pd.load(&decode.url).await;
+        let got = pd.complete_ids(prompt, 10).await;
+        assert_eq!(text(&got), text(want), "{}", pd.log());
+        assert_eq!(
+            got["usage"]["prompt_tokens"].as_u64(),
+            Some(prompt.len() as u64)
+        );
+        let after = pd.load(&decode.url).await;
+        assert_eq!(
+            after.kv.bytes_received - before.kv.bytes_received,
+            pulled * block_bytes,
+            "KV bytes moved for a {}-token prompt",
+            prompt.len()
+        );
+        assert_eq!(
+            (
+                after.kv.blocks_pulled - before.kv.blocks_pulled,
+                after.kv.blocks_skipped - before.kv.blocks_skipped
+            ),
+            (pulled, skipped)
+        );
+        assert_eq!(after.kv.pulls_ok - before.kv.pulls_ok, 1);
+        assert_eq!(
+            after.engine.prefill_tokens_computed, before.engine.prefill_tokens_computed,
+            "the decode worker prefilled"
+        );
+    }
+    let sampled = pd.complete_with(sampled).await;
+    assert_eq!(
+        text(&sampled),
+        text(&want_sampled),
+        "seeded sampling P/D vs colocated"
+    );
+    let metrics = pd.metrics().await;
+    assert!(
+        metrics.contains("tandem:kv_transfer_blocks_skipped_total 8"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tandem:kv_transfer_blocks_total 11"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(&format!(
+            "tandem:kv_transfer_bytes_total {}",
+            (6 + 3 + 2) * block_bytes
+        )),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tandem:pd_requests_total{prefill=\"remote\"} 3"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_prefill_worker_mid_request_still_answers() {
     let _serial = SERIAL.lock().await;
     let pd = Server::start(&pd_yaml(1)).await;
@@ -322,6 +457,88 @@ async fn killing_the_prefill_worker_mid_request_still_answers() {
     assert!(
         !metrics.contains("tandem:pd_requests_total{prefill=\"fallback\"} 0"),
         "{metrics}"
+    );
+}
+
+/// Starts a long greedy completion in the background, waits until a decode worker has generated a few of
+/// its tokens, and SIGKILLs that worker; returns the answer's status and body.
+async fn kill_the_decoder_mid_request(pd: &Server, body: Value) -> (reqwest::StatusCode, Value) {
+    let decoders: Vec<WorkerStatus> = pd
+        .workers()
+        .await
+        .into_iter()
+        .filter(|w| w.info.role == Role::Decode && w.healthy)
+        .collect();
+    let mut before = Vec::new();
+    for d in &decoders {
+        before.push(pd.load(&d.url).await.engine.generation_tokens_total);
+    }
+    let request = {
+        let (http, url) = (pd.http.clone(), pd.url.clone());
+        tokio::spawn(async move {
+            let r = http
+                .post(format!("{url}/v1/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (r.status(), r.json::<Value>().await.unwrap())
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let victim = 'found: loop {
+        for (d, &b) in decoders.iter().zip(&before) {
+            if pd.load(&d.url).await.engine.generation_tokens_total >= b + 4 {
+                break 'found d;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no decode worker started generating"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let status = Command::new("kill")
+        .args(["-9", &victim.info.pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    // Never a hang: the answer comes, complete or failed, well within the bound.
+    tokio::time::timeout(Duration::from_secs(120), request)
+        .await
+        .expect("the request ended after its decode worker died")
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_decode_worker_mid_stream_resumes_elsewhere_or_fails_cleanly() {
+    let _serial = SERIAL.lock().await;
+    let pd = Server::start(&pd_yaml_with(1, 2)).await;
+    let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": PROMPTS[2], "max_tokens": 160,
+                      "temperature": 0, "ignore_eos": true});
+    let want = pd.complete_with(body.clone()).await;
+    // Two decode workers: the survivor recomputes prompt + delivered tokens and finishes the answer.
+    let (status, got) = kill_the_decoder_mid_request(&pd, body.clone()).await;
+    assert!(status.is_success(), "{status}: {got}\n{}", pd.log());
+    assert_eq!(got["choices"][0]["finish_reason"], "length", "{got}");
+    assert_eq!(
+        text(&got),
+        text(&want),
+        "the resumed answer continues the same tokens"
+    );
+    let metrics = pd.metrics().await;
+    assert!(
+        metrics.contains("tandem:decode_resumes_total 1"),
+        "{metrics}"
+    );
+    // No decode worker left to resume on: the request fails with an error instead of hanging.
+    let (status, got) = kill_the_decoder_mid_request(&pd, body).await;
+    assert!(status.is_server_error(), "{status}: {got}");
+    assert!(
+        got["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{got}"
     );
 }
 

@@ -171,11 +171,22 @@ impl BlockPool {
     /// Fills an empty `table` with the longest cached prefix of `tokens`, always leaving at least one
     /// token uncached so the model computes logits; returns the number of cached tokens.
     pub fn match_prefix(&mut self, table: &mut BlockTable, tokens: &[u32]) -> usize {
+        let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
+        self.match_blocks(table, tokens, max_blocks)
+    }
+
+    /// Like [`Self::match_prefix`] but may cover every full block of `tokens`: for a prompt whose KV is
+    /// imported (its first token already sampled elsewhere), so nothing has to be left for the model.
+    pub fn match_full_blocks(&mut self, table: &mut BlockTable, tokens: &[u32]) -> usize {
+        let max_blocks = tokens.len() / self.block_size;
+        self.match_blocks(table, tokens, max_blocks)
+    }
+
+    fn match_blocks(&mut self, table: &mut BlockTable, tokens: &[u32], max_blocks: usize) -> usize {
         debug_assert!(table.is_empty());
         if !self.caching || tokens.is_empty() {
             return 0;
         }
-        let max_blocks = (tokens.len() - 1) / self.block_size;
         let mut parent = ROOT_HASH;
         for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
             let h = hash_block(parent, chunk);
@@ -303,6 +314,11 @@ mod tests {
         let mut c = BlockTable::default();
         assert_eq!(p.match_prefix(&mut c, &other), 4);
         assert_eq!(p.prefix_counters(), (36, 12));
+        // An imported prompt needs no token left over: all three full blocks match.
+        let mut d = BlockTable::default();
+        assert_eq!(p.match_full_blocks(&mut d, &toks), 12);
+        assert_eq!(d.blocks, a_blocks);
+        p.release(&mut d);
         p.check_invariants(&[a_blocks[0], a_blocks[1], a_blocks[0]])
             .unwrap();
         p.release(&mut b);
@@ -339,6 +355,7 @@ mod tests {
         Register(usize),
         Share(usize),
         Match(usize, u8),
+        MatchFull(usize),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -348,6 +365,7 @@ mod tests {
             (0..4usize).prop_map(Op::Register),
             (0..4usize).prop_map(Op::Share),
             (0..4usize, 0..3u8).prop_map(|(s, v)| Op::Match(s, v)),
+            (0..4usize).prop_map(Op::MatchFull),
         ]
     }
 
@@ -380,6 +398,14 @@ mod tests {
                             let t: Vec<u32> = (0..10u32).map(|i| (i % 5 + v as u32 * (i / 6)) % 5).collect();
                             let hit = p.match_prefix(&mut tables[s], &t);
                             prop_assert!(hit < t.len());
+                            toks[s] = t[..hit].to_vec();
+                        }
+                    }
+                    Op::MatchFull(s) => {
+                        if tables[s].is_empty() {
+                            let t: Vec<u32> = (0..9u32).map(|i| i % 5).collect();
+                            let hit = p.match_full_blocks(&mut tables[s], &t);
+                            prop_assert!(hit <= t.len() && hit.is_multiple_of(3));
                             toks[s] = t[..hit].to_vec();
                         }
                     }

@@ -167,10 +167,10 @@ mod tests {
         assert_eq!(first, want[..1]);
         let kv = a.export_blocks(1).wait_blocking().unwrap();
         let b = engine(m, 64, |_| {});
-        let (mut s, blocks) = b
+        let (mut s, plan) = b
             .import_prefilled(EngineRequest::new(1, prompt, greedy(5)), first[0])
             .unwrap();
-        assert_eq!(blocks.wait_blocking().unwrap().len(), kv.num_blocks);
+        assert_eq!(plan.wait_blocking().unwrap().num_blocks, kv.num_blocks);
         for layer in 0..kv.layout.n_layers {
             for blk in 0..kv.num_blocks {
                 b.import_block(1, layer, blk, kv.block(layer, blk).to_vec())

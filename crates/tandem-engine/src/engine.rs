@@ -143,6 +143,12 @@ pub struct EngineStats {
     pub generation_tokens_total: u64,
     /// Tokens run through prefill compute (a P/D decode worker proves 0 here).
     pub prefill_tokens_computed: u64,
+    /// Blocks of imported prompts found in this engine's prefix cache: shared, so their KV is not transferred.
+    #[serde(default)]
+    pub import_blocks_cached: u64,
+    /// Blocks of imported prompts whose KV the caller had to supply with `import_block`.
+    #[serde(default)]
+    pub import_blocks_needed: u64,
     /// Times a running sequence was preempted.
     pub preemptions_total: u64,
     /// Requests that ended (any reason).
@@ -172,6 +178,24 @@ impl ExportedKv {
         let n = self.layout.block_bytes();
         let i = layer * self.num_blocks + block;
         &self.data[i * n..(i + 1) * n]
+    }
+}
+
+/// How an import was set up: of the prompt's logical blocks, the leading `cached` ones were found in this
+/// engine's prefix cache and are shared (reference counted, like a normal admission's prefix hit); only
+/// the rest need their KV supplied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImportPlan {
+    /// Logical blocks of the prompt (`prompt_len.div_ceil(block_size)`).
+    pub num_blocks: usize,
+    /// Leading blocks already holding this prompt's KV; always full blocks, never the last partial one.
+    pub cached: usize,
+}
+
+impl ImportPlan {
+    /// The logical blocks whose KV must be imported before [`EngineHandle::start_decoding`].
+    pub fn needed(&self) -> std::ops::Range<usize> {
+        self.cached..self.num_blocks
     }
 }
 
@@ -210,7 +234,7 @@ enum Command {
         Box<EngineRequest>,
         u32,
         mpsc::UnboundedSender<Item>,
-        Reply<Vec<u32>>,
+        Reply<ImportPlan>,
     ),
     ImportBlock {
         id: RequestId,
@@ -321,20 +345,38 @@ impl EngineHandle {
         if req.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        if req.prompt.len() >= s.max_model_len {
+        // A resumed request recomputes its earlier output with the prompt, so both must fit.
+        let resumed: &[u32] = match &req.mode {
+            RequestMode::Resume { output } => output,
+            _ => &[],
+        };
+        let tokens = req.prompt.len() + resumed.len();
+        if tokens >= s.max_model_len {
             return Err(EngineError::PromptTooLong {
-                prompt: req.prompt.len(),
+                prompt: tokens,
                 max_tokens: req.params.max_tokens,
                 max_model_len: s.max_model_len,
             });
         }
-        if req.prompt.len() >= s.pool_tokens {
+        if tokens >= s.pool_tokens {
             return Err(EngineError::KvCacheTooSmall {
-                prompt: req.prompt.len(),
+                prompt: tokens,
                 capacity: s.pool_tokens,
             });
         }
-        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= s.vocab_size) {
+        if resumed.len() >= req.params.max_tokens {
+            return Err(EngineError::InvalidParams(format!(
+                "resuming after {} tokens leaves nothing to generate within max_tokens {}",
+                resumed.len(),
+                req.params.max_tokens
+            )));
+        }
+        if let Some(&t) = req
+            .prompt
+            .iter()
+            .chain(resumed)
+            .find(|&&t| t as usize >= s.vocab_size)
+        {
             return Err(EngineError::InvalidParams(format!(
                 "token id {t} outside the vocabulary"
             )));
@@ -412,14 +454,21 @@ impl EngineHandle {
         self.call(|reply| Command::Export(id, reply))
     }
 
-    /// Starts a request whose prompt KV will be imported: reserves blocks for the prompt and returns
-    /// the stream (which begins with `first_token`) and the reply carrying the reserved block ids, one
-    /// per logical block, to fill with [`Self::import_block`] before [`Self::start_decoding`].
+    /// Starts a request whose prompt KV will be imported: shares the prompt's longest cached run of full
+    /// blocks from the prefix cache, reserves fresh blocks for the rest, and returns the stream (which
+    /// begins with `first_token`) and the reply carrying the [`ImportPlan`]: the blocks in
+    /// [`ImportPlan::needed`] must be filled with [`Self::import_block`] before [`Self::start_decoding`].
     pub fn import_prefilled(
         &self,
         req: EngineRequest,
         first_token: u32,
-    ) -> Result<(RequestStream, Pending<Vec<u32>>), EngineError> {
+    ) -> Result<(RequestStream, Pending<ImportPlan>), EngineError> {
+        if req.mode != RequestMode::Normal {
+            return Err(EngineError::InvalidParams(format!(
+                "an imported request decodes normally, not as {:?}",
+                req.mode
+            )));
+        }
         if first_token as usize >= self.shared.vocab_size {
             return Err(EngineError::InvalidParams(format!(
                 "first token {first_token} outside the vocabulary"
@@ -431,7 +480,8 @@ impl EngineHandle {
         Ok((stream, pending))
     }
 
-    /// Writes one (layer, logical block) of an importing request's KV.
+    /// Writes one (layer, logical block) of an importing request's KV; refused for blocks the plan shares
+    /// from the prefix cache (other sequences read them).
     pub fn import_block(
         &self,
         id: RequestId,
@@ -700,17 +750,24 @@ impl<B: Backend> Worker<B> {
         match cmd {
             Command::Submit(req, tx) => {
                 self.counters.prompt_tokens_total += req.prompt.len() as u64;
-                let score_prompt = req.params.prompt_logprobs.is_some();
+                let (mode, resumed) = match req.mode {
+                    RequestMode::Resume { output } => (RequestMode::Normal, output),
+                    mode => (mode, Vec::new()),
+                };
+                // A resumed request's prompt logprobs went out with its first token, elsewhere.
+                let score_prompt = req.params.prompt_logprobs.is_some() && resumed.is_empty();
                 let ext = Ext {
                     rng: SeqRng::new(req.params.seed),
                     prompt_logprobs: score_prompt.then(|| vec![None; req.prompt.len()]),
                     params: req.params,
-                    mode: req.mode,
+                    mode,
                     tx,
                     queued: true,
                     first_token: None,
                 };
                 let mut seq = Sequence::new(req.id, req.prompt, ext);
+                // Like a preempted sequence: the earlier output is recomputed, then sampling goes on.
+                seq.tokens.extend_from_slice(&resumed);
                 seq.score_prompt = score_prompt;
                 self.sched.add(seq);
             }
@@ -817,7 +874,7 @@ impl<B: Backend> Worker<B> {
         req: EngineRequest,
         first_token: u32,
         tx: mpsc::UnboundedSender<Item>,
-    ) -> Result<Vec<u32>, EngineError> {
+    ) -> Result<ImportPlan, EngineError> {
         let id = req.id;
         let ext = Ext {
             rng: SeqRng::new(req.params.seed),
@@ -829,17 +886,26 @@ impl<B: Backend> Worker<B> {
             prompt_logprobs: None,
         };
         let mut seq = Sequence::new(id, req.prompt, ext);
+        // The cached prefix's KV is already here: those blocks are shared and only the rest is imported.
+        // `num_computed` marks where the imported part begins until decoding starts.
+        seq.num_computed = self.pool.match_full_blocks(&mut seq.table, &seq.tokens);
         if let Err(e) = self.pool.ensure_capacity(&mut seq.table, seq.prompt_len) {
+            self.pool.release(&mut seq.table);
             self.shared.live.lock().remove(&id);
             return Err(EngineError::InvalidState {
                 id,
                 reason: e.to_string(),
             });
         }
+        let plan = ImportPlan {
+            num_blocks: seq.table.blocks.len(),
+            cached: seq.num_computed / self.pool.block_size(),
+        };
         self.counters.prompt_tokens_total += seq.prompt_len as u64;
-        let blocks = seq.table.blocks.clone();
+        self.counters.import_blocks_cached += plan.cached as u64;
+        self.counters.import_blocks_needed += plan.needed().len() as u64;
         self.importing.insert(id, seq);
-        Ok(blocks)
+        Ok(plan)
     }
 
     fn import_block(
@@ -854,14 +920,17 @@ impl<B: Backend> Worker<B> {
             .get(&id)
             .ok_or(EngineError::UnknownRequest(id))?;
         let layout = self.backend.kv_layout();
+        let cached = seq.num_computed / self.pool.block_size();
         if layer >= layout.n_layers
             || block >= seq.table.blocks.len()
+            || block < cached
             || data.len() != layout.block_bytes()
         {
             return Err(EngineError::InvalidState {
                 id,
                 reason: format!(
-                    "bad import: layer {layer}, block {block}, {} bytes (expected {})",
+                    "bad import: layer {layer}, block {block} (blocks {cached}..{} expected), {} bytes (expected {})",
+                    seq.table.blocks.len(),
                     data.len(),
                     layout.block_bytes()
                 ),

@@ -357,14 +357,15 @@ fn prefill_only(timeout: Duration) -> RequestMode {
     }
 }
 
-/// Prefills on engine `a`, moves the KV to engine `b` and decodes there; returns b's tokens.
-fn transfer(
+/// Prefills on engine `a`, moves the KV b does not already cache to engine `b` and decodes there;
+/// returns b's tokens and its import plan.
+fn transfer_planned(
     a: &EngineHandle,
     b: &EngineHandle,
     id: u64,
     prompt: &[u32],
     params: &SamplingParams,
-) -> Vec<u32> {
+) -> (Vec<u32>, ImportPlan) {
     let req = EngineRequest {
         id,
         prompt: prompt.to_vec(),
@@ -376,16 +377,16 @@ fn transfer(
     let kv = a.export_blocks(id).wait_blocking().unwrap();
     assert_eq!(kv.first_token, first[0]);
     assert_eq!(kv.num_tokens, prompt.len());
-    let (mut stream, blocks) = b
+    let (mut stream, plan) = b
         .import_prefilled(
             EngineRequest::new(id, prompt.to_vec(), params.clone()),
             first[0],
         )
         .unwrap();
-    let blocks = blocks.wait_blocking().unwrap();
-    assert_eq!(blocks.len(), kv.num_blocks);
+    let plan = plan.wait_blocking().unwrap();
+    assert_eq!(plan.num_blocks, kv.num_blocks);
     for layer in 0..kv.layout.n_layers {
-        for blk in 0..kv.num_blocks {
+        for blk in plan.needed() {
             b.import_block(id, layer, blk, kv.block(layer, blk).to_vec())
                 .wait_blocking()
                 .unwrap();
@@ -393,7 +394,96 @@ fn transfer(
     }
     b.start_decoding(id).wait_blocking().unwrap();
     a.release_pin(id);
-    collect(&mut stream).0
+    (collect(&mut stream).0, plan)
+}
+
+/// [`transfer_planned`] without the plan.
+fn transfer(
+    a: &EngineHandle,
+    b: &EngineHandle,
+    id: u64,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> Vec<u32> {
+    transfer_planned(a, b, id, prompt, params).0
+}
+
+#[test]
+fn imports_share_the_decode_side_prefix_cache_and_import_only_the_rest() {
+    let a = start(4, 64, |_| {});
+    let b = start(4, 64, |_| {});
+    let head: Vec<u32> = (0..12).map(|i| (i * 11 + 2) % 60).collect();
+    let p1: Vec<u32> = head.iter().copied().chain([5, 6]).collect();
+    let p2: Vec<u32> = head
+        .iter()
+        .copied()
+        .chain([7, 8, 9, 10, 11, 12, 13])
+        .collect();
+    // Nothing cached yet: all 4 blocks (3 full + 1 partial) are imported.
+    let (out, plan) = transfer_planned(&a, &b, 1, &p1, &greedy(6));
+    assert_eq!(out, alone(&p1, &greedy(6)));
+    assert_eq!(
+        plan,
+        ImportPlan {
+            num_blocks: 4,
+            cached: 0
+        }
+    );
+    assert_no_leak(&b);
+    // The shared 12-token head is 3 full blocks in b's cache: only blocks 3 and 4 are imported.
+    let (out, plan) = transfer_planned(&a, &b, 2, &p2, &greedy(6));
+    assert_eq!(out, alone(&p2, &greedy(6)));
+    assert_eq!(
+        plan,
+        ImportPlan {
+            num_blocks: 5,
+            cached: 3
+        }
+    );
+    assert_eq!(plan.needed(), 3..5);
+    // A prompt of exactly the cached head: every block is cached, nothing is imported.
+    let (out, plan) = transfer_planned(&a, &b, 3, &head, &greedy(6));
+    assert_eq!(out, alone(&head, &greedy(6)));
+    assert_eq!(
+        plan,
+        ImportPlan {
+            num_blocks: 3,
+            cached: 3
+        }
+    );
+    assert!(plan.needed().is_empty());
+    let st = assert_no_leak(&b);
+    assert_eq!(st.prefill_tokens_computed, 0, "b never prefills");
+    assert_eq!(
+        (st.import_blocks_cached, st.import_blocks_needed),
+        (3 + 3, 4 + 2)
+    );
+    assert_eq!(st.prefix_cache_hits, 2 * 12);
+    assert_no_leak(&a);
+
+    // While an import holds shared blocks, the accounting explains them and they cannot be overwritten.
+    let (s, plan) = b
+        .import_prefilled(EngineRequest::new(9, p2.clone(), greedy(3)), 1)
+        .unwrap();
+    let plan = plan.wait_blocking().unwrap();
+    assert_eq!(
+        plan.cached, 4,
+        "p2's 4th block was named when its first import finished"
+    );
+    let st = b.checked_stats().wait_blocking().unwrap();
+    assert_eq!(st.kv_blocks_used, 5);
+    let bb = b.kv_layout().block_bytes();
+    assert!(b
+        .import_block(9, 0, 0, vec![0; bb])
+        .wait_blocking()
+        .is_err());
+    b.import_block(9, 0, 4, vec![0; bb])
+        .wait_blocking()
+        .unwrap();
+    drop(s);
+    assert_no_leak(&b);
+    a.shutdown();
+    b.shutdown();
 }
 
 #[test]
@@ -444,10 +534,10 @@ fn pins_expire_and_bad_imports_are_refused() {
         Err(EngineError::UnknownRequest(1))
     ));
 
-    let (s, blocks) = a
+    let (s, plan) = a
         .import_prefilled(EngineRequest::new(2, vec![1; 9], greedy(4)), 3)
         .unwrap();
-    assert_eq!(blocks.wait_blocking().unwrap().len(), 3);
+    assert_eq!(plan.wait_blocking().unwrap().num_blocks, 3);
     assert!(a
         .import_block(2, 0, 3, vec![0; a.kv_layout().block_bytes()])
         .wait_blocking()
@@ -548,4 +638,56 @@ fn prompt_logprobs_score_every_prompt_token_chunked_and_past_the_prefix_cache() 
     }
     let st = assert_no_leak(&e);
     assert_eq!(st.prefill_tokens_computed, 2 * prompt.len() as u64);
+}
+
+#[test]
+fn a_resumed_request_continues_exactly_where_the_lost_one_stopped() {
+    let prompt: Vec<u32> = (0..10).map(|i| (i * 7 + 1) % 60).collect();
+    let seeded = SamplingParams {
+        temperature: 0.9,
+        seed: Some(11),
+        frequency_penalty: 0.5,
+        ..greedy(14)
+    };
+    let e = start(4, 64, |c| c.max_num_batched_tokens = 6);
+    for (id, params) in [(1, greedy(14)), (2, seeded)] {
+        let full = alone(&prompt, &params);
+        assert_eq!(full.len(), 14);
+        // Another worker delivered the first 5 tokens, then died: only the remaining 9 come out, the
+        // same ones (same RNG stream position, same penalties over the output).
+        let req = EngineRequest {
+            id,
+            prompt: prompt.clone(),
+            params: params.clone(),
+            mode: RequestMode::Resume {
+                output: full[..5].to_vec(),
+            },
+        };
+        let (toks, fin) = collect(&mut e.submit(req).unwrap());
+        assert_eq!(
+            (toks.as_slice(), fin),
+            (&full[5..], Some(FinishReason::Length))
+        );
+    }
+    // Nothing left to generate, or too long together with the prompt: refused up front.
+    let resume = |output: Vec<u32>, max_tokens| EngineRequest {
+        id: 9,
+        prompt: prompt.clone(),
+        params: greedy(max_tokens),
+        mode: RequestMode::Resume { output },
+    };
+    assert!(matches!(
+        e.submit(resume(vec![1; 3], 3)),
+        Err(EngineError::InvalidParams(_))
+    ));
+    assert!(matches!(
+        e.submit(resume(vec![1; 5000], 6000)),
+        Err(EngineError::PromptTooLong { prompt: 5010, .. })
+    ));
+    assert!(matches!(
+        e.import_prefilled(resume(vec![1], 3), 1),
+        Err(EngineError::InvalidParams(_))
+    ));
+    assert_no_leak(&e);
+    e.shutdown();
 }

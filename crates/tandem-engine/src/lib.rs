@@ -18,7 +18,7 @@ pub mod types;
 pub use backend::{Backend, BackendError};
 pub use cpu::CpuBackend;
 pub use engine::{
-    Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, Pending,
+    Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,
     RequestStream,
 };
 pub use types::*;

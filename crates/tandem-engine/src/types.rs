@@ -105,6 +105,14 @@ pub enum RequestMode {
         /// How long the pinned KV outlives the request if nobody releases it.
         pin_timeout: Duration,
     },
+    /// Continue a request another engine started and lost (decode failover): `output` holds the tokens
+    /// already generated and delivered. They are recomputed after the prompt like a preempted sequence's,
+    /// so sampling continues at the same output index (seeded RNG stream, penalties, `max_tokens`) and
+    /// only new tokens are emitted.
+    Resume {
+        /// Tokens generated so far, in order (fewer than `max_tokens`).
+        output: Vec<u32>,
+    },
 }
 
 /// A request for generation from token ids.

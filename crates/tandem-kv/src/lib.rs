@@ -2,8 +2,10 @@
 //!
 //! A prefill worker computes a prompt's KV, keeps its blocks pinned, and [`KvServer::register`]s them,
 //! getting a [`TransferHandle`] (worker, endpoint, transfer id, block ids, token count, layout). A decode
-//! worker allocates blocks and [`KvClient::pull`]s the handle into its [`KvSink`]; when every layer has
-//! landed the client acks and the server calls [`KvSource::release`]. Release happens exactly once per
+//! worker allocates blocks and [`KvClient::pull`]s the handle into its [`KvSink`] — or, when its own
+//! prefix cache already holds the first blocks, [`KvClient::pull_blocks`] only a [`BlockSelection`] of
+//! them, so cached blocks never cross the wire; when every layer has landed the client acks and the
+//! server calls [`KvSource::release`] (an empty selection moves no data but still acks). Release happens exactly once per
 //! transfer: on ack, on abort (decode failure, sink error, prefill-side [`KvServer::abort`]), when the
 //! pulling control connection drops, or when nobody acked within `pin_timeout`.
 //!
@@ -14,7 +16,7 @@
 //! socket transports hand each layer to the sink as it arrives, so decode can start on layer 0 early.
 //! The module docs of [`transport`] describe how an RDMA/NIXL transport plugs in.
 //!
-//! # Wire format (version 1)
+//! # Wire format (version 2)
 //!
 //! Every frame is a 40-byte little-endian header followed by `payload_len` bytes:
 //!
@@ -36,13 +38,16 @@
 //!
 //! A connection: client `Hello(PeerInfo)` → server `HelloReply(PeerInfo)`. Both sides compare model id,
 //! dtype, block size, layer count, head counts and head dim; a difference is refused at first contact as
-//! [`KvError::Mismatch`] naming the field (never a silent recompute). Then either
-//! - `Pull{layers, control, checksum}` → `Data`* → `PullDone` (TCP data plane), or
-//! - `ShmPull` → `ShmOpen{path, map_len, total_len, n_blocks}` → `ShmLayer`* → `PullDone`, where layer `l`
-//!   sits at offset `l * n_blocks * block_bytes` of the file and each `ShmLayer` is sent once that layer is
-//!   written;
+//! [`KvError::Mismatch`] naming the field (never a silent recompute). Both pulls name the blocks they want
+//! as `blocks`, runs `[[start, end], ...]` of indices into the transfer's block list (version 2; version 1
+//! always moved every block). Then either
+//! - `Pull{layers, blocks, control, checksum}` → `Data`* → `PullDone` (TCP data plane), where each layer's
+//!   `Data` frames cover the selected runs in order and never span two runs, or
+//! - `ShmPull{blocks}` → `ShmOpen{path, map_len, total_len, n_blocks}` → `ShmLayer`* → `PullDone`, where
+//!   the `n_blocks` selected blocks of layer `l` sit packed at offset `l * n_blocks * block_bytes` of the
+//!   file and each `ShmLayer` is sent once that layer is written;
 //!
-//! and on the control connection `Ack` → `AckOk` or `Abort`. An `Error(WireError)` frame may replace any
+//! and on the control connection `Ack` → `AckOk` or `Abort`. A pull of no block skips straight to `Ack`. An `Error(WireError)` frame may replace any
 //! server reply; the server then closes. Shared-memory files are pooled: a segment belongs to one transfer
 //! from `ShmOpen` until that transfer's ack, abort or disconnect, then returns to the server's pool (files
 //! beyond `shm_cache_bytes` are unlinked); clients keep their read-only mappings cached.
@@ -53,6 +58,7 @@ pub mod mem;
 mod metrics;
 mod peer;
 mod registry;
+mod selection;
 mod server;
 mod shm_pool;
 mod source;
@@ -62,6 +68,7 @@ pub mod wire;
 pub use error::KvError;
 pub use metrics::{KvMetrics, KvMetricsSnapshot, ReleaseReason};
 pub use peer::{PeerInfo, WireDtype, WireLayout};
+pub use selection::BlockSelection;
 pub use server::{default_shm_dir, KvListener, KvServer, KvServerConfig};
 pub use source::{KvSink, KvSource, TransferHandle};
 pub use transport::inproc::InProcTransport;

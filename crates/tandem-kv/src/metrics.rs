@@ -22,6 +22,8 @@ pub enum ReleaseReason {
 pub struct KvMetrics {
     bytes_sent: AtomicU64,
     bytes_received: AtomicU64,
+    blocks_pulled: AtomicU64,
+    blocks_skipped: AtomicU64,
     pulls_ok: AtomicU64,
     pulls_failed: AtomicU64,
     pull_nanos: AtomicU64,
@@ -39,6 +41,12 @@ pub struct KvMetricsSnapshot {
     pub bytes_sent: u64,
     /// Payload bytes a client received.
     pub bytes_received: u64,
+    /// Blocks a client's successful pulls moved (per layer counted once).
+    #[serde(default)]
+    pub blocks_pulled: u64,
+    /// Blocks of successful pulls' handles a client did not move because its own cache held them.
+    #[serde(default)]
+    pub blocks_skipped: u64,
     /// Pulls that completed and were acked.
     pub pulls_ok: u64,
     /// Pulls that failed.
@@ -63,6 +71,10 @@ impl KvMetrics {
     }
     pub(crate) fn add_received(&self, n: u64) {
         self.bytes_received.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn add_blocks(&self, pulled: usize, skipped: usize) {
+        self.blocks_pulled.fetch_add(pulled as u64, Relaxed);
+        self.blocks_skipped.fetch_add(skipped as u64, Relaxed);
     }
     pub(crate) fn pull_done(&self, ok: bool, nanos: u64) {
         if ok {
@@ -90,6 +102,8 @@ impl KvMetrics {
         KvMetricsSnapshot {
             bytes_sent: self.bytes_sent.load(Relaxed),
             bytes_received: self.bytes_received.load(Relaxed),
+            blocks_pulled: self.blocks_pulled.load(Relaxed),
+            blocks_skipped: self.blocks_skipped.load(Relaxed),
             pulls_ok: self.pulls_ok.load(Relaxed),
             pulls_failed: self.pulls_failed.load(Relaxed),
             pull_nanos: self.pull_nanos.load(Relaxed),

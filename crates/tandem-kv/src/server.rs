@@ -14,9 +14,10 @@ use crate::metrics::ReleaseReason;
 use crate::registry::PinRegistry;
 use crate::shm_pool::{ShmPool, ShmSegment};
 use crate::wire::{
-    self, FrameHeader, FrameKind, FrameReader, PullRequest, ShmOpen, WireError, FLAG_CHECKSUM,
+    self, FrameHeader, FrameKind, FrameReader, PullRequest, ShmOpen, ShmPullRequest, WireError,
+    FLAG_CHECKSUM,
 };
-use crate::{KvError, KvMetrics, KvSource, PeerInfo, TransferHandle};
+use crate::{BlockSelection, KvError, KvMetrics, KvSource, PeerInfo, TransferHandle};
 
 /// Knobs of a [`KvServer`].
 #[derive(Clone, Debug)]
@@ -298,9 +299,14 @@ async fn conn_loop(
                 send_control(r.get_mut(), FrameKind::PullDone, tid, io).await?;
             }
             FrameKind::ShmPull => {
+                let req: ShmPullRequest = r.json(&h).await?;
                 let guard = inner.registry.begin_read(tid)?;
                 st.control = Some(tid);
-                send_shm(inner, r.get_mut(), tid, &guard.blocks, &mut st.shm).await?;
+                let blocks = selected(&guard.blocks, &req.blocks)?;
+                if blocks.is_empty() {
+                    return Err(KvError::Protocol("a shared-memory pull of no block".into()));
+                }
+                send_shm(inner, r.get_mut(), tid, &blocks, &mut st.shm).await?;
                 drop(guard);
                 send_control(r.get_mut(), FrameKind::PullDone, tid, io).await?;
             }
@@ -341,37 +347,49 @@ async fn send_layers(
 ) -> Result<(), KvError> {
     let bb = inner.info.layout.block_bytes();
     let per_frame = (inner.config.max_frame_bytes / bb).max(1);
+    req.blocks.check(blocks.len())?;
     for &layer in &req.layers {
         if layer as usize >= inner.info.layout.n_layers {
             return Err(KvError::Protocol(format!("layer {layer} out of range")));
         }
-        for (i, chunk) in blocks.chunks(per_frame).enumerate() {
-            let len = chunk.len() * bb;
-            if buf.len() < len {
-                buf.resize(len, 0);
+        // Frames never span two runs, so each carries consecutive indices as the header says.
+        for run in req.blocks.runs() {
+            let run_blocks = &blocks[run.start as usize..run.end as usize];
+            for (i, chunk) in run_blocks.chunks(per_frame).enumerate() {
+                let len = chunk.len() * bb;
+                if buf.len() < len {
+                    buf.resize(len, 0);
+                }
+                let payload = &mut buf[..len];
+                inner
+                    .registry
+                    .source()
+                    .copy_blocks(tid, layer as usize, chunk, payload)?;
+                let mut h = FrameHeader::control(FrameKind::Data, tid, len);
+                h.layer = layer;
+                h.first_block = run.start + (i * per_frame) as u32;
+                h.n_blocks = chunk.len() as u32;
+                if req.checksum {
+                    h.flags |= FLAG_CHECKSUM;
+                    h.checksum = crc32fast::hash(payload);
+                }
+                wire::send(w, h, payload, inner.config.io_timeout).await?;
+                inner.metrics.add_sent(len as u64);
             }
-            let payload = &mut buf[..len];
-            inner
-                .registry
-                .source()
-                .copy_blocks(tid, layer as usize, chunk, payload)?;
-            let mut h = FrameHeader::control(FrameKind::Data, tid, len);
-            h.layer = layer;
-            h.first_block = (i * per_frame) as u32;
-            h.n_blocks = chunk.len() as u32;
-            if req.checksum {
-                h.flags |= FLAG_CHECKSUM;
-                h.checksum = crc32fast::hash(payload);
-            }
-            wire::send(w, h, payload, inner.config.io_timeout).await?;
-            inner.metrics.add_sent(len as u64);
         }
     }
     Ok(())
 }
 
-/// Copies every layer into a pooled segment, announcing each as soon as it is written. The segment is
-/// parked in `slot` first so that it returns to the pool however this ends.
+/// The source block ids a selection names, in ascending index order; refuses indices past the transfer.
+pub(crate) fn selected(blocks: &[u32], selection: &BlockSelection) -> Result<Vec<u32>, KvError> {
+    selection.check(blocks.len())?;
+    Ok(selection.iter().map(|i| blocks[i as usize]).collect())
+}
+
+/// Copies every layer of `blocks` (the selected source blocks) into a pooled segment, announcing each layer
+/// as soon as it is written. The segment is parked in `slot` first so that it returns to the pool however
+/// this ends.
 async fn send_shm(
     inner: &ServerInner,
     w: &mut TcpStream,

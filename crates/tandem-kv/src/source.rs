@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{KvError, WireLayout};
+use crate::{BlockSelection, KvError, WireLayout};
 
 /// Read access to a prefill worker's pinned KV blocks; implemented by the prefill worker over its engine.
 ///
@@ -31,10 +31,10 @@ pub trait KvSource: Send + Sync + 'static {
 /// while later layers are still arriving.
 pub trait KvSink: Send + Sync {
     /// Stores `data`, which holds `data.len() / block_bytes` consecutive blocks of `layer` starting at
-    /// index `first_block` of the transfer's block list.
+    /// index `first_block` of the transfer's block list. A partial pull writes only its selected indices.
     fn write(&self, layer: usize, first_block: usize, data: &[u8]) -> Result<(), KvError>;
 
-    /// Every block of `layer` has been written; lets decode start on that layer early.
+    /// Every selected block of `layer` has been written; lets decode start on that layer early.
     fn layer_complete(&self, _layer: usize) -> Result<(), KvError> {
         Ok(())
     }
@@ -65,8 +65,13 @@ pub struct TransferHandle {
 }
 
 impl TransferHandle {
-    /// Total bytes a pull moves.
+    /// Total bytes a pull of every block moves.
     pub fn total_bytes(&self) -> u64 {
-        (self.layout.n_layers * self.block_ids.len() * self.layout.block_bytes()) as u64
+        self.bytes_for(&BlockSelection::all(self.block_ids.len()))
+    }
+
+    /// Bytes a pull of only `blocks` moves.
+    pub fn bytes_for(&self, blocks: &BlockSelection) -> u64 {
+        (self.layout.n_layers * blocks.len() * self.layout.block_bytes()) as u64
     }
 }

@@ -7,12 +7,14 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::timed;
-use crate::{KvError, PeerInfo};
+use crate::{BlockSelection, KvError, PeerInfo};
 
 /// `b"TNKV"` read as a little-endian u32: lets a reader reject a stray connection on the first 4 bytes.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"TNKV");
 /// Wire format version; bumped on any incompatible change and refused on mismatch.
-pub const VERSION: u16 = 1;
+///
+/// Version 2: `Pull` and `ShmPull` name the blocks they want (a [`BlockSelection`]).
+pub const VERSION: u16 = 2;
 /// Size of the fixed frame header in bytes.
 pub const HEADER_LEN: usize = 40;
 /// Upper bound on a JSON control payload, so a corrupt length cannot make a reader allocate gigabytes.
@@ -42,7 +44,7 @@ pub enum FrameKind {
     Abort = 8,
     /// Either way: JSON [`WireError`], then the sender closes.
     Error = 9,
-    /// Client → server: send this transfer through a shared-memory file.
+    /// Client → server: JSON [`ShmPullRequest`]: send these blocks through a shared-memory file.
     ShmPull = 10,
     /// Server → client: JSON [`ShmOpen`] naming the file.
     ShmOpen = 11,
@@ -152,15 +154,24 @@ impl FrameHeader {
     }
 }
 
-/// Body of a `Pull` frame: which layers this connection should carry.
+/// Body of a `Pull` frame: which layers (and blocks of each) this connection should carry.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PullRequest {
     /// Layers to send on this connection, in order.
     pub layers: Vec<u32>,
+    /// Blocks to send of every layer, as indices into the transfer's block list; sent run by run, in order.
+    pub blocks: BlockSelection,
     /// Whether this connection will carry the `Ack`/`Abort`; its loss before an ack releases the pin.
     pub control: bool,
     /// Ask the server to CRC32 each data payload.
     pub checksum: bool,
+}
+
+/// Body of a `ShmPull` frame.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ShmPullRequest {
+    /// Blocks to copy into the file (non-empty), as indices into the transfer's block list.
+    pub blocks: BlockSelection,
 }
 
 /// Body of a `ShmOpen` frame.
@@ -172,7 +183,7 @@ pub struct ShmOpen {
     pub map_len: u64,
     /// Bytes this transfer uses: `n_layers * n_blocks * block_bytes`; layer `l` starts at `l * n_blocks * block_bytes`.
     pub total_len: u64,
-    /// Blocks in the transfer.
+    /// Blocks per layer in the file: the selected ones, packed in ascending index order.
     pub n_blocks: u32,
 }
 

@@ -5,8 +5,9 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::metrics::ReleaseReason;
+use crate::server::selected;
 use crate::transport::{KvTransport, PullFuture};
-use crate::{KvError, KvServer, KvSink, PeerInfo, TransferHandle};
+use crate::{BlockSelection, KvError, KvServer, KvSink, PeerInfo, TransferHandle};
 
 /// Pulls from a server object directly, with the same handshake and release rules as the socket transports.
 pub struct InProcTransport {
@@ -26,26 +27,36 @@ impl InProcTransport {
         }
     }
 
-    fn pull_sync(&self, handle: &TransferHandle, sink: &dyn KvSink) -> Result<u64, KvError> {
+    fn pull_sync(
+        &self,
+        handle: &TransferHandle,
+        blocks: &BlockSelection,
+        sink: &dyn KvSink,
+    ) -> Result<u64, KvError> {
         let inner = &self.server.inner;
         self.local.check_compatible(&inner.info)?;
         let tid = handle.transfer_id;
         let mut buf = self.bufs.lock().pop().unwrap_or_default();
         let res = (|| {
             let guard = inner.registry.begin_read(tid)?;
+            let ids = selected(&guard.blocks, blocks)?;
             let bb = inner.info.layout.block_bytes();
-            let layer_bytes = guard.blocks.len() * bb;
+            let layer_bytes = ids.len() * bb;
             if buf.len() < layer_bytes {
                 buf.resize(layer_bytes, 0);
             }
             let buf = &mut buf[..layer_bytes];
             for layer in 0..inner.info.layout.n_layers {
-                inner
-                    .registry
-                    .source()
-                    .copy_blocks(tid, layer, &guard.blocks, buf)?;
-                inner.metrics.add_sent(layer_bytes as u64);
-                sink.write(layer, 0, buf)?;
+                if !ids.is_empty() {
+                    inner.registry.source().copy_blocks(tid, layer, &ids, buf)?;
+                    inner.metrics.add_sent(layer_bytes as u64);
+                }
+                let mut off = 0;
+                for run in blocks.runs() {
+                    let len = (run.end - run.start) as usize * bb;
+                    sink.write(layer, run.start as usize, &buf[off..off + len])?;
+                    off += len;
+                }
                 sink.layer_complete(layer)?;
             }
             drop(guard);
@@ -72,7 +83,12 @@ impl KvTransport for InProcTransport {
         &self.local
     }
 
-    fn pull<'a>(&'a self, handle: &'a TransferHandle, sink: Arc<dyn KvSink>) -> PullFuture<'a> {
-        Box::pin(async move { self.pull_sync(handle, &*sink) })
+    fn pull<'a>(
+        &'a self,
+        handle: &'a TransferHandle,
+        blocks: &'a BlockSelection,
+        sink: Arc<dyn KvSink>,
+    ) -> PullFuture<'a> {
+        Box::pin(async move { self.pull_sync(handle, blocks, &*sink) })
     }
 }

@@ -1,9 +1,10 @@
 //! Client-side transports behind one trait, and the [`KvClient`] that meters them.
 //!
 //! Adding a transport (RDMA / NIXL, GPU-direct): implement [`KvTransport::pull`] so that it (1) handshakes
-//! with [`PeerInfo::check_compatible`], (2) delivers every `(layer, block range)` to the sink, calling
-//! `layer_complete` per layer and `complete` once, then (3) acks so the server releases the pin, or aborts on
-//! failure. On the serving side the registry's pin/read-guard/finish protocol is reused unchanged: an RDMA
+//! with [`PeerInfo::check_compatible`], (2) delivers every `(layer, block range)` of the requested
+//! [`BlockSelection`] to the sink, calling `layer_complete` per layer and `complete` once, then (3) acks so
+//! the server releases the pin, or aborts on failure. An empty selection (the decode side had every block
+//! cached) still handshakes and acks, so the pin is released the same way. On the serving side the registry's pin/read-guard/finish protocol is reused unchanged: an RDMA
 //! server would register the engine's KV buffers as memory regions once, send `(rkey, offset, len)` per
 //! layer instead of `ShmLayer` offsets, and let the client issue one-sided reads straight into its own
 //! registered cache (the sink then becomes a no-op copy). Only the data plane differs; the handshake,
@@ -14,7 +15,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::{KvError, KvMetrics, KvSink, PeerInfo, TransferHandle};
+use crate::{BlockSelection, KvError, KvMetrics, KvSink, PeerInfo, TransferHandle};
 
 pub mod inproc;
 pub mod shm;
@@ -31,8 +32,14 @@ pub trait KvTransport: Send + Sync {
     /// The decode worker's identity and layout, sent in the handshake.
     fn local(&self) -> &PeerInfo;
 
-    /// Moves every layer of `handle` into `sink`, acking on success and aborting on failure; returns payload bytes.
-    fn pull<'a>(&'a self, handle: &'a TransferHandle, sink: Arc<dyn KvSink>) -> PullFuture<'a>;
+    /// Moves the `blocks` of every layer of `handle` into `sink`, acking on success and aborting on failure;
+    /// returns payload bytes. `blocks` has been checked against the handle's block count.
+    fn pull<'a>(
+        &'a self,
+        handle: &'a TransferHandle,
+        blocks: &'a BlockSelection,
+        sink: Arc<dyn KvSink>,
+    ) -> PullFuture<'a>;
 }
 
 /// The result of a successful pull.
@@ -67,10 +74,22 @@ impl KvClient {
         }
     }
 
-    /// Pulls `handle` into `sink`. A layout mismatch against the handle is refused before any connection.
+    /// Pulls every block of `handle` into `sink`. A layout mismatch against the handle is refused before any connection.
     pub async fn pull(
         &self,
         handle: &TransferHandle,
+        sink: Arc<dyn KvSink>,
+    ) -> Result<PullStats, KvError> {
+        self.pull_blocks(handle, &BlockSelection::all(handle.block_ids.len()), sink)
+            .await
+    }
+
+    /// Pulls only the `blocks` of `handle` (indices into its block list) into `sink`, then acks; the rest
+    /// never leaves the prefill worker. An empty selection only acks, releasing the pin.
+    pub async fn pull_blocks(
+        &self,
+        handle: &TransferHandle,
+        blocks: &BlockSelection,
         sink: Arc<dyn KvSink>,
     ) -> Result<PullStats, KvError> {
         let start = Instant::now();
@@ -79,13 +98,16 @@ impl KvClient {
                 .local()
                 .layout
                 .check_compatible(&handle.layout)?;
-            self.transport.pull(handle, sink).await
+            blocks.check(handle.block_ids.len())?;
+            self.transport.pull(handle, blocks, sink).await
         }
         .await;
         let elapsed = start.elapsed();
         match res {
             Ok(bytes) => {
                 self.metrics.add_received(bytes);
+                self.metrics
+                    .add_blocks(blocks.len(), handle.block_ids.len() - blocks.len());
                 self.metrics.pull_done(true, elapsed.as_nanos() as u64);
                 tracing::debug!(
                     transfer_id = handle.transfer_id,

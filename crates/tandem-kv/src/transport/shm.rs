@@ -4,10 +4,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::shm_pool::{MapCache, FILE_PREFIX};
-use crate::transport::tcp::{connect, finish_on_control, TcpConfig};
+use crate::transport::tcp::{ack_only, connect, finish_on_control, TcpConfig};
 use crate::transport::{KvTransport, PullFuture};
-use crate::wire::{self, FrameHeader, FrameKind, ShmOpen};
-use crate::{KvError, KvSink, PeerInfo, TransferHandle};
+use crate::wire::{self, FrameKind, ShmOpen, ShmPullRequest};
+use crate::{BlockSelection, KvError, KvSink, PeerInfo, TransferHandle};
 
 /// Pulls through shared memory, with the TCP connection used only for control.
 pub struct ShmTransport {
@@ -47,19 +47,20 @@ impl ShmTransport {
     async fn pull_impl(
         &self,
         handle: &TransferHandle,
+        blocks: &BlockSelection,
         sink: Arc<dyn KvSink>,
     ) -> Result<u64, KvError> {
+        if blocks.is_empty() {
+            return ack_only(handle, &self.local, &self.config, &*sink).await;
+        }
         let tid = handle.transfer_id;
         let io = self.config.io_timeout;
         let mut c = connect(&handle.endpoint, &self.local, &self.config).await?;
-        wire::send(
-            c.get_mut(),
-            FrameHeader::control(FrameKind::ShmPull, tid, 0),
-            &[],
-            io,
-        )
-        .await?;
-        let res = self.receive(&mut c, handle, &*sink).await;
+        let req = ShmPullRequest {
+            blocks: blocks.clone(),
+        };
+        wire::send_json(c.get_mut(), FrameKind::ShmPull, tid, &req, io).await?;
+        let res = self.receive(&mut c, handle, blocks, &*sink).await;
         let res = match res {
             Ok(b) => sink.complete().map(|()| b),
             e => e,
@@ -78,11 +79,13 @@ impl ShmTransport {
         &self,
         c: &mut wire::FrameReader<tokio::net::TcpStream>,
         handle: &TransferHandle,
+        blocks: &BlockSelection,
         sink: &dyn KvSink,
     ) -> Result<u64, KvError> {
         let n_layers = handle.layout.n_layers;
-        let n_blocks = handle.block_ids.len();
-        let layer_bytes = n_blocks * handle.layout.block_bytes();
+        let n_blocks = blocks.len();
+        let bb = handle.layout.block_bytes();
+        let layer_bytes = n_blocks * bb;
         let h = c.expect_frame().await?;
         if h.kind != FrameKind::ShmOpen {
             return Err(KvError::Protocol(format!(
@@ -119,11 +122,13 @@ impl ShmTransport {
                         )));
                     }
                     seen[layer] = true;
-                    sink.write(
-                        layer,
-                        0,
-                        &map[layer * layer_bytes..(layer + 1) * layer_bytes],
-                    )?;
+                    // The file packs the selected blocks of a layer back to back, run after run.
+                    let mut off = layer * layer_bytes;
+                    for run in blocks.runs() {
+                        let len = (run.end - run.start) as usize * bb;
+                        sink.write(layer, run.start as usize, &map[off..off + len])?;
+                        off += len;
+                    }
                     sink.layer_complete(layer)?;
                     bytes += layer_bytes as u64;
                 }
@@ -153,7 +158,12 @@ impl KvTransport for ShmTransport {
         &self.local
     }
 
-    fn pull<'a>(&'a self, handle: &'a TransferHandle, sink: Arc<dyn KvSink>) -> PullFuture<'a> {
-        Box::pin(self.pull_impl(handle, sink))
+    fn pull<'a>(
+        &'a self,
+        handle: &'a TransferHandle,
+        blocks: &'a BlockSelection,
+        sink: Arc<dyn KvSink>,
+    ) -> PullFuture<'a> {
+        Box::pin(self.pull_impl(handle, blocks, sink))
     }
 }

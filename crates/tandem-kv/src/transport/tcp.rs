@@ -9,7 +9,7 @@ use tokio::task::JoinSet;
 use crate::error::timed;
 use crate::transport::{KvTransport, PullFuture};
 use crate::wire::{self, FrameHeader, FrameKind, FrameReader, PullRequest};
-use crate::{KvError, KvSink, PeerInfo, TransferHandle};
+use crate::{BlockSelection, KvError, KvSink, PeerInfo, TransferHandle};
 
 /// Knobs of the socket transports.
 #[derive(Clone, Debug)]
@@ -50,10 +50,15 @@ impl TcpTransport {
     async fn pull_impl(
         &self,
         handle: &TransferHandle,
+        blocks: &BlockSelection,
         sink: Arc<dyn KvSink>,
     ) -> Result<u64, KvError> {
+        if blocks.is_empty() {
+            return ack_only(handle, &self.local, &self.config, &*sink).await;
+        }
         let n_layers = handle.layout.n_layers;
         let streams = self.config.streams.clamp(1, n_layers.max(1));
+        let blocks = Arc::new(blocks.clone());
         let mut set = JoinSet::new();
         for s in 0..streams {
             let job = StreamJob {
@@ -63,7 +68,7 @@ impl TcpTransport {
                 transfer_id: handle.transfer_id,
                 layers: (s..n_layers).step_by(streams).map(|l| l as u32).collect(),
                 control: s == 0,
-                n_blocks: handle.block_ids.len(),
+                blocks: Arc::clone(&blocks),
                 n_layers,
                 block_bytes: handle.layout.block_bytes(),
                 sink: Arc::clone(&sink),
@@ -149,6 +154,23 @@ pub(crate) async fn finish_on_control(
     }
 }
 
+/// The pull of an empty selection: every block was cached on the decode side, so no data moves, but the
+/// handshake still checks the peer and the ack still releases the pin.
+pub(crate) async fn ack_only(
+    handle: &TransferHandle,
+    local: &PeerInfo,
+    config: &TcpConfig,
+    sink: &dyn KvSink,
+) -> Result<u64, KvError> {
+    let mut c = connect(&handle.endpoint, local, config).await?;
+    let res = (0..handle.layout.n_layers)
+        .try_for_each(|l| sink.layer_complete(l))
+        .and_then(|()| sink.complete());
+    finish_on_control(&mut c, handle.transfer_id, res.err(), config.io_timeout)
+        .await
+        .map(|()| 0)
+}
+
 /// Opens a connection to `endpoint` and runs the client handshake on it.
 pub(crate) async fn connect(
     endpoint: &str,
@@ -181,7 +203,7 @@ struct StreamJob {
     transfer_id: u64,
     layers: Vec<u32>,
     control: bool,
-    n_blocks: usize,
+    blocks: Arc<BlockSelection>,
     n_layers: usize,
     block_bytes: usize,
     sink: Arc<dyn KvSink>,
@@ -193,6 +215,7 @@ impl StreamJob {
         let mut r = connect(&self.endpoint, &self.local, &self.config).await?;
         let req = PullRequest {
             layers: self.layers.clone(),
+            blocks: (*self.blocks).clone(),
             control: self.control,
             checksum: self.config.checksum,
         };
@@ -204,10 +227,13 @@ impl StreamJob {
             self.config.io_timeout,
         )
         .await?;
-        // Blocks still expected per layer; u32::MAX marks layers not assigned to this connection.
-        let mut remaining = vec![u32::MAX; self.n_layers];
+        // Where each layer's next frame must start: (run, block index), with run == runs.len() once the layer
+        // is complete. The server sends a layer's runs in order, split into frames that never span two runs;
+        // layers not on this connection stay `None`.
+        let runs = self.blocks.runs();
+        let mut cursor: Vec<Option<(usize, u32)>> = vec![None; self.n_layers];
         for &l in &self.layers {
-            remaining[l as usize] = self.n_blocks as u32;
+            cursor[l as usize] = Some((0, runs.first().map_or(0, |r| r.start)));
         }
         let mut bytes = 0u64;
         loop {
@@ -221,13 +247,15 @@ impl StreamJob {
             match h.kind {
                 FrameKind::Data => {
                     let layer = h.layer as usize;
-                    let left = remaining.get(layer).copied().unwrap_or(u32::MAX);
+                    let at = cursor.get(layer).copied().flatten();
                     let end = h.first_block as u64 + h.n_blocks as u64;
-                    if left == u32::MAX
-                        || h.n_blocks > left
-                        || end > self.n_blocks as u64
-                        || h.payload_len != h.n_blocks as u64 * self.block_bytes as u64
-                    {
+                    let fits = at.is_some_and(|(run, next)| {
+                        run < runs.len()
+                            && h.first_block == next
+                            && h.n_blocks > 0
+                            && end <= runs[run].end as u64
+                    });
+                    if !fits || h.payload_len != h.n_blocks as u64 * self.block_bytes as u64 {
                         return Err(KvError::Protocol(format!(
                             "bad data frame: layer {layer}, blocks {}+{}, {} bytes",
                             h.first_block, h.n_blocks, h.payload_len
@@ -236,13 +264,22 @@ impl StreamJob {
                     let payload = r.payload(&h).await?;
                     self.sink.write(layer, h.first_block as usize, payload)?;
                     bytes += h.payload_len;
-                    remaining[layer] = left - h.n_blocks;
-                    if remaining[layer] == 0 {
+                    let (run, _) = at.expect("checked by `fits`");
+                    cursor[layer] = if end < runs[run].end as u64 {
+                        Some((run, end as u32))
+                    } else if run + 1 < runs.len() {
+                        Some((run + 1, runs[run + 1].start))
+                    } else {
                         self.sink.layer_complete(layer)?;
-                    }
+                        Some((runs.len(), 0))
+                    };
                 }
                 FrameKind::PullDone => {
-                    if let Some(&l) = self.layers.iter().find(|&&l| remaining[l as usize] != 0) {
+                    let incomplete = self
+                        .layers
+                        .iter()
+                        .find(|&&l| cursor[l as usize].is_some_and(|(run, _)| run < runs.len()));
+                    if let Some(l) = incomplete {
                         return Err(KvError::Protocol(format!(
                             "pull ended with layer {l} incomplete"
                         )));
@@ -264,7 +301,12 @@ impl KvTransport for TcpTransport {
         &self.local
     }
 
-    fn pull<'a>(&'a self, handle: &'a TransferHandle, sink: Arc<dyn KvSink>) -> PullFuture<'a> {
-        Box::pin(self.pull_impl(handle, sink))
+    fn pull<'a>(
+        &'a self,
+        handle: &'a TransferHandle,
+        blocks: &'a BlockSelection,
+        sink: Arc<dyn KvSink>,
+    ) -> PullFuture<'a> {
+        Box::pin(self.pull_impl(handle, blocks, sink))
     }
 }

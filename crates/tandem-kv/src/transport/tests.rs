@@ -164,6 +164,110 @@ async fn round_trip_over_every_transport() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_pulls_deliver_exactly_the_requested_blocks() {
+    let f = fixture(Duration::from_secs(30)).await;
+    let n = 17;
+    let bb = f.info.layout.block_bytes();
+    let zero = vec![0u8; bb];
+    // A cached-prefix suffix (the decode worker's case), scattered runs longer than a frame (5 blocks),
+    // a single block, and nothing at all (everything cached: the pull only acks).
+    let selections = [
+        BlockSelection::range(11..17),
+        BlockSelection::from_indices([0, 1, 2, 3, 4, 5, 6, 9, 13, 14, 16]),
+        BlockSelection::range(16..17),
+        BlockSelection::range(0..0),
+    ];
+    let mut released_ack = 0;
+    for t in transports(&f) {
+        for sel in &selections {
+            let blocks = scattered_blocks(n);
+            let handle = f.server.register(blocks.clone(), n * 16 - 5).unwrap();
+            let sink = Arc::new(MemSink::new(f.info.layout, n));
+            let client = KvClient::new(t.clone());
+            let stats = client
+                .pull_blocks(&handle, sel, sink.clone())
+                .await
+                .unwrap_or_else(|e| panic!("{} {sel:?}: {e}", t.name()));
+            let what = format!("{} {sel:?}", t.name());
+            assert_eq!(stats.bytes, handle.bytes_for(sel), "{what}");
+            assert_eq!(
+                stats.bytes,
+                (f.info.layout.n_layers * sel.len() * bb) as u64,
+                "{what}"
+            );
+            for layer in 0..f.info.layout.n_layers {
+                for (i, &b) in blocks.iter().enumerate() {
+                    let want = if sel.iter().any(|s| s as usize == i) {
+                        f.source.block(layer, b)
+                    } else {
+                        &zero[..]
+                    };
+                    assert!(
+                        sink.block(layer, i) == want,
+                        "{what}: layer {layer} block {i}"
+                    );
+                }
+            }
+            assert_eq!(sink.layers_complete(), f.info.layout.n_layers, "{what}");
+            assert_eq!(sink.completes(), 1, "{what}");
+            wait_released(&f, handle.transfer_id).await;
+            released_ack += 1;
+            let m = client.metrics().snapshot();
+            assert_eq!(
+                (m.blocks_pulled, m.blocks_skipped),
+                (sel.len() as u64, (n - sel.len()) as u64),
+                "{what}"
+            );
+            assert_eq!(m.bytes_received, stats.bytes);
+        }
+    }
+    assert_eq!(f.server.metrics().snapshot().released_ack, released_ack);
+    assert_eq!(f.server.pinned(), 0);
+
+    // Past the end of the transfer: refused before connecting, and by the server itself.
+    let handle = f.server.register(scattered_blocks(4), 64).unwrap();
+    let client = KvClient::new(Arc::new(TcpTransport::new(
+        f.info.clone(),
+        tcp_config(1, false),
+    )));
+    let r = client
+        .pull_blocks(
+            &handle,
+            &BlockSelection::range(2..5),
+            Arc::new(MemSink::new(f.info.layout, 5)),
+        )
+        .await;
+    assert!(matches!(r, Err(KvError::Protocol(_))), "{r:?}");
+    let cfg = tcp_config(1, false);
+    let mut c = crate::transport::tcp::connect(&handle.endpoint, &f.info, &cfg)
+        .await
+        .unwrap();
+    let req = PullRequest {
+        layers: vec![0],
+        blocks: BlockSelection::range(3..5),
+        control: false,
+        checksum: false,
+    };
+    wire::send_json(
+        c.get_mut(),
+        FrameKind::Pull,
+        handle.transfer_id,
+        &req,
+        cfg.io_timeout,
+    )
+    .await
+    .unwrap();
+    assert!(matches!(c.expect_frame().await, Err(KvError::Remote(_))));
+    // The refused request did not consume the pin: a valid pull still works.
+    let sink = Arc::new(MemSink::new(f.info.layout, 4));
+    client
+        .pull_blocks(&handle, &BlockSelection::range(1..4), sink.clone())
+        .await
+        .unwrap();
+    wait_released(&f, handle.transfer_id).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handshake_refuses_each_mismatched_field() {
     let f = fixture(Duration::from_secs(30)).await;
     let handle = f.server.register(scattered_blocks(4), 64).unwrap();
@@ -183,7 +287,7 @@ async fn handshake_refuses_each_mismatched_field() {
         for t in transports {
             // Straight to the transport, past the client's pre-check, so the wire handshake itself is tested.
             let sink = Arc::new(MemSink::new(f.info.layout, 4));
-            match t.pull(&handle, sink.clone()).await {
+            match t.pull(&handle, &BlockSelection::all(4), sink.clone()).await {
                 Err(KvError::Mismatch {
                     field: got,
                     local: l,
@@ -287,6 +391,7 @@ async fn dropped_control_connection_releases() {
         .unwrap();
     let req = PullRequest {
         layers: (0..30).collect(),
+        blocks: BlockSelection::all(NUM_BLOCKS),
         control: true,
         checksum: false,
     };
@@ -324,7 +429,11 @@ async fn garbage_and_unknown_transfers_are_refused() {
     bogus.transfer_id ^= 0xdead_beef;
     for t in transports(&f) {
         let r = t
-            .pull(&bogus, Arc::new(MemSink::new(f.info.layout, 2)))
+            .pull(
+                &bogus,
+                &BlockSelection::all(2),
+                Arc::new(MemSink::new(f.info.layout, 2)),
+            )
             .await;
         assert!(
             matches!(r, Err(KvError::UnknownTransfer(_))),

@@ -1,0 +1,137 @@
+//! Which blocks of a transfer a pull asks for.
+//!
+//! A decode worker whose own prefix cache already holds the first blocks of a prompt pulls only the rest;
+//! a selection names those blocks as indices into the transfer's block list (the handle's `block_ids`).
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::KvError;
+
+/// A set of block indices into a transfer's block list, kept as sorted, disjoint, non-adjacent, non-empty
+/// half-open runs, so "everything but a cached prefix" is one run on the wire however long the prompt.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "Vec<[u32; 2]>", into = "Vec<[u32; 2]>")]
+pub struct BlockSelection {
+    runs: Vec<Range<u32>>,
+}
+
+impl BlockSelection {
+    /// Every block of a transfer of `n_blocks` blocks.
+    pub fn all(n_blocks: usize) -> Self {
+        Self::range(0..n_blocks as u32)
+    }
+
+    /// The blocks `r.start..r.end`; empty when the range is.
+    pub fn range(r: Range<u32>) -> Self {
+        let runs = if r.is_empty() { Vec::new() } else { vec![r] };
+        BlockSelection { runs }
+    }
+
+    /// The given indices, in any order and with repeats.
+    pub fn from_indices(indices: impl IntoIterator<Item = u32>) -> Self {
+        let mut v: Vec<u32> = indices.into_iter().collect();
+        v.sort_unstable();
+        v.dedup();
+        Self::from_runs(v.into_iter().map(|i| i..i + 1))
+    }
+
+    /// Normalizes arbitrary runs: sorts them, drops empty ones and merges overlapping or touching ones.
+    fn from_runs(runs: impl IntoIterator<Item = Range<u32>>) -> Self {
+        let mut v: Vec<Range<u32>> = runs.into_iter().filter(|r| !r.is_empty()).collect();
+        v.sort_unstable_by_key(|r| r.start);
+        let mut out: Vec<Range<u32>> = Vec::with_capacity(v.len());
+        for r in v {
+            match out.last_mut() {
+                Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+                _ => out.push(r),
+            }
+        }
+        BlockSelection { runs: out }
+    }
+
+    /// The runs, ascending.
+    pub fn runs(&self) -> &[Range<u32>] {
+        &self.runs
+    }
+
+    /// Number of selected blocks.
+    pub fn len(&self) -> usize {
+        self.runs.iter().map(|r| (r.end - r.start) as usize).sum()
+    }
+
+    /// Whether no block is selected (the pull then only acks).
+    pub fn is_empty(&self) -> bool {
+        self.runs.is_empty()
+    }
+
+    /// The selected indices, ascending.
+    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.runs.iter().flat_map(|r| r.clone())
+    }
+
+    /// Refuses a selection reaching past a transfer of `n_blocks` blocks.
+    pub fn check(&self, n_blocks: usize) -> Result<(), KvError> {
+        match self.runs.last() {
+            Some(r) if r.end as usize > n_blocks => Err(KvError::Protocol(format!(
+                "block selection reaches index {} of a {n_blocks}-block transfer",
+                r.end - 1
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl TryFrom<Vec<[u32; 2]>> for BlockSelection {
+    type Error = String;
+
+    fn try_from(raw: Vec<[u32; 2]>) -> Result<Self, Self::Error> {
+        if let Some([s, e]) = raw.iter().find(|[s, e]| s > e) {
+            return Err(format!("block run {s}..{e} is reversed"));
+        }
+        Ok(Self::from_runs(raw.into_iter().map(|[s, e]| s..e)))
+    }
+}
+
+impl From<BlockSelection> for Vec<[u32; 2]> {
+    fn from(s: BlockSelection) -> Self {
+        s.runs.into_iter().map(|r| [r.start, r.end]).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn runs_are_normalized_and_checked() {
+        let s = BlockSelection::from_indices([7, 2, 3, 3, 4, 9]);
+        assert_eq!(s.runs(), &[2..5, 7..8, 9..10]);
+        assert_eq!(s.len(), 5);
+        assert!(s.check(10).is_ok());
+        assert!(matches!(s.check(9), Err(KvError::Protocol(_))));
+        assert!(BlockSelection::range(4..4).is_empty());
+        assert_eq!(BlockSelection::all(3).iter().collect::<Vec<_>>(), [0, 1, 2]);
+        let json = serde_json::to_string(&s).unwrap();
+        assert_eq!(json, "[[2,5],[7,8],[9,10]]");
+        assert_eq!(serde_json::from_str::<BlockSelection>(&json).unwrap(), s);
+        let merged: BlockSelection = serde_json::from_str("[[5,8],[0,2],[1,3],[8,8]]").unwrap();
+        assert_eq!(merged.runs(), &[0..3, 5..8]);
+        assert!(serde_json::from_str::<BlockSelection>("[[3,1]]").is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn iter_yields_exactly_the_indices(v in proptest::collection::vec(0u32..50, 0..40)) {
+            let s = BlockSelection::from_indices(v.iter().copied());
+            let mut want = v.clone();
+            want.sort_unstable();
+            want.dedup();
+            prop_assert_eq!(s.iter().collect::<Vec<_>>(), want.clone());
+            prop_assert_eq!(s.len(), want.len());
+            prop_assert!(s.runs().windows(2).all(|w| w[0].end < w[1].start));
+        }
+    }
+}
