@@ -18,7 +18,7 @@ mod simd;
 
 pub use attention::{paged_attention, write_kv, AttnParams, AttnSeq};
 pub use dispatch::{isa, simd_enabled, Isa};
-pub use matmul::{matmul, MatmulScratch};
+pub use matmul::{matmul, matmul_fused, MatmulScratch};
 pub use ops::{add_inplace, rms_norm, silu_mul, softmax_inplace};
 pub use quant::{dequantize, quantize_row, DType, Matrix, WeightBytes};
 pub use rope::{apply_rope, RopeScaling, RopeStyle, RopeTable};

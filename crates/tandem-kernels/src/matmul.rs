@@ -109,10 +109,44 @@ pub fn matmul(
     out: &mut [f32],
     scratch: &mut MatmulScratch,
 ) {
-    matmul_with(pool, w, x, m, out, scratch, isa());
+    matmul_parts_with(pool, [w], x, m, [out], scratch, isa());
+}
+
+/// Several matmuls of the same input in one dispatch (Q/K/V, gate/up): the activations are quantized once
+/// and one pool run covers the rows of every weight, so each step pays one synchronisation instead of
+/// `N`. Results are identical to `N` calls of [`matmul`]. Weights whose activation formats differ (a
+/// 32-element format beside a K-quant) fall back to separate calls.
+pub fn matmul_fused<const N: usize>(
+    pool: &ThreadPool,
+    ws: [&Matrix; N],
+    x: &[f32],
+    m: usize,
+    outs: [&mut [f32]; N],
+    scratch: &mut MatmulScratch,
+) {
+    if ws
+        .iter()
+        .all(|w| act_group(w.dtype()) == act_group(ws[0].dtype()))
+    {
+        matmul_parts_with(pool, ws, x, m, outs, scratch, isa());
+    } else {
+        for (w, out) in ws.into_iter().zip(outs) {
+            matmul(pool, w, x, m, out, scratch);
+        }
+    }
+}
+
+/// Elements per activation quantization block a weight format needs (0: float weights, none).
+fn act_group(dt: DType) -> usize {
+    match dt {
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 32,
+        DType::Q4K | DType::Q6K => 256,
+        DType::F32 | DType::F16 | DType::BF16 => 0,
+    }
 }
 
 /// `matmul` at an explicit instruction-set level, so tests can compare every level against the portable one.
+#[cfg(test)]
 pub(crate) fn matmul_with(
     pool: &ThreadPool,
     w: &Matrix,
@@ -122,47 +156,78 @@ pub(crate) fn matmul_with(
     scratch: &mut MatmulScratch,
     level: Isa,
 ) {
+    matmul_parts_with(pool, [w], x, m, [out], scratch, level);
+}
+
+/// `N` matmuls of one input whose weights share the activation format, at an explicit level.
+fn matmul_parts_with<const N: usize>(
+    pool: &ThreadPool,
+    ws: [&Matrix; N],
+    x: &[f32],
+    m: usize,
+    outs: [&mut [f32]; N],
+    scratch: &mut MatmulScratch,
+    level: Isa,
+) {
     let simd = level >= Isa::Avx2;
-    let (rows, cols) = (w.rows(), w.cols());
+    let cols = ws[0].cols();
     assert_eq!(x.len(), m * cols, "matmul: x must be m x cols");
-    assert_eq!(out.len(), m * rows, "matmul: out must be m x rows");
-    if m == 0 || rows == 0 {
+    for (w, out) in ws.iter().zip(&outs) {
+        assert_eq!(w.cols(), cols, "matmul: fused weights must share cols");
+        assert_eq!(out.len(), m * w.rows(), "matmul: out must be m x rows");
+        debug_assert_eq!(act_group(w.dtype()), act_group(ws[0].dtype()));
+    }
+    if m == 0 {
         return;
     }
-    let dt = w.dtype();
-    prepare_acts(pool, dt, x, m, cols, scratch, simd);
+    prepare_acts(pool, ws[0].dtype(), x, m, cols, scratch, simd);
     let acts = QuantActs {
         qx: &scratch.qx,
         dx: &scratch.dx,
         sx: &scratch.sx,
         bsums: &scratch.bsums,
     };
-    let job = Job {
-        w,
+    let mut outs = outs;
+    let jobs: [Job; N] = std::array::from_fn(|p| Job {
+        w: ws[p],
         x,
         acts,
-        out: OutPtr(out.as_mut_ptr()),
-    };
-    let kernel = select_kernel(dt, level);
+        out: OutPtr(outs[p].as_mut_ptr()),
+    });
+    let kernels: [RangeKernel; N] = std::array::from_fn(|p| select_kernel(ws[p].dtype(), level));
 
     // Output features per task: a multiple of 8 (disjoint cache lines per thread), about 4 tasks per thread
     // for load balance on m = 1, fewer and larger for big m where each task re-reads its weights per m tile.
-    let n_threads = pool.n_threads();
-    let target_tasks = (n_threads * 4).max(1);
-    let mut chunk = rows.div_ceil(target_tasks).next_multiple_of(8).max(8);
-    if m >= 64 {
-        chunk = chunk.min(64);
-    }
+    let target_tasks = (pool.n_threads() * 4).max(1);
     let m_chunk = if m <= 64 { m } else { 64 };
-    let n_row_tasks = rows.div_ceil(chunk);
     let n_m_tasks = m.div_ceil(m_chunk);
+    let chunks: [usize; N] = std::array::from_fn(|p| {
+        let chunk = ws[p]
+            .rows()
+            .div_ceil(target_tasks)
+            .next_multiple_of(8)
+            .max(8);
+        if m >= 64 {
+            chunk.min(64)
+        } else {
+            chunk
+        }
+    });
+    let row_tasks: [usize; N] = std::array::from_fn(|p| ws[p].rows().div_ceil(chunks[p]));
+    let total: usize = row_tasks.iter().map(|r| r * n_m_tasks).sum();
     let run_task = |t: usize| {
-        let (rt, mt) = (t % n_row_tasks, t / n_row_tasks);
-        let r = rt * chunk..((rt + 1) * chunk).min(rows);
+        let (mut p, mut t) = (0, t);
+        while t >= row_tasks[p] * n_m_tasks {
+            t -= row_tasks[p] * n_m_tasks;
+            p += 1;
+        }
+        let rows = ws[p].rows();
+        let (rt, mt) = (t % row_tasks[p], t / row_tasks[p]);
+        let r = rt * chunks[p]..((rt + 1) * chunks[p]).min(rows);
         let ms = mt * m_chunk..((mt + 1) * m_chunk).min(m);
-        kernel(&job, r, ms);
+        kernels[p](&jobs[p], r, ms);
     };
-    pool.run(n_row_tasks * n_m_tasks, &run_task);
+    pool.run(total, &run_task);
 }
 
 fn prepare_acts(
@@ -495,6 +560,44 @@ pub(crate) mod tests {
         for dt in ALL {
             for &(rows, cols, m) in &[(8, 256, 1), (40, 512, 3), (72, 256, 70)] {
                 check(dt, rows, cols, m, 2, Isa::Portable);
+            }
+        }
+    }
+
+    /// A fused dispatch gives bit-identical results to one call per weight, with one activation format
+    /// (one quantization) and with mixed formats (the fallback).
+    #[test]
+    fn fused_matmul_equals_separate_calls() {
+        let pool = ThreadPool::new(2);
+        for (da, db, dc) in [
+            (DType::Q4_1, DType::Q4_1, DType::Q8_0),
+            (DType::Q4K, DType::Q6K, DType::Q4K),
+            (DType::Q4_0, DType::Q6K, DType::F16),
+        ] {
+            for m in [1, 5, 70] {
+                let cols = 512;
+                let (a, b, c) = (
+                    quantized_matrix(da, 40, cols, 1),
+                    quantized_matrix(db, 16, cols, 2),
+                    quantized_matrix(dc, 24, cols, 3),
+                );
+                let x = rand_vec(m * cols, 4);
+                let mut scratch = MatmulScratch::default();
+                let (mut fa, mut fb, mut fc) =
+                    (vec![0f32; m * 40], vec![0f32; m * 16], vec![0f32; m * 24]);
+                matmul_fused(
+                    &pool,
+                    [&a, &b, &c],
+                    &x,
+                    m,
+                    [&mut fa, &mut fb, &mut fc],
+                    &mut scratch,
+                );
+                for (w, got) in [(&a, &fa), (&b, &fb), (&c, &fc)] {
+                    let mut want = vec![0f32; m * w.rows()];
+                    matmul(&pool, w, &x, m, &mut want, &mut scratch);
+                    assert_eq!(got, &want, "{da:?}/{db:?}/{dc:?} m={m}: {:?}", w.dtype());
+                }
             }
         }
     }

@@ -1,8 +1,8 @@
 //! The Llama-family forward pass on CPU over a flat paged batch.
 
 use tandem_kernels::{
-    add_inplace, apply_rope, matmul, paged_attention, rms_norm, silu_mul, write_kv, AttnParams,
-    AttnSeq, MatmulScratch, Matrix, RopeTable, ThreadPool,
+    add_inplace, apply_rope, matmul, matmul_fused, paged_attention, rms_norm, silu_mul, write_kv,
+    AttnParams, AttnSeq, MatmulScratch, Matrix, RopeTable, ThreadPool,
 };
 
 use crate::batch::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
@@ -249,9 +249,7 @@ impl CpuLlama {
             let q = grown(&mut s.q, t * qd);
             let k = grown(&mut s.k, t * kvd);
             let v = grown(&mut s.v, t * kvd);
-            matmul(pool, &lw.wq, xn, t, q, mm);
-            matmul(pool, &lw.wk, xn, t, k, mm);
-            matmul(pool, &lw.wv, xn, t, v, mm);
+            matmul_fused(pool, [&lw.wq, &lw.wk, &lw.wv], xn, t, [q, k, v], mm);
             for (buf, bias, width) in [
                 (&mut *q, &lw.bq, qd),
                 (&mut *k, &lw.bk, kvd),
@@ -289,8 +287,7 @@ impl CpuLlama {
             norm_rows(x, &lw.ffn_norm, eps, xn, h);
             let gate = grown(&mut s.gate, t * f);
             let up = grown(&mut s.up, t * f);
-            matmul(pool, &lw.w_gate, xn, t, gate, mm);
-            matmul(pool, &lw.w_up, xn, t, up, mm);
+            matmul_fused(pool, [&lw.w_gate, &lw.w_up], xn, t, [gate, up], mm);
             silu_mul(gate, up);
             matmul(pool, &lw.w_down, gate, t, proj, mm);
             add_inplace(x, proj);
