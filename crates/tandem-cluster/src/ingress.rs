@@ -38,6 +38,9 @@ pub struct TimeoutConfig {
     pub prefill_secs: f64,
     /// Until a decode worker starts streaming (includes the KV pull).
     pub decode_start_secs: f64,
+    /// Longest silence of a decode worker's token stream before the ingress gives up on that worker and
+    /// resumes the request elsewhere: a frozen or partitioned worker must not hang the client.
+    pub token_stall_secs: f64,
     /// Between load polls of every worker.
     pub poll_interval_secs: f64,
     /// How long startup waits for a worker to answer its first info request.
@@ -50,6 +53,7 @@ impl Default for TimeoutConfig {
             connect_secs: 2.0,
             prefill_secs: 300.0,
             decode_start_secs: 300.0,
+            token_stall_secs: 120.0,
             poll_interval_secs: 0.5,
             worker_startup_secs: 300.0,
         }
@@ -683,7 +687,18 @@ impl Job {
     ) -> Result<(), ClusterError> {
         let mut body = resp.bytes_stream();
         let mut buf: Vec<u8> = Vec::new();
-        while let Some(chunk) = body.next().await {
+        let stall = self.ingress.inner.timeouts.token_stall_secs;
+        loop {
+            let chunk = match tokio::time::timeout(secs(stall), body.next()).await {
+                Ok(Some(chunk)) => chunk,
+                Ok(None) => break,
+                Err(_) => {
+                    return Err(ClusterError::Protocol {
+                        url: url.to_owned(),
+                        message: format!("no token for {stall} s (timeouts.token_stall_secs)"),
+                    })
+                }
+            };
             buf.extend_from_slice(&chunk.map_err(|e| rpc(url, e))?);
             while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
                 let event: StreamEvent =

@@ -57,10 +57,14 @@ fn pd_yaml(prefill: usize) -> String {
 }
 
 fn pd_yaml_with(prefill: usize, decode: usize) -> String {
+    pd_yaml_timeouts(prefill, decode, "poll_interval_secs: 0.2")
+}
+
+fn pd_yaml_timeouts(prefill: usize, decode: usize, timeouts: &str) -> String {
     format!(
         "model: {}\n{ENGINE}deployment:\n  mode: pd\n  prefill: {{replicas: {prefill}}}\n  decode: {{replicas: {decode}}}\n  \
          kv_transfer: {{transport: tcp, pin_timeout_secs: 20}}\n  routing: {{local_prefill_threshold: 16}}\n  \
-         timeouts: {{poll_interval_secs: 0.2}}\n",
+         timeouts: {{{timeouts}}}\n",
         model().display()
     )
 }
@@ -463,6 +467,17 @@ async fn killing_the_prefill_worker_mid_request_still_answers() {
 /// Starts a long greedy completion in the background, waits until a decode worker has generated a few of
 /// its tokens, and SIGKILLs that worker; returns the answer's status and body.
 async fn kill_the_decoder_mid_request(pd: &Server, body: Value) -> (reqwest::StatusCode, Value) {
+    let (status, body, _) = signal_the_decoder_mid_request(pd, body, "-KILL").await;
+    (status, body)
+}
+
+/// Like [`kill_the_decoder_mid_request`] with any signal (`-STOP` freezes the worker); also returns the
+/// signalled worker's pid.
+async fn signal_the_decoder_mid_request(
+    pd: &Server,
+    body: Value,
+    signal: &str,
+) -> (reqwest::StatusCode, Value, u32) {
     let decoders: Vec<WorkerStatus> = pd
         .workers()
         .await
@@ -499,15 +514,16 @@ async fn kill_the_decoder_mid_request(pd: &Server, body: Value) -> (reqwest::Sta
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
     let status = Command::new("kill")
-        .args(["-9", &victim.info.pid.to_string()])
+        .args([signal, &victim.info.pid.to_string()])
         .status()
         .unwrap();
     assert!(status.success());
     // Never a hang: the answer comes, complete or failed, well within the bound.
-    tokio::time::timeout(Duration::from_secs(120), request)
+    let (status, body) = tokio::time::timeout(Duration::from_secs(120), request)
         .await
-        .expect("the request ended after its decode worker died")
-        .unwrap()
+        .expect("the request ended after its decode worker was signalled")
+        .unwrap();
+    (status, body, victim.info.pid)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -539,6 +555,38 @@ async fn killing_a_decode_worker_mid_stream_resumes_elsewhere_or_fails_cleanly()
             .as_str()
             .is_some_and(|m| !m.is_empty()),
         "{got}"
+    );
+}
+
+/// A decode worker that freezes (SIGSTOP: its connections stay open, no token ever comes) is given up
+/// after `timeouts.token_stall_secs` and the request finishes on the other decode worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_decode_worker_is_given_up_after_the_stall_timeout() {
+    let _serial = SERIAL.lock().await;
+    let pd = Server::start(&pd_yaml_timeouts(
+        1,
+        2,
+        "poll_interval_secs: 0.2, token_stall_secs: 3",
+    ))
+    .await;
+    let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": PROMPTS[2], "max_tokens": 160,
+                      "temperature": 0, "ignore_eos": true});
+    let want = pd.complete_with(body.clone()).await;
+    let (status, got, frozen) = signal_the_decoder_mid_request(&pd, body, "-STOP").await;
+    // A stopped process only dies by SIGKILL; do it before any assertion can leave it behind.
+    let _ = Command::new("kill")
+        .args(["-KILL", &frozen.to_string()])
+        .status();
+    assert!(status.is_success(), "{status}: {got}\n{}", pd.log());
+    assert_eq!(
+        text(&got),
+        text(&want),
+        "the resumed answer continues the same tokens"
+    );
+    let metrics = pd.metrics().await;
+    assert!(
+        metrics.contains("tandem:decode_resumes_total 1"),
+        "{metrics}"
     );
 }
 
