@@ -65,10 +65,15 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
     };
     let report = run_engine_bench(&engine, &options).context("running the benchmark")?;
     engine.shutdown();
+    // Which kernels ran: figures from an AVX2 and an AVX-512 machine are not comparable.
+    let kernels = format!("{:?}", tandem_kernels::isa());
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        let mut json = serde_json::to_value(&report)?;
+        json["kernels"] = kernels.into();
+        println!("{json}");
     } else {
         println!("model                         {}", path.display());
+        println!("kernels                       {kernels}");
         println!(
             "single-stream decode          {:8.1} tok/s",
             report.single_stream_decode_tok_s
