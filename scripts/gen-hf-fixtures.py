@@ -303,8 +303,8 @@ def write_gguf(path, model, tokenizer):
     w.close()
 
 
-def llama_config(**over):
-    """The shared tiny Llama shape: GQA (4 query heads over 2 KV heads), head_dim 16."""
+def tiny_shape(**over):
+    """The shared tiny Llama-family shape: GQA (4 query heads over 2 KV heads), head_dim 16."""
     cfg = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -320,7 +320,12 @@ def llama_config(**over):
         eos_token_id=2,
     )
     cfg.update(over)
-    return LlamaConfig(**cfg)
+    return cfg
+
+
+def llama_config(**over):
+    """A LlamaConfig of the tiny shape."""
+    return LlamaConfig(**tiny_shape(**over))
 
 
 def main():
@@ -407,22 +412,7 @@ def main():
 
     # (d) Mistral with a sliding window shorter than every prompt but the first, and not a multiple of
     # the tests' block size: tokens beyond the window must drop out of attention.
-    mcfg = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        sliding_window=7,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    mcfg = MistralConfig(**tiny_shape(head_dim=16, sliding_window=7))
     m = MistralForCausalLM(mcfg)
     m.config._attn_implementation = "eager"
     randomize(m, 0.2)

@@ -248,14 +248,19 @@ mod tests {
         assert!((x[2] - 0.15f32.cos()).abs() < 1e-6 && (x[3] - 0.15f32.sin()).abs() < 1e-6);
     }
 
-    #[test]
-    fn llama3_scaling_matches_hf_bands() {
-        let s = RopeScaling::Llama3 {
+    /// Llama 3.1's published scaling (factor 8 over an 8k training context).
+    fn llama3_8k() -> RopeScaling {
+        RopeScaling::Llama3 {
             factor: 8.0,
             low_freq_factor: 1.0,
             high_freq_factor: 4.0,
             original_max_position: 8192,
-        };
+        }
+    }
+
+    #[test]
+    fn llama3_scaling_matches_hf_bands() {
+        let s = llama3_8k();
         let base = inv_freqs(128, 500000.0, &RopeScaling::None);
         let f = inv_freqs(128, 500000.0, &s);
         assert_eq!(f[0], base[0]); // highest frequency: wavelength 2π < 2048, kept
@@ -272,12 +277,7 @@ mod tests {
     /// as the Llama 3 rule they were exported from.
     #[test]
     fn freq_factors_reproduce_llama3() {
-        let s = RopeScaling::Llama3 {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position: 8192,
-        };
+        let s = llama3_8k();
         let base = inv_freqs(128, 500000.0, &RopeScaling::None);
         let llama3 = inv_freqs(128, 500000.0, &s);
         let factors: Vec<f32> = base

@@ -9,6 +9,11 @@ use crate::quant::DType;
 mod qmatmul;
 mod qmatmul512;
 
+/// Format tags of the 32-element block kernels (const generic parameters of the AVX2 and AVX-512 code).
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q8_0: u8 = 2;
+
 /// The AVX2 matmul kernel for `dt`, if one exists.
 pub(crate) fn matmul_kernel(dt: DType) -> Option<RangeKernel> {
     qmatmul::kernel(dt)

@@ -8,13 +8,9 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use super::{Q4_0, Q4_1, Q8_0};
 use crate::matmul::{Job, RangeKernel};
 use crate::quant::{f16_at, scale_min_k4, DType};
-
-/// Format tags for the const-generic block kernel.
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q8_0: u8 = 2;
 
 /// K-quant format tags.
 const Q4K: u8 = 3;

@@ -13,12 +13,9 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use super::{Q4_0, Q4_1, Q8_0};
 use crate::matmul::{Job, RangeKernel};
 use crate::quant::DType;
-
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q8_0: u8 = 2;
 
 /// The AVX-512 kernel for `dt`, if one exists (other formats use the AVX2 kernels).
 pub(crate) fn kernel(dt: DType) -> Option<RangeKernel> {
