@@ -62,6 +62,18 @@ unsafe fn run_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize
         out_stride: total,
     };
     let mut j = ms.start;
+    while j + 8 <= ms.end {
+        let mut i = rows.start;
+        while i + 2 <= rows.end {
+            tile::<2, 8, FMT>(&t(i, j));
+            i += 2;
+        }
+        while i < rows.end {
+            tile::<1, 8, FMT>(&t(i, j));
+            i += 1;
+        }
+        j += 8;
+    }
     while j + 4 <= ms.end {
         let mut i = rows.start;
         while i + 3 <= rows.end {
