@@ -5,7 +5,7 @@
 //! Work items are (sequence, query head, chunk of queries); each runs an online (flash-style) softmax over
 //! the sequence's blocks so no score row is ever materialized.
 
-use crate::dispatch::simd_enabled;
+use crate::dispatch::{isa, Isa};
 use crate::matmul::OutPtr;
 use crate::threads::ThreadPool;
 
@@ -58,7 +58,7 @@ pub fn paged_attention(
     seqs: &[AttnSeq],
     out: &mut [f32],
 ) {
-    paged_attention_with(pool, p, q, kv_layer, seqs, out, simd_enabled())
+    paged_attention_with(pool, p, q, kv_layer, seqs, out, isa())
 }
 
 pub(crate) fn paged_attention_with(
@@ -68,8 +68,9 @@ pub(crate) fn paged_attention_with(
     kv_layer: &[f32],
     seqs: &[AttnSeq],
     out: &mut [f32],
-    simd: bool,
+    level: Isa,
 ) {
+    let simd = level >= Isa::Avx2;
     assert!(
         p.head_dim <= MAX_HEAD_DIM,
         "head_dim {} > {MAX_HEAD_DIM}",
@@ -119,6 +120,30 @@ pub(crate) fn paged_attention_with(
         let (head, qc) = (local % p.n_heads, local / p.n_heads);
         let q0 = qc * Q_CHUNK;
         let q1 = (q0 + Q_CHUNK).min(s.n_q);
+        #[cfg(target_arch = "x86_64")]
+        if level >= Isa::Avx512 && q1 - q0 > 1 && crate::simd::attn512::supports(p, q1 - q0) {
+            let r0 = s.q_row + q0;
+            let chunk = crate::simd::attn512::QueryChunk {
+                q: q[r0 * row + head * p.head_dim..].as_ptr(),
+                // SAFETY (of the writes): rows r0..r0+n of this head belong to this work item alone.
+                out: unsafe { outp.ptr().add(r0 * row + head * p.head_dim) },
+                stride: row,
+                n: q1 - q0,
+                first_pos: s.ctx_len - s.n_q + q0,
+            };
+            // SAFETY: Avx512 is only chosen on CPUs that have it; `supports` checked the shape; the asserts
+            // above checked the rows, the block table's length and its block ids.
+            unsafe {
+                crate::simd::attn512::attend_chunk(
+                    p,
+                    &chunk,
+                    kv_layer,
+                    s.blocks,
+                    head / (p.n_heads / p.n_kv_heads),
+                )
+            };
+            return;
+        }
         for i in q0..q1 {
             let r = s.q_row + i;
             let qv = &q[r * row + head * p.head_dim..r * row + (head + 1) * p.head_dim];
@@ -331,7 +356,7 @@ mod tests {
             .collect()
     }
 
-    fn run_case(simd: bool, window: Option<usize>) {
+    fn run_case(level: Isa, window: Option<usize>) {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let p = AttnParams {
             n_heads: 6,
@@ -385,7 +410,7 @@ mod tests {
         ];
         let mut out = vec![f32::NAN; q.len()];
         let pool = ThreadPool::new(2);
-        paged_attention_with(&pool, &p, &q, &kv, &seqs, &mut out, simd);
+        paged_attention_with(&pool, &p, &q, &kv, &seqs, &mut out, level);
         for (si, s) in seqs.iter().enumerate() {
             for i in 0..s.n_q {
                 let r = s.q_row + i;
@@ -403,22 +428,25 @@ mod tests {
 
     #[test]
     fn portable_paged_attention_matches_dense_reference() {
-        run_case(false, None);
+        run_case(Isa::Portable, None);
     }
 
     /// A window shorter than both contexts and not aligned to blocks: the first keys are skipped.
     #[test]
     fn sliding_window_matches_dense_reference() {
-        run_case(false, Some(21));
-        if crate::dispatch::cpu_has_avx2() {
-            run_case(true, Some(21));
+        for level in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+            if level <= crate::dispatch::cpu_isa() {
+                run_case(level, Some(21));
+            }
         }
     }
 
     #[test]
     fn simd_paged_attention_matches_dense_reference() {
-        if crate::dispatch::cpu_has_avx2() {
-            run_case(true, None);
+        for level in [Isa::Avx2, Isa::Avx512] {
+            if level <= crate::dispatch::cpu_isa() {
+                run_case(level, None);
+            }
         }
     }
 
