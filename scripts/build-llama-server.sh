@@ -13,7 +13,7 @@ if [ -x "$bin" ]; then
 fi
 sdist="$root/.cache/sdist/llama_cpp_python-$version.tar.gz"
 if [ ! -s "$sdist" ]; then
-  python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$root/.cache/sdist"
+  python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" -d "$root/.cache/sdist"
 fi
 src="$root/.cache/llama_cpp_python-$version"
 [ -d "$src/vendor/llama.cpp" ] || tar -xzf "$sdist" -C "$root/.cache"
@@ -34,6 +34,9 @@ start=$SECONDS
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
   -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$dest/bin" >"$dest.cmake.log" 2>&1 || { cat "$dest.cmake.log"; exit 1; }
 "$cmake_bin" --build "$dest/build" --target llama-server -j "$(nproc)"
+# llama.cpp's CMakeLists sets its own runtime output folder (build/bin), overriding ours.
+mkdir -p "$dest/bin"
+[ -x "$bin" ] || cp "$dest/build/bin/llama-server" "$bin"
 echo "llama-server built in $((SECONDS - start)) s" >&2
 test -x "$bin"
 echo "$bin"

@@ -50,6 +50,22 @@ build_ok=0
 run_step "cargo build --release" cargo build --workspace --release && build_ok=1
 run_step "cargo test --release" cargo test --workspace --release --no-fail-fast
 run_step "cargo clippy -D warnings" cargo clippy --workspace --all-targets --release -- -D warnings
+# The CUDA backend builds without CUDA (libraries load at run time); it runs only on the GPU machine
+# (scripts/gpu/run.sh), so CI checks that the `cuda` feature compiles and lints clean.
+run_step "cargo clippy --features cuda" cargo clippy -p tandem --features cuda --release -- -D warnings
+
+# NVRTC needs no GPU: with PyPI's libnvrtc (13.0, the GPU machine's version; cached under .cache/) the
+# CUDA kernels are compiled for sm_90 here, so a kernel that does not compile fails CI, not the GPU run.
+nvrtc_compile() {
+  local dir="$root/.cache/nvrtc-13.0"
+  if [ ! -f "$dir/nvidia/cu13/lib/libnvrtc.so.13" ]; then
+    rm -rf "$dir" && mkdir -p "$dir" &&
+      python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$dir" 'nvidia-cuda-nvrtc==13.0.*' &&
+      python3 -m zipfile -e "$dir"/nvidia_cuda_nvrtc-*.whl "$dir" || return 1
+  fi
+  TANDEM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$dir/nvidia/cu13/lib" cargo test -p tandem-cuda --release --lib compiles_for_hopper -- --nocapture
+}
+run_step "CUDA kernels compile (NVRTC, sm_90)" nvrtc_compile
 if [ "$build_ok" = 1 ]; then
   run_step "pytest tests/python" python_tests
 else

@@ -110,6 +110,28 @@ pub struct EngineSection {
     pub max_waiting: Option<usize>,
     /// Compute threads (0 = all cores).
     pub threads: Option<usize>,
+    /// Which backend runs the model.
+    pub device: Option<Device>,
+}
+
+/// Where the model math runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    /// The CPU backend (always built).
+    #[default]
+    Cpu,
+    /// The CUDA backend (binaries built with `--features cuda`).
+    Cuda,
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        })
+    }
 }
 
 /// How the server is deployed.
@@ -218,6 +240,9 @@ pub struct EngineArgs {
     /// Compute threads (0 = all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Backend: cpu, or cuda in binaries built with the `cuda` feature.
+    #[arg(long, value_enum)]
+    pub device: Option<Device>,
 }
 
 impl EngineArgs {
@@ -233,6 +258,7 @@ impl EngineArgs {
             max_model_len: self.max_model_len,
             max_waiting: self.max_waiting,
             threads: self.threads,
+            device: self.device,
         }
     }
 
@@ -291,6 +317,8 @@ pub struct ServeSettings {
     pub log_format: Option<LogFormat>,
     /// Engine knobs.
     pub engine: EngineConfig,
+    /// Backend the engine runs on.
+    pub device: Device,
 }
 
 fn apply_engine(section: &EngineSection, engine: &mut EngineConfig) {
@@ -354,6 +382,11 @@ impl ServeSettings {
             port: args.port.or(file.server.port).unwrap_or(8000),
             api_key: args.api_key.clone().or(file.server.api_key),
             log_format: file.log_format,
+            device: args
+                .engine
+                .device
+                .or(file.engine.device)
+                .unwrap_or_default(),
             engine,
         })
     }
@@ -424,6 +457,27 @@ mod tests {
                 .engine
                 .enable_chunked_prefill
         );
+    }
+
+    #[test]
+    fn device_comes_from_the_file_and_the_flag_wins() {
+        let file = FileConfig::from_yaml("engine: {device: cuda}\n").unwrap();
+        let s = ServeSettings::resolve(&ServeArgs::default(), file.clone()).unwrap();
+        assert_eq!(s.device, Device::Cuda);
+        let args = ServeArgs {
+            engine: EngineArgs {
+                device: Some(Device::Cpu),
+                ..EngineArgs::default()
+            },
+            ..ServeArgs::default()
+        };
+        assert_eq!(
+            ServeSettings::resolve(&args, file).unwrap().device,
+            Device::Cpu
+        );
+        let default = ServeSettings::resolve(&ServeArgs::default(), FileConfig::default()).unwrap();
+        assert_eq!(default.device, Device::Cpu);
+        assert!(FileConfig::from_yaml("engine: {device: tpu}\n").is_err());
     }
 
     #[test]

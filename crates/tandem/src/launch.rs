@@ -57,6 +57,7 @@ fn engine_flags(section: &EngineSection, out: &mut Vec<String>) {
     );
     flag("max-waiting", section.max_waiting.map(|v| v.to_string()));
     flag("threads", section.threads.map(|v| v.to_string()));
+    flag("device", section.device.map(|v| v.to_string()));
     if section.enable_chunked_prefill == Some(false) {
         out.push("--no-chunked-prefill".into());
     }
@@ -81,7 +82,8 @@ fn merge(layers: &[&EngineSection]) -> EngineSection {
             enable_prefix_caching,
             max_model_len,
             max_waiting,
-            threads
+            threads,
+            device
         );
     }
     m

@@ -1,8 +1,12 @@
 //! The `tandem` command: `serve` runs the OpenAI-compatible server, `chat` talks to one.
 
+mod bench;
 mod bench_engine;
 mod chat;
 mod config;
+#[cfg(feature = "cuda")]
+mod cuda_tools;
+mod device;
 mod launch;
 mod serve;
 mod worker;
@@ -35,6 +39,16 @@ enum Command {
     Worker(worker::WorkerArgs),
     /// Measure the engine's decode and prefill speed on one model, in process.
     BenchEngine(bench_engine::BenchEngineArgs),
+    /// Benchmark an OpenAI-compatible server (or several) with vLLM-compatible serving metrics.
+    Bench(bench::BenchArgs),
+    /// Write the CUDA (or CPU) backend's logits for given prompts as JSON (device checks).
+    #[cfg(feature = "cuda")]
+    #[command(hide = true)]
+    CudaCheck(cuda_tools::CudaCheckArgs),
+    /// Measure the CUDA backend on an 8B-shaped model with random weights made on the GPU.
+    #[cfg(feature = "cuda")]
+    #[command(hide = true)]
+    CudaBench(cuda_tools::CudaBenchArgs),
 }
 
 /// Installs the global tracing subscriber; RUST_LOG refines the default `info` level.
@@ -88,6 +102,20 @@ fn main() -> Result<()> {
         Command::BenchEngine(args) => {
             init_logging(cli.log_format.unwrap_or_default());
             bench_engine::run(args)
+        }
+        #[cfg(feature = "cuda")]
+        Command::CudaCheck(args) => {
+            init_logging(cli.log_format.unwrap_or_default());
+            cuda_tools::check(args)
+        }
+        #[cfg(feature = "cuda")]
+        Command::CudaBench(args) => {
+            init_logging(cli.log_format.unwrap_or_default());
+            cuda_tools::bench(args)
+        }
+        Command::Bench(args) => {
+            init_logging_at(cli.log_format.unwrap_or_default(), "warn");
+            bench::run(args)
         }
     }
 }

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use tandem_api::{ApiConfig, AppState, ModelCodec};
-use tandem_engine::{CpuBackend, Engine, EngineHandle};
-use tandem_model::{CpuLlama, LoadOptions};
+use tandem_engine::EngineHandle;
+use tandem_model::LoadOptions;
 use tracing::info;
 
 use crate::config::{ServeSettings, DEFAULT_MODEL};
@@ -130,14 +130,9 @@ fn prepare(settings: &ServeSettings) -> Result<Prepared> {
     let model_root = loaded.name.clone();
 
     let engine_config = settings.engine.clone();
-    let cpu_model = CpuLlama::new(loaded.config, loaded.weights, engine_config.threads);
-    let backend = CpuBackend::new(
-        cpu_model,
-        engine_config.block_size,
-        engine_config.kv_cache_bytes,
-    );
-    let engine = Engine::start(backend, engine_config.clone()).context("starting the engine")?;
+    let engine = crate::device::start_engine(loaded, &engine_config, settings.device)?;
     info!(
+        device = %settings.device,
         max_model_len = engine.max_model_len(),
         block_size = engine_config.block_size,
         kv_cache_bytes = engine_config.kv_cache_bytes,

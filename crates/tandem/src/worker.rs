@@ -14,8 +14,7 @@ use tandem_cluster::protocol::{ErrorBody, RegisterRequest, PATH_REGISTER};
 use tandem_cluster::{
     peer_info, KvTransferConfig, Role, TransportKind, WorkerConfig, WorkerService,
 };
-use tandem_engine::{CpuBackend, Engine};
-use tandem_model::{CpuLlama, LoadOptions};
+use tandem_model::LoadOptions;
 use tracing::info;
 
 use crate::config::EngineArgs;
@@ -108,13 +107,11 @@ pub fn run(args: WorkerArgs) -> Result<()> {
     let engine_config = args.engine.engine_config();
     let n_heads = loaded.config.num_heads;
     let model_id = loaded.identity.0.clone();
-    let cpu_model = CpuLlama::new(loaded.config, loaded.weights, engine_config.threads);
-    let backend = CpuBackend::new(
-        cpu_model,
-        engine_config.block_size,
-        engine_config.kv_cache_bytes,
-    );
-    let engine = Engine::start(backend, engine_config.clone()).context("starting the engine")?;
+    let engine = crate::device::start_engine(
+        loaded,
+        &engine_config,
+        args.engine.device.unwrap_or_default(),
+    )?;
     let worker_id = args
         .worker_id
         .clone()

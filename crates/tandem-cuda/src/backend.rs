@@ -1,0 +1,77 @@
+//! [`CudaBackend`]: the engine's [`Backend`] over [`CudaLlama`].
+
+use tandem_engine::{Backend, BackendError};
+use tandem_model::{ForwardBatch, KvLayout};
+
+use crate::model::CudaLlama;
+
+/// The engine's view of the GPU model: steps, KV layout, and KV block export/import for P/D.
+pub struct CudaBackend {
+    model: CudaLlama,
+    eos: Vec<u32>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("model", &self.model)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Wraps a loaded GPU model.
+    pub fn new(model: CudaLlama) -> CudaBackend {
+        let eos = model.config().eos_token_ids.clone();
+        CudaBackend { model, eos }
+    }
+
+    /// The model, for callers that also want GPU-side greedy steps.
+    pub fn model_mut(&mut self) -> &mut CudaLlama {
+        &mut self.model
+    }
+}
+
+impl Backend for CudaBackend {
+    fn kv_layout(&self) -> KvLayout {
+        self.model.kv_layout()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.model.max_model_len()
+    }
+
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        self.model
+            .forward(batch, logits)
+            .map_err(|e| BackendError::new(e.to_string()))
+    }
+
+    // The trait's block operations are infallible, like the CPU cache's; a failing copy means the
+    // device is lost, which no request could survive, so it panics with the cause.
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) {
+        if let Err(e) = self.model.export_block(layer, block, out) {
+            panic!("CUDA KV export of layer {layer} block {block} failed: {e}");
+        }
+    }
+
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) {
+        if let Err(e) = self.model.import_block(layer, block, data) {
+            panic!("CUDA KV import of layer {layer} block {block} failed: {e}");
+        }
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) {
+        if let Err(e) = self.model.copy_block(src, dst) {
+            panic!("CUDA KV copy of block {src} to {dst} failed: {e}");
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! The CUDA C kernel source and its compilation by NVRTC for the device at hand.
+//!
+//! The source lives in `kernels/llama.cu`; the model's shape is prepended as `#define`s so that loops
+//! over head dimensions and GQA groups unroll at compile time.
+
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
+
+use crate::error::CudaError;
+
+/// The kernels' CUDA C source, embedded in the binary.
+pub const SOURCE: &str = include_str!("../kernels/llama.cu");
+
+/// Most keys per decode attention partition (`DEC_PART`, the kernel's shared score buffer).
+pub const DECODE_PARTITION: usize = 256;
+
+/// Keys per partition when few sequences decode: more, shorter partitions keep the GPU busy.
+pub const DECODE_PARTITION_SMALL: usize = 64;
+
+// The kernel's shared score buffer holds DECODE_PARTITION keys; no partition may be longer.
+const _: () = assert!(DECODE_PARTITION_SMALL <= DECODE_PARTITION);
+
+/// Decode batches up to this size use [`DECODE_PARTITION_SMALL`].
+pub const SMALL_DECODE_BATCH: usize = 32;
+
+/// Keys per decode partition for a step of `n_decode` single-token sequences.
+pub fn decode_partition(n_decode: usize) -> usize {
+    if n_decode <= SMALL_DECODE_BATCH {
+        DECODE_PARTITION_SMALL
+    } else {
+        DECODE_PARTITION
+    }
+}
+
+/// Every kernel the backend launches, by its `extern "C"` name.
+pub const KERNEL_NAMES: [&str; 12] = [
+    "init_uniform",
+    "fill_bf16",
+    "embed_gather",
+    "add_rmsnorm",
+    "gather_rows",
+    "silu_mul",
+    "rope_kv_write",
+    "argmax_rows",
+    "attn_simple",
+    "attn_prefill",
+    "attn_decode",
+    "attn_decode_reduce",
+];
+
+/// Largest row count the small-batch GEMV kernels (`gemv_1` .. `gemv_8`) handle.
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// The compile-time shape the kernels are specialised for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelShape {
+    /// Width of one attention head.
+    pub head_dim: usize,
+    /// Query heads per KV head.
+    pub gqa: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+}
+
+impl KernelShape {
+    /// Checks the limits the kernels are written for.
+    pub fn validate(&self) -> Result<(), CudaError> {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(16) || self.head_dim > 256 {
+            return Err(CudaError::Unsupported(format!(
+                "head_dim {} (the CUDA kernels need a multiple of 16, at most 256)",
+                self.head_dim
+            )));
+        }
+        // The decode kernel keeps GQA x 4 KiB of partial sums in shared memory.
+        if self.gqa == 0 || self.gqa > 8 {
+            return Err(CudaError::Unsupported(format!(
+                "{} query heads per KV head (at most 8)",
+                self.gqa
+            )));
+        }
+        if self.block_size == 0 {
+            return Err(CudaError::Unsupported("KV block size 0".into()));
+        }
+        Ok(())
+    }
+
+    /// Whether the tensor-core prefill kernel fits this head width (its tiles live in 48 KB of
+    /// static shared memory).
+    pub fn tensor_core_prefill(&self) -> bool {
+        self.head_dim <= 128
+    }
+
+    /// The full source with this shape's `#define`s in front.
+    pub fn source(&self) -> String {
+        format!(
+            "#define HEAD_DIM {}\n#define GQA {}\n#define KV_BLOCK {}\n#define DEC_PART {}\n{SOURCE}",
+            self.head_dim, self.gqa, self.block_size, DECODE_PARTITION
+        )
+    }
+}
+
+/// Compiles the kernels to PTX for compute capability `major.minor` (`compute_90` on an H100/H200).
+pub fn compile(shape: &KernelShape, major: i32, minor: i32) -> Result<Ptx, CudaError> {
+    shape.validate()?;
+    let opts = CompileOptions {
+        options: vec![
+            format!("--gpu-architecture=compute_{major}{minor}"),
+            "--std=c++17".into(),
+        ],
+        use_fast_math: Some(false),
+        name: Some("tandem_llama.cu".into()),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(shape.source(), opts).map_err(|e| match e {
+        CompileError::CompileError { log, .. } => {
+            CudaError::Compile(log.to_string_lossy().into_owned())
+        }
+        other => CudaError::Compile(format!("{other:?}")),
+    })
+}
+
+/// Whether NVRTC's library can be loaded here (it needs no GPU).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only probes for the shared library with dlopen; no symbol is called.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_defines_every_kernel_the_host_launches() {
+        for name in KERNEL_NAMES {
+            let decl = format!("void {name}(");
+            let at = SOURCE
+                .find(&decl)
+                .or_else(|| SOURCE.find(&format!(" {name}(")))
+                .unwrap_or_else(|| panic!("kernel {name} is not in llama.cu"));
+            let before = &SOURCE[..at];
+            let line_start = before
+                .rfind("extern \"C\"")
+                .expect("extern C before kernel");
+            assert!(
+                SOURCE[line_start..at].contains("__global__"),
+                "{name} must be an extern \"C\" __global__ function"
+            );
+        }
+        for m in 1..=GEMV_MAX_ROWS {
+            assert!(
+                SOURCE.contains(&format!("\nGEMV({m})\n")),
+                "gemv_{m} is not instantiated"
+            );
+        }
+        // Braces balance (a cheap guard against a truncated or mangled file).
+        let open = SOURCE.matches('{').count();
+        let close = SOURCE.matches('}').count();
+        assert_eq!(open, close);
+    }
+
+    #[test]
+    fn shape_defines_come_first_and_limits_are_checked() {
+        let s = KernelShape {
+            head_dim: 128,
+            gqa: 4,
+            block_size: 16,
+        };
+        assert!(s.validate().is_ok());
+        assert!(s.tensor_core_prefill());
+        let src = s.source();
+        assert!(src.starts_with("#define HEAD_DIM 128\n#define GQA 4\n#define KV_BLOCK 16\n"));
+        assert!(src.contains(&format!("#define DEC_PART {DECODE_PARTITION}")));
+        assert!(KernelShape { head_dim: 72, ..s }.validate().is_err());
+        assert!(KernelShape { gqa: 0, ..s }.validate().is_err());
+        assert!(KernelShape { gqa: 16, ..s }.validate().is_err());
+        assert!(!KernelShape { head_dim: 256, ..s }.tensor_core_prefill());
+        assert_eq!(decode_partition(1), DECODE_PARTITION_SMALL);
+        assert_eq!(decode_partition(SMALL_DECODE_BATCH + 1), DECODE_PARTITION);
+    }
+
+    /// Compiles the real source for sm_90 when NVRTC is installed (it needs no GPU); skipped otherwise.
+    #[test]
+    fn compiles_for_hopper_when_nvrtc_is_present() {
+        if !nvrtc_available() {
+            // scripts/test.sh provides libnvrtc and sets this, so that there the skip is an error.
+            assert!(
+                std::env::var_os("TANDEM_REQUIRE_NVRTC").is_none(),
+                "TANDEM_REQUIRE_NVRTC is set but libnvrtc cannot be loaded"
+            );
+            eprintln!("skipped: libnvrtc not found");
+            return;
+        }
+        for shape in [
+            KernelShape {
+                head_dim: 128,
+                gqa: 4,
+                block_size: 16,
+            },
+            KernelShape {
+                head_dim: 64,
+                gqa: 3,
+                block_size: 16,
+            },
+        ] {
+            let ptx = compile(&shape, 9, 0).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+            let text = ptx.to_src();
+            for name in KERNEL_NAMES {
+                assert!(text.contains(name), "{name} missing from the PTX");
+            }
+            for m in 1..=GEMV_MAX_ROWS {
+                assert!(
+                    text.contains(&format!(".entry gemv_{m}(")),
+                    "gemv_{m} missing from the PTX"
+                );
+            }
+            assert!(text.contains("mma.sync.aligned.m16n8k16"));
+            if let Ok(dir) = std::env::var("TANDEM_CUDA_PTX_DIR") {
+                let path = format!("{dir}/llama_d{}_g{}.ptx", shape.head_dim, shape.gqa);
+                std::fs::write(&path, &text).expect("writing the PTX");
+            }
+        }
+    }
+}

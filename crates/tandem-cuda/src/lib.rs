@@ -1,0 +1,19 @@
+//! The CUDA backend of tandem: a bf16 Llama-family model on one NVIDIA GPU behind the engine's
+//! [`tandem_engine::Backend`] seam, with a paged bf16 KV cache in the block layout the CPU backend and
+//! the KV transfer use.
+//!
+//! GEMMs run on cuBLAS (bf16 inputs, fp32 accumulation); everything else is our own CUDA C in
+//! `kernels/llama.cu`, compiled at start-up by NVRTC for the device's compute capability. Nothing
+//! here links CUDA at build time: the driver, NVRTC and cuBLAS are loaded at run time, so the crate
+//! builds on machines without CUDA.
+
+pub mod backend;
+pub mod error;
+pub mod kernels;
+pub mod model;
+pub mod plan;
+pub mod tools;
+
+pub use backend::CudaBackend;
+pub use error::CudaError;
+pub use model::{driver_available, AttnMode, CudaLlama, CudaOptions, WeightSource};

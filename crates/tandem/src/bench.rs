@@ -1,0 +1,374 @@
+//! `tandem bench`: the serving benchmark (library: `tandem-bench`) against any OpenAI-compatible server,
+//! and `tandem bench plot` to chart and tabulate result files from several invocations together.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand, ValueEnum};
+use tandem_bench::arrival::parse_rate;
+use tandem_bench::workload::LengthSpec;
+use tandem_bench::{
+    plot, report, BenchFile, BenchPlan, Endpoint, PromptBuilder, PromptFormat, Slo, SweepPoint,
+    WorkloadSpec,
+};
+
+use crate::serve::resolve_model;
+
+/// Options of `tandem bench`.
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    command: Option<BenchCommand>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// `tandem bench` subcommands (none: run a benchmark).
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Chart and tabulate result files (`--output` of earlier runs) together.
+    Plot(PlotArgs),
+}
+
+/// Which workload to send.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum WorkloadKind {
+    /// Random prompts of --input-len tokens, --output-len tokens out.
+    Random,
+    /// Prompts that share one of --num-prefixes system prompts of --prefix-len tokens, then --input-len
+    /// tokens of their own.
+    SharedPrefix,
+    /// Steady short requests at --request-rate plus bursts of --burst-size long prompts every
+    /// --burst-interval seconds.
+    Bursty,
+    /// Prompts from --dataset (JSONL: {"prompt": "...", "max_tokens": N} per line).
+    Jsonl,
+}
+
+/// Options of a benchmark run.
+#[derive(Args, Debug)]
+struct RunArgs {
+    /// Server base URL (without /v1).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    base_url: String,
+    /// Benchmark several servers one after another: NAME=URL, repeated (replaces --base-url).
+    #[arg(long = "endpoint", value_name = "NAME=URL")]
+    endpoints: Vec<String>,
+    /// Model name to send (default: the first of each server's /v1/models).
+    #[arg(long)]
+    model: Option<String>,
+    /// Bearer token for the server.
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Tokenizer of the served model: GGUF file or HF folder (default: the default model).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Workload.
+    #[arg(long, value_enum, default_value_t = WorkloadKind::Random)]
+    workload: WorkloadKind,
+    /// Requests per run (for bursty: steady requests; bursts come on top).
+    #[arg(long, default_value_t = 100)]
+    num_prompts: usize,
+    /// Prompt tokens (for shared-prefix: after the prefix; for bursty: of the steady requests).
+    #[arg(long, default_value_t = 256)]
+    input_len: usize,
+    /// Output tokens (for bursty: of the steady requests).
+    #[arg(long, default_value_t = 128)]
+    output_len: usize,
+    /// Draw input and output lengths uniformly within ±this fraction of --input-len/--output-len.
+    #[arg(long, default_value_t = 0.0)]
+    range_ratio: f64,
+    /// Shared-prefix: tokens of each shared prefix.
+    #[arg(long, default_value_t = 512)]
+    prefix_len: usize,
+    /// Shared-prefix: distinct prefixes.
+    #[arg(long, default_value_t = 1)]
+    num_prefixes: usize,
+    /// Bursty: prompt tokens of each burst request.
+    #[arg(long, default_value_t = 1024)]
+    burst_input_len: usize,
+    /// Bursty: output tokens of each burst request.
+    #[arg(long, default_value_t = 16)]
+    burst_output_len: usize,
+    /// Bursty: requests per burst.
+    #[arg(long, default_value_t = 4)]
+    burst_size: usize,
+    /// Bursty: seconds between bursts.
+    #[arg(long, default_value_t = 5.0)]
+    burst_interval: f64,
+    /// JSONL prompt file for --workload jsonl.
+    #[arg(long)]
+    dataset: Option<PathBuf>,
+    /// Poisson arrival rate in requests/s, or inf to send all at once (bursty: the steady rate; inf
+    /// there means 2/s).
+    #[arg(long, default_value = "inf", value_parser = parse_rate)]
+    request_rate: f64,
+    /// Sweep over request rates, e.g. 1,2,4,inf.
+    #[arg(long, value_delimiter = ',', value_parser = parse_rate, conflicts_with = "concurrencies")]
+    request_rates: Vec<f64>,
+    /// Requests in flight at most.
+    #[arg(long)]
+    max_concurrency: Option<usize>,
+    /// Sweep over concurrency limits, e.g. 1,4,16.
+    #[arg(long, value_delimiter = ',')]
+    concurrencies: Vec<usize>,
+    /// Requests sent and discarded before measuring.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Seed of prompts and arrivals.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Send prompts as round-trip-checked text or as token ids.
+    #[arg(long, value_enum, default_value_t = FormatArg::Text)]
+    prompt_format: FormatArg,
+    /// Goodput objectives in ms, e.g. --goodput ttft:500 tpot:50 (keys: ttft, tpot, e2el).
+    #[arg(long, num_args = 1.., value_name = "KEY:MS")]
+    goodput: Vec<String>,
+    /// Seconds before one request counts as failed.
+    #[arg(long, default_value_t = 600.0)]
+    request_timeout: f64,
+    /// Write every run (summary and per-request timings) to this JSON file.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Write PNG charts (latency–throughput; ITL over time for bursty runs) into this folder.
+    #[arg(long)]
+    plot_dir: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+/// How prompts travel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum FormatArg {
+    /// Text that re-encodes to the exact token count.
+    Text,
+    /// Token id lists.
+    Tokens,
+}
+
+/// Options of `tandem bench plot`.
+#[derive(Args, Debug)]
+struct PlotArgs {
+    /// Result files written by `tandem bench --output`.
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+    /// Folder for the charts and results.md.
+    #[arg(long, default_value = "out/bench")]
+    out_dir: PathBuf,
+}
+
+/// Runs `tandem bench`.
+pub fn run(args: BenchArgs) -> Result<()> {
+    match args.command {
+        Some(BenchCommand::Plot(p)) => plot_files(&p),
+        None => run_bench(args.run),
+    }
+}
+
+/// The sweep points the flags describe.
+fn points(a: &RunArgs) -> Vec<SweepPoint> {
+    if !a.request_rates.is_empty() {
+        a.request_rates
+            .iter()
+            .map(|&request_rate| SweepPoint {
+                request_rate,
+                max_concurrency: a.max_concurrency,
+            })
+            .collect()
+    } else if !a.concurrencies.is_empty() {
+        a.concurrencies
+            .iter()
+            .map(|&c| SweepPoint {
+                request_rate: a.request_rate,
+                max_concurrency: Some(c),
+            })
+            .collect()
+    } else {
+        vec![SweepPoint {
+            request_rate: a.request_rate,
+            max_concurrency: a.max_concurrency,
+        }]
+    }
+}
+
+/// The workload the flags describe.
+fn workload(a: &RunArgs) -> Result<WorkloadSpec> {
+    let len = |len| LengthSpec {
+        len,
+        range_ratio: a.range_ratio,
+    };
+    Ok(match a.workload {
+        WorkloadKind::Random => WorkloadSpec::Random {
+            input: len(a.input_len),
+            output: len(a.output_len),
+        },
+        WorkloadKind::SharedPrefix => WorkloadSpec::SharedPrefix {
+            prefix_len: a.prefix_len,
+            num_prefixes: a.num_prefixes,
+            suffix: len(a.input_len),
+            output: len(a.output_len),
+        },
+        WorkloadKind::Bursty => WorkloadSpec::Bursty {
+            steady_input: len(a.input_len),
+            steady_output: len(a.output_len),
+            steady_rate: if a.request_rate.is_finite() {
+                a.request_rate
+            } else {
+                2.0
+            },
+            burst_input: a.burst_input_len,
+            burst_output: a.burst_output_len,
+            burst_size: a.burst_size,
+            burst_interval_s: a.burst_interval,
+        },
+        WorkloadKind::Jsonl => WorkloadSpec::Jsonl {
+            path: a
+                .dataset
+                .clone()
+                .context("--workload jsonl needs --dataset FILE")?,
+            output_len: a.output_len,
+        },
+    })
+}
+
+fn run_bench(a: RunArgs) -> Result<()> {
+    if !(0.0..1.0).contains(&a.range_ratio) {
+        bail!("--range-ratio must be in [0, 1)");
+    }
+    if !a.request_timeout.is_finite() || a.request_timeout <= 0.0 {
+        bail!("--request-timeout must be a positive number of seconds");
+    }
+    let slo = Slo::parse(&a.goodput).map_err(anyhow::Error::msg)?;
+    let tokenizer = resolve_model(a.tokenizer.as_deref())?;
+    let builder = PromptBuilder::load(&tokenizer)
+        .with_context(|| format!("loading the tokenizer of {}", tokenizer.display()))?;
+    let endpoints = if a.endpoints.is_empty() {
+        vec![Endpoint::parse(&a.base_url)]
+    } else {
+        a.endpoints.iter().map(|e| Endpoint::parse(e)).collect()
+    };
+    let plan = BenchPlan {
+        endpoints,
+        model: a.model.clone(),
+        api_key: a.api_key.clone(),
+        workload: workload(&a)?,
+        num_prompts: a.num_prompts,
+        points: points(&a),
+        warmup: a.warmup,
+        seed: a.seed,
+        prompt_format: match a.prompt_format {
+            FormatArg::Text => PromptFormat::Text,
+            FormatArg::Tokens => PromptFormat::Tokens,
+        },
+        slo,
+        request_timeout: Duration::from_secs_f64(a.request_timeout),
+        progress: !a.no_progress,
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let file = runtime.block_on(tandem_bench::run_plan(&plan, &builder, |run| {
+        println!("{}", report::render_run(run));
+    }))?;
+    if file.runs.len() > 1 {
+        println!("\n{}", report::markdown_table(&file.runs));
+    }
+    if let Some(path) = &a.output {
+        file.save(path)?;
+        eprintln!("results written to {}", path.display());
+    }
+    if let Some(dir) = &a.plot_dir {
+        write_charts(&file.runs, dir)?;
+    }
+    Ok(())
+}
+
+/// Writes the charts that fit these runs into `dir`.
+fn write_charts(runs: &[tandem_bench::RunResult], dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join("latency_throughput.png");
+    plot::latency_throughput(runs, &path)?;
+    eprintln!("chart written to {}", path.display());
+    if runs.iter().any(|r| r.config.workload.kind() == "bursty") {
+        let path = dir.join("itl_over_time.png");
+        plot::itl_over_time(runs, &path)?;
+        eprintln!("chart written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn plot_files(p: &PlotArgs) -> Result<()> {
+    let mut runs = Vec::new();
+    for path in &p.files {
+        runs.extend(BenchFile::load(path)?.runs);
+    }
+    let table = report::markdown_table(&runs);
+    std::fs::create_dir_all(&p.out_dir)
+        .with_context(|| format!("creating {}", p.out_dir.display()))?;
+    let md = p.out_dir.join("results.md");
+    std::fs::write(&md, &table).with_context(|| format!("writing {}", md.display()))?;
+    println!("{table}");
+    write_charts(&runs, &p.out_dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    #[test]
+    fn sweeps_and_workloads_parse() {
+        let cli = Cli::try_parse_from([
+            "bench",
+            "--concurrencies",
+            "1,4,16",
+            "--workload",
+            "bursty",
+            "--request-rate",
+            "3",
+            "--goodput",
+            "ttft:500",
+            "tpot:50",
+        ])
+        .unwrap();
+        let a = cli.bench.run;
+        assert_eq!(
+            points(&a)
+                .iter()
+                .map(|p| p.max_concurrency)
+                .collect::<Vec<_>>(),
+            [Some(1), Some(4), Some(16)]
+        );
+        assert_eq!(a.goodput, ["ttft:500", "tpot:50"]);
+        let WorkloadSpec::Bursty { steady_rate, .. } = workload(&a).unwrap() else {
+            panic!("expected bursty")
+        };
+        assert_eq!(steady_rate, 3.0);
+
+        let cli = Cli::try_parse_from(["bench", "--request-rates", "1,inf"]).unwrap();
+        let rates: Vec<f64> = points(&cli.bench.run)
+            .iter()
+            .map(|p| p.request_rate)
+            .collect();
+        assert_eq!(rates, [1.0, f64::INFINITY]);
+        assert!(
+            Cli::try_parse_from(["bench", "--request-rates", "1", "--concurrencies", "2"]).is_err()
+        );
+        assert!(Cli::try_parse_from(["bench", "--request-rate", "-1"]).is_err());
+
+        let cli = Cli::try_parse_from(["bench", "plot", "a.json", "b.json"]).unwrap();
+        assert!(matches!(cli.bench.command, Some(BenchCommand::Plot(ref p)) if p.files.len() == 2));
+        let cli = Cli::try_parse_from(["bench", "--workload", "jsonl"]).unwrap();
+        assert!(workload(&cli.bench.run).is_err());
+    }
+}
