@@ -8,7 +8,7 @@
 #
 # Usage: scripts/compare-peers.sh [MODEL.gguf]
 # Knobs (environment): OUT, CONCURRENCIES (1,4,16), NUM_PROMPTS (32), INPUT_LEN (128), OUTPUT_LEN (64),
-# BURSTY_PROMPTS (24), BURSTY_RATE (1), BURST_SIZE (2), BURST_INPUT_LEN (512), BURST_INTERVAL (8),
+# BURSTY_PROMPTS (64), BURSTY_RATE (4), BURST_SIZE (4), BURST_INPUT_LEN (1024), BURST_INTERVAL (6),
 # PEERS (llama-server,colocated,pd), LLAMA_THREADS (nproc), TANDEM_BIN (default: target/release/tandem,
 # built if missing). With PEERS a subset, the table still includes the other peers' latest results in OUT.
 set -euo pipefail
@@ -20,11 +20,11 @@ concurrencies="${CONCURRENCIES:-1,4,16}"
 num_prompts="${NUM_PROMPTS:-32}"
 input_len="${INPUT_LEN:-128}"
 output_len="${OUTPUT_LEN:-64}"
-bursty_prompts="${BURSTY_PROMPTS:-24}"
-bursty_rate="${BURSTY_RATE:-1}"
-burst_size="${BURST_SIZE:-2}"
-burst_input_len="${BURST_INPUT_LEN:-512}"
-burst_interval="${BURST_INTERVAL:-8}"
+bursty_prompts="${BURSTY_PROMPTS:-64}"
+bursty_rate="${BURSTY_RATE:-4}"
+burst_size="${BURST_SIZE:-4}"
+burst_input_len="${BURST_INPUT_LEN:-1024}"
+burst_interval="${BURST_INTERVAL:-6}"
 peers="${PEERS:-llama-server,colocated,pd}"
 parallel=16
 slot_ctx=1024
