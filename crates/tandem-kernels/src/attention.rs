@@ -121,7 +121,7 @@ pub(crate) fn paged_attention_with(
         let q0 = qc * Q_CHUNK;
         let q1 = (q0 + Q_CHUNK).min(s.n_q);
         #[cfg(target_arch = "x86_64")]
-        if level >= Isa::Avx512 && q1 - q0 > 1 && crate::simd::attn512::supports(p, q1 - q0) {
+        if level >= Isa::Avx512 && crate::simd::attn512::supports(p, q1 - q0) {
             let r0 = s.q_row + q0;
             let chunk = crate::simd::attn512::QueryChunk {
                 q: q[r0 * row + head * p.head_dim..].as_ptr(),
@@ -421,6 +421,64 @@ mod tests {
                     for (a, b) in got.iter().zip(&want) {
                         assert!((a - b).abs() < 1e-4, "seq {si} q {i} head {h}: {a} vs {b}");
                     }
+                }
+            }
+        }
+    }
+
+    /// A prompt's attention computed in one prefill step equals, bit for bit, the same tokens attended one
+    /// at a time as decode steps: recompute after preemption, P/D import and decode failover rely on it.
+    #[test]
+    fn prefill_and_token_by_token_attention_are_bitwise_equal() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for level in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+            if level > crate::dispatch::cpu_isa() {
+                continue;
+            }
+            for window in [None, Some(19)] {
+                let p = AttnParams {
+                    n_heads: 6,
+                    n_kv_heads: 2,
+                    head_dim: 64,
+                    block_size: 16,
+                    scale: 0.125,
+                    window,
+                };
+                let (n, row, width) = (45usize, 6 * 64, 2 * 64);
+                let table: Vec<u32> = vec![5, 1, 7];
+                let mut kv = vec![0f32; 8 * 2 * p.n_kv_heads * p.block_size * p.head_dim];
+                for pos in 0..n {
+                    let k: Vec<f32> = (0..width).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                    let v: Vec<f32> = (0..width).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                    write_kv(&p, &mut kv, &table, pos, &k, &v);
+                }
+                let q: Vec<f32> = (0..n * row)
+                    .map(|_| rng.random_range(-2.0f32..2.0))
+                    .collect();
+                let pool = ThreadPool::new(2);
+                let mut whole = vec![0f32; n * row];
+                let seq = AttnSeq {
+                    q_row: 0,
+                    n_q: n,
+                    ctx_len: n,
+                    blocks: &table,
+                };
+                paged_attention_with(&pool, &p, &q, &kv, &[seq], &mut whole, level);
+                for i in 0..n {
+                    let mut one = vec![0f32; row];
+                    let seq = AttnSeq {
+                        q_row: 0,
+                        n_q: 1,
+                        ctx_len: i + 1,
+                        blocks: &table,
+                    };
+                    let qi = &q[i * row..(i + 1) * row];
+                    paged_attention_with(&pool, &p, qi, &kv, &[seq], &mut one, level);
+                    assert_eq!(
+                        one,
+                        whole[i * row..(i + 1) * row],
+                        "{level:?} window {window:?}: token {i}"
+                    );
                 }
             }
         }

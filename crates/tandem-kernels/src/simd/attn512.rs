@@ -1,9 +1,13 @@
-//! AVX-512 paged attention for a chunk of consecutive queries of one head (prefill), with 16-token blocks.
+//! AVX-512 paged attention over 16-token blocks, for chunks of consecutive queries of one head (prefill) and
+//! for single queries (decode).
 //!
-//! The per-query path scores one key at a time: a dot product and a horizontal sum per key. Here the
-//! chunk's queries share each K block: it is transposed once into `[head_dim][16]`, and then one query's
-//! 16 scores are `head_dim` broadcast-FMAs into a single 512-bit register, with no horizontal sums;
-//! masking, the online-softmax update and the P·V accumulation stay in registers per query.
+//! A chunk's queries share each K block: it is transposed once into `[head_dim][16]`, and a query's 16 scores
+//! are broadcast FMAs into registers whose lanes are the block's keys, with no horizontal sum per key. A
+//! single query skips the transpose and dots each key along `head_dim`, then sums the 16 lanes by a fixed
+//! tree. Both paths perform the same floating-point operations in the same order for every score (lane `l`
+//! of the per-key dot is the chunk path's accumulator `l`, and both combine the 16 partial sums by the same
+//! tree), and share the softmax and P·V code, so a prompt recomputed in one prefill step gives bit-identical
+//! results to the same tokens decoded one at a time: preemption, P/D import and decode failover rely on it.
 
 use std::arch::x86_64::*;
 
@@ -94,12 +98,14 @@ unsafe fn attend_chunk_nv<const NV: usize>(
         let b = b as usize;
         let kbase = ((b * 2) * nkv + kvh) * BLOCK * hd;
         let vbase = ((b * 2 + 1) * nkv + kvh) * BLOCK * hd;
-        // Every slot is transposed, also those past the last query (stale or zero): their scores are
-        // replaced by -inf below, whatever they hold.
         let kb = kv.as_ptr().add(kbase);
-        for j in 0..BLOCK {
-            for d in 0..hd {
-                *kt.get_unchecked_mut(d * BLOCK + j) = *kb.add(j * hd + d);
+        // A chunk transposes the block once for all its queries. Every slot is transposed, also those past
+        // the last query (stale or zero): their scores are replaced by -inf below, whatever they hold.
+        if c.n > 1 {
+            for j in 0..BLOCK {
+                for d in 0..hd {
+                    *kt.get_unchecked_mut(d * BLOCK + j) = *kb.add(j * hd + d);
+                }
             }
         }
         for i in 0..c.n {
@@ -111,18 +117,11 @@ unsafe fn attend_chunk_nv<const NV: usize>(
             let (j0, j1) = (lo.saturating_sub(bpos), (pos + 1 - bpos).min(BLOCK));
             let mask = (((1u32 << j1) - 1) & !((1u32 << j0) - 1)) as __mmask16;
             let qi = c.q.add(i * c.stride);
-            // Four independent sums so the FMAs pipeline instead of waiting on each other.
-            let mut s4 = [_mm512_setzero_ps(); 4];
-            for d in (0..hd).step_by(4) {
-                for (k, sk) in s4.iter_mut().enumerate() {
-                    *sk = _mm512_fmadd_ps(
-                        _mm512_set1_ps(*qi.add(d + k)),
-                        _mm512_loadu_ps(kt.as_ptr().add((d + k) * BLOCK)),
-                        *sk,
-                    );
-                }
-            }
-            let s = _mm512_add_ps(_mm512_add_ps(s4[0], s4[1]), _mm512_add_ps(s4[2], s4[3]));
+            let s = if c.n > 1 {
+                scores_transposed(qi, &kt, nvec)
+            } else {
+                scores_direct(qi, kb, hd, nvec, j1)
+            };
             let s = _mm512_mask_mov_ps(neg_inf, mask, _mm512_mul_ps(s, scale));
             let m_new = m[i].max(_mm512_reduce_max_ps(s));
             let shifted = _mm512_sub_ps(s, _mm512_set1_ps(m_new));
@@ -164,4 +163,57 @@ unsafe fn attend_chunk_nv<const NV: usize>(
             );
         }
     }
+}
+
+/// 16 keys' scores for one query from the transposed block `kt` (`[d][16]`): accumulator `l` sums
+/// `q[16c + l] · k[16c + l]` over `c` in order, then the 16 accumulators are added by the tree
+/// (l, l+8), (l, l+4), (l, l+2), (l, l+1), exactly as [`scores_direct`] sums one key's lanes.
+#[inline(always)]
+unsafe fn scores_transposed(q: *const f32, kt: &[f32], nvec: usize) -> __m512 {
+    let mut u = [_mm512_setzero_ps(); 16];
+    for c in 0..nvec {
+        for (l, ul) in u.iter_mut().enumerate() {
+            let d = 16 * c + l;
+            *ul = _mm512_fmadd_ps(
+                _mm512_set1_ps(*q.add(d)),
+                _mm512_loadu_ps(kt.as_ptr().add(d * BLOCK)),
+                *ul,
+            );
+        }
+    }
+    for half in [8, 4, 2, 1] {
+        for l in 0..half {
+            u[l] = _mm512_add_ps(u[l], u[l + half]);
+        }
+    }
+    u[0]
+}
+
+/// 16 keys' scores for one query straight from the block (`[slot][head_dim]`), keys `0..n` (the rest 0):
+/// lane `l` of a key's accumulator sums `q[16c + l] · k[16c + l]` over `c` in order, and the lanes are added
+/// by the tree of [`scores_transposed`].
+#[inline(always)]
+unsafe fn scores_direct(q: *const f32, kb: *const f32, hd: usize, nvec: usize, n: usize) -> __m512 {
+    let mut out = [0f32; BLOCK];
+    for (j, o) in out.iter_mut().enumerate().take(n) {
+        let k = kb.add(j * hd);
+        let mut v = _mm512_setzero_ps();
+        for c in 0..nvec {
+            v = _mm512_fmadd_ps(
+                _mm512_loadu_ps(q.add(16 * c)),
+                _mm512_loadu_ps(k.add(16 * c)),
+                v,
+            );
+        }
+        // (l, l+8) → (l, l+4) → (l, l+2) → (l, l+1), the same pairs as the transposed path.
+        let t8 = _mm256_add_ps(
+            _mm512_castps512_ps256(v),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+        );
+        let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+        let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+        let t1 = _mm_add_ss(t2, _mm_shuffle_ps::<0b01>(t2, t2));
+        *o = _mm_cvtss_f32(t1);
+    }
+    _mm512_loadu_ps(out.as_ptr())
 }
