@@ -15,6 +15,15 @@ const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
 
+/// Bytes of one block of a 32-element format tag.
+const fn q32_block_bytes(fmt: u8) -> usize {
+    match fmt {
+        Q4_0 => 18,
+        Q4_1 => 20,
+        _ => 34,
+    }
+}
+
 /// The AVX2 matmul kernel for `dt`, if one exists.
 pub(crate) fn matmul_kernel(dt: DType) -> Option<RangeKernel> {
     qmatmul::kernel(dt)

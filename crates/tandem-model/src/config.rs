@@ -221,12 +221,12 @@ impl ModelConfig {
                         info.dtype, info.shape
                     )));
                 }
-                let bytes = gguf.tensor_bytes(info);
-                let factors: Vec<f32> = bytes
-                    .as_slice()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
+                let mut factors = vec![0f32; pairs];
+                tandem_kernels::dequantize(
+                    info.dtype,
+                    gguf.tensor_bytes(info).as_slice(),
+                    &mut factors,
+                );
                 if factors.iter().any(|f| !f.is_finite() || *f <= 0.0) {
                     return Err(ModelError::Config(
                         "rope_freqs.weight holds a non-positive or non-finite factor".into(),

@@ -8,7 +8,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{Q4_0, Q4_1, Q8_0};
+use super::{q32_block_bytes, Q4_0, Q4_1, Q8_0};
 use crate::matmul::{Job, RangeKernel};
 use crate::quant::{f16_at, scale_min_k4, DType};
 
@@ -137,11 +137,7 @@ unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(
     out: *mut f32,
     out_stride: usize,
 ) {
-    let bb = match FMT {
-        Q4_0 => 18,
-        Q4_1 => 20,
-        _ => 34,
-    };
+    let bb = q32_block_bytes(FMT);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); MT]; RW];
     let mut acc_off = [[0f32; MT]; RW];

@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{Q4_0, Q4_1, Q8_0};
+use super::{q32_block_bytes, Q4_0, Q4_1, Q8_0};
 use crate::matmul::{Job, RangeKernel};
 use crate::quant::DType;
 
@@ -31,15 +31,6 @@ fn run<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
     // SAFETY: this kernel is only selected when the CPU has AVX-512 F/BW/VL/VNNI and AVX2+FMA+F16C;
     // shapes were checked by matmul.
     unsafe { run_impl::<FMT>(job, rows, ms) }
-}
-
-/// Bytes of one block of the format.
-const fn block_bytes(fmt: u8) -> usize {
-    match fmt {
-        Q4_0 => 18,
-        Q4_1 => 20,
-        _ => 34,
-    }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -118,7 +109,7 @@ struct Tile {
 /// `[m_b ×8 | m_b+1 ×8]`.
 #[inline(always)]
 unsafe fn load_pair<const FMT: u8>(p: *const u8, two: bool) -> (__m512i, __m512, __m512) {
-    let bb = block_bytes(FMT);
+    let bb = q32_block_bytes(FMT);
     let hdr = |q: *const u8| -> i32 {
         if FMT == Q4_1 {
             q.cast::<i32>().read_unaligned()
@@ -192,7 +183,7 @@ unsafe fn pair_lanes(v: *const f32, two: bool) -> __m512 {
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn tile<const RW: usize, const MT: usize, const FMT: u8>(t: &Tile) {
-    let bb = block_bytes(FMT);
+    let bb = q32_block_bytes(FMT);
     let mut acc = [[_mm512_setzero_ps(); MT]; RW];
     let mut b = 0;
     while b < t.nb {
