@@ -4,7 +4,11 @@
 //! llama.cpp quantizes activations to 8 bits before its Q4_1/Q8_0 dot products, so even an exact f32
 //! implementation of the same weights does not reproduce it bit for bit: an independent numpy f32
 //! forward pass over the dequantized weights agrees with llama.cpp on 682/705 top-1 tokens (96.7%) at
-//! mean KL 0.0026, every disagreement a near-tie. The checks therefore are:
+//! mean KL 0.0026, every disagreement a near-tie. llama.cpp does not reproduce it either when the batch
+//! shape changes: the same llama.cpp source asked for the same positions one token at a time (f32 KV, as
+//! here) agrees on 688/705 (97.6%), and with its default f16 KV cache on 675/705
+//! (scripts/llamacpp-self-agreement.py); rounding tandem's K/V to f16 lowers its own agreement from
+//! 687 to 683. The checks therefore are:
 //! * KL(llama.cpp || tandem) < 0.02 on average, computed two ways:
 //!   - exactly, over the full 49152-token distribution, at the sampled positions whose full logits the
 //!     fixture stores (every 16th position and each prompt's last);
