@@ -55,23 +55,25 @@ impl Backend for CudaBackend {
             .map_err(|e| BackendError::new(e.to_string()))
     }
 
-    // The trait's block operations are infallible, like the CPU cache's; a failing copy means the
-    // device is lost, which no request could survive, so it panics with the cause.
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) {
-        if let Err(e) = self.model.export_block(layer, block, out) {
-            panic!("CUDA KV export of layer {layer} block {block} failed: {e}");
-        }
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
+        self.model.export_block(layer, block, out).map_err(|e| {
+            BackendError::new(format!(
+                "CUDA KV export of layer {layer} block {block}: {e}"
+            ))
+        })
     }
 
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) {
-        if let Err(e) = self.model.import_block(layer, block, data) {
-            panic!("CUDA KV import of layer {layer} block {block} failed: {e}");
-        }
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
+        self.model.import_block(layer, block, data).map_err(|e| {
+            BackendError::new(format!(
+                "CUDA KV import of layer {layer} block {block}: {e}"
+            ))
+        })
     }
 
-    fn copy_block(&mut self, src: u32, dst: u32) {
-        if let Err(e) = self.model.copy_block(src, dst) {
-            panic!("CUDA KV copy of block {src} to {dst} failed: {e}");
-        }
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
+        self.model
+            .copy_block(src, dst)
+            .map_err(|e| BackendError::new(format!("CUDA KV copy of block {src} to {dst}: {e}")))
     }
 }

@@ -32,10 +32,12 @@ pub trait Backend: Send + 'static {
     /// Runs one step: writes the batch's K/V through its block tables and returns
     /// `batch.logits_rows()` rows of `vocab_size` logits (cleared, then filled).
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError>;
-    /// Copies one (layer, block) of KV out as bytes (`out.len() == kv_layout().block_bytes()`).
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]);
+    /// Copies one (layer, block) of KV out as bytes (`out.len() == kv_layout().block_bytes()`), in the
+    /// canonical layout of [`KvLayout`] whatever way the backend splits it internally (tensor-parallel
+    /// ranks, pipeline stages). Fails when the storage is unreachable (device lost, stage process gone).
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError>;
     /// Overwrites one (layer, block) of KV with bytes produced by `export_block` of an equal layout.
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]);
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError>;
     /// Copies a block across all layers (copy-on-write of a shared block).
-    fn copy_block(&mut self, src: u32, dst: u32);
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError>;
 }

@@ -1,45 +1,184 @@
-//! The CPU backend: `tandem_model::CpuLlama` plus the paged `KvCache` it reads and writes.
+//! The CPU backend: `tandem_model::CpuLlama` plus the paged `KvCache` it reads and writes, optionally
+//! split over tensor-parallel ranks that run as threads of this process.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::backend::{Backend, BackendError};
-use tandem_model::{CpuLlama, ForwardBatch, KvCache, KvDtype, KvLayout};
+use tandem_model::{
+    CpuLlama, ForwardBatch, GroupBreaker, KvCache, KvDtype, KvLayout, LlamaWeights, ModelConfig,
+    ModelError, Partition, ThreadCollective,
+};
 
-/// The Llama-family model on CPU with a KV cache sized from a byte budget.
-pub struct CpuBackend {
+/// One tensor-parallel rank: its share of the model and of every KV block (its KV heads).
+struct Rank {
     model: CpuLlama,
     kv: KvCache,
+    /// Rank 0 returns the logits; the others' stay empty.
+    logits: Vec<f32>,
+    /// Breaks the group when this rank fails, so its peers error instead of waiting for it.
+    breaker: Option<GroupBreaker>,
+}
+
+/// The Llama-family model on CPU with a KV cache sized from a byte budget.
+///
+/// With tensor parallelism every rank holds all blocks for its own KV heads; the block ids are shared, so
+/// the engine's block pool is unaware of the split. Exported blocks are assembled into the canonical
+/// all-heads layout (and imports split back), so workers of different tensor-parallel sizes exchange KV.
+pub struct CpuBackend {
+    ranks: Vec<Rank>,
+    layout: KvLayout,
     eos: Vec<u32>,
+    vocab: usize,
+    max_len: usize,
+    /// One rank's block bytes during export/import, reused.
+    staging: std::cell::RefCell<Vec<u8>>,
 }
 
 impl CpuBackend {
     /// Sizes the KV cache to as many `block_size`-token blocks as `kv_cache_bytes` holds across all layers.
     pub fn new(model: CpuLlama, block_size: usize, kv_cache_bytes: usize) -> CpuBackend {
-        let c = model.config();
-        let num_blocks = KvLayout::blocks_for_budget(
-            kv_cache_bytes,
+        let c = model.config().clone();
+        let num_blocks = Self::blocks_for(&c, block_size, kv_cache_bytes);
+        let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
+        tracing::info!(num_blocks, block_size, "CPU KV cache allocated");
+        CpuBackend::from_ranks(
+            &c,
+            vec![Rank {
+                model,
+                kv,
+                logits: Vec::new(),
+                breaker: None,
+            }],
+            block_size,
+            num_blocks,
+        )
+    }
+
+    /// The model split over `tp` tensor-parallel ranks (threads), `threads` kernel threads in all (0 = all
+    /// cores), and a KV budget of `kv_cache_bytes` across all ranks. Refuses splits that do not fit the model.
+    pub fn tensor_parallel(
+        config: &ModelConfig,
+        weights: &LlamaWeights,
+        tp: usize,
+        threads: usize,
+        block_size: usize,
+        kv_cache_bytes: usize,
+    ) -> Result<CpuBackend, ModelError> {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
+        let num_blocks = Self::blocks_for(config, block_size, kv_cache_bytes);
+        let ranks = ThreadCollective::group(tp.max(1))
+            .into_iter()
+            .enumerate()
+            .map(|(r, col)| {
+                let breaker = (tp > 1).then(|| col.breaker());
+                let part = Partition::whole(config).with_rank(r, tp.max(1));
+                let collective: Option<Box<dyn tandem_model::Collective>> =
+                    (tp > 1).then(|| Box::new(col) as _);
+                let rank_threads = (threads / tp.max(1)).max(1);
+                let model =
+                    CpuLlama::partitioned(config.clone(), weights, rank_threads, part, collective)?;
+                let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
+                Ok(Rank {
+                    model,
+                    kv,
+                    logits: Vec::new(),
+                    breaker,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        tracing::info!(
+            num_blocks,
+            block_size,
+            tp,
+            threads,
+            "CPU KV cache allocated"
+        );
+        Ok(CpuBackend::from_ranks(
+            config, ranks, block_size, num_blocks,
+        ))
+    }
+
+    fn blocks_for(c: &ModelConfig, block_size: usize, bytes: usize) -> usize {
+        KvLayout::blocks_for_budget(
+            bytes,
             c.num_layers,
             c.num_kv_heads,
             c.head_dim,
             block_size,
             KvDtype::F32,
-        );
-        let eos = c.eos_token_ids.clone();
-        let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
-        tracing::info!(num_blocks, block_size, "CPU KV cache allocated");
-        CpuBackend { model, kv, eos }
+        )
+    }
+
+    fn from_ranks(c: &ModelConfig, ranks: Vec<Rank>, block_size: usize, num_blocks: usize) -> Self {
+        CpuBackend {
+            ranks,
+            layout: KvLayout {
+                n_layers: c.num_layers,
+                n_kv_heads: c.num_kv_heads,
+                head_dim: c.head_dim,
+                block_size,
+                num_blocks,
+                dtype: KvDtype::F32,
+            },
+            eos: c.eos_token_ids.clone(),
+            vocab: c.vocab_size,
+            max_len: c.max_position_embeddings,
+            staging: Default::default(),
+        }
+    }
+
+    /// Tensor-parallel ranks (1 without tensor parallelism).
+    pub fn tp_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Byte range of rank `r`'s K (part 0) or V (part 1) heads inside one canonical block.
+    fn part_range(&self, r: usize, part: usize) -> std::ops::Range<usize> {
+        let l = &self.layout;
+        let head_bytes = l.block_bytes() / (2 * l.n_kv_heads);
+        let heads = &self.ranks[r].model.share().kv_heads;
+        let base = part * l.n_kv_heads * head_bytes;
+        base + heads.start * head_bytes..base + heads.end * head_bytes
+    }
+}
+
+/// Runs one rank's step, turning a panic into an error and breaking the group so no peer hangs.
+fn rank_step(rank: &mut Rank, batch: &ForwardBatch) -> Result<(), BackendError> {
+    let Rank {
+        model,
+        kv,
+        logits,
+        breaker,
+    } = rank;
+    match catch_unwind(AssertUnwindSafe(|| model.forward(batch, kv, logits))) {
+        Ok(r) => r.map_err(|e| BackendError::new(e.to_string())),
+        Err(_) => {
+            if let Some(b) = breaker {
+                b.break_group();
+            }
+            Err(BackendError::new(format!(
+                "tensor-parallel rank {} failed (panicked)",
+                model.partition().tp_rank
+            )))
+        }
     }
 }
 
 impl Backend for CpuBackend {
     fn kv_layout(&self) -> KvLayout {
-        *self.kv.layout()
+        self.layout
     }
 
     fn vocab_size(&self) -> usize {
-        self.model.config().vocab_size
+        self.vocab
     }
 
     fn max_model_len(&self) -> usize {
-        self.model.config().max_position_embeddings
+        self.max_len
     }
 
     fn eos_token_ids(&self) -> &[u32] {
@@ -47,21 +186,80 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        self.model
-            .forward(batch, &mut self.kv, logits)
-            .map_err(|e| BackendError::new(e.to_string()))
+        let (first, rest) = self.ranks.split_first_mut().expect("at least one rank");
+        if rest.is_empty() {
+            std::mem::swap(&mut first.logits, logits);
+            let r = rank_step(first, batch);
+            std::mem::swap(&mut first.logits, logits);
+            return r;
+        }
+        // Rank 0 runs on the engine thread; the others on scoped threads for the step.
+        let others = std::thread::scope(|s| {
+            let handles: Vec<_> = rest
+                .iter_mut()
+                .map(|rank| s.spawn(move || rank_step(rank, batch)))
+                .collect();
+            let mine = rank_step(first, batch);
+            let theirs: Vec<_> = handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(BackendError::new("rank thread died")))
+                })
+                .collect();
+            std::iter::once(mine)
+                .chain(theirs)
+                .collect::<Result<Vec<()>, _>>()
+        });
+        others?;
+        logits.clear();
+        logits.extend_from_slice(&first.logits);
+        Ok(())
     }
 
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) {
-        self.kv.export_block(layer, block, out);
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
+        if self.ranks.len() == 1 {
+            self.ranks[0].kv.export_block(layer, block, out);
+            return Ok(());
+        }
+        let mut staging = self.staging.borrow_mut();
+        for (r, rank) in self.ranks.iter().enumerate() {
+            let local = rank.kv.layout().block_bytes();
+            staging.resize(local, 0);
+            rank.kv.export_block(layer, block, &mut staging);
+            for part in 0..2 {
+                let dst = self.part_range(r, part);
+                let half = local / 2;
+                out[dst].copy_from_slice(&staging[part * half..(part + 1) * half]);
+            }
+        }
+        Ok(())
     }
 
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) {
-        self.kv.import_block(layer, block, data);
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
+        if self.ranks.len() == 1 {
+            self.ranks[0].kv.import_block(layer, block, data);
+            return Ok(());
+        }
+        let mut staging = std::mem::take(self.staging.get_mut());
+        for r in 0..self.ranks.len() {
+            let local = self.ranks[r].kv.layout().block_bytes();
+            staging.clear();
+            for part in 0..2 {
+                staging.extend_from_slice(&data[self.part_range(r, part)]);
+            }
+            debug_assert_eq!(staging.len(), local);
+            self.ranks[r].kv.import_block(layer, block, &staging);
+        }
+        *self.staging.get_mut() = staging;
+        Ok(())
     }
 
-    fn copy_block(&mut self, src: u32, dst: u32) {
-        self.kv.copy_block(src, dst);
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
+        for rank in &mut self.ranks {
+            rank.kv.copy_block(src, dst);
+        }
+        Ok(())
     }
 }
 
@@ -186,6 +384,100 @@ mod tests {
         assert_eq!(a.checked_stats().wait_blocking().unwrap().kv_blocks_used, 0);
         a.shutdown();
         b.shutdown();
+    }
+
+    /// An engine over `tp` tensor-parallel ranks (threads) of the default model.
+    fn engine_tp(m: &tandem_model::LoadedModel, tp: usize, kv_blocks: usize) -> EngineHandle {
+        let layout = CpuLlama::new(m.config.clone(), m.weights.clone(), 1).kv_layout(4, 1);
+        let bytes = layout.block_bytes() * m.config.num_layers * kv_blocks;
+        let b = CpuBackend::tensor_parallel(&m.config, &m.weights, tp, 2, 4, bytes).unwrap();
+        assert_eq!((b.tp_size(), b.kv_layout().num_blocks), (tp, kv_blocks));
+        Engine::start(
+            b,
+            EngineConfig {
+                block_size: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn tensor_parallel_greedy_matches_one_rank() {
+        let Some(m) = model() else { return };
+        let prompts: [&[u32]; 2] = [
+            &[1, 504, 3070, 314, 260, 2767, 282, 4649, 30, 216, 2],
+            &[1, 9690, 28, 339, 2107, 30],
+        ];
+        let one = engine(m, 64, |_| {});
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| alone(&one, i as u64, p, 12))
+            .collect();
+        one.shutdown();
+        // 3 KV heads: TP=2 splits them 2 + 1, TP=3 one each.
+        for tp in [2, 3] {
+            let e = engine_tp(m, tp, 64);
+            let mut streams: Vec<_> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    e.submit(EngineRequest::new(i as u64, p.to_vec(), greedy(12)))
+                        .unwrap()
+                })
+                .collect();
+            for (w, s) in want.iter().zip(&mut streams) {
+                assert_eq!(&collect(s), w, "tp={tp}");
+            }
+            e.shutdown();
+        }
+    }
+
+    #[test]
+    fn kv_moves_between_workers_of_different_tensor_parallel_sizes() {
+        let Some(m) = model() else { return };
+        let prompt: Vec<u32> = vec![1, 504, 3070, 314, 260, 2767, 282, 4649, 30, 216, 2];
+        let solo = engine(m, 64, |_| {});
+        let want = alone(&solo, 100, &prompt, 6);
+        solo.shutdown();
+        for (p_tp, d_tp) in [(2, 1), (1, 3), (3, 2)] {
+            let p = engine_tp(m, p_tp, 64);
+            let req = EngineRequest {
+                id: 1,
+                prompt: prompt.clone(),
+                params: greedy(6),
+                mode: RequestMode::PrefillOnly {
+                    pin_timeout: Duration::from_secs(60),
+                },
+            };
+            let first = collect(&mut p.submit(req).unwrap());
+            let kv = p.export_blocks(1).wait_blocking().unwrap();
+            let d = engine_tp(m, d_tp, 64);
+            let (mut s, plan) = d
+                .import_prefilled(EngineRequest::new(1, prompt.clone(), greedy(6)), first[0])
+                .unwrap();
+            assert_eq!(plan.wait_blocking().unwrap().num_blocks, kv.num_blocks);
+            for layer in 0..kv.layout.n_layers {
+                for blk in 0..kv.num_blocks {
+                    d.import_block(1, layer, blk, kv.block(layer, blk).to_vec())
+                        .wait_blocking()
+                        .unwrap();
+                }
+            }
+            d.start_decoding(1).wait_blocking().unwrap();
+            p.release_pin(1);
+            assert_eq!(collect(&mut s), want, "prefill tp={p_tp}, decode tp={d_tp}");
+            assert_eq!(
+                d.checked_stats()
+                    .wait_blocking()
+                    .unwrap()
+                    .prefill_tokens_computed,
+                0
+            );
+            p.shutdown();
+            d.shutdown();
+        }
     }
 
     #[test]

@@ -44,6 +44,8 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Compute threads for the backend; 0 = all cores.
     pub threads: usize,
+    /// Tensor-parallel ranks the backend splits every layer over (1 = none).
+    pub tensor_parallel_size: usize,
 }
 
 impl Default for EngineConfig {
@@ -58,6 +60,7 @@ impl Default for EngineConfig {
             max_model_len: None,
             max_waiting: 1024,
             threads: 0,
+            tensor_parallel_size: 1,
         }
     }
 }
@@ -857,7 +860,11 @@ impl<B: Backend> Worker<B> {
             for (b, &phys) in pin.table.blocks[..num_blocks].iter().enumerate() {
                 let i = layer * num_blocks + b;
                 self.backend
-                    .export_block(layer, phys, &mut data[i * n..(i + 1) * n]);
+                    .export_block(layer, phys, &mut data[i * n..(i + 1) * n])
+                    .map_err(|e| EngineError::InvalidState {
+                        id,
+                        reason: format!("KV export failed: {e}"),
+                    })?;
             }
         }
         Ok(ExportedKv {
@@ -937,8 +944,11 @@ impl<B: Backend> Worker<B> {
             });
         }
         self.backend
-            .import_block(layer, seq.table.blocks[block], data);
-        Ok(())
+            .import_block(layer, seq.table.blocks[block], data)
+            .map_err(|e| EngineError::InvalidState {
+                id,
+                reason: format!("KV import failed: {e}"),
+            })
     }
 
     fn start_decoding(&mut self, id: RequestId) -> Result<(), EngineError> {

@@ -167,27 +167,30 @@ impl Backend for MockBackend {
         Ok(())
     }
 
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) {
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
         let n = self.layout.block_elems();
         let src = &self.kv[layer][block as usize * n..(block as usize + 1) * n];
         for (o, v) in out.chunks_exact_mut(4).zip(src) {
             o.copy_from_slice(&v.to_le_bytes());
         }
+        Ok(())
     }
 
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) {
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
         let n = self.layout.block_elems();
         let dst = &mut self.kv[layer][block as usize * n..(block as usize + 1) * n];
         for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
             *d = f32::from_le_bytes(b.try_into().expect("4 bytes"));
         }
+        Ok(())
     }
 
-    fn copy_block(&mut self, src: u32, dst: u32) {
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
         let n = self.layout.block_elems();
         for layer in &mut self.kv {
             layer.copy_within(src as usize * n..(src as usize + 1) * n, dst as usize * n);
         }
+        Ok(())
     }
 }
 
@@ -255,8 +258,8 @@ mod tests {
         let mut buf = vec![0u8; a.kv_layout().block_bytes()];
         for layer in 0..LAYERS {
             for (src, dst) in [(2, 1), (0, 3)] {
-                a.export_block(layer, src, &mut buf);
-                c.import_block(layer, dst, &buf);
+                a.export_block(layer, src, &mut buf).unwrap();
+                c.import_block(layer, dst, &buf).unwrap();
             }
         }
         let mut l2 = Vec::new();

@@ -199,6 +199,62 @@ impl Matrix {
         self.dtype.row_bytes(self.cols)
     }
 
+    /// Rows `range` as a matrix sharing these bytes: a tensor-parallel rank's output features or a
+    /// vocabulary slice of the head, without copying.
+    pub fn slice_rows(&self, range: Range<usize>) -> Matrix {
+        assert!(
+            range.start <= range.end && range.end <= self.rows,
+            "slice_rows {range:?} out of {} rows",
+            self.rows
+        );
+        let rb = self.row_bytes();
+        let (owner, base): (Arc<dyn AsRef<[u8]> + Send + Sync>, usize) = match &self.data {
+            WeightBytes::Owned(v) => (Arc::clone(v) as _, 0),
+            WeightBytes::Shared { owner, range } => (Arc::clone(owner), range.start),
+        };
+        Matrix {
+            dtype: self.dtype,
+            rows: range.len(),
+            cols: self.cols,
+            data: WeightBytes::Shared {
+                owner,
+                range: base + range.start * rb..base + range.end * rb,
+            },
+        }
+    }
+
+    /// Columns `range` of every row, copied: a tensor-parallel rank's input features of a row-parallel
+    /// weight (attention output, MLP down). The cut must fall on the format's block boundaries.
+    pub fn slice_cols(&self, range: Range<usize>) -> Result<Matrix, KernelError> {
+        let bl = self.dtype.block_len();
+        assert!(
+            range.start <= range.end && range.end <= self.cols,
+            "slice_cols {range:?} out of {} columns",
+            self.cols
+        );
+        for cut in [range.start, range.end] {
+            if !cut.is_multiple_of(bl) {
+                return Err(KernelError::RaggedRow {
+                    dtype: self.dtype,
+                    cols: cut,
+                    block_len: bl,
+                });
+            }
+        }
+        let (rb, bb) = (self.row_bytes(), self.dtype.block_bytes());
+        let (from, to) = (range.start / bl * bb, range.end / bl * bb);
+        let mut out = Vec::with_capacity(self.rows * (to - from));
+        for row in self.bytes().chunks_exact(rb) {
+            out.extend_from_slice(&row[from..to]);
+        }
+        Matrix::new(
+            self.dtype,
+            self.rows,
+            range.len(),
+            WeightBytes::Owned(Arc::new(out)),
+        )
+    }
+
     /// Decodes one row to f32 (embedding lookup; `out.len() == cols`).
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         assert!(
@@ -518,6 +574,44 @@ mod tests {
         DType::Q4K,
         DType::Q6K,
     ];
+
+    /// Row and column slices decode to exactly the corresponding part of the whole matrix, in every format.
+    #[test]
+    fn slices_decode_to_the_same_elements() {
+        let (rows, cols) = (6, 512);
+        for dt in ALL {
+            let x = random_vec(rows * cols, 11);
+            let mut bytes = Vec::new();
+            for r in x.chunks_exact(cols) {
+                let mut row = Vec::new();
+                quantize_row(dt, r, &mut row);
+                bytes.extend_from_slice(&row);
+            }
+            let m = Matrix::new(dt, rows, cols, WeightBytes::Owned(Arc::new(bytes))).unwrap();
+            let full = |m: &Matrix, r: usize| {
+                let mut o = vec![0.0; m.cols()];
+                m.dequantize_row(r, &mut o);
+                o
+            };
+            let sub = m.slice_rows(2..5);
+            assert_eq!(sub.rows(), 3);
+            for r in 0..3 {
+                assert_eq!(full(&sub, r), full(&m, r + 2), "{dt:?} rows");
+            }
+            let twice = sub.slice_rows(1..2);
+            assert_eq!(full(&twice, 0), full(&m, 3), "{dt:?} nested rows");
+            let cols_cut = m.slice_cols(256..512).unwrap();
+            for r in 0..rows {
+                assert_eq!(full(&cols_cut, r), full(&m, r)[256..], "{dt:?} cols");
+            }
+            if dt.block_len() > 1 {
+                assert!(matches!(
+                    m.slice_cols(1..dt.block_len() + 1),
+                    Err(KernelError::RaggedRow { .. })
+                ));
+            }
+        }
+    }
 
     #[test]
     fn ggml_ids_round_trip_sizes() {

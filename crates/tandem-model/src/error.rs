@@ -64,6 +64,9 @@ pub enum ModelError {
     /// A forward batch is inconsistent with the model or the KV cache.
     #[error("invalid batch: {0}")]
     Batch(String),
+    /// A tensor- or pipeline-parallel split does not fit the model (names the size and the dimension).
+    #[error("parallel split: {0}")]
+    Partition(String),
     /// A kernel rejected its inputs (for example a weight whose byte size does not match its shape).
     #[error("kernel: {0}")]
     Kernel(#[from] tandem_kernels::KernelError),

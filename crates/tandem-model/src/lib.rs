@@ -2,6 +2,7 @@
 //! template, streaming detokenizer, model identity, the paged KV cache storage and the CPU forward pass.
 
 pub mod batch;
+pub mod collective;
 pub mod config;
 pub mod detok;
 pub mod error;
@@ -10,11 +11,13 @@ pub mod identity;
 pub mod kv;
 pub mod llama;
 pub mod load;
+pub mod partition;
 pub mod template;
 pub mod tokenizer;
 pub mod weights;
 
 pub use batch::{ForwardBatch, KvDtype, KvLayout, LogitsWanted, SeqChunk};
+pub use collective::{Collective, GroupBreaker, ThreadCollective};
 pub use config::ModelConfig;
 pub use detok::IncrementalDecoder;
 pub use error::ModelError;
@@ -22,6 +25,7 @@ pub use identity::ModelIdentity;
 pub use kv::KvCache;
 pub use llama::CpuLlama;
 pub use load::{load, LoadOptions, LoadedModel};
+pub use partition::{Partition, RankShare};
 pub use template::ChatTemplate;
 pub use tokenizer::Tokenizer;
 pub use weights::{LayerWeights, LlamaWeights};

@@ -6,9 +6,11 @@ use tandem_kernels::{
 };
 
 use crate::batch::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
+use crate::collective::Collective;
 use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::kv::KvCache;
+use crate::partition::{shard_weights, Partition, RankShare};
 use crate::weights::LlamaWeights;
 
 /// Activation buffers of one step, grown to the largest step seen and then reused.
@@ -34,6 +36,8 @@ struct Scratch {
     up: Vec<f32>,
     /// Final-normed hidden states of the rows that want logits, rows × hidden.
     head_in: Vec<f32>,
+    /// This rank's vocabulary slice of the logits before they are gathered, rows × local vocab.
+    local_logits: Vec<f32>,
 }
 
 /// Returns `buf[..n]`, growing `buf` first if needed (never shrinks, so steady state allocates nothing).
@@ -53,10 +57,16 @@ fn recycle<'a, 'b>(mut v: Vec<AttnSeq<'a>>) -> Vec<AttnSeq<'b>> {
         .collect()
 }
 
-/// The Llama-family forward pass on CPU over a flat paged batch.
+/// The Llama-family forward pass on CPU over a flat paged batch: the whole model, or one pipeline
+/// stage's layers and/or one tensor-parallel rank's share of them ([`Partition`]).
 pub struct CpuLlama {
     config: ModelConfig,
+    /// The weights of this partition: its layers only, cut to its rank's share.
     weights: LlamaWeights,
+    part: Partition,
+    share: RankShare,
+    /// Present when `part.tp_size > 1`: how the ranks sum partial projections and gather logits.
+    collective: Option<Box<dyn Collective>>,
     pool: ThreadPool,
     rope: RopeTable,
     mm: MatmulScratch,
@@ -69,13 +79,59 @@ impl std::fmt::Debug for CpuLlama {
         f.debug_struct("CpuLlama")
             .field("config", &self.config)
             .field("threads", &self.pool.n_threads())
+            .field("partition", &self.part)
             .finish()
     }
 }
 
 impl CpuLlama {
-    /// Builds the model with its own kernel thread pool of `threads` threads (0 = all cores).
+    /// Builds the whole model with its own kernel thread pool of `threads` threads (0 = all cores).
     pub fn new(config: ModelConfig, weights: LlamaWeights, threads: usize) -> CpuLlama {
+        let part = Partition::whole(&config);
+        let share = RankShare::whole(&config);
+        CpuLlama::build(config, weights, threads, part, share, None)
+    }
+
+    /// Builds one partition of the model from the whole model's weights: a pipeline stage's layers,
+    /// and with `collective` (one rank of a group of `part.tp_size`) that rank's share of them.
+    pub fn partitioned(
+        config: ModelConfig,
+        weights: &LlamaWeights,
+        threads: usize,
+        part: Partition,
+        collective: Option<Box<dyn Collective>>,
+    ) -> Result<CpuLlama, ModelError> {
+        if part.layers.start >= part.layers.end || part.layers.end > config.num_layers {
+            return Err(ModelError::Partition(format!(
+                "layers {:?} of a {}-layer model",
+                part.layers, config.num_layers
+            )));
+        }
+        match &collective {
+            Some(c) if c.size() == part.tp_size && c.rank() == part.tp_rank => {}
+            None if part.tp_size == 1 => {}
+            _ => {
+                return Err(ModelError::Partition(format!(
+                    "rank {} of tensor_parallel_size {} needs a collective of that rank and size",
+                    part.tp_rank, part.tp_size
+                )))
+            }
+        }
+        let share = RankShare::new(&config, weights, part.tp_rank, part.tp_size)?;
+        let weights = shard_weights(&config, weights, &part, &share)?;
+        Ok(CpuLlama::build(
+            config, weights, threads, part, share, collective,
+        ))
+    }
+
+    fn build(
+        config: ModelConfig,
+        weights: LlamaWeights,
+        threads: usize,
+        part: Partition,
+        share: RankShare,
+        collective: Option<Box<dyn Collective>>,
+    ) -> CpuLlama {
         let threads = if threads == 0 {
             std::thread::available_parallelism()
                 .map(|n| n.get())
@@ -90,10 +146,13 @@ impl CpuLlama {
             config.max_position_embeddings,
             config.rope_style,
         );
-        tracing::debug!(threads, layers = config.num_layers, "cpu llama ready");
+        tracing::debug!(threads, partition = ?part, "cpu llama ready");
         CpuLlama {
             config,
             weights,
+            part,
+            share,
+            collective,
             pool: ThreadPool::new(threads),
             rope,
             mm: MatmulScratch::default(),
@@ -102,21 +161,32 @@ impl CpuLlama {
         }
     }
 
+    /// Which layers and which tensor-parallel share this instance computes.
+    pub fn partition(&self) -> &Partition {
+        &self.part
+    }
+
+    /// The heads, MLP features and vocabulary slice of this instance's rank.
+    pub fn share(&self) -> &RankShare {
+        &self.share
+    }
+
     /// The model's hyper-parameters.
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 
-    /// The model's weights.
+    /// The weights of this partition (its layers, cut to its rank's share).
     pub fn weights(&self) -> &LlamaWeights {
         &self.weights
     }
 
-    /// The KV layout this model needs for a pool of `num_blocks` blocks of `block_size` tokens.
+    /// The KV layout this partition stores for a pool of `num_blocks` blocks of `block_size` tokens:
+    /// its own layers and KV heads only.
     pub fn kv_layout(&self, block_size: usize, num_blocks: usize) -> KvLayout {
         KvLayout {
-            n_layers: self.config.num_layers,
-            n_kv_heads: self.config.num_kv_heads,
+            n_layers: self.part.layers.len(),
+            n_kv_heads: self.share.kv_heads.len(),
             head_dim: self.config.head_dim,
             block_size,
             num_blocks,
@@ -194,23 +264,51 @@ impl CpuLlama {
         Ok(batch.logits_rows())
     }
 
-    /// Runs one step; writes the new tokens' K/V into `kv` through each chunk's block table and
-    /// returns batch.logits_rows() rows of vocab_size logits into `logits` (cleared, then filled).
+    /// Runs one step of the whole model (or of a first-and-last partition); writes the new tokens' K/V
+    /// into `kv` through each chunk's block table and returns batch.logits_rows() rows of vocab_size
+    /// logits into `logits` (cleared, then filled).
     pub fn forward(
         &mut self,
         batch: &ForwardBatch,
         kv: &mut KvCache,
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
+        self.forward_stage(batch, kv, None, logits)
+    }
+
+    /// Runs this partition's share of one step. The first stage embeds `batch.tokens`; a later stage
+    /// takes the previous stage's hidden states (tokens × hidden) as `hidden_in`. The last stage fills
+    /// `out` with the logits rows (on tensor-parallel rank 0; other ranks leave it empty); an earlier stage
+    /// fills it with its hidden states for the next one.
+    pub fn forward_stage(
+        &mut self,
+        batch: &ForwardBatch,
+        kv: &mut KvCache,
+        hidden_in: Option<&[f32]>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
         let n_rows = self.validate(batch, kv)?;
-        logits.clear();
+        out.clear();
         let t = batch.tokens.len();
+        let c = &self.config;
+        let h = c.hidden_size;
+        match (self.part.is_first(), hidden_in) {
+            (true, None) => {}
+            (false, Some(x)) if x.len() == t * h => {}
+            (first, x) => {
+                return Err(ModelError::Batch(format!(
+                    "stage of layers {:?} (first: {first}) got {} hidden values for {t} tokens",
+                    self.part.layers,
+                    x.map_or(0, <[f32]>::len)
+                )))
+            }
+        }
         if t == 0 {
             return Ok(());
         }
-        let c = &self.config;
-        let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let (nh, nkv, eps) = (c.num_heads, c.num_kv_heads, c.rms_norm_eps);
+        let share = &self.share;
+        let (nh, nkv, eps) = (share.q_heads.len(), share.kv_heads.len(), c.rms_norm_eps);
+        let (qd, kvd, f) = (nh * c.head_dim, nkv * c.head_dim, share.ffn.len());
         let params = AttnParams {
             n_heads: nh,
             n_kv_heads: nkv,
@@ -223,6 +321,7 @@ impl CpuLlama {
         let pool = &self.pool;
         let mm = &mut self.mm;
         let s = &mut self.scratch;
+        let mut collective = self.collective.as_deref_mut();
 
         let mut seqs = recycle(std::mem::take(&mut self.seqs));
         seqs.extend(
@@ -239,8 +338,13 @@ impl CpuLlama {
         );
 
         let x = grown(&mut s.x, t * h);
-        for (row, &tok) in x.chunks_exact_mut(h).zip(&batch.tokens) {
-            w.embed.dequantize_row(tok as usize, row);
+        match hidden_in {
+            Some(src) => x.copy_from_slice(src),
+            None => {
+                for (row, &tok) in x.chunks_exact_mut(h).zip(&batch.tokens) {
+                    w.embed.dequantize_row(tok as usize, row);
+                }
+            }
         }
 
         for (l, lw) in w.layers.iter().enumerate() {
@@ -282,6 +386,9 @@ impl CpuLlama {
             paged_attention(pool, &params, q, kv.layer(l), &seqs, attn);
             let proj = grown(&mut s.proj, t * h);
             matmul(pool, &lw.wo, attn, t, proj, mm);
+            if let Some(cl) = collective.as_deref_mut() {
+                cl.all_reduce_sum(proj);
+            }
             add_inplace(x, proj);
 
             norm_rows(x, &lw.ffn_norm, eps, xn, h);
@@ -290,9 +397,17 @@ impl CpuLlama {
             matmul_fused(pool, [&lw.w_gate, &lw.w_up], xn, t, [gate, up], mm);
             silu_mul(gate, up);
             matmul(pool, &lw.w_down, gate, t, proj, mm);
+            if let Some(cl) = collective.as_deref_mut() {
+                cl.all_reduce_sum(proj);
+            }
             add_inplace(x, proj);
         }
+        self.seqs = recycle(seqs);
 
+        if !self.part.is_last(c) {
+            out.extend_from_slice(x);
+            return Ok(());
+        }
         // Only the rows that want logits go through the final norm and the (large) output head.
         let head_in = grown(&mut s.head_in, n_rows * h);
         let mut r = 0;
@@ -312,12 +427,26 @@ impl CpuLlama {
                 r += 1;
             }
         }
-        if n_rows > 0 {
-            let head: &Matrix = w.output_head();
-            logits.resize(n_rows * c.vocab_size, 0.0);
-            matmul(pool, head, head_in, n_rows, logits, mm);
+        if n_rows == 0 {
+            return Ok(());
         }
-        self.seqs = recycle(seqs);
+        let head: &Matrix = w.output_head();
+        match collective {
+            None => {
+                out.resize(n_rows * c.vocab_size, 0.0);
+                matmul(pool, head, head_in, n_rows, out, mm);
+            }
+            Some(cl) => {
+                // Each rank computes its vocabulary slice; rank 0 assembles the full rows.
+                let local = grown(&mut s.local_logits, n_rows * share.vocab.len());
+                matmul(pool, head, head_in, n_rows, local, mm);
+                let full = (cl.rank() == 0).then(|| {
+                    out.resize(n_rows * c.vocab_size, 0.0);
+                    &mut out[..]
+                });
+                cl.gather_columns(local, share.vocab.clone(), c.vocab_size, full);
+            }
+        }
         Ok(())
     }
 }
@@ -332,6 +461,7 @@ fn norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32], width: usize)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::collective::ThreadCollective;
     use crate::weights::LayerWeights;
     use tandem_kernels::{RopeScaling, RopeStyle};
 
@@ -462,6 +592,133 @@ mod tests {
         for (x, y) in logits.iter().zip(&want) {
             assert!((x - y).abs() < 1e-4, "{x} vs {y}");
         }
+    }
+
+    /// One prefill chunk then two single-token steps, as the engine would run them; logits of each step.
+    fn steps(prompt: &[u32]) -> Vec<ForwardBatch> {
+        let blocks = vec![3, 0, 5];
+        let n = prompt.len();
+        let mut out = Vec::new();
+        for (range, pos) in [(0..n - 2, 0), (n - 2..n - 1, n - 2), (n - 1..n, n - 1)] {
+            let mut b = ForwardBatch::default();
+            b.push(&prompt[range], pos, blocks.clone(), LogitsWanted::All);
+            out.push(b);
+        }
+        out
+    }
+
+    #[test]
+    fn tensor_parallel_ranks_match_the_whole_model() {
+        for bias in [false, true] {
+            let (c, w) = tiny(bias);
+            let prompt: Vec<u32> = (0..11).map(|i| (i * 5 + 1) % 50).collect();
+            let mut whole = CpuLlama::new(c.clone(), w.clone(), 1);
+            let mut kv = KvCache::new(whole.kv_layout(4, 8));
+            let mut want = Vec::new();
+            for b in steps(&prompt) {
+                let mut logits = Vec::new();
+                whole.forward(&b, &mut kv, &mut logits).unwrap();
+                want.push(logits);
+            }
+            let group = ThreadCollective::group(2);
+            let got: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+                let handles: Vec<_> = group
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, col)| {
+                        let (c, w, prompt) = (c.clone(), &w, &prompt);
+                        s.spawn(move || {
+                            let part = Partition::whole(&c).with_rank(r, 2);
+                            let mut m =
+                                CpuLlama::partitioned(c, w, 1, part, Some(Box::new(col))).unwrap();
+                            assert_eq!(m.share().kv_heads, r..r + 1);
+                            let mut kv = KvCache::new(m.kv_layout(4, 8));
+                            steps(prompt)
+                                .iter()
+                                .map(|b| {
+                                    let mut logits = Vec::new();
+                                    m.forward(b, &mut kv, &mut logits).unwrap();
+                                    logits
+                                })
+                                .collect()
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert!(
+                got[1].iter().all(Vec::is_empty),
+                "only rank 0 returns logits"
+            );
+            for (a, b) in got[0].iter().zip(&want) {
+                assert_eq!(a.len(), b.len());
+                for (x, y) in a.iter().zip(b) {
+                    assert!((x - y).abs() < 1e-4, "{x} vs {y}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pipeline_stages_chain_to_the_whole_model_bit_for_bit() {
+        let (c, w) = tiny(true);
+        let prompt: Vec<u32> = (0..11).map(|i| (i * 3 + 2) % 50).collect();
+        let mut whole = CpuLlama::new(c.clone(), w.clone(), 1);
+        let mut kv = KvCache::new(whole.kv_layout(4, 8));
+        let stages: Vec<Partition> = (0..2)
+            .map(|i| Partition::stage(&c, i, 2).unwrap())
+            .collect();
+        assert_eq!(stages[0].layers, 0..1);
+        let mut models: Vec<CpuLlama> = stages
+            .iter()
+            .map(|p| CpuLlama::partitioned(c.clone(), &w, 1, p.clone(), None).unwrap())
+            .collect();
+        let mut caches: Vec<KvCache> = models
+            .iter()
+            .map(|m| KvCache::new(m.kv_layout(4, 8)))
+            .collect();
+        for b in steps(&prompt) {
+            let mut want = Vec::new();
+            whole.forward(&b, &mut kv, &mut want).unwrap();
+            let mut hidden = Vec::new();
+            models[0]
+                .forward_stage(&b, &mut caches[0], None, &mut hidden)
+                .unwrap();
+            assert_eq!(hidden.len(), b.tokens.len() * c.hidden_size);
+            let mut logits = Vec::new();
+            models[1]
+                .forward_stage(&b, &mut caches[1], Some(&hidden), &mut logits)
+                .unwrap();
+            assert_eq!(logits, want);
+            assert!(matches!(
+                models[1].forward_stage(&b, &mut caches[1], None, &mut logits),
+                Err(ModelError::Batch(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn splits_that_do_not_fit_are_refused_by_name() {
+        let (c, w) = tiny(false);
+        let err = |part: Partition, col| {
+            CpuLlama::partitioned(c.clone(), &w, 1, part, col)
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(
+            Partition::whole(&c).with_rank(0, 3),
+            Some(Box::new(ThreadCollective::group(3).remove(0))),
+        );
+        assert!(
+            e.contains("tensor_parallel_size 3 exceeds the model's 2 KV heads"),
+            "{e}"
+        );
+        let e = err(Partition::whole(&c).with_rank(0, 2), None);
+        assert!(e.contains("needs a collective"), "{e}");
+        assert!(Partition::stage(&c, 0, 3)
+            .unwrap_err()
+            .to_string()
+            .contains("pipeline_parallel_size 3"));
     }
 
     #[test]

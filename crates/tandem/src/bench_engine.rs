@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use tandem_engine::bench::{run_engine_bench, BenchOptions};
-use tandem_engine::{CpuBackend, Engine, EngineConfig};
-use tandem_model::{CpuLlama, LoadOptions};
+use tandem_engine::{Engine, EngineConfig};
+use tandem_model::LoadOptions;
 
 use crate::serve::resolve_model;
 
@@ -21,6 +21,9 @@ pub struct BenchEngineArgs {
     /// Worker threads of the kernels (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Tensor-parallel ranks (threads of this process) the model is split over.
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
     /// Tokens decoded by the single stream.
     #[arg(long, default_value_t = 128)]
     pub decode_tokens: usize,
@@ -50,11 +53,11 @@ pub fn run(args: BenchEngineArgs) -> Result<()> {
     .with_context(|| format!("loading {}", path.display()))?;
     let config = EngineConfig {
         threads: args.threads,
+        tensor_parallel_size: args.tensor_parallel_size,
         max_num_batched_tokens: args.prefill_len.max(512),
         ..EngineConfig::default()
     };
-    let model = CpuLlama::new(loaded.config, loaded.weights, config.threads);
-    let backend = CpuBackend::new(model, config.block_size, config.kv_cache_bytes);
+    let backend = crate::device::cpu_backend(loaded, &config)?;
     let engine = Engine::start(backend, config).context("starting the engine")?;
     let options = BenchOptions {
         decode_tokens: args.decode_tokens,

@@ -110,6 +110,8 @@ pub struct EngineSection {
     pub max_waiting: Option<usize>,
     /// Compute threads (0 = all cores).
     pub threads: Option<usize>,
+    /// Tensor-parallel ranks splitting every layer's heads and MLP (CPU: threads of one process).
+    pub tensor_parallel_size: Option<usize>,
     /// Which backend runs the model.
     pub device: Option<Device>,
 }
@@ -240,6 +242,9 @@ pub struct EngineArgs {
     /// Compute threads (0 = all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Tensor-parallel ranks splitting every layer's heads and MLP columns (CPU: threads of one process).
+    #[arg(long)]
+    pub tensor_parallel_size: Option<usize>,
     /// Backend: cpu, or cuda in binaries built with the `cuda` feature.
     #[arg(long, value_enum)]
     pub device: Option<Device>,
@@ -258,6 +263,7 @@ impl EngineArgs {
             max_model_len: self.max_model_len,
             max_waiting: self.max_waiting,
             threads: self.threads,
+            tensor_parallel_size: self.tensor_parallel_size,
             device: self.device,
         }
     }
@@ -348,6 +354,9 @@ fn apply_engine(section: &EngineSection, engine: &mut EngineConfig) {
     }
     if let Some(v) = section.threads {
         engine.threads = v;
+    }
+    if let Some(v) = section.tensor_parallel_size {
+        engine.tensor_parallel_size = v;
     }
 }
 

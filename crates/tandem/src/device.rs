@@ -1,7 +1,7 @@
 //! Starts the engine on the chosen backend: the CPU model, or the CUDA model in binaries built with
 //! the `cuda` feature.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use tandem_engine::{CpuBackend, Engine, EngineConfig, EngineHandle};
 use tandem_model::{CpuLlama, LoadedModel};
 
@@ -15,12 +15,41 @@ pub fn start_engine(
 ) -> Result<EngineHandle> {
     match device {
         Device::Cpu => {
-            let model = CpuLlama::new(loaded.config, loaded.weights, config.threads);
-            let backend = CpuBackend::new(model, config.block_size, config.kv_cache_bytes);
+            let backend = cpu_backend(loaded, config)?;
             Engine::start(backend, config.clone()).context("starting the engine")
         }
-        Device::Cuda => start_cuda(loaded, config),
+        Device::Cuda => {
+            if config.tensor_parallel_size > 1 {
+                bail!(
+                    "tensor_parallel_size {} on --device cuda: CUDA tensor parallelism (NCCL) is not built yet; \
+                     use the CPU backend or tensor_parallel_size 1",
+                    config.tensor_parallel_size
+                );
+            }
+            start_cuda(loaded, config)
+        }
     }
+}
+
+/// The CPU backend for `config`: one model, or `tensor_parallel_size` ranks as threads.
+pub fn cpu_backend(loaded: LoadedModel, config: &EngineConfig) -> Result<CpuBackend> {
+    if config.tensor_parallel_size <= 1 {
+        let model = CpuLlama::new(loaded.config, loaded.weights, config.threads);
+        return Ok(CpuBackend::new(
+            model,
+            config.block_size,
+            config.kv_cache_bytes,
+        ));
+    }
+    CpuBackend::tensor_parallel(
+        &loaded.config,
+        &loaded.weights,
+        config.tensor_parallel_size,
+        config.threads,
+        config.block_size,
+        config.kv_cache_bytes,
+    )
+    .context("splitting the model over tensor-parallel ranks")
 }
 
 #[cfg(feature = "cuda")]

@@ -57,6 +57,10 @@ fn engine_flags(section: &EngineSection, out: &mut Vec<String>) {
     );
     flag("max-waiting", section.max_waiting.map(|v| v.to_string()));
     flag("threads", section.threads.map(|v| v.to_string()));
+    flag(
+        "tensor-parallel-size",
+        section.tensor_parallel_size.map(|v| v.to_string()),
+    );
     flag("device", section.device.map(|v| v.to_string()));
     if section.enable_chunked_prefill == Some(false) {
         out.push("--no-chunked-prefill".into());
@@ -83,6 +87,7 @@ fn merge(layers: &[&EngineSection]) -> EngineSection {
             max_model_len,
             max_waiting,
             threads,
+            tensor_parallel_size,
             device
         );
     }
@@ -281,6 +286,7 @@ mod tests {
         };
         let role = EngineSection {
             threads: Some(1),
+            tensor_parallel_size: Some(2),
             enable_prefix_caching: Some(false),
             ..EngineSection::default()
         };
@@ -300,6 +306,8 @@ mod tests {
                 "67108864",
                 "--threads",
                 "1",
+                "--tensor-parallel-size",
+                "2",
                 "--no-prefix-caching"
             ]
         );

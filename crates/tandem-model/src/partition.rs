@@ -1,0 +1,237 @@
+//! How one model is cut across workers: a pipeline stage owns a contiguous run of layers, and a
+//! tensor-parallel rank owns a share of every layer's heads and MLP columns plus a slice of the vocabulary.
+//!
+//! Column-parallel weights (Q/K/V, gate/up, the output head) are cut by output rows, which needs no
+//! alignment and shares the bytes; row-parallel weights (attention output, MLP down) are cut by input
+//! columns, which must fall on the quantization block boundaries, so a split that would cut a block is
+//! refused up front with the dimension named. Uneven splits are allowed (SmolLM2-135M's 3 KV heads over
+//! 2 ranks give 2 + 1): a rank's query heads always follow its KV heads, so GQA groups are never cut.
+
+use std::ops::Range;
+
+use crate::config::ModelConfig;
+use crate::error::ModelError;
+use crate::weights::{LayerWeights, LlamaWeights};
+
+/// Which share of the model one `CpuLlama` computes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Partition {
+    /// Layers of this pipeline stage (all of them without pipeline parallelism).
+    pub layers: Range<usize>,
+    /// This rank's index in its tensor-parallel group.
+    pub tp_rank: usize,
+    /// Ranks that split every layer's heads and MLP columns (1: no tensor parallelism).
+    pub tp_size: usize,
+}
+
+impl Partition {
+    /// The whole model on one rank.
+    pub fn whole(config: &ModelConfig) -> Partition {
+        Partition {
+            layers: 0..config.num_layers,
+            tp_rank: 0,
+            tp_size: 1,
+        }
+    }
+
+    /// Stage `stage` of `stages` pipeline stages: layers split as evenly as possible, earlier stages
+    /// taking the remainder.
+    pub fn stage(
+        config: &ModelConfig,
+        stage: usize,
+        stages: usize,
+    ) -> Result<Partition, ModelError> {
+        if stages == 0 || stage >= stages {
+            return Err(ModelError::Partition(format!(
+                "stage {stage} of pipeline_parallel_size {stages}"
+            )));
+        }
+        if stages > config.num_layers {
+            return Err(ModelError::Partition(format!(
+                "pipeline_parallel_size {stages} exceeds the model's {} layers",
+                config.num_layers
+            )));
+        }
+        Ok(Partition {
+            layers: even_range(config.num_layers, stages, stage),
+            tp_rank: 0,
+            tp_size: 1,
+        })
+    }
+
+    /// This partition as rank `rank` of a tensor-parallel group of `size`.
+    pub fn with_rank(self, rank: usize, size: usize) -> Partition {
+        Partition {
+            tp_rank: rank,
+            tp_size: size,
+            ..self
+        }
+    }
+
+    /// Whether this stage embeds the tokens (it owns layer 0).
+    pub fn is_first(&self) -> bool {
+        self.layers.start == 0
+    }
+
+    /// Whether this stage produces logits (it owns the last layer).
+    pub fn is_last(&self, config: &ModelConfig) -> bool {
+        self.layers.end == config.num_layers
+    }
+}
+
+/// Part `i` of `n` items cut into `parts` contiguous runs whose sizes differ by at most one.
+pub fn even_range(n: usize, parts: usize, i: usize) -> Range<usize> {
+    let (base, extra) = (n / parts, n % parts);
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
+}
+
+/// The dimensions a tensor-parallel rank owns, in units of the full model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankShare {
+    /// KV heads of this rank.
+    pub kv_heads: Range<usize>,
+    /// Query heads of this rank (the groups of its KV heads).
+    pub q_heads: Range<usize>,
+    /// MLP intermediate features of this rank.
+    pub ffn: Range<usize>,
+    /// Output-head rows (vocabulary ids) whose logits this rank computes.
+    pub vocab: Range<usize>,
+}
+
+impl RankShare {
+    /// The share of rank `rank` of `size` for `weights` of `config`: checks that the split fits.
+    pub fn new(
+        config: &ModelConfig,
+        weights: &LlamaWeights,
+        rank: usize,
+        size: usize,
+    ) -> Result<RankShare, ModelError> {
+        let c = config;
+        if size == 0 || rank >= size {
+            return Err(ModelError::Partition(format!(
+                "rank {rank} of tensor_parallel_size {size}"
+            )));
+        }
+        if size > c.num_kv_heads {
+            return Err(ModelError::Partition(format!(
+                "tensor_parallel_size {size} exceeds the model's {} KV heads",
+                c.num_kv_heads
+            )));
+        }
+        let group = c.num_heads / c.num_kv_heads;
+        let kv_heads = even_range(c.num_kv_heads, size, rank);
+        let q_heads = kv_heads.start * group..kv_heads.end * group;
+        // The MLP down projection is cut by columns: cut the intermediate size in whole blocks of the
+        // coarsest format any layer stores it in.
+        let align = weights
+            .layers
+            .iter()
+            .map(|l| l.w_down.dtype().block_len())
+            .max()
+            .unwrap_or(1);
+        if !c.intermediate_size.is_multiple_of(align) || c.intermediate_size / align < size {
+            return Err(ModelError::Partition(format!(
+                "tensor_parallel_size {size} cannot cut the MLP's {} features into whole {align}-element \
+                 quantization blocks",
+                c.intermediate_size
+            )));
+        }
+        let blocks = even_range(c.intermediate_size / align, size, rank);
+        let ffn = blocks.start * align..blocks.end * align;
+        for l in &weights.layers {
+            let bl = l.wo.dtype().block_len();
+            let cols = q_heads.start * c.head_dim..q_heads.end * c.head_dim;
+            if !cols.start.is_multiple_of(bl) || !cols.end.is_multiple_of(bl) {
+                return Err(ModelError::Partition(format!(
+                    "tensor_parallel_size {size}: rank {rank}'s attention-output columns {cols:?} do not fall \
+                     on the {bl}-element quantization blocks of {:?} weights",
+                    l.wo.dtype()
+                )));
+            }
+        }
+        Ok(RankShare {
+            kv_heads,
+            q_heads,
+            ffn,
+            vocab: even_range(c.vocab_size, size, rank),
+        })
+    }
+
+    /// The whole model's dimensions: the share of a single rank.
+    pub fn whole(config: &ModelConfig) -> RankShare {
+        RankShare {
+            kv_heads: 0..config.num_kv_heads,
+            q_heads: 0..config.num_heads,
+            ffn: 0..config.intermediate_size,
+            vocab: 0..config.vocab_size,
+        }
+    }
+}
+
+/// The weights one partition needs: its layers cut to its rank's share, the embedding (first stage) and
+/// its slice of the output head (last stage). Row cuts share bytes; column cuts copy.
+pub fn shard_weights(
+    config: &ModelConfig,
+    weights: &LlamaWeights,
+    part: &Partition,
+    share: &RankShare,
+) -> Result<LlamaWeights, ModelError> {
+    let hd = config.head_dim;
+    let q = share.q_heads.start * hd..share.q_heads.end * hd;
+    let kv = share.kv_heads.start * hd..share.kv_heads.end * hd;
+    let slice = |b: &Option<Vec<f32>>, r: &Range<usize>| b.as_ref().map(|b| b[r.clone()].to_vec());
+    let layers = weights.layers[part.layers.clone()]
+        .iter()
+        .map(|l| {
+            Ok(LayerWeights {
+                attn_norm: l.attn_norm.clone(),
+                wq: l.wq.slice_rows(q.clone()),
+                wk: l.wk.slice_rows(kv.clone()),
+                wv: l.wv.slice_rows(kv.clone()),
+                wo: l.wo.slice_cols(q.clone())?,
+                bq: slice(&l.bq, &q),
+                bk: slice(&l.bk, &kv),
+                bv: slice(&l.bv, &kv),
+                ffn_norm: l.ffn_norm.clone(),
+                w_gate: l.w_gate.slice_rows(share.ffn.clone()),
+                w_up: l.w_up.slice_rows(share.ffn.clone()),
+                w_down: l.w_down.slice_cols(share.ffn.clone())?,
+            })
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    let whole_vocab = share.vocab == (0..config.vocab_size);
+    Ok(LlamaWeights {
+        embed: weights.embed.clone(),
+        layers,
+        norm: weights.norm.clone(),
+        lm_head: if whole_vocab {
+            weights.lm_head.clone()
+        } else {
+            Some(weights.output_head().slice_rows(share.vocab.clone()))
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_ranges_cover_everything_once() {
+        for n in 1..20 {
+            for parts in 1..=n {
+                let mut next = 0;
+                for i in 0..parts {
+                    let r = even_range(n, parts, i);
+                    assert_eq!(r.start, next);
+                    assert!(!r.is_empty());
+                    next = r.end;
+                }
+                assert_eq!(next, n);
+            }
+        }
+        assert_eq!(even_range(3, 2, 0), 0..2);
+        assert_eq!(even_range(3, 2, 1), 2..3);
+    }
+}
