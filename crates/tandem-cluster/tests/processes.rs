@@ -302,6 +302,40 @@ async fn pd_matches_colocated_and_decode_never_prefills() {
     );
 }
 
+/// Prefill split over 2 tensor-parallel ranks, decode over 3: the KV crosses in the canonical all-heads
+/// layout, so the answer equals the colocated single-rank one and decode still prefills nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_across_different_tensor_parallel_sizes_matches_colocated() {
+    let _serial = SERIAL.lock().await;
+    let colocated = Server::start(&colocated_yaml()).await;
+    let mut want = Vec::new();
+    for p in PROMPTS {
+        want.push(colocated.complete(p, 12).await);
+    }
+    drop(colocated);
+
+    let yaml = pd_yaml(1).replace(
+        "prefill: {replicas: 1}",
+        "prefill: {replicas: 1, engine: {tensor_parallel_size: 2}}",
+    );
+    let yaml = yaml.replace(
+        "decode: {replicas: 1}",
+        "decode: {replicas: 1, engine: {tensor_parallel_size: 3}}",
+    );
+    let pd = Server::start(&yaml).await;
+    let decode = pd.worker(Role::Decode).await;
+    let before = pd.load(&decode.url).await;
+    for (p, want) in PROMPTS.iter().zip(&want) {
+        assert_eq!(text(&pd.complete(p, 12).await), text(want), "prompt {p:?}");
+    }
+    let after = pd.load(&decode.url).await;
+    assert_eq!(
+        after.engine.prefill_tokens_computed, before.engine.prefill_tokens_computed,
+        "decode worker prefilled"
+    );
+    assert_eq!(after.kv.pulls_ok - before.kv.pulls_ok, PROMPTS.len() as u64);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_cached_on_the_decode_worker_is_not_transferred_again() {
     let _serial = SERIAL.lock().await;

@@ -640,3 +640,47 @@ pub(crate) mod tests {
         }
     }
 }
+
+/// Tensor parallelism relies on this: a row of the output does not depend on which other rows are
+/// computed with it or on the thread count, so a rank's row slice of a weight reproduces the whole
+/// matmul's rows bit for bit.
+#[cfg(test)]
+mod row_slices {
+    use super::tests::{quantized_matrix, rand_vec};
+    use super::*;
+
+    #[test]
+    fn row_slices_and_thread_counts_give_bit_identical_rows() {
+        for dt in [
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q8_0,
+            DType::Q4K,
+            DType::Q6K,
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+        ] {
+            let (rows, cols) = (72, 512);
+            let w = quantized_matrix(dt, rows, cols, 3);
+            for m in [1usize, 2, 3, 5, 8, 13, 17] {
+                let x = rand_vec(m * cols, 9);
+                let mut s = MatmulScratch::default();
+                let mut full = vec![0.0; m * rows];
+                matmul(&ThreadPool::new(2), &w, &x, m, &mut full, &mut s);
+                for (a, b, threads) in [(0, 24, 1), (24, 72, 1), (5, 41, 2), (40, 72, 3)] {
+                    let part = w.slice_rows(a..b);
+                    let mut out = vec![0.0; m * (b - a)];
+                    matmul(&ThreadPool::new(threads), &part, &x, m, &mut out, &mut s);
+                    for t in 0..m {
+                        assert_eq!(
+                            &out[t * (b - a)..(t + 1) * (b - a)],
+                            &full[t * rows + a..t * rows + b],
+                            "{dt:?} m={m} rows {a}..{b} threads={threads}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -223,38 +223,6 @@ impl Matrix {
         }
     }
 
-    /// Columns `range` of every row, copied: a tensor-parallel rank's input features of a row-parallel
-    /// weight (attention output, MLP down). The cut must fall on the format's block boundaries.
-    pub fn slice_cols(&self, range: Range<usize>) -> Result<Matrix, KernelError> {
-        let bl = self.dtype.block_len();
-        assert!(
-            range.start <= range.end && range.end <= self.cols,
-            "slice_cols {range:?} out of {} columns",
-            self.cols
-        );
-        for cut in [range.start, range.end] {
-            if !cut.is_multiple_of(bl) {
-                return Err(KernelError::RaggedRow {
-                    dtype: self.dtype,
-                    cols: cut,
-                    block_len: bl,
-                });
-            }
-        }
-        let (rb, bb) = (self.row_bytes(), self.dtype.block_bytes());
-        let (from, to) = (range.start / bl * bb, range.end / bl * bb);
-        let mut out = Vec::with_capacity(self.rows * (to - from));
-        for row in self.bytes().chunks_exact(rb) {
-            out.extend_from_slice(&row[from..to]);
-        }
-        Matrix::new(
-            self.dtype,
-            self.rows,
-            range.len(),
-            WeightBytes::Owned(Arc::new(out)),
-        )
-    }
-
     /// Decodes one row to f32 (embedding lookup; `out.len() == cols`).
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         assert!(
@@ -575,7 +543,7 @@ mod tests {
         DType::Q6K,
     ];
 
-    /// Row and column slices decode to exactly the corresponding part of the whole matrix, in every format.
+    /// Row slices decode to exactly the corresponding rows of the whole matrix, in every format.
     #[test]
     fn slices_decode_to_the_same_elements() {
         let (rows, cols) = (6, 512);
@@ -600,16 +568,6 @@ mod tests {
             }
             let twice = sub.slice_rows(1..2);
             assert_eq!(full(&twice, 0), full(&m, 3), "{dt:?} nested rows");
-            let cols_cut = m.slice_cols(256..512).unwrap();
-            for r in 0..rows {
-                assert_eq!(full(&cols_cut, r), full(&m, r)[256..], "{dt:?} cols");
-            }
-            if dt.block_len() > 1 {
-                assert!(matches!(
-                    m.slice_cols(1..dt.block_len() + 1),
-                    Err(KernelError::RaggedRow { .. })
-                ));
-            }
         }
     }
 

@@ -4,17 +4,26 @@
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-/// The two operations tensor parallelism needs, called by every rank in the same order.
+/// The operations tensor parallelism needs, called by every rank in the same order.
+///
+/// Activations are row-major `rows` × `width` matrices whose columns are split over the ranks; each call
+/// names this rank's columns. (On GPUs an NCCL implementation would gather contiguous per-rank chunks and
+/// interleave them in a kernel.)
 pub trait Collective: Send {
     /// This rank's index.
     fn rank(&self) -> usize;
     /// Ranks in the group.
     fn size(&self) -> usize;
-    /// Replaces `buf` on every rank by the element-wise sum over ranks, added in rank order, so all ranks
-    /// hold bit-identical results (each keeps its own copy of the residual stream).
-    fn all_reduce_sum(&mut self, buf: &mut [f32]);
-    /// Assembles on rank 0 the `rows` × `width` matrix `out` whose columns `cols` each rank holds as
-    /// `local` (`rows` × `cols.len()`); `out` is only written (and only needed) on rank 0.
+    /// Assembles on every rank the matrix `out` (`rows` × `width`) whose columns `cols` each rank holds
+    /// as `local` (`rows` × `cols.len()`).
+    fn all_gather_columns(
+        &mut self,
+        local: &[f32],
+        cols: Range<usize>,
+        width: usize,
+        out: &mut [f32],
+    );
+    /// Like [`Collective::all_gather_columns`], but only rank 0 receives (and needs) `out`: logits.
     fn gather_columns(
         &mut self,
         local: &[f32],
@@ -22,6 +31,19 @@ pub trait Collective: Send {
         width: usize,
         out: Option<&mut [f32]>,
     );
+}
+
+/// Copies a `rows` × `cols.len()` block into columns `cols` of the `width`-wide rows of `out`.
+fn put_columns(out: &mut [f32], width: usize, data: &[f32], cols: Range<usize>) {
+    if cols.is_empty() {
+        return;
+    }
+    for (dst, src) in out
+        .chunks_exact_mut(width)
+        .zip(data.chunks_exact(cols.len()))
+    {
+        dst[cols.clone()].copy_from_slice(src);
+    }
 }
 
 /// A barrier that a failing rank can break, so its peers stop with a panic instead of waiting forever.
@@ -137,10 +159,45 @@ impl ThreadCollective {
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    fn post(&self, data: &[f32]) {
+    fn post(&self, data: &[f32], cols: Range<usize>) {
         let mut s = self.slot(self.rank);
         s.clear();
         s.extend_from_slice(data);
+        *self.shared.cols[self.rank]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = cols;
+    }
+
+    /// Posts this rank's columns, then assembles every rank's into `out` (on all ranks, or rank 0 only).
+    fn exchange(
+        &self,
+        local: &[f32],
+        cols: Range<usize>,
+        width: usize,
+        out: Option<&mut [f32]>,
+        everyone: bool,
+    ) {
+        let receives = everyone || self.rank == 0;
+        if self.size() == 1 {
+            if let Some(out) = out {
+                put_columns(out, width, local, cols);
+            }
+            return;
+        }
+        self.post(local, cols);
+        self.shared.barrier.wait();
+        if receives {
+            let out = out.expect("a receiving rank passes an output buffer");
+            for r in 0..self.size() {
+                let c = self.shared.cols[r]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone();
+                put_columns(out, width, &self.slot(r), c);
+            }
+        }
+        // Nobody may overwrite a slot before every receiver has read it.
+        self.shared.barrier.wait();
     }
 }
 
@@ -153,20 +210,14 @@ impl Collective for ThreadCollective {
         self.shared.slots.len()
     }
 
-    fn all_reduce_sum(&mut self, buf: &mut [f32]) {
-        if self.size() == 1 {
-            return;
-        }
-        self.post(buf);
-        self.shared.barrier.wait();
-        buf.copy_from_slice(&self.slot(0));
-        for r in 1..self.size() {
-            for (b, v) in buf.iter_mut().zip(self.slot(r).iter()) {
-                *b += v;
-            }
-        }
-        // Nobody may overwrite a slot before every rank has read it.
-        self.shared.barrier.wait();
+    fn all_gather_columns(
+        &mut self,
+        local: &[f32],
+        cols: Range<usize>,
+        width: usize,
+        out: &mut [f32],
+    ) {
+        self.exchange(local, cols, width, Some(out), true);
     }
 
     fn gather_columns(
@@ -176,34 +227,7 @@ impl Collective for ThreadCollective {
         width: usize,
         out: Option<&mut [f32]>,
     ) {
-        if self.rank != 0 {
-            self.post(local);
-            *self.shared.cols[self.rank]
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()) = cols.clone();
-        }
-        self.shared.barrier.wait();
-        if self.rank == 0 {
-            let out = out.expect("rank 0 gathers into an output buffer");
-            let rows = out.len() / width.max(1);
-            let mut put = |data: &[f32], c: Range<usize>| {
-                if c.is_empty() {
-                    return;
-                }
-                for (row, src) in data.chunks_exact(c.len()).take(rows).enumerate() {
-                    out[row * width + c.start..row * width + c.end].copy_from_slice(src);
-                }
-            };
-            put(local, cols);
-            for r in 1..self.size() {
-                let c = self.shared.cols[r]
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone();
-                put(&self.slot(r), c);
-            }
-        }
-        self.shared.barrier.wait();
+        self.exchange(local, cols, width, out, false);
     }
 }
 
@@ -212,38 +236,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn all_reduce_and_gather_across_threads() {
+    fn gathers_columns_across_threads() {
         let group = ThreadCollective::group(3);
         let widths = [2usize, 3, 1];
-        let results: Vec<(Vec<f32>, Option<Vec<f32>>)> = std::thread::scope(|s| {
+        let want: Vec<f32> = (0..2)
+            .flat_map(|row| (0..6).map(move |col| (row * 100 + col) as f32))
+            .collect();
+        let results: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
             let handles: Vec<_> = group
                 .into_iter()
                 .map(|mut c| {
                     s.spawn(move || {
                         let r = c.rank();
-                        let mut buf: Vec<f32> = (0..4).map(|i| (i * 10 + r) as f32).collect();
-                        c.all_reduce_sum(&mut buf);
                         let start: usize = widths[..r].iter().sum();
                         let cols = start..start + widths[r];
                         // Two rows of this rank's columns, valued row*100 + column.
                         let local: Vec<f32> = (0..2)
                             .flat_map(|row| cols.clone().map(move |col| (row * 100 + col) as f32))
                             .collect();
-                        let mut out = vec![-1.0; 2 * 6];
-                        c.gather_columns(&local, cols, 6, (r == 0).then_some(&mut out[..]));
-                        (buf, (r == 0).then_some(out))
+                        let mut all = vec![-1.0; 2 * 6];
+                        c.all_gather_columns(&local, cols.clone(), 6, &mut all);
+                        let mut first = vec![-1.0; 2 * 6];
+                        c.gather_columns(&local, cols, 6, (r == 0).then_some(&mut first[..]));
+                        (all, first)
                     })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        for (buf, _) in &results {
-            assert_eq!(buf, &[3.0, 33.0, 63.0, 93.0]);
+        for (r, (all, first)) in results.iter().enumerate() {
+            assert_eq!(all, &want, "rank {r} all-gather");
+            if r == 0 {
+                assert_eq!(first, &want);
+            } else {
+                assert!(
+                    first.iter().all(|&v| v == -1.0),
+                    "rank {r} must not receive"
+                );
+            }
         }
-        let want: Vec<f32> = (0..2)
-            .flat_map(|row| (0..6).map(move |col| (row * 100 + col) as f32))
-            .collect();
-        assert_eq!(results[0].1.as_ref().unwrap(), &want);
     }
 
     #[test]
@@ -252,8 +283,8 @@ mod tests {
         let mut second = group.pop().unwrap();
         let first = group.pop().unwrap();
         let waiter = std::thread::spawn(move || {
-            let mut buf = vec![1.0];
-            second.all_reduce_sum(&mut buf);
+            let mut out = vec![0.0; 2];
+            second.all_gather_columns(&[1.0], 1..2, 2, &mut out);
         });
         first.break_group();
         assert!(

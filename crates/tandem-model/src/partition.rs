@@ -1,11 +1,15 @@
 //! How one model is cut across workers: a pipeline stage owns a contiguous run of layers, and a
-//! tensor-parallel rank owns a share of every layer's heads and MLP columns plus a slice of the vocabulary.
+//! tensor-parallel rank owns a share of every layer's heads, MLP features, hidden features and vocabulary.
 //!
-//! Column-parallel weights (Q/K/V, gate/up, the output head) are cut by output rows, which needs no
-//! alignment and shares the bytes; row-parallel weights (attention output, MLP down) are cut by input
-//! columns, which must fall on the quantization block boundaries, so a split that would cut a block is
-//! refused up front with the dimension named. Uneven splits are allowed (SmolLM2-135M's 3 KV heads over
-//! 2 ranks give 2 + 1): a rank's query heads always follow its KV heads, so GQA groups are never cut.
+//! Every weight is cut by output rows only, which shares the bytes (no copy) and never cuts a quantization
+//! block: Q/K/V by heads, gate/up by MLP features, the attention output and MLP down projections by hidden
+//! features, the head by vocabulary. Instead of Megatron's partial sums (all-reduce after the attention
+//! output and MLP down projections), ranks all-gather the activations those projections read and then
+//! all-gather their outputs: every output element is one full-length dot product computed by the same
+//! kernel, so tensor-parallel logits equal the single-rank ones bit for bit (the kernels' rows do not
+//! depend on the row slice or thread count: tested in tandem-kernels). Uneven splits are allowed
+//! (SmolLM2-135M's 3 KV heads over 2 ranks give 2 + 1): a rank's query heads follow its KV heads, so GQA
+//! groups are never cut.
 
 use std::ops::Range;
 
@@ -95,18 +99,15 @@ pub struct RankShare {
     pub q_heads: Range<usize>,
     /// MLP intermediate features of this rank.
     pub ffn: Range<usize>,
+    /// Hidden features this rank's attention-output and MLP-down rows produce.
+    pub hidden: Range<usize>,
     /// Output-head rows (vocabulary ids) whose logits this rank computes.
     pub vocab: Range<usize>,
 }
 
 impl RankShare {
-    /// The share of rank `rank` of `size` for `weights` of `config`: checks that the split fits.
-    pub fn new(
-        config: &ModelConfig,
-        weights: &LlamaWeights,
-        rank: usize,
-        size: usize,
-    ) -> Result<RankShare, ModelError> {
+    /// The share of rank `rank` of `size` ranks for `config`: checks that the split fits.
+    pub fn new(config: &ModelConfig, rank: usize, size: usize) -> Result<RankShare, ModelError> {
         let c = config;
         if size == 0 || rank >= size {
             return Err(ModelError::Partition(format!(
@@ -121,39 +122,11 @@ impl RankShare {
         }
         let group = c.num_heads / c.num_kv_heads;
         let kv_heads = even_range(c.num_kv_heads, size, rank);
-        let q_heads = kv_heads.start * group..kv_heads.end * group;
-        // The MLP down projection is cut by columns: cut the intermediate size in whole blocks of the
-        // coarsest format any layer stores it in.
-        let align = weights
-            .layers
-            .iter()
-            .map(|l| l.w_down.dtype().block_len())
-            .max()
-            .unwrap_or(1);
-        if !c.intermediate_size.is_multiple_of(align) || c.intermediate_size / align < size {
-            return Err(ModelError::Partition(format!(
-                "tensor_parallel_size {size} cannot cut the MLP's {} features into whole {align}-element \
-                 quantization blocks",
-                c.intermediate_size
-            )));
-        }
-        let blocks = even_range(c.intermediate_size / align, size, rank);
-        let ffn = blocks.start * align..blocks.end * align;
-        for l in &weights.layers {
-            let bl = l.wo.dtype().block_len();
-            let cols = q_heads.start * c.head_dim..q_heads.end * c.head_dim;
-            if !cols.start.is_multiple_of(bl) || !cols.end.is_multiple_of(bl) {
-                return Err(ModelError::Partition(format!(
-                    "tensor_parallel_size {size}: rank {rank}'s attention-output columns {cols:?} do not fall \
-                     on the {bl}-element quantization blocks of {:?} weights",
-                    l.wo.dtype()
-                )));
-            }
-        }
         Ok(RankShare {
+            q_heads: kv_heads.start * group..kv_heads.end * group,
             kv_heads,
-            q_heads,
-            ffn,
+            ffn: even_range(c.intermediate_size, size, rank),
+            hidden: even_range(c.hidden_size, size, rank),
             vocab: even_range(c.vocab_size, size, rank),
         })
     }
@@ -164,44 +137,43 @@ impl RankShare {
             kv_heads: 0..config.num_kv_heads,
             q_heads: 0..config.num_heads,
             ffn: 0..config.intermediate_size,
+            hidden: 0..config.hidden_size,
             vocab: 0..config.vocab_size,
         }
     }
 }
 
 /// The weights one partition needs: its layers cut to its rank's share, the embedding (first stage) and
-/// its slice of the output head (last stage). Row cuts share bytes; column cuts copy.
+/// its slice of the output head (last stage). Only rows are cut, so nothing is copied.
 pub fn shard_weights(
     config: &ModelConfig,
     weights: &LlamaWeights,
     part: &Partition,
     share: &RankShare,
-) -> Result<LlamaWeights, ModelError> {
+) -> LlamaWeights {
     let hd = config.head_dim;
     let q = share.q_heads.start * hd..share.q_heads.end * hd;
     let kv = share.kv_heads.start * hd..share.kv_heads.end * hd;
     let slice = |b: &Option<Vec<f32>>, r: &Range<usize>| b.as_ref().map(|b| b[r.clone()].to_vec());
     let layers = weights.layers[part.layers.clone()]
         .iter()
-        .map(|l| {
-            Ok(LayerWeights {
-                attn_norm: l.attn_norm.clone(),
-                wq: l.wq.slice_rows(q.clone()),
-                wk: l.wk.slice_rows(kv.clone()),
-                wv: l.wv.slice_rows(kv.clone()),
-                wo: l.wo.slice_cols(q.clone())?,
-                bq: slice(&l.bq, &q),
-                bk: slice(&l.bk, &kv),
-                bv: slice(&l.bv, &kv),
-                ffn_norm: l.ffn_norm.clone(),
-                w_gate: l.w_gate.slice_rows(share.ffn.clone()),
-                w_up: l.w_up.slice_rows(share.ffn.clone()),
-                w_down: l.w_down.slice_cols(share.ffn.clone())?,
-            })
+        .map(|l| LayerWeights {
+            attn_norm: l.attn_norm.clone(),
+            wq: l.wq.slice_rows(q.clone()),
+            wk: l.wk.slice_rows(kv.clone()),
+            wv: l.wv.slice_rows(kv.clone()),
+            wo: l.wo.slice_rows(share.hidden.clone()),
+            bq: slice(&l.bq, &q),
+            bk: slice(&l.bk, &kv),
+            bv: slice(&l.bv, &kv),
+            ffn_norm: l.ffn_norm.clone(),
+            w_gate: l.w_gate.slice_rows(share.ffn.clone()),
+            w_up: l.w_up.slice_rows(share.ffn.clone()),
+            w_down: l.w_down.slice_rows(share.hidden.clone()),
         })
-        .collect::<Result<Vec<_>, ModelError>>()?;
+        .collect();
     let whole_vocab = share.vocab == (0..config.vocab_size);
-    Ok(LlamaWeights {
+    LlamaWeights {
         embed: weights.embed.clone(),
         layers,
         norm: weights.norm.clone(),
@@ -210,7 +182,7 @@ pub fn shard_weights(
         } else {
             Some(weights.output_head().slice_rows(share.vocab.clone()))
         },
-    })
+    }
 }
 
 #[cfg(test)]
