@@ -2,6 +2,7 @@
 //! would plug in; [`ThreadCollective`] runs the ranks as threads of one process.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// The operations tensor parallelism needs, called by every rank in the same order.
@@ -46,59 +47,89 @@ fn put_columns(out: &mut [f32], width: usize, data: &[f32], cols: Range<usize>) 
     }
 }
 
+/// Spins before a waiting rank sleeps: ranks usually arrive within microseconds of each other, and a
+/// futex wake-up per exchange (4 per layer) would cost more than the exchange itself.
+const SPINS: u32 = 4000;
+
 /// A barrier that a failing rank can break, so its peers stop with a panic instead of waiting forever.
+/// Waiters spin briefly, then sleep on a condition variable.
 struct Barrier {
-    state: Mutex<BarrierState>,
+    arrived: AtomicUsize,
+    generation: AtomicU64,
+    broken: AtomicBool,
+    sleep: Mutex<()>,
     cv: Condvar,
     n: usize,
 }
 
-struct BarrierState {
-    arrived: usize,
-    generation: u64,
-    broken: bool,
-}
-
 impl Barrier {
-    fn lock(&self) -> MutexGuard<'_, BarrierState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn new(n: usize) -> Barrier {
+        Barrier {
+            arrived: AtomicUsize::new(0),
+            generation: AtomicU64::new(0),
+            broken: AtomicBool::new(false),
+            sleep: Mutex::new(()),
+            cv: Condvar::new(),
+            n,
+        }
+    }
+
+    fn check(&self) {
+        assert!(
+            !self.broken.load(Ordering::Acquire),
+            "a tensor-parallel rank failed; the group is unusable"
+        );
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ()> {
+        self.sleep.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn wait(&self) {
-        let mut s = self.lock();
-        assert!(
-            !s.broken,
-            "a tensor-parallel rank failed; the group is unusable"
-        );
-        s.arrived += 1;
-        if s.arrived == self.n {
-            s.arrived = 0;
-            s.generation += 1;
+        self.check();
+        let generation = self.generation.load(Ordering::Acquire);
+        if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
+            // Reset before releasing: released ranks may arrive at the next barrier at once.
+            self.arrived.store(0, Ordering::Relaxed);
+            let _g = self.lock();
+            self.generation.fetch_add(1, Ordering::Release);
             self.cv.notify_all();
             return;
         }
-        let generation = s.generation;
-        while s.generation == generation && !s.broken {
-            s = self.cv.wait(s).unwrap_or_else(|p| p.into_inner());
+        let passed = || {
+            self.generation.load(Ordering::Acquire) != generation
+                || self.broken.load(Ordering::Acquire)
+        };
+        for _ in 0..SPINS {
+            if passed() {
+                return self.check();
+            }
+            std::hint::spin_loop();
         }
-        assert!(
-            !s.broken,
-            "a tensor-parallel rank failed; the group is unusable"
-        );
+        let mut g = self.lock();
+        while !passed() {
+            g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        drop(g);
+        self.check();
     }
 
     fn break_all(&self) {
-        self.lock().broken = true;
+        self.broken.store(true, Ordering::Release);
+        let _g = self.lock();
         self.cv.notify_all();
     }
 }
 
+/// What one rank posts for an exchange: its block of columns and which columns they are.
+type Post = Mutex<(Vec<f32>, Range<usize>)>;
+
 struct Shared {
     barrier: Barrier,
-    /// One exchange buffer per rank, written by its owner between two barriers.
-    slots: Vec<Mutex<Vec<f32>>>,
-    /// The columns each rank posted for a gather.
-    cols: Vec<Mutex<Range<usize>>>,
+    /// Two exchange buffers per rank, used alternately: a rank can only be one exchange ahead of the
+    /// slowest (it must pass that exchange's barrier first), so writing exchange k+2's buffer never
+    /// disturbs a peer still reading exchange k's, and one barrier per exchange suffices.
+    posts: Vec<[Post; 2]>,
 }
 
 /// Breaks a [`ThreadCollective`] group from outside it (see [`ThreadCollective::breaker`]).
@@ -115,29 +146,24 @@ impl GroupBreaker {
 pub struct ThreadCollective {
     rank: usize,
     shared: Arc<Shared>,
+    /// Exchanges done so far; its parity picks the buffer.
+    round: usize,
 }
 
 impl ThreadCollective {
     /// A group of `size` ranks; hand element `r` to the thread of rank `r`.
     pub fn group(size: usize) -> Vec<ThreadCollective> {
         assert!(size > 0, "a collective needs at least one rank");
+        let post = || Mutex::new((Vec::new(), 0..0));
         let shared = Arc::new(Shared {
-            barrier: Barrier {
-                state: Mutex::new(BarrierState {
-                    arrived: 0,
-                    generation: 0,
-                    broken: false,
-                }),
-                cv: Condvar::new(),
-                n: size,
-            },
-            slots: (0..size).map(|_| Mutex::new(Vec::new())).collect(),
-            cols: (0..size).map(|_| Mutex::new(0..0)).collect(),
+            barrier: Barrier::new(size),
+            posts: (0..size).map(|_| [post(), post()]).collect(),
         });
         (0..size)
             .map(|rank| ThreadCollective {
                 rank,
                 shared: Arc::clone(&shared),
+                round: 0,
             })
             .collect()
     }
@@ -153,24 +179,15 @@ impl ThreadCollective {
         GroupBreaker(Arc::clone(&self.shared))
     }
 
-    fn slot(&self, r: usize) -> MutexGuard<'_, Vec<f32>> {
-        self.shared.slots[r]
+    fn post(&self, r: usize) -> MutexGuard<'_, (Vec<f32>, Range<usize>)> {
+        self.shared.posts[r][self.round % 2]
             .lock()
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    fn post(&self, data: &[f32], cols: Range<usize>) {
-        let mut s = self.slot(self.rank);
-        s.clear();
-        s.extend_from_slice(data);
-        *self.shared.cols[self.rank]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = cols;
-    }
-
     /// Posts this rank's columns, then assembles every rank's into `out` (on all ranks, or rank 0 only).
     fn exchange(
-        &self,
+        &mut self,
         local: &[f32],
         cols: Range<usize>,
         width: usize,
@@ -184,20 +201,21 @@ impl ThreadCollective {
             }
             return;
         }
-        self.post(local, cols);
+        {
+            let mut mine = self.post(self.rank);
+            mine.0.clear();
+            mine.0.extend_from_slice(local);
+            mine.1 = cols;
+        }
         self.shared.barrier.wait();
         if receives {
             let out = out.expect("a receiving rank passes an output buffer");
             for r in 0..self.size() {
-                let c = self.shared.cols[r]
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone();
-                put_columns(out, width, &self.slot(r), c);
+                let post = self.post(r);
+                put_columns(out, width, &post.0, post.1.clone());
             }
         }
-        // Nobody may overwrite a slot before every receiver has read it.
-        self.shared.barrier.wait();
+        self.round += 1;
     }
 }
 
@@ -207,7 +225,7 @@ impl Collective for ThreadCollective {
     }
 
     fn size(&self) -> usize {
-        self.shared.slots.len()
+        self.shared.posts.len()
     }
 
     fn all_gather_columns(
