@@ -246,15 +246,20 @@ const PROMPTS: &[&str] = &[
      maps keys to values. A hash table uses a hash function to compute an index into an array of",
 ];
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pd_matches_colocated_and_decode_never_prefills() {
-    let _serial = SERIAL.lock().await;
+/// The colocated deployment's greedy 12-token answers to [`PROMPTS`], the reference of the P/D tests.
+async fn colocated_answers() -> Vec<Value> {
     let colocated = Server::start(&colocated_yaml()).await;
     let mut want = Vec::new();
     for p in PROMPTS {
         want.push(colocated.complete(p, 12).await);
     }
-    drop(colocated);
+    want
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_matches_colocated_and_decode_never_prefills() {
+    let _serial = SERIAL.lock().await;
+    let want = colocated_answers().await;
 
     let pd = Server::start(&pd_yaml(1)).await;
     let decode = pd.worker(Role::Decode).await;
@@ -307,12 +312,7 @@ async fn pd_matches_colocated_and_decode_never_prefills() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_across_different_tensor_parallel_sizes_matches_colocated() {
     let _serial = SERIAL.lock().await;
-    let colocated = Server::start(&colocated_yaml()).await;
-    let mut want = Vec::new();
-    for p in PROMPTS {
-        want.push(colocated.complete(p, 12).await);
-    }
-    drop(colocated);
+    let want = colocated_answers().await;
 
     let yaml = pd_yaml(1).replace(
         "prefill: {replicas: 1}",

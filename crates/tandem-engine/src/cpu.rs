@@ -336,6 +336,30 @@ mod tests {
         )
     }
 
+    /// Moves request `req.id`'s pinned prefill KV from `p` into `d` block by block, as a transfer
+    /// would, starts decoding there and releases the pin; returns the decode stream.
+    fn hand_over(
+        p: &EngineHandle,
+        d: &EngineHandle,
+        req: EngineRequest,
+        first: u32,
+    ) -> RequestStream {
+        let id = req.id;
+        let kv = p.export_blocks(id).wait_blocking().unwrap();
+        let (s, plan) = d.import_prefilled(req, first).unwrap();
+        assert_eq!(plan.wait_blocking().unwrap().num_blocks, kv.num_blocks);
+        for layer in 0..kv.layout.n_layers {
+            for blk in 0..kv.num_blocks {
+                d.import_block(id, layer, blk, kv.block(layer, blk).to_vec())
+                    .wait_blocking()
+                    .unwrap();
+            }
+        }
+        d.start_decoding(id).wait_blocking().unwrap();
+        p.release_pin(id);
+        s
+    }
+
     #[test]
     fn kv_cache_is_sized_from_the_byte_budget() {
         let Some(m) = model() else { return };
@@ -363,21 +387,8 @@ mod tests {
         };
         let first = collect(&mut a.submit(req).unwrap());
         assert_eq!(first, want[..1]);
-        let kv = a.export_blocks(1).wait_blocking().unwrap();
         let b = engine(m, 64, |_| {});
-        let (mut s, plan) = b
-            .import_prefilled(EngineRequest::new(1, prompt, greedy(5)), first[0])
-            .unwrap();
-        assert_eq!(plan.wait_blocking().unwrap().num_blocks, kv.num_blocks);
-        for layer in 0..kv.layout.n_layers {
-            for blk in 0..kv.num_blocks {
-                b.import_block(1, layer, blk, kv.block(layer, blk).to_vec())
-                    .wait_blocking()
-                    .unwrap();
-            }
-        }
-        b.start_decoding(1).wait_blocking().unwrap();
-        a.release_pin(1);
+        let mut s = hand_over(&a, &b, EngineRequest::new(1, prompt, greedy(5)), first[0]);
         assert_eq!(collect(&mut s), want);
         let st = b.checked_stats().wait_blocking().unwrap();
         assert_eq!((st.prefill_tokens_computed, st.kv_blocks_used), (0, 0));
@@ -452,21 +463,9 @@ mod tests {
                 },
             };
             let first = collect(&mut p.submit(req).unwrap());
-            let kv = p.export_blocks(1).wait_blocking().unwrap();
             let d = engine_tp(m, d_tp, 64);
-            let (mut s, plan) = d
-                .import_prefilled(EngineRequest::new(1, prompt.clone(), greedy(6)), first[0])
-                .unwrap();
-            assert_eq!(plan.wait_blocking().unwrap().num_blocks, kv.num_blocks);
-            for layer in 0..kv.layout.n_layers {
-                for blk in 0..kv.num_blocks {
-                    d.import_block(1, layer, blk, kv.block(layer, blk).to_vec())
-                        .wait_blocking()
-                        .unwrap();
-                }
-            }
-            d.start_decoding(1).wait_blocking().unwrap();
-            p.release_pin(1);
+            let req = EngineRequest::new(1, prompt.clone(), greedy(6));
+            let mut s = hand_over(&p, &d, req, first[0]);
             assert_eq!(collect(&mut s), want, "prefill tp={p_tp}, decode tp={d_tp}");
             assert_eq!(
                 d.checked_stats()
