@@ -1,13 +1,21 @@
-//! Measures KV transfer throughput per transport: `cargo run --release -p tandem-kv --example kv_bench [iters]`.
+//! Measures KV transfer throughput per transport:
+//! `cargo run --release -p tandem-kv --example kv_bench [iters] [shm copy threads ...]`.
+//!
+//! Without thread counts, shared memory runs with 1 copy thread per side (the serial path) and with the
+//! default (`KvServerConfig::default().shm_copy_threads`, half the cores, at most 8).
 
 use tandem_kv::bench::{run, BenchConfig, BenchTransport};
+use tandem_kv::KvServerConfig;
 
 #[tokio::main]
 async fn main() -> Result<(), tandem_kv::KvError> {
-    let iters: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let iters: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(5);
+    let mut shm_threads: Vec<usize> = args.iter().skip(1).filter_map(|s| s.parse().ok()).collect();
+    if shm_threads.is_empty() {
+        shm_threads = vec![1, KvServerConfig::default().shm_copy_threads];
+        shm_threads.dedup();
+    }
     let cases = [
         (
             "default model, 1024 tokens (30 x 64 x 24 KiB = 45 MiB)",
@@ -22,14 +30,15 @@ async fn main() -> Result<(), tandem_kv::KvError> {
         BenchTransport::Tcp(1),
         BenchTransport::Tcp(4),
         BenchTransport::Tcp(8),
-        BenchTransport::Shm,
-    ];
+    ]
+    .into_iter()
+    .chain(shm_threads.into_iter().map(BenchTransport::Shm));
     println!(
         "{:<58} {:<10} {:>12} {:>10} {:>8}",
         "case", "transport", "bytes/pull", "median ms", "GB/s"
     );
     for (name, n_layers, n_blocks, block_bytes) in cases {
-        for transport in transports {
+        for transport in transports.clone() {
             let r = run(&BenchConfig {
                 n_layers,
                 n_blocks,
@@ -41,7 +50,7 @@ async fn main() -> Result<(), tandem_kv::KvError> {
             println!(
                 "{:<58} {:<10} {:>12} {:>10.2} {:>8.2}",
                 name,
-                format!("{transport:?}"),
+                transport.to_string(),
                 r.bytes_per_pull,
                 r.median_s * 1e3,
                 r.gb_per_s

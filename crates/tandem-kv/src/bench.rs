@@ -18,8 +18,18 @@ pub enum BenchTransport {
     InProc,
     /// Loopback TCP with this many connections.
     Tcp(usize),
-    /// Shared memory.
-    Shm,
+    /// Shared memory, with this many copy threads on each side (server and client).
+    Shm(usize),
+}
+
+impl std::fmt::Display for BenchTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BenchTransport::InProc => f.write_str("in-proc"),
+            BenchTransport::Tcp(s) => write!(f, "tcp x{s}"),
+            BenchTransport::Shm(t) => write!(f, "shm {t}thr"),
+        }
+    }
 }
 
 /// One benchmark case.
@@ -68,10 +78,15 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, KvError> {
         layout,
     };
     let source = Arc::new(MemSource::random(layout, cfg.n_blocks, 7));
+    let shm_threads = match cfg.transport {
+        BenchTransport::Shm(t) => t.max(1),
+        _ => KvServerConfig::default().shm_copy_threads,
+    };
     let server = KvServer::new(
         KvServerConfig {
             pin_timeout: Duration::from_secs(120),
             io_timeout: Duration::from_secs(60),
+            shm_copy_threads: shm_threads,
             ..KvServerConfig::default()
         },
         info.clone(),
@@ -86,11 +101,10 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, KvError> {
     let transport: Arc<dyn KvTransport> = match cfg.transport {
         BenchTransport::InProc => Arc::new(InProcTransport::new(server.clone(), info.clone())),
         BenchTransport::Tcp(s) => Arc::new(TcpTransport::new(info.clone(), tcp(s))),
-        BenchTransport::Shm => Arc::new(ShmTransport::new(
-            info.clone(),
-            tcp(1),
-            crate::default_shm_dir(),
-        )),
+        BenchTransport::Shm(_) => Arc::new(
+            ShmTransport::new(info.clone(), tcp(1), crate::default_shm_dir())
+                .with_copy_threads(shm_threads),
+        ),
     };
     let client = KvClient::new(transport);
     // Blocks in reverse order, so the source gathers rather than copying one contiguous run.

@@ -45,7 +45,7 @@
 //!   `Data` frames cover the selected runs in order and never span two runs, or
 //! - `ShmPull{blocks}` → `ShmOpen{path, map_len, total_len, n_blocks}` → `ShmLayer`* → `PullDone`, where
 //!   the `n_blocks` selected blocks of layer `l` sit packed at offset `l * n_blocks * block_bytes` of the
-//!   file and each `ShmLayer` is sent once that layer is written;
+//!   file and each `ShmLayer` is sent once that layer is written (layers may finish in any order);
 //!
 //! and on the control connection `Ack` → `AckOk` or `Abort`. A pull of no block skips straight to `Ack`. An `Error(WireError)` frame may replace any
 //! server reply; the server then closes. Shared-memory files are pooled: a segment belongs to one transfer

@@ -2,7 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,7 +12,8 @@ use tokio::task::JoinSet;
 
 use crate::metrics::ReleaseReason;
 use crate::registry::PinRegistry;
-use crate::shm_pool::{ShmPool, ShmSegment};
+use crate::registry::ReadGuard;
+use crate::shm_pool::{default_copy_threads, ShmPool, ShmSegment};
 use crate::wire::{
     self, FrameHeader, FrameKind, FrameReader, PullRequest, ShmOpen, ShmPullRequest, WireError,
     FLAG_CHECKSUM,
@@ -34,6 +35,9 @@ pub struct KvServerConfig {
     pub shm_dir: PathBuf,
     /// Bytes of idle shared-memory segments kept mapped for reuse.
     pub shm_cache_bytes: usize,
+    /// Threads copying one shared-memory pull's layers into its segment (at least 1): one core's memcpy
+    /// cannot saturate a many-core host's memory bandwidth.
+    pub shm_copy_threads: usize,
 }
 
 impl Default for KvServerConfig {
@@ -45,6 +49,7 @@ impl Default for KvServerConfig {
             max_frame_bytes: 64 << 20,
             shm_dir: default_shm_dir(),
             shm_cache_bytes: 2 << 30,
+            shm_copy_threads: default_copy_threads(),
         }
     }
 }
@@ -306,8 +311,7 @@ async fn conn_loop(
                 if blocks.is_empty() {
                     return Err(KvError::Protocol("a shared-memory pull of no block".into()));
                 }
-                send_shm(inner, r.get_mut(), tid, &blocks, &mut st.shm).await?;
-                drop(guard);
+                send_shm(inner, r.get_mut(), tid, guard, blocks, &mut st.shm).await?;
                 send_control(r.get_mut(), FrameKind::PullDone, tid, io).await?;
             }
             FrameKind::Ack => {
@@ -387,14 +391,18 @@ pub(crate) fn selected(blocks: &[u32], selection: &BlockSelection) -> Result<Vec
     Ok(selection.iter().map(|i| blocks[i as usize]).collect())
 }
 
-/// Copies every layer of `blocks` (the selected source blocks) into a pooled segment, announcing each layer
-/// as soon as it is written. The segment is parked in `slot` first so that it returns to the pool however
-/// this ends.
+/// Copies every layer of `blocks` (the selected source blocks) into a pooled segment on
+/// `shm_copy_threads` threads, announcing each layer as soon as it is written (layers finish in any order;
+/// the client accepts that). The copy runs on the blocking pool and owns the read `guard` and the segment, so
+/// the pin outlives every read of the source even if this future is dropped; on success and on error the
+/// segment is parked in `slot`, so it returns to the pool when the transfer ends (if this future is dropped
+/// mid-copy, the copy drops the segment when it stops, which unlinks its file).
 async fn send_shm(
-    inner: &ServerInner,
+    inner: &Arc<ServerInner>,
     w: &mut TcpStream,
     tid: u64,
-    blocks: &[u32],
+    guard: ReadGuard,
+    blocks: Vec<u32>,
     slot: &mut Option<ShmSegment>,
 ) -> Result<(), KvError> {
     let layout = inner.info.layout;
@@ -411,19 +419,122 @@ async fn send_shm(
         n_blocks: blocks.len() as u32,
     };
     wire::send_json(w, FrameKind::ShmOpen, tid, &open, inner.config.io_timeout).await?;
-    for layer in 0..layout.n_layers {
-        let region = &mut seg.map[layer * layer_bytes..(layer + 1) * layer_bytes];
-        inner
-            .registry
-            .source()
-            .copy_blocks(tid, layer, blocks, region)?;
+    let mut seg = slot.take().expect("just inserted");
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+    let stop = StopFlag::default();
+    let copier = {
+        let inner = Arc::clone(inner);
+        let stop = stop.clone();
+        let threads = inner.config.shm_copy_threads;
+        tokio::task::spawn_blocking(move || {
+            let region = &mut seg.map[..total];
+            let res = copy_layers(
+                inner.registry.source(),
+                tid,
+                &blocks,
+                region,
+                layer_bytes,
+                threads,
+                &stop,
+                &done_tx,
+            );
+            // Only now, with every copy out of the source finished, may the pin be released.
+            drop(guard);
+            (seg, res)
+        })
+    };
+    let mut announced = Ok(());
+    while let Some(layer) = done_rx.recv().await {
         let mut h = FrameHeader::control(FrameKind::ShmLayer, tid, 0);
         h.layer = layer as u32;
-        h.n_blocks = blocks.len() as u32;
-        wire::send(w, h, &[], inner.config.io_timeout).await?;
+        h.n_blocks = open.n_blocks;
+        if let Err(e) = wire::send(w, h, &[], inner.config.io_timeout).await {
+            announced = Err(e);
+            break;
+        }
         inner.metrics.add_sent(layer_bytes as u64);
     }
-    Ok(())
+    // On a failed send the copiers stop after their current layer; either way wait for them, so the
+    // segment comes back and no thread still writes it when the transfer ends.
+    if announced.is_err() {
+        stop.raise();
+    }
+    let (seg, copied) = copier
+        .await
+        .map_err(|e| KvError::Source(format!("shared-memory copy task failed: {e}")))?;
+    *slot = Some(seg);
+    announced.and(copied)
+}
+
+/// Tells copy threads to stop taking layers: raised on the first failure, on a failed announcement, or when
+/// the announcing future is gone (its channel closed), so an abandoned copy ends after one layer per thread.
+#[derive(Clone, Default)]
+struct StopFlag(Arc<AtomicBool>);
+
+impl StopFlag {
+    fn raise(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    fn raised(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Copies `blocks` of every layer into `region` (layer `l` at `l * layer_bytes`) on up to `threads` scoped
+/// threads taking layers in ascending order, and sends each finished layer's index on `done`. Stops early
+/// when `stop` is raised or a copy fails; returns the first failure.
+#[allow(clippy::too_many_arguments)]
+fn copy_layers(
+    source: &dyn KvSource,
+    tid: u64,
+    blocks: &[u32],
+    region: &mut [u8],
+    layer_bytes: usize,
+    threads: usize,
+    stop: &StopFlag,
+    done: &tokio::sync::mpsc::UnboundedSender<usize>,
+) -> Result<(), KvError> {
+    let n_layers = region.len() / layer_bytes;
+    let work = Mutex::new(region.chunks_exact_mut(layer_bytes).enumerate());
+    let failure: Mutex<Option<KvError>> = Mutex::new(None);
+    let worker = || loop {
+        if stop.raised() {
+            return;
+        }
+        let Some((layer, out)) = work.lock().next() else {
+            return;
+        };
+        match source.copy_blocks(tid, layer, blocks, out) {
+            // A closed channel means the announcing side is gone; the remaining copies are useless.
+            Ok(()) => {
+                if done.send(layer).is_err() {
+                    stop.raise();
+                }
+            }
+            Err(e) => {
+                stop.raise();
+                failure.lock().get_or_insert(e);
+            }
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..threads.clamp(1, n_layers.max(1)) {
+            // A thread that cannot be spawned only costs parallelism: the others take its layers.
+            if std::thread::Builder::new()
+                .name("kv-shm-copy".into())
+                .spawn_scoped(s, worker)
+                .is_err()
+            {
+                break;
+            }
+        }
+        worker();
+    });
+    match failure.into_inner() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Sends a control frame without payload (`PullDone`, `AckOk`, ...) for transfer `tid`.

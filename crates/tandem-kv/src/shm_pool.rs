@@ -13,6 +13,16 @@ use crate::KvError;
 pub(crate) const FILE_PREFIX: &str = "tandem-kv-";
 /// Segments are sized in multiples of this, so transfers of similar length share segments.
 const SEGMENT_GRANULE: usize = 8 << 20;
+/// Most copy threads one side of a shared-memory pull uses by default; beyond this a host's memory
+/// bandwidth, not its cores, bounds the copy, and both sides plus the engines share that host.
+const MAX_DEFAULT_COPY_THREADS: usize = 8;
+
+/// Default copy threads per side of a shared-memory pull: half the host's cores (server and client copy at
+/// the same time), at least 1, at most [`MAX_DEFAULT_COPY_THREADS`].
+pub(crate) fn default_copy_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / 2).clamp(1, MAX_DEFAULT_COPY_THREADS)
+}
 
 /// One mapped file, owned by at most one transfer at a time; the file is unlinked when the segment drops.
 pub(crate) struct ShmSegment {

@@ -1,9 +1,13 @@
 //! Same-host fast path: the server copies the blocks into a `/dev/shm` file and only offsets cross the socket.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::shm_pool::{MapCache, FILE_PREFIX};
+use memmap2::Mmap;
+use tokio::task::JoinSet;
+
+use crate::shm_pool::{default_copy_threads, MapCache, FILE_PREFIX};
 use crate::transport::tcp::{ack_only, connect, finish_on_control, TcpConfig};
 use crate::transport::{KvTransport, PullFuture};
 use crate::wire::{self, FrameKind, ShmOpen, ShmPullRequest};
@@ -15,6 +19,7 @@ pub struct ShmTransport {
     config: TcpConfig,
     shm_dir: PathBuf,
     maps: MapCache,
+    copy_threads: usize,
 }
 
 impl ShmTransport {
@@ -25,7 +30,15 @@ impl ShmTransport {
             config,
             shm_dir,
             maps: MapCache::new(16),
+            copy_threads: default_copy_threads(),
         }
+    }
+
+    /// Sets how many layers may be copied into the sink at once (at least 1; default: half the cores, at
+    /// most 8). The sink must accept concurrent writes to different layers, as [`KvSink`] requires.
+    pub fn with_copy_threads(mut self, threads: usize) -> Self {
+        self.copy_threads = threads.max(1);
+        self
     }
 
     /// Accepts only files the server could have created, so a hostile peer cannot make us map arbitrary paths.
@@ -60,7 +73,7 @@ impl ShmTransport {
             blocks: blocks.clone(),
         };
         wire::send_json(c.get_mut(), FrameKind::ShmPull, tid, &req, io).await?;
-        let res = self.receive(&mut c, handle, blocks, &*sink).await;
+        let res = self.receive(&mut c, handle, blocks, &sink).await;
         let res = match res {
             Ok(b) => sink.complete().map(|()| b),
             e => e,
@@ -75,12 +88,31 @@ impl ShmTransport {
         }
     }
 
+    /// Receives the layer announcements and copies each announced layer into the sink on the blocking pool,
+    /// up to `copy_threads` layers at once. Returns only once no copy is running, also on failure, so the
+    /// sink is never written after the pull has ended (or acked/aborted).
     async fn receive(
         &self,
         c: &mut wire::FrameReader<tokio::net::TcpStream>,
         handle: &TransferHandle,
         blocks: &BlockSelection,
-        sink: &dyn KvSink,
+        sink: &Arc<dyn KvSink>,
+    ) -> Result<u64, KvError> {
+        let mut copies = LayerCopies::new(self.copy_threads);
+        let res = self.announced(c, handle, blocks, sink, &mut copies).await;
+        let copied = copies.finish(res.is_err()).await;
+        let bytes = res?;
+        copied.map(|()| bytes)
+    }
+
+    /// Reads `ShmOpen` and then every `ShmLayer` up to `PullDone`, handing each layer to `copies`.
+    async fn announced(
+        &self,
+        c: &mut wire::FrameReader<tokio::net::TcpStream>,
+        handle: &TransferHandle,
+        blocks: &BlockSelection,
+        sink: &Arc<dyn KvSink>,
+        copies: &mut LayerCopies,
     ) -> Result<u64, KvError> {
         let n_layers = handle.layout.n_layers;
         let n_blocks = blocks.len();
@@ -109,6 +141,17 @@ impl ShmTransport {
             )));
         }
         let map = self.maps.get(&path, open.map_len as usize)?;
+        // Where each selected run lands: (first block index, offset within a layer's packed region, bytes).
+        let runs: Arc<[(usize, usize, usize)]> = blocks
+            .runs()
+            .iter()
+            .scan(0usize, |off, run| {
+                let len = (run.end - run.start) as usize * bb;
+                let at = (run.start as usize, *off, len);
+                *off += len;
+                Some(at)
+            })
+            .collect();
         let mut seen = vec![false; n_layers];
         let mut bytes = 0u64;
         loop {
@@ -122,14 +165,15 @@ impl ShmTransport {
                         )));
                     }
                     seen[layer] = true;
-                    // The file packs the selected blocks of a layer back to back, run after run.
-                    let mut off = layer * layer_bytes;
-                    for run in blocks.runs() {
-                        let len = (run.end - run.start) as usize * bb;
-                        sink.write(layer, run.start as usize, &map[off..off + len])?;
-                        off += len;
-                    }
-                    sink.layer_complete(layer)?;
+                    copies
+                        .start(LayerCopy {
+                            map: Arc::clone(&map),
+                            sink: Arc::clone(sink),
+                            runs: Arc::clone(&runs),
+                            layer,
+                            base: layer * layer_bytes,
+                        })
+                        .await?;
                     bytes += layer_bytes as u64;
                 }
                 FrameKind::PullDone => {
@@ -147,6 +191,101 @@ impl ShmTransport {
             }
         }
     }
+}
+
+/// One announced layer to move from the mapping into the sink.
+struct LayerCopy {
+    map: Arc<Mmap>,
+    sink: Arc<dyn KvSink>,
+    /// The selected runs: (first block index, offset within the layer's region, bytes).
+    runs: Arc<[(usize, usize, usize)]>,
+    layer: usize,
+    /// Offset of the layer's packed region in the file.
+    base: usize,
+}
+
+impl LayerCopy {
+    /// Writes the layer's runs to the sink and reports the layer complete.
+    fn run(self) -> Result<(), KvError> {
+        for &(first, off, len) in self.runs.iter() {
+            let at = self.base + off;
+            self.sink
+                .write(self.layer, first, &self.map[at..at + len])?;
+        }
+        self.sink.layer_complete(self.layer)
+    }
+}
+
+/// The layer copies of one pull in flight on the blocking pool, at most `limit` at a time.
+struct LayerCopies {
+    set: JoinSet<Result<(), KvError>>,
+    limit: usize,
+    /// Raised on the first failure (or when the pull is dropped): copies not yet begun then skip the sink.
+    cancel: CancelOnDrop,
+}
+
+/// Raises its flag when dropped, so a pull future dropped mid-transfer leaves no queued copy to write into
+/// the sink later (a copy already running finishes its layer).
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+impl LayerCopies {
+    fn new(limit: usize) -> Self {
+        LayerCopies {
+            set: JoinSet::new(),
+            limit: limit.max(1),
+            cancel: CancelOnDrop(Arc::new(AtomicBool::new(false))),
+        }
+    }
+
+    /// Starts `copy` once fewer than `limit` copies run; fails with the first failed copy instead.
+    async fn start(&mut self, copy: LayerCopy) -> Result<(), KvError> {
+        while let Some(done) = self.set.try_join_next() {
+            joined(done)?;
+        }
+        while self.set.len() >= self.limit {
+            if let Some(done) = self.set.join_next().await {
+                joined(done)?;
+            }
+        }
+        let cancel = Arc::clone(&self.cancel.0);
+        self.set.spawn_blocking(move || {
+            if cancel.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            copy.run()
+        });
+        Ok(())
+    }
+
+    /// Waits for every started copy (after telling queued ones to skip if `cancel`); returns the first failure.
+    async fn finish(mut self, cancel: bool) -> Result<(), KvError> {
+        if cancel {
+            self.cancel.0.store(true, Ordering::Relaxed);
+        }
+        let mut res = Ok(());
+        while let Some(done) = self.set.join_next().await {
+            if let (Ok(()), Err(e)) = (&res, joined(done)) {
+                self.cancel.0.store(true, Ordering::Relaxed);
+                res = Err(e);
+            }
+        }
+        res
+    }
+}
+
+/// A finished copy task's result, a panic counted as a sink failure.
+fn joined(done: Result<Result<(), KvError>, tokio::task::JoinError>) -> Result<(), KvError> {
+    done.unwrap_or_else(|e| {
+        Err(KvError::Sink(format!(
+            "shared-memory copy task failed: {e}"
+        )))
+    })
 }
 
 impl KvTransport for ShmTransport {

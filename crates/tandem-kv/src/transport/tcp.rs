@@ -104,7 +104,9 @@ impl TcpTransport {
             e => e,
         };
         let Some(mut c) = control else {
-            // The control connection is gone, so the server releases the pin as a disconnect.
+            // The control connection is gone, so the server releases the pin as a disconnect, unless that
+            // stream was cancelled before its request reached the server: then abort on a fresh connection.
+            abort_unclaimed(handle, &self.local, &self.config).await;
             return Err(err.unwrap_or_else(|| KvError::Protocol("control stream missing".into())));
         };
         let io = self.config.io_timeout;
@@ -151,6 +153,15 @@ pub(crate) async fn finish_on_control(
             .await;
             Err(e)
         }
+    }
+}
+
+/// Best-effort `Abort` of `handle` on a new connection, for a pull whose control stream never claimed the pin
+/// (it would otherwise stay pinned until the server's timeout); a pin already released is left alone.
+async fn abort_unclaimed(handle: &TransferHandle, local: &PeerInfo, config: &TcpConfig) {
+    if let Ok(mut c) = connect(&handle.endpoint, local, config).await {
+        let abort = FrameHeader::control(FrameKind::Abort, handle.transfer_id, 0);
+        let _ = wire::send(c.get_mut(), abort, &[], config.io_timeout).await;
     }
 }
 

@@ -1,5 +1,6 @@
 //! End-to-end tests of every transport against a real server: data integrity, refusal, release accounting.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,6 +23,20 @@ struct Fixture {
 }
 
 async fn fixture(pin_timeout: Duration) -> Fixture {
+    fixture_with(
+        pin_timeout,
+        |s| s,
+        KvServerConfig::default().shm_copy_threads,
+    )
+    .await
+}
+
+/// A fixture whose server reads through `wrap(source)` and copies shared-memory pulls on `shm_copy_threads`.
+async fn fixture_with(
+    pin_timeout: Duration,
+    wrap: impl FnOnce(Arc<MemSource>) -> Arc<dyn KvSource>,
+    shm_copy_threads: usize,
+) -> Fixture {
     let info = smollm_info();
     let source = Arc::new(MemSource::random(info.layout, NUM_BLOCKS, 42));
     let shm_dir = tempfile::Builder::new()
@@ -33,9 +48,10 @@ async fn fixture(pin_timeout: Duration) -> Fixture {
         io_timeout: Duration::from_secs(5),
         max_frame_bytes: 5 * info.layout.block_bytes(),
         shm_dir: shm_dir.path().to_path_buf(),
+        shm_copy_threads,
         ..Default::default()
     };
-    let server = KvServer::new(config, info.clone(), source.clone());
+    let server = KvServer::new(config, info.clone(), wrap(source.clone()));
     let listener = server.listen("127.0.0.1:0").await.unwrap();
     Fixture {
         server,
@@ -478,6 +494,310 @@ async fn concurrent_pulls_each_release_once() {
     }
     assert_eq!(f.server.pinned(), 0);
     assert_eq!(f.server.metrics().snapshot().released_ack, 12);
+}
+
+/// Counts calls in flight and the most seen at once; each call sleeps `delay` so that calls overlap.
+#[derive(Default)]
+struct Probe {
+    delay: Duration,
+    in_flight: AtomicUsize,
+    max_in_flight: AtomicUsize,
+    calls: AtomicUsize,
+    finished: AtomicUsize,
+}
+
+impl Probe {
+    fn with_delay(delay: Duration) -> Self {
+        Probe {
+            delay,
+            ..Probe::default()
+        }
+    }
+
+    fn call<T>(&self, f: impl FnOnce() -> T) -> T {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        std::thread::sleep(self.delay);
+        let r = f();
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.finished.fetch_add(1, Ordering::SeqCst);
+        r
+    }
+
+    fn max(&self) -> usize {
+        self.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn finished(&self) -> usize {
+        self.finished.load(Ordering::SeqCst)
+    }
+}
+
+/// A source that is slow (so copies overlap and a transfer can be interrupted) and can fail at one layer.
+struct ProbedSource {
+    inner: Arc<MemSource>,
+    probe: Arc<Probe>,
+    fail_at_layer: Option<usize>,
+}
+
+impl KvSource for ProbedSource {
+    fn copy_blocks(
+        &self,
+        tid: u64,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), KvError> {
+        self.probe.call(|| {
+            if self.fail_at_layer == Some(layer) {
+                return Err(KvError::Source(format!(
+                    "injected failure at layer {layer}"
+                )));
+            }
+            self.inner.copy_blocks(tid, layer, blocks, out)
+        })
+    }
+
+    fn release(&self, tid: u64, blocks: &[u32]) {
+        self.inner.release(tid, blocks)
+    }
+}
+
+/// A slow sink in front of a `MemSink`, recording how many writes overlapped.
+struct ProbedSink {
+    inner: MemSink,
+    probe: Arc<Probe>,
+}
+
+impl KvSink for ProbedSink {
+    fn write(&self, layer: usize, first_block: usize, data: &[u8]) -> Result<(), KvError> {
+        self.probe
+            .call(|| self.inner.write(layer, first_block, data))
+    }
+
+    fn layer_complete(&self, layer: usize) -> Result<(), KvError> {
+        self.inner.layer_complete(layer)
+    }
+
+    fn complete(&self) -> Result<(), KvError> {
+        self.inner.complete()
+    }
+}
+
+fn probed_fixture_source(
+    probe: &Arc<Probe>,
+    fail_at_layer: Option<usize>,
+) -> impl FnOnce(Arc<MemSource>) -> Arc<dyn KvSource> {
+    let probe = Arc::clone(probe);
+    move |inner| {
+        Arc::new(ProbedSource {
+            inner,
+            probe,
+            fail_at_layer,
+        })
+    }
+}
+
+fn shm_files(f: &Fixture) -> usize {
+    std::fs::read_dir(f.shm_dir.path()).unwrap().count()
+}
+
+fn shm_transport(f: &Fixture, copy_threads: usize) -> Arc<dyn KvTransport> {
+    Arc::new(
+        ShmTransport::new(
+            f.info.clone(),
+            tcp_config(1, false),
+            f.shm_dir.path().to_path_buf(),
+        )
+        .with_copy_threads(copy_threads),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_copies_layers_in_parallel_on_both_sides() {
+    let src_probe = Arc::new(Probe::with_delay(Duration::from_millis(3)));
+    let f = fixture_with(
+        Duration::from_secs(30),
+        probed_fixture_source(&src_probe, None),
+        4,
+    )
+    .await;
+    let n_layers = f.info.layout.n_layers;
+    let client = KvClient::new(shm_transport(&f, 3));
+    let blocks = scattered_blocks(17);
+    let selections = [
+        BlockSelection::all(17),
+        BlockSelection::from_indices([0, 1, 2, 5, 6, 9, 13, 14, 16]),
+    ];
+    for sel in &selections {
+        let handle = f.server.register(blocks.clone(), 17 * 16).unwrap();
+        let sink_probe = Arc::new(Probe::with_delay(Duration::from_millis(3)));
+        let sink = Arc::new(ProbedSink {
+            inner: MemSink::new(f.info.layout, blocks.len()),
+            probe: Arc::clone(&sink_probe),
+        });
+        let stats = client
+            .pull_blocks(&handle, sel, sink.clone())
+            .await
+            .unwrap();
+        assert_eq!(stats.bytes, handle.bytes_for(sel));
+        for layer in 0..n_layers {
+            for (i, &b) in blocks.iter().enumerate() {
+                let got = sink.inner.block(layer, i);
+                if sel.iter().any(|s| s as usize == i) {
+                    assert!(got == f.source.block(layer, b), "layer {layer} block {i}");
+                } else {
+                    assert!(got.iter().all(|&x| x == 0), "layer {layer} block {i}");
+                }
+            }
+        }
+        assert_eq!(sink.inner.layers_complete(), n_layers);
+        assert_eq!(sink.inner.completes(), 1);
+        assert_eq!(sink_probe.calls(), n_layers * sel.runs().len());
+        assert!(
+            (2..=3).contains(&sink_probe.max()),
+            "client copies at once: {}",
+            sink_probe.max()
+        );
+        wait_released(&f, handle.transfer_id).await;
+    }
+    assert_eq!(src_probe.calls(), 2 * n_layers);
+    assert!(
+        (2..=4).contains(&src_probe.max()),
+        "server copies at once: {}",
+        src_probe.max()
+    );
+    assert_eq!(f.server.pinned(), 0);
+    assert_eq!(f.server.metrics().snapshot().released_ack, 2);
+    assert_eq!(shm_files(&f), 1, "one pooled segment, reused");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_shm_failures_release_once_and_leak_no_segment() {
+    let src_probe = Arc::new(Probe::with_delay(Duration::from_millis(2)));
+    let f = fixture_with(
+        Duration::from_secs(30),
+        probed_fixture_source(&src_probe, Some(17)),
+        4,
+    )
+    .await;
+    let n_layers = f.info.layout.n_layers;
+    let blocks = scattered_blocks(9);
+
+    // The decode side's sink fails mid-transfer while other layers are being copied.
+    let handle = f.server.register(blocks[..5].to_vec(), 80).unwrap();
+    let sink_probe = Arc::new(Probe::with_delay(Duration::from_millis(2)));
+    let sink = Arc::new(ProbedSink {
+        inner: MemSink::failing_at(f.info.layout, 5, 7),
+        probe: Arc::clone(&sink_probe),
+    });
+    let r = KvClient::new(shm_transport(&f, 4))
+        .pull(&handle, sink.clone())
+        .await;
+    assert!(matches!(r, Err(KvError::Sink(_))), "{r:?}");
+    assert_eq!(sink.inner.completes(), 0);
+    let writes = sink_probe.finished();
+    assert_eq!(
+        writes,
+        sink_probe.calls(),
+        "every write that began ended before the pull returned"
+    );
+    assert!(writes < n_layers, "copies stop after the failure: {writes}");
+    wait_released(&f, handle.transfer_id).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        sink_probe.calls(),
+        writes,
+        "no sink write after the pull ended"
+    );
+
+    // The prefill side's source fails at layer 17: the copy threads stop and the pull fails.
+    let handle = f.server.register(blocks.clone(), 9 * 16).unwrap();
+    let before = src_probe.calls();
+    let sink = Arc::new(MemSink::new(f.info.layout, 9));
+    let r = KvClient::new(shm_transport(&f, 4))
+        .pull(&handle, sink.clone())
+        .await;
+    assert!(matches!(r, Err(KvError::Remote(_))), "{r:?}");
+    assert_eq!(sink.completes(), 0);
+    wait_released(&f, handle.transfer_id).await;
+    let copied = src_probe.calls() - before;
+    assert!(copied < n_layers, "copies stop after the failure: {copied}");
+
+    // The decode side vanishes after the first announced layer while the server is still copying.
+    let handle = f.server.register(blocks.clone(), 9 * 16).unwrap();
+    let cfg = tcp_config(1, false);
+    let mut c = crate::transport::tcp::connect(&handle.endpoint, &f.info, &cfg)
+        .await
+        .unwrap();
+    let req = crate::wire::ShmPullRequest {
+        blocks: BlockSelection::all(blocks.len()),
+    };
+    wire::send_json(
+        c.get_mut(),
+        FrameKind::ShmPull,
+        handle.transfer_id,
+        &req,
+        cfg.io_timeout,
+    )
+    .await
+    .unwrap();
+    assert_eq!(c.expect_frame().await.unwrap().kind, FrameKind::ShmOpen);
+    drop(c);
+    wait_released(&f, handle.transfer_id).await;
+
+    // A pull dropped by its caller mid-transfer: the connection's loss releases the pin, and copies that
+    // had not started never write into the sink afterwards.
+    let handle = f.server.register(blocks[..5].to_vec(), 80).unwrap();
+    let sink_probe = Arc::new(Probe::with_delay(Duration::from_millis(20)));
+    let sink = Arc::new(ProbedSink {
+        inner: MemSink::new(f.info.layout, 5),
+        probe: Arc::clone(&sink_probe),
+    });
+    let client = KvClient::new(shm_transport(&f, 2));
+    let r = tokio::time::timeout(
+        Duration::from_millis(60),
+        client.pull(&handle, sink.clone()),
+    )
+    .await;
+    assert!(r.is_err(), "the pull must still be running: {r:?}");
+    let at_drop = sink_probe.calls();
+    wait_released(&f, handle.transfer_id).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        sink_probe.calls() <= at_drop + 2,
+        "only copies already running may finish: {} after {at_drop}",
+        sink_probe.calls()
+    );
+    assert_eq!(sink.inner.completes(), 0);
+
+    assert_eq!(f.server.pinned(), 0);
+    let m = f.server.metrics().snapshot();
+    assert_eq!(m.released_ack, 0);
+    assert_eq!(m.released_abort + m.released_disconnect, 4);
+    // Every failed transfer's segment went back to the pool: at most one file per concurrent transfer.
+    assert!(shm_files(&f) <= 1, "{} shared-memory files", shm_files(&f));
+    // And the pooled one is unlinked with the server.
+    let Fixture {
+        server,
+        listener,
+        shm_dir,
+        ..
+    } = f;
+    listener.shutdown();
+    drop(server);
+    for _ in 0..500 {
+        if std::fs::read_dir(shm_dir.path()).unwrap().count() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(std::fs::read_dir(shm_dir.path()).unwrap().count(), 0);
 }
 
 mod prop {
