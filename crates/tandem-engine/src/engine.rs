@@ -46,6 +46,12 @@ pub struct EngineConfig {
     pub threads: usize,
     /// Tensor-parallel ranks the backend splits every layer over (1 = none).
     pub tensor_parallel_size: usize,
+    /// Pipeline stages the backend splits the layers over (1 = none); stage 0 runs in this process.
+    pub pipeline_parallel_size: usize,
+    /// Micro-batches per step of a pipelined backend (0 = one per stage).
+    pub pipeline_micro_batches: usize,
+    /// Addresses of stage servers 1.. of a pipeline; empty = the launcher starts them on this host.
+    pub pipeline_stages: Vec<String>,
 }
 
 impl Default for EngineConfig {
@@ -61,6 +67,9 @@ impl Default for EngineConfig {
             max_waiting: 1024,
             threads: 0,
             tensor_parallel_size: 1,
+            pipeline_parallel_size: 1,
+            pipeline_micro_batches: 0,
+            pipeline_stages: Vec::new(),
         }
     }
 }

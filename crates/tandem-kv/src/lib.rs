@@ -62,6 +62,8 @@ mod selection;
 mod server;
 mod shm_pool;
 mod source;
+#[cfg(feature = "model")]
+pub mod stage;
 pub mod transport;
 pub mod wire;
 

@@ -50,6 +50,24 @@ pub enum FrameKind {
     ShmOpen = 11,
     /// Server → client: one layer is complete in the file (no payload).
     ShmLayer = 12,
+    /// Stage link, first stage → stage server: JSON [`crate::stage::StageHello`].
+    StageHello = 13,
+    /// Stage link, server → first stage: the server's JSON [`crate::stage::StageHello`].
+    StageHelloReply = 14,
+    /// Stage link: JSON batch metadata (`layer` bytes) then raw f32 hidden states.
+    StageForward = 15,
+    /// Stage link: raw f32 hidden states or logits answering a `StageForward`.
+    StageReply = 16,
+    /// Stage link: send (`layer`, block `first_block`) of the stage's KV.
+    StageExport = 17,
+    /// Stage link: one block's raw bytes answering a `StageExport`.
+    StageBlock = 18,
+    /// Stage link: overwrite (`layer`, block `first_block`) with the payload.
+    StageImport = 19,
+    /// Stage link: copy block `first_block` to block `n_blocks` in every layer of the stage.
+    StageCopy = 20,
+    /// Stage link: the import or copy is done.
+    StageOk = 21,
 }
 
 impl FrameKind {
@@ -68,6 +86,15 @@ impl FrameKind {
             10 => ShmPull,
             11 => ShmOpen,
             12 => ShmLayer,
+            13 => StageHello,
+            14 => StageHelloReply,
+            15 => StageForward,
+            16 => StageReply,
+            17 => StageExport,
+            18 => StageBlock,
+            19 => StageImport,
+            20 => StageCopy,
+            21 => StageOk,
             _ => return Err(KvError::Protocol(format!("unknown frame kind {v}"))),
         })
     }
@@ -404,7 +431,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn header_round_trips(kind in 1u8..=12, flags: u8, transfer_id: u64, layer: u32, first_block: u32, n_blocks: u32, checksum: u32, payload_len: u64) {
+        fn header_round_trips(kind in 1u8..=21, flags: u8, transfer_id: u64, layer: u32, first_block: u32, n_blocks: u32, checksum: u32, payload_len: u64) {
             let h = FrameHeader { kind: FrameKind::from_u8(kind).unwrap(), flags, transfer_id, layer, first_block, n_blocks, checksum, payload_len };
             prop_assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
         }

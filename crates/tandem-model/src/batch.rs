@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 /// Which logits a sequence in the batch wants back from a step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum LogitsWanted {
     /// No logits: a prefill chunk that is not the prompt's last.
     None,
@@ -15,7 +15,7 @@ pub enum LogitsWanted {
 }
 
 /// One sequence's slice of a step: a run of new tokens appended after `pos` cached tokens.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct SeqChunk {
     /// The chunk's tokens, as a range into [`ForwardBatch::tokens`].
     pub tokens: Range<usize>,
@@ -30,7 +30,7 @@ pub struct SeqChunk {
 /// A flat batch mixing prefill chunks and decode tokens of many sequences; no padding.
 ///
 /// Kept by the caller across steps and cleared with [`ForwardBatch::clear`] so that its buffers are reused.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct ForwardBatch {
     /// All new tokens of the step, sequence after sequence.
     pub tokens: Vec<u32>,

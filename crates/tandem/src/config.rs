@@ -112,6 +112,12 @@ pub struct EngineSection {
     pub threads: Option<usize>,
     /// Tensor-parallel ranks splitting every layer's heads and MLP (CPU: threads of one process).
     pub tensor_parallel_size: Option<usize>,
+    /// Pipeline stages splitting the layers (CPU: stage 0 in the worker, the others in `tandem stage` processes).
+    pub pipeline_parallel_size: Option<usize>,
+    /// Micro-batches per step of a pipelined worker (0 = one per stage).
+    pub pipeline_micro_batches: Option<usize>,
+    /// Addresses (host:port) of already running stage servers 1.. (other hosts); unset = started locally.
+    pub pipeline_stages: Option<Vec<String>>,
     /// Which backend runs the model.
     pub device: Option<Device>,
 }
@@ -245,6 +251,15 @@ pub struct EngineArgs {
     /// Tensor-parallel ranks splitting every layer's heads and MLP columns (CPU: threads of one process).
     #[arg(long)]
     pub tensor_parallel_size: Option<usize>,
+    /// Pipeline stages splitting the layers; stages 1.. run as `tandem stage` processes.
+    #[arg(long)]
+    pub pipeline_parallel_size: Option<usize>,
+    /// Micro-batches per step of a pipelined engine (0 = one per stage).
+    #[arg(long)]
+    pub pipeline_micro_batches: Option<usize>,
+    /// Running stage servers 1.. as host:port,host:port (multi-host); unset = start them on this host.
+    #[arg(long, value_delimiter = ',')]
+    pub pipeline_stages: Option<Vec<String>>,
     /// Backend: cpu, or cuda in binaries built with the `cuda` feature.
     #[arg(long, value_enum)]
     pub device: Option<Device>,
@@ -264,6 +279,9 @@ impl EngineArgs {
             max_waiting: self.max_waiting,
             threads: self.threads,
             tensor_parallel_size: self.tensor_parallel_size,
+            pipeline_parallel_size: self.pipeline_parallel_size,
+            pipeline_micro_batches: self.pipeline_micro_batches,
+            pipeline_stages: self.pipeline_stages.clone(),
             device: self.device,
         }
     }
@@ -357,6 +375,15 @@ fn apply_engine(section: &EngineSection, engine: &mut EngineConfig) {
     }
     if let Some(v) = section.tensor_parallel_size {
         engine.tensor_parallel_size = v;
+    }
+    if let Some(v) = section.pipeline_parallel_size {
+        engine.pipeline_parallel_size = v;
+    }
+    if let Some(v) = section.pipeline_micro_batches {
+        engine.pipeline_micro_batches = v;
+    }
+    if let Some(v) = &section.pipeline_stages {
+        engine.pipeline_stages = v.clone();
     }
 }
 

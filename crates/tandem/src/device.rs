@@ -1,18 +1,32 @@
 //! Starts the engine on the chosen backend: the CPU model, or the CUDA model in binaries built with
 //! the `cuda` feature.
 
+use std::path::Path;
+
 use anyhow::{bail, Context, Result};
 use tandem_engine::{CpuBackend, Engine, EngineConfig, EngineHandle};
 use tandem_model::{CpuLlama, LoadedModel};
+use tandem_pipeline::{PipelineBackend, PipelineConfig};
 
 use crate::config::Device;
 
 /// Moves the loaded model onto `device` and starts an engine thread over it.
 pub fn start_engine(
     loaded: LoadedModel,
+    model_path: &Path,
     config: &EngineConfig,
     device: Device,
 ) -> Result<EngineHandle> {
+    if config.pipeline_parallel_size > 1 {
+        if device != Device::Cpu || config.tensor_parallel_size > 1 {
+            bail!(
+                "pipeline_parallel_size {} needs --device cpu and tensor_parallel_size 1",
+                config.pipeline_parallel_size
+            );
+        }
+        let backend = pipeline_backend(loaded, model_path, config)?;
+        return Engine::start(backend, config.clone()).context("starting the engine");
+    }
     match device {
         Device::Cpu => {
             let backend = cpu_backend(loaded, config)?;
@@ -29,6 +43,55 @@ pub fn start_engine(
             start_cuda(loaded, config)
         }
     }
+}
+
+/// A pipeline of `pipeline_parallel_size` stages: stage 0 here, the others at `pipeline_stages` or, when
+/// none are given, in `tandem stage` processes started on this host (which live as long as the backend).
+/// Threads are shared out: each of the N stages gets `threads / N` (all cores when `threads` is 0).
+pub fn pipeline_backend(
+    loaded: LoadedModel,
+    model_path: &Path,
+    config: &EngineConfig,
+) -> Result<PipelineBackend> {
+    let n = config.pipeline_parallel_size;
+    let total = if config.threads == 0 {
+        std::thread::available_parallelism().map_or(1, |c| c.get())
+    } else {
+        config.threads
+    };
+    let per_stage = (total / n).max(1);
+    let (addrs, procs) = if config.pipeline_stages.is_empty() {
+        let (a, p) = crate::stage::spawn_local(model_path, n, per_stage)?;
+        (a, Some(p))
+    } else if config.pipeline_stages.len() == n - 1 {
+        (config.pipeline_stages.clone(), None)
+    } else {
+        bail!(
+            "pipeline_parallel_size {n} needs {} stage addresses, got {}",
+            n - 1,
+            config.pipeline_stages.len()
+        );
+    };
+    let cfg = PipelineConfig {
+        micro_batches: config.pipeline_micro_batches,
+        min_micro_batch_tokens: tandem_pipeline::DEFAULT_MIN_MICRO_BATCH_TOKENS,
+        threads: per_stage,
+        block_size: config.block_size,
+        kv_cache_bytes: config.kv_cache_bytes,
+        timeouts: Default::default(),
+    };
+    let mut backend = PipelineBackend::connect(
+        &loaded.config,
+        &loaded.weights,
+        &loaded.identity,
+        &addrs,
+        &cfg,
+    )
+    .context("connecting the pipeline stages")?;
+    if let Some(p) = procs {
+        backend.keep_alive(Box::new(p));
+    }
+    Ok(backend)
 }
 
 /// The CPU backend for `config`: one model, or `tensor_parallel_size` ranks as threads.

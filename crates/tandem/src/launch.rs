@@ -61,6 +61,18 @@ fn engine_flags(section: &EngineSection, out: &mut Vec<String>) {
         "tensor-parallel-size",
         section.tensor_parallel_size.map(|v| v.to_string()),
     );
+    flag(
+        "pipeline-parallel-size",
+        section.pipeline_parallel_size.map(|v| v.to_string()),
+    );
+    flag(
+        "pipeline-micro-batches",
+        section.pipeline_micro_batches.map(|v| v.to_string()),
+    );
+    flag(
+        "pipeline-stages",
+        section.pipeline_stages.as_ref().map(|v| v.join(",")),
+    );
     flag("device", section.device.map(|v| v.to_string()));
     if section.enable_chunked_prefill == Some(false) {
         out.push("--no-chunked-prefill".into());
@@ -88,8 +100,13 @@ fn merge(layers: &[&EngineSection]) -> EngineSection {
             max_waiting,
             threads,
             tensor_parallel_size,
+            pipeline_parallel_size,
+            pipeline_micro_batches,
             device
         );
+        if l.pipeline_stages.is_some() {
+            m.pipeline_stages = l.pipeline_stages.clone();
+        }
     }
     m
 }
@@ -311,5 +328,28 @@ mod tests {
                 "--no-prefix-caching"
             ]
         );
+    }
+
+    #[test]
+    fn pipeline_settings_travel_from_yaml_to_worker_flags() {
+        let role: EngineSection = serde_yaml::from_str(
+            "{pipeline_parallel_size: 3, pipeline_micro_batches: 4, pipeline_stages: ['10.0.0.2:7000', '10.0.0.3:7000']}",
+        )
+        .unwrap();
+        let m = merge(&[&EngineSection::default(), &role]);
+        let mut flags = vec!["worker".to_string()];
+        engine_flags(&m, &mut flags);
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            engine: crate::config::EngineArgs,
+        }
+        let c = <Flags as clap::Parser>::try_parse_from(&flags)
+            .unwrap()
+            .engine
+            .engine_config();
+        assert_eq!(c.pipeline_parallel_size, 3);
+        assert_eq!(c.pipeline_micro_batches, 4);
+        assert_eq!(c.pipeline_stages, ["10.0.0.2:7000", "10.0.0.3:7000"]);
     }
 }

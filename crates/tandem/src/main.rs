@@ -9,6 +9,7 @@ mod cuda_tools;
 mod device;
 mod launch;
 mod serve;
+mod stage;
 mod worker;
 
 use anyhow::Result;
@@ -41,6 +42,9 @@ enum Command {
     BenchEngine(bench_engine::BenchEngineArgs),
     /// Benchmark an OpenAI-compatible server (or several) with vLLM-compatible serving metrics.
     Bench(bench::BenchArgs),
+    /// Hosts one later pipeline stage for a worker (started by workers with pipeline_parallel_size > 1).
+    #[command(hide = true)]
+    Stage(stage::StageArgs),
     /// Write the CUDA (or CPU) backend's logits for given prompts as JSON (device checks).
     #[cfg(feature = "cuda")]
     #[command(hide = true)]
@@ -112,6 +116,10 @@ fn main() -> Result<()> {
         Command::CudaBench(args) => {
             init_logging(cli.log_format.unwrap_or_default());
             cuda_tools::bench(args)
+        }
+        Command::Stage(args) => {
+            init_logging(cli.log_format.unwrap_or_default());
+            stage::run(args)
         }
         Command::Bench(args) => {
             init_logging_at(cli.log_format.unwrap_or_default(), "warn");

@@ -130,7 +130,7 @@ fn prepare(settings: &ServeSettings) -> Result<Prepared> {
     let model_root = loaded.name.clone();
 
     let engine_config = settings.engine.clone();
-    let engine = crate::device::start_engine(loaded, &engine_config, settings.device)?;
+    let engine = crate::device::start_engine(loaded, &model_path, &engine_config, settings.device)?;
     info!(
         device = %settings.device,
         max_model_len = engine.max_model_len(),

@@ -109,6 +109,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
     let model_id = loaded.identity.0.clone();
     let engine = crate::device::start_engine(
         loaded,
+        &model_path,
         &engine_config,
         args.engine.device.unwrap_or_default(),
     )?;

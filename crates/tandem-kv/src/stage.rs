@@ -1,0 +1,770 @@
+//! The pipeline stage link: a typed request/reply channel between the first pipeline stage (the client,
+//! inside the worker's engine thread) and a stage server hosting later layers of the same model.
+//!
+//! It speaks the crate's frame header ([`crate::wire`]) over a blocking TCP stream, since its caller (a
+//! `Backend` on the engine thread) is synchronous. One connection carries, in order:
+//!
+//! - `StageHello(StageHello)` → `StageHelloReply(StageHello)`: the client states the model identity, the
+//!   stage it expects (index, count, layer range), the hidden size and the KV pool shape (block size,
+//!   number of blocks); the server compares them with its own and refuses a difference with an `Error`
+//!   frame naming the field ([`KvError::Mismatch`]). A server whose KV pool is not sized yet adopts the
+//!   client's block size and block count.
+//! - `StageForward` → `StageReply`: the header's `transfer_id` is the request number (echoed in the reply),
+//!   `layer` the length of the JSON [`ForwardBatch`] that starts the payload, and the rest of the payload
+//!   the raw little-endian f32 hidden states (tokens × hidden). The reply's payload is raw f32: the next
+//!   stage's hidden states, or logits rows from the last stage.
+//! - `StageExport{layer, first_block = block}` → `StageBlock` (the block's bytes);
+//!   `StageImport{layer, first_block = block, payload = bytes}` → `StageOk`;
+//!   `StageCopy{first_block = src, n_blocks = dst}` → `StageOk`. Layers are global model layers; the server
+//!   refuses one it does not own.
+//!
+//! Every read and write is bounded by [`StageTimeouts`]; a closed or silent peer becomes a typed error,
+//! never a hang. A client whose connection failed stays failed ([`StageClient`] docs say why).
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tandem_model::ForwardBatch;
+
+use crate::wire::{FrameHeader, FrameKind, WireError, HEADER_LEN, MAX_CONTROL_LEN};
+use crate::KvError;
+
+/// What both ends of a stage link must agree on before any activation or KV byte crosses it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageHello {
+    /// The model identity hash: activations of another model's layers are garbage even when shapes agree.
+    pub model_id: String,
+    /// Index of the stage the server hosts.
+    pub stage: usize,
+    /// Pipeline stages in all.
+    pub stages: usize,
+    /// First global layer of the stage.
+    pub layer_start: usize,
+    /// One past the last global layer of the stage.
+    pub layer_end: usize,
+    /// Width of one hidden-state row.
+    pub hidden_size: usize,
+    /// Tokens per KV block (the engine's block pool is shared by all stages).
+    pub block_size: usize,
+    /// Blocks in the KV pool; block ids travel in the batch, so every stage needs the same pool.
+    pub num_blocks: usize,
+}
+
+fn cmp<T: PartialEq + std::fmt::Debug>(field: &'static str, l: &T, r: &T) -> Result<(), KvError> {
+    if l == r {
+        Ok(())
+    } else {
+        Err(KvError::Mismatch {
+            field,
+            local: format!("{l:?}"),
+            remote: format!("{r:?}"),
+        })
+    }
+}
+
+impl StageHello {
+    /// Refuses a peer that would compute something else, naming the first differing field.
+    pub fn check_compatible(&self, remote: &StageHello) -> Result<(), KvError> {
+        let (l, r) = (self, remote);
+        cmp("model_id", &l.model_id, &r.model_id)?;
+        cmp("stages", &l.stages, &r.stages)?;
+        cmp("stage", &l.stage, &r.stage)?;
+        cmp("layer_start", &l.layer_start, &r.layer_start)?;
+        cmp("layer_end", &l.layer_end, &r.layer_end)?;
+        cmp("hidden_size", &l.hidden_size, &r.hidden_size)?;
+        cmp("block_size", &l.block_size, &r.block_size)?;
+        cmp("num_blocks", &l.num_blocks, &r.num_blocks)
+    }
+}
+
+/// Deadlines of a stage link: how long connecting, and each read or write, may take.
+#[derive(Clone, Copy, Debug)]
+pub struct StageTimeouts {
+    /// TCP connect.
+    pub connect: Duration,
+    /// Each frame read or write; a forward of a long prefill chunk must finish within it.
+    pub io: Duration,
+}
+
+impl Default for StageTimeouts {
+    fn default() -> Self {
+        StageTimeouts {
+            connect: Duration::from_secs(5),
+            io: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Views f32s as their bytes (little-endian on every platform this runs on), so payloads move without
+/// per-element serialization.
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+fn io_err(context: &'static str, timeout: Duration) -> impl FnOnce(std::io::Error) -> KvError {
+    move |source| match source.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => KvError::Timeout {
+            context,
+            after: timeout,
+        },
+        _ => KvError::Io { context, source },
+    }
+}
+
+/// One end of a stage connection: header + payload framing over a blocking socket with deadlines.
+struct Conn {
+    stream: TcpStream,
+    io: Duration,
+    /// Reused receive buffer for control payloads and block bytes.
+    buf: Vec<u8>,
+}
+
+impl Conn {
+    fn new(stream: TcpStream, io: Duration) -> Result<Conn, KvError> {
+        let to = io_err("configuring a stage socket", io);
+        stream.set_nodelay(true).map_err(to)?;
+        stream
+            .set_read_timeout(Some(io))
+            .map_err(io_err("configuring a stage socket", io))?;
+        stream
+            .set_write_timeout(Some(io))
+            .map_err(io_err("configuring a stage socket", io))?;
+        Ok(Conn {
+            stream,
+            io,
+            buf: Vec::new(),
+        })
+    }
+
+    fn send(&mut self, h: FrameHeader, parts: &[&[u8]]) -> Result<(), KvError> {
+        let mut h = h;
+        h.payload_len = parts.iter().map(|p| p.len() as u64).sum();
+        let io = self.io;
+        self.stream
+            .write_all(&h.encode())
+            .map_err(io_err("writing a stage frame", io))?;
+        for p in parts {
+            self.stream
+                .write_all(p)
+                .map_err(io_err("writing a stage frame", io))?;
+        }
+        Ok(())
+    }
+
+    fn send_json<T: Serialize>(&mut self, kind: FrameKind, body: &T) -> Result<(), KvError> {
+        let bytes = serde_json::to_vec(body)
+            .map_err(|e| KvError::Protocol(format!("encode {kind:?}: {e}")))?;
+        self.send(FrameHeader::control(kind, 0, 0), &[&bytes])
+    }
+
+    /// Reads the next header; `Ok(None)` on a clean end of stream between frames.
+    fn header(&mut self) -> Result<Option<FrameHeader>, KvError> {
+        let mut b = [0u8; HEADER_LEN];
+        let io = self.io;
+        let first = self
+            .stream
+            .read(&mut b)
+            .map_err(io_err("waiting for a stage frame", io))?;
+        if first == 0 {
+            return Ok(None);
+        }
+        self.stream
+            .read_exact(&mut b[first..])
+            .map_err(io_err("reading a stage frame header", io))?;
+        FrameHeader::decode(&b).map(Some)
+    }
+
+    /// Reads the next header, failing on end of stream and turning an `Error` frame into its error.
+    fn expect(&mut self, kind: FrameKind) -> Result<FrameHeader, KvError> {
+        let h = self
+            .header()?
+            .ok_or_else(|| KvError::Protocol("stage peer closed the connection".into()))?;
+        if h.kind == FrameKind::Error {
+            let w: WireError = self.json(&h)?;
+            return Err(w.into());
+        }
+        if h.kind != kind {
+            return Err(KvError::Protocol(format!(
+                "expected {kind:?}, got {:?}",
+                h.kind
+            )));
+        }
+        Ok(h)
+    }
+
+    /// Reads `len` payload bytes into `out`.
+    fn read_into(&mut self, out: &mut [u8]) -> Result<(), KvError> {
+        let io = self.io;
+        self.stream
+            .read_exact(out)
+            .map_err(io_err("reading a stage payload", io))
+    }
+
+    /// Reads the whole payload into the reusable buffer.
+    fn payload(&mut self, h: &FrameHeader) -> Result<(), KvError> {
+        let len = usize::try_from(h.payload_len)
+            .map_err(|_| KvError::Protocol("payload too large".into()))?;
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.resize(len, 0);
+        let r = self.read_into(&mut buf);
+        self.buf = buf;
+        r
+    }
+
+    fn json<T: serde::de::DeserializeOwned>(&mut self, h: &FrameHeader) -> Result<T, KvError> {
+        if h.payload_len > MAX_CONTROL_LEN {
+            return Err(KvError::Protocol(format!(
+                "{:?} frame of {} bytes exceeds the control limit",
+                h.kind, h.payload_len
+            )));
+        }
+        self.payload(h)?;
+        serde_json::from_slice(&self.buf)
+            .map_err(|e| KvError::Protocol(format!("decode {:?}: {e}", h.kind)))
+    }
+
+    /// Reads a raw f32 payload into `out` (resized to fit), without an intermediate copy.
+    fn f32_payload(&mut self, len: u64, out: &mut Vec<f32>) -> Result<(), KvError> {
+        if !len.is_multiple_of(4) {
+            return Err(KvError::Protocol(format!(
+                "f32 payload of {len} bytes is not a whole number of floats"
+            )));
+        }
+        out.resize(len as usize / 4, 0.0);
+        self.read_into(bytemuck::cast_slice_mut(out))
+    }
+}
+
+/// The first stage's end of a link to one stage server.
+///
+/// A failed operation (timeout, disconnect, protocol error) poisons the client: the server may have lost
+/// its KV with its process, so silently reconnecting could read garbage blocks. The owner reports the
+/// failure and the worker is restarted (or replaced) as a whole.
+pub struct StageClient {
+    conn: Conn,
+    next_id: u64,
+    peer: SocketAddr,
+    failed: Option<String>,
+}
+
+impl StageClient {
+    /// Connects to `addr` and handshakes with `hello` (the stage this client expects).
+    pub fn connect(
+        addr: impl ToSocketAddrs,
+        hello: &StageHello,
+        timeouts: StageTimeouts,
+    ) -> Result<StageClient, KvError> {
+        let peer = addr
+            .to_socket_addrs()
+            .map_err(io_err("resolving a stage address", timeouts.connect))?
+            .next()
+            .ok_or_else(|| KvError::Protocol("stage address resolves to nothing".into()))?;
+        let stream = TcpStream::connect_timeout(&peer, timeouts.connect)
+            .map_err(io_err("connecting to a stage", timeouts.connect))?;
+        let mut conn = Conn::new(stream, timeouts.io)?;
+        conn.send_json(FrameKind::StageHello, hello)?;
+        let h = conn.expect(FrameKind::StageHelloReply)?;
+        let remote: StageHello = conn.json(&h)?;
+        hello.check_compatible(&remote)?;
+        Ok(StageClient {
+            conn,
+            next_id: 1,
+            peer,
+            failed: None,
+        })
+    }
+
+    /// The server's address.
+    pub fn peer(&self) -> SocketAddr {
+        self.peer
+    }
+
+    fn guarded<T>(
+        &mut self,
+        f: impl FnOnce(&mut Conn, u64) -> Result<T, KvError>,
+    ) -> Result<T, KvError> {
+        if let Some(why) = &self.failed {
+            return Err(KvError::Remote(format!(
+                "stage link to {} failed earlier: {why}",
+                self.peer
+            )));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let r = f(&mut self.conn, id);
+        if let Err(e) = &r {
+            self.failed = Some(e.to_string());
+            let _ = self.conn.stream.shutdown(Shutdown::Both);
+        }
+        r
+    }
+
+    /// Sends `batch` with its hidden states `buf` (tokens × hidden) and replaces `buf` with the reply:
+    /// the next stage's hidden states, or the batch's logits rows from the last stage.
+    pub fn forward(&mut self, batch: &ForwardBatch, buf: &mut Vec<f32>) -> Result<(), KvError> {
+        self.guarded(|c, id| {
+            let meta = serde_json::to_vec(batch)
+                .map_err(|e| KvError::Protocol(format!("encode batch: {e}")))?;
+            let mut h = FrameHeader::control(FrameKind::StageForward, id, 0);
+            h.layer = meta.len() as u32;
+            c.send(h, &[&meta, f32_bytes(buf)])?;
+            let r = c.expect(FrameKind::StageReply)?;
+            if r.transfer_id != id {
+                return Err(KvError::Protocol(format!(
+                    "reply {} to request {id}",
+                    r.transfer_id
+                )));
+            }
+            c.f32_payload(r.payload_len, buf)
+        })
+    }
+
+    /// Copies one (global layer, block) of the stage's KV into `out` (exactly one block's bytes).
+    pub fn export_block(
+        &mut self,
+        layer: usize,
+        block: u32,
+        out: &mut [u8],
+    ) -> Result<(), KvError> {
+        self.guarded(|c, id| {
+            let mut h = FrameHeader::control(FrameKind::StageExport, id, 0);
+            h.layer = layer as u32;
+            h.first_block = block;
+            c.send(h, &[])?;
+            let r = c.expect(FrameKind::StageBlock)?;
+            if r.payload_len != out.len() as u64 {
+                return Err(KvError::Protocol(format!(
+                    "block of {} bytes, expected {}",
+                    r.payload_len,
+                    out.len()
+                )));
+            }
+            c.read_into(out)
+        })
+    }
+
+    /// Overwrites one (global layer, block) of the stage's KV.
+    pub fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), KvError> {
+        self.guarded(|c, id| {
+            let mut h = FrameHeader::control(FrameKind::StageImport, id, 0);
+            h.layer = layer as u32;
+            h.first_block = block;
+            c.send(h, &[data])?;
+            c.expect(FrameKind::StageOk).map(|_| ())
+        })
+    }
+
+    /// Copies block `src` to `dst` in every layer of the stage.
+    pub fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), KvError> {
+        self.guarded(|c, id| {
+            let mut h = FrameHeader::control(FrameKind::StageCopy, id, 0);
+            h.first_block = src;
+            h.n_blocks = dst;
+            c.send(h, &[])?;
+            c.expect(FrameKind::StageOk).map(|_| ())
+        })
+    }
+}
+
+/// What a stage server does with the requests of its link; implemented over the model by the pipeline crate.
+pub trait StageHandler: Send + 'static {
+    /// This stage's handshake. `block_size`/`num_blocks` of 0 mean "not sized yet": the server then calls
+    /// [`StageHandler::size_pool`] with the client's values.
+    fn hello(&self) -> StageHello;
+    /// Allocates the KV pool for the client's block size and count (only while unsized).
+    fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), String>;
+    /// Runs the stage's layers on one batch: `hidden_in` from the previous stage, `out` for the next.
+    fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        hidden_in: &[f32],
+        out: &mut Vec<f32>,
+    ) -> Result<(), String>;
+    /// Bytes of one block of the KV layout.
+    fn block_bytes(&self) -> usize;
+    /// Copies one (global layer, block) out.
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), String>;
+    /// Overwrites one (global layer, block).
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), String>;
+    /// Copies a block across the stage's layers.
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String>;
+}
+
+/// A running stage server: serves one connection at a time (its worker's first stage) until shut down.
+pub struct StageServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    /// The connection being served, so shutdown can cut it.
+    current: Arc<Mutex<Option<TcpStream>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StageServer {
+    /// Starts serving `listener` with `handler` on a thread of its own; `io` bounds each frame read/write
+    /// after the first frame of a request (an idle link waits for the next request indefinitely).
+    pub fn start<H: StageHandler>(
+        listener: TcpListener,
+        handler: H,
+        io: Duration,
+    ) -> Result<StageServer, KvError> {
+        let addr = listener
+            .local_addr()
+            .map_err(io_err("reading the stage listener address", io))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let current = Arc::new(Mutex::new(None));
+        let (s, c) = (stop.clone(), current.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("stage-{addr}"))
+            .spawn(move || accept_loop(listener, handler, io, s, c))
+            .map_err(io_err("spawning the stage server thread", io))?;
+        Ok(StageServer {
+            addr,
+            stop,
+            current,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address clients connect to.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Blocks until the server stops (for a process that only hosts a stage).
+    pub fn join(mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    /// Stops accepting, cuts the connection being served (its client sees a disconnect) and joins.
+    pub fn shutdown(mut self) {
+        self.stop_now();
+    }
+
+    fn stop_now(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(s) = self.current.lock().expect("stage lock").take() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        // Wake the blocking accept.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for StageServer {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            self.stop_now();
+        }
+    }
+}
+
+fn accept_loop<H: StageHandler>(
+    listener: TcpListener,
+    mut handler: H,
+    io: Duration,
+    stop: Arc<AtomicBool>,
+    current: Arc<Mutex<Option<TcpStream>>>,
+) {
+    for stream in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "stage accept failed");
+                continue;
+            }
+        };
+        let peer = stream.peer_addr().ok();
+        match stream.try_clone() {
+            Ok(c) => *current.lock().expect("stage lock") = Some(c),
+            Err(e) => {
+                tracing::warn!(error = %e, "stage socket clone failed");
+                continue;
+            }
+        }
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        match serve_conn(stream, &mut handler, io) {
+            Ok(()) => tracing::info!(?peer, "stage client disconnected"),
+            Err(e) => tracing::warn!(?peer, error = %e, "stage connection ended"),
+        }
+        current.lock().expect("stage lock").take();
+    }
+}
+
+fn serve_conn<H: StageHandler>(
+    stream: TcpStream,
+    handler: &mut H,
+    io: Duration,
+) -> Result<(), KvError> {
+    let mut c = Conn::new(stream, io)?;
+    // The handshake is bounded; afterwards the link may idle between steps.
+    let h = c.expect(FrameKind::StageHello)?;
+    let client: StageHello = c.json(&h)?;
+    let mut mine = handler.hello();
+    if mine.block_size == 0 && mine.num_blocks == 0 {
+        if let Err(e) = handler.size_pool(client.block_size, client.num_blocks) {
+            return refuse(&mut c, KvError::Remote(e));
+        }
+        mine = handler.hello();
+    }
+    if let Err(e) = mine.check_compatible(&client) {
+        return refuse(&mut c, e);
+    }
+    c.send_json(FrameKind::StageHelloReply, &mine)?;
+    c.stream
+        .set_read_timeout(None)
+        .map_err(io_err("configuring a stage socket", io))?;
+    let mut hidden: Vec<f32> = Vec::new();
+    let mut out: Vec<f32> = Vec::new();
+    let mut block: Vec<u8> = Vec::new();
+    loop {
+        let Some(h) = c.header()? else { return Ok(()) };
+        c.stream
+            .set_read_timeout(Some(io))
+            .map_err(io_err("configuring a stage socket", io))?;
+        let reply = match h.kind {
+            FrameKind::StageForward => {
+                let meta_len = h.layer as u64;
+                if meta_len > MAX_CONTROL_LEN || meta_len > h.payload_len {
+                    return Err(KvError::Protocol(format!(
+                        "batch metadata of {meta_len} bytes in a {}-byte frame",
+                        h.payload_len
+                    )));
+                }
+                let mut buf = std::mem::take(&mut c.buf);
+                buf.resize(meta_len as usize, 0);
+                let r = c.read_into(&mut buf);
+                c.buf = buf;
+                r?;
+                let batch: ForwardBatch = serde_json::from_slice(&c.buf)
+                    .map_err(|e| KvError::Protocol(format!("decode batch: {e}")))?;
+                c.f32_payload(h.payload_len - meta_len, &mut hidden)?;
+                handler
+                    .forward(&batch, &hidden, &mut out)
+                    .map(|()| FrameHeader::control(FrameKind::StageReply, h.transfer_id, 0))
+            }
+            FrameKind::StageExport => {
+                block.resize(handler.block_bytes(), 0);
+                handler
+                    .export_block(h.layer as usize, h.first_block, &mut block)
+                    .map(|()| FrameHeader::control(FrameKind::StageBlock, h.transfer_id, 0))
+            }
+            FrameKind::StageImport => {
+                if h.payload_len != handler.block_bytes() as u64 {
+                    return Err(KvError::Protocol(format!(
+                        "import of {} bytes, a block is {}",
+                        h.payload_len,
+                        handler.block_bytes()
+                    )));
+                }
+                c.payload(&h)?;
+                handler
+                    .import_block(h.layer as usize, h.first_block, &c.buf)
+                    .map(|()| FrameHeader::control(FrameKind::StageOk, h.transfer_id, 0))
+            }
+            FrameKind::StageCopy => handler
+                .copy_block(h.first_block, h.n_blocks)
+                .map(|()| FrameHeader::control(FrameKind::StageOk, h.transfer_id, 0)),
+            other => {
+                return refuse(
+                    &mut c,
+                    KvError::Protocol(format!("unexpected {other:?} on a stage link")),
+                )
+            }
+        };
+        match reply {
+            Ok(r) => match r.kind {
+                FrameKind::StageReply => c.send(r, &[f32_bytes(&out)])?,
+                FrameKind::StageBlock => c.send(r, &[&block])?,
+                _ => c.send(r, &[])?,
+            },
+            Err(e) => return refuse(&mut c, KvError::Remote(e)),
+        }
+        c.stream
+            .set_read_timeout(None)
+            .map_err(io_err("configuring a stage socket", io))?;
+    }
+}
+
+/// Sends the error to the client, then closes (returning the error for the server's log).
+fn refuse(c: &mut Conn, e: KvError) -> Result<(), KvError> {
+    let _ = c.send_json(FrameKind::Error, &WireError::from(&e));
+    Err(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello() -> StageHello {
+        StageHello {
+            model_id: "m".into(),
+            stage: 1,
+            stages: 2,
+            layer_start: 2,
+            layer_end: 4,
+            hidden_size: 3,
+            block_size: 4,
+            num_blocks: 8,
+        }
+    }
+
+    /// Doubles the hidden states; KV is one byte vector per (layer, block) of 4 bytes.
+    struct Doubler {
+        sized: bool,
+        kv: Vec<u8>,
+        /// How long each forward stalls, to play a frozen stage.
+        stall: Duration,
+    }
+
+    impl StageHandler for Doubler {
+        fn hello(&self) -> StageHello {
+            let mut h = hello();
+            if !self.sized {
+                h.block_size = 0;
+                h.num_blocks = 0;
+            }
+            h
+        }
+        fn size_pool(&mut self, _: usize, num_blocks: usize) -> Result<(), String> {
+            self.sized = true;
+            self.kv = vec![0; 2 * num_blocks * 4];
+            Ok(())
+        }
+        fn forward(
+            &mut self,
+            b: &ForwardBatch,
+            x: &[f32],
+            out: &mut Vec<f32>,
+        ) -> Result<(), String> {
+            std::thread::sleep(self.stall);
+            if x.len() != b.tokens.len() * 3 {
+                return Err("bad hidden".into());
+            }
+            out.clear();
+            out.extend(x.iter().map(|v| v * 2.0));
+            Ok(())
+        }
+        fn block_bytes(&self) -> usize {
+            4
+        }
+        fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), String> {
+            let at = ((layer - 2) * 8 + block as usize) * 4;
+            out.copy_from_slice(self.kv.get(at..at + 4).ok_or("no such layer")?);
+            Ok(())
+        }
+        fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), String> {
+            if !(2..4).contains(&layer) {
+                return Err(format!("layer {layer} is not on this stage"));
+            }
+            let at = ((layer - 2) * 8 + block as usize) * 4;
+            self.kv[at..at + 4].copy_from_slice(data);
+            Ok(())
+        }
+        fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String> {
+            for l in 2..4 {
+                let mut b = [0u8; 4];
+                self.export_block(l, src, &mut b)?;
+                self.import_block(l, dst, &b)?;
+            }
+            Ok(())
+        }
+    }
+
+    fn server() -> StageServer {
+        stalling_server(Duration::ZERO)
+    }
+
+    fn stalling_server(stall: Duration) -> StageServer {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        StageServer::start(
+            l,
+            Doubler {
+                sized: false,
+                kv: Vec::new(),
+                stall,
+            },
+            Duration::from_secs(5),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn forward_and_blocks_round_trip() {
+        let s = server();
+        let mut c = StageClient::connect(s.addr(), &hello(), StageTimeouts::default()).unwrap();
+        let mut b = ForwardBatch::default();
+        b.push(&[1, 2], 0, vec![0], tandem_model::LogitsWanted::Last);
+        let mut buf = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.5];
+        c.forward(&b, &mut buf).unwrap();
+        assert_eq!(buf, [2.0, 4.0, 6.0, 8.0, 10.0, 13.0]);
+        c.import_block(3, 5, &[9, 8, 7, 6]).unwrap();
+        c.copy_block(5, 6).unwrap();
+        let mut out = [0u8; 4];
+        c.export_block(3, 6, &mut out).unwrap();
+        assert_eq!(out, [9, 8, 7, 6]);
+        let e = c.import_block(0, 1, &[0; 4]).unwrap_err().to_string();
+        assert!(e.contains("layer 0 is not on this stage"), "{e}");
+        // The failure poisons the link.
+        assert!(c.copy_block(1, 2).is_err());
+        // A second client of the now sized server must agree on the pool size.
+        let mut other = hello();
+        other.num_blocks = 9;
+        match StageClient::connect(s.addr(), &other, StageTimeouts::default()) {
+            Err(KvError::Remote(m)) => assert!(m.contains("`num_blocks`"), "{m}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("mismatch accepted"),
+        }
+        other = hello();
+        other.layer_start = 1;
+        let e = StageClient::connect(s.addr(), &other, StageTimeouts::default())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("`layer_start`"), "{e}");
+        s.shutdown();
+    }
+
+    #[test]
+    fn a_dead_or_silent_server_is_an_error_not_a_hang() {
+        let s = server();
+        let mut c = StageClient::connect(s.addr(), &hello(), StageTimeouts::default()).unwrap();
+        s.shutdown();
+        let mut b = ForwardBatch::default();
+        b.push(&[1], 0, vec![0], tandem_model::LogitsWanted::Last);
+        let t = std::time::Instant::now();
+        assert!(c.forward(&b, &mut vec![0.0; 3]).is_err());
+        assert!(t.elapsed() < Duration::from_secs(5));
+        // A peer that accepts but never answers: the handshake times out.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let hold = std::thread::spawn(move || l.accept().map(|(s, _)| s));
+        let to = StageTimeouts {
+            connect: Duration::from_secs(1),
+            io: Duration::from_millis(300),
+        };
+        let e = StageClient::connect(addr, &hello(), to).err().unwrap();
+        assert!(matches!(e, KvError::Timeout { .. }), "{e}");
+        drop(hold.join());
+        // A stage that handshakes but then stalls in a forward: the forward times out.
+        let s = stalling_server(Duration::from_secs(2));
+        let mut c = StageClient::connect(s.addr(), &hello(), to).unwrap();
+        let t = std::time::Instant::now();
+        let e = c.forward(&b, &mut vec![0.0; 3]).unwrap_err();
+        assert!(matches!(e, KvError::Timeout { .. }), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    }
+}

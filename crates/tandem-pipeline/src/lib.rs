@@ -1,0 +1,613 @@
+//! Pipeline parallelism on CPU: the model's layers cut into contiguous stages ([`Partition::stage`]), the
+//! first stage inside the worker's engine thread and every later stage in a stage server process
+//! ([`serve_stage`], `tandem stage`), possibly on another host.
+//!
+//! [`PipelineBackend`] implements the engine's `Backend`, so the engine, its block pool and the P/D
+//! machinery do not know the model is split: `kv_layout()` is the whole model's (every stage holds the
+//! same block ids for its own layers), and block export/import/copy are routed to the stage that owns
+//! the layer, so KV leaves a pipelined worker in the canonical layout.
+//!
+//! **Routing is a star through the first stage**, not a chain: the first stage sends micro-batch `i` to
+//! stage 1, takes its hidden states back, sends them to stage 2, and so on; the last stage's logits come
+//! back the same way. Why: the stage servers stay plain request/reply servers that only ever talk to their
+//! worker (no stage-to-stage addresses, handshakes or failure paths), the worker sees every failure on its
+//! own links and fails the step with the stage's name, and KV export/import already needs a link from the
+//! worker to every stage. The cost is one extra hop of the hidden states per stage boundary beyond the
+//! first (tokens × hidden × 4 bytes, 2.3 KiB per decode token for SmolLM2-135M), nothing for two stages.
+//!
+//! **Micro-batching:** a step's sequences are cut into `micro_batches` contiguous groups of about equal
+//! token counts (fewer when the step is small: see [`PipelineConfig::min_micro_batch_tokens`]). The first
+//! stage computes group `i + 1` while a link thread per later stage carries group `i` through its stage,
+//! so stages overlap; logits rows are put back in batch order. Cutting between sequences is exact: every
+//! row of the kernels is computed the same whatever the batch around it, and attention reads only its own
+//! sequence's blocks, so pipelined logits equal the whole model's bit for bit.
+//!
+//! The KV budget (`kv_cache_bytes`) is the whole model's, as without pipelining, so a pipelined worker has
+//! the same number of blocks as an unsplit one; each stage allocates only its layers' share of it.
+
+use std::net::TcpListener;
+use std::sync::mpsc;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tandem_engine::{Backend, BackendError};
+use tandem_kv::stage::{StageClient, StageHandler, StageHello, StageServer, StageTimeouts};
+use tandem_kv::KvError;
+use tandem_model::{
+    CpuLlama, ForwardBatch, KvCache, KvDtype, KvLayout, LlamaWeights, ModelConfig, ModelError,
+    ModelIdentity, Partition,
+};
+
+/// Why a pipeline could not be built or a stage could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// The model does not split as asked, or a stage failed to build.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// A stage link failed to connect or handshake (a mismatch names the field).
+    #[error("pipeline stage {stage} at {addr}: {source}")]
+    Link {
+        /// Index of the stage.
+        stage: usize,
+        /// Address the worker dialled.
+        addr: String,
+        /// The link's error.
+        #[source]
+        source: KvError,
+    },
+    /// The settings do not describe a pipeline.
+    #[error("pipeline configuration: {0}")]
+    Config(String),
+}
+
+/// Default of [`PipelineConfig::min_micro_batch_tokens`]: on the 2-core dev machine splitting 8 decode
+/// tokens into 2 micro-batches lost 5% of decode speed while splitting 512 prefill tokens into 4 gained 75%
+/// (`examples/pp_decode.rs`).
+pub const DEFAULT_MIN_MICRO_BATCH_TOKENS: usize = 32;
+
+/// How the first stage builds its pipeline.
+#[derive(Clone, Debug)]
+pub struct PipelineConfig {
+    /// Micro-batches per step; 0 means one per stage.
+    pub micro_batches: usize,
+    /// Fewest tokens worth a micro-batch of their own: a step of fewer than `2 ×` this many is not split.
+    /// On CPU a small step (decode) costs about one read of the weights whatever its row count, so cutting
+    /// it only multiplies the weight reads; a prefill chunk is compute-bound and gains from the overlap.
+    pub min_micro_batch_tokens: usize,
+    /// Kernel threads of the first stage (0 = all cores).
+    pub threads: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV budget of the whole model, across all stages.
+    pub kv_cache_bytes: usize,
+    /// Deadlines of every stage link.
+    pub timeouts: StageTimeouts,
+}
+
+/// The handshake both ends of the link to `stage` agree on.
+fn hello(
+    config: &ModelConfig,
+    identity: &ModelIdentity,
+    part: &Partition,
+    stage: usize,
+    stages: usize,
+    block_size: usize,
+    num_blocks: usize,
+) -> StageHello {
+    StageHello {
+        model_id: identity.0.clone(),
+        stage,
+        stages,
+        layer_start: part.layers.start,
+        layer_end: part.layers.end,
+        hidden_size: config.hidden_size,
+        block_size,
+        num_blocks,
+    }
+}
+
+/// A remote stage as the first stage sees it.
+struct Link {
+    stage: usize,
+    layers: std::ops::Range<usize>,
+    /// Locked only by the engine thread (block operations) or by the step's link thread, never both at once.
+    client: Mutex<StageClient>,
+}
+
+impl Link {
+    fn err(&self, what: &str, e: KvError) -> BackendError {
+        let addr = self.client.lock().map(|c| c.peer().to_string());
+        BackendError::new(format!(
+            "pipeline stage {} ({}) {what}: {e}",
+            self.stage,
+            addr.unwrap_or_default()
+        ))
+    }
+}
+
+/// The engine's `Backend` over a pipeline: the first stage computed here, later stages over their links.
+pub struct PipelineBackend {
+    model: CpuLlama,
+    kv: KvCache,
+    links: Vec<Link>,
+    layout: KvLayout,
+    micro_batches: usize,
+    min_micro_batch_tokens: usize,
+    eos: Vec<u32>,
+    vocab: usize,
+    max_len: usize,
+    /// The step's micro-batches, reused across steps.
+    mbs: Vec<ForwardBatch>,
+    /// Per micro-batch: hidden states on the way out, logits on the way back; reused across steps.
+    bufs: Vec<Vec<f32>>,
+    /// Whatever must live exactly as long as the backend (the stage processes a worker started);
+    /// declared last so the links close before it drops.
+    keep_alive: Option<Box<dyn Send>>,
+}
+
+impl std::fmt::Debug for PipelineBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PipelineBackend")
+            .field("stages", &(self.links.len() + 1))
+            .field("micro_batches", &self.micro_batches)
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+impl PipelineBackend {
+    /// Builds the first stage of `stage_addrs.len() + 1` stages and connects to the servers of the
+    /// others (in stage order), checking model identity, stage, layers and KV pool at each handshake.
+    pub fn connect(
+        config: &ModelConfig,
+        weights: &LlamaWeights,
+        identity: &ModelIdentity,
+        stage_addrs: &[String],
+        cfg: &PipelineConfig,
+    ) -> Result<PipelineBackend, PipelineError> {
+        let stages = stage_addrs.len() + 1;
+        if cfg.block_size == 0 {
+            return Err(PipelineError::Config("block_size 0".into()));
+        }
+        let num_blocks = KvLayout::blocks_for_budget(
+            cfg.kv_cache_bytes,
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            cfg.block_size,
+            KvDtype::F32,
+        );
+        let first = Partition::stage(config, 0, stages)?;
+        let model = CpuLlama::partitioned(config.clone(), weights, cfg.threads, first, None)?;
+        let kv = KvCache::new(model.kv_layout(cfg.block_size, num_blocks));
+        let mut links = Vec::with_capacity(stages - 1);
+        for (i, addr) in stage_addrs.iter().enumerate() {
+            let stage = i + 1;
+            let part = Partition::stage(config, stage, stages)?;
+            let h = hello(
+                config,
+                identity,
+                &part,
+                stage,
+                stages,
+                cfg.block_size,
+                num_blocks,
+            );
+            let client =
+                StageClient::connect(addr.as_str(), &h, cfg.timeouts).map_err(|source| {
+                    PipelineError::Link {
+                        stage,
+                        addr: addr.clone(),
+                        source,
+                    }
+                })?;
+            tracing::info!(stage, addr = %addr, layers = ?part.layers, "pipeline stage connected");
+            links.push(Link {
+                stage,
+                layers: part.layers,
+                client: Mutex::new(client),
+            });
+        }
+        let micro_batches = if cfg.micro_batches == 0 {
+            stages
+        } else {
+            cfg.micro_batches
+        };
+        tracing::info!(stages, micro_batches, num_blocks, "pipeline ready");
+        Ok(PipelineBackend {
+            model,
+            kv,
+            links,
+            layout: KvLayout {
+                n_layers: config.num_layers,
+                n_kv_heads: config.num_kv_heads,
+                head_dim: config.head_dim,
+                block_size: cfg.block_size,
+                num_blocks,
+                dtype: KvDtype::F32,
+            },
+            micro_batches,
+            min_micro_batch_tokens: cfg.min_micro_batch_tokens,
+            eos: config.eos_token_ids.clone(),
+            vocab: config.vocab_size,
+            max_len: config.max_position_embeddings,
+            mbs: Vec::new(),
+            bufs: Vec::new(),
+            keep_alive: None,
+        })
+    }
+
+    /// Ties `guard` (e.g. the stage processes serving this pipeline) to the backend's lifetime.
+    pub fn keep_alive(&mut self, guard: Box<dyn Send>) {
+        self.keep_alive = Some(guard);
+    }
+
+    /// Pipeline stages, this one included.
+    pub fn stages(&self) -> usize {
+        self.links.len() + 1
+    }
+
+    /// The link owning global `layer`, or None for the local first stage.
+    fn owner(&self, layer: usize) -> Result<Option<&Link>, BackendError> {
+        if self.model.partition().layers.contains(&layer) {
+            return Ok(None);
+        }
+        self.links
+            .iter()
+            .find(|l| l.layers.contains(&layer))
+            .map(Some)
+            .ok_or_else(|| BackendError::new(format!("layer {layer} beyond the model")))
+    }
+
+    fn check_block(&self, block: u32) -> Result<(), BackendError> {
+        if (block as usize) < self.layout.num_blocks {
+            Ok(())
+        } else {
+            Err(BackendError::new(format!(
+                "block {block} beyond the pool of {}",
+                self.layout.num_blocks
+            )))
+        }
+    }
+}
+
+/// Cuts `batch`'s sequences into at most `m` contiguous non-empty groups of about equal token counts
+/// (into the reused `mbs`); returns how many groups were filled.
+fn split(batch: &ForwardBatch, m: usize, mbs: &mut Vec<ForwardBatch>) -> usize {
+    let n = batch.seqs.len();
+    let m = m.clamp(1, n.max(1));
+    if mbs.len() < m {
+        mbs.resize_with(m, ForwardBatch::default);
+    }
+    for mb in mbs.iter_mut().take(m) {
+        mb.clear();
+    }
+    let total = batch.tokens.len().max(1);
+    let (mut j, mut acc) = (0, 0);
+    for (k, s) in batch.seqs.iter().enumerate() {
+        mbs[j].push(
+            &batch.tokens[s.tokens.clone()],
+            s.pos,
+            s.blocks.clone(),
+            s.logits,
+        );
+        acc += s.tokens.len();
+        let (left_seqs, left_mbs) = (n - k - 1, m - j - 1);
+        if left_mbs > 0 && (acc * m >= total * (j + 1) || left_seqs == left_mbs) {
+            j += 1;
+        }
+    }
+    j + 1
+}
+
+impl Backend for PipelineBackend {
+    fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.max_len
+    }
+
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        logits.clear();
+        let to_err = |e: ModelError| BackendError::new(format!("pipeline stage 0: {e}"));
+        if self.links.is_empty() {
+            return self
+                .model
+                .forward_stage(batch, &mut self.kv, None, logits)
+                .map_err(to_err);
+        }
+        if batch.seqs.is_empty() {
+            return Ok(());
+        }
+        let worth = batch.tokens.len() / self.min_micro_batch_tokens.max(1);
+        let m = split(batch, self.micro_batches.min(worth), &mut self.mbs);
+        if self.bufs.len() < m {
+            self.bufs.resize_with(m, Vec::new);
+        }
+        let PipelineBackend {
+            model,
+            kv,
+            links,
+            mbs,
+            bufs,
+            ..
+        } = self;
+        let mbs = &mbs[..m];
+        let result = std::thread::scope(|s| {
+            // First stage → link thread of stage 1 → ... → the last link thread → back here.
+            let (tx_first, mut rx) = mpsc::channel::<(usize, Vec<f32>)>();
+            let mut threads = Vec::with_capacity(links.len());
+            for link in links.iter_mut() {
+                let (tx, rx_next) = mpsc::channel::<(usize, Vec<f32>)>();
+                let rx_in = std::mem::replace(&mut rx, rx_next);
+                threads.push(s.spawn(move || -> Result<(), BackendError> {
+                    let stage = link.stage;
+                    let client = link.client.get_mut().map_err(|_| {
+                        BackendError::new(format!("pipeline stage {stage}: link lock poisoned"))
+                    })?;
+                    for (i, mut buf) in rx_in {
+                        client.forward(&mbs[i], &mut buf).map_err(|e| {
+                            BackendError::new(format!(
+                                "pipeline stage {stage} ({}) forward: {e}",
+                                client.peer()
+                            ))
+                        })?;
+                        if tx.send((i, buf)).is_err() {
+                            break;
+                        }
+                    }
+                    Ok(())
+                }));
+            }
+            let mut first_err = None;
+            for (i, mb) in mbs.iter().enumerate() {
+                let mut buf = std::mem::take(&mut bufs[i]);
+                if let Err(e) = model.forward_stage(mb, kv, None, &mut buf) {
+                    first_err = Some(to_err(e));
+                    break;
+                }
+                if tx_first.send((i, buf)).is_err() {
+                    break;
+                }
+            }
+            drop(tx_first);
+            let mut done = 0;
+            for (i, buf) in rx {
+                bufs[i] = buf;
+                done += 1;
+            }
+            for t in threads {
+                let r = t
+                    .join()
+                    .unwrap_or_else(|_| Err(BackendError::new("pipeline link thread panicked")));
+                if let (Err(e), None) = (r, &first_err) {
+                    first_err = Some(e);
+                }
+            }
+            match first_err {
+                Some(e) => Err(e),
+                None if done != m => Err(BackendError::new(format!(
+                    "pipeline returned {done} of {m} micro-batches"
+                ))),
+                None => Ok(()),
+            }
+        });
+        result?;
+        for b in &self.bufs[..m] {
+            logits.extend_from_slice(b);
+        }
+        Ok(())
+    }
+
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
+        self.check_block(block)?;
+        match self.owner(layer)? {
+            None => {
+                self.kv.export_block(layer, block, out);
+                Ok(())
+            }
+            Some(link) => {
+                let r = link
+                    .client
+                    .lock()
+                    .map_err(|_| BackendError::new("pipeline link lock poisoned"))?
+                    .export_block(layer, block, out);
+                r.map_err(|e| link.err("export", e))
+            }
+        }
+    }
+
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
+        self.check_block(block)?;
+        match self.owner(layer)? {
+            None => {
+                self.kv.import_block(layer, block, data);
+                Ok(())
+            }
+            Some(link) => {
+                let r = link
+                    .client
+                    .lock()
+                    .map_err(|_| BackendError::new("pipeline link lock poisoned"))?
+                    .import_block(layer, block, data);
+                r.map_err(|e| link.err("import", e))
+            }
+        }
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
+        self.check_block(src)?;
+        self.check_block(dst)?;
+        self.kv.copy_block(src, dst);
+        for link in &self.links {
+            let r = link
+                .client
+                .lock()
+                .map_err(|_| BackendError::new("pipeline link lock poisoned"))?
+                .copy_block(src, dst);
+            r.map_err(|e| link.err("copy", e))?;
+        }
+        Ok(())
+    }
+}
+
+/// One later stage's model and KV, answering its link's requests.
+struct StageModel {
+    model: CpuLlama,
+    kv: Option<KvCache>,
+    model_id: ModelIdentity,
+    stage: usize,
+    stages: usize,
+}
+
+impl StageModel {
+    fn kv(&self) -> Result<&KvCache, String> {
+        self.kv
+            .as_ref()
+            .ok_or_else(|| "the stage's KV pool is not sized".to_string())
+    }
+
+    /// The stage-local index of global `layer`, and a bounds check of `block`.
+    fn locate(&self, layer: usize, block: u32) -> Result<usize, String> {
+        let layers = &self.model.partition().layers;
+        if !layers.contains(&layer) {
+            return Err(format!(
+                "layer {layer} is not on stage {} (layers {layers:?})",
+                self.stage
+            ));
+        }
+        let nb = self.kv()?.layout().num_blocks;
+        if block as usize >= nb {
+            return Err(format!("block {block} beyond the pool of {nb}"));
+        }
+        Ok(layer - layers.start)
+    }
+}
+
+impl StageHandler for StageModel {
+    fn hello(&self) -> StageHello {
+        let (bs, nb) = self.kv.as_ref().map_or((0, 0), |kv| {
+            (kv.layout().block_size, kv.layout().num_blocks)
+        });
+        hello(
+            self.model.config(),
+            &self.model_id,
+            self.model.partition(),
+            self.stage,
+            self.stages,
+            bs,
+            nb,
+        )
+    }
+
+    fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), String> {
+        if block_size == 0 || num_blocks == 0 {
+            return Err(format!(
+                "a KV pool of {num_blocks} blocks of {block_size} tokens"
+            ));
+        }
+        let layout = self.model.kv_layout(block_size, num_blocks);
+        tracing::info!(
+            stage = self.stage,
+            num_blocks,
+            block_size,
+            "stage KV cache allocated"
+        );
+        self.kv = Some(KvCache::new(layout));
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        hidden_in: &[f32],
+        out: &mut Vec<f32>,
+    ) -> Result<(), String> {
+        let kv = self
+            .kv
+            .as_mut()
+            .ok_or_else(|| "the stage's KV pool is not sized".to_string())?;
+        self.model
+            .forward_stage(batch, kv, Some(hidden_in), out)
+            .map_err(|e| e.to_string())
+    }
+
+    fn block_bytes(&self) -> usize {
+        self.kv.as_ref().map_or(0, |kv| kv.layout().block_bytes())
+    }
+
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), String> {
+        let l = self.locate(layer, block)?;
+        self.kv()?.export_block(l, block, out);
+        Ok(())
+    }
+
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), String> {
+        let l = self.locate(layer, block)?;
+        if let Some(kv) = self.kv.as_mut() {
+            kv.import_block(l, block, data);
+        }
+        Ok(())
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String> {
+        let first = self.model.partition().layers.start;
+        self.locate(first, src)?;
+        self.locate(first, dst)?;
+        if let Some(kv) = self.kv.as_mut() {
+            kv.copy_block(src, dst);
+        }
+        Ok(())
+    }
+}
+
+/// Hosts stage `stage` (≥ 1) of `stages` on `listener`: builds that stage's layers of the model and serves
+/// its worker's link until shut down. The KV pool is sized by the first worker that connects.
+#[allow(clippy::too_many_arguments)]
+pub fn serve_stage(
+    config: &ModelConfig,
+    weights: &LlamaWeights,
+    identity: &ModelIdentity,
+    stage: usize,
+    stages: usize,
+    threads: usize,
+    listener: TcpListener,
+    io: Duration,
+) -> Result<StageServer, PipelineError> {
+    if stage == 0 {
+        return Err(PipelineError::Config(
+            "stage 0 runs inside the worker; a stage server hosts stages 1 and later".into(),
+        ));
+    }
+    let part = Partition::stage(config, stage, stages)?;
+    let layers = part.layers.clone();
+    let model = CpuLlama::partitioned(config.clone(), weights, threads, part, None)?;
+    let handler = StageModel {
+        model,
+        kv: None,
+        model_id: identity.clone(),
+        stage,
+        stages,
+    };
+    let server =
+        StageServer::start(listener, handler, io).map_err(|source| PipelineError::Link {
+            stage,
+            addr: "listener".into(),
+            source,
+        })?;
+    tracing::info!(stage, stages, ?layers, addr = %server.addr(), "pipeline stage serving");
+    Ok(server)
+}
+
+#[cfg(test)]
+mod tests;

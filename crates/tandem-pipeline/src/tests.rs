@@ -1,0 +1,272 @@
+use super::*;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use tandem_engine::CpuBackend;
+use tandem_model::{LoadedModel, LogitsWanted};
+
+/// The default model, loaded once per test binary; None (tests skip) when the file is absent.
+fn model() -> Option<&'static LoadedModel> {
+    static MODEL: OnceLock<Option<LoadedModel>> = OnceLock::new();
+    MODEL
+        .get_or_init(|| {
+            let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+            if !path.exists() {
+                eprintln!(
+                    "skipping pipeline tests: {} is absent (run scripts/fetch-model.sh)",
+                    path.display()
+                );
+                return None;
+            }
+            Some(tandem_model::load(&path, &tandem_model::LoadOptions::default()).unwrap())
+        })
+        .as_ref()
+}
+
+const BLOCK: usize = 4;
+const BLOCKS: usize = 64;
+
+fn budget(m: &LoadedModel) -> usize {
+    let c = &m.config;
+    BLOCKS * c.num_layers * 2 * c.num_kv_heads * BLOCK * c.head_dim * 4
+}
+
+fn servers(m: &LoadedModel, stages: usize) -> Vec<StageServer> {
+    (1..stages)
+        .map(|s| {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            serve_stage(
+                &m.config,
+                &m.weights,
+                &m.identity,
+                s,
+                stages,
+                1,
+                l,
+                Duration::from_secs(30),
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+fn pipeline(m: &LoadedModel, servers: &[StageServer], micro_batches: usize) -> PipelineBackend {
+    let addrs: Vec<String> = servers.iter().map(|s| s.addr().to_string()).collect();
+    let cfg = PipelineConfig {
+        micro_batches,
+        min_micro_batch_tokens: 1,
+        threads: 1,
+        block_size: BLOCK,
+        kv_cache_bytes: budget(m),
+        timeouts: StageTimeouts {
+            connect: Duration::from_secs(2),
+            io: Duration::from_secs(30),
+        },
+    };
+    PipelineBackend::connect(&m.config, &m.weights, &m.identity, &addrs, &cfg).unwrap()
+}
+
+fn reference(m: &LoadedModel) -> CpuBackend {
+    CpuBackend::new(
+        CpuLlama::new(m.config.clone(), m.weights.clone(), 1),
+        BLOCK,
+        budget(m),
+    )
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Three sequences: two prefill chunks each (the first wanting no logits, one wanting all rows), then
+/// greedy decode steps; every step's logits of `b` must equal `a`'s bit for bit.
+fn run_same(a: &mut dyn Backend, b: &mut dyn Backend, decode_steps: usize) {
+    let prompts: [Vec<u32>; 3] = [
+        (0..13).map(|i| 100 + i * 7).collect(),
+        (0..5).map(|i| 2000 + i * 3).collect(),
+        (0..9).map(|i| 500 + i * 11).collect(),
+    ];
+    let table = |s: usize| -> Vec<u32> { (0..16).map(|i| (s * 16 + i) as u32).collect() };
+    let mut pos = [0usize; 3];
+    let mut next = [0u32; 3];
+    let (mut la, mut lb) = (Vec::new(), Vec::new());
+    let vocab = a.vocab_size();
+    // Prefill in two chunks: the first three tokens, then the rest.
+    for chunk in 0..2 {
+        let mut batch = ForwardBatch::default();
+        for (s, p) in prompts.iter().enumerate() {
+            let r = if chunk == 0 { 0..3 } else { 3..p.len() };
+            let logits = match (chunk, s) {
+                (0, _) => LogitsWanted::None,
+                (_, 1) => LogitsWanted::All,
+                _ => LogitsWanted::Last,
+            };
+            batch.push(&p[r.clone()], pos[s], table(s), logits);
+            pos[s] += r.len();
+        }
+        a.forward(&batch, &mut la).unwrap();
+        b.forward(&batch, &mut lb).unwrap();
+        assert_eq!(la.len(), batch.logits_rows() * vocab);
+        assert!(la == lb, "prefill chunk {chunk}: logits differ");
+        if chunk == 1 {
+            let rows: Vec<&[f32]> = la.chunks(vocab).collect();
+            next = [
+                argmax(rows[0]),
+                argmax(rows[rows.len() - 2]),
+                argmax(rows[rows.len() - 1]),
+            ];
+        }
+    }
+    for step in 0..decode_steps {
+        let mut batch = ForwardBatch::default();
+        for s in 0..3 {
+            batch.push(&[next[s]], pos[s], table(s), LogitsWanted::Last);
+            pos[s] += 1;
+        }
+        a.forward(&batch, &mut la).unwrap();
+        b.forward(&batch, &mut lb).unwrap();
+        assert!(la == lb, "decode step {step}: logits differ");
+        for (s, row) in la.chunks(vocab).enumerate() {
+            next[s] = argmax(row);
+        }
+    }
+}
+
+#[test]
+fn pipelined_logits_equal_the_whole_model_bit_for_bit() {
+    let Some(m) = model() else { return };
+    for (stages, micro_batches) in [(2, 0), (2, 1), (3, 3), (2, 5)] {
+        let srv = servers(m, stages);
+        let mut p = pipeline(m, &srv, micro_batches);
+        assert_eq!(p.stages(), stages);
+        let mut r = reference(m);
+        assert_eq!(p.kv_layout(), r.kv_layout());
+        run_same(&mut r, &mut p, 3);
+    }
+}
+
+#[test]
+fn splits_keep_order_and_balance_tokens() {
+    let mut batch = ForwardBatch::default();
+    for (i, n) in [10usize, 1, 1, 1, 9, 2].into_iter().enumerate() {
+        batch.push(&vec![i as u32; n], 0, vec![0], LogitsWanted::Last);
+    }
+    let mut mbs = Vec::new();
+    let m = split(&batch, 2, &mut mbs);
+    assert_eq!(m, 2);
+    let seqs: Vec<usize> = mbs[..m].iter().map(|b| b.seqs.len()).collect();
+    assert_eq!(seqs, [3, 3]);
+    let tokens: Vec<u32> = mbs[..m].iter().flat_map(|b| b.tokens.clone()).collect();
+    assert_eq!(tokens, batch.tokens);
+    // More micro-batches than sequences: one sequence each.
+    assert_eq!(split(&batch, 9, &mut mbs), 6);
+    assert!(mbs[..6].iter().all(|b| b.seqs.len() == 1));
+}
+
+#[test]
+fn blocks_of_a_remote_stage_export_import_and_copy() {
+    let Some(m) = model() else { return };
+    let srv = servers(m, 2);
+    let mut p = pipeline(m, &srv, 2);
+    let mut r = reference(m);
+    run_same(&mut r, &mut p, 1);
+    let bytes = p.kv_layout().block_bytes();
+    let last = m.config.num_layers - 1;
+    let (mut want, mut got) = (vec![0u8; bytes], vec![0u8; bytes]);
+    // Sequence 0 wrote block 0 in every layer: layer 0 is local, the last layer is on stage 1.
+    for layer in [0, last] {
+        r.export_block(layer, 0, &mut want).unwrap();
+        p.export_block(layer, 0, &mut got).unwrap();
+        assert!(got == want, "layer {layer} exported differently");
+        assert!(want.iter().any(|&b| b != 0));
+    }
+    // Import into a free block of the remote stage, read it back, then copy it.
+    p.import_block(last, 40, &want).unwrap();
+    p.export_block(last, 40, &mut got).unwrap();
+    assert!(got == want);
+    p.copy_block(40, 41).unwrap();
+    p.export_block(last, 41, &mut got).unwrap();
+    assert!(got == want);
+    let e = p.export_block(last + 1, 0, &mut got).unwrap_err();
+    assert!(e.message.contains("beyond the model"), "{e}");
+}
+
+#[test]
+fn a_killed_stage_fails_the_step_within_a_bound() {
+    let Some(m) = model() else { return };
+    let mut srv = servers(m, 2);
+    let mut p = pipeline(m, &srv, 2);
+    let mut r = reference(m);
+    run_same(&mut r, &mut p, 1);
+    srv.pop().unwrap().shutdown();
+    let mut batch = ForwardBatch::default();
+    batch.push(&[1, 2, 3], 0, vec![0], LogitsWanted::Last);
+    batch.push(&[4, 5], 0, vec![1], LogitsWanted::Last);
+    let mut logits = Vec::new();
+    let t = Instant::now();
+    let e = p.forward(&batch, &mut logits).unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert!(e.message.contains("pipeline stage 1"), "{e}");
+    // The link stays failed: the stage's KV went with it.
+    let e = p.forward(&batch, &mut logits).unwrap_err();
+    assert!(e.message.contains("failed earlier"), "{e}");
+    let mut out = vec![0u8; p.kv_layout().block_bytes()];
+    assert!(p
+        .export_block(m.config.num_layers - 1, 0, &mut out)
+        .is_err());
+}
+
+#[test]
+fn a_mismatched_stage_is_refused_naming_the_field() {
+    let Some(m) = model() else { return };
+    // A server for stage 1 of 3 behind a worker that expects stage 1 of 2.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let srv = serve_stage(
+        &m.config,
+        &m.weights,
+        &m.identity,
+        1,
+        3,
+        1,
+        l,
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    let cfg = PipelineConfig {
+        micro_batches: 0,
+        min_micro_batch_tokens: 1,
+        threads: 1,
+        block_size: BLOCK,
+        kv_cache_bytes: budget(m),
+        timeouts: StageTimeouts::default(),
+    };
+    let e = PipelineBackend::connect(
+        &m.config,
+        &m.weights,
+        &m.identity,
+        &[srv.addr().to_string()],
+        &cfg,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("`stages`"), "{e}");
+    let other = ModelIdentity("another-model".into());
+    let e = PipelineBackend::connect(
+        &m.config,
+        &m.weights,
+        &other,
+        &[srv.addr().to_string()],
+        &cfg,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("`model_id`"), "{e}");
+}

@@ -1,0 +1,242 @@
+//! Pipeline parallelism across real processes on loopback: `tandem serve` with `pipeline_parallel_size: 2`
+//! starts a `tandem stage` process for layers 15..30 and must answer the OpenAI API with the same greedy
+//! tokens as the unsplit model, colocated and in a P/D deployment whose prefill and decode workers are
+//! both pipelined (so KV of the remote stage's layers is exported and imported through the stage links).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tandem");
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn model() -> Option<PathBuf> {
+    let path = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !path.is_file() {
+        eprintln!(
+            "skipping: {} is absent (run scripts/fetch-model.sh)",
+            path.display()
+        );
+        return None;
+    }
+    Some(path)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A running `tandem serve`, killed on drop (its workers and stages exit when their pipes close).
+struct Server {
+    child: Child,
+    url: String,
+    log: PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    fn start(dir: &Path, name: &str, yaml: &str) -> Server {
+        let config = dir.join(format!("{name}.yaml"));
+        std::fs::write(&config, yaml).unwrap();
+        let log = dir.join(format!("{name}.log"));
+        let port = free_port();
+        let child = Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&config)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("tandem serve starts");
+        let mut server = Server {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(300);
+        loop {
+            if let Some(status) = server.child.try_wait().unwrap() {
+                panic!("tandem serve exited with {status}:\n{}", server.log());
+            }
+            if healthy(&server.url) {
+                return server;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "tandem serve never became healthy:\n{}",
+                server.log()
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// One greedy completion of `max_tokens` tokens: its HTTP status and body.
+    fn complete(&self, prompt: &str, max_tokens: usize) -> (reqwest::StatusCode, Value) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": prompt,
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+            let r = reqwest::Client::new()
+                .post(format!("{}/v1/completions", self.url))
+                .json(&body)
+                .send()
+                .await
+                .expect("request sent");
+            let status = r.status();
+            (status, r.json().await.expect("JSON body"))
+        })
+    }
+
+    /// The greedy completions of `PROMPTS`, all sent at once so the engine batches (and micro-batches) them.
+    fn answers(&self) -> Vec<String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let http = reqwest::Client::new();
+            let calls = PROMPTS.iter().map(|p| {
+                let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": p,
+                    "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+                let req = http
+                    .post(format!("{}/v1/completions", self.url))
+                    .json(&body);
+                async move {
+                    let r = req.send().await.expect("request sent");
+                    let status = r.status();
+                    let v: Value = r.json().await.expect("JSON body");
+                    assert!(status.is_success(), "{status}: {v}");
+                    v["choices"][0]["text"].as_str().expect("text").to_owned()
+                }
+            });
+            futures::future::join_all(calls).await
+        })
+    }
+}
+
+/// Whether `GET /health` answers 200: a raw HTTP/1.1 request over loopback, so polling needs no runtime.
+fn healthy(url: &str) -> bool {
+    use std::io::{Read, Write};
+    let addr = url.trim_start_matches("http://");
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let req = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if s.write_all(req.as_bytes()).is_err() {
+        return false;
+    }
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.starts_with("HTTP/1.1 200")
+}
+
+/// Child process ids of `pid` (Linux: /proc/PID/task/*/children).
+fn children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let path = task.unwrap().path().join("children");
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        out.extend(text.split_whitespace().map(|p| p.parse::<u32>().unwrap()));
+    }
+    out
+}
+
+const PROMPTS: &[&str] = &[
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith \
+     from Mainz, combined movable metal type with an oil-based ink and a screw press adapted from",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to \
+     synthesize foods from carbon dioxide and water. In plants it generally involves the green pigment",
+    "In computer science, a hash table is a data structure that implements an associative array, which \
+     maps keys to values. A hash table uses a hash function to compute an index into an array of",
+];
+
+const ENGINE: &str =
+    "engine: {block_size: 16, kv_cache_memory: 64MiB, threads: 2, max_num_seqs: 8}\n";
+
+#[test]
+fn pipeline_parallel_2_answers_like_pipeline_parallel_1() {
+    let Some(model) = model() else { return };
+    let dir = std::env::temp_dir().join(format!("tandem-pp-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let colocated = |pp: usize| {
+        format!(
+            "model: {}\n{}deployment: {{mode: colocated}}\n",
+            model.display(),
+            ENGINE.replace(
+                "max_num_seqs: 8",
+                &format!("max_num_seqs: 8, pipeline_parallel_size: {pp}")
+            )
+        )
+    };
+    let want = Server::start(&dir, "pp1", &colocated(1)).answers();
+    assert!(want.iter().all(|t| !t.is_empty()), "{want:?}");
+
+    let pp2 = Server::start(&dir, "pp2", &colocated(2));
+    assert_eq!(pp2.answers(), want, "colocated pipeline_parallel_size 2");
+    let log = pp2.log();
+    assert!(log.contains("pipeline stage connected"), "{log}");
+    // Killing the stage process mid-generation fails the request promptly instead of hanging it.
+    let stage = children(pp2.child.id());
+    assert_eq!(stage.len(), 1, "one stage process: {stage:?}");
+    let t = Instant::now();
+    let (status, body) = std::thread::scope(|s| {
+        let req = s.spawn(|| pp2.complete(PROMPTS[0], 2000));
+        std::thread::sleep(Duration::from_millis(1500));
+        let killed = Command::new("kill")
+            .args(["-9", &stage[0].to_string()])
+            .status();
+        assert!(killed.unwrap().success());
+        req.join().unwrap()
+    });
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+    assert!(!status.is_success(), "{status}: {body}");
+    // The API answers a generic server error; the engine logs which stage failed.
+    let log = pp2.log();
+    assert!(
+        log.contains("forward failed") && log.contains("pipeline stage 1"),
+        "{log}"
+    );
+    drop(pp2);
+
+    let pd = format!(
+        "model: {}\n{ENGINE}deployment:\n  mode: pd\n  \
+         prefill: {{replicas: 1, engine: {{pipeline_parallel_size: 2}}}}\n  \
+         decode: {{replicas: 1, engine: {{pipeline_parallel_size: 2, pipeline_micro_batches: 3}}}}\n  \
+         kv_transfer: {{transport: tcp, pin_timeout_secs: 20}}\n  routing: {{local_prefill_threshold: 16}}\n",
+        model.display()
+    );
+    let pd = Server::start(&dir, "pd", &pd);
+    assert_eq!(pd.answers(), want, "P/D with pipelined prefill and decode");
+    let log = pd.log();
+    assert_eq!(
+        log.matches("pipeline stage connected").count(),
+        2,
+        "both workers pipelined:\n{log}"
+    );
+    drop(pd);
+    let _ = std::fs::remove_dir_all(&dir);
+}
