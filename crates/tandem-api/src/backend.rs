@@ -10,7 +10,7 @@ use tandem_engine::{
 };
 
 /// Per-request token outputs; dropping the stream must abort the request and free its KV blocks.
-pub type TokenStream = Pin<Box<dyn Stream<Item = TokenOutput> + Send>>;
+pub type TokenStream = Pin<Box<dyn Stream<Item = Result<TokenOutput, BackendError>> + Send>>;
 
 /// Why a backend refused a request, in terms the API maps onto HTTP statuses.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -42,6 +42,10 @@ pub enum BackendError {
     /// The backend cannot serve anything now (engine stopped, worker unreachable; HTTP 500/503).
     #[error("{0}")]
     Unavailable(String),
+    /// A started generation failed (a model step, a lost worker or pipeline stage); the last item of a
+    /// stream, so the client learns why its answer ended (HTTP 500 or an error event).
+    #[error("generation failed: {0}")]
+    Failed(String),
 }
 
 /// What the API needs from a token generator; implemented by the local engine and, later, the P/D router.
@@ -100,15 +104,17 @@ impl GenerateBackend for EngineHandle {
         let stream = EngineHandle::submit(self, EngineRequest::new(id, prompt, params))?;
         // The RequestStream lives inside the unfold state, so dropping the HTTP body drops it and aborts.
         Ok(Box::pin(futures::stream::unfold(
-            stream,
-            |mut s| async move {
-                let out = s.recv().await;
-                if out.is_none() {
-                    if let Some(err) = s.take_error() {
+            Some(stream),
+            |s| async move {
+                let mut s = s?;
+                match s.recv().await {
+                    Some(out) => Some((Ok(out), Some(s))),
+                    None => {
+                        let err = s.take_error()?;
                         tracing::warn!(request = s.id(), error = %err, "engine failed a request");
+                        Some((Err(BackendError::Failed(err.to_string())), None))
                     }
                 }
-                out.map(|out| (out, s))
             },
         )))
     }
@@ -175,6 +181,7 @@ mod tests {
         GenerateBackend::health(&e).await.expect("healthy");
         let outs: Vec<TokenOutput> = GenerateBackend::submit(&e, 1, vec![1, 2, 3], params(5))
             .unwrap()
+            .map(|o| o.expect("no failure"))
             .collect()
             .await;
         assert_eq!(outs.len(), 5);
@@ -196,6 +203,30 @@ mod tests {
         drop(stream);
         let stats = drained(&e).await;
         assert!(stats.generation_tokens_total < 3000);
+        e.shutdown();
+    }
+
+    #[tokio::test]
+    async fn a_failed_step_ends_the_stream_with_its_error() {
+        let config = EngineConfig {
+            block_size: 16,
+            ..EngineConfig::default()
+        };
+        let e =
+            Engine::start(MockBackend::new(16, 64).fail_at_step(2), config).expect("engine starts");
+        let outs: Vec<Result<TokenOutput, BackendError>> =
+            GenerateBackend::submit(&e, 1, vec![1, 2, 3], params(5))
+                .unwrap()
+                .collect()
+                .await;
+        let last = outs.last().expect("at least the error");
+        match last {
+            Err(BackendError::Failed(m)) => {
+                assert!(m.contains("injected failure at step 2"), "{m}")
+            }
+            other => panic!("expected the step's error last, got {other:?}"),
+        }
+        assert!(outs[..outs.len() - 1].iter().all(Result::is_ok));
         e.shutdown();
     }
 

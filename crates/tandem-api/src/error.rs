@@ -167,6 +167,7 @@ impl From<crate::backend::BackendError> for ApiError {
                 e.code = Some("backend_unavailable");
                 e
             }
+            BackendError::Failed(_) => ApiError::internal(err.to_string()),
         }
     }
 }

@@ -81,15 +81,21 @@ impl ChoiceRun {
     /// The next step, `None` after the last one; an error when the backend vanished mid-request.
     pub async fn next(&mut self) -> Option<Result<Step, ApiError>> {
         let stream = self.stream.as_mut()?;
-        let Some(out) = stream.next().await else {
-            self.stream = None;
-            if self.failed {
-                return None;
+        let out = match stream.next().await {
+            Some(Ok(out)) => out,
+            ended => {
+                self.stream = None;
+                if self.failed {
+                    return None;
+                }
+                self.failed = true;
+                return Some(Err(match ended {
+                    Some(Err(e)) => e.into(),
+                    _ => ApiError::internal(
+                        "generation ended before a finish reason (engine stopped?)",
+                    ),
+                }));
             }
-            self.failed = true;
-            return Some(Err(ApiError::internal(
-                "generation ended before a finish reason (engine stopped?)",
-            )));
         };
         let now = Instant::now();
         match self.last_token_at {

@@ -205,7 +205,7 @@ impl GenerateBackend for FakeBackend {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
-                it.next().map(|o| (o, (it, guard)))
+                it.next().map(|o| (Ok(o), (it, guard)))
             },
         )))
     }

@@ -101,6 +101,7 @@ async fn collect(
     backend
         .submit(1, prompt, params)
         .expect("accepted")
+        .map(|o| o.expect("generation succeeds"))
         .collect()
         .await
 }
@@ -216,7 +217,7 @@ async fn dropping_the_stream_frees_both_sides_and_unpulled_pins_are_released() {
     ingress.register(&d.url).await.unwrap();
     let mut stream = ingress.submit(1, prompt(4), greedy(3000)).unwrap();
     for _ in 0..3 {
-        stream.next().await.expect("tokens flow");
+        stream.next().await.expect("tokens flow").unwrap();
     }
     drop(stream);
     drained(&p).await;
@@ -455,7 +456,7 @@ async fn a_decode_worker_lost_mid_stream_is_replaced_without_changing_the_answer
     let mut stream = ingress.submit(1, prompt(8), params).unwrap();
     let mut got = Vec::new();
     for _ in 0..6 {
-        got.push(stream.next().await.expect("tokens flow"));
+        got.push(stream.next().await.expect("tokens flow").unwrap());
     }
     let (lost, other) = if d1.service.load().in_flight > 0 {
         (&d1, &d2)
@@ -470,7 +471,7 @@ async fn a_decode_worker_lost_mid_stream_is_replaced_without_changing_the_answer
     lost.task.abort();
     lost.engine.shutdown();
     while let Some(out) = stream.next().await {
-        got.push(out);
+        got.push(out.expect("resumed, not failed"));
     }
     assert_eq!(got, want, "the resumed stream continues the same tokens");
     assert!(

@@ -446,13 +446,15 @@ struct Job {
     ingress: Ingress,
     prompt: Vec<u32>,
     params: SamplingParams,
-    tx: mpsc::UnboundedSender<TokenOutput>,
+    tx: mpsc::UnboundedSender<Result<TokenOutput, BackendError>>,
 }
 
 impl Job {
     async fn run(self) {
+        let tx = self.tx.clone();
         if let Err(e) = self.route().await {
             tracing::warn!(error = %e, "P/D request failed");
+            let _ = tx.send(Err(BackendError::Failed(e.to_string())));
         }
     }
 
@@ -533,7 +535,7 @@ impl Job {
             if let Some((p, resp)) = self.remote_prefill(&hashes).await {
                 let finished = resp.first.finish.is_some();
                 // The first token goes to the client now, before any KV moves.
-                if self.tx.send(resp.first.clone().into()).is_err() || finished {
+                if self.tx.send(Ok(resp.first.clone().into())).is_err() || finished {
                     inner.metrics.request(PrefillPath::Remote);
                     return Ok(());
                 }
@@ -723,7 +725,7 @@ impl Job {
                     StreamEvent::Token(t) => {
                         let done = t.finish.is_some();
                         sent.push(t.token);
-                        if self.tx.send(t.into()).is_err() || done {
+                        if self.tx.send(Ok(t.into())).is_err() || done {
                             return Ok(());
                         }
                     }

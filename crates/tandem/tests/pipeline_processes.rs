@@ -214,7 +214,11 @@ fn pipeline_parallel_2_answers_like_pipeline_parallel_1() {
     });
     assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
     assert!(!status.is_success(), "{status}: {body}");
-    // The API answers a generic server error; the engine logs which stage failed.
+    // The client is told which stage failed, and the engine logs it.
+    assert!(
+        body.to_string().contains("pipeline stage 1"),
+        "{status}: {body}"
+    );
     let log = pp2.log();
     assert!(
         log.contains("forward failed") && log.contains("pipeline stage 1"),
