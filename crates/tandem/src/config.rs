@@ -558,7 +558,12 @@ mod tests {
     #[test]
     fn shipped_examples_parse() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
-        for name in ["pd.yaml", "pd-2p1d.yaml", "colocated.yaml", "pd-parallel.yaml"] {
+        for name in [
+            "pd.yaml",
+            "pd-2p1d.yaml",
+            "colocated.yaml",
+            "pd-parallel.yaml",
+        ] {
             let file = FileConfig::load(&dir.join(name)).unwrap();
             let mode = file.deployment.as_ref().map(|d| d.mode).unwrap_or_default();
             assert_eq!(mode == DeploymentMode::Pd, name.starts_with("pd"), "{name}");
