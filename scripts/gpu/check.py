@@ -181,7 +181,7 @@ def main():
     hf16 = compare(ref16, ref32)
     report["checks"]["hf_bf16_vs_hf_fp32"] = dict(hf16, **{"pass": True, "note": "the bf16 noise floor"})
 
-    fast = run_tandem(a.bin, a.work, pfile, "/tmp/tandem-fast.json")
+    fast = run_tandem(a.bin, a.work, pfile, os.path.join(a.work, "tandem-fast.json"))
     report["device"] = fast["device"]
     c = compare(rows(fast), ref32)
     c["pass"] = c["rel_l2"] <= 1.5 * hf16["rel_l2"] + 2e-3 and not c["nan"]
@@ -203,7 +203,7 @@ def main():
         "pass": agree / total >= min(0.97, hf16["argmax_agree"] - 0.02)}
 
     try:
-        simple = run_tandem(a.bin, a.work, pfile, "/tmp/tandem-simple.json", {"TANDEM_CUDA_ATTN": "simple"})
+        simple = run_tandem(a.bin, a.work, pfile, os.path.join(a.work, "tandem-simple.json"), {"TANDEM_CUDA_ATTN": "simple"})
         # The fast kernel rounds P to bf16 for the tensor cores, the reference keeps fp32: they may
         # differ by up to the bf16 noise floor, and each must stay as close to fp32 as the other.
         c = compare(rows(fast), rows(simple))
@@ -216,7 +216,7 @@ def main():
         report["checks"]["fast_vs_reference_attention"] = {"pass": False, "error": str(e)}
 
     try:
-        nograph = run_tandem(a.bin, a.work, pfile, "/tmp/tandem-nograph.json",
+        nograph = run_tandem(a.bin, a.work, pfile, os.path.join(a.work, "tandem-nograph.json"),
                              {"TANDEM_CUDA_GRAPHS": "0", "TANDEM_CUDA_GEMV": "0"})
         c = compare(rows(fast), rows(nograph))
         c["pass"] = c["rel_l2"] < 1e-2 and not c["nan"]
@@ -225,7 +225,7 @@ def main():
         report["checks"]["graphs_gemv_vs_eager_cublas"] = {"pass": False, "error": str(e)}
 
     try:
-        cpu = run_tandem(a.bin, a.work, pfile, "/tmp/tandem-cpu.json", cpu=True)
+        cpu = run_tandem(a.bin, a.work, pfile, os.path.join(a.work, "tandem-cpu.json"), cpu=True)
         c = compare(rows(cpu), ref32)
         c["pass"] = c["rel_l2"] < 1e-2 and not c["nan"]
         report["checks"]["cpu_vs_hf_fp32_logits"] = c

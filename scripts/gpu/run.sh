@@ -6,15 +6,18 @@
 #   hf_bench.jsonl       HF transformers generate on the same shapes (scripts/gpu/hf_bench.py)
 #   summary.md           the table for BENCHMARKS.md (scripts/gpu/summarize.py)
 #   serve.log            the `tandem serve --device cuda` log of the engine check
-#   ncu_summary.txt      per-kernel GPU time of one batch-1 decode step (ncu)
+#   ncu_summary.txt      per-kernel GPU time of one batch-1 decode step and one 4k prefill (ncu)
 # (The device tool returns at most 8 files: keep it to these plus the caller's log.)
 # The tandem binary is built elsewhere (`cargo build --release --features cuda`, stripped) and given as
-# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|bench|all]
+# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [bench] [profile] | all
+# (TANDEM_ONLY=1 skips the HF peer in bench; `pick` checks $CANDIDATES and benches the first that passes.)
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${OUT:-$root/out/gpu}"
 BIN="${TANDEM_BIN:-$root/out/tandem}"
-what="${1:-all}"
+what=" ${*:-all} "
+# Runs a part when it is named (several may be) or when "all" is.
+want() { [[ "$what" == *" $1 "* || "$what" == *" all "* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
@@ -36,25 +39,69 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max
 nvidia-smi -L | tee -a "$OUT/nvidia-smi.txt"
 
 status=0
-if [ "$what" = check ] || [ "$what" = all ]; then
+if want check; then
   echo "== correctness against HF transformers"
   timeout 180 python3 "$root/scripts/gpu/check.py" --bin "$BIN" --out "$OUT" || status=1
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if [[ "$what" == *" pick "* ]]; then  # only when named: "all" checks $BIN alone
+  # CANDIDATES="bin1 bin2 ...": checks them all at once (each in its own work dir) and keeps the first
+  # that passes as $BIN for the later parts; its check.json goes to $OUT, the others' verdicts to stdout.
+  echo "== correctness of the candidates: ${CANDIDATES:-}"
+  i=0
+  for b in ${CANDIDATES:-}; do
+    timeout 240 python3 "$root/scripts/gpu/check.py" --bin "$b" --work "/tmp/pick$i" --out "/tmp/pick$i/out" \
+      >"/tmp/pick$i.log" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  i=0
+  picked=""
+  for b in ${CANDIDATES:-}; do
+    if grep -q '"pass": false' "/tmp/pick$i/out/check.json" 2>/dev/null || [ ! -f "/tmp/pick$i/out/check.json" ]; then
+      echo "FAIL $b"; grep -E '^(PASS|FAIL)' "/tmp/pick$i.log" | grep FAIL; tail -3 "/tmp/pick$i.log"
+    else
+      echo "PASS $b"
+      if [ -z "$picked" ]; then
+        picked="$b"
+        cp "/tmp/pick$i/out/check.json" "$OUT/check.json"
+        grep -E '^(PASS|FAIL)' "/tmp/pick$i.log"
+      fi
+    fi
+    i=$((i + 1))
+  done
+  if [ -n "$picked" ]; then BIN="$picked"; echo "picked $BIN"; else status=1; fi
+fi
+if want bench; then
   echo "== tandem cuda-bench (8B shape, random weights generated on the GPU)"
   timeout 150 "$BIN" cuda-bench --out "$OUT/tandem_bench.jsonl" || status=1
-  echo "== HF transformers peer"
-  timeout 220 python3 "$root/scripts/gpu/hf_bench.py" --out "$OUT/hf_bench.jsonl" || status=1
-  python3 "$root/scripts/gpu/summarize.py" "$OUT" | tee "$OUT/summary.md" || status=1
+  if [ "${TANDEM_ONLY:-0}" != 1 ]; then
+    echo "== HF transformers peer"
+    timeout 220 python3 "$root/scripts/gpu/hf_bench.py" --out "$OUT/hf_bench.jsonl" || status=1
+    python3 "$root/scripts/gpu/summarize.py" "$OUT" | tee "$OUT/summary.md" || status=1
+  fi
 fi
-if [ "$what" = profile ] || [ "$what" = all ]; then
-  # Per-kernel GPU time of one eager batch-1 decode step (ncu replays each kernel; clocks untouched).
-  # Skipped: 196 launches of weight generation, then 3 warm-up steps of 325 kernels each.
+if want profile; then
+  # Per-kernel GPU time of one eager batch-1 decode step and of one 4k prefill (ncu replays each
+  # kernel; clocks untouched). Weight generation is 196 launches. Decode: 3 warm-up steps of
+  # DECODE_KERNELS launches are skipped (5 per layer with the fused GEMVs, + embed, final norm, head,
+  # argmax). Prefill: the first of the 6 prefill runs (one cuBLAS GEMM launch per projection assumed).
+  decode_kernels="${DECODE_KERNELS:-164}"
+  prefill_kernels="${PREFILL_KERNELS:-293}"
   echo "== ncu: kernels of one batch-1 decode step"
   TANDEM_CUDA_GRAPHS=0 timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-    --launch-skip 1171 --launch-count 325 "$BIN" cuda-bench --batches 1 --steps 2 --prefill 0 \
+    --launch-skip $((196 + 3 * decode_kernels)) --launch-count "$decode_kernels" \
+    "$BIN" cuda-bench --batches 1 --steps 2 --prefill 0 \
     >/tmp/ncu_decode_b1.csv 2>/tmp/ncu.log &&
     python3 "$root/scripts/gpu/ncu_summary.py" /tmp/ncu_decode_b1.csv | tee "$OUT/ncu_summary.txt" ||
     { echo "ncu failed"; tail -5 /tmp/ncu.log; }
+  if [ "${PROFILE_PREFILL:-1}" = 1 ]; then
+    echo "== ncu: kernels of one 4,096-token prefill"
+    TANDEM_CUDA_GRAPHS=0 timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+      --launch-skip 196 --launch-count "$prefill_kernels" \
+      "$BIN" cuda-bench --batches 0 --prefill 4096 \
+      >/tmp/ncu_prefill.csv 2>/tmp/ncu_p.log &&
+      python3 "$root/scripts/gpu/ncu_summary.py" /tmp/ncu_prefill.csv | tee -a "$OUT/ncu_summary.txt" ||
+      { echo "ncu failed"; tail -5 /tmp/ncu_p.log; }
+  fi
 fi
 exit $status

@@ -63,6 +63,24 @@ __device__ float block_sum(float v, float* red) {
     return warp_sum(v);
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream serialisation
+// may start while its predecessor still runs. pdl_wait() blocks until the predecessor has finished
+// and its writes are visible, so everything before it may only read what no earlier kernel of the
+// step writes (weights); pdl_trigger() lets the next kernel start launching. Both are no-ops for a
+// plain launch. Every kernel the host may launch that way calls pdl_wait() before its first
+// dependent read.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Elementwise and normalisation
 
@@ -93,57 +111,90 @@ extern "C" __global__ void embed_gather(const bf16* __restrict__ embed, const in
 
 // residual += delta (rounded to bf16, as a bf16 model adds), then out = RMSNorm(residual) * w with
 // HF's rounding: normalise in fp32, round to bf16, multiply by the bf16 weight, round again.
-// delta may be null (the first layer's norm). One block per row.
+// delta may be null (the first layer's norm). One block per row; each thread keeps its (at most
+// NORM_CHUNKS) 16-byte chunks of the row in registers between the two passes. hidden % 8 == 0 and
+// hidden <= 8 * NORM_CHUNKS * blockDim.x (checked by the host).
+#define NORM_CHUNKS 2
 extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* __restrict__ delta,
                                        const bf16* __restrict__ w, bf16* __restrict__ out, int hidden,
                                        float eps) {
     __shared__ float red[32];
+    pdl_wait();
+    pdl_trigger();
     bf16* r = residual + (u64)blockIdx.x * hidden;
     const bf16* d = delta ? delta + (u64)blockIdx.x * hidden : 0;
     bf16* o = out + (u64)blockIdx.x * hidden;
+    float v[NORM_CHUNKS][8];
     float ss = 0.f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        float v = bf2f(r[i]);
-        if (d) {
-            v = round_bf(v + bf2f(d[i]));
-            r[i] = f2bf(v);
+#pragma unroll
+    for (int c = 0; c < NORM_CHUNKS; c++) {
+        const int k = (threadIdx.x + c * blockDim.x) * 8;
+        if (k < hidden) {
+            unpack8(*(const uint4*)(r + k), v[c]);
+            if (d) {
+                float dv[8];
+                unpack8(*(const uint4*)(d + k), dv);
+#pragma unroll
+                for (int e = 0; e < 8; e++) v[c][e] = round_bf(v[c][e] + dv[e]);
+                uint4 pk;
+                pk.x = pack_bf2(v[c][0], v[c][1]);
+                pk.y = pack_bf2(v[c][2], v[c][3]);
+                pk.z = pack_bf2(v[c][4], v[c][5]);
+                pk.w = pack_bf2(v[c][6], v[c][7]);
+                *(uint4*)(r + k) = pk;
+            }
+#pragma unroll
+            for (int e = 0; e < 8; e++) ss += v[c][e] * v[c][e];
         }
-        ss += v * v;
     }
     ss = block_sum(ss, red);
-    float inv = rsqrtf(ss / (float)hidden + eps);
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        float v = round_bf(bf2f(r[i]) * inv);
-        o[i] = f2bf(v * bf2f(w[i]));
+    const float inv = rsqrtf(ss / (float)hidden + eps);
+#pragma unroll
+    for (int c = 0; c < NORM_CHUNKS; c++) {
+        const int k = (threadIdx.x + c * blockDim.x) * 8;
+        if (k < hidden) {
+            float g[8];
+            unpack8(*(const uint4*)(w + k), g);
+            uint4 pk;
+            pk.x = pack_bf2(round_bf(v[c][0] * inv) * g[0], round_bf(v[c][1] * inv) * g[1]);
+            pk.y = pack_bf2(round_bf(v[c][2] * inv) * g[2], round_bf(v[c][3] * inv) * g[3]);
+            pk.z = pack_bf2(round_bf(v[c][4] * inv) * g[4], round_bf(v[c][5] * inv) * g[5]);
+            pk.w = pack_bf2(round_bf(v[c][6] * inv) * g[6], round_bf(v[c][7] * inv) * g[7]);
+            *(uint4*)(o + k) = pk;
+        }
     }
 }
 
 // out[i] = x[rows[i]]: the rows that want logits, gathered before the output head.
 extern "C" __global__ void gather_rows(const bf16* __restrict__ x, const int* __restrict__ rows,
                                        bf16* __restrict__ out, int width) {
+    pdl_wait();
+    pdl_trigger();
     const bf16* src = x + (u64)rows[blockIdx.x] * width;
     bf16* dst = out + (u64)blockIdx.x * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
 }
 
 // act = silu(gate) * up over rows of [gate | up] (each ffn wide), rounded like HF's bf16 MLP.
-// grid = (column blocks, rows); two columns per thread with 4-byte loads, no 64-bit index division.
+// grid = (column blocks, rows); eight columns per thread with 16-byte loads (ffn % 8 == 0, checked
+// by the host), no 64-bit index division.
 extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ act, int ffn) {
     const int row = blockIdx.y;
     const bf16* g = gu + (u64)row * 2 * ffn;
     const bf16* u = g + ffn;
     bf16* o = act + (u64)row * ffn;
-    for (int c = 2 * (blockIdx.x * blockDim.x + threadIdx.x); c < ffn; c += 2 * gridDim.x * blockDim.x) {
-        if (c + 1 < ffn) {
-            u32 gv = *(const u32*)(g + c), uv = *(const u32*)(u + c);
-            float g0 = __uint_as_float(gv << 16), g1 = __uint_as_float(gv & 0xffff0000u);
-            float u0 = __uint_as_float(uv << 16), u1 = __uint_as_float(uv & 0xffff0000u);
-            float s0 = round_bf(g0 / (1.f + __expf(-g0))), s1 = round_bf(g1 / (1.f + __expf(-g1)));
-            *(u32*)(o + c) = pack_bf2(s0 * u0, s1 * u1);
-        } else {
-            float g0 = bf2f(g[c]);
-            o[c] = f2bf(round_bf(g0 / (1.f + __expf(-g0))) * bf2f(u[c]));
-        }
+    for (int c = 8 * (blockIdx.x * blockDim.x + threadIdx.x); c < ffn; c += 8 * gridDim.x * blockDim.x) {
+        float gf[8], uf[8], r[8];
+        unpack8(*(const uint4*)(g + c), gf);
+        unpack8(*(const uint4*)(u + c), uf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) r[e] = round_bf(gf[e] / (1.f + __expf(-gf[e]))) * uf[e];
+        uint4 pk;
+        pk.x = pack_bf2(r[0], r[1]);
+        pk.y = pack_bf2(r[2], r[3]);
+        pk.z = pack_bf2(r[4], r[5]);
+        pk.w = pack_bf2(r[6], r[7]);
+        *(uint4*)(o + c) = pk;
     }
 }
 
@@ -203,6 +254,8 @@ extern "C" __global__ void rope_kv_write(bf16* __restrict__ qkv, const bf16* __r
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int vocab, int* __restrict__ out) {
     __shared__ float bv[32];
     __shared__ int bi[32];
+    pdl_wait();
+    pdl_trigger();
     const float* r = logits + (u64)blockIdx.x * vocab;
     float best = NEG_INF;
     int idx = 0x7fffffff;
@@ -296,15 +349,20 @@ extern "C" __global__ void attn_simple(const bf16* __restrict__ qkv, int qkv_wid
 }
 
 // ---- Prefill: flash-attention style, tensor cores (mma.sync m16n8k16 bf16, fp32 accumulate). ----
-// Block = 4 warps = 64 query rows of one sequence and one head; each warp owns 16 rows. Key/value tiles
-// of 64 keys are gathered from the paged cache into shared memory (V transposed), scores stay in
-// registers, and the online softmax rescales the output accumulators per tile. Causal: query i of the
-// chunk sees keys 0..pos+i.
+// Block = 4 warps = 128 query rows of one sequence and one head; each warp owns 32 rows (two 16-row
+// m-tiles, so that every K and V fragment read from shared memory feeds two MMAs: with one m-tile the
+// kernel was bound by shared-memory bandwidth). The Q tile sits in shared memory; key/value tiles of
+// 64 keys are copied from the paged cache into shared memory by cp.async, two stages deep (the next
+// tile loads while this one is used); ldmatrix feeds Q, K, and V through its transposing form, to the
+// tensor cores. Scores stay in registers and the online softmax rescales the output accumulators per
+// tile. Causal: query i of the chunk sees keys 0..pos+i. Dynamic shared memory: PF_SMEM_BYTES.
 
-#define PF_ROWS 64
+#define PF_MT 2                  // 16-row m-tiles per warp
+#define PF_ROWS (4 * 16 * PF_MT)  // query rows per block (4 warps)
 #define PF_KEYS 64
 #define K_PITCH (HEAD_DIM + 8)
-#define V_PITCH (PF_KEYS + 8)
+#define PF_STAGE (2 * PF_KEYS * K_PITCH)  // bf16 elements of one stage: K tile, then V tile
+#define PF_SMEM_BYTES ((2 * PF_STAGE + PF_ROWS * K_PITCH) * 2)
 
 __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -314,159 +372,220 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// tile_seq[i], tile_q0[i]: the sequence and first chunk row of query tile i. grid = (tiles, n_heads).
-extern "C" __global__ void __launch_bounds__(128) attn_prefill(
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared without passing through registers; zero-filled when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most one committed group is still in flight.
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldsm_x2(u32& r0, u32& r1, const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_addr(p)));
+}
+
+// Queues the copy of keys k0..k0+PF_KEYS (K and V rows, row-major) into one stage; keys at or past
+// n_keys are zero.
+__device__ __forceinline__ void pf_load_tile(bf16* stage, const bf16* cache, const int* tbl, int k0, int n_keys,
+                                             int n_kv, int kvh) {
+    const int CH = HEAD_DIM / 8;  // 16-byte chunks per row
+    for (int e = threadIdx.x; e < PF_KEYS * CH; e += blockDim.x) {
+        const int j = e / CH, c = (e % CH) * 8;
+        const int key = k0 + j;
+        const bool ok = key < n_keys;
+        const int src = ok ? key : 0;  // any valid address: nothing is read when !ok
+        cp_async16(stage + j * K_PITCH + c, kv_row(cache, tbl, src, 0, n_kv, kvh) + c, ok);
+        cp_async16(stage + (PF_KEYS + j) * K_PITCH + c, kv_row(cache, tbl, src, 1, n_kv, kvh) + c, ok);
+    }
+}
+
+// tile_seq[i], tile_q0[i]: the sequence and first chunk row of query tile i. grid = (tiles, n_heads);
+// tiles run last-first, so the longest (latest) tiles of a sequence start first.
+extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
     const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ tile_seq,
     const int* __restrict__ tile_q0, const int* __restrict__ seq_qrow, const int* __restrict__ seq_nq,
     const int* __restrict__ seq_pos, const int* __restrict__ seq_bt, const int* __restrict__ bt,
     const bf16* __restrict__ cache, bf16* __restrict__ out, int n_heads, int n_kv, float scale_log2) {
-    __shared__ __align__(16) bf16 ks[PF_KEYS * K_PITCH];
-    __shared__ __align__(16) bf16 vt[HEAD_DIM * V_PITCH];
-    const int s = tile_seq[blockIdx.x];
-    const int q0 = tile_q0[blockIdx.x];
+    extern __shared__ uint4 pf_smem[];
+    bf16* stages = (bf16*)pf_smem;
+    bf16* qs = stages + 2 * PF_STAGE;  // PF_ROWS query rows, row-major, pitch K_PITCH
+    const int tile = gridDim.x - 1 - blockIdx.x;
+    const int s = tile_seq[tile];
+    const int q0 = tile_q0[tile];
     const int h = blockIdx.y;
     const int kvh = h / GQA;
     const int nq = seq_nq[s], pos = seq_pos[s], qrow0 = seq_qrow[s];
     const int* tbl = bt + seq_bt[s];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tq = lane & 3;
+    const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: which 8x8 matrix this lane addresses, and its row
     const int tile_end = min(q0 + PF_ROWS, nq);
     const int n_keys = pos + tile_end;  // keys any row of this tile may see
-    // This warp's rows g and g + 8 (chunk-relative); rows past the chunk see the last row's keys and
-    // are never written, which keeps their softmax finite.
-    const int r_lo = q0 + warp * 16 + g, r_hi = r_lo + 8;
-    const int lim_lo = pos + min(r_lo, nq - 1), lim_hi = pos + min(r_hi, nq - 1);
+    const int n_tiles = (n_keys + PF_KEYS - 1) / PF_KEYS;
+    // This warp's rows: m-tile mt holds chunk rows q0 + warp * 32 + mt * 16 + {g, g + 8}. Rows past the
+    // chunk see the last row's keys and are never written, which keeps their softmax finite.
+    const int row_g = q0 + warp * 16 * PF_MT + g;  // chunk row of (m-tile 0, fragment row g)
+    // Keys up to this one are visible to every row of the warp: tiles below it need no mask.
+    const int warp_min_lim = pos + min(q0 + warp * 16 * PF_MT, nq - 1);
 
-    // Q fragments for all HEAD_DIM/16 k-steps.
-    u32 qa[HEAD_DIM / 16][4];
+    // Q rows of the tile (clamped to the chunk's last row) and the first K/V tile.
     {
-        const bf16* qlo = qkv + (u64)(qrow0 + min(r_lo, nq - 1)) * qkv_width + h * HEAD_DIM;
-        const bf16* qhi = qkv + (u64)(qrow0 + min(r_hi, nq - 1)) * qkv_width + h * HEAD_DIM;
+        const int CH = HEAD_DIM / 8;
+        for (int e = threadIdx.x; e < PF_ROWS * CH; e += blockDim.x) {
+            const int j = e / CH, c = (e % CH) * 8;
+            const bf16* src = qkv + (u64)(qrow0 + min(q0 + j, nq - 1)) * qkv_width + h * HEAD_DIM + c;
+            cp_async16(qs + j * K_PITCH + c, src, true);
+        }
+    }
+    pf_load_tile(stages, cache, tbl, 0, n_keys, n_kv, kvh);
+    cp_async_commit();
+
+    float o[PF_MT][HEAD_DIM / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < PF_MT; mt++)
+#pragma unroll
+        for (int i = 0; i < HEAD_DIM / 8; i++) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+    float m_r[PF_MT][2], l_r[PF_MT][2];
+#pragma unroll
+    for (int mt = 0; mt < PF_MT; mt++) m_r[mt][0] = m_r[mt][1] = NEG_INF, l_r[mt][0] = l_r[mt][1] = 0.f;
+    const bf16* qw = qs + (warp * 16 * PF_MT + (mi & 1) * 8 + r8) * K_PITCH + (mi >> 1) * 8;
+
+    for (int it = 0; it < n_tiles; it++) {
+        const int k0 = it * PF_KEYS;
+        if (it + 1 < n_tiles)
+            pf_load_tile(stages + ((it + 1) & 1) * PF_STAGE, cache, tbl, k0 + PF_KEYS, n_keys, n_kv, kvh);
+        cp_async_commit();
+        cp_async_wait1();
+        __syncthreads();
+        const bf16* ks = stages + (it & 1) * PF_STAGE;
+        const bf16* vs = ks + PF_KEYS * K_PITCH;
+
+        // S = Q K^T for this warp's 32 rows x 64 keys: per k-step, A of both m-tiles from the Q tile
+        // and B of two key blocks per ldmatrix.x4, each B used by both m-tiles.
+        float sc[PF_MT][PF_KEYS / 8][4];
+#pragma unroll
+        for (int mt = 0; mt < PF_MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < PF_KEYS / 8; nt++) sc[mt][nt][0] = sc[mt][nt][1] = sc[mt][nt][2] = sc[mt][nt][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-            int c = kk * 16 + tq * 2;
-            qa[kk][0] = *(const u32*)(qlo + c);
-            qa[kk][1] = *(const u32*)(qhi + c);
-            qa[kk][2] = *(const u32*)(qlo + c + 8);
-            qa[kk][3] = *(const u32*)(qhi + c + 8);
-        }
-    }
-    float o[HEAD_DIM / 8][4];
+            u32 qa[PF_MT][4];
 #pragma unroll
-    for (int i = 0; i < HEAD_DIM / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
-
-    for (int k0 = 0; k0 < n_keys; k0 += PF_KEYS) {
-        __syncthreads();
-        // Gather K (row-major) and V (transposed) of keys k0..k0+63; keys past n_keys are zero.
-        // K: consecutive threads take consecutive 16-byte chunks of a key row (coalesced loads,
-        // conflict-free 16-byte stores). V: consecutive threads take consecutive keys of one chunk,
-        // so that the transposed 2-byte stores of a warp land in consecutive shared-memory words.
-        const int CH = HEAD_DIM / 8;  // 16-byte chunks per row
-        for (int e = threadIdx.x; e < PF_KEYS * CH; e += blockDim.x) {
-            int j = e / CH, c = (e % CH) * 8;
-            int key = k0 + j;
-            uint4 kv4 = make_uint4(0, 0, 0, 0);
-            if (key < n_keys) kv4 = *(const uint4*)(kv_row(cache, tbl, key, 0, n_kv, kvh) + c);
-            *(uint4*)(ks + j * K_PITCH + c) = kv4;
-        }
-        for (int e = threadIdx.x; e < PF_KEYS * CH; e += blockDim.x) {
-            int j = e % PF_KEYS, c = (e / PF_KEYS) * 8;
-            int key = k0 + j;
-            uint4 vv4 = make_uint4(0, 0, 0, 0);
-            if (key < n_keys) vv4 = *(const uint4*)(kv_row(cache, tbl, key, 1, n_kv, kvh) + c);
-            const u32 vw[4] = {vv4.x, vv4.y, vv4.z, vv4.w};
+            for (int mt = 0; mt < PF_MT; mt++)
+                ldsm_x4(qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], qw + mt * 16 * K_PITCH + kk * 16);
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                vt[(c + 2 * i) * V_PITCH + j] = (bf16)(vw[i] & 0xffffu);
-                vt[(c + 2 * i + 1) * V_PITCH + j] = (bf16)(vw[i] >> 16);
+            for (int nt = 0; nt < PF_KEYS / 8; nt += 2) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3, ks + ((nt + (mi >> 1)) * 8 + r8) * K_PITCH + kk * 16 + (mi & 1) * 8);
+#pragma unroll
+                for (int mt = 0; mt < PF_MT; mt++) {
+                    mma_bf16(sc[mt][nt], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b0, b1);
+                    mma_bf16(sc[mt][nt + 1], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b2, b3);
+                }
             }
         }
-        __syncthreads();
-
-        // S = Q K^T for this warp's 16 rows x 64 keys.
-        float sc[PF_KEYS / 8][4];
+        // Mask (only where the tile crosses this warp's diagonal), scale (log2 domain), online softmax;
+        // P = exp2(S - m) rounded to bf16 for the P V product (as flash attention does).
+        const bool mask = k0 + PF_KEYS - 1 > warp_min_lim;
+        u32 pa[PF_MT][PF_KEYS / 16][4];
 #pragma unroll
-        for (int nt = 0; nt < PF_KEYS / 8; nt++) {
-            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-            const bf16* kr = ks + (nt * 8 + g) * K_PITCH + tq * 2;
+        for (int mt = 0; mt < PF_MT; mt++) {
+            float tm[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-                u32 b0 = *(const u32*)(kr + kk * 16);
-                u32 b1 = *(const u32*)(kr + kk * 16 + 8);
-                mma_bf16(sc[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
+            for (int nt = 0; nt < PF_KEYS / 8; nt++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = k0 + nt * 8 + tq * 2 + (e & 1);
+                    const int lim = pos + min(row_g + mt * 16 + (e >> 1) * 8, nq - 1);
+                    float v = (!mask || key <= lim) ? sc[mt][nt][e] * scale_log2 : NEG_INF;
+                    sc[mt][nt][e] = v;
+                    tm[e >> 1] = fmaxf(tm[e >> 1], v);
+                }
+            }
+            float ref[2];
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                tm[hf] = fmaxf(tm[hf], __shfl_xor_sync(0xffffffffu, tm[hf], 1));
+                tm[hf] = fmaxf(tm[hf], __shfl_xor_sync(0xffffffffu, tm[hf], 2));
+                const float mn = fmaxf(m_r[mt][hf], tm[hf]);
+                // A fully masked row so far keeps -inf; use 0 as the reference so exp2 gives 0, not NaN.
+                ref[hf] = mn == NEG_INF ? 0.f : mn;
+                const float a = exp2f(m_r[mt][hf] - ref[hf]);
+                m_r[mt][hf] = mn;
+                l_r[mt][hf] *= a;
+#pragma unroll
+                for (int i = 0; i < HEAD_DIM / 8; i++) {
+                    o[mt][i][hf * 2] *= a;
+                    o[mt][i][hf * 2 + 1] *= a;
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < PF_KEYS / 8; nt++) {
+                float p0 = exp2f(sc[mt][nt][0] - ref[0]), p1 = exp2f(sc[mt][nt][1] - ref[0]);
+                float p2 = exp2f(sc[mt][nt][2] - ref[1]), p3 = exp2f(sc[mt][nt][3] - ref[1]);
+                l_r[mt][0] += p0 + p1;
+                l_r[mt][1] += p2 + p3;
+                const int kk = nt >> 1, hi = nt & 1;
+                pa[mt][kk][hi * 2 + 0] = pack_bf2(p0, p1);
+                pa[mt][kk][hi * 2 + 1] = pack_bf2(p2, p3);
             }
         }
-        // Mask, scale (log2 domain), tile row maxima.
-        float tm_lo = NEG_INF, tm_hi = NEG_INF;
+        // O += P V: A = P (registers), B = V (64 keys x HEAD_DIM) through ldmatrix.trans, two 8-wide
+        // column blocks per load, each used by both m-tiles.
 #pragma unroll
-        for (int nt = 0; nt < PF_KEYS / 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int key = k0 + nt * 8 + tq * 2 + (e & 1);
-                int lim = e < 2 ? lim_lo : lim_hi;
-                float v = key <= lim ? sc[nt][e] * scale_log2 : NEG_INF;
-                sc[nt][e] = v;
-                if (e < 2) tm_lo = fmaxf(tm_lo, v); else tm_hi = fmaxf(tm_hi, v);
-            }
-        }
-        tm_lo = fmaxf(tm_lo, __shfl_xor_sync(0xffffffffu, tm_lo, 1));
-        tm_lo = fmaxf(tm_lo, __shfl_xor_sync(0xffffffffu, tm_lo, 2));
-        tm_hi = fmaxf(tm_hi, __shfl_xor_sync(0xffffffffu, tm_hi, 1));
-        tm_hi = fmaxf(tm_hi, __shfl_xor_sync(0xffffffffu, tm_hi, 2));
-        float mn_lo = fmaxf(m_lo, tm_lo), mn_hi = fmaxf(m_hi, tm_hi);
-        // A fully masked row so far keeps -inf; use 0 as the reference so exp2 gives 0, not NaN.
-        float ref_lo = mn_lo == NEG_INF ? 0.f : mn_lo, ref_hi = mn_hi == NEG_INF ? 0.f : mn_hi;
-        float a_lo = exp2f(m_lo - ref_lo), a_hi = exp2f(m_hi - ref_hi);
-        m_lo = mn_lo;
-        m_hi = mn_hi;
-        l_lo *= a_lo;
-        l_hi *= a_hi;
-#pragma unroll
-        for (int i = 0; i < HEAD_DIM / 8; i++) {
-            o[i][0] *= a_lo; o[i][1] *= a_lo; o[i][2] *= a_hi; o[i][3] *= a_hi;
-        }
-        // P = exp2(S - m), rounded to bf16 for the P V product (as flash attention does).
-        u32 pa[PF_KEYS / 16][4];
-#pragma unroll
-        for (int nt = 0; nt < PF_KEYS / 8; nt++) {
-            float p0 = exp2f(sc[nt][0] - ref_lo), p1 = exp2f(sc[nt][1] - ref_lo);
-            float p2 = exp2f(sc[nt][2] - ref_hi), p3 = exp2f(sc[nt][3] - ref_hi);
-            l_lo += p0 + p1;
-            l_hi += p2 + p3;
-            int kk = nt >> 1, hi = nt & 1;
-            pa[kk][hi * 2 + 0] = pack_bf2(p0, p1);
-            pa[kk][hi * 2 + 1] = pack_bf2(p2, p3);
-        }
-        // O += P V: A = P (16 x 64), B = V (64 keys x HEAD_DIM) read from the transposed tile.
-#pragma unroll
-        for (int dn = 0; dn < HEAD_DIM / 8; dn++) {
-            const bf16* vr = vt + (dn * 8 + g) * V_PITCH + tq * 2;
+        for (int dn = 0; dn < HEAD_DIM / 8; dn += 2) {
+            const bf16* vr = vs + ((mi & 1) * 8 + r8) * K_PITCH + (dn + (mi >> 1)) * 8;
 #pragma unroll
             for (int kk = 0; kk < PF_KEYS / 16; kk++) {
-                u32 b0 = *(const u32*)(vr + kk * 16);
-                u32 b1 = *(const u32*)(vr + kk * 16 + 8);
-                // pa[kk] = {row g keys 0-7 of the k-step, row g+8 keys 0-7, row g keys 8-15, row g+8 keys 8-15}
-                mma_bf16(o[dn], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, vr + kk * 16 * K_PITCH);
+#pragma unroll
+                for (int mt = 0; mt < PF_MT; mt++) {
+                    mma_bf16(o[mt][dn], pa[mt][kk][0], pa[mt][kk][1], pa[mt][kk][2], pa[mt][kk][3], b0, b1);
+                    mma_bf16(o[mt][dn + 1], pa[mt][kk][0], pa[mt][kk][1], pa[mt][kk][2], pa[mt][kk][3], b2, b3);
+                }
             }
         }
+        __syncthreads();
     }
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
     const int stride = n_heads * HEAD_DIM;
-    if (r_lo < nq) {
-        bf16* dst = out + (u64)(qrow0 + r_lo) * stride + h * HEAD_DIM + tq * 2;
-        float inv = 1.f / l_lo;
 #pragma unroll
-        for (int dn = 0; dn < HEAD_DIM / 8; dn++) *(u32*)(dst + dn * 8) = pack_bf2(o[dn][0] * inv, o[dn][1] * inv);
-    }
-    if (r_hi < nq) {
-        bf16* dst = out + (u64)(qrow0 + r_hi) * stride + h * HEAD_DIM + tq * 2;
-        float inv = 1.f / l_hi;
+    for (int mt = 0; mt < PF_MT; mt++) {
 #pragma unroll
-        for (int dn = 0; dn < HEAD_DIM / 8; dn++) *(u32*)(dst + dn * 8) = pack_bf2(o[dn][2] * inv, o[dn][3] * inv);
+        for (int hf = 0; hf < 2; hf++) {
+            float l = l_r[mt][hf];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int r = q0 + warp * 16 * PF_MT + mt * 16 + g + hf * 8;
+            if (r < nq) {
+                bf16* dst = out + (u64)(qrow0 + r) * stride + h * HEAD_DIM + tq * 2;
+                const float inv = 1.f / l;
+#pragma unroll
+                for (int dn = 0; dn < HEAD_DIM / 8; dn++)
+                    *(u32*)(dst + dn * 8) = pack_bf2(o[mt][dn][hf * 2] * inv, o[mt][dn][hf * 2 + 1] * inv);
+            }
+        }
     }
 }
 
@@ -474,7 +593,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
 // Block = (sequence, kv head, partition of part_len <= DEC_PART keys), 128 threads; small batches use
 // short partitions so that enough blocks fill the GPU. All GQA query heads of the kv
 // head are scored together, so each K/V byte is read once per step. Partial results (max, sum,
-// unnormalised output) go to part_* and attn_decode_reduce combines them.
+// unnormalised output) go to part_*; the last partition block to finish combines them.
 #define DEC_THREADS 128
 #define TPK (HEAD_DIM / 8)                // threads per key in the scoring pass (16-byte loads)
 #define KPI (DEC_THREADS / TPK)           // keys scored per iteration
@@ -501,10 +620,12 @@ __device__ __forceinline__ void score_key(const uint4& raw, const float (&qf)[GQ
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ dec_row, const int* __restrict__ dec_ctx,
     const int* __restrict__ dec_bt, const int* __restrict__ bt, const bf16* __restrict__ cache,
-    float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_o, int n_heads, int n_kv,
-    int max_parts, int part_len, float scale_log2) {
+    float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_o, int* __restrict__ done,
+    bf16* __restrict__ out, int n_heads, int n_kv, int max_parts, int part_len, float scale_log2) {
     __shared__ float sc[GQA][DEC_PART];
     __shared__ float red[VLANES][GQA][HEAD_DIM];
+    pdl_wait();
+    pdl_trigger();
     const int i = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
     const int ctx = dec_ctx[i];
     const int start = part * part_len;  // part_len <= DEC_PART, the shared score buffer's size
@@ -587,78 +708,386 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
         for (int v = 0; v < VLANES; v++) s += red[v][g][d];
         part_o[(((u64)i * n_heads + kvh * GQA + g) * max_parts + part) * HEAD_DIM + d] = s;
     }
-}
 
-// Combines the partitions of each (sequence, head) into the attention output row. grid = (n, n_heads).
-extern "C" __global__ void attn_decode_reduce(const int* __restrict__ dec_row, const int* __restrict__ dec_ctx,
-                                              const float* __restrict__ part_m, const float* __restrict__ part_l,
-                                              const float* __restrict__ part_o, bf16* __restrict__ out,
-                                              int n_heads, int max_parts, int part_len) {
-    const int i = blockIdx.x, h = blockIdx.y;
-    const int parts = (dec_ctx[i] + part_len - 1) / part_len;
-    const u64 base = ((u64)i * n_heads + h) * max_parts;
-    float m = NEG_INF;
-    for (int p = 0; p < parts; p++) m = fmaxf(m, part_m[base + p]);
-    float l = 0.f;
-    for (int p = 0; p < parts; p++) l += exp2f(part_m[base + p] - m) * part_l[base + p];
-    float inv = 1.f / l;
-    for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
-        float s = 0.f;
-        for (int p = 0; p < parts; p++) s += exp2f(part_m[base + p] - m) * part_o[(base + p) * HEAD_DIM + d];
-        out[(u64)dec_row[i] * n_heads * HEAD_DIM + h * HEAD_DIM + d] = f2bf(s * inv);
+    // The last partition of this (sequence, kv head) to finish combines all partitions into the
+    // output rows of its GQA heads (no second launch). done[] counts finished partitions and is
+    // reset by that last block, so it is zero again for the next launch.
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (t == 0) {
+        const int parts = (ctx + part_len - 1) / part_len;
+        int* cnt = done + i * n_kv + kvh;
+        is_last = atomicAdd(cnt, 1) == parts - 1;
+        if (is_last) *cnt = 0;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // Warp w combines heads w, w + 4, ...: lanes stride over partitions for the max and the sum,
+    // then each lane accumulates HEAD_DIM / 32 output dims over all partitions.
+    const int parts = (ctx + part_len - 1) / part_len;
+    for (int g = warp; g < GQA; g += DEC_THREADS / 32) {
+        const u64 base = ((u64)i * n_heads + kvh * GQA + g) * max_parts;
+        float m = NEG_INF;
+        for (int p = lane; p < parts; p += 32) m = fmaxf(m, __ldcg(part_m + base + p));
+        m = warp_max(m);
+        float l = 0.f;
+        for (int p = lane; p < parts; p += 32) l += exp2f(__ldcg(part_m + base + p) - m) * __ldcg(part_l + base + p);
+        l = warp_sum(l);
+        float acc[(HEAD_DIM + 31) / 32];
+#pragma unroll
+        for (int j = 0; j < (HEAD_DIM + 31) / 32; j++) acc[j] = 0.f;
+        for (int p = 0; p < parts; p++) {
+            const float w = exp2f(__ldcg(part_m + base + p) - m);
+            const float* po = part_o + (base + p) * HEAD_DIM;
+#pragma unroll
+            for (int j = 0; j < (HEAD_DIM + 31) / 32; j++) {
+                const int d = lane + 32 * j;
+                if (d < HEAD_DIM) acc[j] += w * __ldcg(po + d);
+            }
+        }
+        const float inv = 1.f / l;
+        bf16* o = out + (u64)dec_row[i] * n_heads * HEAD_DIM + (kvh * GQA + g) * HEAD_DIM;
+#pragma unroll
+        for (int j = 0; j < (HEAD_DIM + 31) / 32; j++) {
+            const int d = lane + 32 * j;
+            if (d < HEAD_DIM) o[d] = f2bf(acc[j] * inv);
+        }
     }
 }
 
 // ---- Small-batch GEMV: y[m][n] = sum_k x[m][k] w[n][k] for M <= 8 rows (decode). ----
-// One warp per output feature streams its weight row once with 16-byte loads, four in flight per
-// lane; the M activation rows are re-read from L1/L2. This is the bandwidth-bound path of decode,
-// where cuBLAS's GEMM reaches only part of the copy bandwidth.
+// Decode streams every weight once per step, so this is where a step's time goes. A work item is a
+// pair of weight rows and one of `ks` slices of K (split-K, so that short projections such as the
+// 4096-row output and down projections still put enough loads in flight); one warp streams its slice
+// of both rows with 16-byte loads that skip L1, loading the next GV_U chunks of each row while the
+// current ones are used. The ks warps of a pair sit in one block and add their partial sums in shared
+// memory. The M activation rows come from L1 or, in the kernels with an RMSNorm prologue, from
+// shared memory. Epilogues fuse the elementwise work that follows each projection of a step
+// (residual add, SiLU·mul, bias + RoPE + the K/V write), so a decode layer is five launches.
+#define GV_WARPS 8
+#define GV_U 4
+
+extern __shared__ uint4 gv_smem[];
+
+__device__ __forceinline__ uint4 ld_stream(const bf16* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// This warp's work item: row pair `pair` (of the grid's), K slice [kb, ke). ks divides GV_WARPS.
+struct GvItem {
+    int pair, slice, kb, ke;
+};
+
+__device__ __forceinline__ GvItem gv_item(int K, int ks) {
+    GvItem it;
+    const int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    it.pair = w / ks;
+    it.slice = w % ks;
+    const int len = ((K + ks - 1) / ks + 7) & ~7;
+    it.kb = min(K, it.slice * len);
+    it.ke = min(K, it.kb + len);
+    return it;
+}
+
+// Chunks k0 + u * 256 (u < GV_U) of rows w0 and w1; zero at or past ke.
+__device__ __forceinline__ void gv_load(uint4 (&c0)[GV_U], uint4 (&c1)[GV_U], const bf16* w0, const bf16* w1, int k0,
+                                        int ke) {
+#pragma unroll
+    for (int u = 0; u < GV_U; u++) {
+        int k = k0 + u * 256;
+        c0[u] = k < ke ? ld_stream(w0 + k) : make_uint4(0, 0, 0, 0);
+        c1[u] = k < ke ? ld_stream(w1 + k) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// The RMSNorm prologue: xs[m] = RMSNorm(res[m]) * nw into shared memory, rounded as add_rmsnorm
+// rounds. Every thread of the block must call it.
 template <int M>
-__device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y,
-                                          int N, int K, int f32_out) {
-    const int n = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+__device__ __forceinline__ void gv_norm(const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, int K) {
+    __shared__ float red[32];
+    bf16* xs = (bf16*)gv_smem;
+    float inv[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float ss = 0.f;
+        for (int k = threadIdx.x * 8; k < K; k += blockDim.x * 8) {
+            float f[8];
+            unpack8(*(const uint4*)(res + (u64)m * K + k), f);
+#pragma unroll
+            for (int e = 0; e < 8; e++) ss += f[e] * f[e];
+        }
+        inv[m] = rsqrtf(block_sum(ss, red) / (float)K + eps);
+    }
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        for (int k = threadIdx.x * 8; k < K; k += blockDim.x * 8) {
+            float f[8], g[8];
+            unpack8(*(const uint4*)(res + (u64)m * K + k), f);
+            unpack8(*(const uint4*)(nw + k), g);
+            uint4 o;
+            o.x = pack_bf2(round_bf(f[0] * inv[m]) * g[0], round_bf(f[1] * inv[m]) * g[1]);
+            o.y = pack_bf2(round_bf(f[2] * inv[m]) * g[2], round_bf(f[3] * inv[m]) * g[3]);
+            o.z = pack_bf2(round_bf(f[4] * inv[m]) * g[4], round_bf(f[5] * inv[m]) * g[5]);
+            o.w = pack_bf2(round_bf(f[6] * inv[m]) * g[6], round_bf(f[7] * inv[m]) * g[7]);
+            *(uint4*)(xs + m * K + k) = o;
+        }
+    }
+    __syncthreads();
+}
+
+// a0[m], a1[m] = dot(x[m], w0), dot(x[m], w1) over the item's K slice, summed over the warp and then
+// over the ks warps of the pair: the result is valid in the slice-0 warp (every lane). c0/c1 hold
+// the first chunks, loaded by the caller before any prologue so that they are in flight while it
+// runs. Every thread of the block must call it (it has a barrier when ks > 1).
+template <int M, bool SMEM_X>
+__device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const bf16* __restrict__ w0,
+                                        const bf16* __restrict__ w1, int K, const GvItem& it, int ks,
+                                        uint4 (&c0)[GV_U], uint4 (&c1)[GV_U], float (&a0)[M], float (&a1)[M]) {
+    __shared__ float part[GV_WARPS][2][M];
     const int lane = threadIdx.x & 31;
-    if (n >= N) return;
-    const bf16* wr = w + (u64)n * K;
-    float acc[M];
 #pragma unroll
-    for (int m = 0; m < M; m++) acc[m] = 0.f;
-    for (int k0 = lane * 8; k0 < K; k0 += 32 * 8 * 4) {
-        uint4 wv[4];
+    for (int m = 0; m < M; m++) a0[m] = a1[m] = 0.f;
+    for (int k0 = it.kb + lane * 8; k0 < it.ke; k0 += 256 * GV_U) {
+        uint4 n0[GV_U], n1[GV_U];
+        gv_load(n0, n1, w0, w1, k0 + 256 * GV_U, it.ke);
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            int k = k0 + u * 256;
-            wv[u] = k < K ? __ldg((const uint4*)(wr + k)) : make_uint4(0, 0, 0, 0);
+        for (int u = 0; u < GV_U; u++) {
+            const int k = k0 + u * 256;
+            if (k < it.ke) {
+                float f0[8], f1[8];
+                unpack8(c0[u], f0);
+                unpack8(c1[u], f1);
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    float xf[8];
+                    if (SMEM_X) unpack8(*(const uint4*)(x + m * K + k), xf);
+                    else unpack8(__ldg((const uint4*)(x + (u64)m * K + k)), xf);
+#pragma unroll
+                    for (int e = 0; e < 8; e++) {
+                        a0[m] += f0[e] * xf[e];
+                        a1[m] += f1[e] * xf[e];
+                    }
+                }
+            }
         }
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            int k = k0 + u * 256;
-            if (k >= K) break;
-            float wf[8];
-            unpack8(wv[u], wf);
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                float xf[8];
-                unpack8(__ldg((const uint4*)(x + (u64)m * K + k)), xf);
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[m] += wf[e] * xf[e];
-            }
+        for (int u = 0; u < GV_U; u++) {
+            c0[u] = n0[u];
+            c1[u] = n1[u];
         }
     }
 #pragma unroll
     for (int m = 0; m < M; m++) {
-        float v = warp_sum(acc[m]);
-        if (lane == 0) {
-            if (f32_out) ((float*)y)[(u64)m * N + n] = v;
-            else ((bf16*)y)[(u64)m * N + n] = f2bf(v);
+        a0[m] = warp_sum(a0[m]);
+        a1[m] = warp_sum(a1[m]);
+    }
+    if (ks > 1) {
+        const int wb = threadIdx.x >> 5;
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            if (lane == m) {
+                part[wb][0][m] = a0[m];
+                part[wb][1][m] = a1[m];
+            }
+        }
+        __syncthreads();
+        if (it.slice == 0) {
+            for (int s = 1; s < ks; s++) {
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    a0[m] += part[wb + s][0][m];
+                    a1[m] += part[wb + s][1][m];
+                }
+            }
+        }
+    }
+}
+
+// Plain GEMV: rows 2p and 2p + 1 of y (bf16, or fp32 for logits). grid = ceil(pairs * ks / GV_WARPS).
+template <int M>
+__device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y,
+                                          int N, int K, int f32_out, int ks) {
+    const GvItem it = gv_item(K, ks);
+    const int r0 = min(2 * it.pair, N - 1);
+    const int r1 = min(r0 + 1, N - 1);
+    uint4 c0[GV_U], c1[GV_U];
+    gv_load(c0, c1, w + (u64)r0 * K, w + (u64)r1 * K, it.kb + (threadIdx.x & 31) * 8, it.ke);
+    pdl_wait();
+    pdl_trigger();
+    float a0[M], a1[M];
+    gv_pair<M, false>(x, w + (u64)r0 * K, w + (u64)r1 * K, K, it, ks, c0, c1, a0, a1);
+    if (2 * it.pair >= N || it.slice != 0) return;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        if (lane == m) {
+            if (f32_out) {
+                ((float*)y)[(u64)m * N + r0] = a0[m];
+                if (r1 != r0) ((float*)y)[(u64)m * N + r1] = a1[m];
+            } else {
+                ((bf16*)y)[(u64)m * N + r0] = f2bf(a0[m]);
+                if (r1 != r0) ((bf16*)y)[(u64)m * N + r1] = f2bf(a1[m]);
+            }
+        }
+    }
+}
+
+// res[m][n] += y[m][n] (y rounded to bf16 first, as a bf16 model adds): the output projection and
+// the down projection add straight into the residual stream.
+template <int M>
+__device__ __forceinline__ void gemv_add_body(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                              bf16* __restrict__ res, int N, int K, int ks) {
+    const GvItem it = gv_item(K, ks);
+    const int r0 = min(2 * it.pair, N - 1);
+    const int r1 = min(r0 + 1, N - 1);
+    uint4 c0[GV_U], c1[GV_U];
+    gv_load(c0, c1, w + (u64)r0 * K, w + (u64)r1 * K, it.kb + (threadIdx.x & 31) * 8, it.ke);
+    pdl_wait();
+    pdl_trigger();
+    float a0[M], a1[M];
+    gv_pair<M, false>(x, w + (u64)r0 * K, w + (u64)r1 * K, K, it, ks, c0, c1, a0, a1);
+    if (2 * it.pair >= N || it.slice != 0) return;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        if (lane == m) {
+            bf16* r = res + (u64)m * N;
+            r[r0] = f2bf(bf2f(r[r0]) + round_bf(a0[m]));
+            if (r1 != r0) r[r1] = f2bf(bf2f(r[r1]) + round_bf(a1[m]));
+        }
+    }
+}
+
+// act[m][j] = silu(gate) * up with gate = row j and up = row ffn + j of [gate; up], over
+// RMSNorm(res) * nw: the FFN's norm, gate/up projection and activation in one pass.
+// grid = ceil(ffn * ks / GV_WARPS), dynamic shared memory M * K * 2 bytes.
+template <int M>
+__device__ __forceinline__ void gemv_silu_body(const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps,
+                                               const bf16* __restrict__ w, bf16* __restrict__ act, int ffn, int K,
+                                               int ks) {
+    const GvItem it = gv_item(K, ks);
+    const int j = it.pair;
+    const int jj = min(j, ffn - 1);
+    const bf16* w0 = w + (u64)jj * K;
+    const bf16* w1 = w + (u64)(ffn + jj) * K;
+    uint4 c0[GV_U], c1[GV_U];
+    gv_load(c0, c1, w0, w1, it.kb + (threadIdx.x & 31) * 8, it.ke);
+    pdl_wait();
+    pdl_trigger();
+    gv_norm<M>(res, nw, eps, K);
+    float a0[M], a1[M];
+    gv_pair<M, true>((const bf16*)gv_smem, w0, w1, K, it, ks, c0, c1, a0, a1);
+    if (j >= ffn || it.slice != 0) return;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        if (lane == m) {
+            float g = round_bf(a0[m]), u = round_bf(a1[m]);
+            act[(u64)m * ffn + j] = f2bf(round_bf(g / (1.f + __expf(-g))) * u);
+        }
+    }
+}
+
+// The attention input of a layer in one pass: RMSNorm(res) * nw, the fused [q; k; v] projection,
+// the optional bias, RoPE on q and k, q into its qkv row and k, v into the paged cache at slots[m].
+// Pair p < (n_heads + n_kv) * HEAD_DIM / 2 is one rotated pair of a q or k head, the rest are two
+// adjacent v rows. Rounding as rope_kv_write. grid = ceil(qkv rows / 2 * ks / GV_WARPS), dynamic
+// shared memory M * K * 2 bytes.
+template <int M>
+__device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps,
+                                              const bf16* __restrict__ w, const bf16* __restrict__ bias,
+                                              const int* __restrict__ positions, const int* __restrict__ slots,
+                                              const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                              bf16* __restrict__ cache, bf16* __restrict__ qkv, int n_heads, int n_kv,
+                                              int neox, int K, int ks) {
+    const int half = HEAD_DIM / 2;
+    const int pairs = (n_heads + n_kv) * half;
+    const int total = pairs + n_kv * half;
+    const GvItem it = gv_item(K, ks);
+    const int ww = min(it.pair, total - 1);
+    int head = -1, i = 0, r0, r1;
+    if (ww < pairs) {
+        head = ww / half;
+        i = ww % half;
+        r0 = head * HEAD_DIM + (neox ? i : 2 * i);
+        r1 = head * HEAD_DIM + (neox ? i + half : 2 * i + 1);
+    } else {
+        r0 = (n_heads + n_kv) * HEAD_DIM + 2 * (ww - pairs);
+        r1 = r0 + 1;
+    }
+    uint4 c0[GV_U], c1[GV_U];
+    gv_load(c0, c1, w + (u64)r0 * K, w + (u64)r1 * K, it.kb + (threadIdx.x & 31) * 8, it.ke);
+    pdl_wait();
+    pdl_trigger();
+    gv_norm<M>(res, nw, eps, K);
+    float a0[M], a1[M];
+    gv_pair<M, true>((const bf16*)gv_smem, w + (u64)r0 * K, w + (u64)r1 * K, K, it, ks, c0, c1, a0, a1);
+    if (it.pair >= total || it.slice != 0) return;
+    const int lane = threadIdx.x & 31;
+    const int width = (n_heads + 2 * n_kv) * HEAD_DIM;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        if (lane == m) {
+            float x0 = round_bf(a0[m]), x1 = round_bf(a1[m]);
+            if (bias) {
+                x0 = round_bf(x0 + bf2f(bias[r0]));
+                x1 = round_bf(x1 + bf2f(bias[r1]));
+            }
+            const int slot = slots[m];
+            const u64 blk = slot / KV_BLOCK, off = slot % KV_BLOCK;
+            if (head >= 0) {
+                const int pos = positions[m];
+                float c = round_bf(cos_t[(u64)pos * half + i]), s = round_bf(sin_t[(u64)pos * half + i]);
+                bf16 y0 = f2bf(round_bf(x0 * c) - round_bf(x1 * s));
+                bf16 y1 = f2bf(round_bf(x1 * c) + round_bf(x0 * s));
+                if (head < n_heads) {
+                    qkv[(u64)m * width + r0] = y0;
+                    qkv[(u64)m * width + r1] = y1;
+                } else {
+                    const int kh = head - n_heads;
+                    bf16* dst = cache + ((blk * 2 + 0) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM;
+                    dst[r0 - head * HEAD_DIM] = y0;
+                    dst[r1 - head * HEAD_DIM] = y1;
+                }
+            } else {
+                const int e = r0 - (n_heads + n_kv) * HEAD_DIM;
+                const int kh = e / HEAD_DIM, d = e % HEAD_DIM;
+                bf16* dst = cache + ((blk * 2 + 1) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM + d;
+                dst[0] = f2bf(x0);
+                dst[1] = f2bf(x1);
+            }
         }
     }
 }
 
 #define GEMV(MM) \
-    extern "C" __global__ void __launch_bounds__(256) gemv_##MM(const bf16* __restrict__ x, const bf16* __restrict__ w, \
-                                                               void* __restrict__ y, int N, int K, int f32_out) { \
-        gemv_body<MM>(x, w, y, N, K, f32_out); \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS) gemv_##MM( \
+        const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, int N, int K, int f32_out, \
+        int ks) { \
+        gemv_body<MM>(x, w, y, N, K, f32_out, ks); \
+    } \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS) gemv_add_##MM( \
+        const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ res, int N, int K, int ks) { \
+        gemv_add_body<MM>(x, w, res, N, K, ks); \
+    } \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS) gemv_silu_##MM( \
+        const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, const bf16* __restrict__ w, \
+        bf16* __restrict__ act, int ffn, int K, int ks) { \
+        gemv_silu_body<MM>(res, nw, eps, w, act, ffn, K, ks); \
+    } \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS) gemv_qkv_##MM( \
+        const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, const bf16* __restrict__ w, \
+        const bf16* __restrict__ bias, const int* __restrict__ positions, const int* __restrict__ slots, \
+        const float* __restrict__ cos_t, const float* __restrict__ sin_t, bf16* __restrict__ cache, \
+        bf16* __restrict__ qkv, int n_heads, int n_kv, int neox, int K, int ks) { \
+        gemv_qkv_body<MM>(res, nw, eps, w, bias, positions, slots, cos_t, sin_t, cache, qkv, n_heads, n_kv, neox, K, \
+                          ks); \
     }
 GEMV(1)
 GEMV(2)

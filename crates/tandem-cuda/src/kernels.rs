@@ -32,7 +32,7 @@ pub fn decode_partition(n_decode: usize) -> usize {
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 12] = [
+pub const KERNEL_NAMES: [&str; 11] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -44,11 +44,20 @@ pub const KERNEL_NAMES: [&str; 12] = [
     "attn_simple",
     "attn_prefill",
     "attn_decode",
-    "attn_decode_reduce",
 ];
 
 /// Largest row count the small-batch GEMV kernels (`gemv_1` .. `gemv_8`) handle.
 pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Dynamic shared memory of `attn_prefill` (`PF_SMEM_BYTES` in llama.cu): two stages of a 64-key K
+/// tile and V tile plus the 128-row Q tile, rows padded by 8 values.
+pub fn prefill_smem_bytes(head_dim: usize) -> usize {
+    (2 * 2 * 64 + crate::plan::PREFILL_TILE_ROWS) * (head_dim + 8) * 2
+}
+
+/// Name prefixes of the GEMV kernels, each instantiated for 1..=GEMV_MAX_ROWS rows (`gemv_add_3`):
+/// plain, residual add, RMSNorm + gate/up + SiLU·mul, RMSNorm + QKV + RoPE + K/V write.
+pub const GEMV_FAMILIES: [&str; 4] = ["gemv_", "gemv_add_", "gemv_silu_", "gemv_qkv_"];
 
 /// The compile-time shape the kernels are specialised for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,8 +92,8 @@ impl KernelShape {
         Ok(())
     }
 
-    /// Whether the tensor-core prefill kernel fits this head width (its tiles live in 48 KB of
-    /// static shared memory).
+    /// Whether the tensor-core prefill kernel fits this head width (its registers hold two rows'
+    /// HEAD_DIM outputs; its tiles take 104,448 bytes of shared memory at 128).
     pub fn tensor_core_prefill(&self) -> bool {
         self.head_dim <= 128
     }
@@ -207,10 +216,12 @@ mod tests {
                 assert!(text.contains(name), "{name} missing from the PTX");
             }
             for m in 1..=GEMV_MAX_ROWS {
-                assert!(
-                    text.contains(&format!(".entry gemv_{m}(")),
-                    "gemv_{m} missing from the PTX"
-                );
+                for family in GEMV_FAMILIES {
+                    assert!(
+                        text.contains(&format!(".entry {family}{m}(")),
+                        "{family}{m} missing from the PTX"
+                    );
+                }
             }
             assert!(text.contains("mma.sync.aligned.m16n8k16"));
             if let Ok(dir) = std::env::var("TANDEM_CUDA_PTX_DIR") {

@@ -52,6 +52,10 @@ pub struct CudaOptions {
     pub graphs: bool,
     /// Use our GEMV kernel instead of cuBLAS for projections of at most 8 rows.
     pub gemv: bool,
+    /// Programmatic dependent launch for our kernels that support it (Hopper and later): the next
+    /// kernel starts streaming its weights while the previous one finishes. Off by default: on the
+    /// H200 it made a batch-1 decode step slower (4.96 against 4.84 ms, 2026-12-03).
+    pub pdl: bool,
 }
 
 impl Default for CudaOptions {
@@ -67,13 +71,14 @@ impl Default for CudaOptions {
             attn: AttnMode::Fast,
             graphs: true,
             gemv: true,
+            pdl: false,
         }
     }
 }
 
 impl CudaOptions {
-    /// Applies `TANDEM_CUDA_ATTN=simple`, `TANDEM_CUDA_GRAPHS=0` and `TANDEM_CUDA_GEMV=0` from the
-    /// environment (on-device checks and A/B timings).
+    /// Applies `TANDEM_CUDA_ATTN=simple`, `TANDEM_CUDA_GRAPHS=0`, `TANDEM_CUDA_GEMV=0` and
+    /// `TANDEM_CUDA_PDL=0|1` from the environment (on-device checks and A/B timings).
     pub fn with_env_overrides(mut self) -> Self {
         if std::env::var("TANDEM_CUDA_ATTN").is_ok_and(|v| v == "simple") {
             self.attn = AttnMode::Simple;
@@ -83,6 +88,9 @@ impl CudaOptions {
         }
         if std::env::var("TANDEM_CUDA_GEMV").is_ok_and(|v| v == "0") {
             self.gemv = false;
+        }
+        if let Ok(v) = std::env::var("TANDEM_CUDA_PDL") {
+            self.pdl = v == "1";
         }
         self
     }
@@ -213,14 +221,24 @@ struct Funcs {
     attn_simple: CudaFunction,
     attn_prefill: CudaFunction,
     attn_decode: CudaFunction,
-    attn_decode_reduce: CudaFunction,
     /// `gemv[m - 1]` computes m rows.
     gemv: Vec<CudaFunction>,
+    /// GEMV adding into the residual stream (`gemv_add_m`).
+    gemv_add: Vec<CudaFunction>,
+    /// RMSNorm + gate/up GEMV + SiLU·mul (`gemv_silu_m`).
+    gemv_silu: Vec<CudaFunction>,
+    /// RMSNorm + QKV GEMV + bias + RoPE + K/V write (`gemv_qkv_m`).
+    gemv_qkv: Vec<CudaFunction>,
 }
 
 impl Funcs {
     fn load(module: &Arc<CudaModule>) -> Result<Funcs, CudaError> {
         let f = |n: &str| module.load_function(n);
+        let gemv_family = |prefix: &str| {
+            (1..=kernels::GEMV_MAX_ROWS)
+                .map(|m| f(&format!("{prefix}{m}")))
+                .collect::<Result<Vec<_>, _>>()
+        };
         Ok(Funcs {
             init_uniform: f("init_uniform")?,
             fill_bf16: f("fill_bf16")?,
@@ -233,12 +251,64 @@ impl Funcs {
             attn_simple: f("attn_simple")?,
             attn_prefill: f("attn_prefill")?,
             attn_decode: f("attn_decode")?,
-            attn_decode_reduce: f("attn_decode_reduce")?,
-            gemv: (1..=kernels::GEMV_MAX_ROWS)
-                .map(|m| f(&format!("gemv_{m}")))
-                .collect::<Result<_, _>>()?,
+            gemv: gemv_family(kernels::GEMV_FAMILIES[0])?,
+            gemv_add: gemv_family(kernels::GEMV_FAMILIES[1])?,
+            gemv_silu: gemv_family(kernels::GEMV_FAMILIES[2])?,
+            gemv_qkv: gemv_family(kernels::GEMV_FAMILIES[3])?,
         })
     }
+
+    /// Lets the fused-norm GEMVs of m rows take m × `hidden` bf16 values of dynamic shared memory
+    /// (above the default 48 KiB for m × hidden > 24,576).
+    fn allow_norm_smem(&self, hidden: usize) -> Result<(), CudaError> {
+        for (i, (silu, qkv)) in self.gemv_silu.iter().zip(&self.gemv_qkv).enumerate() {
+            let bytes = fused_smem_bytes(i + 1, hidden);
+            if bytes <= FUSED_SMEM_MAX {
+                for func in [silu, qkv] {
+                    func.set_attribute(
+                        drv::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        bytes as i32,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Dynamic shared memory of a fused-norm GEMV over `m` rows of `hidden` bf16 values.
+fn fused_smem_bytes(m: usize, hidden: usize) -> usize {
+    m * hidden * BF16
+}
+
+/// Most dynamic shared memory a fused-norm GEMV block asks for (Hopper allows 227 KiB per block;
+/// beyond this a step falls back to the unfused kernels).
+const FUSED_SMEM_MAX: usize = 160 << 10;
+
+/// Warps per block of the GEMV kernels (`GV_WARPS` in llama.cu); each warp owns two weight rows.
+const GEMV_WARPS: usize = 8;
+
+/// 16-byte chunks of a row each thread of `add_rmsnorm` holds (`NORM_CHUNKS` in llama.cu).
+const NORM_CHUNKS: usize = 2;
+
+/// Blocks of a GEMV launch with one warp per work item.
+fn gemv_blocks(warps: usize) -> u32 {
+    warps.div_ceil(GEMV_WARPS) as u32
+}
+
+/// Warps a GEMV launch aims for: 62 per multiprocessor of an H200, enough 16-byte loads in flight
+/// to stream at the copy bandwidth (measured: the 4096-row projections reached ~2.5 TB/s with one
+/// warp per row pair, the 28,672-row gate/up ~4 TB/s).
+const GEMV_TARGET_WARPS: usize = 8192;
+
+/// K slices per row pair of a GEMV (split-K, a power of two dividing `GEMV_WARPS`): the fewest
+/// that reach [`GEMV_TARGET_WARPS`], keeping slices at least 256 values long.
+fn gemv_split(pairs: usize, k: usize) -> usize {
+    let mut ks = 1;
+    while ks < GEMV_WARPS && pairs * ks < GEMV_TARGET_WARPS && k / (2 * ks) >= 256 {
+        ks *= 2;
+    }
+    ks
 }
 
 /// Activation buffers, sized once for the largest step.
@@ -256,6 +326,8 @@ struct Acts {
     part_m: DeviceBuf,
     part_l: DeviceBuf,
     part_o: DeviceBuf,
+    /// Finished decode partitions per (sequence, kv head); zero between launches.
+    dec_done: DeviceBuf,
     meta: DeviceBuf,
     _blas_workspace: DeviceBuf,
 }
@@ -286,6 +358,52 @@ macro_rules! launch {
         unsafe { b.launch(cfg) }?;
     }};
 }
+
+/// [`launch!`] with dynamic shared memory.
+macro_rules! launch_smem {
+    ($stream:expr, $f:expr, $grid:expr, $block:expr, $smem:expr, $($arg:expr),* $(,)?) => {{
+        let mut b = $stream.launch_builder(&$f);
+        $( let a = $arg; b.arg(&a); )*
+        let cfg = LaunchConfig { grid_dim: $grid, block_dim: $block, shared_mem_bytes: $smem };
+        // SAFETY: as in launch!; the dynamic shared memory was allowed at load (CudaLlama::new).
+        unsafe { b.launch(cfg) }?;
+    }};
+}
+
+/// Launches one of our kernels that call `pdl_wait()` before their first dependent read, through
+/// [`CudaLlama::launch_ex`] (programmatic dependent launch when enabled).
+macro_rules! launch_pdl {
+    ($model:expr, $f:expr, $grid:expr, $block:expr, $smem:expr, $($arg:expr),* $(,)?) => {{
+        $model.launch_ex(&$f, $grid, $block, $smem as u32, &[$(KernelArg::slot($arg)),*])?;
+    }};
+}
+
+/// A kernel parameter of at most 8 bytes, passed as the bytes of one `u64` slot (little-endian, so
+/// a 4-byte parameter is the slot's first 4 bytes).
+trait KernelArg {
+    fn slot(self) -> u64;
+}
+
+impl KernelArg for u64 {
+    fn slot(self) -> u64 {
+        self
+    }
+}
+
+impl KernelArg for i32 {
+    fn slot(self) -> u64 {
+        self as u32 as u64
+    }
+}
+
+impl KernelArg for f32 {
+    fn slot(self) -> u64 {
+        self.to_bits() as u64
+    }
+}
+
+/// Most parameters of a kernel launched through [`CudaLlama::launch_ex`].
+const MAX_KERNEL_ARGS: usize = 20;
 
 /// The Llama-family model on one GPU with its paged bf16 KV cache.
 pub struct CudaLlama {
@@ -358,10 +476,15 @@ impl CudaLlama {
                 "libcublas could not be loaded (add its folder to LD_LIBRARY_PATH)".into(),
             ));
         }
-        if !config.intermediate_size.is_multiple_of(2) || !config.hidden_size.is_multiple_of(8) {
+        if !config.intermediate_size.is_multiple_of(8)
+            || !config.hidden_size.is_multiple_of(8)
+            || config.hidden_size > 8 * NORM_CHUNKS * 1024
+        {
             return Err(CudaError::Unsupported(format!(
-                "hidden {} / intermediate {} (the kernels need multiples of 8 / 2)",
-                config.hidden_size, config.intermediate_size
+                "hidden {} / intermediate {} (the kernels need multiples of 8, hidden at most {})",
+                config.hidden_size,
+                config.intermediate_size,
+                8 * NORM_CHUNKS * 1024
             )));
         }
         if opts.max_tokens > 65535 {
@@ -395,6 +518,11 @@ impl CudaLlama {
         let ptx = kernels::compile(&shape, major, minor)?;
         let module = ctx.load_module(ptx)?;
         let funcs = Funcs::load(&module)?;
+        funcs.allow_norm_smem(config.hidden_size)?;
+        funcs.attn_prefill.set_attribute(
+            drv::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            kernels::prefill_smem_bytes(config.head_dim) as i32,
+        )?;
         tracing::info!(device = %device_name, sm = format!("{major}.{minor}"), compile_ms = t0.elapsed().as_millis() as u64, "CUDA kernels compiled");
         let blas = CudaBlas::new(stream.clone())?;
 
@@ -550,6 +678,7 @@ impl CudaLlama {
             part_m: bufsz(part_slots, 4)?,
             part_l: bufsz(part_slots, 4)?,
             part_o: bufsz(part_slots * c.head_dim, 4)?,
+            dec_done: bufsz(max_seqs.max(GRAPH_SIZES[0]) * c.num_kv_heads, 4)?,
             meta: bufsz(meta_layout.total(), 4)?,
             _blas_workspace: bufsz(64 << 20, 1)?,
         };
@@ -565,6 +694,15 @@ impl CudaLlama {
         if ws != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             return Err(CudaError::Blas(cudarc::cublas::result::CublasError(ws)));
         }
+        // SAFETY: dec_done is a live allocation of exactly this many bytes on this context.
+        unsafe {
+            drv_result::memset_d8_async(
+                acts.dec_done.ptr,
+                0,
+                acts.dec_done.bytes,
+                stream.cu_stream(),
+            )
+        }?;
         let staging = PinnedBuf::new(&ctx, 2 * STAGING_CHUNK)?;
         stream.synchronize()?;
         let (free, total) = ctx.mem_get_info()?;
@@ -683,19 +821,23 @@ impl CudaLlama {
         f32_out: bool,
     ) -> Result<(), CudaError> {
         if self.opts.gemv && t <= kernels::GEMV_MAX_ROWS && k.is_multiple_of(8) {
-            let warps_per_block = 8;
-            let blocks = n.div_ceil(warps_per_block) as u32;
-            launch!(
-                self.stream,
+            launch_pdl!(
+                self,
                 self.funcs.gemv[t - 1],
-                (blocks, 1, 1),
-                (32 * warps_per_block as u32, 1, 1),
+                (
+                    gemv_blocks(n.div_ceil(2) * gemv_split(n.div_ceil(2), k)),
+                    1,
+                    1
+                ),
+                (32 * GEMV_WARPS as u32, 1, 1),
+                0,
                 x,
                 w,
                 y,
                 n as i32,
                 k as i32,
-                f32_out as i32
+                f32_out as i32,
+                gemv_split(n.div_ceil(2), k) as i32
             );
             return Ok(());
         }
@@ -745,7 +887,8 @@ impl CudaLlama {
         let s = &self.stream;
         let tt = t as u32;
         let eps = c.rms_norm_eps;
-        let norm_threads = (h.div_ceil(32) * 32).clamp(32, 1024) as u32;
+        // One 16-byte chunk of the row per thread (up to NORM_CHUNKS per thread past 1024).
+        let norm_threads = ((h / 8).div_ceil(32) * 32).clamp(32, 1024) as u32;
         let qkv_w = (q + 2 * kv) as i32;
         let neox = matches!(c.rope_style, tandem_kernels::RopeStyle::Neox) as i32;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
@@ -776,39 +919,74 @@ impl CudaLlama {
             a.x.ptr,
             h as i32
         );
+        let fused = self.fused_step(t);
+        let smem = fused_smem_bytes(t, h) as u32;
+        let block = (32 * GEMV_WARPS as u32, 1, 1);
+        let ks_qkv = gemv_split((q + 2 * kv) / 2, h);
+        let ks_o = gemv_split(h.div_ceil(2), q);
+        let ks_gu = gemv_split(f, h);
+        let ks_down = gemv_split(h.div_ceil(2), f);
         for (l, lw) in self.layers.iter().enumerate() {
-            let delta = if l == 0 { 0u64 } else { a.delta.ptr };
-            launch!(
-                s,
-                self.funcs.add_rmsnorm,
-                (tt, 1, 1),
-                (norm_threads, 1, 1),
-                a.x.ptr,
-                delta,
-                lw.attn_norm.ptr,
-                a.xn.ptr,
-                h as i32,
-                eps
-            );
-            self.gemm(a.xn.ptr, lw.wqkv.ptr, a.qkv.ptr, t, q + 2 * kv, h, false)?;
             let cache = self.kv.at(l * layer_elems, BF16);
             let bias = lw.bqkv.as_ref().map_or(0u64, |b| b.ptr);
-            launch!(
-                s,
-                self.funcs.rope_kv_write,
-                (tt, 1, 1),
-                (256, 1, 1),
-                a.qkv.ptr,
-                bias,
-                self.meta(Region::Positions),
-                self.meta(Region::Slots),
-                self.rope_cos.ptr,
-                self.rope_sin.ptr,
-                cache,
-                nh,
-                nkv,
-                neox
-            );
+            if fused {
+                // RMSNorm + QKV + bias + RoPE + K/V write; the residual is complete in x.
+                launch_pdl!(
+                    self,
+                    self.funcs.gemv_qkv[t - 1],
+                    (gemv_blocks((q + 2 * kv) / 2 * ks_qkv), 1, 1),
+                    block,
+                    smem,
+                    a.x.ptr,
+                    lw.attn_norm.ptr,
+                    eps,
+                    lw.wqkv.ptr,
+                    bias,
+                    self.meta(Region::Positions),
+                    self.meta(Region::Slots),
+                    self.rope_cos.ptr,
+                    self.rope_sin.ptr,
+                    cache,
+                    a.qkv.ptr,
+                    nh,
+                    nkv,
+                    neox,
+                    h as i32,
+                    ks_qkv as i32
+                );
+            } else {
+                let delta = if l == 0 { 0u64 } else { a.delta.ptr };
+                launch_pdl!(
+                    self,
+                    self.funcs.add_rmsnorm,
+                    (tt, 1, 1),
+                    (norm_threads, 1, 1),
+                    0,
+                    a.x.ptr,
+                    delta,
+                    lw.attn_norm.ptr,
+                    a.xn.ptr,
+                    h as i32,
+                    eps
+                );
+                self.gemm(a.xn.ptr, lw.wqkv.ptr, a.qkv.ptr, t, q + 2 * kv, h, false)?;
+                launch!(
+                    s,
+                    self.funcs.rope_kv_write,
+                    (tt, 1, 1),
+                    (256, 1, 1),
+                    a.qkv.ptr,
+                    bias,
+                    self.meta(Region::Positions),
+                    self.meta(Region::Slots),
+                    self.rope_cos.ptr,
+                    self.rope_sin.ptr,
+                    cache,
+                    nh,
+                    nkv,
+                    neox
+                );
+            }
             match self.opts.attn {
                 AttnMode::Simple => {
                     let n_seq = p.seq_qrow.len() as u32;
@@ -833,11 +1011,12 @@ impl CudaLlama {
                 }
                 AttnMode::Fast => {
                     if !p.tile_seq.is_empty() {
-                        launch!(
+                        launch_smem!(
                             s,
                             self.funcs.attn_prefill,
                             (p.tile_seq.len() as u32, nh as u32, 1),
                             (128, 1, 1),
+                            kernels::prefill_smem_bytes(c.head_dim) as u32,
                             a.qkv.ptr,
                             qkv_w,
                             self.meta(Region::TileSeq),
@@ -856,11 +1035,12 @@ impl CudaLlama {
                     }
                     if !p.dec_row.is_empty() {
                         let nd = p.dec_row.len() as u32;
-                        launch!(
-                            s,
+                        launch_pdl!(
+                            self,
                             self.funcs.attn_decode,
                             (nd, nkv as u32, decode_parts as u32),
                             (128, 1, 1),
+                            0,
                             a.qkv.ptr,
                             qkv_w,
                             self.meta(Region::DecRow),
@@ -871,36 +1051,70 @@ impl CudaLlama {
                             a.part_m.ptr,
                             a.part_l.ptr,
                             a.part_o.ptr,
+                            a.dec_done.ptr,
+                            a.attn.ptr,
                             nh,
                             nkv,
                             stride as i32,
                             part_len as i32,
                             scale_log2
                         );
-                        launch!(
-                            s,
-                            self.funcs.attn_decode_reduce,
-                            (nd, nh as u32, 1),
-                            (c.head_dim.min(256) as u32, 1, 1),
-                            self.meta(Region::DecRow),
-                            self.meta(Region::DecCtx),
-                            a.part_m.ptr,
-                            a.part_l.ptr,
-                            a.part_o.ptr,
-                            a.attn.ptr,
-                            nh,
-                            stride as i32,
-                            part_len as i32
-                        );
                     }
                 }
             }
+            if fused {
+                // Output projection added into the residual; RMSNorm + gate/up + SiLU·mul; down
+                // projection added into the residual.
+                launch_pdl!(
+                    self,
+                    self.funcs.gemv_add[t - 1],
+                    (gemv_blocks(h.div_ceil(2) * ks_o), 1, 1),
+                    block,
+                    0,
+                    a.attn.ptr,
+                    lw.wo.ptr,
+                    a.x.ptr,
+                    h as i32,
+                    q as i32,
+                    ks_o as i32
+                );
+                launch_pdl!(
+                    self,
+                    self.funcs.gemv_silu[t - 1],
+                    (gemv_blocks(f * ks_gu), 1, 1),
+                    block,
+                    smem,
+                    a.x.ptr,
+                    lw.ffn_norm.ptr,
+                    eps,
+                    lw.w_gate_up.ptr,
+                    a.act.ptr,
+                    f as i32,
+                    h as i32,
+                    ks_gu as i32
+                );
+                launch_pdl!(
+                    self,
+                    self.funcs.gemv_add[t - 1],
+                    (gemv_blocks(h.div_ceil(2) * ks_down), 1, 1),
+                    block,
+                    0,
+                    a.act.ptr,
+                    lw.w_down.ptr,
+                    a.x.ptr,
+                    h as i32,
+                    f as i32,
+                    ks_down as i32
+                );
+                continue;
+            }
             self.gemm(a.attn.ptr, lw.wo.ptr, a.delta.ptr, t, h, q, false)?;
-            launch!(
-                s,
+            launch_pdl!(
+                self,
                 self.funcs.add_rmsnorm,
                 (tt, 1, 1),
                 (norm_threads, 1, 1),
+                0,
                 a.x.ptr,
                 a.delta.ptr,
                 lw.ffn_norm.ptr,
@@ -909,8 +1123,9 @@ impl CudaLlama {
                 eps
             );
             self.gemm(a.xn.ptr, lw.w_gate_up.ptr, a.gu.ptr, t, 2 * f, h, false)?;
-            // Two columns per thread: ffn / 512 blocks cover a row in one pass; one grid row per token.
-            let col_blocks = f.div_ceil(512) as u32;
+            // Eight columns per thread: ffn / 2048 blocks cover a row in one pass; one grid row per
+            // token.
+            let col_blocks = f.div_ceil(8 * 256) as u32;
             launch!(
                 s,
                 self.funcs.silu_mul,
@@ -922,16 +1137,18 @@ impl CudaLlama {
             );
             self.gemm(a.act.ptr, lw.w_down.ptr, a.delta.ptr, t, h, f, false)?;
         }
-        let final_delta = if self.layers.is_empty() {
+        // The fused path adds every delta into x itself.
+        let final_delta = if self.layers.is_empty() || fused {
             0u64
         } else {
             a.delta.ptr
         };
-        launch!(
-            s,
+        launch_pdl!(
+            self,
             self.funcs.add_rmsnorm,
             (tt, 1, 1),
             (norm_threads, 1, 1),
+            0,
             a.x.ptr,
             final_delta,
             self.norm.ptr,
@@ -942,41 +1159,108 @@ impl CudaLlama {
         Ok(())
     }
 
+    /// Launches `f` with `args` (as [`KernelArg`] slots) on the model's stream; with `opts.pdl` as a
+    /// programmatic dependent launch, so that it starts (and streams its weights) while the kernel
+    /// before it finishes. Only for kernels that call `pdl_wait()` before their first dependent read.
+    fn launch_ex(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &[u64],
+    ) -> Result<(), CudaError> {
+        assert!(args.len() <= MAX_KERNEL_ARGS, "too many kernel arguments");
+        let mut slots = [0u64; MAX_KERNEL_ARGS];
+        slots[..args.len()].copy_from_slice(args);
+        let mut params = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_KERNEL_ARGS];
+        for (p, v) in params.iter_mut().zip(slots.iter_mut()) {
+            *p = v as *mut u64 as *mut std::ffi::c_void;
+        }
+        // SAFETY: an all-zero launch attribute is plain data; its id and value are set below.
+        let mut attr: drv::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = drv::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = drv::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: self.opts.pdl as u32,
+        };
+        // SAFETY: the argument slots match the kernel's parameters in llama.cu (each at most 8
+        // bytes) and outlive the call, which copies them; every pointer among them is a live
+        // allocation sized for the step.
+        unsafe {
+            drv::cuLaunchKernelEx(
+                &cfg,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()
+        }?;
+        Ok(())
+    }
+
+    /// Whether a step of `t` tokens runs the fused GEMV kernels (norm, RoPE, K/V write, SiLU and
+    /// residual adds inside the projections): our GEMV on, few rows, shapes the kernels take.
+    fn fused_step(&self, t: usize) -> bool {
+        let c = &self.config;
+        self.opts.gemv
+            && (1..=kernels::GEMV_MAX_ROWS).contains(&t)
+            && c.hidden_size.is_multiple_of(8)
+            && c.intermediate_size.is_multiple_of(8)
+            && fused_smem_bytes(t, c.hidden_size) <= FUSED_SMEM_MAX
+    }
+
     /// Queues the output head for logits rows `start..start + n` of the plan into `acts.logits`.
     fn enqueue_head(&self, start: usize, n: usize) -> Result<(), CudaError> {
         let c = &self.config;
         let h = c.hidden_size;
         let a = &self.acts;
-        let rows = self.meta(Region::LogitRows) + (start * 4) as u64;
-        launch!(
-            self.stream,
-            self.funcs.gather_rows,
-            (n as u32, 1, 1),
-            (256, 1, 1),
-            a.xn.ptr,
-            rows,
-            a.head_in.ptr,
-            h as i32
-        );
+        // Rows start..start + n of the step (every decode step, and graphs only run those) need no
+        // gather: the head reads them from xn in place.
+        let lr = &self.plan.logit_rows;
+        let in_place = lr.len() >= start + n
+            && lr[start..start + n]
+                .iter()
+                .enumerate()
+                .all(|(i, &r)| r as usize == start + i);
+        let head_in = if in_place {
+            a.xn.at(start * h, BF16)
+        } else {
+            let rows = self.meta(Region::LogitRows) + (start * 4) as u64;
+            launch_pdl!(
+                self,
+                self.funcs.gather_rows,
+                (n as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                a.xn.ptr,
+                rows,
+                a.head_in.ptr,
+                h as i32
+            );
+            a.head_in.ptr
+        };
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        self.gemm(
-            a.head_in.ptr,
-            head.ptr,
-            a.logits.ptr,
-            n,
-            c.vocab_size,
-            h,
-            true,
-        )
+        self.gemm(head_in, head.ptr, a.logits.ptr, n, c.vocab_size, h, true)
     }
 
     fn enqueue_argmax(&self, n: usize) -> Result<(), CudaError> {
         let a = &self.acts;
-        launch!(
-            self.stream,
+        launch_pdl!(
+            self,
             self.funcs.argmax_rows,
             (n as u32, 1, 1),
             (1024, 1, 1),
+            0,
             a.logits.ptr,
             self.config.vocab_size as i32,
             a.argmax.ptr

@@ -7,7 +7,7 @@ use tandem_model::{ForwardBatch, LogitsWanted};
 use crate::error::CudaError;
 
 /// Query rows per prefill attention tile (`PF_ROWS` in the kernels).
-pub const PREFILL_TILE_ROWS: usize = 64;
+pub const PREFILL_TILE_ROWS: usize = 128;
 
 /// Everything the kernels need to know about one step, as `i32` arrays ready to upload.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -381,9 +381,10 @@ mod tests {
         assert_eq!(p.dec_row, vec![0]);
         assert_eq!(p.dec_ctx, vec![6]);
         assert_eq!(p.max_dec_ctx, 6);
-        // The 70-token chunk is tiled by 64 rows (two tiles), the 2-token chunk is one tile.
-        assert_eq!(p.tile_seq, vec![1, 1, 2]);
-        assert_eq!(p.tile_q0, vec![0, 64, 0]);
+        // The 70-token chunk is one tile of 128 rows, the 2-token chunk is one tile.
+        assert_eq!(PREFILL_TILE_ROWS, 128);
+        assert_eq!(p.tile_seq, vec![1, 2]);
+        assert_eq!(p.tile_q0, vec![0, 0]);
         assert_eq!(p.seq_qrow, vec![0, 1, 71]);
         assert_eq!(p.seq_nq, vec![1, 70, 2]);
         assert_eq!(p.seq_pos, vec![5, 2, 0]);
@@ -455,7 +456,7 @@ mod tests {
         }
         assert!(REGIONS.iter().all(|&r| l.offset(r).is_multiple_of(4)));
         assert_eq!(l.capacity(Region::BlockTables), 64 * 32);
-        assert_eq!(l.capacity(Region::TileSeq), 512 / 64 + 64);
+        assert_eq!(l.capacity(Region::TileSeq), 512 / PREFILL_TILE_ROWS + 64);
         assert!(spans.last().unwrap().1 <= l.total());
 
         let mut p = StepPlan::default();

@@ -314,7 +314,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CudaError> {
     let mut batch = ForwardBatch::default();
     let mut ids = Vec::new();
     let mut logits = Vec::new();
-    for &b in &args.batches {
+    // A batch size of 0 skips decode (a prefill-only profile).
+    for &b in args.batches.iter().filter(|&&b| b > 0) {
         let mut modes = vec![
             (true, false, true),
             (true, true, true),
