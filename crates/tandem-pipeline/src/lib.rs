@@ -115,6 +115,19 @@ struct Link {
 }
 
 impl Link {
+    /// Runs one block operation on the stage, naming the stage and the operation if it fails.
+    fn call(
+        &self,
+        what: &str,
+        op: impl FnOnce(&mut StageClient) -> Result<(), KvError>,
+    ) -> Result<(), BackendError> {
+        let r = op(&mut *self
+            .client
+            .lock()
+            .map_err(|_| BackendError::new("pipeline link lock poisoned"))?);
+        r.map_err(|e| self.err(what, e))
+    }
+
     fn err(&self, what: &str, e: KvError) -> BackendError {
         let addr = self.client.lock().map(|c| c.peer().to_string());
         BackendError::new(format!(
@@ -416,14 +429,7 @@ impl Backend for PipelineBackend {
                 self.kv.export_block(layer, block, out);
                 Ok(())
             }
-            Some(link) => {
-                let r = link
-                    .client
-                    .lock()
-                    .map_err(|_| BackendError::new("pipeline link lock poisoned"))?
-                    .export_block(layer, block, out);
-                r.map_err(|e| link.err("export", e))
-            }
+            Some(link) => link.call("export", |c| c.export_block(layer, block, out)),
         }
     }
 
@@ -434,14 +440,7 @@ impl Backend for PipelineBackend {
                 self.kv.import_block(layer, block, data);
                 Ok(())
             }
-            Some(link) => {
-                let r = link
-                    .client
-                    .lock()
-                    .map_err(|_| BackendError::new("pipeline link lock poisoned"))?
-                    .import_block(layer, block, data);
-                r.map_err(|e| link.err("import", e))
-            }
+            Some(link) => link.call("import", |c| c.import_block(layer, block, data)),
         }
     }
 
@@ -450,12 +449,7 @@ impl Backend for PipelineBackend {
         self.check_block(dst)?;
         self.kv.copy_block(src, dst);
         for link in &self.links {
-            let r = link
-                .client
-                .lock()
-                .map_err(|_| BackendError::new("pipeline link lock poisoned"))?
-                .copy_block(src, dst);
-            r.map_err(|e| link.err("copy", e))?;
+            link.call("copy", |c| c.copy_block(src, dst))?;
         }
         Ok(())
     }
