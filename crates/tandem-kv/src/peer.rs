@@ -4,7 +4,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::KvError;
 
-fn cmp<T: PartialEq + std::fmt::Debug>(field: &'static str, l: &T, r: &T) -> Result<(), KvError> {
+/// `Ok` when a handshake field agrees, else a mismatch naming it with both values.
+pub(crate) fn cmp<T: PartialEq + std::fmt::Debug>(
+    field: &'static str,
+    l: &T,
+    r: &T,
+) -> Result<(), KvError> {
     if l == r {
         Ok(())
     } else {

@@ -30,6 +30,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tandem_model::ForwardBatch;
 
+use crate::peer::cmp;
 use crate::wire::{FrameHeader, FrameKind, WireError, HEADER_LEN, MAX_CONTROL_LEN};
 use crate::KvError;
 
@@ -52,18 +53,6 @@ pub struct StageHello {
     pub block_size: usize,
     /// Blocks in the KV pool; block ids travel in the batch, so every stage needs the same pool.
     pub num_blocks: usize,
-}
-
-fn cmp<T: PartialEq + std::fmt::Debug>(field: &'static str, l: &T, r: &T) -> Result<(), KvError> {
-    if l == r {
-        Ok(())
-    } else {
-        Err(KvError::Mismatch {
-            field,
-            local: format!("{l:?}"),
-            remote: format!("{r:?}"),
-        })
-    }
 }
 
 impl StageHello {
