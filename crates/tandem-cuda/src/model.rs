@@ -626,28 +626,14 @@ impl CudaLlama {
         let rope_sin = up.upload(rope.sin())?;
 
         // KV cache: one extra block at the end is the scratch target of padded graph rows.
-        let num_blocks = KvLayout::blocks_for_budget(
-            opts.kv_cache_bytes,
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            opts.block_size,
-            KvDtype::Bf16,
-        );
+        let layout = KvLayout::for_budget(c, opts.block_size, opts.kv_cache_bytes, KvDtype::Bf16);
+        let num_blocks = layout.num_blocks;
         if num_blocks == 0 {
             return Err(CudaError::Unsupported(format!(
                 "a KV budget of {} bytes holds no block",
                 opts.kv_cache_bytes
             )));
         }
-        let layout = KvLayout {
-            n_layers: c.num_layers,
-            n_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-            block_size: opts.block_size,
-            num_blocks,
-            dtype: KvDtype::Bf16,
-        };
         let kv_buf = DeviceBuf::new(&ctx, c.num_layers * (num_blocks + 1) * layout.block_bytes())?;
         // Random, not zero, so that timing runs over unwritten slots read real-looking data.
         up.fill_random(&kv_buf, kv_buf.bytes / BF16, 1.0)?;

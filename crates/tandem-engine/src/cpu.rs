@@ -37,10 +37,14 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// Sizes the KV cache to as many `block_size`-token blocks as `kv_cache_bytes` holds across all layers.
     pub fn new(model: CpuLlama, block_size: usize, kv_cache_bytes: usize) -> CpuBackend {
+        let layout = KvLayout::for_budget(model.config(), block_size, kv_cache_bytes, KvDtype::F32);
+        let kv = KvCache::new(model.kv_layout(block_size, layout.num_blocks));
+        tracing::info!(
+            num_blocks = layout.num_blocks,
+            block_size,
+            "CPU KV cache allocated"
+        );
         let c = model.config().clone();
-        let num_blocks = Self::blocks_for(&c, block_size, kv_cache_bytes);
-        let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
-        tracing::info!(num_blocks, block_size, "CPU KV cache allocated");
         CpuBackend::from_ranks(
             &c,
             vec![Rank {
@@ -49,8 +53,7 @@ impl CpuBackend {
                 logits: Vec::new(),
                 breaker: None,
             }],
-            block_size,
-            num_blocks,
+            layout,
         )
     }
 
@@ -64,12 +67,9 @@ impl CpuBackend {
         block_size: usize,
         kv_cache_bytes: usize,
     ) -> Result<CpuBackend, ModelError> {
-        let threads = if threads == 0 {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        } else {
-            threads
-        };
-        let num_blocks = Self::blocks_for(config, block_size, kv_cache_bytes);
+        let threads = tandem_kernels::resolve_threads(threads);
+        let layout = KvLayout::for_budget(config, block_size, kv_cache_bytes, KvDtype::F32);
+        let num_blocks = layout.num_blocks;
         let ranks = ThreadCollective::group(tp.max(1))
             .into_iter()
             .enumerate()
@@ -97,33 +97,13 @@ impl CpuBackend {
             threads,
             "CPU KV cache allocated"
         );
-        Ok(CpuBackend::from_ranks(
-            config, ranks, block_size, num_blocks,
-        ))
+        Ok(CpuBackend::from_ranks(config, ranks, layout))
     }
 
-    fn blocks_for(c: &ModelConfig, block_size: usize, bytes: usize) -> usize {
-        KvLayout::blocks_for_budget(
-            bytes,
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            block_size,
-            KvDtype::F32,
-        )
-    }
-
-    fn from_ranks(c: &ModelConfig, ranks: Vec<Rank>, block_size: usize, num_blocks: usize) -> Self {
+    fn from_ranks(c: &ModelConfig, ranks: Vec<Rank>, layout: KvLayout) -> Self {
         CpuBackend {
             ranks,
-            layout: KvLayout {
-                n_layers: c.num_layers,
-                n_kv_heads: c.num_kv_heads,
-                head_dim: c.head_dim,
-                block_size,
-                num_blocks,
-                dtype: KvDtype::F32,
-            },
+            layout,
             eos: c.eos_token_ids.clone(),
             vocab: c.vocab_size,
             max_len: c.max_position_embeddings,

@@ -22,7 +22,7 @@ pub use matmul::{matmul, matmul_fused, MatmulScratch};
 pub use ops::{add_inplace, rms_norm, silu_mul, softmax_inplace};
 pub use quant::{dequantize, quantize_row, DType, Matrix, WeightBytes};
 pub use rope::{apply_rope, RopeScaling, RopeStyle, RopeTable};
-pub use threads::ThreadPool;
+pub use threads::{resolve_threads, ThreadPool};
 
 /// Errors from building kernel inputs: the kernels themselves assume validated shapes.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

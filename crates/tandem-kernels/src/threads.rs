@@ -89,6 +89,15 @@ pub struct ThreadPool {
     dispatch: Mutex<u32>,
 }
 
+/// Resolves a thread-count setting where 0 means "all cores" (every `--threads` flag uses that rule).
+pub fn resolve_threads(requested: usize) -> usize {
+    if requested == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        requested
+    }
+}
+
 impl ThreadPool {
     /// Starts `n_threads - 1` workers (`n_threads` includes the caller; 1 runs every job inline).
     pub fn new(n_threads: usize) -> ThreadPool {

@@ -125,16 +125,23 @@ impl KvLayout {
         self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.dtype.size()
     }
 
-    /// How many blocks a budget of `bytes` holds for a model with this shape.
-    pub fn blocks_for_budget(
-        bytes: usize,
-        n_layers: usize,
-        n_kv_heads: usize,
-        head_dim: usize,
+    /// The whole model's cache shape (all layers, all KV heads) with as many `block_size`-token blocks as
+    /// `bytes` holds: what a backend reports and workers compare, however it splits the model inside.
+    pub fn for_budget(
+        config: &crate::config::ModelConfig,
         block_size: usize,
+        bytes: usize,
         dtype: KvDtype,
-    ) -> usize {
-        let per_block = n_layers * 2 * n_kv_heads * block_size * head_dim * dtype.size();
-        bytes / per_block.max(1)
+    ) -> KvLayout {
+        let mut layout = KvLayout {
+            n_layers: config.num_layers,
+            n_kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+            block_size,
+            num_blocks: 0,
+            dtype,
+        };
+        layout.num_blocks = bytes / (layout.n_layers * layout.block_bytes()).max(1);
+        layout
     }
 }

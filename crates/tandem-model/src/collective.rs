@@ -168,11 +168,6 @@ impl ThreadCollective {
             .collect()
     }
 
-    /// Breaks the group after a rank failed: its peers' pending and future calls panic instead of hanging.
-    pub fn break_group(&self) {
-        self.shared.barrier.break_all();
-    }
-
     /// A handle that can only break the group: kept by whoever runs the rank, since the rank's own
     /// collective is owned by its model.
     pub fn breaker(&self) -> GroupBreaker {
@@ -185,16 +180,14 @@ impl ThreadCollective {
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Posts this rank's columns, then assembles every rank's into `out` (on all ranks, or rank 0 only).
+    /// Posts this rank's columns, then assembles every rank's into `out` if this rank receives (`Some`).
     fn exchange(
         &mut self,
         local: &[f32],
         cols: Range<usize>,
         width: usize,
         out: Option<&mut [f32]>,
-        everyone: bool,
     ) {
-        let receives = everyone || self.rank == 0;
         if self.size() == 1 {
             if let Some(out) = out {
                 put_columns(out, width, local, cols);
@@ -208,8 +201,7 @@ impl ThreadCollective {
             mine.1 = cols;
         }
         self.shared.barrier.wait();
-        if receives {
-            let out = out.expect("a receiving rank passes an output buffer");
+        if let Some(out) = out {
             for r in 0..self.size() {
                 let post = self.post(r);
                 put_columns(out, width, &post.0, post.1.clone());
@@ -235,7 +227,7 @@ impl Collective for ThreadCollective {
         width: usize,
         out: &mut [f32],
     ) {
-        self.exchange(local, cols, width, Some(out), true);
+        self.exchange(local, cols, width, Some(out));
     }
 
     fn gather_columns(
@@ -245,7 +237,11 @@ impl Collective for ThreadCollective {
         width: usize,
         out: Option<&mut [f32]>,
     ) {
-        self.exchange(local, cols, width, out, false);
+        assert!(
+            self.rank != 0 || out.is_some(),
+            "rank 0 gathers into an output buffer"
+        );
+        self.exchange(local, cols, width, out);
     }
 }
 
@@ -304,7 +300,7 @@ mod tests {
             let mut out = vec![0.0; 2];
             second.all_gather_columns(&[1.0], 1..2, 2, &mut out);
         });
-        first.break_group();
+        first.breaker().break_group();
         assert!(
             waiter.join().is_err(),
             "the waiting rank must panic, not hang"

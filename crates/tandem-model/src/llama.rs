@@ -1,8 +1,8 @@
 //! The Llama-family forward pass on CPU over a flat paged batch.
 
 use tandem_kernels::{
-    add_inplace, apply_rope, matmul, matmul_fused, paged_attention, rms_norm, silu_mul, write_kv,
-    AttnParams, AttnSeq, MatmulScratch, Matrix, RopeTable, ThreadPool,
+    add_inplace, apply_rope, matmul, matmul_fused, paged_attention, resolve_threads, rms_norm,
+    silu_mul, write_kv, AttnParams, AttnSeq, MatmulScratch, Matrix, RopeTable, ThreadPool,
 };
 
 use crate::batch::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
@@ -69,7 +69,7 @@ pub struct CpuLlama {
     weights: LlamaWeights,
     part: Partition,
     share: RankShare,
-    /// Present when `part.tp_size > 1`: how the ranks sum partial projections and gather logits.
+    /// Present when `part.tp_size > 1`: how the ranks all-gather projection inputs, outputs and logits.
     collective: Option<Box<dyn Collective>>,
     pool: ThreadPool,
     rope: RopeTable,
@@ -136,13 +136,7 @@ impl CpuLlama {
         share: RankShare,
         collective: Option<Box<dyn Collective>>,
     ) -> CpuLlama {
-        let threads = if threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        } else {
-            threads
-        };
+        let threads = resolve_threads(threads);
         let rope = RopeTable::new(
             config.head_dim,
             config.rope_theta,
@@ -401,7 +395,6 @@ impl CpuLlama {
                         &lw.wo,
                         attn,
                         q_cols,
-                        c.q_dim(),
                         t,
                         &share.hidden,
                         proj,
@@ -422,14 +415,12 @@ impl CpuLlama {
                 Some(cl) => {
                     let io = (&mut s.gathered, &mut s.part);
                     let f_cols = share.ffn.clone();
-                    let width = c.intermediate_size;
                     gathered_matmul(
                         pool,
                         cl,
                         &lw.w_down,
                         gate,
                         f_cols,
-                        width,
                         t,
                         &share.hidden,
                         proj,
@@ -489,9 +480,10 @@ impl CpuLlama {
     }
 }
 
-/// A projection under tensor parallelism: gathers the input's column shards (`in_cols` of `in_width`)
-/// from every rank, computes this rank's output features (`out_cols`, the rows of `w`) over the whole
-/// input, and gathers every rank's features into `out` (tokens × hidden). Each output element is one
+/// A projection under tensor parallelism: gathers the input's column shards (`in_cols` of the
+/// `w.cols()`-wide input: rank shards cut only rows, so `w` keeps every input column) from every rank,
+/// computes this rank's output features (`out_cols`, the rows of `w`) over the whole input, and gathers
+/// every rank's features into `out` (tokens × hidden). Each output element is one
 /// full dot product, as on a single rank, so the result is bit-identical to the unsplit projection.
 #[allow(clippy::too_many_arguments)]
 fn gathered_matmul(
@@ -500,13 +492,13 @@ fn gathered_matmul(
     w: &Matrix,
     input: &[f32],
     in_cols: std::ops::Range<usize>,
-    in_width: usize,
     t: usize,
     out_cols: &std::ops::Range<usize>,
     out: &mut [f32],
     (gathered, part): (&mut Vec<f32>, &mut Vec<f32>),
     mm: &mut MatmulScratch,
 ) {
+    let in_width = w.cols();
     let full = grown(gathered, t * in_width);
     cl.all_gather_columns(input, in_cols, in_width, full);
     let local = grown(part, t * out_cols.len());

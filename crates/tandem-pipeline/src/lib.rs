@@ -182,14 +182,8 @@ impl PipelineBackend {
         if cfg.block_size == 0 {
             return Err(PipelineError::Config("block_size 0".into()));
         }
-        let num_blocks = KvLayout::blocks_for_budget(
-            cfg.kv_cache_bytes,
-            config.num_layers,
-            config.num_kv_heads,
-            config.head_dim,
-            cfg.block_size,
-            KvDtype::F32,
-        );
+        let layout = KvLayout::for_budget(config, cfg.block_size, cfg.kv_cache_bytes, KvDtype::F32);
+        let num_blocks = layout.num_blocks;
         let first = Partition::stage(config, 0, stages)?;
         let model = CpuLlama::partitioned(config.clone(), weights, cfg.threads, first, None)?;
         let kv = KvCache::new(model.kv_layout(cfg.block_size, num_blocks));
@@ -231,14 +225,7 @@ impl PipelineBackend {
             model,
             kv,
             links,
-            layout: KvLayout {
-                n_layers: config.num_layers,
-                n_kv_heads: config.num_kv_heads,
-                head_dim: config.head_dim,
-                block_size: cfg.block_size,
-                num_blocks,
-                dtype: KvDtype::F32,
-            },
+            layout,
             micro_batches,
             min_micro_batch_tokens: cfg.min_micro_batch_tokens,
             eos: config.eos_token_ids.clone(),

@@ -54,11 +54,7 @@ pub fn pipeline_backend(
     config: &EngineConfig,
 ) -> Result<PipelineBackend> {
     let n = config.pipeline_parallel_size;
-    let total = if config.threads == 0 {
-        std::thread::available_parallelism().map_or(1, |c| c.get())
-    } else {
-        config.threads
-    };
+    let total = tandem_kernels::resolve_threads(config.threads);
     let per_stage = (total / n).max(1);
     let (addrs, procs) = if config.pipeline_stages.is_empty() {
         let (a, p) = crate::stage::spawn_local(model_path, n, per_stage)?;
