@@ -356,12 +356,9 @@ impl Backend for PipelineBackend {
                         BackendError::new(format!("pipeline stage {stage}: link lock poisoned"))
                     })?;
                     for (i, mut buf) in rx_in {
-                        client.forward(&mbs[i], &mut buf).map_err(|e| {
-                            BackendError::new(format!(
-                                "pipeline stage {stage} ({}) forward: {e}",
-                                client.peer()
-                            ))
-                        })?;
+                        if let Err(e) = client.forward(&mbs[i], &mut buf) {
+                            return Err(link.err("forward", e));
+                        }
                         if tx.send((i, buf)).is_err() {
                             break;
                         }
