@@ -439,6 +439,11 @@ impl Backend for PipelineBackend {
     }
 }
 
+/// The error of a block or forward request that reaches a stage before any worker sized its pool.
+fn unsized_pool() -> String {
+    "the stage's KV pool is not sized".to_string()
+}
+
 /// One later stage's model and KV, answering its link's requests.
 struct StageModel {
     model: CpuLlama,
@@ -450,9 +455,11 @@ struct StageModel {
 
 impl StageModel {
     fn kv(&self) -> Result<&KvCache, String> {
-        self.kv
-            .as_ref()
-            .ok_or_else(|| "the stage's KV pool is not sized".to_string())
+        self.kv.as_ref().ok_or_else(unsized_pool)
+    }
+
+    fn kv_mut(&mut self) -> Result<&mut KvCache, String> {
+        self.kv.as_mut().ok_or_else(unsized_pool)
     }
 
     /// The stage-local index of global `layer`, and a bounds check of `block`.
@@ -511,10 +518,7 @@ impl StageHandler for StageModel {
         hidden_in: &[f32],
         out: &mut Vec<f32>,
     ) -> Result<(), String> {
-        let kv = self
-            .kv
-            .as_mut()
-            .ok_or_else(|| "the stage's KV pool is not sized".to_string())?;
+        let kv = self.kv.as_mut().ok_or_else(unsized_pool)?;
         self.model
             .forward_stage(batch, kv, Some(hidden_in), out)
             .map_err(|e| e.to_string())
@@ -532,9 +536,7 @@ impl StageHandler for StageModel {
 
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), String> {
         let l = self.locate(layer, block)?;
-        if let Some(kv) = self.kv.as_mut() {
-            kv.import_block(l, block, data);
-        }
+        self.kv_mut()?.import_block(l, block, data);
         Ok(())
     }
 
@@ -542,9 +544,7 @@ impl StageHandler for StageModel {
         let first = self.model.partition().layers.start;
         self.locate(first, src)?;
         self.locate(first, dst)?;
-        if let Some(kv) = self.kv.as_mut() {
-            kv.copy_block(src, dst);
-        }
+        self.kv_mut()?.copy_block(src, dst);
         Ok(())
     }
 }
