@@ -116,6 +116,31 @@ fn cli_engine(args: &ServeArgs) -> EngineSection {
     args.engine.as_section()
 }
 
+/// Reads a child's stdout on a thread of its own: the text after `prefix` on its ready line goes to the
+/// returned receiver (the address it serves on), every other line is echoed tagged with `name`.
+pub(crate) fn watch_ready(
+    stdout: std::process::ChildStdout,
+    name: &str,
+    prefix: &'static str,
+) -> std::io::Result<mpsc::Receiver<String>> {
+    let (tx, rx) = mpsc::channel();
+    let tag = name.to_owned();
+    std::thread::Builder::new()
+        .name(format!("{name}-stdout"))
+        .spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                match line.strip_prefix(prefix) {
+                    Some(addr) => {
+                        let _ = tx.send(addr.trim().to_owned());
+                    }
+                    None => println!("[{tag}] {line}"),
+                }
+            }
+        })?;
+    Ok(rx)
+}
+
 /// Starts one worker and returns it with a receiver for its RPC URL (sent once it serves).
 fn spawn_worker(
     exe: &Path,
@@ -162,21 +187,7 @@ fn spawn_worker(
         .stdout
         .take()
         .ok_or_else(|| anyhow!("worker {name} has no stdout"))?;
-    let (tx, rx) = mpsc::channel();
-    let thread_name = name.clone();
-    std::thread::Builder::new()
-        .name(format!("{name}-stdout"))
-        .spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                match line.strip_prefix(READY_PREFIX) {
-                    Some(url) => {
-                        let _ = tx.send(url.trim().to_owned());
-                    }
-                    None => println!("[{thread_name}] {line}"),
-                }
-            }
-        })?;
+    let rx = watch_ready(stdout, &name, READY_PREFIX)?;
     info!(worker = %name, pid = child.id(), "worker started");
     Ok((name, child, rx))
 }

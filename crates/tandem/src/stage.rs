@@ -1,11 +1,10 @@
 //! `tandem stage`: hosts one later pipeline stage (layers of stage `I` of `N`) for one worker, and the
 //! launcher side that starts a worker's stages on this host.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -44,13 +43,7 @@ pub struct StageArgs {
 /// Runs the stage server until killed.
 pub fn run(args: StageArgs) -> Result<()> {
     if args.exit_with_stdin {
-        std::thread::Builder::new()
-            .name("parent-watch".into())
-            .spawn(|| {
-                let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
-                tracing::info!("the worker is gone; exiting");
-                std::process::exit(0);
-            })?;
+        crate::worker::exit_when_parent_goes("the worker")?;
     }
     let model_path = crate::serve::resolve_model(args.model.as_deref())?;
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: false })
@@ -116,17 +109,7 @@ pub fn spawn_local(
             .with_context(|| format!("starting pipeline stage {stage}"))?;
         let stdout = child.stdout.take().context("stage stdout")?;
         procs.0.push(child);
-        let (tx, rx) = mpsc::channel();
-        std::thread::Builder::new()
-            .name(format!("stage-{stage}-stdout"))
-            .spawn(move || {
-                for line in BufReader::new(stdout).lines() {
-                    let Ok(line) = line else { break };
-                    if let Some(addr) = line.strip_prefix(READY_PREFIX) {
-                        let _ = tx.send(addr.trim().to_string());
-                    }
-                }
-            })?;
+        let rx = crate::launch::watch_ready(stdout, &format!("stage-{stage}"), READY_PREFIX)?;
         ready.push((stage, rx));
     }
     let mut addrs = Vec::new();

@@ -88,17 +88,23 @@ async fn register(ingress: &str, url: &str) -> Result<()> {
     Ok(())
 }
 
+/// Exits this process once stdin reaches EOF: the parent (`who`) holds the other end of the pipe for as
+/// long as it lives, so a child started with `--exit-with-stdin` never outlives it.
+pub fn exit_when_parent_goes(who: &'static str) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("parent-watch".into())
+        .spawn(move || {
+            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+            tracing::info!("{who} is gone; exiting");
+            std::process::exit(0);
+        })?;
+    Ok(())
+}
+
 /// Runs the worker until a signal.
 pub fn run(args: WorkerArgs) -> Result<()> {
     if args.exit_with_stdin {
-        std::thread::Builder::new()
-            .name("parent-watch".into())
-            .spawn(|| {
-                // Reads until EOF: the launcher holds the other end for as long as it lives.
-                let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
-                tracing::info!("the launcher is gone; exiting");
-                std::process::exit(0);
-            })?;
+        exit_when_parent_goes("the launcher")?;
     }
     let model_path = crate::serve::resolve_model(args.model.as_deref())?;
     info!(path = %model_path.display(), role = %args.role, "loading model");
