@@ -2,7 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,7 @@ use tokio::task::JoinSet;
 use crate::metrics::ReleaseReason;
 use crate::registry::PinRegistry;
 use crate::registry::ReadGuard;
-use crate::shm_pool::{default_copy_threads, ShmPool, ShmSegment};
+use crate::shm_pool::{default_copy_threads, ShmPool, ShmSegment, StopFlag};
 use crate::wire::{
     self, FrameHeader, FrameKind, FrameReader, PullRequest, ShmOpen, ShmPullRequest, WireError,
     FLAG_CHECKSUM,
@@ -464,21 +464,6 @@ async fn send_shm(
         .map_err(|e| KvError::Source(format!("shared-memory copy task failed: {e}")))?;
     *slot = Some(seg);
     announced.and(copied)
-}
-
-/// Tells copy threads to stop taking layers: raised on the first failure, on a failed announcement, or when
-/// the announcing future is gone (its channel closed), so an abandoned copy ends after one layer per thread.
-#[derive(Clone, Default)]
-struct StopFlag(Arc<AtomicBool>);
-
-impl StopFlag {
-    fn raise(&self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-
-    fn raised(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
-    }
 }
 
 /// Copies `blocks` of every layer into `region` (layer `l` at `l * layer_bytes`) on up to `threads` scoped

@@ -2,6 +2,7 @@
 //! costs more than the copy itself, so both ends keep their files mapped across transfers.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use memmap2::{Mmap, MmapMut, MmapOptions};
@@ -22,6 +23,22 @@ const MAX_DEFAULT_COPY_THREADS: usize = 8;
 pub(crate) fn default_copy_threads() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (cores / 2).clamp(1, MAX_DEFAULT_COPY_THREADS)
+}
+
+/// Tells the layer copies of one shared-memory pull (either side) to stop taking layers: raised on the first
+/// failure, or when the side driving the transfer is gone, so an abandoned copy ends after at most one layer
+/// per thread.
+#[derive(Clone, Default)]
+pub(crate) struct StopFlag(Arc<AtomicBool>);
+
+impl StopFlag {
+    pub(crate) fn raise(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    pub(crate) fn raised(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 /// One mapped file, owned by at most one transfer at a time; the file is unlinked when the segment drops.

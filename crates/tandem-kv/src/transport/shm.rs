@@ -1,13 +1,12 @@
 //! Same-host fast path: the server copies the blocks into a `/dev/shm` file and only offsets cross the socket.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use memmap2::Mmap;
 use tokio::task::JoinSet;
 
-use crate::shm_pool::{default_copy_threads, MapCache, FILE_PREFIX};
+use crate::shm_pool::{default_copy_threads, MapCache, StopFlag, FILE_PREFIX};
 use crate::transport::tcp::{ack_only, connect, finish_on_control, TcpConfig};
 use crate::transport::{KvTransport, PullFuture};
 use crate::wire::{self, FrameKind, ShmOpen, ShmPullRequest};
@@ -220,17 +219,14 @@ impl LayerCopy {
 struct LayerCopies {
     set: JoinSet<Result<(), KvError>>,
     limit: usize,
-    /// Raised on the first failure (or when the pull is dropped): copies not yet begun then skip the sink.
-    cancel: CancelOnDrop,
+    /// Raised on the first failure, and when these copies are dropped (a pull future dropped mid-transfer):
+    /// copies not yet begun then skip the sink; a copy already running finishes its layer.
+    cancel: StopFlag,
 }
 
-/// Raises its flag when dropped, so a pull future dropped mid-transfer leaves no queued copy to write into
-/// the sink later (a copy already running finishes its layer).
-struct CancelOnDrop(Arc<AtomicBool>);
-
-impl Drop for CancelOnDrop {
+impl Drop for LayerCopies {
     fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
+        self.cancel.raise();
     }
 }
 
@@ -239,7 +235,7 @@ impl LayerCopies {
         LayerCopies {
             set: JoinSet::new(),
             limit: limit.max(1),
-            cancel: CancelOnDrop(Arc::new(AtomicBool::new(false))),
+            cancel: StopFlag::default(),
         }
     }
 
@@ -253,9 +249,9 @@ impl LayerCopies {
                 joined(done)?;
             }
         }
-        let cancel = Arc::clone(&self.cancel.0);
+        let cancel = self.cancel.clone();
         self.set.spawn_blocking(move || {
-            if cancel.load(Ordering::Relaxed) {
+            if cancel.raised() {
                 return Ok(());
             }
             copy.run()
@@ -266,12 +262,12 @@ impl LayerCopies {
     /// Waits for every started copy (after telling queued ones to skip if `cancel`); returns the first failure.
     async fn finish(mut self, cancel: bool) -> Result<(), KvError> {
         if cancel {
-            self.cancel.0.store(true, Ordering::Relaxed);
+            self.cancel.raise();
         }
         let mut res = Ok(());
         while let Some(done) = self.set.join_next().await {
             if let (Ok(()), Err(e)) = (&res, joined(done)) {
-                self.cancel.0.store(true, Ordering::Relaxed);
+                self.cancel.raise();
                 res = Err(e);
             }
         }
