@@ -7,10 +7,15 @@
 #   summary.md           the table for BENCHMARKS.md (scripts/gpu/summarize.py)
 #   serve.log            the `tandem serve --device cuda` log of the engine check
 #   ncu_summary.txt      per-kernel GPU time of one batch-1 decode step and one 4k prefill (ncu)
+#   sweep.jsonl          `sweep`: cuda-bench rows of each $SWEEP entry, tagged with its label
+#   ncu_detail.txt       `detail`: ncu's full section set for a few decode and prefill kernel launches
 # (The device tool returns at most 8 files: keep it to these plus the caller's log.)
 # The tandem binary is built elsewhere (`cargo build --release --features cuda`, stripped) and given as
 # $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [bench] [profile] | all
 # (TANDEM_ONLY=1 skips the HF peer in bench; `pick` checks $CANDIDATES and benches the first that passes.)
+# `sweep` (only when named) runs `cuda-bench $SWEEP_ARGS` once per entry of $SWEEP, a space-separated
+# list of label:VAR=v,VAR=v entries (A/B timings of the TANDEM_CUDA_* knobs; BIN=path runs another
+# binary), e.g. SWEEP="base: pdl:TANDEM_CUDA_PDL=1 old:BIN=/x/tandemC" SWEEP_ARGS="--batches 1 --prefill 0".
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${OUT:-$root/out/gpu}"
@@ -79,6 +84,37 @@ if want bench; then
     timeout 220 python3 "$root/scripts/gpu/hf_bench.py" --out "$OUT/hf_bench.jsonl" || status=1
     python3 "$root/scripts/gpu/summarize.py" "$OUT" | tee "$OUT/summary.md" || status=1
   fi
+fi
+if [[ "$what" == *" sweep "* ]]; then
+  echo "== sweep: ${SWEEP:-} (cuda-bench ${SWEEP_ARGS:-})"
+  for entry in ${SWEEP:-}; do
+    label="${entry%%:*}"
+    bin="$BIN"
+    vars=()
+    IFS=',' read -ra kv <<<"${entry#*:}"
+    for a in "${kv[@]}"; do
+      case "$a" in
+        BIN=*) bin="${a#BIN=}" ;;
+        ?*) vars+=("$a") ;;
+      esac
+    done
+    # shellcheck disable=SC2086 # SWEEP_ARGS is a list of arguments
+    env "${vars[@]}" timeout 120 "$bin" cuda-bench ${SWEEP_ARGS:-} 2>"/tmp/sweep-$label.log" |
+      sed "s/^{/{\"label\":\"$label\",/" | tee -a "$OUT/sweep.jsonl" || status=1
+    grep -qi 'error' "/tmp/sweep-$label.log" && tail -3 "/tmp/sweep-$label.log"
+  done
+fi
+if [[ "$what" == *" detail "* ]]; then
+  # Throughput, occupancy, stall reasons... of a few launches: decode kernels of batch-1 eager steps
+  # (past the first steps' launches), then one prefill attention launch.
+  echo "== ncu details" | tee "$OUT/ncu_detail.txt"
+  TANDEM_CUDA_GRAPHS=0 timeout 200 ncu --clock-control none --set full \
+    --kernel-name "regex:^(${DETAIL_DECODE:-gemv_silu_1|gemv_add_1|gemv_qkv_1|attn_decode_small})\$" \
+    --launch-skip 200 --launch-count 5 "$BIN" cuda-bench --batches 1 --steps 4 --prefill 0 \
+    >>"$OUT/ncu_detail.txt" 2>&1 || echo "ncu (decode) failed"
+  TANDEM_CUDA_GRAPHS=0 timeout 200 ncu --clock-control none --set full \
+    --kernel-name "regex:^attn_prefill\$" --launch-skip 40 --launch-count 1 \
+    "$BIN" cuda-bench --batches 0 --prefill 4096 >>"$OUT/ncu_detail.txt" 2>&1 || echo "ncu (prefill) failed"
 fi
 if want profile; then
   # Per-kernel GPU time of one eager batch-1 decode step and of one 4k prefill (ncu replays each

@@ -4,6 +4,8 @@
 //   GQA        query heads per key/value head
 //   KV_BLOCK   tokens per paged KV block
 //   DEC_PART   keys per split of the decode attention (flash-decoding partition)
+//   DS_KEYS    most keys per split of the small-batch decode attention
+//   GV_U, GV_MINB  GEMV tuning: chunks per row a lane loads per step; blocks per SM to fit
 // bf16 values travel as raw 16-bit patterns (no header dependency); arithmetic is in fp32.
 //
 // Paged KV layout per layer: block b holds [K|V][kv_head][slot][HEAD_DIM] contiguously, the layout the
@@ -17,18 +19,38 @@ typedef unsigned long long u64;
 
 __device__ __forceinline__ float bf2f(bf16 v) { return __uint_as_float(((u32)v) << 16); }
 
-// Round to nearest even, NaN kept quiet: the same rounding as PyTorch's bf16 casts.
+// Round to nearest even: the same rounding as PyTorch's bf16 casts (one cvt instruction on sm_80+).
 __device__ __forceinline__ bf16 f2bf(float f) {
+#if __CUDA_ARCH__ >= 800
+    bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+#else
     u32 u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (bf16)(u >> 16);
+#endif
 }
 
 __device__ __forceinline__ float round_bf(float f) { return bf2f(f2bf(f)); }
 
 __device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
     return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+#endif
+}
+
+// 2^x in one MUFU instruction (flushes denormal results to zero: probabilities that small are 0 in
+// bf16 anyway).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
 }
 
 // The 8 bf16 values of a 16-byte load as floats, by bit operations (keeps everything in registers).
@@ -378,10 +400,10 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return a;
 }
 
-// 16 bytes global -> shared without passing through registers; zero-filled when !valid.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
+// 16 bytes global -> shared (a shared-space address) without passing through registers;
+// zero-filled when !valid.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -389,34 +411,137 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // Waits until at most one committed group is still in flight.
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
-__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const bf16* p) {
+// Waits until every committed group has landed.
+__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// ldmatrix from shared-space addresses: callers add compile-time offsets to a per-lane base, which
+// the instruction takes as an immediate (no address arithmetic in the inner loops).
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(smem_addr(p)));
+                 : "r"(addr));
 }
 
-__device__ __forceinline__ void ldsm_x2(u32& r0, u32& r1, const bf16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(smem_addr(p)));
-}
-
-__device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, const bf16* p) {
+__device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(smem_addr(p)));
+                 : "r"(addr));
 }
 
 // Queues the copy of keys k0..k0+PF_KEYS (K and V rows, row-major) into one stage; keys at or past
-// n_keys are zero.
-__device__ __forceinline__ void pf_load_tile(bf16* stage, const bf16* cache, const int* tbl, int k0, int n_keys,
+// n_keys are zero. Thread t copies 16-byte chunk t % CH of keys t / CH + (128 / CH) * u: one block-
+// table lookup per key serves its K and its V row.
+__device__ __forceinline__ void pf_load_tile(u32 stage, const bf16* cache, const int* tbl, int k0, int n_keys,
                                              int n_kv, int kvh) {
-    const int CH = HEAD_DIM / 8;  // 16-byte chunks per row
-    for (int e = threadIdx.x; e < PF_KEYS * CH; e += blockDim.x) {
-        const int j = e / CH, c = (e % CH) * 8;
+    constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks per row
+    constexpr int KS = 128 / CH;      // keys per pass of the block
+    const int c = (threadIdx.x % CH) * 8;
+    const u64 plane = (u64)n_kv * KV_BLOCK * HEAD_DIM;  // K plane to V plane of a block
+#pragma unroll
+    for (int u = 0; u < PF_KEYS / KS; u++) {
+        const int j = threadIdx.x / CH + KS * u;
         const int key = k0 + j;
         const bool ok = key < n_keys;
-        const int src = ok ? key : 0;  // any valid address: nothing is read when !ok
-        cp_async16(stage + j * K_PITCH + c, kv_row(cache, tbl, src, 0, n_kv, kvh) + c, ok);
-        cp_async16(stage + (PF_KEYS + j) * K_PITCH + c, kv_row(cache, tbl, src, 1, n_kv, kvh) + c, ok);
+        const bf16* kr = kv_row(cache, tbl, ok ? key : 0, 0, n_kv, kvh) + c;  // any valid address when !ok
+        cp_async16(stage + 2 * (j * K_PITCH + c), kr, ok);
+        cp_async16(stage + 2 * ((PF_KEYS + j) * K_PITCH + c), kr + plane, ok);
+    }
+}
+
+// One K/V tile of attn_prefill for one warp's 32 query rows: S = Q K^T, the online softmax (MASK:
+// the tile crosses the warp's causal diagonal), O += P V. `qa_base`, `k_base`, `v_base` are this
+// lane's ldmatrix addresses for the first fragment; every other fragment is a compile-time offset.
+template <bool MASK>
+__device__ __forceinline__ void pf_tile(float (&o)[PF_MT][HEAD_DIM / 8][4], float (&m_r)[PF_MT][2],
+                                        float (&l_r)[PF_MT][2], u32 qa_base, u32 k_base, u32 v_base, int k0,
+                                        int row_g, int pos, int nq, int tq, float scale_log2) {
+    // S = Q K^T for this warp's 32 rows x 64 keys: per k-step, A of both m-tiles from the Q tile and
+    // B of two key blocks per ldmatrix.x4, each B used by both m-tiles.
+    float sc[PF_MT][PF_KEYS / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < PF_MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < PF_KEYS / 8; nt++) sc[mt][nt][0] = sc[mt][nt][1] = sc[mt][nt][2] = sc[mt][nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+        u32 qa[PF_MT][4];
+#pragma unroll
+        for (int mt = 0; mt < PF_MT; mt++)
+            ldsm_x4(qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], qa_base + 2 * (mt * 16 * K_PITCH + kk * 16));
+#pragma unroll
+        for (int nt = 0; nt < PF_KEYS / 8; nt += 2) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4(b0, b1, b2, b3, k_base + 2 * (nt * 8 * K_PITCH + kk * 16));
+#pragma unroll
+            for (int mt = 0; mt < PF_MT; mt++) {
+                mma_bf16(sc[mt][nt], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b0, b1);
+                mma_bf16(sc[mt][nt + 1], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b2, b3);
+            }
+        }
+    }
+    // Online softmax over raw scores with the scale folded into the exponent (exp2(s * scale -
+    // m * scale), one FMA per score); P = exp2(...) rounded to bf16 for the P V product (as flash
+    // attention does).
+    u32 pa[PF_MT][PF_KEYS / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < PF_MT; mt++) {
+        float tm[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < PF_KEYS / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                if (MASK) {
+                    const int key = k0 + nt * 8 + tq * 2 + (e & 1);
+                    const int lim = pos + min(row_g + mt * 16 + (e >> 1) * 8, nq - 1);
+                    if (key > lim) sc[mt][nt][e] = NEG_INF;
+                }
+                tm[e >> 1] = fmaxf(tm[e >> 1], sc[mt][nt][e]);
+            }
+        }
+        float ref[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            tm[hf] = fmaxf(tm[hf], __shfl_xor_sync(0xffffffffu, tm[hf], 1));
+            tm[hf] = fmaxf(tm[hf], __shfl_xor_sync(0xffffffffu, tm[hf], 2));
+            const float mn = fmaxf(m_r[mt][hf], tm[hf]);
+            // A fully masked row so far keeps -inf; use 0 as the reference so exp2 gives 0, not NaN.
+            ref[hf] = mn == NEG_INF ? 0.f : mn * scale_log2;
+            const float a = fast_exp2(m_r[mt][hf] * scale_log2 - ref[hf]);
+            m_r[mt][hf] = mn;
+            l_r[mt][hf] *= a;
+#pragma unroll
+            for (int i = 0; i < HEAD_DIM / 8; i++) {
+                o[mt][i][hf * 2] *= a;
+                o[mt][i][hf * 2 + 1] *= a;
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < PF_KEYS / 8; nt++) {
+            const float p0 = fast_exp2(fmaf(sc[mt][nt][0], scale_log2, -ref[0]));
+            const float p1 = fast_exp2(fmaf(sc[mt][nt][1], scale_log2, -ref[0]));
+            const float p2 = fast_exp2(fmaf(sc[mt][nt][2], scale_log2, -ref[1]));
+            const float p3 = fast_exp2(fmaf(sc[mt][nt][3], scale_log2, -ref[1]));
+            l_r[mt][0] += p0 + p1;
+            l_r[mt][1] += p2 + p3;
+            const int kk = nt >> 1, hi = nt & 1;
+            pa[mt][kk][hi * 2 + 0] = pack_bf2(p0, p1);
+            pa[mt][kk][hi * 2 + 1] = pack_bf2(p2, p3);
+        }
+    }
+    // O += P V: A = P (registers), B = V (64 keys x HEAD_DIM) through ldmatrix.trans, two 8-wide
+    // column blocks per load, each used by both m-tiles.
+#pragma unroll
+    for (int dn = 0; dn < HEAD_DIM / 8; dn += 2) {
+#pragma unroll
+        for (int kk = 0; kk < PF_KEYS / 16; kk++) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4_t(b0, b1, b2, b3, v_base + 2 * (kk * 16 * K_PITCH + dn * 8));
+#pragma unroll
+            for (int mt = 0; mt < PF_MT; mt++) {
+                mma_bf16(o[mt][dn], pa[mt][kk][0], pa[mt][kk][1], pa[mt][kk][2], pa[mt][kk][3], b0, b1);
+                mma_bf16(o[mt][dn + 1], pa[mt][kk][0], pa[mt][kk][1], pa[mt][kk][2], pa[mt][kk][3], b2, b3);
+            }
+        }
     }
 }
 
@@ -428,8 +553,9 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
     const int* __restrict__ seq_pos, const int* __restrict__ seq_bt, const int* __restrict__ bt,
     const bf16* __restrict__ cache, bf16* __restrict__ out, int n_heads, int n_kv, float scale_log2) {
     extern __shared__ uint4 pf_smem[];
-    bf16* stages = (bf16*)pf_smem;
-    bf16* qs = stages + 2 * PF_STAGE;  // PF_ROWS query rows, row-major, pitch K_PITCH
+    // Shared-space byte addresses: two K/V stages, then the PF_ROWS query rows (pitch K_PITCH).
+    const u32 stages = smem_addr(pf_smem);
+    const u32 qs = stages + 2 * (2 * PF_STAGE);
     const int tile = gridDim.x - 1 - blockIdx.x;
     const int s = tile_seq[tile];
     const int q0 = tile_q0[tile];
@@ -455,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
         for (int e = threadIdx.x; e < PF_ROWS * CH; e += blockDim.x) {
             const int j = e / CH, c = (e % CH) * 8;
             const bf16* src = qkv + (u64)(qrow0 + min(q0 + j, nq - 1)) * qkv_width + h * HEAD_DIM + c;
-            cp_async16(qs + j * K_PITCH + c, src, true);
+            cp_async16(qs + 2 * (j * K_PITCH + c), src, true);
         }
     }
     pf_load_tile(stages, cache, tbl, 0, n_keys, n_kv, kvh);
@@ -469,104 +595,23 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
     float m_r[PF_MT][2], l_r[PF_MT][2];
 #pragma unroll
     for (int mt = 0; mt < PF_MT; mt++) m_r[mt][0] = m_r[mt][1] = NEG_INF, l_r[mt][0] = l_r[mt][1] = 0.f;
-    const bf16* qw = qs + (warp * 16 * PF_MT + (mi & 1) * 8 + r8) * K_PITCH + (mi >> 1) * 8;
+    // This lane's ldmatrix addresses of the first Q, K and V fragments (the K and V ones in stage 0).
+    const u32 qa_base = qs + 2 * ((warp * 16 * PF_MT + (mi & 1) * 8 + r8) * K_PITCH + (mi >> 1) * 8);
+    const u32 k_lane = 2 * (((mi >> 1) * 8 + r8) * K_PITCH + (mi & 1) * 8);
+    const u32 v_lane = 2 * ((PF_KEYS + (mi & 1) * 8 + r8) * K_PITCH + (mi >> 1) * 8);
 
     for (int it = 0; it < n_tiles; it++) {
         const int k0 = it * PF_KEYS;
         if (it + 1 < n_tiles)
-            pf_load_tile(stages + ((it + 1) & 1) * PF_STAGE, cache, tbl, k0 + PF_KEYS, n_keys, n_kv, kvh);
+            pf_load_tile(stages + ((it + 1) & 1) * (2 * PF_STAGE), cache, tbl, k0 + PF_KEYS, n_keys, n_kv, kvh);
         cp_async_commit();
         cp_async_wait1();
         __syncthreads();
-        const bf16* ks = stages + (it & 1) * PF_STAGE;
-        const bf16* vs = ks + PF_KEYS * K_PITCH;
-
-        // S = Q K^T for this warp's 32 rows x 64 keys: per k-step, A of both m-tiles from the Q tile
-        // and B of two key blocks per ldmatrix.x4, each B used by both m-tiles.
-        float sc[PF_MT][PF_KEYS / 8][4];
-#pragma unroll
-        for (int mt = 0; mt < PF_MT; mt++)
-#pragma unroll
-            for (int nt = 0; nt < PF_KEYS / 8; nt++) sc[mt][nt][0] = sc[mt][nt][1] = sc[mt][nt][2] = sc[mt][nt][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-            u32 qa[PF_MT][4];
-#pragma unroll
-            for (int mt = 0; mt < PF_MT; mt++)
-                ldsm_x4(qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], qw + mt * 16 * K_PITCH + kk * 16);
-#pragma unroll
-            for (int nt = 0; nt < PF_KEYS / 8; nt += 2) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4(b0, b1, b2, b3, ks + ((nt + (mi >> 1)) * 8 + r8) * K_PITCH + kk * 16 + (mi & 1) * 8);
-#pragma unroll
-                for (int mt = 0; mt < PF_MT; mt++) {
-                    mma_bf16(sc[mt][nt], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b0, b1);
-                    mma_bf16(sc[mt][nt + 1], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], b2, b3);
-                }
-            }
-        }
-        // Mask (only where the tile crosses this warp's diagonal), scale (log2 domain), online softmax;
-        // P = exp2(S - m) rounded to bf16 for the P V product (as flash attention does).
-        const bool mask = k0 + PF_KEYS - 1 > warp_min_lim;
-        u32 pa[PF_MT][PF_KEYS / 16][4];
-#pragma unroll
-        for (int mt = 0; mt < PF_MT; mt++) {
-            float tm[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-            for (int nt = 0; nt < PF_KEYS / 8; nt++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int key = k0 + nt * 8 + tq * 2 + (e & 1);
-                    const int lim = pos + min(row_g + mt * 16 + (e >> 1) * 8, nq - 1);
-                    float v = (!mask || key <= lim) ? sc[mt][nt][e] * scale_log2 : NEG_INF;
-                    sc[mt][nt][e] = v;
-                    tm[e >> 1] = fmaxf(tm[e >> 1], v);
-                }
-            }
-            float ref[2];
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                tm[hf] = fmaxf(tm[hf], __shfl_xor_sync(0xffffffffu, tm[hf], 1));
-                tm[hf] = fmaxf(tm[hf], __shfl_xor_sync(0xffffffffu, tm[hf], 2));
-                const float mn = fmaxf(m_r[mt][hf], tm[hf]);
-                // A fully masked row so far keeps -inf; use 0 as the reference so exp2 gives 0, not NaN.
-                ref[hf] = mn == NEG_INF ? 0.f : mn;
-                const float a = exp2f(m_r[mt][hf] - ref[hf]);
-                m_r[mt][hf] = mn;
-                l_r[mt][hf] *= a;
-#pragma unroll
-                for (int i = 0; i < HEAD_DIM / 8; i++) {
-                    o[mt][i][hf * 2] *= a;
-                    o[mt][i][hf * 2 + 1] *= a;
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < PF_KEYS / 8; nt++) {
-                float p0 = exp2f(sc[mt][nt][0] - ref[0]), p1 = exp2f(sc[mt][nt][1] - ref[0]);
-                float p2 = exp2f(sc[mt][nt][2] - ref[1]), p3 = exp2f(sc[mt][nt][3] - ref[1]);
-                l_r[mt][0] += p0 + p1;
-                l_r[mt][1] += p2 + p3;
-                const int kk = nt >> 1, hi = nt & 1;
-                pa[mt][kk][hi * 2 + 0] = pack_bf2(p0, p1);
-                pa[mt][kk][hi * 2 + 1] = pack_bf2(p2, p3);
-            }
-        }
-        // O += P V: A = P (registers), B = V (64 keys x HEAD_DIM) through ldmatrix.trans, two 8-wide
-        // column blocks per load, each used by both m-tiles.
-#pragma unroll
-        for (int dn = 0; dn < HEAD_DIM / 8; dn += 2) {
-            const bf16* vr = vs + ((mi & 1) * 8 + r8) * K_PITCH + (dn + (mi >> 1)) * 8;
-#pragma unroll
-            for (int kk = 0; kk < PF_KEYS / 16; kk++) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_t(b0, b1, b2, b3, vr + kk * 16 * K_PITCH);
-#pragma unroll
-                for (int mt = 0; mt < PF_MT; mt++) {
-                    mma_bf16(o[mt][dn], pa[mt][kk][0], pa[mt][kk][1], pa[mt][kk][2], pa[mt][kk][3], b0, b1);
-                    mma_bf16(o[mt][dn + 1], pa[mt][kk][0], pa[mt][kk][1], pa[mt][kk][2], pa[mt][kk][3], b2, b3);
-                }
-            }
-        }
+        const u32 st = stages + (it & 1) * (2 * PF_STAGE);
+        if (k0 + PF_KEYS - 1 > warp_min_lim)
+            pf_tile<true>(o, m_r, l_r, qa_base, st + k_lane, st + v_lane, k0, row_g, pos, nq, tq, scale_log2);
+        else
+            pf_tile<false>(o, m_r, l_r, qa_base, st + k_lane, st + v_lane, k0, row_g, pos, nq, tq, scale_log2);
         __syncthreads();
     }
     const int stride = n_heads * HEAD_DIM;
@@ -590,20 +635,26 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
 }
 
 // ---- Decode: one new token per sequence, split over key partitions (flash-decoding), GQA-aware. ----
-// Block = (sequence, kv head, partition of part_len <= DEC_PART keys), 128 threads; small batches use
-// short partitions so that enough blocks fill the GPU. All GQA query heads of the kv
+// Block = (sequence, kv head, partition of part_len keys), 128 threads. All GQA query heads of the kv
 // head are scored together, so each K/V byte is read once per step. Partial results (max, sum,
-// unnormalised output) go to part_*; the last partition block to finish combines them.
+// unnormalised output) go to part_*; the last partition block to finish combines them (no second
+// launch). Two kernels: attn_decode_small for small batches, whose partitions (at most DS_KEYS keys)
+// are short enough that every thread issues all its K and V loads at once (one memory round trip:
+// at batch 1 the step is a chain of latencies, not a bandwidth problem), and attn_decode for large
+// batches, whose blocks loop over partitions of up to DEC_PART keys (enough blocks hide latency).
 #define DEC_THREADS 128
 #define TPK (HEAD_DIM / 8)                // threads per key in the scoring pass (16-byte loads)
 #define KPI (DEC_THREADS / TPK)           // keys scored per iteration
 #define VCH (HEAD_DIM / 8)                // 16-byte chunks per V row
 #define VLANES (DEC_THREADS / VCH)        // keys accumulated in parallel in the V pass
+#define DS_KL (DS_KEYS / KPI)             // K chunks each thread of attn_decode_small holds
+#define DS_VL (DS_KEYS / VLANES)          // V chunks each thread of attn_decode_small holds
 
 // Scores one key (this thread's 8 dims of it) against the GQA query heads; the TPK threads of the
 // key reduce with shuffles and the first stores the score.
-__device__ __forceinline__ void score_key(const uint4& raw, const float (&qf)[GQA][8], float (*sc)[DEC_PART], int j,
-                                          int n, int t) {
+template <int P>
+__device__ __forceinline__ void score_key(const uint4& raw, const float (&qf)[GQA][8], float (*sc)[P], int j, int n,
+                                          int t) {
     float kf[8];
     unpack8(raw, kf);
 #pragma unroll
@@ -617,6 +668,217 @@ __device__ __forceinline__ void score_key(const uint4& raw, const float (&qf)[GQ
     }
 }
 
+// This thread's 8 dims of every GQA query head of the kv head, pre-scaled into the log2 domain.
+__device__ __forceinline__ void dec_load_q(const bf16* __restrict__ qkv, int qkv_width, int row, int kvh, int c,
+                                           float scale_log2, float (&qf)[GQA][8]) {
+    const bf16* qbase = qkv + (u64)row * qkv_width + (kvh * GQA) * HEAD_DIM + c;
+#pragma unroll
+    for (int g = 0; g < GQA; g++) {
+        unpack8(*(const uint4*)(qbase + g * HEAD_DIM), qf[g]);
+#pragma unroll
+        for (int e = 0; e < 8; e++) qf[g][e] *= scale_log2;
+    }
+}
+
+// Softmax statistics of the partition's n scores per GQA head (warp w handles heads w, w + 4, ...):
+// sc becomes exp2(sc - max); the max and the sum go to part_m / part_l at head_idx(g) = first + g.
+template <int P>
+__device__ __forceinline__ void dec_softmax(float (*sc)[P], int n, u64 first, int max_parts, float* __restrict__ part_m,
+                                            float* __restrict__ part_l) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int g = warp; g < GQA; g += DEC_THREADS / 32) {
+        float m = NEG_INF;
+        for (int j = lane; j < n; j += 32) m = fmaxf(m, sc[g][j]);
+        m = warp_max(m);
+        float l = 0.f;
+        for (int j = lane; j < n; j += 32) {
+            float p = exp2f(sc[g][j] - m);
+            sc[g][j] = p;
+            l += p;
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            part_m[first + (u64)g * max_parts] = m;
+            part_l[first + (u64)g * max_parts] = l;
+        }
+    }
+}
+
+// Sums the V-pass accumulators over the VLANES key lanes into part_o, then the last partition of
+// this (sequence, kv head) to finish combines all partitions into the output rows of its GQA heads.
+// done[] counts finished partitions and is reset by that last block, so it is zero again for the
+// next launch. Every thread of the block must call it.
+__device__ __forceinline__ void dec_finish(const float (&acc)[GQA][8], float (*red)[GQA][HEAD_DIM], int i, int kvh,
+                                           int part, int parts, int n_heads, int n_kv, int max_parts,
+                                           const int* __restrict__ dec_row, float* __restrict__ part_m,
+                                           float* __restrict__ part_l, float* __restrict__ part_o,
+                                           int* __restrict__ done, bf16* __restrict__ out) {
+    const int t = threadIdx.x;
+    const int c8 = (t % VCH) * 8, vl = t / VCH;
+#pragma unroll
+    for (int g = 0; g < GQA; g++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) red[vl][g][c8 + e] = acc[g][e];
+    __syncthreads();
+    const u64 first = ((u64)i * n_heads + kvh * GQA) * max_parts;
+    for (int e = t; e < GQA * HEAD_DIM; e += DEC_THREADS) {
+        int g = e / HEAD_DIM, d = e % HEAD_DIM;
+        float s = 0.f;
+#pragma unroll
+        for (int v = 0; v < VLANES; v++) s += red[v][g][d];
+        part_o[(first + (u64)g * max_parts + part) * HEAD_DIM + d] = s;
+    }
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (t == 0) {
+        int* cnt = done + i * n_kv + kvh;
+        is_last = atomicAdd(cnt, 1) == parts - 1;
+        if (is_last) *cnt = 0;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // Warp w combines heads w, w + 4, ...: lanes stride over partitions for the max and the sum;
+    // then partitions go 32 at a time, each lane holding one partition's weight (shuffled to the
+    // others), and every lane accumulating HEAD_DIM / 32 output dims with its loads unrolled so that
+    // several partitions are in flight at once.
+    const int warp = t >> 5, lane = t & 31;
+    constexpr int DPL = (HEAD_DIM + 31) / 32;
+    for (int g = warp; g < GQA; g += DEC_THREADS / 32) {
+        const u64 base = first + (u64)g * max_parts;
+        float m = NEG_INF;
+        for (int p = lane; p < parts; p += 32) m = fmaxf(m, __ldcg(part_m + base + p));
+        m = warp_max(m);
+        float l = 0.f;
+        for (int p = lane; p < parts; p += 32) l += exp2f(__ldcg(part_m + base + p) - m) * __ldcg(part_l + base + p);
+        l = warp_sum(l);
+        float o[DPL];
+#pragma unroll
+        for (int j = 0; j < DPL; j++) o[j] = 0.f;
+        for (int p0 = 0; p0 < parts; p0 += 32) {
+            const float wl = p0 + lane < parts ? exp2f(__ldcg(part_m + base + p0 + lane) - m) : 0.f;
+            const int cnt = min(32, parts - p0);
+#pragma unroll 8
+            for (int q = 0; q < cnt; q++) {
+                const float w = __shfl_sync(0xffffffffu, wl, q);
+                const float* po = part_o + (base + p0 + q) * HEAD_DIM;
+#pragma unroll
+                for (int j = 0; j < DPL; j++) {
+                    const int d = lane + 32 * j;
+                    if (d < HEAD_DIM) o[j] += w * __ldcg(po + d);
+                }
+            }
+        }
+        const float inv = 1.f / l;
+        bf16* dst = out + (u64)dec_row[i] * n_heads * HEAD_DIM + (kvh * GQA + g) * HEAD_DIM;
+#pragma unroll
+        for (int j = 0; j < DPL; j++) {
+            const int d = lane + 32 * j;
+            if (d < HEAD_DIM) dst[d] = f2bf(o[j] * inv);
+        }
+    }
+}
+
+// The small-batch decode attention: part_len <= DS_KEYS. Everything before pdl_wait reads only what
+// the host uploaded for the step (context lengths, block tables), so with PDL it overlaps the QKV
+// kernel; K, V and q are read after it (the QKV kernel writes this step's key, value and query).
+// The partition's K and V rows are copied to shared memory by cp.async, all at once, so the block
+// pays one memory latency; each thread copies exactly the 16-byte chunks it later reads (the
+// scoring and V passes map threads to (key, chunk) the same way: TPK == VCH). The query rows come
+// the same way, in the same round trip.
+#define DS_BUF_BYTES (2 * DS_KEYS * HEAD_DIM * 2 > VLANES * GQA * HEAD_DIM * 4 ? 2 * DS_KEYS * HEAD_DIM * 2 \
+                                                                               : VLANES * GQA * HEAD_DIM * 4)
+extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_small(
+    const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ dec_row, const int* __restrict__ dec_ctx,
+    const int* __restrict__ dec_bt, const int* __restrict__ bt, const bf16* __restrict__ cache,
+    float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_o, int* __restrict__ done,
+    bf16* __restrict__ out, int n_heads, int n_kv, int max_parts, int part_len, float scale_log2) {
+    __shared__ float sc[GQA][DS_KEYS];
+    // K rows, then V rows (DS_KEYS x HEAD_DIM each); after the V pass, dec_finish's partial sums.
+    __shared__ __align__(16) unsigned char buf[DS_BUF_BYTES];
+    __shared__ __align__(16) bf16 qs[GQA * HEAD_DIM];
+    const int i = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+    const int ctx = dec_ctx[i];
+    const int start = part * part_len;
+    if (start >= ctx) {
+        // Graph launches cover every partition the context limit allows; the unused ones only let
+        // the next kernel launch.
+        pdl_trigger();
+        return;
+    }
+    const int n = min(ctx - start, part_len);
+    const int* tbl = bt + dec_bt[i];
+    const bf16* qrow = qkv + (u64)dec_row[i] * qkv_width + kvh * GQA * HEAD_DIM;
+    const int t = threadIdx.x;
+    const int c = (t % TPK) * 8, kk = t / TPK;  // this thread's chunk and first key (TPK == VCH)
+    // Row addresses of this thread's keys (block-table lookups), before the wait. Keys past the
+    // partition copy nothing (zero fill) from key 0 of it (any valid address).
+    const bf16* kp[DS_KL];
+#pragma unroll
+    for (int u = 0; u < DS_KL; u++) {
+        const int j = kk + KPI * u;
+        kp[u] = kv_row(cache, tbl, start + (j < n ? j : 0), 0, n_kv, kvh) + c;
+    }
+    const u64 plane = (u64)n_kv * KV_BLOCK * HEAD_DIM;  // K plane to V plane of a block
+    const u32 ks = smem_addr(buf), vs = ks + DS_KEYS * HEAD_DIM * 2;
+    pdl_wait();
+    pdl_trigger();
+#pragma unroll
+    for (int u = 0; u < DS_KL; u++) {
+        const int j = kk + KPI * u;
+        cp_async16(ks + 2 * (j * HEAD_DIM + c), kp[u], j < n);
+        cp_async16(vs + 2 * (j * HEAD_DIM + c), kp[u] + plane, j < n);
+    }
+    // The GQA query rows too (every thread needs its chunk of each: a barrier follows).
+    if (t < GQA * TPK)
+        cp_async16(smem_addr(qs) + 2 * t * 8, qrow + t * 8, true);
+    cp_async_commit();
+    cp_async_wait0();
+    __syncthreads();
+    float qf[GQA][8];
+#pragma unroll
+    for (int g = 0; g < GQA; g++) {
+        unpack8(*(const uint4*)(qs + g * HEAD_DIM + c), qf[g]);
+#pragma unroll
+        for (int e = 0; e < 8; e++) qf[g][e] *= scale_log2;
+    }
+    const bf16* kbuf = (const bf16*)buf;
+    const bf16* vbuf = kbuf + DS_KEYS * HEAD_DIM;
+#pragma unroll
+    for (int u = 0; u < DS_KL; u++) {
+        const int j = kk + KPI * u;
+        score_key<DS_KEYS>(*(const uint4*)(kbuf + j * HEAD_DIM + c), qf, sc, j, n, t);
+    }
+    __syncthreads();
+    const u64 first = ((u64)i * n_heads + kvh * GQA) * max_parts + part;
+    dec_softmax<DS_KEYS>(sc, n, first, max_parts, part_m, part_l);
+    __syncthreads();
+    float acc[GQA][8];
+#pragma unroll
+    for (int g = 0; g < GQA; g++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[g][e] = 0.f;
+#pragma unroll
+    for (int u = 0; u < DS_VL; u++) {
+        const int j = kk + VLANES * u;
+        if (j < n) {
+            float vf[8];
+            unpack8(*(const uint4*)(vbuf + j * HEAD_DIM + c), vf);
+#pragma unroll
+            for (int g = 0; g < GQA; g++) {
+                const float p = sc[g][j];
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[g][e] += p * vf[e];
+            }
+        }
+    }
+    __syncthreads();  // buf becomes dec_finish's partial sums
+    dec_finish(acc, (float(*)[GQA][HEAD_DIM])buf, i, kvh, part, (ctx + part_len - 1) / part_len, n_heads, n_kv,
+               max_parts, dec_row, part_m, part_l, part_o, done, out);
+}
+
+// The large-batch decode attention: blocks loop over partitions of up to DEC_PART keys.
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ dec_row, const int* __restrict__ dec_ctx,
     const int* __restrict__ dec_bt, const int* __restrict__ bt, const bf16* __restrict__ cache,
@@ -638,14 +900,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     // Scoring: thread t covers dims (t % TPK) * 8 .. +8 of key (t / TPK) + KPI * iteration.
     const int c = (t % TPK) * 8, kk = t / TPK;
     float qf[GQA][8];
-    const bf16* qbase = qkv + (u64)dec_row[i] * qkv_width + (kvh * GQA) * HEAD_DIM + c;
-#pragma unroll
-    for (int g = 0; g < GQA; g++) {
-        uint4 raw = *(const uint4*)(qbase + g * HEAD_DIM);
-        unpack8(raw, qf[g]);
-#pragma unroll
-        for (int e = 0; e < 8; e++) qf[g][e] *= scale_log2;
-    }
+    dec_load_q(qkv, qkv_width, dec_row[i], kvh, c, scale_log2, qf);
     // Two keys per thread per iteration keep two 16-byte loads in flight. The loop bound is
     // block-uniform so that every lane reaches the shuffles; lanes past the end score a zero key and
     // do not store.
@@ -654,29 +909,12 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
         uint4 ra = make_uint4(0, 0, 0, 0), rb = make_uint4(0, 0, 0, 0);
         if (ja < n) ra = *(const uint4*)(kv_row(cache, tbl, start + ja, 0, n_kv, kvh) + c);
         if (jb < n) rb = *(const uint4*)(kv_row(cache, tbl, start + jb, 0, n_kv, kvh) + c);
-        score_key(ra, qf, sc, ja, n, t);
-        score_key(rb, qf, sc, jb, n, t);
+        score_key<DEC_PART>(ra, qf, sc, ja, n, t);
+        score_key<DEC_PART>(rb, qf, sc, jb, n, t);
     }
     __syncthreads();
-    // Softmax statistics per head: warp w handles heads w, w + 4, ...
-    const int warp = t >> 5, lane = t & 31;
-    for (int g = warp; g < GQA; g += DEC_THREADS / 32) {
-        float m = NEG_INF;
-        for (int j = lane; j < n; j += 32) m = fmaxf(m, sc[g][j]);
-        m = warp_max(m);
-        float l = 0.f;
-        for (int j = lane; j < n; j += 32) {
-            float p = exp2f(sc[g][j] - m);
-            sc[g][j] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            u64 idx = ((u64)i * n_heads + kvh * GQA + g) * max_parts + part;
-            part_m[idx] = m;
-            part_l[idx] = l;
-        }
-    }
+    const u64 first = ((u64)i * n_heads + kvh * GQA) * max_parts + part;
+    dec_softmax<DEC_PART>(sc, n, first, max_parts, part_m, part_l);
     __syncthreads();
     // V pass: thread t accumulates dims (t % VCH) * 8 .. +8 over keys (t / VCH) + VLANES * iteration.
     const int c8 = (t % VCH) * 8, vl = t / VCH;
@@ -696,65 +934,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
             for (int e = 0; e < 8; e++) acc[g][e] += p * vf[e];
         }
     }
-#pragma unroll
-    for (int g = 0; g < GQA; g++)
-#pragma unroll
-        for (int e = 0; e < 8; e++) red[vl][g][c8 + e] = acc[g][e];
-    __syncthreads();
-    for (int e = t; e < GQA * HEAD_DIM; e += DEC_THREADS) {
-        int g = e / HEAD_DIM, d = e % HEAD_DIM;
-        float s = 0.f;
-#pragma unroll
-        for (int v = 0; v < VLANES; v++) s += red[v][g][d];
-        part_o[(((u64)i * n_heads + kvh * GQA + g) * max_parts + part) * HEAD_DIM + d] = s;
-    }
-
-    // The last partition of this (sequence, kv head) to finish combines all partitions into the
-    // output rows of its GQA heads (no second launch). done[] counts finished partitions and is
-    // reset by that last block, so it is zero again for the next launch.
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (t == 0) {
-        const int parts = (ctx + part_len - 1) / part_len;
-        int* cnt = done + i * n_kv + kvh;
-        is_last = atomicAdd(cnt, 1) == parts - 1;
-        if (is_last) *cnt = 0;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    // Warp w combines heads w, w + 4, ...: lanes stride over partitions for the max and the sum,
-    // then each lane accumulates HEAD_DIM / 32 output dims over all partitions.
-    const int parts = (ctx + part_len - 1) / part_len;
-    for (int g = warp; g < GQA; g += DEC_THREADS / 32) {
-        const u64 base = ((u64)i * n_heads + kvh * GQA + g) * max_parts;
-        float m = NEG_INF;
-        for (int p = lane; p < parts; p += 32) m = fmaxf(m, __ldcg(part_m + base + p));
-        m = warp_max(m);
-        float l = 0.f;
-        for (int p = lane; p < parts; p += 32) l += exp2f(__ldcg(part_m + base + p) - m) * __ldcg(part_l + base + p);
-        l = warp_sum(l);
-        float acc[(HEAD_DIM + 31) / 32];
-#pragma unroll
-        for (int j = 0; j < (HEAD_DIM + 31) / 32; j++) acc[j] = 0.f;
-        for (int p = 0; p < parts; p++) {
-            const float w = exp2f(__ldcg(part_m + base + p) - m);
-            const float* po = part_o + (base + p) * HEAD_DIM;
-#pragma unroll
-            for (int j = 0; j < (HEAD_DIM + 31) / 32; j++) {
-                const int d = lane + 32 * j;
-                if (d < HEAD_DIM) acc[j] += w * __ldcg(po + d);
-            }
-        }
-        const float inv = 1.f / l;
-        bf16* o = out + (u64)dec_row[i] * n_heads * HEAD_DIM + (kvh * GQA + g) * HEAD_DIM;
-#pragma unroll
-        for (int j = 0; j < (HEAD_DIM + 31) / 32; j++) {
-            const int d = lane + 32 * j;
-            if (d < HEAD_DIM) o[d] = f2bf(acc[j] * inv);
-        }
-    }
+    dec_finish(acc, red, i, kvh, part, (ctx + part_len - 1) / part_len, n_heads, n_kv, max_parts, dec_row, part_m,
+               part_l, part_o, done, out);
 }
 
 // ---- Small-batch GEMV: y[m][n] = sum_k x[m][k] w[n][k] for M <= 8 rows (decode). ----
@@ -767,7 +948,6 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
 // shared memory. Epilogues fuse the elementwise work that follows each projection of a step
 // (residual add, SiLU·mul, bias + RoPE + the K/V write), so a decode layer is five launches.
 #define GV_WARPS 8
-#define GV_U 4
 
 extern __shared__ uint4 gv_smem[];
 
@@ -1067,21 +1247,21 @@ __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, cons
 }
 
 #define GEMV(MM) \
-    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS) gemv_##MM( \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_##MM( \
         const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, int N, int K, int f32_out, \
         int ks) { \
         gemv_body<MM>(x, w, y, N, K, f32_out, ks); \
     } \
-    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS) gemv_add_##MM( \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_add_##MM( \
         const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ res, int N, int K, int ks) { \
         gemv_add_body<MM>(x, w, res, N, K, ks); \
     } \
-    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS) gemv_silu_##MM( \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_silu_##MM( \
         const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, const bf16* __restrict__ w, \
         bf16* __restrict__ act, int ffn, int K, int ks) { \
         gemv_silu_body<MM>(res, nw, eps, w, act, ffn, K, ks); \
     } \
-    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS) gemv_qkv_##MM( \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_qkv_##MM( \
         const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, const bf16* __restrict__ w, \
         const bf16* __restrict__ bias, const int* __restrict__ positions, const int* __restrict__ slots, \
         const float* __restrict__ cos_t, const float* __restrict__ sin_t, bf16* __restrict__ cache, \

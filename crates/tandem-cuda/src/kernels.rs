@@ -13,26 +13,29 @@ pub const SOURCE: &str = include_str!("../kernels/llama.cu");
 /// Most keys per decode attention partition (`DEC_PART`, the kernel's shared score buffer).
 pub const DECODE_PARTITION: usize = 256;
 
-/// Keys per partition when few sequences decode: more, shorter partitions keep the GPU busy.
+/// Most keys per partition of `attn_decode_small` (`DS_KEYS`: each thread holds its share of the
+/// partition's K and V in registers), the kernel of steps with few decoding sequences.
 pub const DECODE_PARTITION_SMALL: usize = 64;
 
-// The kernel's shared score buffer holds DECODE_PARTITION keys; no partition may be longer.
+// The large kernel's shared score buffer holds DECODE_PARTITION keys; no partition may be longer.
 const _: () = assert!(DECODE_PARTITION_SMALL <= DECODE_PARTITION);
 
 /// Decode batches up to this size use [`DECODE_PARTITION_SMALL`].
 pub const SMALL_DECODE_BATCH: usize = 32;
 
-/// Keys per decode partition for a step of `n_decode` single-token sequences.
-pub fn decode_partition(n_decode: usize) -> usize {
+/// Keys per decode partition for a step of `n_decode` single-token sequences; `small` is the
+/// partition length of small steps (at most [`DECODE_PARTITION_SMALL`], which selects
+/// `attn_decode_small`).
+pub fn decode_partition(n_decode: usize, small: usize) -> usize {
     if n_decode <= SMALL_DECODE_BATCH {
-        DECODE_PARTITION_SMALL
+        small.clamp(1, DECODE_PARTITION_SMALL)
     } else {
         DECODE_PARTITION
     }
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 11] = [
+pub const KERNEL_NAMES: [&str; 12] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -44,6 +47,7 @@ pub const KERNEL_NAMES: [&str; 11] = [
     "attn_simple",
     "attn_prefill",
     "attn_decode",
+    "attn_decode_small",
 ];
 
 /// Largest row count the small-batch GEMV kernels (`gemv_1` .. `gemv_8`) handle.
@@ -58,6 +62,25 @@ pub fn prefill_smem_bytes(head_dim: usize) -> usize {
 /// Name prefixes of the GEMV kernels, each instantiated for 1..=GEMV_MAX_ROWS rows (`gemv_add_3`):
 /// plain, residual add, RMSNorm + gate/up + SiLU·mul, RMSNorm + QKV + RoPE + K/V write.
 pub const GEMV_FAMILIES: [&str; 4] = ["gemv_", "gemv_add_", "gemv_silu_", "gemv_qkv_"];
+
+/// Compile-time tuning of the small-batch GEMV kernels (`GV_U`, `GV_MINB` in llama.cu), settable
+/// for A/B timings on the device; the defaults are the measured best.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemvTuning {
+    /// 16-byte chunks of each of its two rows a lane loads per step (and prefetches for the next).
+    pub unroll: usize,
+    /// Blocks per multiprocessor the compiler must fit (`__launch_bounds__`): more caps registers.
+    pub min_blocks: usize,
+}
+
+impl Default for GemvTuning {
+    fn default() -> Self {
+        Self {
+            unroll: 4,
+            min_blocks: 1,
+        }
+    }
+}
 
 /// The compile-time shape the kernels are specialised for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,17 +121,29 @@ impl KernelShape {
         self.head_dim <= 128
     }
 
-    /// The full source with this shape's `#define`s in front.
-    pub fn source(&self) -> String {
+    /// The full source with this shape's and the GEMV tuning's `#define`s in front.
+    pub fn source(&self, tuning: &GemvTuning) -> String {
         format!(
-            "#define HEAD_DIM {}\n#define GQA {}\n#define KV_BLOCK {}\n#define DEC_PART {}\n{SOURCE}",
-            self.head_dim, self.gqa, self.block_size, DECODE_PARTITION
+            "#define HEAD_DIM {}\n#define GQA {}\n#define KV_BLOCK {}\n#define DEC_PART {}\n#define DS_KEYS {}\n\
+             #define GV_U {}\n#define GV_MINB {}\n{SOURCE}",
+            self.head_dim,
+            self.gqa,
+            self.block_size,
+            DECODE_PARTITION,
+            DECODE_PARTITION_SMALL,
+            tuning.unroll.clamp(1, 16),
+            tuning.min_blocks.clamp(1, 8)
         )
     }
 }
 
 /// Compiles the kernels to PTX for compute capability `major.minor` (`compute_90` on an H100/H200).
-pub fn compile(shape: &KernelShape, major: i32, minor: i32) -> Result<Ptx, CudaError> {
+pub fn compile(
+    shape: &KernelShape,
+    tuning: &GemvTuning,
+    major: i32,
+    minor: i32,
+) -> Result<Ptx, CudaError> {
     shape.validate()?;
     let opts = CompileOptions {
         options: vec![
@@ -119,7 +154,7 @@ pub fn compile(shape: &KernelShape, major: i32, minor: i32) -> Result<Ptx, CudaE
         name: Some("tandem_llama.cu".into()),
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(shape.source(), opts).map_err(|e| match e {
+    cudarc::nvrtc::compile_ptx_with_opts(shape.source(tuning), opts).map_err(|e| match e {
         CompileError::CompileError { log, .. } => {
             CudaError::Compile(log.to_string_lossy().into_owned())
         }
@@ -175,15 +210,21 @@ mod tests {
         };
         assert!(s.validate().is_ok());
         assert!(s.tensor_core_prefill());
-        let src = s.source();
+        let src = s.source(&GemvTuning::default());
         assert!(src.starts_with("#define HEAD_DIM 128\n#define GQA 4\n#define KV_BLOCK 16\n"));
+        assert!(src.contains("#define GV_U 4\n#define GV_MINB 1\n"));
         assert!(src.contains(&format!("#define DEC_PART {DECODE_PARTITION}")));
         assert!(KernelShape { head_dim: 72, ..s }.validate().is_err());
         assert!(KernelShape { gqa: 0, ..s }.validate().is_err());
         assert!(KernelShape { gqa: 16, ..s }.validate().is_err());
         assert!(!KernelShape { head_dim: 256, ..s }.tensor_core_prefill());
-        assert_eq!(decode_partition(1), DECODE_PARTITION_SMALL);
-        assert_eq!(decode_partition(SMALL_DECODE_BATCH + 1), DECODE_PARTITION);
+        assert_eq!(decode_partition(1, 64), DECODE_PARTITION_SMALL);
+        assert_eq!(decode_partition(1, 32), 32);
+        assert_eq!(decode_partition(1, 1000), DECODE_PARTITION_SMALL);
+        assert_eq!(
+            decode_partition(SMALL_DECODE_BATCH + 1, 32),
+            DECODE_PARTITION
+        );
     }
 
     /// Compiles the real source for sm_90 when NVRTC is installed (it needs no GPU); skipped otherwise.
@@ -210,7 +251,8 @@ mod tests {
                 block_size: 16,
             },
         ] {
-            let ptx = compile(&shape, 9, 0).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+            let ptx = compile(&shape, &GemvTuning::default(), 9, 0)
+                .unwrap_or_else(|e| panic!("{shape:?}: {e}"));
             let text = ptx.to_src();
             for name in KERNEL_NAMES {
                 assert!(text.contains(name), "{name} missing from the PTX");

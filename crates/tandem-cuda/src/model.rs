@@ -56,6 +56,13 @@ pub struct CudaOptions {
     /// kernel starts streaming its weights while the previous one finishes. Off by default: on the
     /// H200 it made a batch-1 decode step slower (4.96 against 4.84 ms, 2026-12-03).
     pub pdl: bool,
+    /// Keys per decode-attention partition in steps of at most `SMALL_DECODE_BATCH` sequences (at
+    /// most `DECODE_PARTITION_SMALL`): shorter partitions put more blocks to work on a short batch.
+    pub decode_partition_small: usize,
+    /// Warps a small-batch GEMV launch aims for through split-K ([`GEMV_TARGET_WARPS`] by default).
+    pub gemv_target_warps: usize,
+    /// Compile-time tuning of the GEMV kernels.
+    pub gemv_tuning: kernels::GemvTuning,
 }
 
 impl Default for CudaOptions {
@@ -72,13 +79,18 @@ impl Default for CudaOptions {
             graphs: true,
             gemv: true,
             pdl: false,
+            decode_partition_small: DECODE_PARTITION_SMALL,
+            gemv_target_warps: GEMV_TARGET_WARPS,
+            gemv_tuning: kernels::GemvTuning::default(),
         }
     }
 }
 
 impl CudaOptions {
-    /// Applies `TANDEM_CUDA_ATTN=simple`, `TANDEM_CUDA_GRAPHS=0`, `TANDEM_CUDA_GEMV=0` and
-    /// `TANDEM_CUDA_PDL=0|1` from the environment (on-device checks and A/B timings).
+    /// Applies `TANDEM_CUDA_ATTN=simple`, `TANDEM_CUDA_GRAPHS=0`, `TANDEM_CUDA_GEMV=0`,
+    /// `TANDEM_CUDA_PDL=0|1`, `TANDEM_CUDA_DEC_PART=<keys>`, `TANDEM_CUDA_GEMV_WARPS=<warps>`,
+    /// `TANDEM_CUDA_GV_U=<chunks>` and `TANDEM_CUDA_GV_MINB=<blocks>` from the environment
+    /// (on-device checks and A/B timings).
     pub fn with_env_overrides(mut self) -> Self {
         if std::env::var("TANDEM_CUDA_ATTN").is_ok_and(|v| v == "simple") {
             self.attn = AttnMode::Simple;
@@ -91,6 +103,22 @@ impl CudaOptions {
         }
         if let Ok(v) = std::env::var("TANDEM_CUDA_PDL") {
             self.pdl = v == "1";
+        }
+        if let Some(n) = std::env::var("TANDEM_CUDA_DEC_PART")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            self.decode_partition_small = n;
+        }
+        let number = |name: &str| std::env::var(name).ok().and_then(|v| v.parse().ok());
+        if let Some(n) = number("TANDEM_CUDA_GEMV_WARPS") {
+            self.gemv_target_warps = n;
+        }
+        if let Some(n) = number("TANDEM_CUDA_GV_U") {
+            self.gemv_tuning.unroll = n;
+        }
+        if let Some(n) = number("TANDEM_CUDA_GV_MINB") {
+            self.gemv_tuning.min_blocks = n;
         }
         self
     }
@@ -221,6 +249,7 @@ struct Funcs {
     attn_simple: CudaFunction,
     attn_prefill: CudaFunction,
     attn_decode: CudaFunction,
+    attn_decode_small: CudaFunction,
     /// `gemv[m - 1]` computes m rows.
     gemv: Vec<CudaFunction>,
     /// GEMV adding into the residual stream (`gemv_add_m`).
@@ -251,6 +280,7 @@ impl Funcs {
             attn_simple: f("attn_simple")?,
             attn_prefill: f("attn_prefill")?,
             attn_decode: f("attn_decode")?,
+            attn_decode_small: f("attn_decode_small")?,
             gemv: gemv_family(kernels::GEMV_FAMILIES[0])?,
             gemv_add: gemv_family(kernels::GEMV_FAMILIES[1])?,
             gemv_silu: gemv_family(kernels::GEMV_FAMILIES[2])?,
@@ -296,16 +326,18 @@ fn gemv_blocks(warps: usize) -> u32 {
     warps.div_ceil(GEMV_WARPS) as u32
 }
 
-/// Warps a GEMV launch aims for: 62 per multiprocessor of an H200, enough 16-byte loads in flight
-/// to stream at the copy bandwidth (measured: the 4096-row projections reached ~2.5 TB/s with one
-/// warp per row pair, the 28,672-row gate/up ~4 TB/s).
-const GEMV_TARGET_WARPS: usize = 8192;
+/// Warps a GEMV launch aims for through split-K: about the warps an H200 holds at once (16 per
+/// multiprocessor at the GEMV's register use). Measured on the H200 (2026-12-03, batch-1 decode of
+/// the 8B shape): 2,048 (no split for any of its projections) 4.53 ms per step, 8,192 4.68 ms,
+/// 16,384 5.33 ms — more, shorter warps lose to the ramp of each wave.
+pub const GEMV_TARGET_WARPS: usize = 2048;
 
 /// K slices per row pair of a GEMV (split-K, a power of two dividing `GEMV_WARPS`): the fewest
-/// that reach [`GEMV_TARGET_WARPS`], keeping slices at least 256 values long.
-fn gemv_split(pairs: usize, k: usize) -> usize {
+/// that reach `target` warps (`CudaOptions::gemv_target_warps`), keeping slices at least 256 values
+/// long.
+fn gemv_split(pairs: usize, k: usize, target: usize) -> usize {
     let mut ks = 1;
-    while ks < GEMV_WARPS && pairs * ks < GEMV_TARGET_WARPS && k / (2 * ks) >= 256 {
+    while ks < GEMV_WARPS && pairs * ks < target && k / (2 * ks) >= 256 {
         ks *= 2;
     }
     ks
@@ -431,6 +463,9 @@ pub struct CudaLlama {
     graphs: Graphs,
     staging: PinnedBuf,
     device_name: String,
+    /// Host time of the last `forward_greedy` from its start until the body's kernels were queued
+    /// (benchmarks: tells host-side stalls from GPU time).
+    last_enqueue: std::time::Duration,
 }
 
 impl std::fmt::Debug for CudaLlama {
@@ -515,7 +550,7 @@ impl CudaLlama {
         let (major, minor) = ctx.compute_capability()?;
         let device_name = ctx.name()?;
         let t0 = std::time::Instant::now();
-        let ptx = kernels::compile(&shape, major, minor)?;
+        let ptx = kernels::compile(&shape, &opts.gemv_tuning, major, minor)?;
         let module = ctx.load_module(ptx)?;
         let funcs = Funcs::load(&module)?;
         funcs.allow_norm_smem(config.hidden_size)?;
@@ -642,7 +677,9 @@ impl CudaLlama {
         let rows = opts.logits_chunk_rows.max(1);
         let part_slots = c.num_heads
             * (max_seqs * max_model_len.div_ceil(DECODE_PARTITION)).max(
-                max_seqs.min(SMALL_DECODE_BATCH) * max_model_len.div_ceil(DECODE_PARTITION_SMALL),
+                max_seqs.min(SMALL_DECODE_BATCH)
+                    * max_model_len
+                        .div_ceil(kernels::decode_partition(1, opts.decode_partition_small)),
             );
         let bufsz = |elems: usize, size: usize| DeviceBuf::new(&ctx, elems * size);
         let meta_layout = MetaLayout::new(
@@ -723,6 +760,7 @@ impl CudaLlama {
             graphs: Graphs::default(),
             staging,
             device_name,
+            last_enqueue: std::time::Duration::ZERO,
         })
     }
 
@@ -750,6 +788,12 @@ impl CudaLlama {
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.stream.synchronize()?;
         Ok(())
+    }
+
+    /// Host time the last `forward_greedy` took to queue the model body (benchmarks: a value close
+    /// to the step time means the host, not the GPU, paced the step).
+    pub fn last_enqueue_time(&self) -> std::time::Duration {
+        self.last_enqueue
     }
 
     /// Bytes of weights a decode step reads once: every matrix, the norms, the output head (the
@@ -811,7 +855,9 @@ impl CudaLlama {
                 self,
                 self.funcs.gemv[t - 1],
                 (
-                    gemv_blocks(n.div_ceil(2) * gemv_split(n.div_ceil(2), k)),
+                    gemv_blocks(
+                        n.div_ceil(2) * gemv_split(n.div_ceil(2), k, self.opts.gemv_target_warps)
+                    ),
                     1,
                     1
                 ),
@@ -823,7 +869,7 @@ impl CudaLlama {
                 n as i32,
                 k as i32,
                 f32_out as i32,
-                gemv_split(n.div_ceil(2), k) as i32
+                gemv_split(n.div_ceil(2), k, self.opts.gemv_target_warps) as i32
             );
             return Ok(());
         }
@@ -881,7 +927,7 @@ impl CudaLlama {
         let scale_log2 = scale * std::f32::consts::LOG2_E;
         let layer_elems = (self.layout.num_blocks + 1) * self.layout.block_elems();
         let p = &self.plan;
-        let part_len = kernels::decode_partition(p.dec_row.len());
+        let part_len = kernels::decode_partition(p.dec_row.len(), self.opts.decode_partition_small);
         let stride = self.max_model_len.div_ceil(part_len);
         let decode_parts = if graph {
             stride
@@ -908,10 +954,10 @@ impl CudaLlama {
         let fused = self.fused_step(t);
         let smem = fused_smem_bytes(t, h) as u32;
         let block = (32 * GEMV_WARPS as u32, 1, 1);
-        let ks_qkv = gemv_split((q + 2 * kv) / 2, h);
-        let ks_o = gemv_split(h.div_ceil(2), q);
-        let ks_gu = gemv_split(f, h);
-        let ks_down = gemv_split(h.div_ceil(2), f);
+        let ks_qkv = gemv_split((q + 2 * kv) / 2, h, self.opts.gemv_target_warps);
+        let ks_o = gemv_split(h.div_ceil(2), q, self.opts.gemv_target_warps);
+        let ks_gu = gemv_split(f, h, self.opts.gemv_target_warps);
+        let ks_down = gemv_split(h.div_ceil(2), f, self.opts.gemv_target_warps);
         for (l, lw) in self.layers.iter().enumerate() {
             let cache = self.kv.at(l * layer_elems, BF16);
             let bias = lw.bqkv.as_ref().map_or(0u64, |b| b.ptr);
@@ -1021,9 +1067,14 @@ impl CudaLlama {
                     }
                     if !p.dec_row.is_empty() {
                         let nd = p.dec_row.len() as u32;
+                        let kernel = if part_len <= DECODE_PARTITION_SMALL {
+                            &self.funcs.attn_decode_small
+                        } else {
+                            &self.funcs.attn_decode
+                        };
                         launch_pdl!(
                             self,
-                            self.funcs.attn_decode,
+                            kernel,
                             (nd, nkv as u32, decode_parts as u32),
                             (128, 1, 1),
                             0,
@@ -1365,6 +1416,7 @@ impl CudaLlama {
         out: &mut Vec<u32>,
     ) -> Result<(), CudaError> {
         self.ctx.bind_to_thread()?;
+        let t0 = std::time::Instant::now();
         out.clear();
         let graph = self.prepare(batch)?;
         let rows = batch.logits_rows();
@@ -1379,6 +1431,7 @@ impl CudaLlama {
                 return Ok(());
             }
             self.enqueue_body(t, false)?;
+            self.last_enqueue = t0.elapsed();
             let chunk = self.opts.logits_chunk_rows.max(1);
             let mut start = 0;
             while start < rows {

@@ -265,6 +265,8 @@ struct BenchRow {
     mbu: Option<f64>,
     /// Dense FLOPs over the step time (prefill).
     tflops: Option<f64>,
+    /// Median host time to queue the step's model body (prefill; eager launches).
+    enqueue_ms: Option<f64>,
     device: String,
 }
 
@@ -369,6 +371,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CudaError> {
                 tokens_per_s: b as f64 / med,
                 mbu: Some(bytes / med / args.peak_bandwidth),
                 tflops: None,
+                enqueue_ms: None,
                 device: device.clone(),
             });
         }
@@ -382,6 +385,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CudaError> {
             .map(|i| ((i * 7919) % c.vocab_size) as u32)
             .collect();
         let mut times = Vec::new();
+        let mut enqueue = Vec::new();
         for rep in 0..6 {
             batch.clear();
             batch.push(&prompt, 0, table.clone(), LogitsWanted::Last);
@@ -389,6 +393,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CudaError> {
             model.forward_greedy(&batch, &mut ids)?;
             if rep > 0 {
                 times.push(t.elapsed().as_secs_f64());
+                enqueue.push(model.last_enqueue_time().as_secs_f64());
             }
         }
         let med = median(&mut times);
@@ -408,6 +413,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CudaError> {
             tokens_per_s: n / med,
             mbu: None,
             tflops: Some((linear + attn) / med / 1e12),
+            enqueue_ms: Some(median(&mut enqueue) * 1e3),
             device: device.clone(),
         });
     }
