@@ -940,13 +940,17 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
 
 // ---- Small-batch GEMV: y[m][n] = sum_k x[m][k] w[n][k] for M <= 8 rows (decode). ----
 // Decode streams every weight once per step, so this is where a step's time goes. A work item is a
-// pair of weight rows and one of `ks` slices of K (split-K, so that short projections such as the
-// 4096-row output and down projections still put enough loads in flight); one warp streams its slice
-// of both rows with 16-byte loads that skip L1, loading the next GV_U chunks of each row while the
-// current ones are used. The ks warps of a pair sit in one block and add their partial sums in shared
-// memory. The M activation rows come from L1 or, in the kernels with an RMSNorm prologue, from
-// shared memory. Epilogues fuse the elementwise work that follows each projection of a step
-// (residual add, SiLU·mul, bias + RoPE + the K/V write), so a decode layer is five launches.
+// pair of weight rows and one of `ks` slices of K (split-K, for projections too short to put enough
+// loads in flight); one warp streams its slice of both rows with 16-byte loads that skip L1, loading
+// the next GV_U chunks of each row while the current ones are used. The ks warps of a pair sit in
+// one block and add their partial sums in shared memory. A block takes group blockIdx.x of
+// GV_WARPS items, then every gridDim.x-th group after it (`groups` in all): with a grid of one
+// block per group each block does one; with a grid sized to what the GPU holds at once
+// (persistent), a block's warps stream group after group, loading the next item's first chunks
+// while they finish the current one, and the RMSNorm prologue runs once per block. The M
+// activation rows come from L1 or, in the kernels with the prologue, from shared memory. Epilogues
+// fuse the elementwise work that follows each projection of a step (residual add, SiLU·mul, bias +
+// RoPE + the K/V write), so a decode layer is five launches.
 #define GV_WARPS 8
 
 extern __shared__ uint4 gv_smem[];
@@ -959,14 +963,15 @@ __device__ __forceinline__ uint4 ld_stream(const bf16* p) {
     return v;
 }
 
-// This warp's work item: row pair `pair` (of the grid's), K slice [kb, ke). ks divides GV_WARPS.
+// A warp's work item: row pair `pair`, K slice `slice` = [kb, ke). ks divides GV_WARPS.
 struct GvItem {
     int pair, slice, kb, ke;
 };
 
-__device__ __forceinline__ GvItem gv_item(int K, int ks) {
+// The item of warp `wib` of block-group `group`.
+__device__ __forceinline__ GvItem gv_item(int group, int K, int ks) {
     GvItem it;
-    const int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int w = group * GV_WARPS + (threadIdx.x >> 5);
     it.pair = w / ks;
     it.slice = w % ks;
     const int len = ((K + ks - 1) / ks + 7) & ~7;
@@ -985,6 +990,13 @@ __device__ __forceinline__ void gv_load(uint4 (&c0)[GV_U], uint4 (&c1)[GV_U], co
         c1[u] = k < ke ? ld_stream(w1 + k) : make_uint4(0, 0, 0, 0);
     }
 }
+
+// The next item a warp streams after the current one: its two rows and K slice (empty when none).
+struct GvNext {
+    const bf16* w0;
+    const bf16* w1;
+    int kb, ke;
+};
 
 // The RMSNorm prologue: xs[m] = RMSNorm(res[m]) * nw into shared memory, rounded as add_rmsnorm
 // rounds. Every thread of the block must call it.
@@ -1023,22 +1035,26 @@ __device__ __forceinline__ void gv_norm(const bf16* __restrict__ res, const bf16
 
 // a0[m], a1[m] = dot(x[m], w0), dot(x[m], w1) over the item's K slice, summed over the warp and then
 // over the ks warps of the pair: the result is valid in the slice-0 warp (every lane). c0/c1 hold
-// the first chunks, loaded by the caller before any prologue so that they are in flight while it
-// runs. Every thread of the block must call it (it has a barrier when ks > 1).
+// the item's first chunks on entry (loaded before any prologue, so that they are in flight while it
+// runs) and the next item's first chunks on return: they are loaded in the last step, so the warp
+// keeps loads in flight through its reductions and epilogue. Every thread of the block must call
+// it (it has barriers when ks > 1); the trip count is warp-uniform.
 template <int M, bool SMEM_X>
 __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const bf16* __restrict__ w0,
                                         const bf16* __restrict__ w1, int K, const GvItem& it, int ks,
-                                        uint4 (&c0)[GV_U], uint4 (&c1)[GV_U], float (&a0)[M], float (&a1)[M]) {
+                                        const GvNext& nx, uint4 (&c0)[GV_U], uint4 (&c1)[GV_U], float (&a0)[M],
+                                        float (&a1)[M]) {
     __shared__ float part[GV_WARPS][2][M];
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int m = 0; m < M; m++) a0[m] = a1[m] = 0.f;
-    for (int k0 = it.kb + lane * 8; k0 < it.ke; k0 += 256 * GV_U) {
+    for (int kw = it.kb; kw < it.ke; kw += 256 * GV_U) {
         uint4 n0[GV_U], n1[GV_U];
-        gv_load(n0, n1, w0, w1, k0 + 256 * GV_U, it.ke);
+        if (kw + 256 * GV_U < it.ke) gv_load(n0, n1, w0, w1, kw + 256 * GV_U + lane * 8, it.ke);
+        else gv_load(n0, n1, nx.w0, nx.w1, nx.kb + lane * 8, nx.ke);
 #pragma unroll
         for (int u = 0; u < GV_U; u++) {
-            const int k = k0 + u * 256;
+            const int k = kw + lane * 8 + u * 256;
             if (k < it.ke) {
                 float f0[8], f1[8];
                 unpack8(c0[u], f0);
@@ -1062,6 +1078,7 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const bf16* 
             c1[u] = n1[u];
         }
     }
+    if (it.kb >= it.ke) gv_load(c0, c1, nx.w0, nx.w1, nx.kb + lane * 8, nx.ke);  // an empty slice
 #pragma unroll
     for (int m = 0; m < M; m++) {
         a0[m] = warp_sum(a0[m]);
@@ -1086,188 +1103,219 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const bf16* 
                 }
             }
         }
+        __syncthreads();  // part is rewritten by the block's next group
     }
 }
 
-// Plain GEMV: rows 2p and 2p + 1 of y (bf16, or fp32 for logits). grid = ceil(pairs * ks / GV_WARPS).
-template <int M>
-__device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y,
-                                          int N, int K, int f32_out, int ks) {
-    const GvItem it = gv_item(K, ks);
-    const int r0 = min(2 * it.pair, N - 1);
-    const int r1 = min(r0 + 1, N - 1);
+// Streams the block's groups: rows(it, r0, r1) maps an item to its two weight rows (clamped into
+// the matrix), epi(it, r0, r1, a0, a1) consumes the sums (in the slice-0 warp). The prologue, if
+// any, runs between the first loads and the first item.
+template <int M, bool SMEM_X, class Rows, class Prologue, class Epi>
+__device__ __forceinline__ void gv_run(const bf16* __restrict__ x, const bf16* __restrict__ w, int K, int ks, int groups,
+                                       Rows rows, Prologue prologue, Epi epi) {
+    int g = blockIdx.x;
+    GvItem it = gv_item(g, K, ks);
+    int r0, r1;
+    rows(it, r0, r1);
     uint4 c0[GV_U], c1[GV_U];
     gv_load(c0, c1, w + (u64)r0 * K, w + (u64)r1 * K, it.kb + (threadIdx.x & 31) * 8, it.ke);
     pdl_wait();
     pdl_trigger();
-    float a0[M], a1[M];
-    gv_pair<M, false>(x, w + (u64)r0 * K, w + (u64)r1 * K, K, it, ks, c0, c1, a0, a1);
-    if (2 * it.pair >= N || it.slice != 0) return;
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-        if (lane == m) {
-            if (f32_out) {
-                ((float*)y)[(u64)m * N + r0] = a0[m];
-                if (r1 != r0) ((float*)y)[(u64)m * N + r1] = a1[m];
-            } else {
-                ((bf16*)y)[(u64)m * N + r0] = f2bf(a0[m]);
-                if (r1 != r0) ((bf16*)y)[(u64)m * N + r1] = f2bf(a1[m]);
-            }
-        }
+    prologue();
+    while (true) {
+        const int gn = g + gridDim.x;
+        const GvItem ni = gv_item(gn, K, ks);
+        int n0, n1;
+        rows(ni, n0, n1);
+        const GvNext nx{w + (u64)n0 * K, w + (u64)n1 * K, ni.kb, gn < groups ? ni.ke : ni.kb};
+        float a0[M], a1[M];
+        gv_pair<M, SMEM_X>(x, w + (u64)r0 * K, w + (u64)r1 * K, K, it, ks, nx, c0, c1, a0, a1);
+        if (it.slice == 0) epi(it, r0, r1, a0, a1);
+        if (gn >= groups) break;
+        g = gn;
+        it = ni;
+        r0 = n0;
+        r1 = n1;
     }
+}
+
+// Plain GEMV: rows 2p and 2p + 1 of y (bf16, or fp32 for logits).
+template <int M>
+__device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y,
+                                          int N, int K, int f32_out, int ks, int groups) {
+    const int lane = threadIdx.x & 31;
+    gv_run<M, false>(
+        x, w, K, ks, groups,
+        [&](const GvItem& it, int& r0, int& r1) {
+            r0 = min(2 * it.pair, N - 1);
+            r1 = min(r0 + 1, N - 1);
+        },
+        [] {},
+        [&](const GvItem& it, int r0, int r1, float (&a0)[M], float (&a1)[M]) {
+            if (2 * it.pair >= N) return;
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                if (lane == m) {
+                    if (f32_out) {
+                        ((float*)y)[(u64)m * N + r0] = a0[m];
+                        if (r1 != r0) ((float*)y)[(u64)m * N + r1] = a1[m];
+                    } else {
+                        ((bf16*)y)[(u64)m * N + r0] = f2bf(a0[m]);
+                        if (r1 != r0) ((bf16*)y)[(u64)m * N + r1] = f2bf(a1[m]);
+                    }
+                }
+            }
+        });
 }
 
 // res[m][n] += y[m][n] (y rounded to bf16 first, as a bf16 model adds): the output projection and
 // the down projection add straight into the residual stream.
 template <int M>
 __device__ __forceinline__ void gemv_add_body(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                              bf16* __restrict__ res, int N, int K, int ks) {
-    const GvItem it = gv_item(K, ks);
-    const int r0 = min(2 * it.pair, N - 1);
-    const int r1 = min(r0 + 1, N - 1);
-    uint4 c0[GV_U], c1[GV_U];
-    gv_load(c0, c1, w + (u64)r0 * K, w + (u64)r1 * K, it.kb + (threadIdx.x & 31) * 8, it.ke);
-    pdl_wait();
-    pdl_trigger();
-    float a0[M], a1[M];
-    gv_pair<M, false>(x, w + (u64)r0 * K, w + (u64)r1 * K, K, it, ks, c0, c1, a0, a1);
-    if (2 * it.pair >= N || it.slice != 0) return;
+                                              bf16* __restrict__ res, int N, int K, int ks, int groups) {
     const int lane = threadIdx.x & 31;
+    gv_run<M, false>(
+        x, w, K, ks, groups,
+        [&](const GvItem& it, int& r0, int& r1) {
+            r0 = min(2 * it.pair, N - 1);
+            r1 = min(r0 + 1, N - 1);
+        },
+        [] {},
+        [&](const GvItem& it, int r0, int r1, float (&a0)[M], float (&a1)[M]) {
+            if (2 * it.pair >= N) return;
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-        if (lane == m) {
-            bf16* r = res + (u64)m * N;
-            r[r0] = f2bf(bf2f(r[r0]) + round_bf(a0[m]));
-            if (r1 != r0) r[r1] = f2bf(bf2f(r[r1]) + round_bf(a1[m]));
-        }
-    }
+            for (int m = 0; m < M; m++) {
+                if (lane == m) {
+                    bf16* r = res + (u64)m * N;
+                    r[r0] = f2bf(bf2f(r[r0]) + round_bf(a0[m]));
+                    if (r1 != r0) r[r1] = f2bf(bf2f(r[r1]) + round_bf(a1[m]));
+                }
+            }
+        });
 }
 
 // act[m][j] = silu(gate) * up with gate = row j and up = row ffn + j of [gate; up], over
-// RMSNorm(res) * nw: the FFN's norm, gate/up projection and activation in one pass.
-// grid = ceil(ffn * ks / GV_WARPS), dynamic shared memory M * K * 2 bytes.
+// RMSNorm(res) * nw: the FFN's norm, gate/up projection and activation in one pass. Dynamic shared
+// memory M * K * 2 bytes.
 template <int M>
 __device__ __forceinline__ void gemv_silu_body(const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps,
                                                const bf16* __restrict__ w, bf16* __restrict__ act, int ffn, int K,
-                                               int ks) {
-    const GvItem it = gv_item(K, ks);
-    const int j = it.pair;
-    const int jj = min(j, ffn - 1);
-    const bf16* w0 = w + (u64)jj * K;
-    const bf16* w1 = w + (u64)(ffn + jj) * K;
-    uint4 c0[GV_U], c1[GV_U];
-    gv_load(c0, c1, w0, w1, it.kb + (threadIdx.x & 31) * 8, it.ke);
-    pdl_wait();
-    pdl_trigger();
-    gv_norm<M>(res, nw, eps, K);
-    float a0[M], a1[M];
-    gv_pair<M, true>((const bf16*)gv_smem, w0, w1, K, it, ks, c0, c1, a0, a1);
-    if (j >= ffn || it.slice != 0) return;
+                                               int ks, int groups) {
     const int lane = threadIdx.x & 31;
+    gv_run<M, true>(
+        (const bf16*)gv_smem, w, K, ks, groups,
+        [&](const GvItem& it, int& r0, int& r1) {
+            r0 = min(it.pair, ffn - 1);
+            r1 = ffn + r0;
+        },
+        [&] { gv_norm<M>(res, nw, eps, K); },
+        [&](const GvItem& it, int, int, float (&a0)[M], float (&a1)[M]) {
+            const int j = it.pair;
+            if (j >= ffn) return;
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-        if (lane == m) {
-            float g = round_bf(a0[m]), u = round_bf(a1[m]);
-            act[(u64)m * ffn + j] = f2bf(round_bf(g / (1.f + __expf(-g))) * u);
-        }
-    }
+            for (int m = 0; m < M; m++) {
+                if (lane == m) {
+                    float g = round_bf(a0[m]), u = round_bf(a1[m]);
+                    act[(u64)m * ffn + j] = f2bf(round_bf(g / (1.f + __expf(-g))) * u);
+                }
+            }
+        });
 }
 
 // The attention input of a layer in one pass: RMSNorm(res) * nw, the fused [q; k; v] projection,
 // the optional bias, RoPE on q and k, q into its qkv row and k, v into the paged cache at slots[m].
 // Pair p < (n_heads + n_kv) * HEAD_DIM / 2 is one rotated pair of a q or k head, the rest are two
-// adjacent v rows. Rounding as rope_kv_write. grid = ceil(qkv rows / 2 * ks / GV_WARPS), dynamic
-// shared memory M * K * 2 bytes.
+// adjacent v rows. Rounding as rope_kv_write. Dynamic shared memory M * K * 2 bytes.
 template <int M>
 __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps,
                                               const bf16* __restrict__ w, const bf16* __restrict__ bias,
                                               const int* __restrict__ positions, const int* __restrict__ slots,
                                               const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                               bf16* __restrict__ cache, bf16* __restrict__ qkv, int n_heads, int n_kv,
-                                              int neox, int K, int ks) {
+                                              int neox, int K, int ks, int groups) {
     const int half = HEAD_DIM / 2;
     const int pairs = (n_heads + n_kv) * half;
     const int total = pairs + n_kv * half;
-    const GvItem it = gv_item(K, ks);
-    const int ww = min(it.pair, total - 1);
-    int head = -1, i = 0, r0, r1;
-    if (ww < pairs) {
-        head = ww / half;
-        i = ww % half;
-        r0 = head * HEAD_DIM + (neox ? i : 2 * i);
-        r1 = head * HEAD_DIM + (neox ? i + half : 2 * i + 1);
-    } else {
-        r0 = (n_heads + n_kv) * HEAD_DIM + 2 * (ww - pairs);
-        r1 = r0 + 1;
-    }
-    uint4 c0[GV_U], c1[GV_U];
-    gv_load(c0, c1, w + (u64)r0 * K, w + (u64)r1 * K, it.kb + (threadIdx.x & 31) * 8, it.ke);
-    pdl_wait();
-    pdl_trigger();
-    gv_norm<M>(res, nw, eps, K);
-    float a0[M], a1[M];
-    gv_pair<M, true>((const bf16*)gv_smem, w + (u64)r0 * K, w + (u64)r1 * K, K, it, ks, c0, c1, a0, a1);
-    if (it.pair >= total || it.slice != 0) return;
-    const int lane = threadIdx.x & 31;
     const int width = (n_heads + 2 * n_kv) * HEAD_DIM;
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-        if (lane == m) {
-            float x0 = round_bf(a0[m]), x1 = round_bf(a1[m]);
-            if (bias) {
-                x0 = round_bf(x0 + bf2f(bias[r0]));
-                x1 = round_bf(x1 + bf2f(bias[r1]));
-            }
-            const int slot = slots[m];
-            const u64 blk = slot / KV_BLOCK, off = slot % KV_BLOCK;
-            if (head >= 0) {
-                const int pos = positions[m];
-                float c = round_bf(cos_t[(u64)pos * half + i]), s = round_bf(sin_t[(u64)pos * half + i]);
-                bf16 y0 = f2bf(round_bf(x0 * c) - round_bf(x1 * s));
-                bf16 y1 = f2bf(round_bf(x1 * c) + round_bf(x0 * s));
-                if (head < n_heads) {
-                    qkv[(u64)m * width + r0] = y0;
-                    qkv[(u64)m * width + r1] = y1;
-                } else {
-                    const int kh = head - n_heads;
-                    bf16* dst = cache + ((blk * 2 + 0) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM;
-                    dst[r0 - head * HEAD_DIM] = y0;
-                    dst[r1 - head * HEAD_DIM] = y1;
-                }
+    const int lane = threadIdx.x & 31;
+    gv_run<M, true>(
+        (const bf16*)gv_smem, w, K, ks, groups,
+        [&](const GvItem& it, int& r0, int& r1) {
+            const int ww = min(it.pair, total - 1);
+            if (ww < pairs) {
+                const int head = ww / half, i = ww % half;
+                r0 = head * HEAD_DIM + (neox ? i : 2 * i);
+                r1 = head * HEAD_DIM + (neox ? i + half : 2 * i + 1);
             } else {
-                const int e = r0 - (n_heads + n_kv) * HEAD_DIM;
-                const int kh = e / HEAD_DIM, d = e % HEAD_DIM;
-                bf16* dst = cache + ((blk * 2 + 1) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM + d;
-                dst[0] = f2bf(x0);
-                dst[1] = f2bf(x1);
+                r0 = (n_heads + n_kv) * HEAD_DIM + 2 * (ww - pairs);
+                r1 = r0 + 1;
             }
-        }
-    }
+        },
+        [&] { gv_norm<M>(res, nw, eps, K); },
+        [&](const GvItem& it, int r0, int r1, float (&a0)[M], float (&a1)[M]) {
+            if (it.pair >= total) return;
+            const int head = it.pair < pairs ? it.pair / half : -1, i = it.pair % half;
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                if (lane == m) {
+                    float x0 = round_bf(a0[m]), x1 = round_bf(a1[m]);
+                    if (bias) {
+                        x0 = round_bf(x0 + bf2f(bias[r0]));
+                        x1 = round_bf(x1 + bf2f(bias[r1]));
+                    }
+                    const int slot = slots[m];
+                    const u64 blk = slot / KV_BLOCK, off = slot % KV_BLOCK;
+                    if (head >= 0) {
+                        const int pos = positions[m];
+                        float c = round_bf(cos_t[(u64)pos * half + i]), s = round_bf(sin_t[(u64)pos * half + i]);
+                        bf16 y0 = f2bf(round_bf(x0 * c) - round_bf(x1 * s));
+                        bf16 y1 = f2bf(round_bf(x1 * c) + round_bf(x0 * s));
+                        if (head < n_heads) {
+                            qkv[(u64)m * width + r0] = y0;
+                            qkv[(u64)m * width + r1] = y1;
+                        } else {
+                            const int kh = head - n_heads;
+                            bf16* dst =
+                                cache + ((blk * 2 + 0) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM;
+                            dst[r0 - head * HEAD_DIM] = y0;
+                            dst[r1 - head * HEAD_DIM] = y1;
+                        }
+                    } else {
+                        const int e = r0 - (n_heads + n_kv) * HEAD_DIM;
+                        const int kh = e / HEAD_DIM, d = e % HEAD_DIM;
+                        bf16* dst =
+                            cache + ((blk * 2 + 1) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM + d;
+                        dst[0] = f2bf(x0);
+                        dst[1] = f2bf(x1);
+                    }
+                }
+            }
+        });
 }
 
 #define GEMV(MM) \
     extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_##MM( \
         const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, int N, int K, int f32_out, \
-        int ks) { \
-        gemv_body<MM>(x, w, y, N, K, f32_out, ks); \
+        int ks, int groups) { \
+        gemv_body<MM>(x, w, y, N, K, f32_out, ks, groups); \
     } \
     extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_add_##MM( \
-        const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ res, int N, int K, int ks) { \
-        gemv_add_body<MM>(x, w, res, N, K, ks); \
+        const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ res, int N, int K, int ks, \
+        int groups) { \
+        gemv_add_body<MM>(x, w, res, N, K, ks, groups); \
     } \
     extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_silu_##MM( \
         const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, const bf16* __restrict__ w, \
-        bf16* __restrict__ act, int ffn, int K, int ks) { \
-        gemv_silu_body<MM>(res, nw, eps, w, act, ffn, K, ks); \
+        bf16* __restrict__ act, int ffn, int K, int ks, int groups) { \
+        gemv_silu_body<MM>(res, nw, eps, w, act, ffn, K, ks, groups); \
     } \
     extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_qkv_##MM( \
         const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, const bf16* __restrict__ w, \
         const bf16* __restrict__ bias, const int* __restrict__ positions, const int* __restrict__ slots, \
         const float* __restrict__ cos_t, const float* __restrict__ sin_t, bf16* __restrict__ cache, \
-        bf16* __restrict__ qkv, int n_heads, int n_kv, int neox, int K, int ks) { \
+        bf16* __restrict__ qkv, int n_heads, int n_kv, int neox, int K, int ks, int groups) { \
         gemv_qkv_body<MM>(res, nw, eps, w, bias, positions, slots, cos_t, sin_t, cache, qkv, n_heads, n_kv, neox, K, \
-                          ks); \
+                          ks, groups); \
     }
 GEMV(1)
 GEMV(2)

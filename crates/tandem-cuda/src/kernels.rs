@@ -76,8 +76,8 @@ pub struct GemvTuning {
 impl Default for GemvTuning {
     fn default() -> Self {
         Self {
-            unroll: 4,
-            min_blocks: 1,
+            unroll: 2,
+            min_blocks: 2,
         }
     }
 }
@@ -212,7 +212,7 @@ mod tests {
         assert!(s.tensor_core_prefill());
         let src = s.source(&GemvTuning::default());
         assert!(src.starts_with("#define HEAD_DIM 128\n#define GQA 4\n#define KV_BLOCK 16\n"));
-        assert!(src.contains("#define GV_U 4\n#define GV_MINB 1\n"));
+        assert!(src.contains("#define GV_U 2\n#define GV_MINB 2\n"));
         assert!(src.contains(&format!("#define DEC_PART {DECODE_PARTITION}")));
         assert!(KernelShape { head_dim: 72, ..s }.validate().is_err());
         assert!(KernelShape { gqa: 0, ..s }.validate().is_err());

@@ -50,8 +50,11 @@ pub struct CudaOptions {
     pub attn: AttnMode,
     /// Capture CUDA graphs for decode-only steps.
     pub graphs: bool,
-    /// Use our GEMV kernel instead of cuBLAS for projections of at most 8 rows.
+    /// Use our GEMV kernels instead of cuBLAS for projections of at most `gemv_max_rows` rows.
     pub gemv: bool,
+    /// Most rows (tokens of a step) our GEMV kernels take (at most `GEMV_MAX_ROWS`); larger
+    /// steps use cuBLAS, which is faster from here on.
+    pub gemv_max_rows: usize,
     /// Programmatic dependent launch for our kernels that support it (Hopper and later): the next
     /// kernel starts streaming its weights while the previous one finishes. Off by default: on the
     /// H200 it made a batch-1 decode step slower (4.96 against 4.84 ms, 2026-12-03).
@@ -63,6 +66,9 @@ pub struct CudaOptions {
     pub gemv_target_warps: usize,
     /// Compile-time tuning of the GEMV kernels.
     pub gemv_tuning: kernels::GemvTuning,
+    /// Persistent GEMV launches: a grid of the blocks the GPU holds at once, each streaming group
+    /// after group of rows, instead of one block per group.
+    pub gemv_persistent: bool,
 }
 
 impl Default for CudaOptions {
@@ -78,10 +84,12 @@ impl Default for CudaOptions {
             attn: AttnMode::Fast,
             graphs: true,
             gemv: true,
+            gemv_max_rows: GEMV_ROWS_DEFAULT,
             pdl: false,
             decode_partition_small: DECODE_PARTITION_SMALL,
             gemv_target_warps: GEMV_TARGET_WARPS,
             gemv_tuning: kernels::GemvTuning::default(),
+            gemv_persistent: false,
         }
     }
 }
@@ -89,8 +97,8 @@ impl Default for CudaOptions {
 impl CudaOptions {
     /// Applies `TANDEM_CUDA_ATTN=simple`, `TANDEM_CUDA_GRAPHS=0`, `TANDEM_CUDA_GEMV=0`,
     /// `TANDEM_CUDA_PDL=0|1`, `TANDEM_CUDA_DEC_PART=<keys>`, `TANDEM_CUDA_GEMV_WARPS=<warps>`,
-    /// `TANDEM_CUDA_GV_U=<chunks>` and `TANDEM_CUDA_GV_MINB=<blocks>` from the environment
-    /// (on-device checks and A/B timings).
+    /// `TANDEM_CUDA_GV_U=<chunks>`, `TANDEM_CUDA_GV_MINB=<blocks>`, `TANDEM_CUDA_GEMV_PERSIST=0|1`
+    /// and `TANDEM_CUDA_GEMV_ROWS=<rows>` from the environment (on-device checks and A/B timings).
     pub fn with_env_overrides(mut self) -> Self {
         if std::env::var("TANDEM_CUDA_ATTN").is_ok_and(|v| v == "simple") {
             self.attn = AttnMode::Simple;
@@ -119,6 +127,12 @@ impl CudaOptions {
         }
         if let Some(n) = number("TANDEM_CUDA_GV_MINB") {
             self.gemv_tuning.min_blocks = n;
+        }
+        if let Some(n) = number("TANDEM_CUDA_GEMV_ROWS") {
+            self.gemv_max_rows = n;
+        }
+        if let Ok(v) = std::env::var("TANDEM_CUDA_GEMV_PERSIST") {
+            self.gemv_persistent = v == "1";
         }
         self
     }
@@ -306,6 +320,44 @@ impl Funcs {
     }
 }
 
+impl Funcs {
+    /// Blocks of each GEMV kernel one GPU runs at once (multiprocessors × blocks per
+    /// multiprocessor at the kernel's registers and shared memory).
+    fn gemv_caps(
+        &self,
+        ctx: &Arc<CudaContext>,
+        hidden: usize,
+    ) -> Result<[[u32; kernels::GEMV_MAX_ROWS]; 4], CudaError> {
+        let sms = ctx
+            .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            as u32;
+        let mut caps = [[1u32; kernels::GEMV_MAX_ROWS]; 4];
+        for (fam, funcs) in [&self.gemv, &self.gemv_add, &self.gemv_silu, &self.gemv_qkv]
+            .into_iter()
+            .enumerate()
+        {
+            for (i, f) in funcs.iter().enumerate() {
+                let smem = if fam >= 2 {
+                    fused_smem_bytes(i + 1, hidden)
+                } else {
+                    0
+                };
+                let per_sm = if smem <= FUSED_SMEM_MAX {
+                    f.occupancy_max_active_blocks_per_multiprocessor(
+                        32 * GEMV_WARPS as u32,
+                        smem,
+                        None,
+                    )?
+                } else {
+                    1
+                };
+                caps[fam][i] = (sms * per_sm).max(1);
+            }
+        }
+        Ok(caps)
+    }
+}
+
 /// Dynamic shared memory of a fused-norm GEMV over `m` rows of `hidden` bf16 values.
 fn fused_smem_bytes(m: usize, hidden: usize) -> usize {
     m * hidden * BF16
@@ -321,10 +373,23 @@ const GEMV_WARPS: usize = 8;
 /// 16-byte chunks of a row each thread of `add_rmsnorm` holds (`NORM_CHUNKS` in llama.cu).
 const NORM_CHUNKS: usize = 2;
 
-/// Blocks of a GEMV launch with one warp per work item.
+/// The GEMV kernel families (the order of `kernels::GEMV_FAMILIES`).
+#[derive(Clone, Copy)]
+enum GemvFamily {
+    Plain,
+    Add,
+    Silu,
+    Qkv,
+}
+
+/// Block-groups of a GEMV launch with one warp per work item.
 fn gemv_blocks(warps: usize) -> u32 {
     warps.div_ceil(GEMV_WARPS) as u32
 }
+
+/// Steps of up to this many tokens use our GEMV kernels by default (measured crossover with cuBLAS
+/// on the H200, see `CudaOptions::gemv_max_rows`).
+pub const GEMV_ROWS_DEFAULT: usize = 4;
 
 /// Warps a GEMV launch aims for through split-K: about the warps an H200 holds at once (16 per
 /// multiprocessor at the GEMV's register use). Measured on the H200 (2026-12-03, batch-1 decode of
@@ -463,6 +528,9 @@ pub struct CudaLlama {
     graphs: Graphs,
     staging: PinnedBuf,
     device_name: String,
+    /// Blocks of each GEMV kernel (`[family][rows - 1]`) the GPU holds at once: the grid of a
+    /// persistent launch.
+    gemv_caps: [[u32; kernels::GEMV_MAX_ROWS]; 4],
     /// Host time of the last `forward_greedy` from its start until the body's kernels were queued
     /// (benchmarks: tells host-side stalls from GPU time).
     last_enqueue: std::time::Duration,
@@ -554,6 +622,7 @@ impl CudaLlama {
         let module = ctx.load_module(ptx)?;
         let funcs = Funcs::load(&module)?;
         funcs.allow_norm_smem(config.hidden_size)?;
+        let gemv_caps = funcs.gemv_caps(&ctx, config.hidden_size)?;
         funcs.attn_prefill.set_attribute(
             drv::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             kernels::prefill_smem_bytes(config.head_dim) as i32,
@@ -760,6 +829,7 @@ impl CudaLlama {
             graphs: Graphs::default(),
             staging,
             device_name,
+            gemv_caps,
             last_enqueue: std::time::Duration::ZERO,
         })
     }
@@ -850,17 +920,13 @@ impl CudaLlama {
         k: usize,
         f32_out: bool,
     ) -> Result<(), CudaError> {
-        if self.opts.gemv && t <= kernels::GEMV_MAX_ROWS && k.is_multiple_of(8) {
+        if self.gemv_rows(t) && k.is_multiple_of(8) {
+            let ks = gemv_split(n.div_ceil(2), k, self.opts.gemv_target_warps);
+            let groups = gemv_blocks(n.div_ceil(2) * ks);
             launch_pdl!(
                 self,
                 self.funcs.gemv[t - 1],
-                (
-                    gemv_blocks(
-                        n.div_ceil(2) * gemv_split(n.div_ceil(2), k, self.opts.gemv_target_warps)
-                    ),
-                    1,
-                    1
-                ),
+                (self.gemv_grid(GemvFamily::Plain, t, groups), 1, 1),
                 (32 * GEMV_WARPS as u32, 1, 1),
                 0,
                 x,
@@ -869,7 +935,8 @@ impl CudaLlama {
                 n as i32,
                 k as i32,
                 f32_out as i32,
-                gemv_split(n.div_ceil(2), k, self.opts.gemv_target_warps) as i32
+                ks as i32,
+                groups as i32
             );
             return Ok(());
         }
@@ -958,6 +1025,11 @@ impl CudaLlama {
         let ks_o = gemv_split(h.div_ceil(2), q, self.opts.gemv_target_warps);
         let ks_gu = gemv_split(f, h, self.opts.gemv_target_warps);
         let ks_down = gemv_split(h.div_ceil(2), f, self.opts.gemv_target_warps);
+        // Block-groups of GEMV_WARPS items per projection (the grid may be smaller: persistent).
+        let g_qkv = gemv_blocks((q + 2 * kv) / 2 * ks_qkv);
+        let g_o = gemv_blocks(h.div_ceil(2) * ks_o);
+        let g_gu = gemv_blocks(f * ks_gu);
+        let g_down = gemv_blocks(h.div_ceil(2) * ks_down);
         for (l, lw) in self.layers.iter().enumerate() {
             let cache = self.kv.at(l * layer_elems, BF16);
             let bias = lw.bqkv.as_ref().map_or(0u64, |b| b.ptr);
@@ -966,7 +1038,7 @@ impl CudaLlama {
                 launch_pdl!(
                     self,
                     self.funcs.gemv_qkv[t - 1],
-                    (gemv_blocks((q + 2 * kv) / 2 * ks_qkv), 1, 1),
+                    (self.gemv_grid(GemvFamily::Qkv, t, g_qkv), 1, 1),
                     block,
                     smem,
                     a.x.ptr,
@@ -984,7 +1056,8 @@ impl CudaLlama {
                     nkv,
                     neox,
                     h as i32,
-                    ks_qkv as i32
+                    ks_qkv as i32,
+                    g_qkv as i32
                 );
             } else {
                 let delta = if l == 0 { 0u64 } else { a.delta.ptr };
@@ -1105,7 +1178,7 @@ impl CudaLlama {
                 launch_pdl!(
                     self,
                     self.funcs.gemv_add[t - 1],
-                    (gemv_blocks(h.div_ceil(2) * ks_o), 1, 1),
+                    (self.gemv_grid(GemvFamily::Add, t, g_o), 1, 1),
                     block,
                     0,
                     a.attn.ptr,
@@ -1113,12 +1186,13 @@ impl CudaLlama {
                     a.x.ptr,
                     h as i32,
                     q as i32,
-                    ks_o as i32
+                    ks_o as i32,
+                    g_o as i32
                 );
                 launch_pdl!(
                     self,
                     self.funcs.gemv_silu[t - 1],
-                    (gemv_blocks(f * ks_gu), 1, 1),
+                    (self.gemv_grid(GemvFamily::Silu, t, g_gu), 1, 1),
                     block,
                     smem,
                     a.x.ptr,
@@ -1128,12 +1202,13 @@ impl CudaLlama {
                     a.act.ptr,
                     f as i32,
                     h as i32,
-                    ks_gu as i32
+                    ks_gu as i32,
+                    g_gu as i32
                 );
                 launch_pdl!(
                     self,
                     self.funcs.gemv_add[t - 1],
-                    (gemv_blocks(h.div_ceil(2) * ks_down), 1, 1),
+                    (self.gemv_grid(GemvFamily::Add, t, g_down), 1, 1),
                     block,
                     0,
                     a.act.ptr,
@@ -1141,7 +1216,8 @@ impl CudaLlama {
                     a.x.ptr,
                     h as i32,
                     f as i32,
-                    ks_down as i32
+                    ks_down as i32,
+                    g_down as i32
                 );
                 continue;
             }
@@ -1245,12 +1321,26 @@ impl CudaLlama {
         Ok(())
     }
 
+    /// Whether projections of `t` rows run on our GEMV kernels (else cuBLAS).
+    fn gemv_rows(&self, t: usize) -> bool {
+        self.opts.gemv && t >= 1 && t <= self.opts.gemv_max_rows.min(kernels::GEMV_MAX_ROWS)
+    }
+
+    /// Grid of a GEMV launch of `groups` block-groups over `t` rows: one block per group, or with
+    /// persistent launches no more blocks than the GPU holds at once.
+    fn gemv_grid(&self, family: GemvFamily, t: usize, groups: u32) -> u32 {
+        if self.opts.gemv_persistent {
+            groups.min(self.gemv_caps[family as usize][t - 1])
+        } else {
+            groups
+        }
+    }
+
     /// Whether a step of `t` tokens runs the fused GEMV kernels (norm, RoPE, K/V write, SiLU and
     /// residual adds inside the projections): our GEMV on, few rows, shapes the kernels take.
     fn fused_step(&self, t: usize) -> bool {
         let c = &self.config;
-        self.opts.gemv
-            && (1..=kernels::GEMV_MAX_ROWS).contains(&t)
+        self.gemv_rows(t)
             && c.hidden_size.is_multiple_of(8)
             && c.intermediate_size.is_multiple_of(8)
             && fused_smem_bytes(t, c.hidden_size) <= FUSED_SMEM_MAX
