@@ -144,13 +144,18 @@ def serve_check(bin_, work, prompt, n, log_path):
                 time.sleep(0.1)
         else:
             raise RuntimeError("tandem serve did not come up")
-        body = json.dumps({"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0,
-                           "ignore_eos": True}).encode()
-        req = urllib.request.Request(base + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            text = json.load(r)["choices"][0]["text"]
-        return [int(x) for x in re.findall(r"t(\d+)", text)], text
+        def complete(**extra):
+            body = json.dumps({"model": name, "prompt": prompt, "max_tokens": n, "ignore_eos": True,
+                               **extra}).encode()
+            req = urllib.request.Request(base + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.load(r)["choices"][0]["text"]
+
+        text = complete(temperature=0)
+        # Seeded draws through the engine's on-device sampler: the same seed twice, then another.
+        drawn = [complete(temperature=0.8, top_p=0.9, seed=seed) for seed in (11, 11, 12)]
+        return [int(x) for x in re.findall(r"t(\d+)", text)], text, drawn
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -238,7 +243,10 @@ def main():
     try:
         i = 3
         p = ps[i]
-        toks, text = serve_check(a.bin, a.work, p, DECODE_STEPS, os.path.join(a.out, "serve.log"))
+        toks, text, drawn = serve_check(a.bin, a.work, p, DECODE_STEPS, os.path.join(a.out, "serve.log"))
+        report["checks"]["engine_serve_seeded_sampling"] = {
+            "texts": drawn, "pass": drawn[0] == drawn[1] and drawn[0] != drawn[2]
+            and len(re.findall(r"t(\d+)", drawn[0])) == DECODE_STEPS}
         hf = conts[i][:DECODE_STEPS]
         same = next((k for k, (x, y) in enumerate(zip(toks, hf)) if x != y), len(hf))
         # Up to the first difference the engine saw HF's tokens, so it must agree with tandem's

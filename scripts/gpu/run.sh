@@ -2,6 +2,7 @@
 # Runs everything of the CUDA backend on the GPU machine in one go and writes results under $OUT:
 #   nvidia-smi.txt       the device
 #   check.json           correctness against HF transformers (scripts/gpu/check.py)
+#   sample_check.json    the on-device sampler's draws against the host sampler's distribution
 #   tandem_bench.jsonl   tandem cuda-bench on the 8B-shaped model (random bf16 weights made on the GPU)
 #   hf_bench.jsonl       HF transformers generate on the same shapes (scripts/gpu/hf_bench.py)
 #   summary.md           the table for BENCHMARKS.md (scripts/gpu/summarize.py)
@@ -11,7 +12,7 @@
 #   ncu_detail.txt       `detail`: ncu's full section set for a few decode and prefill kernel launches
 # (The device tool returns at most 8 files: keep it to these plus the caller's log.)
 # The tandem binary is built elsewhere (`cargo build --release --features cuda`, stripped) and given as
-# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [bench] [profile] | all
+# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [sample] [bench] [profile] | all
 # (TANDEM_ONLY=1 skips the HF peer in bench; `pick` checks $CANDIDATES and benches the first that passes.)
 # `sweep` (only when named) runs `cuda-bench $SWEEP_ARGS` once per entry of $SWEEP, a space-separated
 # list of label:VAR=v,VAR=v entries (A/B timings of the TANDEM_CUDA_* knobs; BIN=path runs another
@@ -75,6 +76,12 @@ if [[ "$what" == *" pick "* ]]; then  # only when named: "all" checks $BIN alone
     i=$((i + 1))
   done
   if [ -n "$picked" ]; then BIN="$picked"; echo "picked $BIN"; else status=1; fi
+fi
+if want sample; then
+  echo "== on-device sampler against the host sampler's distribution"
+  timeout 120 "$BIN" cuda-sample-check --out "$OUT/sample_check.json" 2>/tmp/sample_check.log |
+    python3 -c 'import json,sys; r=json.load(sys.stdin); [print("PASS" if c["pass"] else "FAIL", c) for c in r["cases"]]' ||
+    { status=1; echo "FAIL sample check"; tail -5 /tmp/sample_check.log; }
 fi
 if want bench; then
   echo "== tandem cuda-bench (8B shape, random weights generated on the GPU)"

@@ -272,6 +272,28 @@ extern "C" __global__ void rope_kv_write(bf16* __restrict__ qkv, const bf16* __r
     }
 }
 
+// (best, idx) over the block: the largest value, the smallest index on ties; every thread gets it.
+// `bv`, `bi` hold 32 entries of shared memory.
+__device__ __forceinline__ void block_argmax(float& best, int& idx, float* bv, int* bi) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
+    __syncthreads();
+    const int nw = blockDim.x >> 5;
+    best = lane < nw ? bv[lane] : NEG_INF;
+    idx = lane < nw ? bi[lane] : 0x7fffffff;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+    }
+}
+
 // Index of each row's largest logit (greedy sampling on the device). One block per row.
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int vocab, int* __restrict__ out) {
     __shared__ float bv[32];
@@ -285,25 +307,137 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int voc
         float v = r[i];
         if (v > best) { best = v; idx = i; }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
-    }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
-    __syncthreads();
-    if (warp == 0) {
-        int nw = blockDim.x >> 5;
-        best = lane < nw ? bv[lane] : NEG_INF;
-        idx = lane < nw ? bi[lane] : 0x7fffffff;
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+    block_argmax(best, idx, bv, bi);
+    if (threadIdx.x == 0) out[blockIdx.x] = idx;
+}
+
+// ---- Sampling on the device: temperature, top-k, top-p, min-p, then one draw, per row. ----
+// The filters (the host sampler's order: top-k, then top-p over the top-k set, then min-p against
+// the top token) become one threshold on the logit; a token survives when its logit is at or above
+// it. Top-k's threshold is the k-th largest logit, found by a radix select over the logits' order-
+// preserving 32-bit keys (four 8-bit digits, a 256-bin histogram each); top-p's is found the same
+// way over the kept tokens' probability mass (exp((l - max) / T) in 2^-40 fixed point, so the sums
+// are exact and the result does not depend on the order of the atomics). The draw is a Gumbel-max:
+// argmax over the kept tokens of l / T - log(-log u_i), with u_i a hash of (row seed, token) — an
+// exact sample of the renormalised distribution with no sort and no prefix sum. One block of 1024
+// threads per row; the logits stay on the device.
+struct SampleParams {
+    float temperature;  // <= 0: greedy
+    float top_p;        // >= 1: off
+    float min_p;        // <= 0: off
+    int top_k;          // <= 0 or >= vocab: off
+    u64 seed;           // this row's draw (the request's generator at this output index)
+};
+
+// Order-preserving key of a float (larger float, larger key; NaN aside).
+__device__ __forceinline__ u32 fkey(float f) {
+    const u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ u64 mix64(u64 x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// Uniform in (0, 1), never 0 or 1: 24 bits of a hash of (seed, i).
+__device__ __forceinline__ float uniform01(u64 seed, u32 i) {
+    const u64 h = mix64(seed ^ mix64((u64)i + 0x9e3779b97f4a7c15ull));
+    return ((float)(h >> 40) + 0.5f) * (1.0f / 16777216.0f);
+}
+
+// The largest key t such that the elements with key >= t and key >= floor weigh at least `target`
+// (weights: counts when `mass` is false, fixed-point probabilities when true). Every thread gets it.
+__device__ u32 radix_find(const float* __restrict__ row, int vocab, u32 floor, u64 target, bool mass, float lmax,
+                          float inv_t, u64* hist) {
+    __shared__ u32 s_prefix;
+    __shared__ u64 s_above;
+    u32 prefix = 0, mask = 0;
+    u64 above = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int d = threadIdx.x; d < 256; d += blockDim.x) hist[d] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float l = row[i];
+            const u32 k = fkey(l);
+            if ((k & mask) == prefix && k >= floor) {
+                const u64 w = mass ? (u64)(exp2f((l - lmax) * inv_t * 1.4426950408889634f) * 1099511627776.0f) : 1;
+                atomicAdd((unsigned long long*)&hist[(k >> shift) & 255], (unsigned long long)w);
+            }
         }
-        if (lane == 0) out[blockIdx.x] = idx;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 sel = 0;
+            for (int d = 255; d >= 0; d--) {
+                if (above + hist[d] >= target) {
+                    sel = d;
+                    break;
+                }
+                above += hist[d];
+            }
+            s_prefix = prefix | (sel << shift);
+            s_above = above;
+        }
+        __syncthreads();
+        prefix = s_prefix;
+        above = s_above;
+        mask |= 255u << shift;
     }
+    return prefix;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* __restrict__ logits, int vocab,
+                                                               const SampleParams* __restrict__ params,
+                                                               int* __restrict__ out) {
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    __shared__ u64 hist[256];
+    const float* row = logits + (u64)blockIdx.x * vocab;
+    const SampleParams p = params[blockIdx.x];
+    float lmax = NEG_INF;
+    int imax = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = row[i];
+        if (v > lmax) { lmax = v; imax = i; }
+    }
+    block_argmax(lmax, imax, bv, bi);
+    if (p.temperature <= 1e-5f || p.top_k == 1) {
+        if (threadIdx.x == 0) out[blockIdx.x] = imax;
+        return;
+    }
+    const float inv_t = 1.f / p.temperature;
+    u32 thr = 0;
+    if (p.top_k > 0 && p.top_k < vocab) thr = radix_find(row, vocab, 0, (u64)p.top_k, false, lmax, inv_t, hist);
+    if (p.top_p < 1.f) {
+        // Mass of the top-k set, then the key where the descending cumulative mass reaches top_p of it.
+        u64 local = 0;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float l = row[i];
+            if (fkey(l) >= thr) local += (u64)(exp2f((l - lmax) * inv_t * 1.4426950408889634f) * 1099511627776.0f);
+        }
+        __shared__ u64 s_total;
+        if (threadIdx.x == 0) s_total = 0;
+        __syncthreads();
+        atomicAdd((unsigned long long*)&s_total, (unsigned long long)local);
+        __syncthreads();
+        const u64 target = (u64)((double)fmaxf(p.top_p, 0.f) * (double)s_total);
+        thr = max(thr, radix_find(row, vocab, thr, max(target, (u64)1), true, lmax, inv_t, hist));
+    }
+    if (p.min_p > 0.f) thr = max(thr, fkey(lmax + p.temperature * logf(p.min_p)));
+    float best = NEG_INF;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float l = row[i];
+        if (fkey(l) >= thr) {
+            const float g = l * inv_t - logf(-logf(uniform01(p.seed, (u32)i)));
+            if (g > best) { best = g; idx = i; }
+        }
+    }
+    block_argmax(best, idx, bv, bi);
+    if (threadIdx.x == 0) out[blockIdx.x] = idx < vocab ? idx : imax;
 }
 
 // ---------------------------------------------------------------------------------------------------

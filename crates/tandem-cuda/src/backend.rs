@@ -1,14 +1,15 @@
 //! [`CudaBackend`]: the engine's [`Backend`] over [`CudaLlama`].
 
-use tandem_engine::{Backend, BackendError};
+use tandem_engine::{Backend, BackendError, DeviceSampling};
 use tandem_model::{ForwardBatch, KvLayout};
 
-use crate::model::CudaLlama;
+use crate::model::{CudaLlama, SampleRow};
 
 /// The engine's view of the GPU model: steps, KV layout, and KV block export/import for P/D.
 pub struct CudaBackend {
     model: CudaLlama,
     eos: Vec<u32>,
+    rows: Vec<SampleRow>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -23,7 +24,11 @@ impl CudaBackend {
     /// Wraps a loaded GPU model.
     pub fn new(model: CudaLlama) -> CudaBackend {
         let eos = model.config().eos_token_ids.clone();
-        CudaBackend { model, eos }
+        CudaBackend {
+            model,
+            eos,
+            rows: Vec::new(),
+        }
     }
 
     /// The model, for callers that also want GPU-side greedy steps.
@@ -53,6 +58,26 @@ impl Backend for CudaBackend {
         self.model
             .forward(batch, logits)
             .map_err(|e| BackendError::new(e.to_string()))
+    }
+
+    fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[DeviceSampling],
+        out: &mut Vec<u32>,
+    ) -> Result<bool, BackendError> {
+        self.rows.clear();
+        self.rows.extend(rows.iter().map(|r| SampleRow {
+            temperature: r.temperature,
+            top_p: r.top_p,
+            min_p: r.min_p,
+            top_k: r.top_k,
+            seed: r.seed,
+        }));
+        self.model
+            .forward_sampled(batch, &self.rows, out)
+            .map_err(|e| BackendError::new(e.to_string()))?;
+        Ok(true)
     }
 
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {

@@ -35,7 +35,7 @@ pub fn decode_partition(n_decode: usize, small: usize) -> usize {
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 12] = [
+pub const KERNEL_NAMES: [&str; 13] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -44,6 +44,7 @@ pub const KERNEL_NAMES: [&str; 12] = [
     "silu_mul",
     "rope_kv_write",
     "argmax_rows",
+    "sample_rows",
     "attn_simple",
     "attn_prefill",
     "attn_decode",

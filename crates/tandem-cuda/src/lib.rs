@@ -16,4 +16,4 @@ pub mod tools;
 
 pub use backend::CudaBackend;
 pub use error::CudaError;
-pub use model::{driver_available, AttnMode, CudaLlama, CudaOptions, WeightSource};
+pub use model::{driver_available, AttnMode, CudaLlama, CudaOptions, SampleRow, WeightSource};

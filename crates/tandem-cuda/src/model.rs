@@ -138,6 +138,39 @@ impl CudaOptions {
     }
 }
 
+/// One logits row's draw on the device (the `SampleParams` of `sample_rows` in llama.cu): the
+/// host sampler's temperature, top-k, top-p and min-p, and the seed of this one draw.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SampleRow {
+    /// 0 (or below 1e-5): greedy.
+    pub temperature: f32,
+    /// 1.0: off.
+    pub top_p: f32,
+    /// 0: off.
+    pub min_p: f32,
+    /// 0: off.
+    pub top_k: u32,
+    /// The draw's random seed (the request's generator at this output index).
+    pub seed: u64,
+}
+
+/// 32-bit words of one `SampleRow` on the device (24 bytes, the C struct's layout).
+const SAMPLE_ROW_WORDS: usize = 6;
+
+impl SampleRow {
+    /// The C struct's words: three floats, an int, a little-endian u64.
+    fn words(&self) -> [u32; SAMPLE_ROW_WORDS] {
+        [
+            self.temperature.to_bits(),
+            self.top_p.to_bits(),
+            self.min_p.to_bits(),
+            self.top_k.min(i32::MAX as u32),
+            self.seed as u32,
+            (self.seed >> 32) as u32,
+        ]
+    }
+}
+
 /// Where the weights come from.
 pub enum WeightSource<'a> {
     /// Weights loaded on the host (safetensors or GGUF), converted to bf16 on upload.
@@ -260,6 +293,7 @@ struct Funcs {
     silu_mul: CudaFunction,
     rope_kv_write: CudaFunction,
     argmax_rows: CudaFunction,
+    sample_rows: CudaFunction,
     attn_simple: CudaFunction,
     attn_prefill: CudaFunction,
     attn_decode: CudaFunction,
@@ -291,6 +325,7 @@ impl Funcs {
             silu_mul: f("silu_mul")?,
             rope_kv_write: f("rope_kv_write")?,
             argmax_rows: f("argmax_rows")?,
+            sample_rows: f("sample_rows")?,
             attn_simple: f("attn_simple")?,
             attn_prefill: f("attn_prefill")?,
             attn_decode: f("attn_decode")?,
@@ -420,6 +455,8 @@ struct Acts {
     head_in: DeviceBuf,
     logits: DeviceBuf,
     argmax: DeviceBuf,
+    /// Per-row draw parameters of `sample_rows` (`SAMPLE_ROW_WORDS` u32 per row).
+    sample_params: DeviceBuf,
     part_m: DeviceBuf,
     part_l: DeviceBuf,
     part_o: DeviceBuf,
@@ -767,6 +804,7 @@ impl CudaLlama {
             head_in: bufsz(rows * h, BF16)?,
             logits: bufsz(rows * v, 4)?,
             argmax: bufsz(rows, 4)?,
+            sample_params: bufsz(rows * SAMPLE_ROW_WORDS, 4)?,
             part_m: bufsz(part_slots, 4)?,
             part_l: bufsz(part_slots, 4)?,
             part_o: bufsz(part_slots * c.head_dim, 4)?,
@@ -1380,6 +1418,44 @@ impl CudaLlama {
         self.gemm(head_in, head.ptr, a.logits.ptr, n, c.vocab_size, h, true)
     }
 
+    /// Queues the choice of the tokens of logits rows `start..start + n` (in `acts.logits` from
+    /// row 0) into `acts.argmax`: argmax, or the draws of `sample[start..start + n]`.
+    fn enqueue_pick(
+        &self,
+        start: usize,
+        n: usize,
+        sample: Option<&[SampleRow]>,
+    ) -> Result<(), CudaError> {
+        let Some(sample) = sample else {
+            return self.enqueue_argmax(n);
+        };
+        let words: Vec<u32> = sample[start..start + n]
+            .iter()
+            .flat_map(SampleRow::words)
+            .collect();
+        // SAFETY: sample_params holds logits_chunk_rows rows (n <= that); the pageable host slice
+        // is staged before the call returns.
+        unsafe {
+            drv_result::memcpy_htod_async(
+                self.acts.sample_params.ptr,
+                &words[..],
+                self.stream.cu_stream(),
+            )
+        }?;
+        let a = &self.acts;
+        launch!(
+            &self.stream,
+            self.funcs.sample_rows,
+            (n as u32, 1, 1),
+            (1024, 1, 1),
+            a.logits.ptr,
+            self.config.vocab_size as i32,
+            a.sample_params.ptr,
+            a.argmax.ptr
+        );
+        Ok(())
+    }
+
     fn enqueue_argmax(&self, n: usize) -> Result<(), CudaError> {
         let a = &self.acts;
         launch_pdl!(
@@ -1505,6 +1581,34 @@ impl CudaLlama {
         batch: &ForwardBatch,
         out: &mut Vec<u32>,
     ) -> Result<(), CudaError> {
+        self.forward_pick(batch, None, out)
+    }
+
+    /// Runs one step and draws each logits row's token on the GPU under `rows` (one per logits
+    /// row, in order): the logits never leave the device.
+    pub fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[SampleRow],
+        out: &mut Vec<u32>,
+    ) -> Result<(), CudaError> {
+        if rows.len() != batch.logits_rows() {
+            return Err(CudaError::Batch(format!(
+                "{} sampling rows for {} logits rows",
+                rows.len(),
+                batch.logits_rows()
+            )));
+        }
+        self.forward_pick(batch, Some(rows), out)
+    }
+
+    /// One step, then argmax (`sample` None) or the draws of `sample` over each logits row.
+    fn forward_pick(
+        &mut self,
+        batch: &ForwardBatch,
+        sample: Option<&[SampleRow]>,
+        out: &mut Vec<u32>,
+    ) -> Result<(), CudaError> {
         self.ctx.bind_to_thread()?;
         let t0 = std::time::Instant::now();
         out.clear();
@@ -1513,7 +1617,7 @@ impl CudaLlama {
         let mut ids = vec![0i32; rows];
         if graph > 0 {
             self.run_graph(graph)?;
-            self.enqueue_argmax(rows)?;
+            self.enqueue_pick(0, rows, sample)?;
             self.copy_i32(&mut ids, 0)?;
         } else {
             let t = self.plan.num_tokens();
@@ -1527,12 +1631,43 @@ impl CudaLlama {
             while start < rows {
                 let n = chunk.min(rows - start);
                 self.enqueue_head(start, n)?;
-                self.enqueue_argmax(n)?;
+                self.enqueue_pick(start, n, sample)?;
                 self.copy_i32(&mut ids[start..start + n], 0)?;
                 start += n;
             }
         }
         self.stream.synchronize()?;
+        out.extend(ids.iter().map(|&i| i as u32));
+        Ok(())
+    }
+
+    /// Draws tokens on the GPU from given logits rows (`logits.len() == rows.len() * vocab`): the
+    /// on-device sampler alone, for checks of its distribution against the host sampler's.
+    pub fn sample_logits(
+        &mut self,
+        logits: &[f32],
+        rows: &[SampleRow],
+        out: &mut Vec<u32>,
+    ) -> Result<(), CudaError> {
+        let v = self.config.vocab_size;
+        let n = rows.len();
+        if logits.len() != n * v || n > self.opts.logits_chunk_rows.max(1) {
+            return Err(CudaError::Batch(format!(
+                "{} logits for {n} rows of {v} (at most {} rows)",
+                logits.len(),
+                self.opts.logits_chunk_rows
+            )));
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: acts.logits holds logits_chunk_rows rows of vocab fp32 (checked above); the
+        // pageable host slice is staged before the call returns.
+        unsafe {
+            drv_result::memcpy_htod_async(self.acts.logits.ptr, logits, self.stream.cu_stream())
+        }?;
+        self.enqueue_pick(0, n, Some(rows))?;
+        let mut ids = vec![0i32; n];
+        self.copy_i32(&mut ids, 0)?;
+        out.clear();
         out.extend(ids.iter().map(|&i| i as u32));
         Ok(())
     }

@@ -19,6 +19,23 @@ impl BackendError {
     }
 }
 
+/// One logits row's draw for a backend that samples where the logits are (a GPU): the host
+/// sampler's filters without penalties or logprobs, which need the whole row on the host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceSampling {
+    /// 0: greedy.
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0: off.
+    pub top_k: u32,
+    /// Keep the smallest set reaching this mass; 1.0: off.
+    pub top_p: f32,
+    /// Drop tokens below min_p times the top token's probability; 0: off.
+    pub min_p: f32,
+    /// Seed of this one draw (the request's generator at this output index, so a seeded request
+    /// repeats on the same backend).
+    pub seed: u64,
+}
+
 /// A model plus the paged KV storage it reads and writes, owned by the engine thread.
 pub trait Backend: Send + 'static {
     /// Shape of the KV cache; `num_blocks` sizes the engine's block pool.
@@ -40,4 +57,16 @@ pub trait Backend: Send + 'static {
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError>;
     /// Copies a block across all layers (copy-on-write of a shared block).
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError>;
+    /// Runs one step like `forward` and draws each logits row's token where the logits are, under
+    /// `rows` (one per logits row): `Ok(true)` with the tokens in `out`. A backend without its own
+    /// sampler returns `Ok(false)` before doing anything, and the engine calls `forward` instead.
+    fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[DeviceSampling],
+        out: &mut Vec<u32>,
+    ) -> Result<bool, BackendError> {
+        let _ = (batch, rows, out);
+        Ok(false)
+    }
 }

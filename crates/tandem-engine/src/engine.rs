@@ -5,9 +5,10 @@
 //! published under a briefly held lock after every step. When idle the thread blocks on the
 //! command channel (with a timeout only while prefill pins have deadlines).
 
+use crate::backend::DeviceSampling;
 use crate::backend::{Backend, BackendError};
 use crate::block_pool::{BlockPool, BlockTable};
-use crate::sampler::{logprobs_of, Sampler, SeqRng};
+use crate::sampler::{logprobs_of, Sampled, Sampler, SeqRng};
 use crate::scheduler::{Scheduler, SchedulerConfig, Sequence};
 use crate::types::{
     EngineRequest, FinishReason, RequestId, RequestMode, SamplingParams, TokenLogprobs, TokenOutput,
@@ -623,6 +624,9 @@ impl Engine {
             sampler: Sampler::new(),
             batch: ForwardBatch::default(),
             logits: Vec::new(),
+            device_sampler: true,
+            device_rows: Vec::new(),
+            device_tokens: Vec::new(),
             importing: HashMap::new(),
             pins: HashMap::new(),
             finished: Vec::new(),
@@ -683,6 +687,16 @@ struct Pin {
     deadline: Instant,
 }
 
+/// Whether a request's draws can be made by a backend's own sampler: the filters it implements
+/// and nothing that needs the whole logits row on the host.
+fn device_samplable(p: &SamplingParams) -> bool {
+    p.repetition_penalty == 1.0
+        && p.frequency_penalty == 0.0
+        && p.presence_penalty == 0.0
+        && p.logprobs.is_none()
+        && p.prompt_logprobs.is_none()
+}
+
 struct Worker<B: Backend> {
     backend: B,
     pool: BlockPool,
@@ -690,6 +704,11 @@ struct Worker<B: Backend> {
     sampler: Sampler,
     batch: ForwardBatch,
     logits: Vec<f32>,
+    /// Whether to offer steps to the backend's own sampler (cleared when it declines once).
+    device_sampler: bool,
+    /// This step's rows for the backend's sampler and the tokens it drew (reused buffers).
+    device_rows: Vec<DeviceSampling>,
+    device_tokens: Vec<u32>,
     importing: HashMap<RequestId, Seq>,
     pins: HashMap<RequestId, Pin>,
     /// Indices into `sched.running` that finished this step (reused buffer).
@@ -1010,22 +1029,25 @@ impl<B: Backend> Worker<B> {
             }
         }
         self.counters.steps_total += 1;
-        if let Err(e) = self.backend.forward(&self.batch, &mut self.logits) {
-            tracing::error!(error = %e, "forward failed; failing the step's requests");
-            let ids: Vec<RequestId> = self
-                .sched
-                .scheduled()
-                .iter()
-                .map(|s| self.sched.running[s.index].id)
-                .collect();
-            for id in ids {
-                self.fail(
-                    id,
-                    EngineError::Backend(BackendError::new(e.message.clone())),
-                );
+        let on_device = match self.forward() {
+            Ok(on_device) => on_device,
+            Err(e) => {
+                tracing::error!(error = %e, "forward failed; failing the step's requests");
+                let ids: Vec<RequestId> = self
+                    .sched
+                    .scheduled()
+                    .iter()
+                    .map(|s| self.sched.running[s.index].id)
+                    .collect();
+                for id in ids {
+                    self.fail(
+                        id,
+                        EngineError::Backend(BackendError::new(e.message.clone())),
+                    );
+                }
+                return true;
             }
-            return true;
-        }
+        };
         let mut row = 0;
         for k in 0..self.sched.scheduled().len() {
             let s = self.sched.scheduled()[k];
@@ -1052,17 +1074,74 @@ impl<B: Backend> Worker<B> {
             if !s.sample {
                 continue;
             }
-            let logits = &self.logits[(row - 1) * self.vocab..row * self.vocab];
-            let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
-            let out =
+            let out = if on_device {
+                Sampled {
+                    token: self.device_tokens[row - 1],
+                    logprobs: None,
+                }
+            } else {
+                let logits = &self.logits[(row - 1) * self.vocab..row * self.vocab];
+                let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
                 self.sampler
-                    .sample(logits, &seq.ext.params, prompt, output, &mut seq.ext.rng);
+                    .sample(logits, &seq.ext.params, prompt, output, &mut seq.ext.rng)
+            };
             seq.tokens.push(out.token);
             self.emit(s.index, out.token, out.logprobs);
         }
         self.reap();
         self.publish();
         true
+    }
+
+    /// Runs the step's model pass: through the backend's own sampler when it has one and every
+    /// logits row is a draw it can make (no penalties, logprobs or prompt scoring), so the logits
+    /// stay where they are (`Ok(true)`, tokens in `device_tokens`); else `forward`, with the logits
+    /// in `logits` for the host sampler (`Ok(false)`).
+    fn forward(&mut self) -> Result<bool, BackendError> {
+        if self.device_sampler && self.fill_device_rows() {
+            let drawn = self.backend.forward_sampled(
+                &self.batch,
+                &self.device_rows,
+                &mut self.device_tokens,
+            )?;
+            if drawn {
+                return Ok(true);
+            }
+            self.device_sampler = false;
+        }
+        self.backend.forward(&self.batch, &mut self.logits)?;
+        Ok(false)
+    }
+
+    /// Fills `device_rows` with one draw per logits row of the step; false when some row needs the
+    /// host sampler.
+    fn fill_device_rows(&mut self) -> bool {
+        self.device_rows.clear();
+        for k in 0..self.sched.scheduled().len() {
+            let s = self.sched.scheduled()[k];
+            let rows = match self.batch.seqs[k].logits {
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => 1,
+                LogitsWanted::All => return false,
+            };
+            if rows == 0 {
+                continue;
+            }
+            let seq = &mut self.sched.running[s.index];
+            let p = &seq.ext.params;
+            if !s.sample || !device_samplable(p) {
+                return false;
+            }
+            let index = seq.tokens.len() - seq.prompt_len;
+            self.device_rows.push(DeviceSampling {
+                temperature: p.temperature,
+                top_k: p.top_k.min(u32::MAX as usize) as u32,
+                top_p: p.top_p,
+                min_p: p.min_p,
+                seed: seq.ext.rng.draw_seed(index),
+            });
+        }
+        !self.device_rows.is_empty()
     }
 
     /// Sends `token` for running sequence `idx` (already appended to its tokens), marking it finished

@@ -691,3 +691,168 @@ fn a_resumed_request_continues_exactly_where_the_lost_one_stopped() {
     assert_no_leak(&e);
     e.shutdown();
 }
+
+/// A backend with its own sampler: the mock model, greedy rows by argmax of its logits and other
+/// rows by a pure function of the draw's seed; counts which path each step took.
+struct DeviceSamplingMock {
+    inner: MockBackend,
+    logits: Vec<f32>,
+    device_steps: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    host_steps: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Backend for DeviceSamplingMock {
+    fn kv_layout(&self) -> tandem_model::KvLayout {
+        self.inner.kv_layout()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn max_model_len(&self) -> usize {
+        self.inner.max_model_len()
+    }
+    fn eos_token_ids(&self) -> &[u32] {
+        self.inner.eos_token_ids()
+    }
+    fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        self.host_steps
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.forward(batch, logits)
+    }
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
+        self.inner.export_block(layer, block, out)
+    }
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
+        self.inner.import_block(layer, block, data)
+    }
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
+        self.inner.copy_block(src, dst)
+    }
+    fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[DeviceSampling],
+        out: &mut Vec<u32>,
+    ) -> Result<bool, BackendError> {
+        self.device_steps
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.forward(batch, &mut self.logits)?;
+        let v = self.inner.vocab_size();
+        assert_eq!(rows.len() * v, self.logits.len(), "one row per logits row");
+        out.clear();
+        for (r, row) in rows.iter().zip(self.logits.chunks(v)) {
+            out.push(if r.temperature == 0.0 {
+                crate::sampler::argmax(row)
+            } else {
+                (r.seed % v as u64) as u32
+            });
+        }
+        Ok(true)
+    }
+}
+
+fn start_device(
+    block_size: usize,
+    num_blocks: usize,
+) -> (
+    EngineHandle,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    let device = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let host = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let backend = DeviceSamplingMock {
+        inner: MockBackend::new(block_size, num_blocks),
+        logits: Vec::new(),
+        device_steps: device.clone(),
+        host_steps: host.clone(),
+    };
+    (
+        Engine::start(backend, cfg(block_size)).unwrap(),
+        device,
+        host,
+    )
+}
+
+#[test]
+fn a_backend_sampler_draws_plain_rows_and_the_host_keeps_penalties_and_logprobs() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let prompt = [3, 1, 4, 1, 5];
+    // Greedy through the backend's sampler gives the host sampler's tokens.
+    let want = alone(&prompt, &greedy(6));
+    let (e, device, host) = start_device(4, 64);
+    let mut s = e
+        .submit(EngineRequest::new(1, prompt.to_vec(), greedy(6)))
+        .unwrap();
+    assert_eq!(collect(&mut s).0, want);
+    assert_eq!(host.load(Relaxed), 0);
+    assert!(device.load(Relaxed) >= 6);
+    // Logprobs and penalties need the whole row: those steps run `forward` and the host sampler.
+    for p in [
+        SamplingParams {
+            logprobs: Some(2),
+            ..greedy(3)
+        },
+        SamplingParams {
+            repetition_penalty: 1.3,
+            ..greedy(3)
+        },
+        SamplingParams {
+            frequency_penalty: 0.5,
+            ..greedy(3)
+        },
+    ] {
+        let before = (device.load(Relaxed), host.load(Relaxed));
+        let mut s = e
+            .submit(EngineRequest::new(2, prompt.to_vec(), p.clone()))
+            .unwrap();
+        let first = s.blocking_recv().unwrap();
+        assert_eq!(first.logprobs.is_some(), p.logprobs.is_some());
+        collect(&mut s);
+        assert_eq!(
+            device.load(Relaxed),
+            before.0,
+            "{p:?} must not reach the device sampler"
+        );
+        assert!(host.load(Relaxed) >= before.1 + 3);
+    }
+    assert_no_leak(&e);
+    e.shutdown();
+}
+
+#[test]
+fn backend_draws_are_seeded_per_request_and_output_index() {
+    let p = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.8,
+        seed: Some(7),
+        max_tokens: 12,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let run = |p: &SamplingParams| {
+        let (e, device, _) = start_device(4, 64);
+        let mut s = e
+            .submit(EngineRequest::new(1, vec![2, 7], p.clone()))
+            .unwrap();
+        let toks = collect(&mut s).0;
+        assert!(device.load(std::sync::atomic::Ordering::Relaxed) >= 12);
+        e.shutdown();
+        toks
+    };
+    let a = run(&p);
+    assert_eq!(a.len(), 12);
+    assert_eq!(a, run(&p), "the same seed repeats on the same backend");
+    let distinct: std::collections::HashSet<_> = a.iter().collect();
+    assert!(
+        distinct.len() > 3,
+        "each output index draws with its own seed: {a:?}"
+    );
+    assert_ne!(
+        a,
+        run(&SamplingParams {
+            seed: Some(8),
+            ..p.clone()
+        })
+    );
+}

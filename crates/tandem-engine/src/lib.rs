@@ -15,7 +15,7 @@ pub mod sampler;
 pub mod scheduler;
 pub mod types;
 
-pub use backend::{Backend, BackendError};
+pub use backend::{Backend, BackendError, DeviceSampling};
 pub use cpu::CpuBackend;
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,

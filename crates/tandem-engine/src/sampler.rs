@@ -24,6 +24,12 @@ impl SeqRng {
         Self(ChaCha8Rng::seed_from_u64(seed.unwrap_or_else(rand::random)))
     }
 
+    /// The seed of output token `index`'s draw for a backend's own sampler (from the same stream
+    /// the host sampler would draw from, so a seeded request repeats on the same backend).
+    pub fn draw_seed(&mut self, index: usize) -> u64 {
+        self.for_token(index).random::<u64>()
+    }
+
     fn for_token(&mut self, index: usize) -> &mut ChaCha8Rng {
         self.0.set_stream(index as u64);
         self.0.set_word_pos(0);

@@ -1,12 +1,12 @@
 //! Hidden subcommands of CUDA builds that run on the GPU machine: `cuda-check` writes logits of given
 //! prompts for comparison with HF transformers, `cuda-bench` measures an 8B-shaped model with random
-//! weights generated on the GPU.
+//! weights generated on the GPU, `cuda-sample-check` checks the on-device sampler's distribution.
 
 use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use tandem_cuda::tools::{run_bench, run_check, BenchArgs, CheckArgs};
+use tandem_cuda::tools::{run_bench, run_check, run_sample_check, BenchArgs, CheckArgs};
 
 /// Options of `tandem cuda-check`.
 #[derive(Args, Debug)]
@@ -62,6 +62,23 @@ pub fn check(args: CudaCheckArgs) -> Result<()> {
         out: args.out,
         cpu: args.cpu,
     })?;
+    Ok(())
+}
+
+/// Options of `tandem cuda-sample-check`.
+#[derive(Args, Debug)]
+pub struct CudaSampleCheckArgs {
+    /// Rounds of 256 draws per filter setting.
+    #[arg(long, default_value_t = 80)]
+    pub rounds: usize,
+    /// Output JSON file.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// Runs `cuda-sample-check`.
+pub fn sample_check(args: CudaSampleCheckArgs) -> Result<()> {
+    run_sample_check(&args.out, args.rounds)?;
     Ok(())
 }
 

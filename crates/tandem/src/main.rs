@@ -53,6 +53,10 @@ enum Command {
     #[cfg(feature = "cuda")]
     #[command(hide = true)]
     CudaBench(cuda_tools::CudaBenchArgs),
+    /// Check the on-device sampler against the host sampler's distribution.
+    #[cfg(feature = "cuda")]
+    #[command(hide = true)]
+    CudaSampleCheck(cuda_tools::CudaSampleCheckArgs),
 }
 
 /// Installs the global tracing subscriber; RUST_LOG refines the default `info` level.
@@ -116,6 +120,11 @@ fn main() -> Result<()> {
         Command::CudaBench(args) => {
             init_logging(cli.log_format.unwrap_or_default());
             cuda_tools::bench(args)
+        }
+        #[cfg(feature = "cuda")]
+        Command::CudaSampleCheck(args) => {
+            init_logging(cli.log_format.unwrap_or_default());
+            cuda_tools::sample_check(args)
         }
         Command::Stage(args) => {
             init_logging(cli.log_format.unwrap_or_default());
