@@ -17,24 +17,12 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 pub(crate) fn rms_norm_portable(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let ss = sum_squares(x);
-    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    // llama.cpp's order: f32 squares summed in f64, the mean rounded to f32, then 1/sqrt in f32.
+    let ss: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+    let inv = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
     for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
         *o = v * inv * w;
     }
-}
-
-/// Sum of squares with 8 independent lanes so the compiler can vectorize without reassociation.
-fn sum_squares(x: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (l, &v) in lanes.iter_mut().zip(c) {
-            *l += v * v;
-        }
-    }
-    lanes.iter().sum::<f32>() + rest.iter().map(|v| v * v).sum::<f32>()
 }
 
 /// Residual connection `a += b`.
