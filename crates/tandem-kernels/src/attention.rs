@@ -299,7 +299,7 @@ fn softmax_numerators(scores: &mut [f32], m: f32, simd: bool) -> f64 {
     let mut sum = 0f64;
     for c in scores.chunks_exact_mut(8) {
         for s in c.iter_mut() {
-            *s = (*s - m).exp();
+            *s = crate::ops::exp_ggml(*s - m);
         }
         let t: [f32; 4] = std::array::from_fn(|l| c[l + 4] + c[l]);
         sum += ((t[0] + t[2]) + (t[1] + t[3])) as f64;

@@ -420,39 +420,40 @@ fn dot_float_portable(dt: DType, wr: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// Dot of one Q4_0/Q4_1/Q8_0 row with one Q8_0-style activation row.
+/// Dot of one Q4_0/Q4_1/Q8_0 row with one Q8_0-style activation row, in the SIMD kernels' (llama.cpp's)
+/// order: per block 8 integer lane sums of 4 products (Q4_0's `q − 8` in integers), fused-multiply-added
+/// into 8 f32 lanes with `d_w·d_x`, the lanes summed like `hsum_float_8`, then Q4_1's `Σ m·s` chain.
 pub(crate) fn dot_q32_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], sx: &[f32]) -> f32 {
     let bb = dt.block_bytes();
-    let mut acc = 0f32;
+    let mut acc = [0f32; 8];
+    let mut offs = 0f32;
     for (b, blk) in wr.chunks_exact(bb).enumerate() {
         let q = &qx[32 * b..32 * b + 32];
         let d = f16_at(blk);
-        match dt {
-            DType::Q8_0 => {
-                let dot: i32 = blk[2..34]
-                    .iter()
-                    .zip(q)
-                    .map(|(&w, &x)| w as i8 as i32 * x as i32)
-                    .sum();
-                acc += d * dx[b] * dot as f32;
-            }
-            _ => {
-                let qs = &blk[bb - 16..];
-                let mut dot = 0i32;
-                for j in 0..16 {
-                    dot +=
-                        (qs[j] & 0xF) as i32 * q[j] as i32 + (qs[j] >> 4) as i32 * q[j + 16] as i32;
+        let w = |j: usize| -> i32 {
+            match dt {
+                DType::Q8_0 => blk[2 + j] as i8 as i32,
+                _ => {
+                    let qs = &blk[bb - 16..];
+                    let v = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 } as i32;
+                    if dt == DType::Q4_0 {
+                        v - 8
+                    } else {
+                        v
+                    }
                 }
-                let offset = if dt == DType::Q4_1 {
-                    f16_at(&blk[2..])
-                } else {
-                    -8.0 * d
-                };
-                acc += d * dx[b] * dot as f32 + offset * sx[b];
             }
+        };
+        let scale = d * dx[b];
+        for (l, a) in acc.iter_mut().enumerate() {
+            let lane: i32 = (4 * l..4 * l + 4).map(|j| w(j) * q[j] as i32).sum();
+            *a = scale.mul_add(lane as f32, *a);
+        }
+        if dt == DType::Q4_1 {
+            offs = f16_at(&blk[2..]).mul_add(sx[b], offs);
         }
     }
-    acc
+    (((acc[4] + acc[0]) + (acc[6] + acc[2])) + ((acc[5] + acc[1]) + (acc[7] + acc[3]))) + offs
 }
 
 /// Dot of one Q4_K/Q6_K row with one Q8_K-style activation row.

@@ -367,6 +367,34 @@ mod tests {
         assert_eq!(out, [0.0; 8]);
     }
 
+    /// The scalar port of llama.cpp's exponential gives the vector one's bits, in and out of range.
+    #[test]
+    fn exp_ggml_scalar_equals_exp256() {
+        if !cpu_has_avx2() {
+            return;
+        }
+        let mut xs: Vec<f32> = (0..4000).map(|i| -120.0 + i as f32 * 0.0613).collect();
+        xs.extend([
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            -0.0,
+            0.0,
+            88.7,
+            89.0,
+            -87.4,
+            -103.9,
+            -150.0,
+        ]);
+        xs.resize(xs.len().next_multiple_of(8), 1.0);
+        for c in xs.chunks_exact(8) {
+            let mut out = [0f32; 8];
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), exp256(_mm256_loadu_ps(c.as_ptr()))) };
+            for (o, &x) in out.iter().zip(c) {
+                assert_eq!(o.to_bits(), crate::ops::exp_ggml(x).to_bits(), "exp({x})");
+            }
+        }
+    }
+
     #[test]
     fn simd_act_quant_matches_portable() {
         if !cpu_has_avx2() {

@@ -7,9 +7,9 @@
 //! miss a near-tie: accumulation order decides them). tandem's CPU kernels follow the AVX2 build's
 //! arithmetic operation for operation (f16 activation scales and Q8_1 sums, RMSNorm's f64 sum, RoPE
 //! angles as f32 products with fused rotations, `ggml_v_expf` in softmax and SiLU, llama.cpp's
-//! accumulation orders in the quantized dot products and in attention), on AVX2 and AVX-512 alike, so
-//! they reproduce the fixture's logits exactly: 705/705 top-1, KL 0. The checks leave room for a
-//! platform whose libm (cosf, sinf, powf) or kernels (the portable ones) round differently:
+//! accumulation orders in the quantized dot products and in attention), at every kernel level (portable,
+//! AVX2, AVX-512), so they reproduce the fixture's logits exactly: 705/705 top-1, KL 0. The checks leave
+//! room for a platform whose libm (cosf, sinf, powf, used by RoPE) rounds differently:
 //! * KL(llama.cpp || tandem) < 0.02 on average, computed two ways:
 //!   - exactly, over the full 49152-token distribution, at the sampled positions whose full logits the
 //!     fixture stores (every 16th position and each prompt's last);
