@@ -113,27 +113,114 @@ pub(crate) unsafe fn attend_chunk(
             m[i] = m[i].max(_mm512_reduce_max_ps(s));
         }
     }
+    let mut inv = [0f32; MAX_QUERIES];
     for (i, &mi) in m.iter().enumerate().take(c.n) {
         let pos = c.first_pos + i;
-        let lo = window_start(pos);
         let row = &mut scores[i * row_len..(i + 1) * row_len];
         // Whole chunks of 8 from `base` (a multiple of 8) through the query's own position; the chunks
-        // before `lo` are all -inf and add exactly 0 to the sum.
-        let inv = (1.0
+        // before the window are all -inf and add exactly 0 to the sum.
+        inv[i] = (1.0
             / super::softmax_numerators(&mut row[..(pos + 1).next_multiple_of(8) - base], mi))
             as f32;
-        let out = c.out.add(i * c.stride);
-        for d0 in (0..hd).step_by(32) {
+    }
+    let halves = hd / 32;
+    if c.n == 1 {
+        let (pos, lo) = (c.first_pos, window_start(c.first_pos));
+        for h in 0..halves {
             let v = ValueHead {
                 kv,
                 blocks,
                 nkv,
                 kvh,
                 hd,
-                d0,
+                d0: 32 * h,
             };
-            values32(row, base, lo, pos, inv, &v, out.add(d0));
+            values32(scores, base, lo, pos, inv[0], &v, c.out.add(32 * h));
         }
+        return;
+    }
+    // A chunk sums values block by block, so each V block stays in L1 for all the queries: a query's 8
+    // accumulators (position mod 8) of 32 dimensions live in scratch between blocks and go through
+    // registers for the block's positions, in the same order as `values32`.
+    scores.resize(c.n * row_len + c.n * halves * 8 * 32, 0.0);
+    let (rows, acc) = scores.split_at_mut(c.n * row_len);
+    for (bi, &b) in blocks
+        .iter()
+        .enumerate()
+        .take(last / BLOCK + 1)
+        .skip(first_block)
+    {
+        let bpos = bi * BLOCK;
+        let vb = kv
+            .as_ptr()
+            .add(((b as usize * 2 + 1) * nkv + kvh) * BLOCK * hd);
+        for i in 0..c.n {
+            let pos = c.first_pos + i;
+            let lo = window_start(pos);
+            if bpos > pos || bpos + BLOCK <= lo {
+                continue;
+            }
+            let row = &rows[i * row_len..(i + 1) * row_len];
+            for h in 0..halves {
+                let ap = acc.as_mut_ptr().add((i * halves + h) * 8 * 32);
+                values_block(row, base, bpos, lo, pos, inv[i], vb.add(32 * h), hd, ap);
+            }
+        }
+    }
+    for i in 0..c.n {
+        for h in 0..halves {
+            let ap = acc.as_ptr().add((i * halves + h) * 8 * 32);
+            let out = c.out.add(i * c.stride + 32 * h);
+            for k in 0..2 {
+                let s = |r: usize| _mm512_loadu_ps(ap.add(32 * r + 16 * k));
+                let y = _mm512_add_ps(
+                    _mm512_add_ps(_mm512_add_ps(s(4), s(0)), _mm512_add_ps(s(6), s(2))),
+                    _mm512_add_ps(_mm512_add_ps(s(5), s(1)), _mm512_add_ps(s(7), s(3))),
+                );
+                _mm512_storeu_ps(out.add(16 * k), y);
+            }
+        }
+    }
+}
+
+/// One block's positions (`bpos..bpos + 16`, those in `lo..=pos`) added into a query's 8 accumulators of
+/// 32 value dimensions at `acc` (`[position mod 8][32]`), from the block's values at `vb` (row stride
+/// `hd`, already offset to the 32 dimensions), with weights `row[p - base] · inv`.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn values_block(
+    row: &[f32],
+    base: usize,
+    bpos: usize,
+    lo: usize,
+    pos: usize,
+    inv: f32,
+    vb: *const f32,
+    hd: usize,
+    acc: *mut f32,
+) {
+    let mut a = [[_mm512_setzero_ps(); 2]; 8];
+    for r in 0..8 {
+        a[r][0] = _mm512_loadu_ps(acc.add(32 * r));
+        a[r][1] = _mm512_loadu_ps(acc.add(32 * r + 16));
+    }
+    for g in [bpos, bpos + 8] {
+        if g > pos {
+            break;
+        }
+        let (r0, r1) = (lo.saturating_sub(g), (pos + 1 - g).min(8));
+        for r in 0..8 {
+            if r >= r0 && r < r1 {
+                let w = _mm512_set1_ps(*row.get_unchecked(g + r - base) * inv);
+                let v = vb.add((g - bpos + r) * hd);
+                a[r][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16)), a[r][1]);
+            }
+        }
+    }
+    for r in 0..8 {
+        _mm512_storeu_ps(acc.add(32 * r), a[r][0]);
+        _mm512_storeu_ps(acc.add(32 * r + 16), a[r][1]);
     }
 }
 
