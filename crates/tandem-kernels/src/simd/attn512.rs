@@ -67,7 +67,8 @@ pub(crate) unsafe fn attend_chunk(
     let row_len = (last / BLOCK + 1) * BLOCK - base;
     scores.clear();
     scores.resize(c.n * row_len, f32::NEG_INFINITY);
-    let mut m = [f32::NEG_INFINITY; MAX_QUERIES];
+    // Per-query running maxima, lane-wise (max is exact, so reducing once at the end changes nothing).
+    let mut m = [_mm512_set1_ps(f32::NEG_INFINITY); MAX_QUERIES];
     let mut kt = [0f32; MAX_HEAD_DIM * BLOCK];
     let scale = _mm512_set1_ps(p.scale);
     let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
@@ -110,11 +111,12 @@ pub(crate) unsafe fn attend_chunk(
             };
             let s = _mm512_mask_mov_ps(neg_inf, mask, _mm512_mul_ps(s, scale));
             _mm512_storeu_ps(scores.as_mut_ptr().add(i * row_len + bpos - base), s);
-            m[i] = m[i].max(_mm512_reduce_max_ps(s));
+            m[i] = _mm512_max_ps(m[i], s);
         }
     }
     let mut inv = [0f32; MAX_QUERIES];
-    for (i, &mi) in m.iter().enumerate().take(c.n) {
+    for (i, &mv) in m.iter().enumerate().take(c.n) {
+        let mi = _mm512_reduce_max_ps(mv);
         let pos = c.first_pos + i;
         let row = &mut scores[i * row_len..(i + 1) * row_len];
         // Whole chunks of 8 from `base` (a multiple of 8) through the query's own position; the chunks
