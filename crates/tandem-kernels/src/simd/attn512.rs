@@ -84,10 +84,8 @@ pub(crate) unsafe fn attend_chunk(
         // or zero): their scores are replaced by -inf below, whatever they hold. A single query (decode)
         // dots each key instead, with the same operations (`simd::dot_f32`).
         if c.n > 1 {
-            for j in 0..BLOCK {
-                for d in 0..hd {
-                    *kt.get_unchecked_mut(d * BLOCK + j) = *kb.add(j * hd + d);
-                }
+            for d0 in (0..hd).step_by(16) {
+                transpose16(kb.add(d0), hd, kt.as_mut_ptr().add(d0 * BLOCK));
             }
         }
         for i in 0..c.n {
@@ -226,6 +224,52 @@ unsafe fn values_block(
     }
 }
 
+/// `out[t][j] = src[j·stride + t]` for a 16 × 16 tile (t, j < 16): 16 rows of keys to 16 columns of one
+/// dimension each, by in-register shuffles (a scalar loop compiles to gathers).
+#[inline(always)]
+unsafe fn transpose16(src: *const f32, stride: usize, out: *mut f32) {
+    let r: [__m512; 16] = std::array::from_fn(|j| _mm512_loadu_ps(src.add(j * stride)));
+    // Pairs of rows interleaved, then pairs of pairs, then 128-bit lanes across 4 and 8 rows.
+    let t: [__m512; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[2 * (i / 2)], r[2 * (i / 2) + 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
+    });
+    let u: [__m512; 16] = std::array::from_fn(|i| {
+        let g = 4 * (i / 4);
+        let (a, b) = (t[g + (i % 2)], t[g + 2 + (i % 2)]);
+        if (i / 2) % 2 == 0 {
+            _mm512_shuffle_ps::<0x44>(a, b)
+        } else {
+            _mm512_shuffle_ps::<0xEE>(a, b)
+        }
+    });
+    let v: [__m512; 16] = std::array::from_fn(|i| {
+        let g = 8 * (i / 8);
+        let (a, b) = (u[g + (i % 4)], u[g + 4 + (i % 4)]);
+        if (i / 4) % 2 == 0 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xDD>(a, b)
+        }
+    });
+    for i in 0..16 {
+        let (a, b) = (v[i % 8], v[8 + (i % 8)]);
+        let w = if i < 8 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xDD>(a, b)
+        };
+        _mm512_storeu_ps(out.add(TRANSPOSE_ORDER[i] * BLOCK), w);
+    }
+}
+
+/// Which dimension (column of the input tile) each output of `transpose16`'s last stage holds.
+const TRANSPOSE_ORDER: [usize; 16] = [0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15];
+
 /// 16 keys' scores (unscaled) for one query from the transposed block `kt` (`[d][16]`), each as llama.cpp's
 /// AVX2 `ggml_vec_dot_f32` forms it: partial sum `k` (0..32) adds `q[32s + k] · key[32s + k]` over the
 /// steps `s` by fused multiply-adds from 0, then `x_l = (P_l + P_16+l) + (P_8+l + P_24+l)`,
@@ -316,5 +360,31 @@ unsafe fn values32(
             ),
         );
         _mm512_storeu_ps(out.add(16 * h), y);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transpose16_transposes() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let stride = 40;
+        let src: Vec<f32> = (0..16 * stride).map(|i| i as f32).collect();
+        let mut out = vec![0f32; 256];
+        unsafe { transpose16_test(src.as_ptr(), stride, out.as_mut_ptr()) };
+        for t in 0..16 {
+            for j in 0..16 {
+                assert_eq!(out[t * 16 + j], src[j * stride + t], "t {t} j {j}");
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn transpose16_test(src: *const f32, stride: usize, out: *mut f32) {
+        transpose16(src, stride, out)
     }
 }
