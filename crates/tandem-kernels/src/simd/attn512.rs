@@ -8,7 +8,7 @@
 //! `ggml_vec_dot_f32`. The scores are kept per query (a row from the first block on), then the softmax
 //! numerators and the value sums run per query in the single-query order, with the value accumulators
 //! (position mod 8) held in registers 32 dimensions at a time. A single query skips the transpose and
-//! dots each key (`simd::dot_f32`, the same operations). So a prompt recomputed in one prefill step gives
+//! dots each key (`simd::dot_f32`'s operations). So a prompt recomputed in one prefill step gives
 //! bit-identical results to the same tokens decoded one at a time (and to `attend_one`, tested):
 //! preemption, P/D import and decode failover rely on it.
 
@@ -101,9 +101,8 @@ pub(crate) unsafe fn attend_chunk(
                 scores16(qi, &kt, hd)
             } else {
                 let mut one = [0f32; BLOCK];
-                let q = std::slice::from_raw_parts(qi, hd);
                 for (j, o) in one.iter_mut().enumerate().take(j1).skip(j0) {
-                    *o = super::dot_f32(q, std::slice::from_raw_parts(kb.add(j * hd), hd));
+                    *o = dot512(qi, kb.add(j * hd), hd);
                 }
                 _mm512_loadu_ps(one.as_ptr())
             };
@@ -209,12 +208,22 @@ unsafe fn values_block(
             break;
         }
         let (r0, r1) = (lo.saturating_sub(g), (pos + 1 - g).min(8));
-        for r in 0..8 {
-            if r >= r0 && r < r1 {
+        let vg = vb.add((g - bpos) * hd);
+        if r0 == 0 && r1 == 8 {
+            for r in 0..8 {
                 let w = _mm512_set1_ps(*row.get_unchecked(g + r - base) * inv);
-                let v = vb.add((g - bpos + r) * hd);
+                let v = vg.add(r * hd);
                 a[r][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a[r][0]);
                 a[r][1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16)), a[r][1]);
+            }
+        } else {
+            for r in 0..8 {
+                if r >= r0 && r < r1 {
+                    let w = _mm512_set1_ps(*row.get_unchecked(g + r - base) * inv);
+                    let v = vg.add(r * hd);
+                    a[r][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a[r][0]);
+                    a[r][1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16)), a[r][1]);
+                }
             }
         }
     }
@@ -222,6 +231,33 @@ unsafe fn values_block(
         _mm512_storeu_ps(acc.add(32 * r), a[r][0]);
         _mm512_storeu_ps(acc.add(32 * r + 16), a[r][1]);
     }
+}
+
+/// `simd::dot_f32` (llama.cpp's `ggml_vec_dot_f32` order) for `hd` a multiple of 32, with its four 8-lane
+/// accumulators packed two per 512-bit register: the same operations, half the instructions.
+#[inline(always)]
+unsafe fn dot512(a: *const f32, b: *const f32, hd: usize) -> f32 {
+    // [acc0 | acc1] and [acc2 | acc3].
+    let (mut s01, mut s23) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut i = 0;
+    while i < hd {
+        s01 = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(i)), _mm512_loadu_ps(b.add(i)), s01);
+        s23 = _mm512_fmadd_ps(
+            _mm512_loadu_ps(a.add(i + 16)),
+            _mm512_loadu_ps(b.add(i + 16)),
+            s23,
+        );
+        i += 32;
+    }
+    // [acc0 + acc2 | acc1 + acc3], then (acc0 + acc2) + (acc1 + acc3).
+    let s = _mm512_add_ps(s01, s23);
+    let x = _mm256_add_ps(
+        _mm512_castps512_ps256(s),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s))),
+    );
+    let t0 = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+    let t1 = _mm_hadd_ps(t0, t0);
+    _mm_cvtss_f32(_mm_hadd_ps(t1, t1))
 }
 
 /// `out[t][j] = src[j·stride + t]` for a 16 × 16 tile (t, j < 16): 16 rows of keys to 16 columns of one
@@ -337,13 +373,22 @@ unsafe fn values32(
             .as_ptr()
             .add(((b * 2 + 1) * vh.nkv + vh.kvh) * BLOCK * hd + vh.d0 + (g % BLOCK) * hd);
         let (r0, r1) = (lo.saturating_sub(g), (pos + 1 - g).min(8));
-        // A constant trip count (unrolled, accumulators in registers); positions outside lo..=pos skipped.
-        for r in 0..8 {
-            if r >= r0 && r < r1 {
+        // Constant trip counts (unrolled, accumulators in registers); positions outside lo..=pos skipped.
+        if r0 == 0 && r1 == 8 {
+            for r in 0..8 {
                 let w = _mm512_set1_ps(*row.get_unchecked(g + r - base) * inv);
                 let v = vb.add(r * hd);
                 acc[r][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), acc[r][0]);
                 acc[r][1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16)), acc[r][1]);
+            }
+        } else {
+            for r in 0..8 {
+                if r >= r0 && r < r1 {
+                    let w = _mm512_set1_ps(*row.get_unchecked(g + r - base) * inv);
+                    let v = vb.add(r * hd);
+                    acc[r][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16)), acc[r][1]);
+                }
             }
         }
         g += 8;
