@@ -2,8 +2,10 @@
 //!
 //! Per layer one buffer of `num_blocks` blocks; block b = [K|V][kv_head][slot][head_dim] contiguous:
 //! K(b,h,s,d) at ((b*2 + 0)*n_kv + h)*bs*hd + s*hd + d and V(b,h,s,d) at ((b*2 + 1)*n_kv + h)*bs*hd + s*hd + d.
-//! Work items are (sequence, query head, chunk of queries); each runs an online (flash-style) softmax over
-//! the sequence's blocks so no score row is ever materialized.
+//! Work items are (sequence, query head, chunk of queries). The arithmetic is llama.cpp's CPU attention
+//! without flash attention, operation for operation (see `attend_one`), so that tandem's logits match
+//! llama.cpp's bit for bit on the same weights: each query's scores are materialized in a grow-only
+//! per-thread row, normalized by an exact two-pass softmax, then weight the values.
 
 use crate::dispatch::{isa, Isa};
 use crate::matmul::OutPtr;
@@ -44,8 +46,6 @@ pub struct AttnSeq<'a> {
 
 /// Largest head the kernels' stack buffers hold.
 const MAX_HEAD_DIM: usize = 256;
-/// Positions scored at once (stack buffer of scores).
-const SCORE_CHUNK: usize = 64;
 /// Queries per work item in prefill: enough to amortize, small enough to balance threads.
 const Q_CHUNK: usize = 16;
 
@@ -133,15 +133,16 @@ pub(crate) fn paged_attention_with(
             };
             // SAFETY: Avx512 is only chosen on CPUs that have it; `supports` checked the shape; the asserts
             // above checked the rows, the block table's length and its block ids.
-            unsafe {
+            SCORES.with(|buf| unsafe {
                 crate::simd::attn512::attend_chunk(
                     p,
                     &chunk,
                     kv_layer,
                     s.blocks,
                     head / (p.n_heads / p.n_kv_heads),
+                    &mut buf.borrow_mut(),
                 )
-            };
+            });
             return;
         }
         for i in q0..q1 {
@@ -169,7 +170,24 @@ pub(crate) fn paged_attention_with(
     });
 }
 
-/// One query head against positions 0..=last_pos with online softmax.
+thread_local! {
+    /// Grow-only per-thread rows of scores (the kernels materialize them, as llama.cpp does).
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The llamafile `hsum` of lane accumulators `acc[0..8][i]`: ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3)).
+#[inline(always)]
+pub(crate) fn hsum8_at(acc: &[[f32; MAX_HEAD_DIM]; 8], i: usize) -> f32 {
+    let a = |r: usize| acc[r][i];
+    ((a(4) + a(0)) + (a(6) + a(2))) + ((a(5) + a(1)) + (a(7) + a(3)))
+}
+
+/// One query head against positions 0..=last_pos (the last `window` of them when set), in the order of
+/// llama.cpp's CPU attention without flash attention, so that the same q/K/V give the same bits: every
+/// score `dot(q, k)·scale`, their max, the numerators `e^(s − max)` summed per 8 positions counted from
+/// position 0 (masked ones are 0), the weights normalized by the f32 reciprocal of that f64 sum before the
+/// value product, and each output element accumulated in 8 lanes (position mod 8) of fused multiply-adds
+/// reduced like llamafile's `hsum`.
 #[allow(clippy::too_many_arguments)]
 fn attend_one(
     p: &AttnParams,
@@ -181,50 +199,61 @@ fn attend_one(
     out: &mut [f32],
     simd: bool,
 ) {
+    SCORES.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        attend_one_with(p, qv, kv, blocks, kvh, last_pos, out, simd, &mut buf)
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attend_one_with(
+    p: &AttnParams,
+    qv: &[f32],
+    kv: &[f32],
+    blocks: &[u32],
+    kvh: usize,
+    last_pos: usize,
+    out: &mut [f32],
+    simd: bool,
+    scores: &mut Vec<f32>,
+) {
     let hd = p.head_dim;
     let bs = p.block_size;
-    let mut acc = [0f32; MAX_HEAD_DIM];
-    let acc = &mut acc[..hd];
-    let mut scores = [0f32; SCORE_CHUNK];
-    let mut m = f32::NEG_INFINITY;
-    let mut l = 0f32;
     let n_pos = last_pos + 1;
-    let mut pos = p.window.map_or(0, |w| n_pos.saturating_sub(w));
-    while pos < n_pos {
+    let first = p.window.map_or(0, |w| n_pos.saturating_sub(w));
+    // Scores of positions base..n_pos rounded up to whole chunks of 8; the padding is masked (-inf).
+    let base = first / 8 * 8;
+    scores.clear();
+    scores.resize(n_pos.next_multiple_of(8) - base, f32::NEG_INFINITY);
+    let key = |pos: usize| {
         let b = blocks[pos / bs] as usize;
-        let slot0 = pos % bs;
-        let n = (bs - slot0).min(n_pos - pos).min(SCORE_CHUNK);
-        let kbase = ((b * 2) * p.n_kv_heads + kvh) * bs * hd;
-        let vbase = ((b * 2 + 1) * p.n_kv_heads + kvh) * bs * hd;
-        let mut cmax = f32::NEG_INFINITY;
-        for j in 0..n {
-            let k = &kv[kbase + (slot0 + j) * hd..kbase + (slot0 + j + 1) * hd];
-            let sc = dot(qv, k, simd) * p.scale;
-            scores[j] = sc;
-            cmax = cmax.max(sc);
-        }
-        if cmax > m {
-            let corr = (m - cmax).exp();
-            if l > 0.0 {
-                scale(acc, corr, simd);
-            }
-            l *= corr;
-            m = cmax;
-        }
-        l += exp_sub_sum(&mut scores[..n], m, simd);
-        for (j, &w) in scores[..n].iter().enumerate() {
-            axpy(
-                acc,
-                w,
-                &kv[vbase + (slot0 + j) * hd..vbase + (slot0 + j + 1) * hd],
-                simd,
-            );
-        }
-        pos += n;
+        let o = ((b * 2) * p.n_kv_heads + kvh) * bs * hd + (pos % bs) * hd;
+        &kv[o..o + hd]
+    };
+    let value = |pos: usize| {
+        let b = blocks[pos / bs] as usize;
+        let o = ((b * 2 + 1) * p.n_kv_heads + kvh) * bs * hd + (pos % bs) * hd;
+        &kv[o..o + hd]
+    };
+    let mut m = f32::NEG_INFINITY;
+    for pos in first..n_pos {
+        let sc = dot(qv, key(pos), simd) * p.scale;
+        scores[pos - base] = sc;
+        m = m.max(sc);
     }
-    let inv = 1.0 / l;
-    for (o, a) in out.iter_mut().zip(acc.iter()) {
-        *o = a * inv;
+    let inv = (1.0 / softmax_numerators(scores, m, simd)) as f32;
+    let mut acc = [[0f32; MAX_HEAD_DIM]; 8];
+    for pos in first..n_pos {
+        let w = scores[pos - base] * inv;
+        axpy(&mut acc[pos % 8][..hd], w, value(pos), simd);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when the CPU has AVX2+FMA.
+        return unsafe { crate::simd::reduce_lanes8(&acc, out) };
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = hsum8_at(&acc, i);
     }
 }
 
@@ -236,34 +265,46 @@ fn dot(a: &[f32], b: &[f32], simd: bool) -> f32 {
         return unsafe { crate::simd::dot_f32(a, b) };
     }
     let _ = simd;
-    let mut lanes = [0f32; 8];
-    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for k in 0..8 {
-            lanes[k] += ca[k] * cb[k];
+    // The SIMD order (see `simd::dot_f32`) in scalar code.
+    let n = a.len();
+    let mut acc = [[0f32; 8]; 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (j, lanes) in acc.iter_mut().enumerate() {
+            for (l, s) in lanes.iter_mut().enumerate() {
+                *s = a[i + 8 * j + l].mul_add(b[i + 8 * j + l], *s);
+            }
         }
+        i += 32;
     }
-    let tail = a.len() / 8 * 8;
-    lanes.iter().sum::<f32>()
-        + a[tail..]
-            .iter()
-            .zip(&b[tail..])
-            .map(|(x, y)| x * y)
-            .sum::<f32>()
+    let x: [f32; 8] = std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]));
+    let t: [f32; 4] = std::array::from_fn(|l| x[l] + x[l + 4]);
+    let mut s = (t[0] + t[1]) + (t[2] + t[3]);
+    while i < n {
+        s = a[i].mul_add(b[i], s);
+        i += 1;
+    }
+    s
 }
 
-/// scores[j] = e^(scores[j] - m), returning their sum: one vector exp per chunk instead of a libm call per key.
+/// Softmax numerators of whole chunks of 8 and their sum (see `simd::softmax_numerators`).
 #[inline(always)]
-fn exp_sub_sum(scores: &mut [f32], m: f32, simd: bool) -> f32 {
+fn softmax_numerators(scores: &mut [f32], m: f32, simd: bool) -> f64 {
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is only true when the CPU has AVX2+FMA.
-        return unsafe { crate::simd::exp_sub_sum(scores, m) };
+        return unsafe { crate::simd::softmax_numerators(scores, m) };
     }
     let _ = simd;
-    scores.iter_mut().fold(0f32, |acc, s| {
-        *s = (*s - m).exp();
-        acc + *s
-    })
+    let mut sum = 0f64;
+    for c in scores.chunks_exact_mut(8) {
+        for s in c.iter_mut() {
+            *s = crate::ops::exp_ggml(*s - m);
+        }
+        let t: [f32; 4] = std::array::from_fn(|l| c[l + 4] + c[l]);
+        sum += ((t[0] + t[2]) + (t[1] + t[3])) as f64;
+    }
+    sum
 }
 
 #[inline(always)]
@@ -275,13 +316,8 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32], simd: bool) {
     }
     let _ = simd;
     for (yi, &xi) in y.iter_mut().zip(x) {
-        *yi += a * xi;
+        *yi = a.mul_add(xi, *yi);
     }
-}
-
-#[inline(always)]
-fn scale(y: &mut [f32], a: f32, _simd: bool) {
-    y.iter_mut().for_each(|v| *v *= a);
 }
 
 /// Stores one token's k and v (n_kv_heads*head_dim each) at position `pos` of a sequence with block table `blocks`.
@@ -428,23 +464,21 @@ mod tests {
 
     /// A prompt's attention computed in one prefill step equals, bit for bit, the same tokens attended one
     /// at a time as decode steps: recompute after preemption, P/D import and decode failover rely on it.
+    /// The AVX2 and AVX-512 kernels also agree bit for bit (both follow llama.cpp's order).
     #[test]
     fn prefill_and_token_by_token_attention_are_bitwise_equal() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-        for level in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
-            if level > crate::dispatch::cpu_isa() {
-                continue;
-            }
+        for hd in [64usize, 128] {
             for window in [None, Some(19)] {
                 let p = AttnParams {
                     n_heads: 6,
                     n_kv_heads: 2,
-                    head_dim: 64,
+                    head_dim: hd,
                     block_size: 16,
                     scale: 0.125,
                     window,
                 };
-                let (n, row, width) = (45usize, 6 * 64, 2 * 64);
+                let (n, row, width) = (45usize, 6 * hd, 2 * hd);
                 let table: Vec<u32> = vec![5, 1, 7];
                 let mut kv = vec![0f32; 8 * 2 * p.n_kv_heads * p.block_size * p.head_dim];
                 for pos in 0..n {
@@ -456,29 +490,44 @@ mod tests {
                     .map(|_| rng.random_range(-2.0f32..2.0))
                     .collect();
                 let pool = ThreadPool::new(2);
-                let mut whole = vec![0f32; n * row];
-                let seq = AttnSeq {
-                    q_row: 0,
-                    n_q: n,
-                    ctx_len: n,
-                    blocks: &table,
-                };
-                paged_attention_with(&pool, &p, &q, &kv, &[seq], &mut whole, level);
-                for i in 0..n {
-                    let mut one = vec![0f32; row];
+                let mut simd_whole: Option<Vec<f32>> = None;
+                for level in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+                    if level > crate::dispatch::cpu_isa() {
+                        continue;
+                    }
+                    let mut whole = vec![0f32; n * row];
                     let seq = AttnSeq {
                         q_row: 0,
-                        n_q: 1,
-                        ctx_len: i + 1,
+                        n_q: n,
+                        ctx_len: n,
                         blocks: &table,
                     };
-                    let qi = &q[i * row..(i + 1) * row];
-                    paged_attention_with(&pool, &p, qi, &kv, &[seq], &mut one, level);
-                    assert_eq!(
-                        one,
-                        whole[i * row..(i + 1) * row],
-                        "{level:?} window {window:?}: token {i}"
-                    );
+                    paged_attention_with(&pool, &p, &q, &kv, &[seq], &mut whole, level);
+                    for i in 0..n {
+                        let mut one = vec![0f32; row];
+                        let seq = AttnSeq {
+                            q_row: 0,
+                            n_q: 1,
+                            ctx_len: i + 1,
+                            blocks: &table,
+                        };
+                        let qi = &q[i * row..(i + 1) * row];
+                        paged_attention_with(&pool, &p, qi, &kv, &[seq], &mut one, level);
+                        assert_eq!(
+                            one,
+                            whole[i * row..(i + 1) * row],
+                            "{level:?} head_dim {hd} window {window:?}: token {i}"
+                        );
+                    }
+                    if level >= Isa::Avx2 {
+                        match &simd_whole {
+                            None => simd_whole = Some(whole),
+                            Some(w) => assert_eq!(
+                                w, &whole,
+                                "{level:?} head_dim {hd} window {window:?} differs from AVX2"
+                            ),
+                        }
+                    }
                 }
             }
         }

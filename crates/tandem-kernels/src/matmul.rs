@@ -1,10 +1,13 @@
 //! `out = x · Wᵀ` for every weight dtype, split over the thread pool by blocks of output features.
 //!
-//! Quantized weights: activations are first quantized per block the way the format needs (Q8_0-style int8
-//! blocks of 32 with an f32 scale and `scale * sum(q)` for Q4_0/Q4_1/Q8_0; Q8_K-style blocks of 256 with
-//! per-16 sums for the K-quants), then dotted in integer arithmetic and accumulated in f32 per block.
+//! Quantized weights: activations are first quantized per block the way llama.cpp does for the format
+//! (Q8_0/Q8_1-style int8 blocks of 32 with an f16 scale and a `scale * sum(q)` term for Q4_0/Q4_1/Q8_0;
+//! Q8_K-style blocks of 256 with per-16 sums for the K-quants), then dotted in integer arithmetic and
+//! accumulated in f32 per block.
 
 use std::ops::Range;
+
+use half::f16;
 
 use crate::dispatch::{isa, Isa};
 use crate::quant::{f16_at, q6k_value, scale_min_k4, DType, Matrix};
@@ -58,15 +61,22 @@ pub(crate) struct Job<'a> {
 /// Computes `out[i][r]` for rows `rows` of the weight and activation rows `ms`.
 pub(crate) type RangeKernel = fn(&Job, Range<usize>, Range<usize>);
 
-/// Quantizes rows of 32-element blocks the Q8_0 way: d = amax/127, q = round(x/d), s = d*sum(q).
-pub(crate) fn quantize_q8_0_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
-    for (b, ((xb, qb), (d, s))) in x
+/// Quantizes rows of 32-element blocks like llama.cpp's `quantize_row_q8_0` / `quantize_row_q8_1`:
+/// d = amax/127 stored as f16 (as the block formats do), q = round-half-even(x · 127/amax); the sum term
+/// is `s = f16(d·Σq)` with the unrounded d for Q8_1 (`q8_1`, the activations of Q4_1 weights), else the
+/// exact `d_f16·Σq` (Q4_0's offset, which llama.cpp takes in integers).
+pub(crate) fn quantize_q8_0_acts(
+    x: &[f32],
+    qx: &mut [i8],
+    dx: &mut [f32],
+    sx: &mut [f32],
+    q8_1: bool,
+) {
+    for ((xb, qb), (d, s)) in x
         .chunks_exact(32)
         .zip(qx.chunks_exact_mut(32))
         .zip(dx.iter_mut().zip(sx.iter_mut()))
-        .enumerate()
     {
-        let _ = b;
         let amax = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
         let dd = amax / 127.0;
         let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
@@ -75,8 +85,12 @@ pub(crate) fn quantize_q8_0_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &
             *q = (v * id).round_ties_even() as i8;
             sum += *q as i32;
         }
-        *d = dd;
-        *s = dd * sum as f32;
+        *d = f16::from_f32(dd).to_f32();
+        *s = if q8_1 {
+            f16::from_f32(dd * sum as f32).to_f32()
+        } else {
+            *d * sum as f32
+        };
     }
 }
 
@@ -244,6 +258,7 @@ fn prepare_acts(
         DType::Q4K | DType::Q6K => 256,
         DType::F32 | DType::F16 | DType::BF16 => return,
     };
+    let q8_1 = dt == DType::Q4_1;
     let n = m * cols;
     if s.qx.len() < n {
         s.qx.resize(n, 0);
@@ -268,10 +283,10 @@ fn prepare_acts(
             #[cfg(target_arch = "x86_64")]
             if simd {
                 // SAFETY: `simd` is only true when the CPU has AVX2+FMA+F16C.
-                unsafe { crate::simd::quantize_q8_0_acts(x, qx, dx, sx) };
+                unsafe { crate::simd::quantize_q8_0_acts(x, qx, dx, sx, q8_1) };
                 return;
             }
-            quantize_q8_0_acts(x, qx, dx, sx);
+            quantize_q8_0_acts(x, qx, dx, sx, q8_1);
         } else {
             quantize_q8_k_acts(x, qx, dx, bs);
         }
@@ -405,39 +420,40 @@ fn dot_float_portable(dt: DType, wr: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// Dot of one Q4_0/Q4_1/Q8_0 row with one Q8_0-style activation row.
+/// Dot of one Q4_0/Q4_1/Q8_0 row with one Q8_0-style activation row, in the SIMD kernels' (llama.cpp's)
+/// order: per block 8 integer lane sums of 4 products (Q4_0's `q − 8` in integers), fused-multiply-added
+/// into 8 f32 lanes with `d_w·d_x`, the lanes summed like `hsum_float_8`, then Q4_1's `Σ m·s` chain.
 pub(crate) fn dot_q32_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], sx: &[f32]) -> f32 {
     let bb = dt.block_bytes();
-    let mut acc = 0f32;
+    let mut acc = [0f32; 8];
+    let mut offs = 0f32;
     for (b, blk) in wr.chunks_exact(bb).enumerate() {
         let q = &qx[32 * b..32 * b + 32];
         let d = f16_at(blk);
-        match dt {
-            DType::Q8_0 => {
-                let dot: i32 = blk[2..34]
-                    .iter()
-                    .zip(q)
-                    .map(|(&w, &x)| w as i8 as i32 * x as i32)
-                    .sum();
-                acc += d * dx[b] * dot as f32;
-            }
-            _ => {
-                let qs = &blk[bb - 16..];
-                let mut dot = 0i32;
-                for j in 0..16 {
-                    dot +=
-                        (qs[j] & 0xF) as i32 * q[j] as i32 + (qs[j] >> 4) as i32 * q[j + 16] as i32;
+        let w = |j: usize| -> i32 {
+            match dt {
+                DType::Q8_0 => blk[2 + j] as i8 as i32,
+                _ => {
+                    let qs = &blk[bb - 16..];
+                    let v = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 } as i32;
+                    if dt == DType::Q4_0 {
+                        v - 8
+                    } else {
+                        v
+                    }
                 }
-                let offset = if dt == DType::Q4_1 {
-                    f16_at(&blk[2..])
-                } else {
-                    -8.0 * d
-                };
-                acc += d * dx[b] * dot as f32 + offset * sx[b];
             }
+        };
+        let scale = d * dx[b];
+        for (l, a) in acc.iter_mut().enumerate() {
+            let lane: i32 = (4 * l..4 * l + 4).map(|j| w(j) * q[j] as i32).sum();
+            *a = scale.mul_add(lane as f32, *a);
+        }
+        if dt == DType::Q4_1 {
+            offs = f16_at(&blk[2..]).mul_add(sx[b], offs);
         }
     }
-    acc
+    (((acc[4] + acc[0]) + (acc[6] + acc[2])) + ((acc[5] + acc[1]) + (acc[7] + acc[3]))) + offs
 }
 
 /// Dot of one Q4_K/Q6_K row with one Q8_K-style activation row.
@@ -555,6 +571,28 @@ pub(crate) mod tests {
         }
     }
 
+    /// The AVX-512 kernels of the 32-element formats reproduce the AVX2 ones (llama.cpp's order) bit for
+    /// bit, for every tile shape: odd row counts, m = 1, 4 and 8 remainders.
+    #[test]
+    fn avx512_q32_kernels_equal_avx2_bitwise() {
+        if crate::dispatch::cpu_isa() < Isa::Avx512 {
+            return;
+        }
+        for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            for &(rows, cols, m) in &[(13, 256, 1), (9, 128, 13), (20, 96, 8), (7, 64, 37)] {
+                let w = quantized_matrix(dt, rows, cols, 21);
+                let x = rand_vec(m * cols, 22);
+                let pool = ThreadPool::new(2);
+                let mut scratch = MatmulScratch::default();
+                let mut a = vec![f32::NAN; m * rows];
+                let mut b = vec![f32::NAN; m * rows];
+                matmul_with(&pool, &w, &x, m, &mut a, &mut scratch, Isa::Avx2);
+                matmul_with(&pool, &w, &x, m, &mut b, &mut scratch, Isa::Avx512);
+                assert_eq!(a, b, "{dt:?} {rows}x{cols} m={m}");
+            }
+        }
+    }
+
     #[test]
     fn portable_matches_dequantized_reference() {
         for dt in ALL {
@@ -604,22 +642,35 @@ pub(crate) mod tests {
 
     #[test]
     fn activation_quantization_is_exact_for_representable_values() {
+        // Multiples of 2^-7 with amax 127·2^-7: the scale 2^-7 is exact in f16, so is every quant.
+        let step = 1.0 / 128.0;
         let x: Vec<f32> = (0..32)
-            .map(|i| {
-                if i == 0 {
-                    1.27
-                } else {
-                    (i * 7 - 100) as f32 * 0.01
-                }
-            })
+            .map(|i| if i == 0 { 127.0 } else { (i * 7 - 100) as f32 } * step)
             .collect();
         let (mut q, mut d, mut s) = (vec![0i8; 32], vec![0f32; 1], vec![0f32; 1]);
-        quantize_q8_0_acts(&x, &mut q, &mut d, &mut s);
-        for (qi, xi) in q.iter().zip(&x) {
-            assert!((*qi as f32 * d[0] - xi).abs() < 1e-6);
+        for q8_1 in [false, true] {
+            quantize_q8_0_acts(&x, &mut q, &mut d, &mut s, q8_1);
+            assert_eq!(d[0], step);
+            for (qi, xi) in q.iter().zip(&x) {
+                assert_eq!(*qi as f32 * d[0], *xi);
+            }
+            let sum: i32 = q.iter().map(|&v| v as i32).sum();
+            assert_eq!(s[0], sum as f32 * d[0]);
         }
+    }
+
+    /// The scale is stored as f16 (rounded to nearest even) like llama.cpp's block_q8_0/q8_1, and Q8_1's
+    /// sum term is f16(d·Σq) with the unrounded d.
+    #[test]
+    fn activation_scales_are_f16_like_llamacpp() {
+        let x: Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin() * 1.3).collect();
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let (mut q, mut d, mut s) = (vec![0i8; 32], vec![0f32; 1], vec![0f32; 1]);
+        quantize_q8_0_acts(&x, &mut q, &mut d, &mut s, true);
         let sum: i32 = q.iter().map(|&v| v as i32).sum();
-        assert!((s[0] - sum as f32 * d[0]).abs() < 1e-6);
+        assert_eq!(d[0], f16::from_f32(amax / 127.0).to_f32());
+        assert_ne!(d[0], amax / 127.0);
+        assert_eq!(s[0], f16::from_f32(amax / 127.0 * sum as f32).to_f32());
     }
 
     proptest! {

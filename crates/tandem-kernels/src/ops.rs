@@ -17,24 +17,12 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 pub(crate) fn rms_norm_portable(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let ss = sum_squares(x);
-    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    // llama.cpp's order: f32 squares summed in f64, the mean rounded to f32, then 1/sqrt in f32.
+    let ss: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+    let inv = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
     for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
         *o = v * inv * w;
     }
-}
-
-/// Sum of squares with 8 independent lanes so the compiler can vectorize without reassociation.
-fn sum_squares(x: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (l, &v) in lanes.iter_mut().zip(c) {
-            *l += v * v;
-        }
-    }
-    lanes.iter().sum::<f32>() + rest.iter().map(|v| v * v).sum::<f32>()
 }
 
 /// Residual connection `a += b`.
@@ -57,8 +45,49 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 }
 
 pub(crate) fn silu_mul_portable(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+    // Whole groups of 8 with llama.cpp's vector exp, a tail with libm's, as llama.cpp's swiglu does.
+    let whole = gate.len() / 8 * 8;
+    for (i, (g, &u)) in gate.iter_mut().zip(up).enumerate() {
+        let e = if i < whole {
+            exp_ggml(-*g)
+        } else {
+            (-*g).exp()
+        };
+        *g = *g / (1.0 + e) * u;
+    }
+}
+
+/// e^x as one lane of llama.cpp's `ggml_v_expf` (bit-identical to `simd::exp256`): its softmax and SiLU
+/// exponential, at most ~1.5 ulp off.
+pub(crate) fn exp_ggml(x: f32) -> f32 {
+    let r = f32::from_bits(0x4b40_0000); // 0x1.8p23
+    let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), r); // log2(e)
+    let n = z - r;
+    let b = (-n).mul_add(
+        f32::from_bits(0x35bf_be8e),                  // ln2 low part
+        (-n).mul_add(f32::from_bits(0x3f31_7200), x), // ln2 high part
+    );
+    let e = z.to_bits() << 23;
+    let k = f32::from_bits(e.wrapping_add(1f32.to_bits()));
+    let u = b * b;
+    let j = f32::from_bits(0x3c07_2010)
+        .mul_add(b, f32::from_bits(0x3d2b_9f17))
+        .mul_add(
+            u,
+            f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3eff_fedb)),
+        )
+        .mul_add(u, f32::from_bits(0x3f7f_fff6) * b);
+    if n.abs() <= 126.0 || n.is_nan() {
+        return j.mul_add(k, k);
+    }
+    // Exponent out of the normal range: scale in two steps, or saturate to 0 / inf.
+    let g = if n <= 0.0 { 0x8200_0000u32 } else { 0 };
+    let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
+    let s2 = f32::from_bits(e.wrapping_sub(g));
+    if n.abs() > 192.0 {
+        s1 * s1
+    } else {
+        s2.mul_add(j, s2) * s1
     }
 }
 

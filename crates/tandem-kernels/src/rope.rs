@@ -87,7 +87,11 @@ fn inv_freqs(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<f64> {
 }
 
 impl RopeTable {
-    /// Precomputes cos/sin for positions `0..max_positions` (computed in f64 to keep long positions exact).
+    /// Precomputes cos/sin for positions `0..max_positions` the way llama.cpp's CPU rope does
+    /// (`ggml_rope_cache_init`): the angle of pair `i` is `pos · s^i` with `s = base^(-2/head_dim)`, both
+    /// computed in f32 (the power by repeated multiplication), then scaled and passed to f32 cos/sin.
+    /// Llama 3 scaling given as parameters (HF checkpoints) keeps an f64 rule: llama.cpp only sees it as
+    /// `FreqFactors`.
     pub fn new(
         head_dim: usize,
         theta: f32,
@@ -103,15 +107,32 @@ impl RopeTable {
                 "one rope frequency factor per pair"
             );
         }
-        let freqs = inv_freqs(head_dim, theta, scaling);
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(max_positions * half);
         let mut sin = Vec::with_capacity(max_positions * half);
-        for p in 0..max_positions {
-            for &f in &freqs {
-                let a = p as f64 * f;
-                cos.push(a.cos() as f32);
-                sin.push(a.sin() as f32);
+        if let RopeScaling::Llama3 { .. } = scaling {
+            let freqs = inv_freqs(head_dim, theta, scaling);
+            for p in 0..max_positions {
+                for &f in &freqs {
+                    let a = p as f64 * f;
+                    cos.push(a.cos() as f32);
+                    sin.push(a.sin() as f32);
+                }
+            }
+        } else {
+            let theta_scale = theta.powf(-2.0 / head_dim as f32);
+            for p in 0..max_positions {
+                let mut t = p as f32;
+                for i in 0..half {
+                    let a = match scaling {
+                        RopeScaling::Linear { factor } => (1.0 / factor) * t,
+                        RopeScaling::FreqFactors { factors } => t / factors[i],
+                        _ => t,
+                    };
+                    cos.push(a.cos());
+                    sin.push(a.sin());
+                    t *= theta_scale;
+                }
             }
         }
         RopeTable {
@@ -165,21 +186,41 @@ pub fn apply_rope(x: &mut [f32], n_heads: usize, pos: usize, table: &RopeTable) 
     );
     let cos = &table.cos[pos * half..(pos + 1) * half];
     let sin = &table.sin[pos * half..(pos + 1) * half];
+    #[cfg(target_arch = "x86_64")]
+    if crate::dispatch::simd_enabled() {
+        // SAFETY: simd_enabled implies FMA support.
+        return unsafe { rotate_fma(x, hd, table.style, cos, sin) };
+    }
+    rotate(x, hd, table.style, cos, sin)
+}
+
+/// `rotate` compiled with hardware FMA (`mul_add` is otherwise a libm call); the same results.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn rotate_fma(x: &mut [f32], hd: usize, style: RopeStyle, cos: &[f32], sin: &[f32]) {
+    rotate(x, hd, style, cos, sin)
+}
+
+/// Rotates each pair `(a, b)` to `(a·cos − b·sin, a·sin + b·cos)`, each with one fused multiply-add
+/// over the other product, as llama.cpp's compiled `rotate_pairs` does.
+#[inline(always)]
+fn rotate(x: &mut [f32], hd: usize, style: RopeStyle, cos: &[f32], sin: &[f32]) {
+    let half = hd / 2;
     for head in x.chunks_exact_mut(hd) {
-        match table.style {
+        match style {
             RopeStyle::Interleaved => {
                 for (i, pair) in head.chunks_exact_mut(2).enumerate() {
                     let (a, b) = (pair[0], pair[1]);
-                    pair[0] = a * cos[i] - b * sin[i];
-                    pair[1] = a * sin[i] + b * cos[i];
+                    pair[0] = a.mul_add(cos[i], -(b * sin[i]));
+                    pair[1] = a.mul_add(sin[i], b * cos[i]);
                 }
             }
             RopeStyle::Neox => {
                 let (lo, hi) = head.split_at_mut(half);
                 for i in 0..half {
                     let (a, b) = (lo[i], hi[i]);
-                    lo[i] = a * cos[i] - b * sin[i];
-                    hi[i] = a * sin[i] + b * cos[i];
+                    lo[i] = a.mul_add(cos[i], -(b * sin[i]));
+                    hi[i] = a.mul_add(sin[i], b * cos[i]);
                 }
             }
         }

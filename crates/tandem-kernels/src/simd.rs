@@ -54,53 +54,94 @@ unsafe fn hmax(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// e^x for 8 lanes (Cephes polynomial, ~1 ulp on the clamped range); lanes below -87.3 give exactly 0.
+/// e^x per lane, llama.cpp's AVX2 `ggml_v_expf` operation for operation (its softmax and SiLU use it, so
+/// the same inputs give the same bits); at most ~1.5 ulp off, 0 for -inf and below about -103.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn exp256(x: __m256) -> __m256 {
-    let lo_bound = _mm256_set1_ps(-87.3);
-    let keep = _mm256_cmp_ps(x, lo_bound, _CMP_GT_OQ);
-    let xc = _mm256_min_ps(_mm256_max_ps(x, lo_bound), _mm256_set1_ps(88.3));
-    let n = _mm256_round_ps(
-        _mm256_mul_ps(xc, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+    let r = _mm256_set1_ps(f32::from_bits(0x4b40_0000)); // 0x1.8p23
+    let z = _mm256_fmadd_ps(x, _mm256_set1_ps(f32::from_bits(0x3fb8_aa3b)), r); // log2(e)
+    let n = _mm256_sub_ps(z, r);
+    let b = _mm256_fnmadd_ps(
+        n,
+        _mm256_set1_ps(f32::from_bits(0x35bf_be8e)), // ln2 low part 0x1.7f7d1cp-20
+        _mm256_fnmadd_ps(n, _mm256_set1_ps(f32::from_bits(0x3f31_7200)), x), // ln2 high 0x1.62e4p-1
     );
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), xc);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.398_199_9e-3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.333_452e-3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.166_579_6e-2));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.666_666_5e-1));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5));
-    let r2 = _mm256_mul_ps(r, r);
-    y = _mm256_fmadd_ps(y, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
-    let e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
-        23,
+    let e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+    let k = _mm256_castsi256_ps(_mm256_add_epi32(
+        e,
+        _mm256_castps_si256(_mm256_set1_ps(1.0)),
+    ));
+    let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
+    let c = _mm256_castps_si256(_mm256_cmp_ps(abs_n, _mm256_set1_ps(126.0), _CMP_GT_OQ));
+    let u = _mm256_mul_ps(b, b);
+    let j = _mm256_fmadd_ps(
+        _mm256_fmadd_ps(
+            _mm256_fmadd_ps(
+                _mm256_set1_ps(f32::from_bits(0x3c07_2010)), // 0x1.0e4020p-7
+                b,
+                _mm256_set1_ps(f32::from_bits(0x3d2b_9f17)), // 0x1.573e2ep-5
+            ),
+            u,
+            _mm256_fmadd_ps(
+                _mm256_set1_ps(f32::from_bits(0x3e2a_af33)), // 0x1.555e66p-3
+                b,
+                _mm256_set1_ps(f32::from_bits(0x3eff_fedb)), // 0x1.fffdb6p-2
+            ),
+        ),
+        u,
+        _mm256_mul_ps(_mm256_set1_ps(f32::from_bits(0x3f7f_fff6)), b), // 0x1.ffffecp-1
     );
-    _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep)
+    if _mm256_movemask_ps(_mm256_castsi256_ps(c)) == 0 {
+        return _mm256_fmadd_ps(j, k, k);
+    }
+    // Some lane's exponent is out of the normal range: scale in two steps (or saturate to 0 / inf).
+    let g = _mm256_and_si256(
+        _mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
+        _mm256_set1_epi32(0x8200_0000u32 as i32),
+    );
+    let s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f00_0000)));
+    let s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+    let d = _mm256_castsi256_ps(_mm256_castps_si256(_mm256_cmp_ps(
+        abs_n,
+        _mm256_set1_ps(192.0),
+        _CMP_GT_OQ,
+    )));
+    let c = _mm256_castsi256_ps(c);
+    _mm256_or_ps(
+        _mm256_and_ps(d, _mm256_mul_ps(s1, s1)),
+        _mm256_andnot_ps(
+            d,
+            _mm256_or_ps(
+                _mm256_and_ps(c, _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1)),
+                _mm256_andnot_ps(c, _mm256_fmadd_ps(k, j, k)),
+            ),
+        ),
+    )
 }
 
-/// RMS norm with FMA accumulation.
+/// RMS norm; the sum of squares is accumulated in f64 like llama.cpp's (see `ops::rms_norm`).
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = x.len();
-    let mut acc0 = _mm256_setzero_ps();
-    let mut acc1 = _mm256_setzero_ps();
+    // Squares are rounded to f32 first, then summed in f64 (four independent 4-lane chains: f64 sums of
+    // a few thousand f32 squares round to the same f32 mean whatever the order, except at ties).
+    let mut acc = [_mm256_setzero_pd(); 4];
     let mut i = 0;
     while i + 16 <= n {
-        let a = _mm256_loadu_ps(x.as_ptr().add(i));
-        let b = _mm256_loadu_ps(x.as_ptr().add(i + 8));
-        acc0 = _mm256_fmadd_ps(a, a, acc0);
-        acc1 = _mm256_fmadd_ps(b, b, acc1);
+        for (k, a) in acc.iter_mut().enumerate() {
+            let v = _mm_loadu_ps(x.as_ptr().add(i + 4 * k));
+            *a = _mm256_add_pd(*a, _mm256_cvtps_pd(_mm_mul_ps(v, v)));
+        }
         i += 16;
     }
-    let mut ss = hsum(_mm256_add_ps(acc0, acc1));
+    let s = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
+    let s2 = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+    let mut ss = _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
     for &v in &x[i..] {
-        ss += v * v;
+        ss += (v * v) as f64;
     }
-    let inv = 1.0 / (ss / n as f32 + eps).sqrt();
+    let inv = 1.0 / ((ss / n as f64) as f32 + eps).sqrt();
     let vi = _mm256_set1_ps(inv);
     let mut i = 0;
     while i + 8 <= n {
@@ -155,34 +196,72 @@ pub(crate) unsafe fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
     sum
 }
 
-/// f32 dot product (attention scores).
+/// f32 dot product (attention scores) in the order of llama.cpp's AVX2 `ggml_vec_dot_f32`: four 8-lane
+/// FMA accumulators over steps of 32, combined (0+2, 1+3, then 0+1), the halves added and two `hadd`s;
+/// a tail of fewer than 32 elements is added one fused multiply-add at a time.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (pa, pb) = (a.as_ptr(), b.as_ptr());
-    let mut acc0 = _mm256_setzero_ps();
-    let mut acc1 = _mm256_setzero_ps();
+    let mut acc = [_mm256_setzero_ps(); 4];
     let mut i = 0;
-    while i + 16 <= n {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-        acc1 = _mm256_fmadd_ps(
-            _mm256_loadu_ps(pa.add(i + 8)),
-            _mm256_loadu_ps(pb.add(i + 8)),
-            acc1,
-        );
-        i += 16;
+    while i + 32 <= n {
+        for (j, s) in acc.iter_mut().enumerate() {
+            let o = i + 8 * j;
+            *s = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *s);
+        }
+        i += 32;
     }
-    if i + 8 <= n {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-        i += 8;
-    }
-    let mut s = hsum(_mm256_add_ps(acc0, acc1));
+    let x = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+    let t0 = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    let t1 = _mm_hadd_ps(t0, t0);
+    let mut s = _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
     while i < n {
-        s += a[i] * b[i];
+        s = a[i].mul_add(b[i], s);
         i += 1;
     }
     s
+}
+
+/// Softmax numerators over whole chunks of 8 (`x.len()` a multiple of 8; -inf entries give 0):
+/// x[i] = e^(x[i] − max), returning their sum as llama.cpp's AVX2 `ggml_vec_soft_max_f32` forms it (each
+/// chunk summed in f32 by `hsum`, the chunk sums in f64).
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn softmax_numerators(x: &mut [f32], max: f32) -> f64 {
+    debug_assert!(x.len().is_multiple_of(8));
+    let vm = _mm256_set1_ps(max);
+    let mut sum = 0f64;
+    for c in x.chunks_exact_mut(8) {
+        let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), vm));
+        _mm256_storeu_ps(c.as_mut_ptr(), e);
+        sum += hsum(e) as f64;
+    }
+    sum
+}
+
+/// out[i] = the llamafile `hsum` of the 8 lane accumulators `acc[r][i]`:
+/// ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3)).
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn reduce_lanes8(acc: &[[f32; 256]; 8], out: &mut [f32]) {
+    let n = out.len();
+    let ld = |r: usize, i: usize| _mm256_loadu_ps(acc[r].as_ptr().add(i));
+    let mut i = 0;
+    while i + 8 <= n {
+        let t = [
+            _mm256_add_ps(ld(4, i), ld(0, i)),
+            _mm256_add_ps(ld(5, i), ld(1, i)),
+            _mm256_add_ps(ld(6, i), ld(2, i)),
+            _mm256_add_ps(ld(7, i), ld(3, i)),
+        ];
+        let u0 = _mm256_add_ps(t[0], t[2]);
+        let u1 = _mm256_add_ps(t[1], t[3]);
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_add_ps(u0, u1));
+        i += 8;
+    }
+    for (j, o) in out.iter_mut().enumerate().skip(i) {
+        *o = crate::attention::hsum8_at(acc, j);
+    }
 }
 
 /// y += a * x (attention value accumulation).
@@ -201,14 +280,20 @@ pub(crate) unsafe fn axpy_f32(y: &mut [f32], a: f32, x: &[f32]) {
         i += 8;
     }
     while i < n {
-        y[i] += a * x[i];
+        y[i] = a.mul_add(x[i], y[i]);
         i += 1;
     }
 }
 
-/// Q8_0-style activation quantization (same math as the portable one, vectorized).
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn quantize_q8_0_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
+/// Q8_0/Q8_1 activation quantization (same math as the portable one, vectorized).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_q8_0_acts(
+    x: &[f32],
+    qx: &mut [i8],
+    dx: &mut [f32],
+    sx: &mut [f32],
+    q8_1: bool,
+) {
     let sign = _mm256_set1_ps(-0.0);
     let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for b in 0..x.len() / 32 {
@@ -240,8 +325,18 @@ pub(crate) unsafe fn quantize_q8_0_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32]
             qx.as_mut_ptr().add(32 * b) as *mut __m256i,
             _mm256_permutevar8x32_epi32(packed, perm),
         );
-        dx[b] = d;
-        sx[b] = d * sum as f32;
+        // f32 → f16 → f32 with round-to-nearest-even, like ggml's F16C conversion.
+        let f16r = |v: f32| {
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(
+                _mm_set_ss(v),
+            )))
+        };
+        dx[b] = f16r(d);
+        sx[b] = if q8_1 {
+            f16r(d * sum as f32)
+        } else {
+            dx[b] * sum as f32
+        };
     }
 }
 
@@ -272,6 +367,34 @@ mod tests {
         assert_eq!(out, [0.0; 8]);
     }
 
+    /// The scalar port of llama.cpp's exponential gives the vector one's bits, in and out of range.
+    #[test]
+    fn exp_ggml_scalar_equals_exp256() {
+        if !cpu_has_avx2() {
+            return;
+        }
+        let mut xs: Vec<f32> = (0..4000).map(|i| -120.0 + i as f32 * 0.0613).collect();
+        xs.extend([
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            -0.0,
+            0.0,
+            88.7,
+            89.0,
+            -87.4,
+            -103.9,
+            -150.0,
+        ]);
+        xs.resize(xs.len().next_multiple_of(8), 1.0);
+        for c in xs.chunks_exact(8) {
+            let mut out = [0f32; 8];
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), exp256(_mm256_loadu_ps(c.as_ptr()))) };
+            for (o, &x) in out.iter().zip(c) {
+                assert_eq!(o.to_bits(), crate::ops::exp_ggml(x).to_bits(), "exp({x})");
+            }
+        }
+    }
+
     #[test]
     fn simd_act_quant_matches_portable() {
         if !cpu_has_avx2() {
@@ -282,11 +405,13 @@ mod tests {
             .collect();
         let (mut q1, mut d1, mut s1) = (vec![0i8; 256], vec![0f32; 8], vec![0f32; 8]);
         let (mut q2, mut d2, mut s2) = (vec![0i8; 256], vec![0f32; 8], vec![0f32; 8]);
-        crate::matmul::quantize_q8_0_acts(&x, &mut q1, &mut d1, &mut s1);
-        unsafe { quantize_q8_0_acts(&x, &mut q2, &mut d2, &mut s2) };
-        assert_eq!(q1, q2);
-        assert_eq!(d1, d2);
-        assert_eq!(s1, s2);
+        for q8_1 in [false, true] {
+            crate::matmul::quantize_q8_0_acts(&x, &mut q1, &mut d1, &mut s1, q8_1);
+            unsafe { quantize_q8_0_acts(&x, &mut q2, &mut d2, &mut s2, q8_1) };
+            assert_eq!(q1, q2);
+            assert_eq!(d1, d2);
+            assert_eq!(s1, s2);
+        }
     }
 
     #[test]

@@ -1,20 +1,21 @@
 //! Checks tandem on the default GGUF (SmolLM2-135M-Instruct Q4_1) against llama.cpp's outputs recorded
 //! by scripts/llamacpp-ref.py in tests/fixtures/llamacpp.
 //!
-//! llama.cpp quantizes activations to 8 bits before its Q4_1/Q8_0 dot products, so even an exact f32
-//! implementation of the same weights does not reproduce it bit for bit: an independent numpy f32
-//! forward pass over the dequantized weights agrees with llama.cpp on 682/705 top-1 tokens (96.7%) at
-//! mean KL 0.0026, every disagreement a near-tie. llama.cpp does not reproduce it either when the batch
-//! shape changes: the same llama.cpp source asked for the same positions one token at a time (f32 KV, as
-//! here) agrees on 688/705 (97.6%), and with its default f16 KV cache on 675/705
-//! (scripts/llamacpp-self-agreement.py); rounding tandem's K/V to f16 lowers its own agreement from
-//! 687 to 683. The checks therefore are:
+//! The fixture comes from llama.cpp's CPU backend built for AVX2 (each prompt one batch, f32 KV cache):
+//! an AVX2 build of the vendored llama.cpp reproduces it to the last bit, while the same source built for
+//! AVX-512 agrees with it on only 685/705 top-1 tokens, and asked one token at a time on 688/705 (every
+//! miss a near-tie: accumulation order decides them). tandem's CPU kernels follow the AVX2 build's
+//! arithmetic operation for operation (f16 activation scales and Q8_1 sums, RMSNorm's f64 sum, RoPE
+//! angles as f32 products with fused rotations, `ggml_v_expf` in softmax and SiLU, llama.cpp's
+//! accumulation orders in the quantized dot products and in attention), at every kernel level (portable,
+//! AVX2, AVX-512), so they reproduce the fixture's logits exactly: 705/705 top-1, KL 0. The checks leave
+//! room for a platform whose libm (cosf, sinf, powf, used by RoPE) rounds differently:
 //! * KL(llama.cpp || tandem) < 0.02 on average, computed two ways:
 //!   - exactly, over the full 49152-token distribution, at the sampled positions whose full logits the
 //!     fixture stores (every 16th position and each prompt's last);
 //!   - at every position over llama.cpp's top-64 tokens plus one bucket holding the rest of the mass of
 //!     each distribution: merging outcomes never increases KL, so this is a lower bound of the true KL;
-//! * top-1 agreement at prompt positions ≥ 96%, and every disagreement a near-tie: tandem's token is
+//! * top-1 agreement at prompt positions ≥ 98%, and every disagreement a near-tie: tandem's token is
 //!   within NEAR_TIE nats of llama.cpp's top token under llama.cpp's own distribution;
 //! * greedy 32-token continuations: where one departs from llama.cpp's, llama.cpp's token must be within
 //!   NEAR_TIE nats of tandem's choice under tandem's distribution (identical ones are counted);
@@ -26,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use tandem_model::{load, CpuLlama, ForwardBatch, KvCache, LoadOptions, LogitsWanted};
 
-const MIN_TOP1: f64 = 0.96;
+const MIN_TOP1: f64 = 0.98;
 /// Largest log-probability gap (nats) at which two implementations may pick different top tokens.
 const NEAR_TIE: f64 = 0.5;
 const MAX_MEAN_KL: f64 = 0.02;

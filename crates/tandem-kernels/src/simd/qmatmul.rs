@@ -1,6 +1,10 @@
 //! AVX2 matmul kernels: integer dot products for the 32-element GGML formats (`maddubs` + `madd`, f32
 //! accumulation per block) and an FMA kernel for float weights.
 //!
+//! The 32-element formats follow llama.cpp's x86 dot products operation for operation (8 lane sums per
+//! block, `acc = fma(d_w·d_x, lanes, acc)` block after block, `hsum_float_8`, Q4_1's `Σ m·s` as a fused
+//! chain added last), so that tandem's logits reproduce llama.cpp's bit for bit on the same weights.
+//!
 //! Each kernel computes a tile of `RW` weight rows × `MT` activation rows so one weight-block load serves
 //! `MT` activation rows (batched decode and prefill), and several weight rows give independent
 //! accumulators (latency hiding on m = 1).
@@ -87,8 +91,9 @@ unsafe fn run_q32_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<u
     }
 }
 
-/// Unpacked weight block: 32 quants as bytes (unsigned for 4-bit, signed for Q8_0), its f32 scale in all
-/// lanes, and the per-block offset term factor (Q4_1: m, Q4_0: -8d, Q8_0: unused).
+/// Unpacked weight block: 32 quants as bytes (unsigned for Q4_1, signed for Q8_0 and for Q4_0, whose
+/// `q − 8` is taken in integers as llama.cpp does), its f32 scale in all lanes, and Q4_1's offset m (0
+/// for the others).
 #[inline(always)]
 unsafe fn load_block<const FMT: u8>(p: *const u8) -> (__m256i, __m256, f32) {
     match FMT {
@@ -112,13 +117,17 @@ unsafe fn load_block<const FMT: u8>(p: *const u8) -> (__m256i, __m256, f32) {
             let m4 = _mm_set1_epi8(0x0F);
             let lo = _mm_and_si128(raw, m4);
             let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-            let d = _mm_cvtss_f32(dm);
-            let off = if FMT == Q4_1 {
-                _mm_cvtss_f32(_mm_movehdup_ps(dm))
+            let q = _mm256_set_m128i(hi, lo);
+            if FMT == Q4_1 {
+                let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+                (q, _mm256_broadcastss_ps(dm), m)
             } else {
-                -8.0 * d
-            };
-            (_mm256_set_m128i(hi, lo), _mm256_broadcastss_ps(dm), off)
+                (
+                    _mm256_sub_epi8(q, _mm256_set1_epi8(8)),
+                    _mm256_broadcastss_ps(dm),
+                    0.0,
+                )
+            }
         }
     }
 }
@@ -164,13 +173,13 @@ unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(
         for t in 0..MT {
             let xv = _mm256_loadu_si256(qx.add(t * cols + 32 * b).cast());
             let xd = _mm256_broadcast_ss(&*dx.add(t * nb + b));
-            let xs = if FMT == Q8_0 {
-                0.0
-            } else {
+            let xs = if FMT == Q4_1 {
                 *sx.add(t * nb + b)
+            } else {
+                0.0
             };
             for r in 0..RW {
-                let prod = if FMT == Q8_0 {
+                let prod = if FMT != Q4_1 {
                     _mm256_maddubs_epi16(
                         _mm256_sign_epi8(wq[r], wq[r]),
                         _mm256_sign_epi8(xv, wq[r]),
@@ -180,8 +189,9 @@ unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(
                 };
                 let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
                 acc[r][t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(wd[r], xd), acc[r][t]);
-                if FMT != Q8_0 {
-                    acc_off[r][t] += wo[r] * xs;
+                if FMT == Q4_1 {
+                    // llama.cpp's `summs += m·s`, which its compiler contracts to a fused multiply-add.
+                    acc_off[r][t] = wo[r].mul_add(xs, acc_off[r][t]);
                 }
             }
         }
