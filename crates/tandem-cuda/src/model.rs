@@ -53,7 +53,7 @@ pub struct CudaOptions {
     /// Use our GEMV kernels instead of cuBLAS for projections of at most `gemv_max_rows` rows.
     pub gemv: bool,
     /// Most rows (tokens of a step) our GEMV kernels take (at most `GEMV_MAX_ROWS`); larger
-    /// steps use cuBLAS, which is faster from here on.
+    /// steps use cuBLAS, which is faster there ([`GEMV_ROWS_DEFAULT`]).
     pub gemv_max_rows: usize,
     /// Programmatic dependent launch for our kernels that support it (Hopper and later): the next
     /// kernel starts streaming its weights while the previous one finishes. Off by default: on the
@@ -422,9 +422,11 @@ fn gemv_blocks(warps: usize) -> u32 {
     warps.div_ceil(GEMV_WARPS) as u32
 }
 
-/// Steps of up to this many tokens use our GEMV kernels by default (measured crossover with cuBLAS
-/// on the H200, see `CudaOptions::gemv_max_rows`).
-pub const GEMV_ROWS_DEFAULT: usize = 4;
+/// Steps of up to this many tokens use our GEMV kernels by default. Measured on the H200
+/// (2026-12-03 14:43, 8B shape, graphs, step ms GEMV / cuBLAS): 1 row 4.37 / 4.88, 2 rows 5.05 /
+/// 4.96, 4 rows 6.18 / 5.12, 8 rows 8.98 / 5.31 — past one row the kernels' per-row work outweighs
+/// streaming the weights once.
+pub const GEMV_ROWS_DEFAULT: usize = 1;
 
 /// Warps a GEMV launch aims for through split-K: about the warps an H200 holds at once (16 per
 /// multiprocessor at the GEMV's register use). Measured on the H200 (2026-12-03, batch-1 decode of
