@@ -198,6 +198,10 @@ def main():
     c["pass"] = c["rel_l2"] <= 2.5 * hf16["rel_l2"] + 2e-3 and not c["nan"]
     report["checks"]["cuda_vs_hf_bf16_logits"] = c
 
+    # KV export/import through the pinned staging (the P/D transfer's host side): a block survives the
+    # round trip byte for byte.
+    report["checks"]["kv_export_import_roundtrip"] = {"pass": fast.get("kv_roundtrip") is True}
+
     # Greedy tokens under teacher forcing: tandem's argmax at each step against HF bf16's greedy token.
     detail, agree, total = [], 0, 0
     for p, cont, r in zip(ps, conts, fast["prompts"]):

@@ -254,6 +254,20 @@ impl PinnedBuf {
         // SAFETY: in bounds of the allocation.
         unsafe { std::slice::from_raw_parts(self.ptr.add(start), n) }
     }
+
+    /// The first `n` bytes, writable.
+    fn bytes_mut(&mut self, n: usize) -> &mut [u8] {
+        assert!(n <= self.len * 4);
+        // SAFETY: in bounds of the allocation; &mut self makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, n) }
+    }
+
+    /// The first `n` bytes.
+    fn bytes(&self, n: usize) -> &[u8] {
+        assert!(n <= self.len * 4);
+        // SAFETY: in bounds of the allocation.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, n) }
+    }
 }
 
 impl Drop for PinnedBuf {
@@ -566,6 +580,9 @@ pub struct CudaLlama {
     part_slots: usize,
     graphs: Graphs,
     staging: PinnedBuf,
+    /// Page-locked staging of one KV block for export/import (the P/D transfer's host side); a
+    /// mutex because export takes `&self`.
+    kv_staging: std::sync::Mutex<PinnedBuf>,
     device_name: String,
     /// Blocks of each GEMV kernel (`[family][rows - 1]`) the GPU holds at once: the grid of a
     /// persistent launch.
@@ -836,6 +853,7 @@ impl CudaLlama {
             )
         }?;
         let staging = PinnedBuf::new(&ctx, 2 * STAGING_CHUNK)?;
+        let kv_staging = std::sync::Mutex::new(PinnedBuf::new(&ctx, layout.block_bytes().div_ceil(4))?);
         stream.synchronize()?;
         let (free, total) = ctx.mem_get_info()?;
         tracing::info!(
@@ -868,6 +886,7 @@ impl CudaLlama {
             part_slots,
             graphs: Graphs::default(),
             staging,
+            kv_staging,
             device_name,
             gemv_caps,
             last_enqueue: std::time::Duration::ZERO,
@@ -1734,31 +1753,38 @@ impl CudaLlama {
         )
     }
 
-    /// Copies one (layer, block) of KV to the host (`out.len() == kv_layout().block_bytes()`).
+    /// Copies one (layer, block) of KV to the host (`out.len() == kv_layout().block_bytes()`),
+    /// through page-locked staging (a DMA at bus speed, then a memcpy).
     pub fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), CudaError> {
         self.check_block(layer, block, out.len())?;
         self.ctx.bind_to_thread()?;
-        // SAFETY: the range is inside the KV allocation (checked above).
+        let mut st = self.kv_staging.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the range is inside the KV allocation (checked above) and the staging buffer holds
+        // a block; the copy is complete before the buffer is read or reused (synchronised).
         unsafe {
             drv_result::memcpy_dtoh_async(
-                out,
+                st.bytes_mut(out.len()),
                 self.block_addr(layer, block),
                 self.stream.cu_stream(),
             )
         }?;
         self.stream.synchronize()?;
+        out.copy_from_slice(st.bytes(out.len()));
         Ok(())
     }
 
-    /// Overwrites one (layer, block) of KV with bytes from `export_block` of an equal layout.
+    /// Overwrites one (layer, block) of KV with bytes from `export_block` of an equal layout, through
+    /// the same page-locked staging.
     pub fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), CudaError> {
         self.check_block(layer, block, data.len())?;
         self.ctx.bind_to_thread()?;
-        // SAFETY: as in export_block; data outlives the synchronised copy.
+        let mut st = self.kv_staging.lock().unwrap_or_else(|e| e.into_inner());
+        st.bytes_mut(data.len()).copy_from_slice(data);
+        // SAFETY: as in export_block; the staging buffer is not touched until the copy is done.
         unsafe {
             drv_result::memcpy_htod_async(
                 self.block_addr(layer, block),
-                data,
+                st.bytes(data.len()),
                 self.stream.cu_stream(),
             )
         }?;

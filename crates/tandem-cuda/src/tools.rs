@@ -48,6 +48,9 @@ struct CheckOutput {
     backend: String,
     device: String,
     prompts: Vec<PromptResult>,
+    /// CUDA: the first prompt's first KV block, exported, imported into a spare block and exported
+    /// again, came back byte for byte (and was not all zero).
+    kv_roundtrip: Option<bool>,
 }
 
 /// A model step, CPU or CUDA, behind one call.
@@ -118,7 +121,8 @@ pub fn run_check(args: &CheckArgs) -> Result<(), CudaError> {
         .map(|p| (p.len() + args.decode_steps + 1).div_ceil(block_size))
         .max()
         .unwrap_or(1);
-    let num_blocks = per_seq * prompts.len().max(1);
+    // One spare block past the prompts' tables: the KV round trip imports into it.
+    let num_blocks = per_seq * prompts.len().max(1) + 1;
     let total_tokens: usize = prompts.iter().map(Vec::len).sum();
     let (mut runner, backend, device) = if args.cpu {
         let model = CpuLlama::new(loaded.config.clone(), loaded.weights, 0);
@@ -188,10 +192,24 @@ pub fn run_check(args: &CheckArgs) -> Result<(), CudaError> {
             r.generated.push(argmax(row));
         }
     }
+    let kv_roundtrip = match &mut runner {
+        Runner::Cuda(m) => {
+            let layout = m.kv_layout();
+            let spare = (layout.num_blocks - 1) as u32;
+            let mut a = vec![0u8; layout.block_bytes()];
+            let mut b = vec![0u8; layout.block_bytes()];
+            m.export_block(layout.n_layers - 1, 0, &mut a)?;
+            m.import_block(layout.n_layers - 1, spare, &a)?;
+            m.export_block(layout.n_layers - 1, spare, &mut b)?;
+            Some(a == b && a.iter().any(|&x| x != 0))
+        }
+        Runner::Cpu(..) => None,
+    };
     let out = CheckOutput {
         backend: backend.into(),
         device,
         prompts: results,
+        kv_roundtrip,
     };
     let json = serde_json::to_string(&out).map_err(|e| CudaError::Batch(e.to_string()))?;
     std::fs::write(&args.out, json).map_err(io_err(&args.out))?;
