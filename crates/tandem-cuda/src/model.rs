@@ -853,7 +853,8 @@ impl CudaLlama {
             )
         }?;
         let staging = PinnedBuf::new(&ctx, 2 * STAGING_CHUNK)?;
-        let kv_staging = std::sync::Mutex::new(PinnedBuf::new(&ctx, layout.block_bytes().div_ceil(4))?);
+        let kv_staging =
+            std::sync::Mutex::new(PinnedBuf::new(&ctx, layout.block_bytes().div_ceil(4))?);
         stream.synchronize()?;
         let (free, total) = ctx.mem_get_info()?;
         tracing::info!(

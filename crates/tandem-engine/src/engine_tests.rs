@@ -788,7 +788,7 @@ fn a_backend_sampler_draws_plain_rows_and_the_host_keeps_penalties_and_logprobs(
     assert_eq!(host.load(Relaxed), 0);
     assert!(device.load(Relaxed) >= 6);
     // Logprobs and penalties need the whole row: those steps run `forward` and the host sampler.
-    for p in [
+    for (id, p) in [
         SamplingParams {
             logprobs: Some(2),
             ..greedy(3)
@@ -801,10 +801,18 @@ fn a_backend_sampler_draws_plain_rows_and_the_host_keeps_penalties_and_logprobs(
             frequency_penalty: 0.5,
             ..greedy(3)
         },
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // A fresh id each time: the previous request may still be in the engine's books.
         let before = (device.load(Relaxed), host.load(Relaxed));
         let mut s = e
-            .submit(EngineRequest::new(2, prompt.to_vec(), p.clone()))
+            .submit(EngineRequest::new(
+                2 + id as u64,
+                prompt.to_vec(),
+                p.clone(),
+            ))
             .unwrap();
         let first = s.blocking_recv().unwrap();
         assert_eq!(first.logprobs.is_some(), p.logprobs.is_some());
