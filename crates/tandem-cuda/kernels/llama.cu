@@ -1275,6 +1275,15 @@ __device__ __forceinline__ void gv_run(const bf16* __restrict__ x, const bf16* _
     }
 }
 
+// The rows of item p of the plain and residual-add GEMVs: 2p and 2p + 1, clamped into the N rows.
+struct GvAdjacentRows {
+    int N;
+    __device__ __forceinline__ void operator()(const GvItem& it, int& r0, int& r1) const {
+        r0 = min(2 * it.pair, N - 1);
+        r1 = min(r0 + 1, N - 1);
+    }
+};
+
 // Plain GEMV: rows 2p and 2p + 1 of y (bf16, or fp32 for logits).
 template <int M>
 __device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y,
@@ -1282,11 +1291,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16
     const int lane = threadIdx.x & 31;
     gv_run<M, false>(
         x, w, K, ks, groups,
-        [&](const GvItem& it, int& r0, int& r1) {
-            r0 = min(2 * it.pair, N - 1);
-            r1 = min(r0 + 1, N - 1);
-        },
-        [] {},
+        GvAdjacentRows{N}, [] {},
         [&](const GvItem& it, int r0, int r1, float (&a0)[M], float (&a1)[M]) {
             if (2 * it.pair >= N) return;
 #pragma unroll
@@ -1312,11 +1317,7 @@ __device__ __forceinline__ void gemv_add_body(const bf16* __restrict__ x, const 
     const int lane = threadIdx.x & 31;
     gv_run<M, false>(
         x, w, K, ks, groups,
-        [&](const GvItem& it, int& r0, int& r1) {
-            r0 = min(2 * it.pair, N - 1);
-            r1 = min(r0 + 1, N - 1);
-        },
-        [] {},
+        GvAdjacentRows{N}, [] {},
         [&](const GvItem& it, int r0, int r1, float (&a0)[M], float (&a1)[M]) {
             if (2 * it.pair >= N) return;
 #pragma unroll
