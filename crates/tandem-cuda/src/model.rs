@@ -580,6 +580,10 @@ pub struct CudaLlama {
     part_slots: usize,
     graphs: Graphs,
     staging: PinnedBuf,
+    /// Host scratch of the token choice: ids copied back, and the draw parameters uploaded (reused,
+    /// so a step allocates nothing).
+    pick_ids: Vec<i32>,
+    pick_words: Vec<u32>,
     /// Page-locked staging of one KV block for export/import (the P/D transfer's host side); a
     /// mutex because export takes `&self`.
     kv_staging: std::sync::Mutex<PinnedBuf>,
@@ -887,6 +891,8 @@ impl CudaLlama {
             part_slots,
             graphs: Graphs::default(),
             staging,
+            pick_ids: Vec::new(),
+            pick_words: Vec::new(),
             kv_staging,
             device_name,
             gemv_caps,
@@ -1443,7 +1449,7 @@ impl CudaLlama {
     /// Queues the choice of the tokens of logits rows `start..start + n` (in `acts.logits` from
     /// row 0) into `acts.argmax`: argmax, or the draws of `sample[start..start + n]`.
     fn enqueue_pick(
-        &self,
+        &mut self,
         start: usize,
         n: usize,
         sample: Option<&[SampleRow]>,
@@ -1451,19 +1457,20 @@ impl CudaLlama {
         let Some(sample) = sample else {
             return self.enqueue_argmax(n);
         };
-        let words: Vec<u32> = sample[start..start + n]
-            .iter()
-            .flat_map(SampleRow::words)
-            .collect();
+        let mut words = std::mem::take(&mut self.pick_words);
+        words.clear();
+        words.extend(sample[start..start + n].iter().flat_map(SampleRow::words));
         // SAFETY: sample_params holds logits_chunk_rows rows (n <= that); the pageable host slice
         // is staged before the call returns.
-        unsafe {
+        let copied = unsafe {
             drv_result::memcpy_htod_async(
                 self.acts.sample_params.ptr,
                 &words[..],
                 self.stream.cu_stream(),
             )
-        }?;
+        };
+        self.pick_words = words;
+        copied?;
         let a = &self.acts;
         launch!(
             &self.stream,
@@ -1636,17 +1643,34 @@ impl CudaLlama {
         out.clear();
         let graph = self.prepare(batch)?;
         let rows = batch.logits_rows();
-        let mut ids = vec![0i32; rows];
+        if graph == 0 && self.plan.num_tokens() == 0 {
+            return Ok(());
+        }
+        let mut ids = std::mem::take(&mut self.pick_ids);
+        ids.clear();
+        ids.resize(rows, 0);
+        let picked = self.pick_into(graph, rows, sample, &mut ids, t0);
+        out.extend(ids.iter().map(|&i| i as u32));
+        self.pick_ids = ids;
+        picked
+    }
+
+    /// The device work of `forward_pick` after planning: the body (through graph `graph` when
+    /// non-zero), then the head and the choice of each logits row, chunk by chunk, into `ids`.
+    fn pick_into(
+        &mut self,
+        graph: usize,
+        rows: usize,
+        sample: Option<&[SampleRow]>,
+        ids: &mut [i32],
+        t0: std::time::Instant,
+    ) -> Result<(), CudaError> {
         if graph > 0 {
             self.run_graph(graph)?;
             self.enqueue_pick(0, rows, sample)?;
-            self.copy_i32(&mut ids, 0)?;
+            self.copy_i32(ids, 0)?;
         } else {
-            let t = self.plan.num_tokens();
-            if t == 0 {
-                return Ok(());
-            }
-            self.enqueue_body(t, false)?;
+            self.enqueue_body(self.plan.num_tokens(), false)?;
             self.last_enqueue = t0.elapsed();
             let chunk = self.opts.logits_chunk_rows.max(1);
             let mut start = 0;
@@ -1659,7 +1683,6 @@ impl CudaLlama {
             }
         }
         self.stream.synchronize()?;
-        out.extend(ids.iter().map(|&i| i as u32));
         Ok(())
     }
 
@@ -1687,11 +1710,14 @@ impl CudaLlama {
             drv_result::memcpy_htod_async(self.acts.logits.ptr, logits, self.stream.cu_stream())
         }?;
         self.enqueue_pick(0, n, Some(rows))?;
-        let mut ids = vec![0i32; n];
-        self.copy_i32(&mut ids, 0)?;
+        let mut ids = std::mem::take(&mut self.pick_ids);
+        ids.clear();
+        ids.resize(n, 0);
+        let copied = self.copy_i32(&mut ids, 0);
         out.clear();
         out.extend(ids.iter().map(|&i| i as u32));
-        Ok(())
+        self.pick_ids = ids;
+        copied
     }
 
     /// Copies `rows` rows of logits to `dst` through the pinned staging buffer, two slots deep: the
