@@ -4,7 +4,9 @@
 # The sdist is kept in .cache/sdist so that scripts/build-llama-server.sh builds the same llama.cpp.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="$root/.venv-llamacpp"
+# LLAMACPP_VENV and LLAMACPP_CMAKE_ARGS choose another venv and build (scripts/llamacpp-ref.sh builds the
+# AVX2 CPU path the reference fixture was recorded with).
+venv="${LLAMACPP_VENV:-$root/.venv-llamacpp}"
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 if "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
   exit 0
@@ -16,6 +18,6 @@ if [ ! -s "$sdist" ]; then
 fi
 start=$SECONDS
 # Native CPU flags (AVX2/FMA/F16C here); skip the multimodal library, tests and examples to save build time.
-CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+CMAKE_ARGS="${LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON} -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
   CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$venv/bin/pip" install --quiet "$sdist"
 echo "llama-cpp-python $version built in $((SECONDS - start)) s"
