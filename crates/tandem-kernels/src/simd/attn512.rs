@@ -182,6 +182,43 @@ pub(crate) unsafe fn attend_chunk(
     }
 }
 
+/// Positions `g..g + 8` (those in `lo..=pos`) added into a query's 8 accumulators of 32 value dimensions
+/// (`[position mod 8][two halves]`), from values at `vg` (row stride `hd`), with weights
+/// `row[p - base] · inv`. Constant trip counts keep the accumulators in registers; a whole group takes
+/// the unconditional loop.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn value_group(
+    a: &mut [[__m512; 2]; 8],
+    row: &[f32],
+    base: usize,
+    g: usize,
+    lo: usize,
+    pos: usize,
+    inv: f32,
+    vg: *const f32,
+    hd: usize,
+) {
+    let (r0, r1) = (lo.saturating_sub(g), (pos + 1 - g).min(8));
+    if r0 == 0 && r1 == 8 {
+        for r in 0..8 {
+            let w = _mm512_set1_ps(*row.get_unchecked(g + r - base) * inv);
+            let v = vg.add(r * hd);
+            a[r][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16)), a[r][1]);
+        }
+    } else {
+        for r in 0..8 {
+            if r >= r0 && r < r1 {
+                let w = _mm512_set1_ps(*row.get_unchecked(g + r - base) * inv);
+                let v = vg.add(r * hd);
+                a[r][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16)), a[r][1]);
+            }
+        }
+    }
+}
+
 /// One block's positions (`bpos..bpos + 16`, those in `lo..=pos`) added into a query's 8 accumulators of
 /// 32 value dimensions at `acc` (`[position mod 8][32]`), from the block's values at `vb` (row stride
 /// `hd`, already offset to the 32 dimensions), with weights `row[p - base] · inv`.
@@ -207,25 +244,17 @@ unsafe fn values_block(
         if g > pos {
             break;
         }
-        let (r0, r1) = (lo.saturating_sub(g), (pos + 1 - g).min(8));
-        let vg = vb.add((g - bpos) * hd);
-        if r0 == 0 && r1 == 8 {
-            for r in 0..8 {
-                let w = _mm512_set1_ps(*row.get_unchecked(g + r - base) * inv);
-                let v = vg.add(r * hd);
-                a[r][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a[r][0]);
-                a[r][1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16)), a[r][1]);
-            }
-        } else {
-            for r in 0..8 {
-                if r >= r0 && r < r1 {
-                    let w = _mm512_set1_ps(*row.get_unchecked(g + r - base) * inv);
-                    let v = vg.add(r * hd);
-                    a[r][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a[r][0]);
-                    a[r][1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16)), a[r][1]);
-                }
-            }
-        }
+        value_group(
+            &mut a,
+            row,
+            base,
+            g,
+            lo,
+            pos,
+            inv,
+            vb.add((g - bpos) * hd),
+            hd,
+        );
     }
     for r in 0..8 {
         _mm512_storeu_ps(acc.add(32 * r), a[r][0]);
@@ -372,25 +401,7 @@ unsafe fn values32(
             .kv
             .as_ptr()
             .add(((b * 2 + 1) * vh.nkv + vh.kvh) * BLOCK * hd + vh.d0 + (g % BLOCK) * hd);
-        let (r0, r1) = (lo.saturating_sub(g), (pos + 1 - g).min(8));
-        // Constant trip counts (unrolled, accumulators in registers); positions outside lo..=pos skipped.
-        if r0 == 0 && r1 == 8 {
-            for r in 0..8 {
-                let w = _mm512_set1_ps(*row.get_unchecked(g + r - base) * inv);
-                let v = vb.add(r * hd);
-                acc[r][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16)), acc[r][1]);
-            }
-        } else {
-            for r in 0..8 {
-                if r >= r0 && r < r1 {
-                    let w = _mm512_set1_ps(*row.get_unchecked(g + r - base) * inv);
-                    let v = vb.add(r * hd);
-                    acc[r][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), acc[r][0]);
-                    acc[r][1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16)), acc[r][1]);
-                }
-            }
-        }
+        value_group(&mut acc, row, base, g, lo, pos, inv, vb, hd);
         g += 8;
     }
     for h in 0..2 {
