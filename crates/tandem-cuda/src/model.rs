@@ -987,12 +987,11 @@ impl CudaLlama {
         f32_out: bool,
     ) -> Result<(), CudaError> {
         if self.gemv_rows(t) && k.is_multiple_of(8) {
-            let ks = gemv_split(n.div_ceil(2), k, self.opts.gemv_target_warps);
-            let groups = gemv_blocks(n.div_ceil(2) * ks);
+            let (grid, ks, groups) = self.gemv_shape(GemvFamily::Plain, t, n.div_ceil(2), k);
             launch_pdl!(
                 self,
                 self.funcs.gemv[t - 1],
-                (self.gemv_grid(GemvFamily::Plain, t, groups), 1, 1),
+                (grid, 1, 1),
                 (32 * GEMV_WARPS as u32, 1, 1),
                 0,
                 x,
@@ -1001,8 +1000,8 @@ impl CudaLlama {
                 n as i32,
                 k as i32,
                 f32_out as i32,
-                ks as i32,
-                groups as i32
+                ks,
+                groups
             );
             return Ok(());
         }
@@ -1052,8 +1051,6 @@ impl CudaLlama {
         let s = &self.stream;
         let tt = t as u32;
         let eps = c.rms_norm_eps;
-        // One 16-byte chunk of the row per thread (up to NORM_CHUNKS per thread past 1024).
-        let norm_threads = ((h / 8).div_ceil(32) * 32).clamp(32, 1024) as u32;
         let qkv_w = (q + 2 * kv) as i32;
         let neox = matches!(c.rope_style, tandem_kernels::RopeStyle::Neox) as i32;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
@@ -1087,24 +1084,16 @@ impl CudaLlama {
         let fused = self.fused_step(t);
         let smem = fused_smem_bytes(t, h) as u32;
         let block = (32 * GEMV_WARPS as u32, 1, 1);
-        let ks_qkv = gemv_split((q + 2 * kv) / 2, h, self.opts.gemv_target_warps);
-        let ks_o = gemv_split(h.div_ceil(2), q, self.opts.gemv_target_warps);
-        let ks_gu = gemv_split(f, h, self.opts.gemv_target_warps);
-        let ks_down = gemv_split(h.div_ceil(2), f, self.opts.gemv_target_warps);
-        // Block-groups of GEMV_WARPS items per projection (the grid may be smaller: persistent).
-        let g_qkv = gemv_blocks((q + 2 * kv) / 2 * ks_qkv);
-        let g_o = gemv_blocks(h.div_ceil(2) * ks_o);
-        let g_gu = gemv_blocks(f * ks_gu);
-        let g_down = gemv_blocks(h.div_ceil(2) * ks_down);
         for (l, lw) in self.layers.iter().enumerate() {
             let cache = self.kv.at(l * layer_elems, BF16);
             let bias = lw.bqkv.as_ref().map_or(0u64, |b| b.ptr);
             if fused {
                 // RMSNorm + QKV + bias + RoPE + K/V write; the residual is complete in x.
+                let (grid, ks, groups) = self.gemv_shape(GemvFamily::Qkv, t, (q + 2 * kv) / 2, h);
                 launch_pdl!(
                     self,
                     self.funcs.gemv_qkv[t - 1],
-                    (self.gemv_grid(GemvFamily::Qkv, t, g_qkv), 1, 1),
+                    (grid, 1, 1),
                     block,
                     smem,
                     a.x.ptr,
@@ -1122,24 +1111,12 @@ impl CudaLlama {
                     nkv,
                     neox,
                     h as i32,
-                    ks_qkv as i32,
-                    g_qkv as i32
+                    ks,
+                    groups
                 );
             } else {
                 let delta = if l == 0 { 0u64 } else { a.delta.ptr };
-                launch_pdl!(
-                    self,
-                    self.funcs.add_rmsnorm,
-                    (tt, 1, 1),
-                    (norm_threads, 1, 1),
-                    0,
-                    a.x.ptr,
-                    delta,
-                    lw.attn_norm.ptr,
-                    a.xn.ptr,
-                    h as i32,
-                    eps
-                );
+                self.enqueue_add_rmsnorm(t, delta, lw.attn_norm.ptr)?;
                 self.gemm(a.xn.ptr, lw.wqkv.ptr, a.qkv.ptr, t, q + 2 * kv, h, false)?;
                 launch!(
                     s,
@@ -1241,24 +1218,12 @@ impl CudaLlama {
             if fused {
                 // Output projection added into the residual; RMSNorm + gate/up + SiLU·mul; down
                 // projection added into the residual.
-                launch_pdl!(
-                    self,
-                    self.funcs.gemv_add[t - 1],
-                    (self.gemv_grid(GemvFamily::Add, t, g_o), 1, 1),
-                    block,
-                    0,
-                    a.attn.ptr,
-                    lw.wo.ptr,
-                    a.x.ptr,
-                    h as i32,
-                    q as i32,
-                    ks_o as i32,
-                    g_o as i32
-                );
+                self.enqueue_gemv_add(t, a.attn.ptr, lw.wo.ptr, a.x.ptr, q)?;
+                let (grid, ks, groups) = self.gemv_shape(GemvFamily::Silu, t, f, h);
                 launch_pdl!(
                     self,
                     self.funcs.gemv_silu[t - 1],
-                    (self.gemv_grid(GemvFamily::Silu, t, g_gu), 1, 1),
+                    (grid, 1, 1),
                     block,
                     smem,
                     a.x.ptr,
@@ -1268,39 +1233,14 @@ impl CudaLlama {
                     a.act.ptr,
                     f as i32,
                     h as i32,
-                    ks_gu as i32,
-                    g_gu as i32
+                    ks,
+                    groups
                 );
-                launch_pdl!(
-                    self,
-                    self.funcs.gemv_add[t - 1],
-                    (self.gemv_grid(GemvFamily::Add, t, g_down), 1, 1),
-                    block,
-                    0,
-                    a.act.ptr,
-                    lw.w_down.ptr,
-                    a.x.ptr,
-                    h as i32,
-                    f as i32,
-                    ks_down as i32,
-                    g_down as i32
-                );
+                self.enqueue_gemv_add(t, a.act.ptr, lw.w_down.ptr, a.x.ptr, f)?;
                 continue;
             }
             self.gemm(a.attn.ptr, lw.wo.ptr, a.delta.ptr, t, h, q, false)?;
-            launch_pdl!(
-                self,
-                self.funcs.add_rmsnorm,
-                (tt, 1, 1),
-                (norm_threads, 1, 1),
-                0,
-                a.x.ptr,
-                a.delta.ptr,
-                lw.ffn_norm.ptr,
-                a.xn.ptr,
-                h as i32,
-                eps
-            );
+            self.enqueue_add_rmsnorm(t, a.delta.ptr, lw.ffn_norm.ptr)?;
             self.gemm(a.xn.ptr, lw.w_gate_up.ptr, a.gu.ptr, t, 2 * f, h, false)?;
             // Eight columns per thread: ffn / 2048 blocks cover a row in one pass; one grid row per
             // token.
@@ -1322,20 +1262,7 @@ impl CudaLlama {
         } else {
             a.delta.ptr
         };
-        launch_pdl!(
-            self,
-            self.funcs.add_rmsnorm,
-            (tt, 1, 1),
-            (norm_threads, 1, 1),
-            0,
-            a.x.ptr,
-            final_delta,
-            self.norm.ptr,
-            a.xn.ptr,
-            h as i32,
-            eps
-        );
-        Ok(())
+        self.enqueue_add_rmsnorm(t, final_delta, self.norm.ptr)
     }
 
     /// Launches `f` with `args` (as [`KernelArg`] slots) on the model's stream; with `opts.pdl` as a
@@ -1392,14 +1319,67 @@ impl CudaLlama {
         self.opts.gemv && t >= 1 && t <= self.opts.gemv_max_rows.min(kernels::GEMV_MAX_ROWS)
     }
 
-    /// Grid of a GEMV launch of `groups` block-groups over `t` rows: one block per group, or with
-    /// persistent launches no more blocks than the GPU holds at once.
-    fn gemv_grid(&self, family: GemvFamily, t: usize, groups: u32) -> u32 {
-        if self.opts.gemv_persistent {
+    /// The launch shape of a GEMV over `t` rows with `pairs` work items (row pairs) of `k` values:
+    /// (grid, K slices, block-groups). One block per group, or with persistent launches no more
+    /// blocks than the GPU holds at once.
+    fn gemv_shape(&self, family: GemvFamily, t: usize, pairs: usize, k: usize) -> (u32, i32, i32) {
+        let ks = gemv_split(pairs, k, self.opts.gemv_target_warps);
+        let groups = gemv_blocks(pairs * ks);
+        let grid = if self.opts.gemv_persistent {
             groups.min(self.gemv_caps[family as usize][t - 1])
         } else {
             groups
-        }
+        };
+        (grid, ks as i32, groups as i32)
+    }
+
+    /// Queues `res[t × n] += x[t × k] · w[n × k]ᵀ` through the residual-add GEMV (`n` = hidden size).
+    fn enqueue_gemv_add(
+        &self,
+        t: usize,
+        x: u64,
+        w: u64,
+        res: u64,
+        k: usize,
+    ) -> Result<(), CudaError> {
+        let n = self.config.hidden_size;
+        let (grid, ks, groups) = self.gemv_shape(GemvFamily::Add, t, n.div_ceil(2), k);
+        launch_pdl!(
+            self,
+            self.funcs.gemv_add[t - 1],
+            (grid, 1, 1),
+            (32 * GEMV_WARPS as u32, 1, 1),
+            0,
+            x,
+            w,
+            res,
+            n as i32,
+            k as i32,
+            ks,
+            groups
+        );
+        Ok(())
+    }
+
+    /// Queues `x += delta` (delta 0: none) and `xn = RMSNorm(x) · weight` over `t` rows.
+    fn enqueue_add_rmsnorm(&self, t: usize, delta: u64, weight: u64) -> Result<(), CudaError> {
+        let h = self.config.hidden_size;
+        // One 16-byte chunk of the row per thread (up to NORM_CHUNKS per thread past 1024).
+        let threads = ((h / 8).div_ceil(32) * 32).clamp(32, 1024) as u32;
+        launch_pdl!(
+            self,
+            self.funcs.add_rmsnorm,
+            (t as u32, 1, 1),
+            (threads, 1, 1),
+            0,
+            self.acts.x.ptr,
+            delta,
+            weight,
+            self.acts.xn.ptr,
+            h as i32,
+            self.config.rms_norm_eps
+        );
+        Ok(())
     }
 
     /// Whether a step of `t` tokens runs the fused GEMV kernels (norm, RoPE, K/V write, SiLU and
