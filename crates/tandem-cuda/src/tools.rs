@@ -10,6 +10,7 @@ use tandem_model::{CpuLlama, ForwardBatch, KvCache, LoadOptions, LogitsWanted, M
 
 use crate::error::CudaError;
 use crate::model::{CudaLlama, CudaOptions, SampleRow, WeightSource};
+use tandem_engine::sampler::argmax;
 
 /// What `cuda-check` runs.
 #[derive(Clone, Debug)]
@@ -66,16 +67,6 @@ impl Runner {
             Runner::Cpu(m, kv) => Ok(m.forward(batch, kv, logits)?),
         }
     }
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CudaError + '_ {
@@ -467,8 +458,7 @@ fn filtered_distribution(logits: &[f32], row: &SampleRow) -> Vec<f64> {
     let v = logits.len();
     let mut p = vec![0.0f64; v];
     if row.temperature <= 1e-5 || row.top_k == 1 {
-        let best = (0..v).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
-        p[best] = 1.0;
+        p[argmax(logits) as usize] = 1.0;
         return p;
     }
     let mut idx: Vec<usize> = (0..v).collect();

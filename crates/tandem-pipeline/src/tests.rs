@@ -3,6 +3,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Instant;
 
+use tandem_engine::sampler::argmax;
 use tandem_engine::CpuBackend;
 use tandem_model::{LoadedModel, LogitsWanted};
 
@@ -74,16 +75,6 @@ fn reference(m: &LoadedModel) -> CpuBackend {
         BLOCK,
         budget(m),
     )
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Three sequences: two prefill chunks each (the first wanting no logits, one wanting all rows), then
