@@ -2,20 +2,16 @@
 //! short concurrency sweep and a short bursty run against it, then `tandem bench plot` over both result
 //! files. Checks request and token counts, that nothing failed, and that the charts are PNG files.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{default_model, root, Server, BIN};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_tandem");
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn model() -> PathBuf {
-    let path = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = default_model();
     assert!(
         path.is_file(),
         "{} is missing: run scripts/fetch-model.sh",
@@ -24,59 +20,16 @@ fn model() -> PathBuf {
     path
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A running `tandem serve`, killed on drop.
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    fn start(dir: &Path) -> Server {
-        let port = free_port();
-        let child = Command::new(BIN)
-            .arg("serve")
-            .arg(model())
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--kv-cache-memory", "64MiB"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("serve.log")).unwrap())
-            .spawn()
-            .expect("tandem serve starts");
-        let mut server = Server {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-        };
-        let deadline = Instant::now() + Duration::from_secs(300);
-        loop {
-            if let Some(status) = server.child.try_wait().unwrap() {
-                panic!(
-                    "tandem serve exited with {status}:\n{}",
-                    std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default()
-                );
-            }
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return server;
-            }
-            assert!(Instant::now() < deadline, "tandem serve did not start");
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
+/// `tandem serve` on the default model with a small KV cache, its log in `dir`.
+fn serve(dir: &Path) -> Server {
+    Server::start(
+        &[
+            model().as_os_str(),
+            "--kv-cache-memory".as_ref(),
+            "64MiB".as_ref(),
+        ],
+        &dir.join("serve.log"),
+    )
 }
 
 /// Runs `tandem <args>` to completion; panics with its output when it fails.
@@ -112,7 +65,7 @@ fn assert_png(path: &Path) {
 fn bench_sweeps_bursts_and_plots_against_a_live_server() {
     let dir = std::env::temp_dir().join(format!("tandem-bench-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let server = Server::start(&dir);
+    let server = serve(&dir);
     let model = model();
     let tokenizer = model.to_str().unwrap();
 

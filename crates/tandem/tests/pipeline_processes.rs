@@ -3,20 +3,17 @@
 //! tokens as the unsplit model, colocated and in a P/D deployment whose prefill and decode workers are
 //! both pipelined (so KV of the remote stage's layers is exported and imported through the stage links).
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::{default_model, Server};
 use serde_json::{json, Value};
 
-const BIN: &str = env!("CARGO_BIN_EXE_tandem");
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn model() -> Option<PathBuf> {
-    let path = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = default_model();
     if !path.is_file() {
         eprintln!(
             "skipping: {} is absent (run scripts/fetch-model.sh)",
@@ -27,69 +24,17 @@ fn model() -> Option<PathBuf> {
     Some(path)
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A running `tandem serve`, killed on drop (its workers and stages exit when their pipes close).
-struct Server {
-    child: Child,
-    url: String,
-    log: PathBuf,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts `tandem serve --config <dir>/<name>.yaml` with `yaml` written there.
+fn serve(dir: &Path, name: &str, yaml: &str) -> Server {
+    let config = dir.join(format!("{name}.yaml"));
+    std::fs::write(&config, yaml).unwrap();
+    Server::start(
+        &[Path::new("--config"), config.as_path()],
+        &dir.join(format!("{name}.log")),
+    )
 }
 
 impl Server {
-    fn start(dir: &Path, name: &str, yaml: &str) -> Server {
-        let config = dir.join(format!("{name}.yaml"));
-        std::fs::write(&config, yaml).unwrap();
-        let log = dir.join(format!("{name}.log"));
-        let port = free_port();
-        let child = Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&config)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("tandem serve starts");
-        let mut server = Server {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            log,
-        };
-        let deadline = Instant::now() + Duration::from_secs(300);
-        loop {
-            if let Some(status) = server.child.try_wait().unwrap() {
-                panic!("tandem serve exited with {status}:\n{}", server.log());
-            }
-            if healthy(&server.url) {
-                return server;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "tandem serve never became healthy:\n{}",
-                server.log()
-            );
-            std::thread::sleep(Duration::from_millis(250));
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
     /// One greedy completion of `max_tokens` tokens: its HTTP status and body.
     fn complete(&self, prompt: &str, max_tokens: usize) -> (reqwest::StatusCode, Value) {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -137,23 +82,6 @@ impl Server {
     }
 }
 
-/// Whether `GET /health` answers 200: a raw HTTP/1.1 request over loopback, so polling needs no runtime.
-fn healthy(url: &str) -> bool {
-    use std::io::{Read, Write};
-    let addr = url.trim_start_matches("http://");
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    let req = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    if s.write_all(req.as_bytes()).is_err() {
-        return false;
-    }
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    out.starts_with("HTTP/1.1 200")
-}
-
 /// Child process ids of `pid` (Linux: /proc/PID/task/*/children).
 fn children(pid: u32) -> Vec<u32> {
     let mut out = Vec::new();
@@ -192,10 +120,10 @@ fn pipeline_parallel_2_answers_like_pipeline_parallel_1() {
             )
         )
     };
-    let want = Server::start(&dir, "pp1", &colocated(1)).answers();
+    let want = serve(&dir, "pp1", &colocated(1)).answers();
     assert!(want.iter().all(|t| !t.is_empty()), "{want:?}");
 
-    let pp2 = Server::start(&dir, "pp2", &colocated(2));
+    let pp2 = serve(&dir, "pp2", &colocated(2));
     assert_eq!(pp2.answers(), want, "colocated pipeline_parallel_size 2");
     let log = pp2.log();
     assert!(log.contains("pipeline stage connected"), "{log}");
@@ -233,7 +161,7 @@ fn pipeline_parallel_2_answers_like_pipeline_parallel_1() {
          kv_transfer: {{transport: tcp, pin_timeout_secs: 20}}\n  routing: {{local_prefill_threshold: 16}}\n",
         model.display()
     );
-    let pd = Server::start(&dir, "pd", &pd);
+    let pd = serve(&dir, "pd", &pd);
     assert_eq!(pd.answers(), want, "P/D with pipelined prefill and decode");
     let log = pd.log();
     assert_eq!(
