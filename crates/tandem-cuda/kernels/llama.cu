@@ -457,7 +457,7 @@ __device__ __forceinline__ const bf16* kv_row(const bf16* cache, const int* bt, 
 }
 
 // Reference attention: one warp per (token, head), keys one at a time with an online softmax. Slow;
-// kept as the check the fast kernels are compared against on the device (TANDEM_CUDA_ATTN=simple).
+// kept as the check the fast kernels are compared against on the device (--cuda-attention simple).
 extern "C" __global__ void attn_simple(const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ seq_qrow,
                                        const int* __restrict__ seq_nq, const int* __restrict__ seq_pos,
                                        const int* __restrict__ seq_bt, const int* __restrict__ bt,

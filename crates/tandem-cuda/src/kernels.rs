@@ -267,7 +267,7 @@ mod tests {
                 }
             }
             assert!(text.contains("mma.sync.aligned.m16n8k16"));
-            if let Ok(dir) = std::env::var("TANDEM_CUDA_PTX_DIR") {
+            if let Ok(dir) = std::env::var("TANDEM_PTX_DIR") {
                 let path = format!("{dir}/llama_d{}_g{}.ptx", shape.head_dim, shape.gqa);
                 std::fs::write(&path, &text).expect("writing the PTX");
             }

@@ -10,10 +10,12 @@
 pub mod backend;
 pub mod error;
 pub mod kernels;
+mod memory;
 pub mod model;
+pub mod options;
 pub mod plan;
-pub mod tools;
 
 pub use backend::CudaBackend;
 pub use error::CudaError;
-pub use model::{driver_available, AttnMode, CudaLlama, CudaOptions, SampleRow, WeightSource};
+pub use model::{driver_available, CudaLlama, SampleRow, WeightSource};
+pub use options::{AttnMode, CudaOptions};

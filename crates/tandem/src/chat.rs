@@ -26,6 +26,9 @@ pub struct ChatArgs {
     /// With --local: engine knobs, as for `tandem serve`.
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// With --local and --device cuda: CUDA backend flags, as for `tandem serve`.
+    #[command(flatten)]
+    pub cuda: crate::cuda_settings::CudaArgs,
     /// Model name (default: the server's first model).
     #[arg(long)]
     pub model: Option<String>,
@@ -213,6 +216,7 @@ fn local_settings(args: &ChatArgs) -> Result<ServeSettings> {
     let serve = ServeArgs {
         model: args.model_path.clone(),
         engine: args.engine.clone(),
+        cuda: args.cuda.clone(),
         ..ServeArgs::default()
     };
     ServeSettings::resolve(&serve, FileConfig::default())

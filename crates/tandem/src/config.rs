@@ -11,6 +11,8 @@ use clap::{Args, ValueEnum};
 use serde::{Deserialize, Deserializer};
 use tandem_engine::EngineConfig;
 
+use crate::cuda_settings::{CudaArgs, CudaSection};
+
 /// The model served when none is named.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -202,6 +204,9 @@ pub struct FileConfig {
     pub engine: EngineSection,
     /// Deployment shape.
     pub deployment: Option<DeploymentSection>,
+    /// CUDA backend settings (`crate::cuda_settings`).
+    #[serde(default)]
+    pub cuda: CudaSection,
 }
 
 impl FileConfig {
@@ -320,6 +325,9 @@ pub struct ServeArgs {
     /// Engine knobs.
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// CUDA backend flags.
+    #[command(flatten)]
+    pub cuda: CudaArgs,
 }
 
 /// The merged settings `tandem serve` runs with.
@@ -343,6 +351,8 @@ pub struct ServeSettings {
     pub engine: EngineConfig,
     /// Backend the engine runs on.
     pub device: Device,
+    /// CUDA backend settings: the file's `cuda:` section with the flags applied.
+    pub cuda: CudaSection,
 }
 
 fn apply_engine(section: &EngineSection, engine: &mut EngineConfig) {
@@ -424,6 +434,7 @@ impl ServeSettings {
                 .or(file.engine.device)
                 .unwrap_or_default(),
             engine,
+            cuda: file.cuda.merged(&args.cuda.as_section()),
         })
     }
 }

@@ -9,6 +9,7 @@ use tandem_model::{CpuLlama, LoadedModel};
 use tandem_pipeline::{PipelineBackend, PipelineConfig};
 
 use crate::config::Device;
+use crate::cuda_settings::CudaSection;
 
 /// Moves the loaded model onto `device` and starts an engine thread over it.
 pub fn start_engine(
@@ -16,6 +17,7 @@ pub fn start_engine(
     model_path: &Path,
     config: &EngineConfig,
     device: Device,
+    cuda: &CudaSection,
 ) -> Result<EngineHandle> {
     if config.pipeline_parallel_size > 1 {
         if device != Device::Cpu || config.tensor_parallel_size > 1 {
@@ -40,7 +42,7 @@ pub fn start_engine(
                     config.tensor_parallel_size
                 );
             }
-            start_cuda(loaded, config)
+            start_cuda(loaded, config, cuda)
         }
     }
 }
@@ -112,7 +114,11 @@ pub fn cpu_backend(loaded: LoadedModel, config: &EngineConfig) -> Result<CpuBack
 }
 
 #[cfg(feature = "cuda")]
-fn start_cuda(loaded: LoadedModel, config: &EngineConfig) -> Result<EngineHandle> {
+fn start_cuda(
+    loaded: LoadedModel,
+    config: &EngineConfig,
+    cuda: &CudaSection,
+) -> Result<EngineHandle> {
     use tandem_cuda::{CudaBackend, CudaLlama, CudaOptions, WeightSource};
     let max_model_len = config.max_model_len;
     // A step never carries more than the token budget, except whole prompts when chunking is off.
@@ -120,15 +126,14 @@ fn start_cuda(loaded: LoadedModel, config: &EngineConfig) -> Result<EngineHandle
     if !config.enable_chunked_prefill {
         max_tokens = max_tokens.max(max_model_len.unwrap_or(loaded.config.max_position_embeddings));
     }
-    let opts = CudaOptions {
+    let opts = cuda.options(CudaOptions {
         block_size: config.block_size,
         kv_cache_bytes: config.kv_cache_bytes,
         max_tokens,
         max_seqs: config.max_num_seqs,
         max_model_len,
         ..CudaOptions::default()
-    }
-    .with_env_overrides();
+    });
     let model = CudaLlama::new(
         loaded.config.clone(),
         WeightSource::Host(&loaded.weights),
@@ -140,6 +145,10 @@ fn start_cuda(loaded: LoadedModel, config: &EngineConfig) -> Result<EngineHandle
 }
 
 #[cfg(not(feature = "cuda"))]
-fn start_cuda(_loaded: LoadedModel, _config: &EngineConfig) -> Result<EngineHandle> {
+fn start_cuda(
+    _loaded: LoadedModel,
+    _config: &EngineConfig,
+    _cuda: &CudaSection,
+) -> Result<EngineHandle> {
     anyhow::bail!("--device cuda needs a binary built with `cargo build --release --features cuda`")
 }

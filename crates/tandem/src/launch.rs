@@ -17,6 +17,7 @@ use tandem_model::LoadOptions;
 use tracing::info;
 
 use crate::config::{DeploymentSection, EngineSection, FileConfig, RoleSection, ServeArgs};
+use crate::cuda_settings::CudaSection;
 use crate::worker::READY_PREFIX;
 
 /// Worker processes that are killed when this value is dropped (normal exit, error or panic).
@@ -149,6 +150,7 @@ fn spawn_worker(
     index: usize,
     engine: &EngineSection,
     dep: &DeploymentSection,
+    cuda: &CudaSection,
 ) -> Result<(String, Child, mpsc::Receiver<String>)> {
     let name = format!("{role}-{index}");
     let kv = dep.kv_transfer.clone().unwrap_or_default();
@@ -176,6 +178,7 @@ fn spawn_worker(
         "--exit-with-stdin".into(),
     ];
     engine_flags(engine, &mut cmd_args);
+    cuda.push_flags(&mut cmd_args);
     let mut child = Command::new(exe)
         .args(&cmd_args)
         .stdin(Stdio::piped())
@@ -199,6 +202,7 @@ pub fn run(args: &ServeArgs, file: FileConfig) -> Result<()> {
     let model_path: PathBuf = std::fs::canonicalize(&model_path).unwrap_or(model_path);
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let cli = cli_engine(args);
+    let cuda = file.cuda.merged(&args.cuda.as_section());
 
     let mut children = Children(Vec::new());
     let mut pending = Vec::new();
@@ -215,7 +219,7 @@ pub fn run(args: &ServeArgs, file: FileConfig) -> Result<()> {
             &cli,
         ]);
         for i in 0..replicas {
-            let (name, child, rx) = spawn_worker(&exe, &model_path, role, i, &engine, &dep)?;
+            let (name, child, rx) = spawn_worker(&exe, &model_path, role, i, &engine, &dep, &cuda)?;
             children.0.push((name.clone(), child));
             pending.push((name, rx));
         }

@@ -4,6 +4,7 @@ mod bench;
 mod bench_engine;
 mod chat;
 mod config;
+mod cuda_settings;
 #[cfg(feature = "cuda")]
 mod cuda_tools;
 mod device;

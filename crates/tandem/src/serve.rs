@@ -130,7 +130,13 @@ fn prepare(settings: &ServeSettings) -> Result<Prepared> {
     let model_root = loaded.name.clone();
 
     let engine_config = settings.engine.clone();
-    let engine = crate::device::start_engine(loaded, &model_path, &engine_config, settings.device)?;
+    let engine = crate::device::start_engine(
+        loaded,
+        &model_path,
+        &engine_config,
+        settings.device,
+        &settings.cuda,
+    )?;
     info!(
         device = %settings.device,
         max_model_len = engine.max_model_len(),

@@ -61,6 +61,9 @@ pub struct WorkerArgs {
     /// Engine knobs; `block_size` must match every other worker's.
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// CUDA backend flags (with --device cuda).
+    #[command(flatten)]
+    pub cuda: crate::cuda_settings::CudaArgs,
     /// Exit when stdin closes: set by `tandem serve`, whose death closes the pipe.
     #[arg(long, hide = true)]
     pub exit_with_stdin: bool,
@@ -118,6 +121,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         &model_path,
         &engine_config,
         args.engine.device.unwrap_or_default(),
+        &args.cuda.as_section(),
     )?;
     let worker_id = args
         .worker_id

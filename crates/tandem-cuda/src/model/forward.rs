@@ -1,0 +1,467 @@
+//! The forward pass: the model body (embedding, layers, final norm) queued on the stream, the output
+//! head, and logits copied to the host.
+
+use cudarc::cublas::sys as blas_sys;
+use cudarc::driver::{result as drv_result, LaunchConfig, PushKernelArg};
+use tandem_model::ForwardBatch;
+
+use super::gemv::{fused_smem_bytes, GemvFamily, GEMV_WARPS};
+use super::launch::{KernelArg, SeqAttnArgs};
+use super::CudaLlama;
+use crate::error::CudaError;
+use crate::kernels::{self, DECODE_PARTITION_SMALL};
+use crate::memory::{BF16, STAGING_CHUNK};
+use crate::options::AttnMode;
+use crate::plan::Region;
+
+/// 16-byte chunks of a row each thread of `add_rmsnorm` holds (`NORM_CHUNKS` in llama.cu).
+pub(super) const NORM_CHUNKS: usize = 2;
+
+impl CudaLlama {
+    /// y[t × n] = x[t × k] · w[n × k]ᵀ in bf16 with fp32 accumulation; `f32_out` writes fp32 y.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm(
+        &self,
+        x: u64,
+        w: u64,
+        y: u64,
+        t: usize,
+        n: usize,
+        k: usize,
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
+        if self.gemv_rows(t) && k.is_multiple_of(8) {
+            let (grid, ks, groups) = self.gemv_shape(GemvFamily::Plain, t, n.div_ceil(2), k);
+            launch_pdl!(
+                self,
+                self.funcs.gemv[t - 1],
+                (grid, 1, 1),
+                (32 * GEMV_WARPS as u32, 1, 1),
+                0,
+                x,
+                w,
+                y,
+                n as i32,
+                k as i32,
+                f32_out as i32,
+                ks,
+                groups
+            );
+            return Ok(());
+        }
+        let alpha = 1.0f32;
+        let beta = 0.0f32;
+        let c_type = if f32_out {
+            blas_sys::cudaDataType::CUDA_R_32F
+        } else {
+            blas_sys::cudaDataType::CUDA_R_16BF
+        };
+        // Column-major view: Yᵀ (n × t) = W (k × n)ᵀ · Xᵀ (k × t).
+        // SAFETY: pointers are live device buffers of the stated shapes.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                t as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                x as *const _,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                c_type,
+                n as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Queues the whole forward pass over the uploaded plan up to the final norm (into `xn`).
+    /// `graph`: launch the decode attention over every partition the context limit allows, so that
+    /// the captured launch fits any later step of the same size.
+    pub(super) fn enqueue_body(&self, t: usize, graph: bool) -> Result<(), CudaError> {
+        let c = &self.config;
+        let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let (nh, nkv) = (c.num_heads as i32, c.num_kv_heads as i32);
+        let a = &self.acts;
+        let s = &self.stream;
+        let tt = t as u32;
+        let eps = c.rms_norm_eps;
+        let qkv_w = (q + 2 * kv) as i32;
+        let neox = matches!(c.rope_style, tandem_kernels::RopeStyle::Neox) as i32;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let scale_log2 = scale * std::f32::consts::LOG2_E;
+        let layer_elems = (self.layout.num_blocks + 1) * self.layout.block_elems();
+        let p = &self.plan;
+        let part_len = kernels::decode_partition(p.dec_row.len(), self.opts.decode_partition_small);
+        let stride = self.max_model_len.div_ceil(part_len);
+        let decode_parts = if graph {
+            stride
+        } else {
+            p.max_dec_ctx.div_ceil(part_len)
+        };
+        if p.dec_row.len() * c.num_heads * stride > self.part_slots {
+            return Err(CudaError::Batch(format!(
+                "{} decode sequences exceed the partial-result buffers",
+                p.dec_row.len()
+            )));
+        }
+
+        launch!(
+            s,
+            self.funcs.embed_gather,
+            (tt, 1, 1),
+            (256, 1, 1),
+            self.embed.ptr,
+            self.meta(Region::Tokens),
+            a.x.ptr,
+            h as i32
+        );
+        let fused = self.fused_step(t);
+        let smem = fused_smem_bytes(t, h) as u32;
+        let block = (32 * GEMV_WARPS as u32, 1, 1);
+        for (l, lw) in self.layers.iter().enumerate() {
+            let cache = self.kv.at(l * layer_elems, BF16);
+            let bias = lw.bqkv.as_ref().map_or(0u64, |b| b.ptr);
+            if fused {
+                // RMSNorm + QKV + bias + RoPE + K/V write; the residual is complete in x.
+                let (grid, ks, groups) = self.gemv_shape(GemvFamily::Qkv, t, (q + 2 * kv) / 2, h);
+                launch_pdl!(
+                    self,
+                    self.funcs.gemv_qkv[t - 1],
+                    (grid, 1, 1),
+                    block,
+                    smem,
+                    a.x.ptr,
+                    lw.attn_norm.ptr,
+                    eps,
+                    lw.wqkv.ptr,
+                    bias,
+                    self.meta(Region::Positions),
+                    self.meta(Region::Slots),
+                    self.rope_cos.ptr,
+                    self.rope_sin.ptr,
+                    cache,
+                    a.qkv.ptr,
+                    nh,
+                    nkv,
+                    neox,
+                    h as i32,
+                    ks,
+                    groups
+                );
+            } else {
+                let delta = if l == 0 { 0u64 } else { a.delta.ptr };
+                self.enqueue_add_rmsnorm(t, delta, lw.attn_norm.ptr)?;
+                self.gemm(a.xn.ptr, lw.wqkv.ptr, a.qkv.ptr, t, q + 2 * kv, h, false)?;
+                launch!(
+                    s,
+                    self.funcs.rope_kv_write,
+                    (tt, 1, 1),
+                    (256, 1, 1),
+                    a.qkv.ptr,
+                    bias,
+                    self.meta(Region::Positions),
+                    self.meta(Region::Slots),
+                    self.rope_cos.ptr,
+                    self.rope_sin.ptr,
+                    cache,
+                    nh,
+                    nkv,
+                    neox
+                );
+            }
+            let seq = SeqAttnArgs {
+                seq_qrow: self.meta(Region::SeqQrow),
+                seq_nq: self.meta(Region::SeqNq),
+                seq_pos: self.meta(Region::SeqPos),
+                seq_bt: self.meta(Region::SeqBt),
+                block_tables: self.meta(Region::BlockTables),
+                cache,
+                out: a.attn.ptr,
+                nh,
+                nkv,
+            };
+            match self.opts.attn {
+                AttnMode::Simple => {
+                    let n_seq = p.seq_qrow.len() as u32;
+                    launch!(
+                        s,
+                        self.funcs.attn_simple,
+                        (p.max_nq as u32, n_seq, (nh as u32).div_ceil(4)),
+                        (32, 4, 1),
+                        a.qkv.ptr,
+                        qkv_w,
+                        @seq &seq,
+                        scale
+                    );
+                }
+                AttnMode::Fast => {
+                    if !p.tile_seq.is_empty() {
+                        launch_smem!(
+                            s,
+                            self.funcs.attn_prefill,
+                            (p.tile_seq.len() as u32, nh as u32, 1),
+                            (128, 1, 1),
+                            kernels::prefill_smem_bytes(c.head_dim) as u32,
+                            a.qkv.ptr,
+                            qkv_w,
+                            self.meta(Region::TileSeq),
+                            self.meta(Region::TileQ0),
+                            @seq &seq,
+                            scale_log2
+                        );
+                    }
+                    if !p.dec_row.is_empty() {
+                        let nd = p.dec_row.len() as u32;
+                        let kernel = if part_len <= DECODE_PARTITION_SMALL {
+                            &self.funcs.attn_decode_small
+                        } else {
+                            &self.funcs.attn_decode
+                        };
+                        launch_pdl!(
+                            self,
+                            kernel,
+                            (nd, nkv as u32, decode_parts as u32),
+                            (128, 1, 1),
+                            0,
+                            a.qkv.ptr,
+                            qkv_w,
+                            self.meta(Region::DecRow),
+                            self.meta(Region::DecCtx),
+                            self.meta(Region::DecBt),
+                            self.meta(Region::BlockTables),
+                            cache,
+                            a.part_m.ptr,
+                            a.part_l.ptr,
+                            a.part_o.ptr,
+                            a.dec_done.ptr,
+                            a.attn.ptr,
+                            nh,
+                            nkv,
+                            stride as i32,
+                            part_len as i32,
+                            scale_log2
+                        );
+                    }
+                }
+            }
+            if fused {
+                // Output projection added into the residual; RMSNorm + gate/up + SiLU·mul; down
+                // projection added into the residual.
+                self.enqueue_gemv_add(t, a.attn.ptr, lw.wo.ptr, a.x.ptr, q)?;
+                let (grid, ks, groups) = self.gemv_shape(GemvFamily::Silu, t, f, h);
+                launch_pdl!(
+                    self,
+                    self.funcs.gemv_silu[t - 1],
+                    (grid, 1, 1),
+                    block,
+                    smem,
+                    a.x.ptr,
+                    lw.ffn_norm.ptr,
+                    eps,
+                    lw.w_gate_up.ptr,
+                    a.act.ptr,
+                    f as i32,
+                    h as i32,
+                    ks,
+                    groups
+                );
+                self.enqueue_gemv_add(t, a.act.ptr, lw.w_down.ptr, a.x.ptr, f)?;
+                continue;
+            }
+            self.gemm(a.attn.ptr, lw.wo.ptr, a.delta.ptr, t, h, q, false)?;
+            self.enqueue_add_rmsnorm(t, a.delta.ptr, lw.ffn_norm.ptr)?;
+            self.gemm(a.xn.ptr, lw.w_gate_up.ptr, a.gu.ptr, t, 2 * f, h, false)?;
+            // Eight columns per thread: ffn / 2048 blocks cover a row in one pass; one grid row per
+            // token.
+            let col_blocks = f.div_ceil(8 * 256) as u32;
+            launch!(
+                s,
+                self.funcs.silu_mul,
+                (col_blocks, tt, 1),
+                (256, 1, 1),
+                a.gu.ptr,
+                a.act.ptr,
+                f as i32
+            );
+            self.gemm(a.act.ptr, lw.w_down.ptr, a.delta.ptr, t, h, f, false)?;
+        }
+        // The fused path adds every delta into x itself.
+        let final_delta = if self.layers.is_empty() || fused {
+            0u64
+        } else {
+            a.delta.ptr
+        };
+        self.enqueue_add_rmsnorm(t, final_delta, self.norm.ptr)
+    }
+
+    /// Queues `res[t × n] += x[t × k] · w[n × k]ᵀ` through the residual-add GEMV (`n` = hidden size).
+    pub(super) fn enqueue_gemv_add(
+        &self,
+        t: usize,
+        x: u64,
+        w: u64,
+        res: u64,
+        k: usize,
+    ) -> Result<(), CudaError> {
+        let n = self.config.hidden_size;
+        let (grid, ks, groups) = self.gemv_shape(GemvFamily::Add, t, n.div_ceil(2), k);
+        launch_pdl!(
+            self,
+            self.funcs.gemv_add[t - 1],
+            (grid, 1, 1),
+            (32 * GEMV_WARPS as u32, 1, 1),
+            0,
+            x,
+            w,
+            res,
+            n as i32,
+            k as i32,
+            ks,
+            groups
+        );
+        Ok(())
+    }
+
+    /// Queues `x += delta` (delta 0: none) and `xn = RMSNorm(x) · weight` over `t` rows.
+    pub(super) fn enqueue_add_rmsnorm(
+        &self,
+        t: usize,
+        delta: u64,
+        weight: u64,
+    ) -> Result<(), CudaError> {
+        let h = self.config.hidden_size;
+        // One 16-byte chunk of the row per thread (up to NORM_CHUNKS per thread past 1024).
+        let threads = ((h / 8).div_ceil(32) * 32).clamp(32, 1024) as u32;
+        launch_pdl!(
+            self,
+            self.funcs.add_rmsnorm,
+            (t as u32, 1, 1),
+            (threads, 1, 1),
+            0,
+            self.acts.x.ptr,
+            delta,
+            weight,
+            self.acts.xn.ptr,
+            h as i32,
+            self.config.rms_norm_eps
+        );
+        Ok(())
+    }
+
+    /// Queues the output head for logits rows `start..start + n` of the plan into `acts.logits`.
+    pub(super) fn enqueue_head(&self, start: usize, n: usize) -> Result<(), CudaError> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let a = &self.acts;
+        // Rows start..start + n of the step (every decode step, and graphs only run those) need no
+        // gather: the head reads them from xn in place.
+        let lr = &self.plan.logit_rows;
+        let in_place = lr.len() >= start + n
+            && lr[start..start + n]
+                .iter()
+                .enumerate()
+                .all(|(i, &r)| r as usize == start + i);
+        let head_in = if in_place {
+            a.xn.at(start * h, BF16)
+        } else {
+            let rows = self.meta(Region::LogitRows) + (start * 4) as u64;
+            launch_pdl!(
+                self,
+                self.funcs.gather_rows,
+                (n as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                a.xn.ptr,
+                rows,
+                a.head_in.ptr,
+                h as i32
+            );
+            a.head_in.ptr
+        };
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        self.gemm(head_in, head.ptr, a.logits.ptr, n, c.vocab_size, h, true)
+    }
+
+    /// Runs one step and returns `batch.logits_rows()` rows of fp32 logits on the host.
+    pub fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread()?;
+        logits.clear();
+        let graph = self.prepare(batch)?;
+        let rows = batch.logits_rows();
+        let v = self.config.vocab_size;
+        logits.resize(rows * v, 0.0);
+        if graph > 0 {
+            self.run_graph(graph)?;
+            self.copy_logits(&mut logits[..], rows)?;
+        } else {
+            let t = self.plan.num_tokens();
+            if t == 0 {
+                return Ok(());
+            }
+            self.enqueue_body(t, false)?;
+            let chunk = self.opts.logits_chunk_rows.max(1);
+            let mut start = 0;
+            while start < rows {
+                let n = chunk.min(rows - start);
+                self.enqueue_head(start, n)?;
+                self.copy_logits(&mut logits[start * v..(start + n) * v], n)?;
+                start += n;
+            }
+        }
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Copies `rows` rows of logits to `dst` through the pinned staging buffer, two slots deep: the
+    /// CPU copies one slot out while the GPU fills the other.
+    pub(super) fn copy_logits(&mut self, dst: &mut [f32], rows: usize) -> Result<(), CudaError> {
+        let n = rows * self.config.vocab_size;
+        let src = self.acts.logits.ptr;
+        let stream = self.stream.clone();
+        let mut pending: std::collections::VecDeque<(
+            cudarc::driver::CudaEvent,
+            usize,
+            usize,
+            usize,
+        )> = std::collections::VecDeque::with_capacity(2);
+        let mut off = 0;
+        let mut chunk_no = 0;
+        while off < n || !pending.is_empty() {
+            if pending.len() == 2 || off >= n {
+                let (event, slot, at, len) = pending.pop_front().expect("a pending chunk");
+                event.synchronize()?;
+                dst[at..at + len].copy_from_slice(self.staging.slice(slot * STAGING_CHUNK, len));
+                continue;
+            }
+            let len = STAGING_CHUNK.min(n - off);
+            let slot = chunk_no % 2;
+            // SAFETY: the slot is not in use (its previous chunk was consumed above); the source
+            // range lies inside acts.logits.
+            unsafe {
+                drv_result::memcpy_dtoh_async(
+                    self.staging.slice_mut(slot * STAGING_CHUNK, len),
+                    src + (off * 4) as u64,
+                    stream.cu_stream(),
+                )
+            }?;
+            pending.push_back((stream.record_event(None)?, slot, off, len));
+            off += len;
+            chunk_no += 1;
+        }
+        Ok(())
+    }
+}

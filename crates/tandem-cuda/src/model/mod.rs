@@ -1,0 +1,465 @@
+//! The bf16 Llama forward pass on one GPU: weights and the paged KV cache in device memory, cuBLAS for
+//! every projection, our NVRTC kernels for the rest, and CUDA graphs for decode-only steps.
+//!
+//! [`CudaLlama`] and its construction live here; its jobs live in the submodules: kernel loading and
+//! launch helpers (`launch`), GEMV launch shapes (`gemv`), weight upload (`upload`), the forward pass
+//! (`forward`), decode graphs (`graphs`), token choice on the device (`sample`) and KV block I/O
+//! (`kv_io`).
+
+// First: its launch macros are used by the modules after it.
+#[macro_use]
+mod launch;
+
+mod forward;
+mod gemv;
+mod graphs;
+mod kv_io;
+mod sample;
+mod upload;
+
+use std::sync::Arc;
+
+use cudarc::cublas::sys as blas_sys;
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys as drv;
+use cudarc::driver::{result as drv_result, CudaContext, CudaStream};
+use tandem_kernels::RopeTable;
+use tandem_model::{KvDtype, KvLayout, LlamaWeights, ModelConfig};
+
+use crate::error::CudaError;
+use crate::kernels::{self, KernelShape, DECODE_PARTITION, SMALL_DECODE_BATCH};
+use crate::memory::{DeviceBuf, PinnedBuf, BF16, STAGING_CHUNK};
+use crate::options::{AttnMode, CudaOptions};
+use crate::plan::{MetaLayout, PlanLimits, Region, StepPlan, REGIONS};
+
+use forward::NORM_CHUNKS;
+use graphs::{Graphs, GRAPH_SIZES};
+use launch::Funcs;
+pub use sample::SampleRow;
+use sample::SAMPLE_ROW_WORDS;
+use upload::Uploader;
+
+/// Where the weights come from.
+pub enum WeightSource<'a> {
+    /// Weights loaded on the host (safetensors or GGUF), converted to bf16 on upload.
+    Host(&'a LlamaWeights),
+    /// Uniform random bf16 weights generated on the device (speed runs; no file behind them).
+    Random {
+        /// Seed of the generator.
+        seed: u64,
+    },
+}
+
+/// One layer's device weights.
+struct LayerBufs {
+    attn_norm: DeviceBuf,
+    /// [q; k; v] rows fused into one matrix: one GEMM per layer for the three projections.
+    wqkv: DeviceBuf,
+    bqkv: Option<DeviceBuf>,
+    wo: DeviceBuf,
+    ffn_norm: DeviceBuf,
+    /// [gate; up] rows fused.
+    w_gate_up: DeviceBuf,
+    w_down: DeviceBuf,
+}
+
+/// Activation buffers, sized once for the largest step.
+struct Acts {
+    x: DeviceBuf,
+    xn: DeviceBuf,
+    qkv: DeviceBuf,
+    attn: DeviceBuf,
+    delta: DeviceBuf,
+    gu: DeviceBuf,
+    act: DeviceBuf,
+    head_in: DeviceBuf,
+    logits: DeviceBuf,
+    argmax: DeviceBuf,
+    /// Per-row draw parameters of `sample_rows` (`SAMPLE_ROW_WORDS` u32 per row).
+    sample_params: DeviceBuf,
+    part_m: DeviceBuf,
+    part_l: DeviceBuf,
+    part_o: DeviceBuf,
+    /// Finished decode partitions per (sequence, kv head); zero between launches.
+    dec_done: DeviceBuf,
+    meta: DeviceBuf,
+    _blas_workspace: DeviceBuf,
+}
+
+/// The Llama-family model on one GPU with its paged bf16 KV cache.
+pub struct CudaLlama {
+    config: ModelConfig,
+    opts: CudaOptions,
+    shape: KernelShape,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    funcs: Funcs,
+    embed: DeviceBuf,
+    layers: Vec<LayerBufs>,
+    norm: DeviceBuf,
+    lm_head: Option<DeviceBuf>,
+    rope_cos: DeviceBuf,
+    rope_sin: DeviceBuf,
+    kv: DeviceBuf,
+    layout: KvLayout,
+    acts: Acts,
+    meta_layout: MetaLayout,
+    plan: StepPlan,
+    max_model_len: usize,
+    /// Capacity of the decode partial-result buffers, in (sequence, head, partition) entries.
+    part_slots: usize,
+    graphs: Graphs,
+    staging: PinnedBuf,
+    /// Host scratch of the token choice: ids copied back, and the draw parameters uploaded (reused,
+    /// so a step allocates nothing).
+    pick_ids: Vec<i32>,
+    pick_words: Vec<u32>,
+    /// Page-locked staging of one KV block for export/import (the P/D transfer's host side); a
+    /// mutex because export takes `&self`.
+    kv_staging: std::sync::Mutex<PinnedBuf>,
+    device_name: String,
+    /// Blocks of each GEMV kernel (`[family][rows - 1]`) the GPU holds at once: the grid of a
+    /// persistent launch.
+    gemv_caps: [[u32; kernels::GEMV_MAX_ROWS]; 4],
+    /// Host time of the last `forward_greedy` from its start until the body's kernels were queued
+    /// (benchmarks: tells host-side stalls from GPU time).
+    last_enqueue: std::time::Duration,
+}
+
+impl std::fmt::Debug for CudaLlama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaLlama")
+            .field("device", &self.device_name)
+            .field("layout", &self.layout)
+            .field("attn", &self.opts.attn)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The model's widths: hidden, query, key/value, FFN and vocabulary.
+fn widths(c: &ModelConfig) -> (usize, usize, usize, usize, usize) {
+    (
+        c.hidden_size,
+        c.q_dim(),
+        c.kv_dim(),
+        c.intermediate_size,
+        c.vocab_size,
+    )
+}
+
+/// Whether a CUDA driver can be loaded on this machine (tests and `--device cuda` check this first).
+pub fn driver_available() -> bool {
+    // SAFETY: only probes for the shared library; no symbol is called.
+    unsafe { drv::is_culib_present() }
+}
+
+impl CudaLlama {
+    /// Loads the model onto the GPU: compiles the kernels, uploads (or generates) the weights,
+    /// allocates the KV cache and every activation buffer.
+    pub fn new(
+        config: ModelConfig,
+        weights: WeightSource<'_>,
+        opts: CudaOptions,
+    ) -> Result<CudaLlama, CudaError> {
+        config.validate()?;
+        if !driver_available() {
+            return Err(CudaError::Unavailable("libcuda could not be loaded".into()));
+        }
+        if !kernels::nvrtc_available() {
+            return Err(CudaError::Unavailable(
+                "libnvrtc could not be loaded (add its folder to LD_LIBRARY_PATH)".into(),
+            ));
+        }
+        // SAFETY: only probes for the shared library.
+        if !unsafe { blas_sys::is_culib_present() } {
+            return Err(CudaError::Unavailable(
+                "libcublas could not be loaded (add its folder to LD_LIBRARY_PATH)".into(),
+            ));
+        }
+        if !config.intermediate_size.is_multiple_of(8)
+            || !config.hidden_size.is_multiple_of(8)
+            || config.hidden_size > 8 * NORM_CHUNKS * 1024
+        {
+            return Err(CudaError::Unsupported(format!(
+                "hidden {} / intermediate {} (the kernels need multiples of 8, hidden at most {})",
+                config.hidden_size,
+                config.intermediate_size,
+                8 * NORM_CHUNKS * 1024
+            )));
+        }
+        if opts.max_tokens > 65535 {
+            return Err(CudaError::Unsupported(
+                "more than 65535 tokens per step".into(),
+            ));
+        }
+        let shape = KernelShape {
+            head_dim: config.head_dim,
+            gqa: config.num_heads / config.num_kv_heads,
+            block_size: opts.block_size,
+        };
+        shape.validate()?;
+        let mut opts = opts;
+        if !shape.tensor_core_prefill() && opts.attn == AttnMode::Fast {
+            tracing::warn!(
+                head_dim = config.head_dim,
+                "head_dim above 128: using the reference attention kernel"
+            );
+            opts.attn = AttnMode::Simple;
+        }
+        let ctx = CudaContext::new(opts.device)?;
+        // We order all work on one stream ourselves; cudarc's per-buffer events would only add calls.
+        // SAFETY: every buffer here is used from this one stream.
+        unsafe { ctx.disable_event_tracking() };
+        // A stream of our own: the legacy default stream cannot be captured into a graph.
+        let stream = ctx.new_stream()?;
+        let (major, minor) = ctx.compute_capability()?;
+        let device_name = ctx.name()?;
+        let t0 = std::time::Instant::now();
+        let ptx = kernels::compile(&shape, &opts.gemv_tuning, major, minor)?;
+        let module = ctx.load_module(ptx)?;
+        let funcs = Funcs::load(&module)?;
+        funcs.allow_norm_smem(config.hidden_size)?;
+        let gemv_caps = funcs.gemv_caps(&ctx, config.hidden_size)?;
+        funcs.attn_prefill.set_attribute(
+            drv::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            kernels::prefill_smem_bytes(config.head_dim) as i32,
+        )?;
+        tracing::info!(device = %device_name, sm = format!("{major}.{minor}"), compile_ms = t0.elapsed().as_millis() as u64, "CUDA kernels compiled");
+        let blas = CudaBlas::new(stream.clone())?;
+
+        let c = &config;
+        let (h, q, kv, f, v) = widths(c);
+        let mut max_model_len = opts
+            .max_model_len
+            .unwrap_or(c.max_position_embeddings)
+            .min(c.max_position_embeddings);
+        if let Some(w) = c.sliding_window.filter(|&w| w < max_model_len) {
+            // Our attention kernels are dense: capping the context at the window keeps them exact.
+            tracing::warn!(
+                window = w,
+                "sliding-window model: context capped at the window on CUDA"
+            );
+            max_model_len = w;
+        }
+        let max_tokens = opts.max_tokens.max(1);
+        let max_seqs = opts.max_seqs.max(1);
+
+        // Weights.
+        let mut up = Uploader {
+            ctx: &ctx,
+            stream: &stream,
+            funcs: &funcs,
+            seed: 0,
+        };
+        let (embed, layers, norm, lm_head) = up.weights(weights, c)?;
+
+        // RoPE tables.
+        let rope = RopeTable::new(
+            c.head_dim,
+            c.rope_theta,
+            &c.rope_scaling,
+            max_model_len,
+            c.rope_style,
+        );
+        let rope_cos = up.upload(rope.cos())?;
+        let rope_sin = up.upload(rope.sin())?;
+
+        // KV cache: one extra block at the end is the scratch target of padded graph rows.
+        let layout = KvLayout::for_budget(c, opts.block_size, opts.kv_cache_bytes, KvDtype::Bf16);
+        let num_blocks = layout.num_blocks;
+        if num_blocks == 0 {
+            return Err(CudaError::Unsupported(format!(
+                "a KV budget of {} bytes holds no block",
+                opts.kv_cache_bytes
+            )));
+        }
+        let kv_buf = DeviceBuf::new(&ctx, c.num_layers * (num_blocks + 1) * layout.block_bytes())?;
+        // Random, not zero, so that timing runs over unwritten slots read real-looking data.
+        up.fill_random(&kv_buf, kv_buf.bytes / BF16, 1.0)?;
+
+        // Activations.
+        let rows = opts.logits_chunk_rows.max(1);
+        let part_slots = c.num_heads
+            * (max_seqs * max_model_len.div_ceil(DECODE_PARTITION)).max(
+                max_seqs.min(SMALL_DECODE_BATCH)
+                    * max_model_len
+                        .div_ceil(kernels::decode_partition(1, opts.decode_partition_small)),
+            );
+        let bufsz = |elems: usize, size: usize| DeviceBuf::new(&ctx, elems * size);
+        let meta_layout = MetaLayout::new(
+            max_tokens,
+            max_seqs,
+            max_model_len.div_ceil(opts.block_size),
+        );
+        let acts = Acts {
+            x: bufsz(max_tokens * h, BF16)?,
+            xn: bufsz(max_tokens * h, BF16)?,
+            qkv: bufsz(max_tokens * (q + 2 * kv), BF16)?,
+            attn: bufsz(max_tokens * q, BF16)?,
+            delta: bufsz(max_tokens * h, BF16)?,
+            gu: bufsz(max_tokens * 2 * f, BF16)?,
+            act: bufsz(max_tokens * f, BF16)?,
+            head_in: bufsz(rows * h, BF16)?,
+            logits: bufsz(rows * v, 4)?,
+            argmax: bufsz(rows, 4)?,
+            sample_params: bufsz(rows * SAMPLE_ROW_WORDS, 4)?,
+            part_m: bufsz(part_slots, 4)?,
+            part_l: bufsz(part_slots, 4)?,
+            part_o: bufsz(part_slots * c.head_dim, 4)?,
+            dec_done: bufsz(max_seqs.max(GRAPH_SIZES[0]) * c.num_kv_heads, 4)?,
+            meta: bufsz(meta_layout.total(), 4)?,
+            _blas_workspace: bufsz(64 << 20, 1)?,
+        };
+        // An explicit workspace keeps cuBLAS from allocating inside graph capture.
+        // SAFETY: the workspace outlives the handle's use (both live in self).
+        let ws = unsafe {
+            blas_sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                acts._blas_workspace.ptr as *mut std::ffi::c_void,
+                acts._blas_workspace.bytes,
+            )
+        };
+        if ws != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(CudaError::Blas(cudarc::cublas::result::CublasError(ws)));
+        }
+        // SAFETY: dec_done is a live allocation of exactly this many bytes on this context.
+        unsafe {
+            drv_result::memset_d8_async(
+                acts.dec_done.ptr,
+                0,
+                acts.dec_done.bytes,
+                stream.cu_stream(),
+            )
+        }?;
+        let staging = PinnedBuf::new(&ctx, 2 * STAGING_CHUNK)?;
+        let kv_staging =
+            std::sync::Mutex::new(PinnedBuf::new(&ctx, layout.block_bytes().div_ceil(4))?);
+        stream.synchronize()?;
+        let (free, total) = ctx.mem_get_info()?;
+        tracing::info!(
+            num_blocks,
+            block_size = opts.block_size,
+            free_mib = free >> 20,
+            total_mib = total >> 20,
+            "CUDA model ready"
+        );
+        Ok(CudaLlama {
+            config,
+            opts,
+            shape,
+            ctx,
+            stream,
+            blas,
+            funcs,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope_cos,
+            rope_sin,
+            kv: kv_buf,
+            layout,
+            acts,
+            meta_layout,
+            plan: StepPlan::default(),
+            max_model_len,
+            part_slots,
+            graphs: Graphs::default(),
+            staging,
+            pick_ids: Vec::new(),
+            pick_words: Vec::new(),
+            kv_staging,
+            device_name,
+            gemv_caps,
+            last_enqueue: std::time::Duration::ZERO,
+        })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The KV cache's shape.
+    pub fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// The longest context this instance serves.
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    /// The GPU's name, as the driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// Blocks the CPU until the GPU has finished all queued work.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Host time the last `forward_greedy` took to queue the model body (benchmarks: a value close
+    /// to the step time means the host, not the GPU, paced the step).
+    pub fn last_enqueue_time(&self) -> std::time::Duration {
+        self.last_enqueue
+    }
+
+    /// Bytes of weights a decode step reads once: every matrix, the norms, the output head (the
+    /// embedding is only gathered).
+    pub fn weight_bytes_per_step(&self) -> usize {
+        let c = &self.config;
+        let (h, q, kv, f, v) = widths(c);
+        let per_layer = (q + 2 * kv) * h + q * h + 2 * f * h + h * f + 2 * h;
+        (c.num_layers * per_layer + h + v * h) * BF16
+    }
+
+    fn limits(&self) -> PlanLimits {
+        PlanLimits {
+            block_size: self.layout.block_size,
+            num_blocks: self.layout.num_blocks,
+            vocab_size: self.config.vocab_size,
+            max_positions: self.max_model_len,
+        }
+    }
+
+    fn meta(&self, r: Region) -> u64 {
+        self.acts.meta.at(self.meta_layout.offset(r), 4)
+    }
+
+    fn upload_plan(&self) -> Result<(), CudaError> {
+        for r in REGIONS {
+            let data = self.plan.region(r);
+            if !data.is_empty() {
+                // SAFETY: the region was checked to fit; the host slice outlives the synchronous
+                // pageable copy (cuMemcpyHtoDAsync from pageable memory returns once staged).
+                unsafe {
+                    drv_result::memcpy_htod_async(self.meta(r), data, self.stream.cu_stream())
+                }?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Turns the small-batch GEMV kernel on or off (off: cuBLAS for every projection).
+    pub fn set_gemv(&mut self, on: bool) {
+        if self.opts.gemv != on {
+            // Captured graphs embed the old choice.
+            self.graphs.0.clear();
+        }
+        self.opts.gemv = on;
+    }
+
+    /// Turns decode-step graphs on or off (graphs already captured are kept for later).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.opts.graphs = on;
+    }
+
+    /// The kernel shape this instance was compiled for.
+    pub fn kernel_shape(&self) -> KernelShape {
+        self.shape
+    }
+}

@@ -1,0 +1,175 @@
+//! Weight upload: host weights converted to bf16, or random weights generated on the device.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result as drv_result, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+use tandem_kernels::Matrix;
+use tandem_model::ModelConfig;
+
+use super::launch::Funcs;
+use super::{widths, LayerBufs, WeightSource};
+use crate::error::CudaError;
+use crate::memory::{bf16_bits, DeviceBuf, BF16};
+
+/// The uploaded weights: the embedding, the layers, the final norm and the output head (`None`: tied
+/// to the embedding).
+pub(super) type Weights = (DeviceBuf, Vec<LayerBufs>, DeviceBuf, Option<DeviceBuf>);
+
+/// Weight upload helpers (host conversion to bf16, or generation on the device).
+pub(super) struct Uploader<'a> {
+    pub(super) ctx: &'a Arc<CudaContext>,
+    pub(super) stream: &'a Arc<CudaStream>,
+    pub(super) funcs: &'a Funcs,
+    pub(super) seed: u64,
+}
+
+impl Uploader<'_> {
+    pub(super) fn upload<T>(&self, data: &[T]) -> Result<DeviceBuf, CudaError> {
+        let buf = DeviceBuf::new(self.ctx, std::mem::size_of_val(data))?;
+        // SAFETY: buf holds exactly data's bytes; the stream is synchronised before data is dropped.
+        unsafe { drv_result::memcpy_htod_async(buf.ptr, data, self.stream.cu_stream()) }?;
+        self.stream.synchronize()?;
+        Ok(buf)
+    }
+
+    pub(super) fn vector(&self, v: &[f32]) -> Result<DeviceBuf, CudaError> {
+        let bits: Vec<u16> = v.iter().map(|&x| bf16_bits(x)).collect();
+        self.upload(&bits)
+    }
+
+    /// Row-concatenates matrices (same column count) into one bf16 device matrix.
+    pub(super) fn matrices(&self, ms: &[&Matrix]) -> Result<DeviceBuf, CudaError> {
+        let cols = ms[0].cols();
+        let rows: usize = ms.iter().map(|m| m.rows()).sum();
+        let mut bits: Vec<u16> = Vec::with_capacity(rows * cols);
+        let mut row = vec![0f32; cols];
+        for m in ms {
+            debug_assert_eq!(m.cols(), cols);
+            if m.dtype() == tandem_kernels::DType::BF16 {
+                bits.extend(
+                    m.bytes()
+                        .chunks_exact(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]])),
+                );
+            } else {
+                for r in 0..m.rows() {
+                    m.dequantize_row(r, &mut row);
+                    bits.extend(row.iter().map(|&x| bf16_bits(x)));
+                }
+            }
+        }
+        self.upload(&bits)
+    }
+
+    pub(super) fn fill_random(
+        &mut self,
+        buf: &DeviceBuf,
+        n: usize,
+        scale: f32,
+    ) -> Result<(), CudaError> {
+        self.seed = self
+            .seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let seed = self.seed;
+        launch!(
+            self.stream,
+            self.funcs.init_uniform,
+            (4096, 1, 1),
+            (256, 1, 1),
+            buf.ptr,
+            n as u64,
+            seed,
+            scale
+        );
+        Ok(())
+    }
+
+    pub(super) fn random(&mut self, n: usize, scale: f32) -> Result<DeviceBuf, CudaError> {
+        let buf = DeviceBuf::new(self.ctx, n * BF16)?;
+        self.fill_random(&buf, n, scale)?;
+        Ok(buf)
+    }
+
+    pub(super) fn constant(&self, n: usize, value: f32) -> Result<DeviceBuf, CudaError> {
+        let buf = DeviceBuf::new(self.ctx, n * BF16)?;
+        launch!(
+            self.stream,
+            self.funcs.fill_bf16,
+            (n.div_ceil(256).min(4096) as u32, 1, 1),
+            (256, 1, 1),
+            buf.ptr,
+            n as u64,
+            value
+        );
+        Ok(buf)
+    }
+
+    /// Uploads (or generates) every weight of the model: the embedding, the layers, the final norm
+    /// and the output head (`None`: tied to the embedding).
+    pub(super) fn weights(
+        &mut self,
+        weights: WeightSource<'_>,
+        c: &ModelConfig,
+    ) -> Result<Weights, CudaError> {
+        let up = self;
+        let (h, q, kv, f, v) = widths(c);
+        Ok(match weights {
+            WeightSource::Host(w) => {
+                let embed = up.matrices(&[&w.embed])?;
+                let mut layers = Vec::with_capacity(c.num_layers);
+                for lw in &w.layers {
+                    let bqkv = match (&lw.bq, &lw.bk, &lw.bv) {
+                        (Some(a), Some(b), Some(cc)) => {
+                            let all: Vec<f32> = a.iter().chain(b).chain(cc).copied().collect();
+                            Some(up.vector(&all)?)
+                        }
+                        _ => None,
+                    };
+                    layers.push(LayerBufs {
+                        attn_norm: up.vector(&lw.attn_norm)?,
+                        wqkv: up.matrices(&[&lw.wq, &lw.wk, &lw.wv])?,
+                        bqkv,
+                        wo: up.matrices(&[&lw.wo])?,
+                        ffn_norm: up.vector(&lw.ffn_norm)?,
+                        w_gate_up: up.matrices(&[&lw.w_gate, &lw.w_up])?,
+                        w_down: up.matrices(&[&lw.w_down])?,
+                    });
+                }
+                let norm = up.vector(&w.norm)?;
+                let lm_head = match &w.lm_head {
+                    Some(m) => Some(up.matrices(&[m])?),
+                    None => None,
+                };
+                (embed, layers, norm, lm_head)
+            }
+            WeightSource::Random { seed } => {
+                up.seed = seed;
+                let embed = up.random(v * h, 1.0)?;
+                let mut layers = Vec::with_capacity(c.num_layers);
+                for _ in 0..c.num_layers {
+                    layers.push(LayerBufs {
+                        attn_norm: up.constant(h, 1.0)?,
+                        wqkv: up.random((q + 2 * kv) * h, 1.0 / (h as f32).sqrt())?,
+                        bqkv: if c.attention_bias {
+                            Some(up.random(q + 2 * kv, 0.02)?)
+                        } else {
+                            None
+                        },
+                        wo: up.random(h * q, 1.0 / (q as f32).sqrt())?,
+                        ffn_norm: up.constant(h, 1.0)?,
+                        w_gate_up: up.random(2 * f * h, 1.0 / (h as f32).sqrt())?,
+                        w_down: up.random(h * f, 1.0 / (f as f32).sqrt())?,
+                    });
+                }
+                let norm = up.constant(h, 1.0)?;
+                let lm_head = if c.tie_word_embeddings {
+                    None
+                } else {
+                    Some(up.random(v * h, 1.0 / (h as f32).sqrt())?)
+                };
+                (embed, layers, norm, lm_head)
+            }
+        })
+    }
+}

@@ -1,0 +1,113 @@
+//! What a [`crate::CudaLlama`] is built with: buffer and KV cache sizes, which kernels run, and the
+//! tuning of the GEMV kernels. Plain data: the caller (the `tandem` binary's `cuda:` settings) fills it.
+
+use crate::kernels::{self, DECODE_PARTITION_SMALL};
+
+/// Which attention kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnMode {
+    /// Tensor-core flash attention for prefill chunks, split-K flash decoding for single tokens.
+    Fast,
+    /// The one-warp-per-(token, head) reference kernel for everything: the on-device check.
+    Simple,
+}
+
+/// Sizes of the preallocated buffers and of the KV cache.
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// CUDA device ordinal.
+    pub device: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Bytes of KV cache across all layers.
+    pub kv_cache_bytes: usize,
+    /// Most tokens in one step (the activation buffers are sized for it).
+    pub max_tokens: usize,
+    /// Most sequences in one step.
+    pub max_seqs: usize,
+    /// Longest context; `None` = the model's.
+    pub max_model_len: Option<usize>,
+    /// Rows of logits computed per output-head GEMM (more rows are done in chunks).
+    pub logits_chunk_rows: usize,
+    /// Attention kernels.
+    pub attn: AttnMode,
+    /// Capture CUDA graphs for decode-only steps.
+    pub graphs: bool,
+    /// Use our GEMV kernels instead of cuBLAS for projections of at most `gemv_max_rows` rows.
+    pub gemv: bool,
+    /// Most rows (tokens of a step) our GEMV kernels take (at most `GEMV_MAX_ROWS`); larger
+    /// steps use cuBLAS, which is faster there ([`GEMV_ROWS_DEFAULT`]).
+    pub gemv_max_rows: usize,
+    /// Programmatic dependent launch for our kernels that support it (Hopper and later): the next
+    /// kernel starts streaming its weights while the previous one finishes. Off by default: on the
+    /// H200 it made a batch-1 decode step slower (4.96 against 4.84 ms, 2026-12-03).
+    pub pdl: bool,
+    /// Keys per decode-attention partition in steps of at most `SMALL_DECODE_BATCH` sequences (at
+    /// most `DECODE_PARTITION_SMALL`): shorter partitions put more blocks to work on a short batch.
+    pub decode_partition_small: usize,
+    /// Warps a small-batch GEMV launch aims for through split-K ([`GEMV_TARGET_WARPS`] by default).
+    pub gemv_target_warps: usize,
+    /// Compile-time tuning of the GEMV kernels.
+    pub gemv_tuning: kernels::GemvTuning,
+    /// Persistent GEMV launches: a grid of the blocks the GPU holds at once, each streaming group
+    /// after group of rows, instead of one block per group.
+    pub gemv_persistent: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            device: 0,
+            block_size: 16,
+            kv_cache_bytes: 4 << 30,
+            max_tokens: 2048,
+            max_seqs: 256,
+            max_model_len: None,
+            logits_chunk_rows: 256,
+            attn: AttnMode::Fast,
+            graphs: true,
+            gemv: true,
+            gemv_max_rows: GEMV_ROWS_DEFAULT,
+            pdl: false,
+            decode_partition_small: DECODE_PARTITION_SMALL,
+            gemv_target_warps: GEMV_TARGET_WARPS,
+            gemv_tuning: kernels::GemvTuning::default(),
+            gemv_persistent: false,
+        }
+    }
+}
+
+/// Steps of up to this many tokens use our GEMV kernels by default. Measured on the H200
+/// (2026-12-03 14:43, 8B shape, graphs, step ms GEMV / cuBLAS): 1 row 4.37 / 4.88, 2 rows 5.05 /
+/// 4.96, 4 rows 6.18 / 5.12, 8 rows 8.98 / 5.31 — past one row the kernels' per-row work outweighs
+/// streaming the weights once.
+pub const GEMV_ROWS_DEFAULT: usize = 1;
+
+/// Warps a GEMV launch aims for through split-K: about the warps an H200 holds at once (16 per
+/// multiprocessor at the GEMV's register use). Measured on the H200 (2026-12-03, batch-1 decode of
+/// the 8B shape): 2,048 (no split for any of its projections) 4.53 ms per step, 8,192 4.68 ms,
+/// 16,384 5.33 ms — more, shorter warps lose to the ramp of each wave.
+pub const GEMV_TARGET_WARPS: usize = 2048;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The defaults are what the backend ran with before these options came from the binary's settings,
+    /// when no tuning environment variable was set.
+    #[test]
+    fn defaults_are_the_old_unset_environment() {
+        let o = CudaOptions::default();
+        assert_eq!(o.device, 0);
+        assert_eq!(o.attn, AttnMode::Fast);
+        assert!(o.graphs);
+        assert!(o.gemv);
+        assert_eq!(o.gemv_max_rows, 1);
+        assert!(!o.pdl);
+        assert_eq!(o.decode_partition_small, 64);
+        assert_eq!(o.gemv_target_warps, 2048);
+        assert_eq!(o.gemv_tuning.unroll, 2);
+        assert_eq!(o.gemv_tuning.min_blocks, 2);
+        assert!(!o.gemv_persistent);
+    }
+}

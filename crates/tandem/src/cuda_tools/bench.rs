@@ -1,0 +1,282 @@
+//! `tandem cuda-bench`: decode and prefill speed of the CUDA backend on a model of given shape with
+//! random weights generated on the GPU.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use serde::Serialize;
+use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
+use tandem_model::{ForwardBatch, LogitsWanted, ModelConfig};
+
+use super::io_err;
+use crate::cuda_settings::{CudaArgs, CudaSection};
+
+/// Options of `tandem cuda-bench`.
+#[derive(Args, Debug)]
+pub struct CudaBenchArgs {
+    /// Cached tokens per sequence during decode.
+    #[arg(long, default_value_t = 1024)]
+    pub context: usize,
+    /// Decode batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,64,256")]
+    pub batches: Vec<usize>,
+    /// Timed decode steps per batch size.
+    #[arg(long, default_value_t = 32)]
+    pub steps: usize,
+    /// Prompt lengths of the prefill measurements, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1024,4096")]
+    pub prefill: Vec<usize>,
+    /// Layers of the model (32 for the 8B shape; fewer for a quick run).
+    #[arg(long, default_value_t = 32)]
+    pub layers: usize,
+    /// Copy bandwidth MBU is measured against, GB/s.
+    #[arg(long, default_value_t = 4300.0)]
+    pub peak_gbps: f64,
+    /// JSON-lines output file.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// CUDA backend flags (A/B timings of the tuning knobs, graphs off for profiling).
+    #[command(flatten)]
+    pub cuda: CudaArgs,
+}
+
+/// Runs `cuda-bench` on the 8B shape with `args.layers` layers.
+pub fn run(args: CudaBenchArgs) -> Result<()> {
+    let mut config = BenchArgs::llama3_8b_config();
+    config.num_layers = args.layers;
+    run_bench(
+        &BenchArgs {
+            config,
+            context: args.context,
+            batches: args.batches,
+            steps: args.steps,
+            prefill: args.prefill,
+            peak_bandwidth: args.peak_gbps * 1e9,
+            out: args.out,
+        },
+        &args.cuda.as_section(),
+    )
+}
+
+/// What `cuda-bench` measures.
+#[derive(Clone, Debug)]
+pub(super) struct BenchArgs {
+    /// Model shape (weights are random, generated on the GPU).
+    pub config: ModelConfig,
+    /// Cached context per sequence during the decode measurements.
+    pub context: usize,
+    /// Decode batch sizes.
+    pub batches: Vec<usize>,
+    /// Timed decode steps per batch size.
+    pub steps: usize,
+    /// Prompt lengths of the prefill measurements (attention's share grows with the square).
+    pub prefill: Vec<usize>,
+    /// Copy bandwidth the MBU is computed against, bytes/s.
+    pub peak_bandwidth: f64,
+    /// Where the JSON lines go (also printed).
+    pub out: Option<PathBuf>,
+}
+
+impl BenchArgs {
+    /// Llama-3.1-8B's shape: 32 layers, 4096 hidden, 14336 FFN, 32/8 heads, 128256 vocab.
+    pub(super) fn llama3_8b_config() -> ModelConfig {
+        ModelConfig {
+            architecture: "llama".into(),
+            hidden_size: 4096,
+            intermediate_size: 14336,
+            num_layers: 32,
+            num_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            vocab_size: 128256,
+            max_position_embeddings: 8192,
+            rms_norm_eps: 1e-5,
+            rope_theta: 500000.0,
+            rope_scaling: tandem_kernels::RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: 8192,
+            },
+            rope_style: tandem_kernels::RopeStyle::Neox,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+            sliding_window: None,
+        }
+    }
+}
+
+/// One measurement, as a JSON line.
+#[derive(Serialize)]
+struct BenchRow {
+    what: String,
+    batch: usize,
+    context: usize,
+    graphs: bool,
+    logits_to_host: bool,
+    /// Our GEMV kernel for projections of at most 8 rows (false: cuBLAS).
+    gemv: bool,
+    median_step_ms: f64,
+    tokens_per_s: f64,
+    /// Bytes of weights + KV read per step over the step time, against `peak_bandwidth`.
+    mbu: Option<f64>,
+    /// Dense FLOPs over the step time (prefill).
+    tflops: Option<f64>,
+    /// Median host time to queue the step's model body (prefill; eager launches).
+    enqueue_ms: Option<f64>,
+    device: String,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Measures decode at each batch size (graphs on, greedy on the GPU; plus logits to the host, and
+/// graphs off) and prefill of one long prompt.
+fn run_bench(args: &BenchArgs, cuda: &CudaSection) -> Result<()> {
+    let c = args.config.clone();
+    let bs = 16;
+    let max_b = args.batches.iter().copied().max().unwrap_or(1);
+    let per_seq = (args.context + args.steps + 8).div_ceil(bs);
+    let max_prefill = args.prefill.iter().copied().max().unwrap_or(0);
+    let prefill_blocks = max_prefill.div_ceil(bs);
+    let num_blocks = (max_b * per_seq).max(prefill_blocks);
+    let block_bytes = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * 2;
+    let opts = cuda.options(CudaOptions {
+        block_size: bs,
+        kv_cache_bytes: num_blocks * block_bytes,
+        max_tokens: max_prefill.max(max_b),
+        max_seqs: max_b,
+        max_model_len: Some(c.max_position_embeddings),
+        logits_chunk_rows: max_b.max(1),
+        ..CudaOptions::default()
+    });
+    let t0 = Instant::now();
+    let mut model = CudaLlama::new(c.clone(), WeightSource::Random { seed: 1 }, opts.clone())?;
+    model.synchronize()?;
+    let device = model.device_name().to_string();
+    tracing::info!(
+        secs = t0.elapsed().as_secs_f64(),
+        "random weights generated on the GPU"
+    );
+    let weight_bytes = model.weight_bytes_per_step() as f64;
+    let kv_per_token = model.kv_layout().bytes_per_token() as f64;
+    let mut rows = Vec::new();
+    let mut emit = |row: BenchRow| {
+        let line = serde_json::to_string(&row).unwrap_or_default();
+        println!("{line}");
+        rows.push(line);
+    };
+
+    let mut batch = ForwardBatch::default();
+    let mut ids = Vec::new();
+    let mut logits = Vec::new();
+    // A batch size of 0 skips decode (a prefill-only profile).
+    for &b in args.batches.iter().filter(|&&b| b > 0) {
+        let mut modes = vec![
+            (true, false, true),
+            (true, true, true),
+            (false, false, true),
+        ];
+        if b <= tandem_cuda::kernels::GEMV_MAX_ROWS {
+            modes.push((true, false, false));
+        }
+        // --no-cuda-graphs (profiling: one kernel launch per kernel) drops the graph modes.
+        modes.retain(|&(graphs, _, _)| opts.graphs || !graphs);
+        for (graphs, to_host, gemv) in modes {
+            model.set_graphs(graphs);
+            model.set_gemv(gemv);
+            let mut times = Vec::new();
+            let warmup = 3;
+            for step in 0..warmup + args.steps {
+                batch.clear();
+                let pos = args.context + step;
+                for i in 0..b {
+                    let table: Vec<u32> =
+                        ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect();
+                    let tok = ((i * 7919 + step * 104729) % c.vocab_size) as u32;
+                    batch.push(&[tok], pos, table, LogitsWanted::Last);
+                }
+                let t = Instant::now();
+                if to_host {
+                    model.forward(&batch, &mut logits)?;
+                } else {
+                    model.forward_greedy(&batch, &mut ids)?;
+                }
+                if step >= warmup {
+                    times.push(t.elapsed().as_secs_f64());
+                }
+            }
+            if to_host && !logits.iter().take(c.vocab_size).all(|x| x.is_finite()) {
+                bail!("non-finite logits in the decode bench");
+            }
+            let med = median(&mut times);
+            let ctx_avg = args.context as f64 + (warmup + args.steps) as f64 / 2.0;
+            let bytes = weight_bytes + b as f64 * ctx_avg * kv_per_token;
+            emit(BenchRow {
+                what: "decode".into(),
+                batch: b,
+                context: args.context,
+                graphs,
+                logits_to_host: to_host,
+                gemv,
+                median_step_ms: med * 1e3,
+                tokens_per_s: b as f64 / med,
+                mbu: Some(bytes / med / args.peak_bandwidth),
+                tflops: None,
+                enqueue_ms: None,
+                device: device.clone(),
+            });
+        }
+    }
+
+    model.set_graphs(false);
+    model.set_gemv(true);
+    for &len in args.prefill.iter().filter(|&&l| l > 0) {
+        let table: Vec<u32> = (0..len.div_ceil(bs) as u32).collect();
+        let prompt: Vec<u32> = (0..len)
+            .map(|i| ((i * 7919) % c.vocab_size) as u32)
+            .collect();
+        let mut times = Vec::new();
+        let mut enqueue = Vec::new();
+        for rep in 0..6 {
+            batch.clear();
+            batch.push(&prompt, 0, table.clone(), LogitsWanted::Last);
+            let t = Instant::now();
+            model.forward_greedy(&batch, &mut ids)?;
+            if rep > 0 {
+                times.push(t.elapsed().as_secs_f64());
+                enqueue.push(model.last_enqueue_time().as_secs_f64());
+            }
+        }
+        let med = median(&mut times);
+        let n = len as f64;
+        let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let linear = 2.0 * n * (c.num_layers * ((q + 2 * kv) * h + q * h + 3 * f * h)) as f64
+            + 2.0 * (c.vocab_size * h) as f64;
+        let attn = 4.0 * (c.num_heads * c.head_dim * c.num_layers) as f64 * n * (n + 1.0) / 2.0;
+        emit(BenchRow {
+            what: "prefill".into(),
+            batch: 1,
+            context: len,
+            graphs: false,
+            logits_to_host: false,
+            gemv: true,
+            median_step_ms: med * 1e3,
+            tokens_per_s: n / med,
+            mbu: None,
+            tflops: Some((linear + attn) / med / 1e12),
+            enqueue_ms: Some(median(&mut enqueue) * 1e3),
+            device: device.clone(),
+        });
+    }
+    if let Some(path) = &args.out {
+        std::fs::write(path, rows.join("\n") + "\n").map_err(io_err(path))?;
+    }
+    Ok(())
+}
