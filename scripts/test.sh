@@ -53,6 +53,9 @@ run_step "cargo clippy -D warnings" cargo clippy --workspace --all-targets --rel
 # The CUDA backend builds without CUDA (libraries load at run time); it runs only on the GPU machine
 # (scripts/gpu/run.sh), so CI checks that the `cuda` feature compiles and lints clean.
 run_step "cargo clippy --features cuda" cargo clippy -p tandem --features cuda --release -- -D warnings
+# The CUDA tools and the `cuda:` settings' conversion live in the binary behind the feature; their
+# tests that need no GPU (cuda-check's CPU mode, the options the settings make) run here.
+run_step "cargo test --features cuda (binary)" cargo test -p tandem --features cuda --release --bins
 
 # NVRTC needs no GPU: with PyPI's libnvrtc (13.0, the GPU machine's version; cached under .cache/) the
 # CUDA kernels are compiled for sm_90 here, so a kernel that does not compile fails CI, not the GPU run.

@@ -71,14 +71,14 @@ def prompts():
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def run_tandem(bin_, work, pfile, out, extra_env=None, cpu=False):
-    env = dict(os.environ, **(extra_env or {}))
+def run_tandem(bin_, work, pfile, out, extra_args=None, cpu=False):
     cmd = [bin_, "cuda-check", work, "--prompts", pfile, "--decode-steps", str(DECODE_STEPS), "--out", out]
+    cmd += extra_args or []
     if cpu:
         cmd.append("--cpu")
     t = time.time()
-    subprocess.run(cmd, check=True, env=env)
-    print(f"  cuda-check {'cpu' if cpu else extra_env or 'fast'}: {time.time() - t:.1f} s", flush=True)
+    subprocess.run(cmd, check=True)
+    print(f"  cuda-check {'cpu' if cpu else ' '.join(extra_args or []) or 'fast'}: {time.time() - t:.1f} s", flush=True)
     with open(out) as f:
         return json.load(f)
 
@@ -189,7 +189,7 @@ def main():
     # Our GEMV kernels on every decode step (by default only 1-row steps use them; the padded
     # 8-row decode steps here would otherwise run cuBLAS and leave them unchecked).
     fast = run_tandem(a.bin, a.work, pfile, os.path.join(a.work, "tandem-fast.json"),
-                      {"TANDEM_CUDA_GEMV_ROWS": "8"})
+                      ["--cuda-gemv-max-rows", "8"])
     report["device"] = fast["device"]
     c = compare(rows(fast), ref32)
     c["pass"] = c["rel_l2"] <= 1.5 * hf16["rel_l2"] + 2e-3 and not c["nan"]
@@ -215,7 +215,7 @@ def main():
         "pass": agree / total >= min(0.97, hf16["argmax_agree"] - 0.02)}
 
     try:
-        simple = run_tandem(a.bin, a.work, pfile, os.path.join(a.work, "tandem-simple.json"), {"TANDEM_CUDA_ATTN": "simple"})
+        simple = run_tandem(a.bin, a.work, pfile, os.path.join(a.work, "tandem-simple.json"), ["--cuda-attention", "simple"])
         # The fast kernel rounds P to bf16 for the tensor cores, the reference keeps fp32: they may
         # differ by up to the bf16 noise floor, and each must stay as close to fp32 as the other.
         c = compare(rows(fast), rows(simple))
@@ -229,7 +229,7 @@ def main():
 
     try:
         nograph = run_tandem(a.bin, a.work, pfile, os.path.join(a.work, "tandem-nograph.json"),
-                             {"TANDEM_CUDA_GRAPHS": "0", "TANDEM_CUDA_GEMV": "0"})
+                             ["--no-cuda-graphs", "--no-cuda-gemv"])
         c = compare(rows(fast), rows(nograph))
         c["pass"] = c["rel_l2"] < 1e-2 and not c["nan"]
         report["checks"]["graphs_gemv_vs_eager_cublas"] = c

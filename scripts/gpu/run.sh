@@ -15,8 +15,9 @@
 # $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [sample] [bench] [profile] | all
 # (TANDEM_ONLY=1 skips the HF peer in bench; `pick` checks $CANDIDATES and benches the first that passes.)
 # `sweep` (only when named) runs `cuda-bench $SWEEP_ARGS` once per entry of $SWEEP, a space-separated
-# list of label:VAR=v,VAR=v entries (A/B timings of the TANDEM_CUDA_* knobs; BIN=path runs another
-# binary), e.g. SWEEP="base: pdl:TANDEM_CUDA_PDL=1 old:BIN=/x/tandemC" SWEEP_ARGS="--batches 1 --prefill 0".
+# list of label:FLAG,FLAG entries (A/B timings of the hidden --cuda-* tuning flags, e.g. --cuda-pdl or
+# --cuda-gemv-unroll=4; BIN=path runs another binary), e.g.
+# SWEEP="base: pdl:--cuda-pdl old:BIN=/x/tandemC" SWEEP_ARGS="--batches 1 --prefill 0".
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${OUT:-$root/out/gpu}"
@@ -97,16 +98,16 @@ if [[ "$what" == *" sweep "* ]]; then
   for entry in ${SWEEP:-}; do
     label="${entry%%:*}"
     bin="$BIN"
-    vars=()
+    flags=()
     IFS=',' read -ra kv <<<"${entry#*:}"
     for a in "${kv[@]}"; do
       case "$a" in
         BIN=*) bin="${a#BIN=}" ;;
-        ?*) vars+=("$a") ;;
+        ?*) flags+=("$a") ;;
       esac
     done
     # shellcheck disable=SC2086 # SWEEP_ARGS is a list of arguments
-    env "${vars[@]}" timeout 120 "$bin" cuda-bench ${SWEEP_ARGS:-} 2>"/tmp/sweep-$label.log" |
+    timeout 120 "$bin" cuda-bench ${SWEEP_ARGS:-} "${flags[@]}" 2>"/tmp/sweep-$label.log" |
       sed "s/^{/{\"label\":\"$label\",/" | tee -a "$OUT/sweep.jsonl" || status=1
     grep -qi 'error' "/tmp/sweep-$label.log" && tail -3 "/tmp/sweep-$label.log"
   done
@@ -115,13 +116,13 @@ if [[ "$what" == *" detail "* ]]; then
   # Throughput, occupancy, stall reasons... of a few launches: decode kernels of batch-1 eager steps
   # (past the first steps' launches), then one prefill attention launch.
   echo "== ncu details" | tee "$OUT/ncu_detail.txt"
-  TANDEM_CUDA_GRAPHS=0 timeout 200 ncu --clock-control none --set full \
+  timeout 200 ncu --clock-control none --set full \
     --kernel-name "regex:^(${DETAIL_DECODE:-gemv_silu_1|gemv_add_1|gemv_qkv_1|attn_decode_small})\$" \
-    --launch-skip 200 --launch-count 5 "$BIN" cuda-bench --batches 1 --steps 4 --prefill 0 \
+    --launch-skip 200 --launch-count 5 "$BIN" cuda-bench --batches 1 --steps 4 --prefill 0 --no-cuda-graphs \
     >>"$OUT/ncu_detail.txt" 2>&1 || echo "ncu (decode) failed"
-  TANDEM_CUDA_GRAPHS=0 timeout 200 ncu --clock-control none --set full \
+  timeout 200 ncu --clock-control none --set full \
     --kernel-name "regex:^attn_prefill\$" --launch-skip 40 --launch-count 1 \
-    "$BIN" cuda-bench --batches 0 --prefill 4096 >>"$OUT/ncu_detail.txt" 2>&1 || echo "ncu (prefill) failed"
+    "$BIN" cuda-bench --batches 0 --prefill 4096 --no-cuda-graphs >>"$OUT/ncu_detail.txt" 2>&1 || echo "ncu (prefill) failed"
 fi
 if want profile; then
   # Per-kernel GPU time of one eager batch-1 decode step and of one 4k prefill (ncu replays each
@@ -131,17 +132,17 @@ if want profile; then
   decode_kernels="${DECODE_KERNELS:-164}"
   prefill_kernels="${PREFILL_KERNELS:-293}"
   echo "== ncu: kernels of one batch-1 decode step"
-  TANDEM_CUDA_GRAPHS=0 timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+  timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
     --launch-skip $((196 + 3 * decode_kernels)) --launch-count "$decode_kernels" \
-    "$BIN" cuda-bench --batches 1 --steps 2 --prefill 0 \
+    "$BIN" cuda-bench --batches 1 --steps 2 --prefill 0 --no-cuda-graphs \
     >/tmp/ncu_decode_b1.csv 2>/tmp/ncu.log &&
     python3 "$root/scripts/gpu/ncu_summary.py" /tmp/ncu_decode_b1.csv | tee "$OUT/ncu_summary.txt" ||
     { echo "ncu failed"; tail -5 /tmp/ncu.log; }
   if [ "${PROFILE_PREFILL:-1}" = 1 ]; then
     echo "== ncu: kernels of one 4,096-token prefill"
-    TANDEM_CUDA_GRAPHS=0 timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
       --launch-skip 196 --launch-count "$prefill_kernels" \
-      "$BIN" cuda-bench --batches 0 --prefill 4096 \
+      "$BIN" cuda-bench --batches 0 --prefill 4096 --no-cuda-graphs \
       >/tmp/ncu_prefill.csv 2>/tmp/ncu_p.log &&
       python3 "$root/scripts/gpu/ncu_summary.py" /tmp/ncu_prefill.csv | tee -a "$OUT/ncu_summary.txt" ||
       { echo "ncu failed"; tail -5 /tmp/ncu_p.log; }
