@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use crate::{BlockSelection, KvError, KvMetrics, KvSink, PeerInfo, TransferHandle};
 
 pub mod inproc;
+pub mod nixl;
 pub mod shm;
 pub mod tcp;
 
