@@ -14,7 +14,9 @@
 //! vectored header+payload writes, one reusable receive buffer per connection) and [`ShmTransport`]
 //! (same host: the server copies blocks into a `/dev/shm` file, only offsets travel on the socket). Both
 //! socket transports hand each layer to the sink as it arrives, so decode can start on layer 0 early.
-//! The module docs of [`transport`] describe how an RDMA/NIXL transport plugs in.
+//! [`NixlTransport`] READs the layers through NIXL (loaded at run time, [`nixl`]) out of the server's registered
+//! memory, with the TCP connection kept for handshake, announcements and the ack (`NixlPull` → `NixlOpen` →
+//! `NixlLayer`* → `PullDone`).
 //!
 //! # Wire format (version 2)
 //!

@@ -25,7 +25,9 @@ fn nixl_lib() -> Option<PathBuf> {
     match std::env::var_os("TANDEM_TEST_NIXL_LIB") {
         Some(p) => Some(PathBuf::from(p)),
         None => {
-            eprintln!(
+            // Straight to stderr, past libtest's capture, so the skip shows in a normal run.
+            let _ = writeln!(
+                std::io::stderr(),
                 "skipped: TANDEM_TEST_NIXL_LIB is unset (scripts/test.sh sets it to the unpacked nixl-cu13 wheel)"
             );
             None

@@ -478,7 +478,7 @@ fn create(api: Api, name: String, config: &NixlConfig) -> Result<AgentCore, KvEr
         listen_port: 0,
         thread_sync: ffi::THREAD_SYNC_STRICT,
         num_workers: 0,
-        pthr_delay_us: 0,
+        pthr_delay_us: config.progress_delay_us,
         lthr_delay_us: 0,
         capture_telemetry: false,
     };
