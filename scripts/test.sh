@@ -48,6 +48,18 @@ run_step "fetch model" bash scripts/fetch-model.sh
 run_step "cargo fmt --check" cargo fmt --all --check
 build_ok=0
 run_step "cargo build --release" cargo build --workspace --release && build_ok=1
+# NIXL for the `nixl` KV transport tests (tandem-kv's tests/nixl.rs): the nixl-cu13 wheel (its C API, UCX
+# and plugins), unpacked under .cache/; they skip, saying why, when TANDEM_TEST_NIXL_LIB is unset.
+fetch_nixl() {
+  local dir="$root/.cache/nixl-1.5.1"
+  if [ ! -f "$dir/.nixl_cu13.mesonpy.libs/libnixl_capi.so" ]; then
+    rm -rf "$dir" && mkdir -p "$dir" &&
+      python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$dir" 'nixl-cu13==1.5.1' &&
+      python3 -m zipfile -e "$dir"/nixl_cu13-*.whl "$dir" && rm -f "$dir"/nixl_cu13-*.whl || return 1
+  fi
+  export TANDEM_TEST_NIXL_LIB="$dir"
+}
+run_step "fetch NIXL (nixl-cu13 1.5.1)" fetch_nixl
 run_step "cargo test --release" cargo test --workspace --release --no-fail-fast
 run_step "cargo clippy -D warnings" cargo clippy --workspace --all-targets --release -- -D warnings
 # The CUDA backend builds without CUDA (libraries load at run time); it runs only on the GPU machine

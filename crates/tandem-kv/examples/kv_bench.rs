@@ -2,10 +2,12 @@
 //! `cargo run --release -p tandem-kv --example kv_bench [iters] [shm copy threads ...]`.
 //!
 //! Without thread counts, shared memory runs with 1 copy thread per side (the serial path) and with the
-//! default (`KvServerConfig::default().shm_copy_threads`, half the cores, at most 8).
+//! default (`KvServerConfig::default().shm_copy_threads`, half the cores, at most 8). With
+//! `TANDEM_NIXL_LIB` naming the unpacked nixl-cu13 wheel (or the directory of libnixl_capi.so), NIXL
+//! READs between two agents of the process are measured too.
 
 use tandem_kv::bench::{run, BenchConfig, BenchTransport};
-use tandem_kv::KvServerConfig;
+use tandem_kv::{KvServerConfig, NixlConfig};
 
 #[tokio::main]
 async fn main() -> Result<(), tandem_kv::KvError> {
@@ -33,6 +35,11 @@ async fn main() -> Result<(), tandem_kv::KvError> {
     ]
     .into_iter()
     .chain(shm_threads.into_iter().map(BenchTransport::Shm));
+    let nixl = std::env::var_os("TANDEM_NIXL_LIB").map(|lib| NixlConfig {
+        library: Some(lib.into()),
+        ..NixlConfig::default()
+    });
+    let transports = transports.chain(nixl.is_some().then_some(BenchTransport::Nixl));
     println!(
         "{:<58} {:<10} {:>12} {:>10} {:>8}",
         "case", "transport", "bytes/pull", "median ms", "GB/s"
@@ -45,6 +52,7 @@ async fn main() -> Result<(), tandem_kv::KvError> {
                 block_bytes,
                 transport,
                 iters,
+                nixl: nixl.clone(),
             })
             .await?;
             println!(

@@ -7,8 +7,9 @@ use serde::Serialize;
 
 use crate::mem::{MemSink, MemSource};
 use crate::{
-    InProcTransport, KvClient, KvError, KvServer, KvServerConfig, KvTransport, PeerInfo,
-    ShmTransport, TcpConfig, TcpTransport, WireDtype, WireLayout,
+    InProcTransport, KvClient, KvError, KvServer, KvServerConfig, KvTransport, NixlAgent,
+    NixlConfig, NixlTransport, PeerInfo, ShmTransport, TcpConfig, TcpTransport, WireDtype,
+    WireLayout,
 };
 
 /// Which transport a benchmark run exercises.
@@ -20,6 +21,8 @@ pub enum BenchTransport {
     Tcp(usize),
     /// Shared memory, with this many copy threads on each side (server and client).
     Shm(usize),
+    /// NIXL READs between two agents of this process (UCX backend); needs [`BenchConfig::nixl`].
+    Nixl,
 }
 
 impl std::fmt::Display for BenchTransport {
@@ -28,6 +31,7 @@ impl std::fmt::Display for BenchTransport {
             BenchTransport::InProc => f.write_str("in-proc"),
             BenchTransport::Tcp(s) => write!(f, "tcp x{s}"),
             BenchTransport::Shm(t) => write!(f, "shm {t}thr"),
+            BenchTransport::Nixl => f.write_str("nixl"),
         }
     }
 }
@@ -45,6 +49,8 @@ pub struct BenchConfig {
     pub transport: BenchTransport,
     /// Timed pulls (after one warm-up pull).
     pub iters: usize,
+    /// Settings of the two NIXL agents, for [`BenchTransport::Nixl`].
+    pub nixl: Option<NixlConfig>,
 }
 
 /// Measured throughput of one case.
@@ -105,6 +111,17 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, KvError> {
             ShmTransport::new(info.clone(), tcp(1), crate::default_shm_dir())
                 .with_copy_threads(shm_threads),
         ),
+        BenchTransport::Nixl => {
+            let nixl = cfg.nixl.clone().ok_or_else(|| {
+                KvError::Protocol("the nixl benchmark needs NIXL settings".into())
+            })?;
+            server.enable_nixl(NixlAgent::new("bench-prefill", &nixl)?)?;
+            Arc::new(NixlTransport::new(
+                info.clone(),
+                tcp(1),
+                NixlAgent::new("bench-decode", &nixl)?,
+            ))
+        }
     };
     let client = KvClient::new(transport);
     // Blocks in reverse order, so the source gathers rather than copying one contiguous run.

@@ -55,6 +55,9 @@ pub enum KvError {
     /// The `KvSink` refused or failed to store block bytes.
     #[error("KV sink failed: {0}")]
     Sink(String),
+    /// NIXL could not be loaded or one of its calls failed; names the library, symbol, plugin or call.
+    #[error(transparent)]
+    Nixl(#[from] crate::nixl::NixlError),
     /// A frame's checksum did not match its payload.
     #[error("checksum mismatch on transfer {transfer_id} layer {layer}")]
     Checksum {

@@ -14,7 +14,9 @@
 //! vectored header+payload writes, one reusable receive buffer per connection) and [`ShmTransport`]
 //! (same host: the server copies blocks into a `/dev/shm` file, only offsets travel on the socket). Both
 //! socket transports hand each layer to the sink as it arrives, so decode can start on layer 0 early.
-//! The module docs of [`transport`] describe how an RDMA/NIXL transport plugs in.
+//! [`NixlTransport`] READs the layers through NIXL (loaded at run time, [`nixl`]) out of the server's registered
+//! memory, with the TCP connection kept for handshake, announcements and the ack (`NixlPull` → `NixlOpen` →
+//! `NixlLayer`* → `PullDone`).
 //!
 //! # Wire format (version 2)
 //!
@@ -56,6 +58,7 @@ pub mod bench;
 mod error;
 pub mod mem;
 mod metrics;
+pub mod nixl;
 mod peer;
 mod registry;
 mod selection;
@@ -69,11 +72,13 @@ pub mod wire;
 
 pub use error::KvError;
 pub use metrics::{KvMetrics, KvMetricsSnapshot, ReleaseReason};
+pub use nixl::{NixlAgent, NixlBackend, NixlConfig, NixlError};
 pub use peer::{PeerInfo, WireDtype, WireLayout};
 pub use selection::BlockSelection;
 pub use server::{default_shm_dir, KvListener, KvServer, KvServerConfig};
 pub use source::{KvSink, KvSource, TransferHandle};
 pub use transport::inproc::InProcTransport;
+pub use transport::nixl::NixlTransport;
 pub use transport::shm::ShmTransport;
 pub use transport::tcp::{TcpConfig, TcpTransport};
 pub use transport::{KvClient, KvTransport, PullStats};

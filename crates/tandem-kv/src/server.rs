@@ -70,6 +70,8 @@ pub(crate) struct ServerInner {
     pub(crate) registry: Arc<PinRegistry>,
     pub(crate) metrics: Arc<KvMetrics>,
     pub(crate) shm_pool: ShmPool,
+    /// The NIXL agent exporting pinned transfers, once [`KvServer::enable_nixl`] ran.
+    pub(crate) nixl: std::sync::OnceLock<crate::nixl::NixlAgent>,
     next_id: AtomicU64,
     endpoint: Mutex<String>,
 }
@@ -111,6 +113,7 @@ impl KvServer {
             inner: Arc::new(ServerInner {
                 registry: Arc::new(PinRegistry::new(source, Arc::clone(&metrics))),
                 shm_pool: ShmPool::new(config.shm_dir.clone(), config.shm_cache_bytes),
+                nixl: std::sync::OnceLock::new(),
                 config,
                 info,
                 metrics,
@@ -145,6 +148,15 @@ impl KvServer {
             n_tokens,
             layout: self.inner.info.layout,
         })
+    }
+
+    /// Serves `NixlPull`s too: pinned transfers are exported into `agent`'s registered buffers and the
+    /// client READs them. Fails if NIXL was enabled already.
+    pub fn enable_nixl(&self, agent: crate::nixl::NixlAgent) -> Result<(), KvError> {
+        self.inner
+            .nixl
+            .set(agent)
+            .map_err(|_| KvError::Protocol("NIXL is already enabled on this KV server".into()))
     }
 
     /// Releases a transfer from the prefill side (request cancelled); returns whether it was still pinned.
@@ -233,6 +245,18 @@ struct ConnState {
     control: Option<u64>,
     /// The shared-memory segment of the transfer in flight; back to the pool when the transfer ends.
     shm: Option<ShmSegment>,
+    /// The registered NIXL export buffer of the transfer in flight; back to its pool when the transfer ends.
+    nixl: Option<crate::nixl::PoolLease>,
+}
+
+impl ConnState {
+    /// The transfer in flight ended (ack, abort, disconnect): its buffers go back to their pools.
+    fn end_transfer(&mut self, inner: &ServerInner) {
+        if let Some(seg) = self.shm.take() {
+            inner.shm_pool.put(seg);
+        }
+        self.nixl = None;
+    }
 }
 
 async fn serve_conn(inner: &Arc<ServerInner>, stream: TcpStream) -> Result<(), KvError> {
@@ -244,6 +268,7 @@ async fn serve_conn(inner: &Arc<ServerInner>, stream: TcpStream) -> Result<(), K
     let mut st = ConnState {
         control: None,
         shm: None,
+        nixl: None,
     };
     let res = conn_loop(inner, &mut r, &mut st).await;
     if let Err(e) = &res {
@@ -262,9 +287,7 @@ async fn serve_conn(inner: &Arc<ServerInner>, stream: TcpStream) -> Result<(), K
     if let Some(t) = st.control.take() {
         inner.registry.finish(t, ReleaseReason::Disconnect);
     }
-    if let Some(seg) = st.shm.take() {
-        inner.shm_pool.put(seg);
-    }
+    st.end_transfer(inner);
     res
 }
 
@@ -314,10 +337,26 @@ async fn conn_loop(
                 send_shm(inner, r.get_mut(), tid, guard, blocks, &mut st.shm).await?;
                 send_control(r.get_mut(), FrameKind::PullDone, tid, io).await?;
             }
+            FrameKind::NixlPull => {
+                let req: crate::nixl::server::NixlPullRequest = r.json(&h).await?;
+                let guard = inner.registry.begin_read(tid)?;
+                st.control = Some(tid);
+                let blocks = selected(&guard.blocks, &req.blocks)?;
+                st.end_transfer(inner);
+                crate::nixl::server::send_nixl(
+                    inner,
+                    r.get_mut(),
+                    tid,
+                    &req,
+                    guard,
+                    blocks,
+                    &mut st.nixl,
+                )
+                .await?;
+                send_control(r.get_mut(), FrameKind::PullDone, tid, io).await?;
+            }
             FrameKind::Ack => {
-                if let Some(seg) = st.shm.take() {
-                    inner.shm_pool.put(seg);
-                }
+                st.end_transfer(inner);
                 st.control = None;
                 if !inner.registry.finish(tid, ReleaseReason::Ack) {
                     // Already released (e.g. timed out after the last byte was read under the pin): the data is still valid.
@@ -329,9 +368,7 @@ async fn conn_loop(
                 send_control(r.get_mut(), FrameKind::AckOk, tid, io).await?;
             }
             FrameKind::Abort => {
-                if let Some(seg) = st.shm.take() {
-                    inner.shm_pool.put(seg);
-                }
+                st.end_transfer(inner);
                 st.control = None;
                 inner.registry.finish(tid, ReleaseReason::Abort);
             }
@@ -419,7 +456,40 @@ async fn send_shm(
         n_blocks: blocks.len() as u32,
     };
     wire::send_json(w, FrameKind::ShmOpen, tid, &open, inner.config.io_timeout).await?;
-    let mut seg = slot.take().expect("just inserted");
+    let seg = slot.take().expect("just inserted");
+    let (seg, res) = copy_and_announce(
+        inner,
+        w,
+        tid,
+        guard,
+        blocks,
+        seg,
+        total,
+        FrameKind::ShmLayer,
+    )
+    .await?;
+    *slot = Some(seg);
+    res
+}
+
+/// Copies `blocks` (the selected source blocks) of every layer into the first `total` bytes of `buf` (layer
+/// `l` at `l * total / n_layers`) on `shm_copy_threads` threads of the blocking pool, sending a `kind` frame
+/// (no payload) for each layer as soon as it is written. The copy owns the read `guard` and the buffer, so the
+/// pin outlives every read of the source even if this future is dropped; the buffer comes back once no
+/// thread writes it any more, with the first failure. Err only when the copy task itself died.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn copy_and_announce<B: AsMut<[u8]> + Send + 'static>(
+    inner: &Arc<ServerInner>,
+    w: &mut TcpStream,
+    tid: u64,
+    guard: ReadGuard,
+    blocks: Vec<u32>,
+    mut buf: B,
+    total: usize,
+    kind: FrameKind,
+) -> Result<(B, Result<(), KvError>), KvError> {
+    let layer_bytes = total / inner.info.layout.n_layers;
+    let n_blocks = blocks.len() as u32;
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
     let stop = StopFlag::default();
     let copier = {
@@ -427,7 +497,7 @@ async fn send_shm(
         let stop = stop.clone();
         let threads = inner.config.shm_copy_threads;
         tokio::task::spawn_blocking(move || {
-            let region = &mut seg.map[..total];
+            let region = &mut buf.as_mut()[..total];
             let res = copy_layers(
                 inner.registry.source(),
                 tid,
@@ -440,14 +510,14 @@ async fn send_shm(
             );
             // Only now, with every copy out of the source finished, may the pin be released.
             drop(guard);
-            (seg, res)
+            (buf, res)
         })
     };
     let mut announced = Ok(());
     while let Some(layer) = done_rx.recv().await {
-        let mut h = FrameHeader::control(FrameKind::ShmLayer, tid, 0);
+        let mut h = FrameHeader::control(kind, tid, 0);
         h.layer = layer as u32;
-        h.n_blocks = open.n_blocks;
+        h.n_blocks = n_blocks;
         if let Err(e) = wire::send(w, h, &[], inner.config.io_timeout).await {
             announced = Err(e);
             break;
@@ -455,15 +525,14 @@ async fn send_shm(
         inner.metrics.add_sent(layer_bytes as u64);
     }
     // On a failed send the copiers stop after their current layer; either way wait for them, so the
-    // segment comes back and no thread still writes it when the transfer ends.
+    // buffer comes back and no thread still writes it when the transfer ends.
     if announced.is_err() {
         stop.raise();
     }
-    let (seg, copied) = copier
+    let (buf, copied) = copier
         .await
-        .map_err(|e| KvError::Source(format!("shared-memory copy task failed: {e}")))?;
-    *slot = Some(seg);
-    announced.and(copied)
+        .map_err(|e| KvError::Source(format!("KV export copy task failed: {e}")))?;
+    Ok((buf, announced.and(copied)))
 }
 
 /// Copies `blocks` of every layer into `region` (layer `l` at `l * layer_bytes`) on up to `threads` scoped

@@ -54,6 +54,12 @@ impl ShmSegment {
     }
 }
 
+impl AsMut<[u8]> for ShmSegment {
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.map[..]
+    }
+}
+
 /// Server-side free list of segments, bounded in total bytes.
 pub(crate) struct ShmPool {
     dir: PathBuf,

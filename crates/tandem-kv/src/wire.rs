@@ -68,6 +68,12 @@ pub enum FrameKind {
     StageCopy = 20,
     /// Stage link: the import or copy is done.
     StageOk = 21,
+    /// Client → server: JSON `NixlPullRequest`: export these blocks into registered memory for a NIXL READ.
+    NixlPull = 22,
+    /// Server → client: JSON `NixlOpen`: the server's NIXL agent and each layer's registered region.
+    NixlOpen = 23,
+    /// Server → client: one layer is ready to READ (no payload).
+    NixlLayer = 24,
 }
 
 impl FrameKind {
@@ -95,6 +101,9 @@ impl FrameKind {
             19 => StageImport,
             20 => StageCopy,
             21 => StageOk,
+            22 => NixlPull,
+            23 => NixlOpen,
+            24 => NixlLayer,
             _ => return Err(KvError::Protocol(format!("unknown frame kind {v}"))),
         })
     }
@@ -431,7 +440,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn header_round_trips(kind in 1u8..=21, flags: u8, transfer_id: u64, layer: u32, first_block: u32, n_blocks: u32, checksum: u32, payload_len: u64) {
+        fn header_round_trips(kind in 1u8..=24, flags: u8, transfer_id: u64, layer: u32, first_block: u32, n_blocks: u32, checksum: u32, payload_len: u64) {
             let h = FrameHeader { kind: FrameKind::from_u8(kind).unwrap(), flags, transfer_id, layer, first_block, n_blocks, checksum, payload_len };
             prop_assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
         }

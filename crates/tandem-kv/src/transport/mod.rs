@@ -1,6 +1,6 @@
 //! Client-side transports behind one trait, and the [`KvClient`] that meters them.
 //!
-//! Adding a transport (RDMA / NIXL, GPU-direct): implement [`KvTransport::pull`] so that it (1) handshakes
+//! [`nixl::NixlTransport`] is the one-sided-read instance of this seam. Adding a transport: implement [`KvTransport::pull`] so that it (1) handshakes
 //! with [`PeerInfo::check_compatible`], (2) delivers every `(layer, block range)` of the requested
 //! [`BlockSelection`] to the sink, calling `layer_complete` per layer and `complete` once, then (3) acks so
 //! the server releases the pin, or aborts on failure. An empty selection (the decode side had every block
@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use crate::{BlockSelection, KvError, KvMetrics, KvSink, PeerInfo, TransferHandle};
 
 pub mod inproc;
+pub mod nixl;
 pub mod shm;
 pub mod tcp;
 

@@ -1,0 +1,317 @@
+//! NIXL data plane: the server exports the pinned blocks into its registered memory and announces each
+//! layer; this side READs every layer into its own registered buffer as soon as it is announced, hands it to
+//! the sink, and acks on the TCP control connection (aborting on any failure, so the pin is released once).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::nixl::server::{NixlOpen, NixlPullRequest};
+use crate::nixl::{slow_transfer_warning, MemKind, MemRegion, NixlAgent, PoolLease, Xfer};
+use crate::transport::tcp::{ack_only, connect, finish_on_control, TcpConfig};
+use crate::transport::{KvTransport, PullFuture};
+use crate::wire::{self, FrameKind, FrameReader};
+use crate::{BlockSelection, KvError, KvSink, PeerInfo, TransferHandle};
+
+/// Polls of a running READ answered by yielding before falling back to short sleeps.
+const SPIN_POLLS: u32 = 64;
+
+/// Pulls by NIXL READ, with a TCP connection for the handshake, layer announcements and the ack.
+pub struct NixlTransport {
+    local: PeerInfo,
+    config: TcpConfig,
+    agent: NixlAgent,
+    /// Server agent learned per endpoint, so its metadata is sent only when it changed.
+    peers: Mutex<HashMap<String, String>>,
+}
+
+impl NixlTransport {
+    /// A NIXL transport reading through `agent` (its pool provides the receive buffers).
+    pub fn new(local: PeerInfo, config: TcpConfig, agent: NixlAgent) -> Self {
+        NixlTransport {
+            local,
+            config,
+            agent,
+            peers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn pull_impl(
+        &self,
+        handle: &TransferHandle,
+        blocks: &BlockSelection,
+        sink: Arc<dyn KvSink>,
+    ) -> Result<u64, KvError> {
+        if blocks.is_empty() {
+            return ack_only(handle, &self.local, &self.config, &*sink).await;
+        }
+        let tid = handle.transfer_id;
+        let io = self.config.io_timeout;
+        let mut c = connect(&handle.endpoint, &self.local, &self.config).await?;
+        let known = self
+            .peers
+            .lock()
+            .get(&handle.endpoint)
+            .and_then(|a| Some((a.clone(), self.agent.remote_generation(a)?)));
+        let req = NixlPullRequest {
+            blocks: blocks.clone(),
+            known,
+        };
+        wire::send_json(c.get_mut(), FrameKind::NixlPull, tid, &req, io).await?;
+        let res = self.receive(&mut c, handle, blocks, &*sink).await;
+        let res = match res {
+            Ok(b) => sink.complete().map(|()| b),
+            e => e,
+        };
+        match res {
+            Ok(bytes) => finish_on_control(&mut c, tid, None, io)
+                .await
+                .map(|()| bytes),
+            Err(e) => finish_on_control(&mut c, tid, Some(e), io)
+                .await
+                .map(|()| 0),
+        }
+    }
+
+    /// Reads `NixlOpen`, loads the server's metadata when sent, then READs each announced layer and
+    /// delivers it. Every READ is released (or its buffer leaked) before this returns.
+    async fn receive(
+        &self,
+        c: &mut FrameReader<tokio::net::TcpStream>,
+        handle: &TransferHandle,
+        blocks: &BlockSelection,
+        sink: &dyn KvSink,
+    ) -> Result<u64, KvError> {
+        let n_layers = handle.layout.n_layers;
+        let bb = handle.layout.block_bytes();
+        let layer_bytes = blocks.len() * bb;
+        let h = c.expect_frame().await?;
+        if h.kind != FrameKind::NixlOpen {
+            return Err(KvError::Protocol(format!(
+                "expected NixlOpen, got {:?}",
+                h.kind
+            )));
+        }
+        let open: NixlOpen = c.json(&h).await?;
+        check_open(&open, n_layers, blocks.len(), layer_bytes)?;
+        if let Some(md) = &open.md {
+            self.agent.load_remote(&open.agent, open.md_gen, md)?;
+            let old = self
+                .peers
+                .lock()
+                .insert(handle.endpoint.clone(), open.agent.clone());
+            if let Some(old) = old.filter(|o| *o != open.agent) {
+                // The server at this endpoint restarted: its old agent is gone.
+                self.agent.forget_remote(&old);
+            }
+        } else if self.agent.remote_generation(&open.agent).is_none() {
+            return Err(KvError::Protocol(format!(
+                "server sent no NIXL metadata for unknown agent {}",
+                open.agent
+            )));
+        }
+        let dest = Arc::new(self.agent.lease(n_layers * layer_bytes)?);
+        let local = dest.region().pieces(n_layers, layer_bytes as u64);
+        let mut reads = Reads {
+            running: Vec::new(),
+            seen: vec![false; n_layers],
+            left: n_layers,
+            started: None,
+        };
+        let runs = runs(blocks, bb);
+        loop {
+            let h = c.expect_frame().await?;
+            match h.kind {
+                FrameKind::NixlLayer => {
+                    let layer = h.layer as usize;
+                    if layer >= n_layers || reads.seen[layer] {
+                        return Err(KvError::Protocol(format!(
+                            "bad or repeated NIXL layer {layer}"
+                        )));
+                    }
+                    reads.seen[layer] = true;
+                    reads.started.get_or_insert_with(Instant::now);
+                    let x = self.agent.read(
+                        &local[layer..=layer],
+                        &open.layers[layer..=layer],
+                        &open.agent,
+                        &dest,
+                    )?;
+                    reads.running.push((layer, x));
+                    reads.deliver_done(&dest, &local, &runs, sink)?;
+                }
+                FrameKind::PullDone => break,
+                k => {
+                    return Err(KvError::Protocol(format!(
+                        "unexpected {k:?} during a NIXL pull"
+                    )))
+                }
+            }
+        }
+        if reads.seen.iter().any(|s| !s) {
+            return Err(KvError::Protocol("NIXL pull ended early".into()));
+        }
+        let mut polls = 0u32;
+        while reads.left > 0 {
+            reads.deliver_done(&dest, &local, &runs, sink)?;
+            if reads.left == 0 {
+                break;
+            }
+            polls += 1;
+            if polls < SPIN_POLLS {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+            // Bounded like every other wait.
+            if reads
+                .started
+                .is_some_and(|s| s.elapsed() > self.config.io_timeout)
+            {
+                return Err(KvError::Timeout {
+                    context: "waiting for NIXL READs",
+                    after: self.config.io_timeout,
+                });
+            }
+        }
+        let bytes = (n_layers * layer_bytes) as u64;
+        if let Some(start) = reads.started {
+            let elapsed = start.elapsed();
+            if let Some(w) =
+                slow_transfer_warning(bytes, elapsed, MemKind::Dram, self.agent.warn_below_gbps())
+            {
+                tracing::warn!(transfer_id = handle.transfer_id, "{w}");
+            }
+        }
+        Ok(bytes)
+    }
+}
+
+/// The READs of one pull still running; dropped (released) before the receive buffer.
+struct Reads {
+    running: Vec<(usize, Xfer)>,
+    seen: Vec<bool>,
+    left: usize,
+    started: Option<Instant>,
+}
+
+impl Reads {
+    /// Hands every finished layer to the sink.
+    fn deliver_done(
+        &mut self,
+        dest: &PoolLease,
+        local: &[MemRegion],
+        runs: &[(usize, usize, usize)],
+        sink: &dyn KvSink,
+    ) -> Result<(), KvError> {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].1.poll()? {
+                let (layer, x) = self.running.swap_remove(i);
+                drop(x);
+                let base = (local[layer].addr - local[0].addr) as usize;
+                let bytes = dest.as_ref();
+                for &(first, off, len) in runs {
+                    sink.write(layer, first, &bytes[base + off..base + off + len])?;
+                }
+                sink.layer_complete(layer)?;
+                self.left -= 1;
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where each selected run lands: (first block index, offset within a layer's packed region, bytes).
+fn runs(blocks: &BlockSelection, bb: usize) -> Vec<(usize, usize, usize)> {
+    blocks
+        .runs()
+        .iter()
+        .scan(0usize, |off, run| {
+            let len = (run.end - run.start) as usize * bb;
+            let at = (run.start as usize, *off, len);
+            *off += len;
+            Some(at)
+        })
+        .collect()
+}
+
+/// Refuses an announcement that does not describe one region of `layer_bytes` per layer.
+fn check_open(
+    open: &NixlOpen,
+    n_layers: usize,
+    n_blocks: usize,
+    layer_bytes: usize,
+) -> Result<(), KvError> {
+    if open.n_blocks as usize != n_blocks
+        || open.layers.len() != n_layers
+        || open.layers.iter().any(|r| r.len != layer_bytes as u64)
+    {
+        return Err(KvError::Protocol(format!(
+            "NIXL regions ({} layers, {} blocks) do not match the pull ({n_layers} layers of {layer_bytes} bytes, {n_blocks} blocks)",
+            open.layers.len(),
+            open.n_blocks
+        )));
+    }
+    Ok(())
+}
+
+impl KvTransport for NixlTransport {
+    fn name(&self) -> &'static str {
+        "nixl"
+    }
+
+    fn local(&self) -> &PeerInfo {
+        &self.local
+    }
+
+    fn pull<'a>(
+        &'a self,
+        handle: &'a TransferHandle,
+        blocks: &'a BlockSelection,
+        sink: Arc<dyn KvSink>,
+    ) -> PullFuture<'a> {
+        Box::pin(self.pull_impl(handle, blocks, sink))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nixl::MemKind;
+
+    fn open(layers: usize, len: u64) -> NixlOpen {
+        NixlOpen {
+            agent: "p".into(),
+            md_gen: 1,
+            md: None,
+            n_blocks: 2,
+            layers: (0..layers as u64)
+                .map(|i| MemRegion {
+                    addr: 4096 + i * len,
+                    len,
+                    kind: MemKind::Dram,
+                    device: 0,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn announcements_must_match_the_pull() {
+        assert!(check_open(&open(3, 200), 3, 2, 200).is_ok());
+        assert!(check_open(&open(2, 200), 3, 2, 200).is_err());
+        assert!(check_open(&open(3, 100), 3, 2, 200).is_err());
+        assert!(check_open(&open(3, 200), 3, 1, 200).is_err());
+    }
+
+    #[test]
+    fn runs_pack_selected_blocks() {
+        let sel = BlockSelection::from_indices([0, 1, 5]);
+        assert_eq!(runs(&sel, 10), vec![(0, 0, 20), (5, 20, 10)]);
+    }
+}
