@@ -4,7 +4,7 @@
 #   check.json           correctness against HF transformers (scripts/gpu/check.py)
 #   sample_check.json    the on-device sampler's draws against the host sampler's distribution
 #   tandem_bench.jsonl   tandem cuda-bench on the 8B-shaped model (random bf16 weights made on the GPU)
-#   hf_bench.jsonl       HF transformers generate on the same shapes (scripts/gpu/hf_bench.py)
+#   hf_bench.jsonl       HF transformers generate on the same shapes (scripts/gpu/hf-bench.py)
 #   summary.md           the table for BENCHMARKS.md (scripts/gpu/summarize.py)
 #   serve.log            the `tandem serve --device cuda` log of the engine check
 #   ncu_summary.txt      per-kernel GPU time of one batch-1 decode step and one 4k prefill (ncu)
@@ -89,7 +89,7 @@ if want bench; then
   timeout 150 "$BIN" cuda-bench --out "$OUT/tandem_bench.jsonl" || status=1
   if [ "${TANDEM_ONLY:-0}" != 1 ]; then
     echo "== HF transformers peer"
-    timeout 220 python3 "$root/scripts/gpu/hf_bench.py" --out "$OUT/hf_bench.jsonl" || status=1
+    timeout 220 python3 "$root/scripts/gpu/hf-bench.py" --out "$OUT/hf_bench.jsonl" || status=1
     python3 "$root/scripts/gpu/summarize.py" "$OUT" | tee "$OUT/summary.md" || status=1
   fi
 fi
@@ -136,7 +136,7 @@ if want profile; then
     --launch-skip $((196 + 3 * decode_kernels)) --launch-count "$decode_kernels" \
     "$BIN" cuda-bench --batches 1 --steps 2 --prefill 0 --no-cuda-graphs \
     >/tmp/ncu_decode_b1.csv 2>/tmp/ncu.log &&
-    python3 "$root/scripts/gpu/ncu_summary.py" /tmp/ncu_decode_b1.csv | tee "$OUT/ncu_summary.txt" ||
+    python3 "$root/scripts/gpu/ncu-summary.py" /tmp/ncu_decode_b1.csv | tee "$OUT/ncu_summary.txt" ||
     { echo "ncu failed"; tail -5 /tmp/ncu.log; }
   if [ "${PROFILE_PREFILL:-1}" = 1 ]; then
     echo "== ncu: kernels of one 4,096-token prefill"
@@ -144,7 +144,7 @@ if want profile; then
       --launch-skip 196 --launch-count "$prefill_kernels" \
       "$BIN" cuda-bench --batches 0 --prefill 4096 --no-cuda-graphs \
       >/tmp/ncu_prefill.csv 2>/tmp/ncu_p.log &&
-      python3 "$root/scripts/gpu/ncu_summary.py" /tmp/ncu_prefill.csv | tee -a "$OUT/ncu_summary.txt" ||
+      python3 "$root/scripts/gpu/ncu-summary.py" /tmp/ncu_prefill.csv | tee -a "$OUT/ncu_summary.txt" ||
       { echo "ncu failed"; tail -5 /tmp/ncu_p.log; }
   fi
 fi

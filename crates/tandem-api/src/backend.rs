@@ -1,5 +1,5 @@
-//! The seam between the HTTP surface and whatever generates tokens: the local engine today,
-//! remote prefill/decode workers behind a router later.
+//! The seam between the HTTP surface and whatever generates tokens: the local engine, or remote
+//! prefill/decode workers behind the P/D router (`tandem_cluster::Ingress`).
 
 use std::pin::Pin;
 
@@ -48,7 +48,7 @@ pub enum BackendError {
     Failed(String),
 }
 
-/// What the API needs from a token generator; implemented by the local engine and, later, the P/D router.
+/// What the API needs from a token generator; implemented by the local engine and the P/D router.
 pub trait GenerateBackend: Send + Sync + 'static {
     /// Queues one generation from prompt token ids; validation errors come back synchronously.
     fn submit(

@@ -1,4 +1,4 @@
-//! The seam between scheduling and model math: the engine drives any [`Backend`] (CPU now, CUDA later).
+//! The seam between scheduling and model math: the engine drives any [`Backend`] (CPU, CUDA, CPU pipeline).
 
 use tandem_model::{ForwardBatch, KvLayout};
 

@@ -25,7 +25,7 @@
 //! | offset | size | field                                                      |
 //! |-------:|-----:|------------------------------------------------------------|
 //! | 0      | 4    | magic `b"TNKV"`                                            |
-//! | 4      | 2    | version (1); a different version is a `wire_version` mismatch |
+//! | 4      | 2    | version (2); a different version is a `wire_version` mismatch |
 //! | 6      | 1    | kind ([`wire::FrameKind`])                                 |
 //! | 7      | 1    | flags (bit 0: `checksum` holds the payload's CRC32)        |
 //! | 8      | 8    | transfer id                                                |
@@ -53,6 +53,9 @@
 //! server reply; the server then closes. Shared-memory files are pooled: a segment belongs to one transfer
 //! from `ShmOpen` until that transfer's ack, abort or disconnect, then returns to the server's pool (files
 //! beyond `shm_cache_bytes` are unlinked); clients keep their read-only mappings cached.
+//!
+//! The `Stage*` frame kinds belong to the pipeline stage link (`tandem_pipeline::link`), which reuses this
+//! header over its own blocking sockets; this crate only reserves their numbers.
 
 pub mod bench;
 mod error;
@@ -65,15 +68,13 @@ mod selection;
 mod server;
 mod shm_pool;
 mod source;
-#[cfg(feature = "model")]
-pub mod stage;
 pub mod transport;
 pub mod wire;
 
 pub use error::KvError;
 pub use metrics::{KvMetrics, KvMetricsSnapshot, ReleaseReason};
 pub use nixl::{NixlAgent, NixlBackend, NixlConfig, NixlError};
-pub use peer::{PeerInfo, WireDtype, WireLayout};
+pub use peer::{check_field, PeerInfo, WireDtype, WireLayout};
 pub use selection::BlockSelection;
 pub use server::{default_shm_dir, KvListener, KvServer, KvServerConfig};
 pub use source::{KvSink, KvSource, TransferHandle};

@@ -4,8 +4,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::KvError;
 
-/// `Ok` when a handshake field agrees, else a mismatch naming it with both values.
-pub(crate) fn cmp<T: PartialEq + std::fmt::Debug>(
+/// `Ok` when a handshake field agrees, else a mismatch naming it with both values; public so other
+/// handshakes over this crate's frames (the pipeline stage link) refuse a peer the same way.
+pub fn check_field<T: PartialEq + std::fmt::Debug>(
     field: &'static str,
     l: &T,
     r: &T,
@@ -65,12 +66,12 @@ impl WireLayout {
     /// Refuses a layout whose blocks would not be interchangeable, naming the first differing field.
     pub fn check_compatible(&self, remote: &WireLayout) -> Result<(), KvError> {
         let (l, r) = (self, remote);
-        cmp("dtype", &l.dtype, &r.dtype)?;
-        cmp("block_size", &l.block_size, &r.block_size)?;
-        cmp("n_layers", &l.n_layers, &r.n_layers)?;
-        cmp("n_heads", &l.n_heads, &r.n_heads)?;
-        cmp("n_kv_heads", &l.n_kv_heads, &r.n_kv_heads)?;
-        cmp("head_dim", &l.head_dim, &r.head_dim)
+        check_field("dtype", &l.dtype, &r.dtype)?;
+        check_field("block_size", &l.block_size, &r.block_size)?;
+        check_field("n_layers", &l.n_layers, &r.n_layers)?;
+        check_field("n_heads", &l.n_heads, &r.n_heads)?;
+        check_field("n_kv_heads", &l.n_kv_heads, &r.n_kv_heads)?;
+        check_field("head_dim", &l.head_dim, &r.head_dim)
     }
 
     /// Bytes of one (layer, block) pair: `[K|V][kv_head][slot][head_dim]`, the unit of transfer.
@@ -92,40 +93,8 @@ pub struct PeerInfo {
 impl PeerInfo {
     /// Refuses a peer whose KV bytes would not mean the same thing here, naming the first differing field.
     pub fn check_compatible(&self, remote: &PeerInfo) -> Result<(), KvError> {
-        cmp("model_id", &self.model_id, &remote.model_id)?;
+        check_field("model_id", &self.model_id, &remote.model_id)?;
         self.layout.check_compatible(&remote.layout)
-    }
-}
-
-#[cfg(feature = "model")]
-impl From<tandem_model::KvDtype> for WireDtype {
-    fn from(d: tandem_model::KvDtype) -> Self {
-        match d {
-            tandem_model::KvDtype::F32 => WireDtype::F32,
-            tandem_model::KvDtype::Bf16 => WireDtype::Bf16,
-        }
-    }
-}
-
-#[cfg(feature = "model")]
-impl PeerInfo {
-    /// Builds the handshake from the model crate's identity and cache layout (its `num_blocks` is local only).
-    pub fn from_model(
-        identity: &tandem_model::ModelIdentity,
-        n_heads: usize,
-        layout: &tandem_model::KvLayout,
-    ) -> Self {
-        PeerInfo {
-            model_id: identity.0.clone(),
-            layout: WireLayout {
-                n_layers: layout.n_layers,
-                n_heads,
-                n_kv_heads: layout.n_kv_heads,
-                head_dim: layout.head_dim,
-                block_size: layout.block_size,
-                dtype: layout.dtype.into(),
-            },
-        }
     }
 }
 

@@ -1,4 +1,5 @@
-//! Frame encoding shared by the socket transports (format documented in the crate docs).
+//! Frame encoding shared by the socket transports (format documented in the crate docs); public because the
+//! pipeline crate's stage link speaks the same header with the `Stage*` frame kinds.
 
 use std::io::IoSlice;
 use std::time::Duration;
@@ -50,9 +51,9 @@ pub enum FrameKind {
     ShmOpen = 11,
     /// Server → client: one layer is complete in the file (no payload).
     ShmLayer = 12,
-    /// Stage link, first stage → stage server: JSON [`crate::stage::StageHello`].
+    /// Stage link, first stage → stage server: JSON `StageHello` (`tandem_pipeline::link`).
     StageHello = 13,
-    /// Stage link, server → first stage: the server's JSON [`crate::stage::StageHello`].
+    /// Stage link, server → first stage: the server's JSON `StageHello` (`tandem_pipeline::link`).
     StageHelloReply = 14,
     /// Stage link: JSON batch metadata (`layer` bytes) then raw f32 hidden states.
     StageForward = 15,

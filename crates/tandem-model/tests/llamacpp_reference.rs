@@ -1,5 +1,5 @@
 //! Checks tandem on the default GGUF (SmolLM2-135M-Instruct Q4_1) against llama.cpp's outputs recorded
-//! by scripts/llamacpp-ref.py in tests/fixtures/llamacpp.
+//! by scripts/fixtures/llamacpp-ref.py in tests/fixtures/llamacpp.
 //!
 //! The fixture comes from llama.cpp's CPU backend built for AVX2 (each prompt one batch, f32 KV cache):
 //! an AVX2 build of the vendored llama.cpp reproduces it to the last bit, while the same source built for

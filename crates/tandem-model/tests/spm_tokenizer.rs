@@ -1,6 +1,6 @@
 //! The SentencePiece (Llama 2 style) tokenizer built from GGUF metadata against SentencePiece itself:
 //! tests/fixtures/spm holds a tokenizer trained with Llama 2's options and exported as llama.cpp's
-//! converter does, plus SentencePiece's ids for tricky strings (scripts/gen-spm-tokenizer-fixture.py).
+//! converter does, plus SentencePiece's ids for tricky strings (scripts/fixtures/gen-spm-tokenizer-fixture.py).
 
 use std::path::Path;
 

@@ -9,9 +9,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use tandem_engine::{Backend, CpuBackend};
-use tandem_kv::stage::StageTimeouts;
 use tandem_model::{CpuLlama, ForwardBatch, LogitsWanted};
-use tandem_pipeline::{serve_stage, PipelineBackend, PipelineConfig};
+use tandem_pipeline::{serve_stage, PipelineBackend, PipelineConfig, StageTimeouts};
 
 const BLOCK: usize = 16;
 

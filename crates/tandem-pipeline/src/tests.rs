@@ -1,11 +1,13 @@
 use super::*;
+use crate::backend::split;
+use std::net::TcpListener;
 use std::path::PathBuf;
 use std::sync::OnceLock;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_engine::sampler::argmax;
-use tandem_engine::CpuBackend;
-use tandem_model::{LoadedModel, LogitsWanted};
+use tandem_engine::{Backend, CpuBackend};
+use tandem_model::{CpuLlama, ForwardBatch, LoadedModel, LogitsWanted};
 
 /// The default model, loaded once per test binary; None (tests skip) when the file is absent.
 fn model() -> Option<&'static LoadedModel> {

@@ -1,7 +1,7 @@
 //! `tandem bench-engine`: the engine's own speed on one model, without HTTP in the way.
 //!
 //! Prints single-stream decode, 512-token prefill and 16-way aggregate decode throughput, the three figures
-//! the engine issue sets targets for; `scripts/bench-engine-vs-llamacpp.sh` runs llama.cpp beside it.
+//! the engine issue sets targets for; `scripts/peers/bench-engine-vs-llamacpp.sh` runs llama.cpp beside it.
 
 use std::path::PathBuf;
 

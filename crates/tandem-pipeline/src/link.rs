@@ -1,7 +1,7 @@
 //! The pipeline stage link: a typed request/reply channel between the first pipeline stage (the client,
 //! inside the worker's engine thread) and a stage server hosting later layers of the same model.
 //!
-//! It speaks the crate's frame header ([`crate::wire`]) over a blocking TCP stream, since its caller (a
+//! It speaks the KV transfer crate's frame header ([`tandem_kv::wire`]) over a blocking TCP stream, since its caller (a
 //! `Backend` on the engine thread) is synchronous. One connection carries, in order:
 //!
 //! - `StageHello(StageHello)` → `StageHelloReply(StageHello)`: the client states the model identity, the
@@ -30,9 +30,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tandem_model::ForwardBatch;
 
-use crate::peer::cmp;
-use crate::wire::{FrameHeader, FrameKind, WireError, HEADER_LEN, MAX_CONTROL_LEN};
-use crate::KvError;
+use tandem_kv::wire::{FrameHeader, FrameKind, WireError, HEADER_LEN, MAX_CONTROL_LEN};
+use tandem_kv::{check_field, KvError};
 
 /// What both ends of a stage link must agree on before any activation or KV byte crosses it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,14 +58,14 @@ impl StageHello {
     /// Refuses a peer that would compute something else, naming the first differing field.
     pub fn check_compatible(&self, remote: &StageHello) -> Result<(), KvError> {
         let (l, r) = (self, remote);
-        cmp("model_id", &l.model_id, &r.model_id)?;
-        cmp("stages", &l.stages, &r.stages)?;
-        cmp("stage", &l.stage, &r.stage)?;
-        cmp("layer_start", &l.layer_start, &r.layer_start)?;
-        cmp("layer_end", &l.layer_end, &r.layer_end)?;
-        cmp("hidden_size", &l.hidden_size, &r.hidden_size)?;
-        cmp("block_size", &l.block_size, &r.block_size)?;
-        cmp("num_blocks", &l.num_blocks, &r.num_blocks)
+        check_field("model_id", &l.model_id, &r.model_id)?;
+        check_field("stages", &l.stages, &r.stages)?;
+        check_field("stage", &l.stage, &r.stage)?;
+        check_field("layer_start", &l.layer_start, &r.layer_start)?;
+        check_field("layer_end", &l.layer_end, &r.layer_end)?;
+        check_field("hidden_size", &l.hidden_size, &r.hidden_size)?;
+        check_field("block_size", &l.block_size, &r.block_size)?;
+        check_field("num_blocks", &l.num_blocks, &r.num_blocks)
     }
 }
 
@@ -359,28 +358,31 @@ impl StageClient {
     }
 }
 
-/// What a stage server does with the requests of its link; implemented over the model by the pipeline crate.
+/// What a stage server does with the requests of its link; implemented over the model by the stage server
+/// ([`crate::serve_stage`]).
 pub trait StageHandler: Send + 'static {
+    /// Why a request failed; the server sends its message to the client in an `Error` frame and closes.
+    type Error: std::error::Error;
     /// This stage's handshake. `block_size`/`num_blocks` of 0 mean "not sized yet": the server then calls
     /// [`StageHandler::size_pool`] with the client's values.
     fn hello(&self) -> StageHello;
     /// Allocates the KV pool for the client's block size and count (only while unsized).
-    fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), String>;
+    fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), Self::Error>;
     /// Runs the stage's layers on one batch: `hidden_in` from the previous stage, `out` for the next.
     fn forward(
         &mut self,
         batch: &ForwardBatch,
         hidden_in: &[f32],
         out: &mut Vec<f32>,
-    ) -> Result<(), String>;
+    ) -> Result<(), Self::Error>;
     /// Bytes of one block of the KV layout.
     fn block_bytes(&self) -> usize;
     /// Copies one (global layer, block) out.
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), String>;
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), Self::Error>;
     /// Overwrites one (global layer, block).
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), String>;
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), Self::Error>;
     /// Copies a block across the stage's layers.
-    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String>;
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), Self::Error>;
 }
 
 /// A running stage server: serves one connection at a time (its worker's first stage) until shut down.
@@ -505,7 +507,7 @@ fn serve_conn<H: StageHandler>(
     let mut mine = handler.hello();
     if mine.block_size == 0 && mine.num_blocks == 0 {
         if let Err(e) = handler.size_pool(client.block_size, client.num_blocks) {
-            return refuse(&mut c, KvError::Remote(e));
+            return refuse(&mut c, KvError::Remote(e.to_string()));
         }
         mine = handler.hello();
     }
@@ -580,7 +582,7 @@ fn serve_conn<H: StageHandler>(
                 FrameKind::StageBlock => c.send(r, &[&block])?,
                 _ => c.send(r, &[])?,
             },
-            Err(e) => return refuse(&mut c, KvError::Remote(e)),
+            Err(e) => return refuse(&mut c, KvError::Remote(e.to_string())),
         }
         c.stream
             .set_read_timeout(None)
@@ -619,7 +621,20 @@ mod tests {
         stall: Duration,
     }
 
+    /// The test handler's failures.
+    #[derive(Debug, thiserror::Error)]
+    enum DoublerError {
+        #[error("bad hidden")]
+        BadHidden,
+        #[error("no such layer")]
+        NoSuchLayer,
+        #[error("layer {0} is not on this stage")]
+        NotOnStage(usize),
+    }
+
     impl StageHandler for Doubler {
+        type Error = DoublerError;
+
         fn hello(&self) -> StageHello {
             let mut h = hello();
             if !self.sized {
@@ -628,7 +643,7 @@ mod tests {
             }
             h
         }
-        fn size_pool(&mut self, _: usize, num_blocks: usize) -> Result<(), String> {
+        fn size_pool(&mut self, _: usize, num_blocks: usize) -> Result<(), DoublerError> {
             self.sized = true;
             self.kv = vec![0; 2 * num_blocks * 4];
             Ok(())
@@ -638,10 +653,10 @@ mod tests {
             b: &ForwardBatch,
             x: &[f32],
             out: &mut Vec<f32>,
-        ) -> Result<(), String> {
+        ) -> Result<(), DoublerError> {
             std::thread::sleep(self.stall);
             if x.len() != b.tokens.len() * 3 {
-                return Err("bad hidden".into());
+                return Err(DoublerError::BadHidden);
             }
             out.clear();
             out.extend(x.iter().map(|v| v * 2.0));
@@ -650,20 +665,30 @@ mod tests {
         fn block_bytes(&self) -> usize {
             4
         }
-        fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), String> {
+        fn export_block(
+            &self,
+            layer: usize,
+            block: u32,
+            out: &mut [u8],
+        ) -> Result<(), DoublerError> {
             let at = ((layer - 2) * 8 + block as usize) * 4;
-            out.copy_from_slice(self.kv.get(at..at + 4).ok_or("no such layer")?);
+            out.copy_from_slice(self.kv.get(at..at + 4).ok_or(DoublerError::NoSuchLayer)?);
             Ok(())
         }
-        fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), String> {
+        fn import_block(
+            &mut self,
+            layer: usize,
+            block: u32,
+            data: &[u8],
+        ) -> Result<(), DoublerError> {
             if !(2..4).contains(&layer) {
-                return Err(format!("layer {layer} is not on this stage"));
+                return Err(DoublerError::NotOnStage(layer));
             }
             let at = ((layer - 2) * 8 + block as usize) * 4;
             self.kv[at..at + 4].copy_from_slice(data);
             Ok(())
         }
-        fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String> {
+        fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), DoublerError> {
             for l in 2..4 {
                 let mut b = [0u8; 4];
                 self.export_block(l, src, &mut b)?;

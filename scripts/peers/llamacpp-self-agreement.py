@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """How often llama.cpp agrees with ITSELF on the teacher-forced top-1 tokens of tests/fixtures/llamacpp.
 
-The fixture (scripts/llamacpp-ref.py) records llama.cpp's argmax at every prompt position, computed over the
+The fixture (scripts/fixtures/llamacpp-ref.py) records llama.cpp's argmax at every prompt position, computed over the
 whole prompt in one batch with an f32 KV cache. This script asks llama.cpp's own llama-server (the same
-llama.cpp source, built by scripts/build-llama-server.sh) for the same positions another way: one request per
+llama.cpp source, built by scripts/peers/build-llama-server.sh) for the same positions another way: one request per
 prefix, n_predict=1, so every position is computed as a 1-token decode step over the cached prefix. It does so
 for several KV cache configurations and prints each one's top-1 agreement with the fixture, how far apart
 (under the fixture's own distribution) the disagreeing tokens are, and the agreement between configurations.
@@ -11,7 +11,7 @@ for several KV cache configurations and prints each one's top-1 agreement with t
 What this measures is the floor of the llamacpp_reference test's top-1 check: two correct runs of llama.cpp
 that differ only in batch shape or KV precision already disagree at that rate, every time on a near-tie.
 
-Usage: scripts/llamacpp-self-agreement.py [--server PATH] [--configs NAME=ARGS ...]
+Usage: scripts/peers/llamacpp-self-agreement.py [--server PATH] [--configs NAME=ARGS ...]
 Needs models/SmolLM2-135M-Instruct.Q4_1.gguf and a llama-server binary; talks to it over loopback only.
 Takes about 3-4 minutes per configuration on 2 cores.
 """
@@ -27,7 +27,7 @@ import sys
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # llama.cpp's KV cache in the fixture (f32, no flash attention) and llama.cpp's defaults (f16 K and V,
 # flash attention chosen automatically).
 DEFAULT_CONFIGS = ["f32=-ctk f32 -ctv f32 -fa off", "f16-default=", "f16-fa-off=-fa off"]

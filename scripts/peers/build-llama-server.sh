@@ -3,7 +3,7 @@
 # sources vendored in the llama-cpp-python sdist, i.e. the same llama.cpp as the reference fixtures.
 # Idempotent: exits at once when the binary is already there. Prints the binary's path last.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 dest="$root/.cache/llama.cpp"
 bin="$dest/bin/llama-server"

@@ -6,13 +6,13 @@
 # table (results.md) and the charts into $OUT (default out/compare/) and prints the table with the two
 # targets of issue 5.
 #
-# Usage: scripts/compare-peers.sh [MODEL.gguf]
+# Usage: scripts/peers/compare-peers.sh [MODEL.gguf]
 # Knobs (environment): OUT, CONCURRENCIES (1,4,16), NUM_PROMPTS (32), INPUT_LEN (128), OUTPUT_LEN (64),
 # BURSTY_PROMPTS (64), BURSTY_RATE (4), BURST_SIZE (4), BURST_INPUT_LEN (1024), BURST_INTERVAL (6),
 # PEERS (llama-server,colocated,pd), LLAMA_THREADS (nproc), TANDEM_BIN (default: target/release/tandem,
 # built if missing). With PEERS a subset, the table still includes the other peers' latest results in OUT.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 model="${1:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 out="${OUT:-out/compare}"
@@ -42,7 +42,7 @@ if [ -z "${TANDEM_BIN:-}" ]; then
 fi
 llama_server=""
 if [[ ",$peers," == *",llama-server,"* ]]; then
-  llama_server="$(bash scripts/build-llama-server.sh | tail -n1)"
+  llama_server="$(bash scripts/peers/build-llama-server.sh | tail -n1)"
 fi
 mkdir -p "$out"
 

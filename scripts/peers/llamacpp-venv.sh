@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Create/reuse .venv-llamacpp: llama-cpp-python built from its PyPI sdist (which vendors llama.cpp)
 # for this CPU. Idempotent: does nothing when the venv already imports llama_cpp.
-# The sdist is kept in .cache/sdist so that scripts/build-llama-server.sh builds the same llama.cpp.
+# The sdist is kept in .cache/sdist so that scripts/peers/build-llama-server.sh builds the same llama.cpp.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# LLAMACPP_VENV and LLAMACPP_CMAKE_ARGS choose another venv and build (scripts/llamacpp-ref.sh builds the
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# LLAMACPP_VENV and LLAMACPP_CMAKE_ARGS choose another venv and build (scripts/fixtures/llamacpp-ref.sh builds the
 # AVX2 CPU path the reference fixture was recorded with).
 venv="${LLAMACPP_VENV:-$root/.venv-llamacpp}"
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"

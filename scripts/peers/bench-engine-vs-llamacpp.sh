@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Engine speed of tandem and llama.cpp on the same GGUF, same machine, same run; prints both and the ratios.
-# Usage: scripts/bench-engine-vs-llamacpp.sh [MODEL.gguf] [THREADS]
+# Usage: scripts/peers/bench-engine-vs-llamacpp.sh [MODEL.gguf] [THREADS]
 #
 # llama.cpp comes from the source vendored in the llama-cpp-python sdist on PyPI, either
 #   LLAMACPP=bench  (default) its own `llama-bench` tool, built with cmake next to llama-server
-#                   (scripts/build-llama-server.sh; minutes on 2 cores), pp512 and tg128, 3 repetitions;
-#   LLAMACPP=python through llama-cpp-python itself (scripts/llamacpp-venv.sh builds it once; 10–40 min),
-#                   measured by scripts/llamacpp-speed.py the way `tandem bench-engine` measures.
+#                   (scripts/peers/build-llama-server.sh; minutes on 2 cores), pp512 and tg128, 3 repetitions;
+#   LLAMACPP=python through llama-cpp-python itself (scripts/peers/llamacpp-venv.sh builds it once; 10–40 min),
+#                   measured by scripts/peers/llamacpp-speed.py the way `tandem bench-engine` measures.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 model="${1:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 threads="${2:-$(nproc)}"
@@ -18,13 +18,13 @@ cargo build --release -p tandem --quiet
 tandem_bin="${CARGO_TARGET_DIR:-target}/release/tandem"
 case "$mode" in
   bench)
-    bash scripts/build-llama-server.sh >/dev/null
+    bash scripts/peers/build-llama-server.sh >/dev/null
     build="$root/.cache/llama.cpp/build"
     bench_bin="$build/bin/llama-bench"
     [ -x "$bench_bin" ] || cmake_bin="$(command -v cmake || echo "$root/.venv-buildtools/bin/cmake")"
     [ -x "$bench_bin" ] || PATH="$root/.venv-buildtools/bin:$PATH" "$cmake_bin" --build "$build" --target llama-bench -j "$(nproc)" >/dev/null
     ;;
-  python) bash scripts/llamacpp-venv.sh ;;
+  python) bash scripts/peers/llamacpp-venv.sh ;;
   *) echo "LLAMACPP must be bench or python" >&2; exit 2 ;;
 esac
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); load: $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -40,7 +40,7 @@ tg = max(r["avg_ts"] for r in runs if r["n_gen"] > 0 and r["n_prompt"] == 0)
 print(json.dumps({"engine": "llama.cpp (llama-bench)", "single_stream_decode_tok_s": tg, "prefill_tok_s": pp}))
 ')"
 else
-  llama_json="$(.venv-llamacpp/bin/python scripts/llamacpp-speed.py "$model" "$threads")"
+  llama_json="$(.venv-llamacpp/bin/python scripts/peers/llamacpp-speed.py "$model" "$threads")"
 fi
 python3 - "$tandem_json" "$llama_json" <<'PY'
 import json, sys

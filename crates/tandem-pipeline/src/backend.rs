@@ -1,0 +1,348 @@
+//! The first stage: the engine's `Backend` over a pipeline, computing stage 0 here and driving the later
+//! stages over their links (routing and micro-batching as the crate docs describe).
+
+use std::sync::mpsc;
+use std::sync::Mutex;
+
+use tandem_engine::{Backend, BackendError};
+use tandem_kv::KvError;
+use tandem_model::{
+    CpuLlama, ForwardBatch, KvCache, KvDtype, KvLayout, LlamaWeights, ModelConfig, ModelError,
+    ModelIdentity, Partition,
+};
+
+use crate::link::StageClient;
+use crate::{hello, PipelineConfig, PipelineError};
+
+/// A remote stage as the first stage sees it.
+struct Link {
+    stage: usize,
+    layers: std::ops::Range<usize>,
+    /// Locked only by the engine thread (block operations) or by the step's link thread, never both at once.
+    client: Mutex<StageClient>,
+}
+
+impl Link {
+    /// Runs one block operation on the stage, naming the stage and the operation if it fails.
+    fn call(
+        &self,
+        what: &str,
+        op: impl FnOnce(&mut StageClient) -> Result<(), KvError>,
+    ) -> Result<(), BackendError> {
+        let r = op(&mut *self
+            .client
+            .lock()
+            .map_err(|_| BackendError::new("pipeline link lock poisoned"))?);
+        r.map_err(|e| self.err(what, e))
+    }
+
+    fn err(&self, what: &str, e: KvError) -> BackendError {
+        let addr = self.client.lock().map(|c| c.peer().to_string());
+        BackendError::new(format!(
+            "pipeline stage {} ({}) {what}: {e}",
+            self.stage,
+            addr.unwrap_or_default()
+        ))
+    }
+}
+
+/// The engine's `Backend` over a pipeline: the first stage computed here, later stages over their links.
+pub struct PipelineBackend {
+    model: CpuLlama,
+    kv: KvCache,
+    links: Vec<Link>,
+    layout: KvLayout,
+    micro_batches: usize,
+    min_micro_batch_tokens: usize,
+    eos: Vec<u32>,
+    vocab: usize,
+    max_len: usize,
+    /// The step's micro-batches, reused across steps.
+    mbs: Vec<ForwardBatch>,
+    /// Per micro-batch: hidden states on the way out, logits on the way back; reused across steps.
+    bufs: Vec<Vec<f32>>,
+    /// Whatever must live exactly as long as the backend (the stage processes a worker started);
+    /// declared last so the links close before it drops.
+    keep_alive: Option<Box<dyn Send>>,
+}
+
+impl std::fmt::Debug for PipelineBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PipelineBackend")
+            .field("stages", &(self.links.len() + 1))
+            .field("micro_batches", &self.micro_batches)
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+impl PipelineBackend {
+    /// Builds the first stage of `stage_addrs.len() + 1` stages and connects to the servers of the
+    /// others (in stage order), checking model identity, stage, layers and KV pool at each handshake.
+    pub fn connect(
+        config: &ModelConfig,
+        weights: &LlamaWeights,
+        identity: &ModelIdentity,
+        stage_addrs: &[String],
+        cfg: &PipelineConfig,
+    ) -> Result<PipelineBackend, PipelineError> {
+        let stages = stage_addrs.len() + 1;
+        if cfg.block_size == 0 {
+            return Err(PipelineError::Config("block_size 0".into()));
+        }
+        let layout = KvLayout::for_budget(config, cfg.block_size, cfg.kv_cache_bytes, KvDtype::F32);
+        let num_blocks = layout.num_blocks;
+        let first = Partition::stage(config, 0, stages)?;
+        let model = CpuLlama::partitioned(config.clone(), weights, cfg.threads, first, None)?;
+        let kv = KvCache::new(model.kv_layout(cfg.block_size, num_blocks));
+        let mut links = Vec::with_capacity(stages - 1);
+        for (i, addr) in stage_addrs.iter().enumerate() {
+            let stage = i + 1;
+            let part = Partition::stage(config, stage, stages)?;
+            let h = hello(
+                config,
+                identity,
+                &part,
+                stage,
+                stages,
+                cfg.block_size,
+                num_blocks,
+            );
+            let client =
+                StageClient::connect(addr.as_str(), &h, cfg.timeouts).map_err(|source| {
+                    PipelineError::Link {
+                        stage,
+                        addr: addr.clone(),
+                        source,
+                    }
+                })?;
+            tracing::info!(stage, addr = %addr, layers = ?part.layers, "pipeline stage connected");
+            links.push(Link {
+                stage,
+                layers: part.layers,
+                client: Mutex::new(client),
+            });
+        }
+        let micro_batches = if cfg.micro_batches == 0 {
+            stages
+        } else {
+            cfg.micro_batches
+        };
+        tracing::info!(stages, micro_batches, num_blocks, "pipeline ready");
+        Ok(PipelineBackend {
+            model,
+            kv,
+            links,
+            layout,
+            micro_batches,
+            min_micro_batch_tokens: cfg.min_micro_batch_tokens,
+            eos: config.eos_token_ids.clone(),
+            vocab: config.vocab_size,
+            max_len: config.max_position_embeddings,
+            mbs: Vec::new(),
+            bufs: Vec::new(),
+            keep_alive: None,
+        })
+    }
+
+    /// Ties `guard` (e.g. the stage processes serving this pipeline) to the backend's lifetime.
+    pub fn keep_alive(&mut self, guard: Box<dyn Send>) {
+        self.keep_alive = Some(guard);
+    }
+
+    /// Pipeline stages, this one included.
+    pub fn stages(&self) -> usize {
+        self.links.len() + 1
+    }
+
+    /// The link owning global `layer`, or None for the local first stage.
+    fn owner(&self, layer: usize) -> Result<Option<&Link>, BackendError> {
+        if self.model.partition().layers.contains(&layer) {
+            return Ok(None);
+        }
+        self.links
+            .iter()
+            .find(|l| l.layers.contains(&layer))
+            .map(Some)
+            .ok_or_else(|| BackendError::new(format!("layer {layer} beyond the model")))
+    }
+
+    fn check_block(&self, block: u32) -> Result<(), BackendError> {
+        if (block as usize) < self.layout.num_blocks {
+            Ok(())
+        } else {
+            Err(BackendError::new(format!(
+                "block {block} beyond the pool of {}",
+                self.layout.num_blocks
+            )))
+        }
+    }
+}
+
+/// Cuts `batch`'s sequences into at most `m` contiguous non-empty groups of about equal token counts
+/// (into the reused `mbs`); returns how many groups were filled.
+pub(crate) fn split(batch: &ForwardBatch, m: usize, mbs: &mut Vec<ForwardBatch>) -> usize {
+    let n = batch.seqs.len();
+    let m = m.clamp(1, n.max(1));
+    if mbs.len() < m {
+        mbs.resize_with(m, ForwardBatch::default);
+    }
+    for mb in mbs.iter_mut().take(m) {
+        mb.clear();
+    }
+    let total = batch.tokens.len().max(1);
+    let (mut j, mut acc) = (0, 0);
+    for (k, s) in batch.seqs.iter().enumerate() {
+        mbs[j].push(
+            &batch.tokens[s.tokens.clone()],
+            s.pos,
+            s.blocks.clone(),
+            s.logits,
+        );
+        acc += s.tokens.len();
+        let (left_seqs, left_mbs) = (n - k - 1, m - j - 1);
+        if left_mbs > 0 && (acc * m >= total * (j + 1) || left_seqs == left_mbs) {
+            j += 1;
+        }
+    }
+    j + 1
+}
+
+impl Backend for PipelineBackend {
+    fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.max_len
+    }
+
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        logits.clear();
+        let to_err = |e: ModelError| BackendError::new(format!("pipeline stage 0: {e}"));
+        if self.links.is_empty() {
+            return self
+                .model
+                .forward_stage(batch, &mut self.kv, None, logits)
+                .map_err(to_err);
+        }
+        if batch.seqs.is_empty() {
+            return Ok(());
+        }
+        let worth = batch.tokens.len() / self.min_micro_batch_tokens.max(1);
+        let m = split(batch, self.micro_batches.min(worth), &mut self.mbs);
+        if self.bufs.len() < m {
+            self.bufs.resize_with(m, Vec::new);
+        }
+        let PipelineBackend {
+            model,
+            kv,
+            links,
+            mbs,
+            bufs,
+            ..
+        } = self;
+        let mbs = &mbs[..m];
+        let result = std::thread::scope(|s| {
+            // First stage → link thread of stage 1 → ... → the last link thread → back here.
+            let (tx_first, mut rx) = mpsc::channel::<(usize, Vec<f32>)>();
+            let mut threads = Vec::with_capacity(links.len());
+            for link in links.iter_mut() {
+                let (tx, rx_next) = mpsc::channel::<(usize, Vec<f32>)>();
+                let rx_in = std::mem::replace(&mut rx, rx_next);
+                threads.push(s.spawn(move || -> Result<(), BackendError> {
+                    let stage = link.stage;
+                    let client = link.client.get_mut().map_err(|_| {
+                        BackendError::new(format!("pipeline stage {stage}: link lock poisoned"))
+                    })?;
+                    for (i, mut buf) in rx_in {
+                        if let Err(e) = client.forward(&mbs[i], &mut buf) {
+                            return Err(link.err("forward", e));
+                        }
+                        if tx.send((i, buf)).is_err() {
+                            break;
+                        }
+                    }
+                    Ok(())
+                }));
+            }
+            let mut first_err = None;
+            for (i, mb) in mbs.iter().enumerate() {
+                let mut buf = std::mem::take(&mut bufs[i]);
+                if let Err(e) = model.forward_stage(mb, kv, None, &mut buf) {
+                    first_err = Some(to_err(e));
+                    break;
+                }
+                if tx_first.send((i, buf)).is_err() {
+                    break;
+                }
+            }
+            drop(tx_first);
+            let mut done = 0;
+            for (i, buf) in rx {
+                bufs[i] = buf;
+                done += 1;
+            }
+            for t in threads {
+                let r = t
+                    .join()
+                    .unwrap_or_else(|_| Err(BackendError::new("pipeline link thread panicked")));
+                if let (Err(e), None) = (r, &first_err) {
+                    first_err = Some(e);
+                }
+            }
+            match first_err {
+                Some(e) => Err(e),
+                None if done != m => Err(BackendError::new(format!(
+                    "pipeline returned {done} of {m} micro-batches"
+                ))),
+                None => Ok(()),
+            }
+        });
+        result?;
+        for b in &self.bufs[..m] {
+            logits.extend_from_slice(b);
+        }
+        Ok(())
+    }
+
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
+        self.check_block(block)?;
+        match self.owner(layer)? {
+            None => {
+                self.kv.export_block(layer, block, out);
+                Ok(())
+            }
+            Some(link) => link.call("export", |c| c.export_block(layer, block, out)),
+        }
+    }
+
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
+        self.check_block(block)?;
+        match self.owner(layer)? {
+            None => {
+                self.kv.import_block(layer, block, data);
+                Ok(())
+            }
+            Some(link) => link.call("import", |c| c.import_block(layer, block, data)),
+        }
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
+        self.check_block(src)?;
+        self.check_block(dst)?;
+        self.kv.copy_block(src, dst);
+        for link in &self.links {
+            link.call("copy", |c| c.copy_block(src, dst))?;
+        }
+        Ok(())
+    }
+}
