@@ -3,8 +3,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Instant;
 
+use tandem_cpu::CpuBackend;
 use tandem_engine::sampler::argmax;
-use tandem_engine::CpuBackend;
 use tandem_model::{LoadedModel, LogitsWanted};
 
 /// The default model, loaded once per test binary; None (tests skip) when the file is absent.
