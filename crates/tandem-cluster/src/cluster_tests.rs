@@ -80,6 +80,27 @@ fn ingress(threshold: usize) -> Ingress {
     Ingress::new(routing, TimeoutConfig::default(), Some("mock".into())).unwrap()
 }
 
+/// An ingress (local-prefill threshold `threshold`) with `workers` registered, in order.
+async fn registered(threshold: usize, workers: &[&TestWorker]) -> Ingress {
+    let ingress = ingress(threshold);
+    for w in workers {
+        ingress.register(&w.url).await.unwrap();
+    }
+    ingress
+}
+
+/// The test cluster: one worker of block size [`BLOCK`] per role, started in order, all registered with
+/// an ingress of local-prefill threshold `threshold`.
+async fn cluster<const N: usize>(threshold: usize, roles: [Role; N]) -> ([TestWorker; N], Ingress) {
+    let mut workers = Vec::with_capacity(N);
+    for role in roles {
+        workers.push(worker(role, BLOCK).await);
+    }
+    let ingress = registered(threshold, &workers.iter().collect::<Vec<_>>()).await;
+    let workers = workers.try_into().ok().expect("one worker per role");
+    (workers, ingress)
+}
+
 fn greedy(max_tokens: usize) -> SamplingParams {
     SamplingParams {
         temperature: 0.0,
@@ -122,13 +143,7 @@ async fn drained(w: &TestWorker) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_tokens_match_colocated_and_decode_never_prefills() {
     let colocated = engine(BLOCK);
-    let (p, d) = (
-        worker(Role::Prefill, BLOCK).await,
-        worker(Role::Decode, BLOCK).await,
-    );
-    let ingress = ingress(BLOCK);
-    ingress.register(&p.url).await.unwrap();
-    ingress.register(&d.url).await.unwrap();
+    let ([p, d], ingress) = cluster(BLOCK, [Role::Prefill, Role::Decode]).await;
     for seed in 0..3 {
         let want = collect(&colocated, prompt(seed), greedy(9)).await;
         let got = collect(&ingress, prompt(seed), greedy(9)).await;
@@ -152,13 +167,7 @@ async fn disaggregated_tokens_match_colocated_and_decode_never_prefills() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_uncached_prompts_are_prefilled_on_the_decode_worker() {
     let colocated = engine(BLOCK);
-    let (p, d) = (
-        worker(Role::Prefill, BLOCK).await,
-        worker(Role::Decode, BLOCK).await,
-    );
-    let ingress = ingress(100);
-    ingress.register(&p.url).await.unwrap();
-    ingress.register(&d.url).await.unwrap();
+    let ([p, d], ingress) = cluster(100, [Role::Prefill, Role::Decode]).await;
     let want = collect(&colocated, prompt(1), greedy(5)).await;
     assert_eq!(collect(&ingress, prompt(1), greedy(5)).await, want);
     assert_eq!(
@@ -175,15 +184,7 @@ async fn short_uncached_prompts_are_prefilled_on_the_decode_worker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_prefill_worker_falls_back_to_the_next_then_to_decode() {
     let colocated = engine(BLOCK);
-    let (p1, p2, d) = (
-        worker(Role::Prefill, BLOCK).await,
-        worker(Role::Prefill, BLOCK).await,
-        worker(Role::Decode, BLOCK).await,
-    );
-    let ingress = ingress(BLOCK);
-    for w in [&p1, &p2, &d] {
-        ingress.register(&w.url).await.unwrap();
-    }
+    let ([p1, p2, d], ingress) = cluster(BLOCK, [Role::Prefill, Role::Prefill, Role::Decode]).await;
     let want = collect(&colocated, prompt(2), greedy(6)).await;
     // Stop accepting and fail everything in flight, like a crashed process (pooled connections survive
     // the listener task, so the engine is stopped too).
@@ -208,13 +209,7 @@ async fn a_dead_prefill_worker_falls_back_to_the_next_then_to_decode() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_stream_frees_both_sides_and_unpulled_pins_are_released() {
-    let (p, d) = (
-        worker(Role::Prefill, BLOCK).await,
-        worker(Role::Decode, BLOCK).await,
-    );
-    let ingress = ingress(BLOCK);
-    ingress.register(&p.url).await.unwrap();
-    ingress.register(&d.url).await.unwrap();
+    let ([p, d], ingress) = cluster(BLOCK, [Role::Prefill, Role::Decode]).await;
     let mut stream = ingress.submit(1, prompt(4), greedy(3000)).unwrap();
     for _ in 0..3 {
         stream.next().await.expect("tokens flow").unwrap();
@@ -260,8 +255,7 @@ async fn registration_refuses_a_block_size_mismatch_naming_it() {
         worker(Role::Prefill, BLOCK).await,
         worker(Role::Decode, 2 * BLOCK).await,
     );
-    let ingress = ingress(BLOCK);
-    ingress.register(&p.url).await.unwrap();
+    let ingress = registered(BLOCK, &[&p]).await;
     match ingress.register(&d.url).await {
         Err(ClusterError::Refused {
             source: KvError::Mismatch { field, .. },
@@ -277,15 +271,8 @@ async fn registration_refuses_a_block_size_mismatch_naming_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompts_sharing_a_prefix_go_to_the_prefill_worker_that_cached_it() {
     let colocated = engine(BLOCK);
-    let (p1, p2, d) = (
-        worker(Role::Prefill, BLOCK).await,
-        worker(Role::Prefill, BLOCK).await,
-        worker(Role::Decode, BLOCK).await,
-    );
-    let ingress = ingress(BLOCK);
-    for w in [&p1, &p2, &d] {
-        ingress.register(&w.url).await.unwrap();
-    }
+    let ([p1, p2, _d], ingress) =
+        cluster(BLOCK, [Role::Prefill, Role::Prefill, Role::Decode]).await;
     let base = prompt(6);
     let extended: Vec<u32> = base
         .iter()
@@ -312,13 +299,7 @@ async fn prompts_sharing_a_prefix_go_to_the_prefill_worker_that_cached_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_decode_worker_pulls_only_blocks_its_prefix_cache_lacks() {
     let colocated = engine(BLOCK);
-    let (p, d) = (
-        worker(Role::Prefill, BLOCK).await,
-        worker(Role::Decode, BLOCK).await,
-    );
-    let ingress = ingress(BLOCK);
-    ingress.register(&p.url).await.unwrap();
-    ingress.register(&d.url).await.unwrap();
+    let ([p, d], ingress) = cluster(BLOCK, [Role::Prefill, Role::Decode]).await;
     let layout = d.service.info().peer.layout;
     let block_bytes = (layout.block_bytes() * layout.n_layers) as u64;
     // A 4-block shared head; `a` ends in a partial block, `b` diverges right after the head.
@@ -416,13 +397,7 @@ fn seeded(max_tokens: usize, seed: u64) -> SamplingParams {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seeded_sampling_through_prefill_and_decode_matches_colocated() {
     let colocated = engine(BLOCK);
-    let (p, d) = (
-        worker(Role::Prefill, BLOCK).await,
-        worker(Role::Decode, BLOCK).await,
-    );
-    let ingress = ingress(BLOCK);
-    ingress.register(&p.url).await.unwrap();
-    ingress.register(&d.url).await.unwrap();
+    let ([_p, d], ingress) = cluster(BLOCK, [Role::Prefill, Role::Decode]).await;
     // P samples the first token, D the rest: one RNG stream only if both index it by output position.
     for s in 0..3 {
         let want = collect(&colocated, prompt(s), seeded(12, 40 + s as u64)).await;
@@ -447,10 +422,7 @@ async fn a_decode_worker_lost_mid_stream_is_replaced_without_changing_the_answer
     let p = worker(Role::Prefill, BLOCK).await;
     let d1 = worker_on(Role::Decode, engine_on(slow())).await;
     let d2 = worker_on(Role::Decode, engine_on(slow())).await;
-    let ingress = ingress(BLOCK);
-    for w in [&p, &d1, &d2] {
-        ingress.register(&w.url).await.unwrap();
-    }
+    let ingress = registered(BLOCK, &[&p, &d1, &d2]).await;
     let params = seeded(60, 9);
     let want = collect(&colocated, prompt(8), params.clone()).await;
     let mut stream = ingress.submit(1, prompt(8), params).unwrap();

@@ -1,32 +1,31 @@
-//! The ingress side: registers workers (with the KV handshake), polls their load, and implements
-//! [`GenerateBackend`] by routing each request through a prefill worker and a decode worker.
+//! The ingress's request path: implements [`GenerateBackend`] by routing each request through a prefill
+//! worker and a decode worker, with failover (prefill retried elsewhere or done locally, a lost decode
+//! worker replaced by resuming). The worker registry is in `registry`, the RPC helpers in `rpc`.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use axum::{Json, Router};
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use parking_lot::{Mutex, RwLock};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use tandem_api::{BackendError, GenerateBackend, TokenStream};
 use tandem_engine::{EngineStats, RequestId, SamplingParams, TokenOutput};
-use tandem_kv::{KvError, PeerInfo};
+use tandem_kv::PeerInfo;
 use tokio::sync::mpsc;
 
 use crate::error::ClusterError;
 use crate::metrics::{ClusterMetrics, PrefillPath};
-use crate::prefix::{block_hashes, PrefixTracker};
+use crate::prefix::block_hashes;
 use crate::protocol::{
-    DecodeRequest, ErrorBody, PrefillRequest, PrefillResponse, Prefilled, RegisterRequest,
-    ReleaseRequest, Role, StreamEvent, WorkerInfo, WorkerLoad, PATH_DECODE, PATH_INFO, PATH_LOAD,
-    PATH_PREFILL, PATH_REGISTER, PATH_RELEASE,
+    DecodeRequest, PrefillRequest, PrefillResponse, Prefilled, Role, StreamEvent, WorkerLoad,
+    PATH_DECODE, PATH_PREFILL,
 };
+use crate::registry::InFlight;
+pub use crate::registry::{WorkerEntry, WorkerStatus};
 use crate::routing::{pick_decode, pick_prefill, DecodeLoad, PrefillCandidate, RoutingConfig};
+use crate::rpc::{check_status, post_json, rpc, RemotePin};
 
 /// Time limits of the ingress (YAML `timeouts:`), in seconds.
 #[derive(Clone, Debug, Deserialize)]
@@ -60,87 +59,27 @@ impl Default for TimeoutConfig {
     }
 }
 
-fn secs(s: f64) -> Duration {
+/// A duration from a setting in seconds, at least a millisecond.
+pub(crate) fn secs(s: f64) -> Duration {
     Duration::from_secs_f64(s.max(0.001))
 }
 
-/// Everything the ingress knows about one registered worker.
-pub struct WorkerEntry {
-    /// Base URL of its RPC server.
-    pub url: String,
-    /// Its registration record.
-    pub info: WorkerInfo,
-    healthy: AtomicBool,
-    in_flight: Arc<AtomicUsize>,
-    load: Mutex<WorkerLoad>,
-    prefix: Mutex<PrefixTracker>,
-}
-
-impl WorkerEntry {
-    /// Whether its last poll or RPC succeeded.
-    pub fn healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
-    }
-
-    /// Its last polled load.
-    pub fn load(&self) -> WorkerLoad {
-        self.load.lock().clone()
-    }
-
-    fn track(&self) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(Arc::clone(&self.in_flight))
-    }
-
-    fn decode_load(&self) -> DecodeLoad {
-        let l = self.load.lock();
-        DecodeLoad {
-            kv_blocks_used: l.engine.kv_blocks_used,
-            kv_blocks_total: l.engine.kv_blocks_total,
-            seqs: l.engine.running + l.engine.waiting,
-            in_flight: self.in_flight.load(Ordering::Relaxed),
-            max_num_seqs: self.info.max_num_seqs,
-        }
-    }
-}
-
-/// Decrements a worker's in-flight count when the request is done with it.
-struct InFlight(Arc<AtomicUsize>);
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// One worker as listed on `GET /v1/cluster/workers`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct WorkerStatus {
-    /// Base URL.
-    pub url: String,
-    /// Registration record.
-    pub info: WorkerInfo,
-    /// Whether it answers.
-    pub healthy: bool,
-    /// Last polled load.
-    pub load: WorkerLoad,
-}
-
-struct Inner {
-    routing: RoutingConfig,
-    timeouts: TimeoutConfig,
-    http: reqwest::Client,
-    workers: RwLock<Vec<Arc<WorkerEntry>>>,
+/// The ingress's shared state: settings, the HTTP client, the worker registry and metrics.
+pub(crate) struct Inner {
+    pub(crate) routing: RoutingConfig,
+    pub(crate) timeouts: TimeoutConfig,
+    pub(crate) http: reqwest::Client,
+    pub(crate) workers: RwLock<Vec<Arc<WorkerEntry>>>,
     /// The handshake every worker must match: the ingress model's id, then the first worker's layout.
-    reference: Mutex<Option<PeerInfo>>,
-    model_id: Option<String>,
-    metrics: ClusterMetrics,
+    pub(crate) reference: Mutex<Option<PeerInfo>>,
+    pub(crate) model_id: Option<String>,
+    pub(crate) metrics: ClusterMetrics,
 }
 
 /// The P/D router: a [`GenerateBackend`] over remote workers. Cheap to clone.
 #[derive(Clone)]
 pub struct Ingress {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl Ingress {
@@ -173,262 +112,6 @@ impl Ingress {
                 metrics,
             }),
         })
-    }
-
-    /// Fetches a worker's info, runs the handshake check and adds it; a mismatch is refused naming the field.
-    pub async fn register(&self, url: &str) -> Result<WorkerInfo, ClusterError> {
-        let url = url.trim_end_matches('/').to_owned();
-        let info: WorkerInfo = get_json(
-            &self.inner.http,
-            &url,
-            PATH_INFO,
-            secs(self.inner.timeouts.connect_secs) * 5,
-        )
-        .await?;
-        self.admit(url, info)
-    }
-
-    /// Like [`Self::register`], retrying connection failures until the worker is up or the startup timeout passes.
-    pub async fn register_when_up(&self, url: &str) -> Result<WorkerInfo, ClusterError> {
-        let deadline = tokio::time::Instant::now() + secs(self.inner.timeouts.worker_startup_secs);
-        loop {
-            match self.register(url).await {
-                Err(ClusterError::Rpc { .. }) if tokio::time::Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                other => return other,
-            }
-        }
-    }
-
-    fn admit(&self, url: String, info: WorkerInfo) -> Result<WorkerInfo, ClusterError> {
-        let refuse = |source: KvError| ClusterError::Refused {
-            url: url.clone(),
-            source,
-        };
-        {
-            let mut reference = self.inner.reference.lock();
-            if let Some(model_id) = &self.inner.model_id {
-                if &info.peer.model_id != model_id {
-                    return Err(refuse(KvError::Mismatch {
-                        field: "model_id",
-                        local: format!("{model_id:?}"),
-                        remote: format!("{:?}", info.peer.model_id),
-                    }));
-                }
-            }
-            match &*reference {
-                Some(r) => r.check_compatible(&info.peer).map_err(refuse)?,
-                None => *reference = Some(info.peer.clone()),
-            }
-        }
-        let entry = Arc::new(WorkerEntry {
-            prefix: Mutex::new(PrefixTracker::new(16_384)),
-            url: url.clone(),
-            info: info.clone(),
-            healthy: AtomicBool::new(true),
-            in_flight: Arc::new(AtomicUsize::new(0)),
-            load: Mutex::new(WorkerLoad::default()),
-        });
-        let mut workers = self.inner.workers.write();
-        workers.retain(|w| w.url != url);
-        workers.push(entry);
-        tracing::info!(%url, worker = %info.worker_id, role = %info.role, "worker registered");
-        Ok(info)
-    }
-
-    /// Every registered worker.
-    pub fn workers(&self) -> Vec<WorkerStatus> {
-        self.inner
-            .workers
-            .read()
-            .iter()
-            .map(|w| WorkerStatus {
-                url: w.url.clone(),
-                info: w.info.clone(),
-                healthy: w.healthy(),
-                load: w.load(),
-            })
-            .collect()
-    }
-
-    /// Polls every worker's load once (marks unanswering workers unhealthy).
-    pub async fn poll_once(&self) {
-        let workers: Vec<Arc<WorkerEntry>> = self.inner.workers.read().clone();
-        let timeout = secs(self.inner.timeouts.poll_interval_secs).max(Duration::from_secs(1));
-        let polls = workers.iter().map(|w| async move {
-            match get_json::<WorkerLoad>(&self.inner.http, &w.url, PATH_LOAD, timeout).await {
-                Ok(load) => {
-                    if let Some(cap) =
-                        (load.engine.kv_blocks_total > 0).then_some(load.engine.kv_blocks_total)
-                    {
-                        let mut p = w.prefix.lock();
-                        if p.is_empty() {
-                            *p = PrefixTracker::new(cap);
-                        }
-                    }
-                    *w.load.lock() = load;
-                    if !w.healthy.swap(true, Ordering::Relaxed) {
-                        tracing::info!(url = %w.url, "worker is back");
-                    }
-                }
-                Err(e) => {
-                    if w.healthy.swap(false, Ordering::Relaxed) {
-                        tracing::warn!(url = %w.url, error = %e, "worker stopped answering");
-                    }
-                }
-            }
-        });
-        futures::future::join_all(polls).await;
-    }
-
-    /// Polls worker loads forever (spawn it).
-    pub async fn poll_forever(self) {
-        let mut tick = tokio::time::interval(secs(self.inner.timeouts.poll_interval_secs));
-        loop {
-            tick.tick().await;
-            self.poll_once().await;
-        }
-    }
-
-    /// Routes of the ingress itself: worker registration and listing.
-    pub fn routes(&self) -> Router {
-        Router::new()
-            .route(
-                PATH_REGISTER,
-                post(register_handler)
-                    .get(|State(i): State<Ingress>| async move { Json(i.workers()) }),
-            )
-            .with_state(self.clone())
-    }
-
-    fn healthy(&self, role: Role) -> Vec<Arc<WorkerEntry>> {
-        self.inner
-            .workers
-            .read()
-            .iter()
-            .filter(|w| w.info.role == role && w.healthy())
-            .cloned()
-            .collect()
-    }
-
-    fn block_size(&self) -> usize {
-        self.inner
-            .reference
-            .lock()
-            .as_ref()
-            .map_or(16, |r| r.layout.block_size)
-    }
-}
-
-async fn register_handler(
-    State(ingress): State<Ingress>,
-    Json(req): Json<RegisterRequest>,
-) -> Response {
-    match ingress.register(&req.url).await {
-        Ok(info) => Json(info).into_response(),
-        Err(e) => {
-            tracing::warn!(error = %e, "worker registration refused");
-            (
-                e.status(),
-                Json(ErrorBody {
-                    error: e.to_string(),
-                }),
-            )
-                .into_response()
-        }
-    }
-}
-
-async fn get_json<T: serde::de::DeserializeOwned>(
-    http: &reqwest::Client,
-    url: &str,
-    path: &str,
-    timeout: Duration,
-) -> Result<T, ClusterError> {
-    let resp = http
-        .get(format!("{url}{path}"))
-        .timeout(timeout)
-        .send()
-        .await
-        .map_err(|e| rpc(url, e))?;
-    read_json(url, resp).await
-}
-
-async fn post_json<B: Serialize, T: serde::de::DeserializeOwned>(
-    http: &reqwest::Client,
-    url: &str,
-    path: &str,
-    body: &B,
-    timeout: Duration,
-) -> Result<T, ClusterError> {
-    let resp = http
-        .post(format!("{url}{path}"))
-        .json(body)
-        .timeout(timeout)
-        .send()
-        .await
-        .map_err(|e| rpc(url, e))?;
-    read_json(url, resp).await
-}
-
-fn rpc(url: &str, source: reqwest::Error) -> ClusterError {
-    ClusterError::Rpc {
-        url: url.to_owned(),
-        source,
-    }
-}
-
-async fn check_status(
-    url: &str,
-    resp: reqwest::Response,
-) -> Result<reqwest::Response, ClusterError> {
-    if resp.status().is_success() {
-        return Ok(resp);
-    }
-    let status = resp.status().as_u16();
-    let text = resp.text().await.unwrap_or_default();
-    let message = serde_json::from_str::<ErrorBody>(&text)
-        .map(|b| b.error)
-        .unwrap_or(text);
-    Err(ClusterError::Remote {
-        url: url.to_owned(),
-        status,
-        message,
-    })
-}
-
-async fn read_json<T: serde::de::DeserializeOwned>(
-    url: &str,
-    resp: reqwest::Response,
-) -> Result<T, ClusterError> {
-    let resp = check_status(url, resp).await?;
-    resp.json().await.map_err(|e| rpc(url, e))
-}
-
-/// Unpins a prefill worker's transfer unless disarmed (the client went away between prefill and pull).
-struct RemotePin {
-    http: reqwest::Client,
-    url: String,
-    transfer_id: u64,
-    armed: bool,
-}
-
-impl Drop for RemotePin {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let (http, url, transfer_id) = (self.http.clone(), self.url.clone(), self.transfer_id);
-        rt.spawn(async move {
-            let req = ReleaseRequest { transfer_id };
-            if let Err(e) = post_json::<_, bool>(&http, &url, PATH_RELEASE, &req, Duration::from_secs(5)).await {
-                tracing::warn!(%url, transfer_id, error = %e, "could not release a prefill pin (its timeout will)");
-            }
-        });
     }
 }
 

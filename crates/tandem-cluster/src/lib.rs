@@ -37,7 +37,9 @@ pub mod ingress;
 pub mod metrics;
 pub mod prefix;
 pub mod protocol;
+mod registry;
 pub mod routing;
+mod rpc;
 pub mod worker;
 
 pub use error::ClusterError;

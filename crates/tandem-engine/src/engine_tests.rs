@@ -1,10 +1,13 @@
 //! Engine tests on the mock backend (whose logits depend on the KV read through block tables).
 
 use super::*;
+use crate::backend::{BackendError, DeviceSampling};
 use crate::mock::MockBackend;
-use crate::types::{FinishReason, RequestMode, SamplingParams};
+use crate::sampler::logprobs_of;
+use crate::types::{EngineRequest, FinishReason, RequestMode, SamplingParams, TokenLogprobs};
 use proptest::prelude::*;
 use std::time::Duration;
+use tandem_model::LogitsWanted;
 
 fn cfg(block_size: usize) -> EngineConfig {
     EngineConfig {

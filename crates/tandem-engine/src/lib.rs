@@ -7,16 +7,20 @@
 pub mod backend;
 pub mod bench;
 pub mod block_pool;
-pub mod cpu;
+mod config;
 pub mod engine;
+mod error;
+mod handle;
+mod kv_manager;
 pub mod mock;
 pub mod prefix_cache;
 pub mod sampler;
 pub mod scheduler;
+mod stats;
 pub mod types;
+mod worker;
 
 pub use backend::{Backend, BackendError, DeviceSampling};
-pub use cpu::CpuBackend;
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,
     RequestStream,

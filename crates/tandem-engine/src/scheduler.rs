@@ -351,6 +351,11 @@ mod tests {
         }
     }
 
+    /// The plan entry for running sequence `index`: `len` tokens this step, sampled or not.
+    fn planned(index: usize, len: usize, sample: bool) -> Scheduled {
+        Scheduled { index, len, sample }
+    }
+
     /// Pretends the model ran: advances computed counts and appends a token to sampled sequences.
     fn apply(s: &mut Scheduler<()>, pool: &mut BlockPool) {
         let plan = s.scheduled().to_vec();
@@ -371,56 +376,21 @@ mod tests {
         let mut b = ForwardBatch::default();
         s.add(Sequence::new(1, vec![1; 3], ()));
         s.schedule(&mut pool, &mut b);
-        assert_eq!(
-            s.scheduled(),
-            &[Scheduled {
-                index: 0,
-                len: 3,
-                sample: true
-            }]
-        );
+        assert_eq!(s.scheduled(), &[planned(0, 3, true)]);
         apply(&mut s, &mut pool);
         s.add(Sequence::new(2, vec![2; 25], ()));
         s.schedule(&mut pool, &mut b);
-        assert_eq!(
-            s.scheduled(),
-            &[
-                Scheduled {
-                    index: 0,
-                    len: 1,
-                    sample: true
-                },
-                Scheduled {
-                    index: 1,
-                    len: 9,
-                    sample: false
-                }
-            ]
-        );
+        assert_eq!(s.scheduled(), &[planned(0, 1, true), planned(1, 9, false)]);
         assert_eq!(b.tokens.len(), 10);
         assert_eq!(b.seqs[1].pos, 0);
         assert_eq!(b.seqs[1].blocks.len(), 3);
         apply(&mut s, &mut pool);
         s.schedule(&mut pool, &mut b);
-        assert_eq!(
-            s.scheduled()[1],
-            Scheduled {
-                index: 1,
-                len: 9,
-                sample: false
-            }
-        );
+        assert_eq!(s.scheduled()[1], planned(1, 9, false));
         assert_eq!(b.seqs[1].pos, 9);
         apply(&mut s, &mut pool);
         s.schedule(&mut pool, &mut b);
-        assert_eq!(
-            s.scheduled()[1],
-            Scheduled {
-                index: 1,
-                len: 7,
-                sample: true
-            }
-        );
+        assert_eq!(s.scheduled()[1], planned(1, 7, true));
         assert_eq!(b.logits_rows(), 2);
     }
 
@@ -445,14 +415,7 @@ mod tests {
         // Both now hold 5 tokens and need a third block to decode; only the oldest gets it.
         s.schedule(&mut pool, &mut b);
         assert_eq!(s.preempted(), &[2]);
-        assert_eq!(
-            s.scheduled(),
-            &[Scheduled {
-                index: 0,
-                len: 1,
-                sample: true
-            }]
-        );
+        assert_eq!(s.scheduled(), &[planned(0, 1, true)]);
         assert_eq!(s.waiting.front().unwrap().num_computed, 0);
         assert!(s.waiting.front().unwrap().table.is_empty());
         assert_eq!(
@@ -471,14 +434,7 @@ mod tests {
         s.add(Sequence::new(1, vec![1; 6], ()));
         s.add(Sequence::new(2, vec![1; 6], ()));
         s.schedule(&mut pool, &mut b);
-        assert_eq!(
-            s.scheduled(),
-            &[Scheduled {
-                index: 0,
-                len: 6,
-                sample: true
-            }]
-        );
+        assert_eq!(s.scheduled(), &[planned(0, 6, true)]);
         apply(&mut s, &mut pool);
         s.schedule(&mut pool, &mut b);
         assert_eq!(s.scheduled().len(), 2);
@@ -486,14 +442,7 @@ mod tests {
         let mut s2: Scheduler<()> = Scheduler::new(cfg(8, 8, false));
         s2.add(Sequence::new(3, vec![1; 20], ()));
         s2.schedule(&mut pool, &mut b);
-        assert_eq!(
-            s2.scheduled(),
-            &[Scheduled {
-                index: 0,
-                len: 20,
-                sample: true
-            }]
-        );
+        assert_eq!(s2.scheduled(), &[planned(0, 20, true)]);
     }
 
     #[test]

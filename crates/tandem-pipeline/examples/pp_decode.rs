@@ -8,7 +8,8 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use tandem_engine::{Backend, CpuBackend};
+use tandem_cpu::CpuBackend;
+use tandem_engine::Backend;
 use tandem_model::{CpuLlama, ForwardBatch, LogitsWanted};
 use tandem_pipeline::{serve_stage, PipelineBackend, PipelineConfig, StageTimeouts};
 

@@ -5,8 +5,9 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use tandem_cpu::CpuBackend;
 use tandem_engine::sampler::argmax;
-use tandem_engine::{Backend, CpuBackend};
+use tandem_engine::Backend;
 use tandem_model::{CpuLlama, ForwardBatch, LoadedModel, LogitsWanted};
 
 /// The default model, loaded once per test binary; None (tests skip) when the file is absent.

@@ -4,7 +4,8 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use tandem_engine::{CpuBackend, Engine, EngineConfig, EngineHandle};
+use tandem_cpu::CpuBackend;
+use tandem_engine::{Engine, EngineConfig, EngineHandle};
 use tandem_model::{CpuLlama, LoadedModel};
 use tandem_pipeline::{PipelineBackend, PipelineConfig};
 

@@ -1,9 +1,11 @@
 //! The CPU backend: `tandem_model::CpuLlama` plus the paged `KvCache` it reads and writes, optionally
 //! split over tensor-parallel ranks that run as threads of this process.
+//!
+//! It sits beside the CUDA and pipeline backends: the engine knows only its `Backend` seam.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::backend::{Backend, BackendError};
+use tandem_engine::{Backend, BackendError};
 use tandem_model::{
     CpuLlama, ForwardBatch, GroupBreaker, KvCache, KvDtype, KvLayout, LlamaWeights, ModelConfig,
     ModelError, Partition, ThreadCollective,
@@ -246,12 +248,14 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::{Engine, EngineConfig, EngineHandle, RequestStream};
-    use crate::types::{EngineRequest, RequestMode, SamplingParams};
     use proptest::prelude::*;
     use std::path::PathBuf;
     use std::sync::OnceLock;
     use std::time::Duration;
+    use tandem_engine::{
+        Engine, EngineConfig, EngineHandle, EngineRequest, RequestMode, RequestStream,
+        SamplingParams,
+    };
 
     /// The default model, loaded once per test binary; None (tests skip) when the file is absent.
     fn model() -> Option<&'static tandem_model::LoadedModel> {

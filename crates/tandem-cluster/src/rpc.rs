@@ -1,0 +1,101 @@
+//! The ingress's control calls to workers: HTTP with JSON bodies (typed errors for transport failures,
+//! non-2xx answers and bad bodies), and the release of a remote prefill pin nobody pulled.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::error::ClusterError;
+use crate::protocol::{ErrorBody, ReleaseRequest, PATH_RELEASE};
+
+pub(crate) async fn get_json<T: serde::de::DeserializeOwned>(
+    http: &reqwest::Client,
+    url: &str,
+    path: &str,
+    timeout: Duration,
+) -> Result<T, ClusterError> {
+    let resp = http
+        .get(format!("{url}{path}"))
+        .timeout(timeout)
+        .send()
+        .await
+        .map_err(|e| rpc(url, e))?;
+    read_json(url, resp).await
+}
+
+pub(crate) async fn post_json<B: Serialize, T: serde::de::DeserializeOwned>(
+    http: &reqwest::Client,
+    url: &str,
+    path: &str,
+    body: &B,
+    timeout: Duration,
+) -> Result<T, ClusterError> {
+    let resp = http
+        .post(format!("{url}{path}"))
+        .json(body)
+        .timeout(timeout)
+        .send()
+        .await
+        .map_err(|e| rpc(url, e))?;
+    read_json(url, resp).await
+}
+
+pub(crate) fn rpc(url: &str, source: reqwest::Error) -> ClusterError {
+    ClusterError::Rpc {
+        url: url.to_owned(),
+        source,
+    }
+}
+
+pub(crate) async fn check_status(
+    url: &str,
+    resp: reqwest::Response,
+) -> Result<reqwest::Response, ClusterError> {
+    if resp.status().is_success() {
+        return Ok(resp);
+    }
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap_or_default();
+    let message = serde_json::from_str::<ErrorBody>(&text)
+        .map(|b| b.error)
+        .unwrap_or(text);
+    Err(ClusterError::Remote {
+        url: url.to_owned(),
+        status,
+        message,
+    })
+}
+
+async fn read_json<T: serde::de::DeserializeOwned>(
+    url: &str,
+    resp: reqwest::Response,
+) -> Result<T, ClusterError> {
+    let resp = check_status(url, resp).await?;
+    resp.json().await.map_err(|e| rpc(url, e))
+}
+
+/// Unpins a prefill worker's transfer unless disarmed (the client went away between prefill and pull).
+pub(crate) struct RemotePin {
+    pub(crate) http: reqwest::Client,
+    pub(crate) url: String,
+    pub(crate) transfer_id: u64,
+    pub(crate) armed: bool,
+}
+
+impl Drop for RemotePin {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (http, url, transfer_id) = (self.http.clone(), self.url.clone(), self.transfer_id);
+        rt.spawn(async move {
+            let req = ReleaseRequest { transfer_id };
+            if let Err(e) = post_json::<_, bool>(&http, &url, PATH_RELEASE, &req, Duration::from_secs(5)).await {
+                tracing::warn!(%url, transfer_id, error = %e, "could not release a prefill pin (its timeout will)");
+            }
+        });
+    }
+}

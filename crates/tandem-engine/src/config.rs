@@ -1,0 +1,53 @@
+//! The engine's settings.
+
+/// Knobs of one engine; defaults suit the default model on a laptop.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Bytes of KV cache across all layers (the backend is sized from it).
+    pub kv_cache_bytes: usize,
+    /// Running sequences per step.
+    pub max_num_seqs: usize,
+    /// Token budget per step.
+    pub max_num_batched_tokens: usize,
+    /// Split long prompts across steps so decodes keep flowing.
+    pub enable_chunked_prefill: bool,
+    /// Reuse KV of shared prompt prefixes.
+    pub enable_prefix_caching: bool,
+    /// None = the model's context length.
+    pub max_model_len: Option<usize>,
+    /// Beyond this many queued requests `submit` returns QueueFull (the API answers 503).
+    pub max_waiting: usize,
+    /// Compute threads for the backend; 0 = all cores.
+    pub threads: usize,
+    /// Tensor-parallel ranks the backend splits every layer over (1 = none).
+    pub tensor_parallel_size: usize,
+    /// Pipeline stages the backend splits the layers over (1 = none); stage 0 runs in this process.
+    pub pipeline_parallel_size: usize,
+    /// Micro-batches per step of a pipelined backend (0 = one per stage).
+    pub pipeline_micro_batches: usize,
+    /// Addresses of stage servers 1.. of a pipeline; empty = the launcher starts them on this host.
+    pub pipeline_stages: Vec<String>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            kv_cache_bytes: 1 << 30,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 512,
+            enable_chunked_prefill: true,
+            enable_prefix_caching: true,
+            max_model_len: None,
+            max_waiting: 1024,
+            threads: 0,
+            tensor_parallel_size: 1,
+            pipeline_parallel_size: 1,
+            pipeline_micro_batches: 0,
+            pipeline_stages: Vec::new(),
+        }
+    }
+}

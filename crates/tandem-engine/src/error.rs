@@ -1,0 +1,62 @@
+//! The engine's error type.
+
+use crate::backend::BackendError;
+use crate::types::RequestId;
+
+/// Why the engine refused or failed a request.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// Too many requests are queued; retry later.
+    #[error("engine queue full ({waiting} waiting)")]
+    QueueFull {
+        /// Requests queued when this one was refused.
+        waiting: usize,
+    },
+    /// The prompt leaves no room for a generated token.
+    #[error("prompt of {prompt} tokens (+{max_tokens} to generate) exceeds the model's {max_model_len}-token context")]
+    PromptTooLong {
+        /// Prompt tokens.
+        prompt: usize,
+        /// Requested max_tokens.
+        max_tokens: usize,
+        /// The engine's context length.
+        max_model_len: usize,
+    },
+    /// The prompt needs more KV blocks than the whole pool has.
+    #[error("prompt of {prompt} tokens needs more KV cache than the pool's {capacity} tokens")]
+    KvCacheTooSmall {
+        /// Prompt tokens.
+        prompt: usize,
+        /// Tokens the whole pool holds.
+        capacity: usize,
+    },
+    /// A request must have at least one prompt token.
+    #[error("empty prompt")]
+    EmptyPrompt,
+    /// A live request already uses this id.
+    #[error("duplicate request id {0}")]
+    DuplicateId(RequestId),
+    /// The request (or its pin) is not known to the engine.
+    #[error("unknown request id {0}")]
+    UnknownRequest(RequestId),
+    /// The request is in the wrong state for this command (e.g. export of an unpinned request).
+    #[error("request {id}: {reason}")]
+    InvalidState {
+        /// The request.
+        id: RequestId,
+        /// What was wrong.
+        reason: String,
+    },
+    /// Sampling parameters out of range.
+    #[error("invalid sampling parameters: {0}")]
+    InvalidParams(String),
+    /// Configuration does not fit the backend.
+    #[error("invalid engine config: {0}")]
+    Config(String),
+    /// The engine thread has stopped.
+    #[error("engine stopped")]
+    Stopped,
+    /// The model failed while running this request.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}

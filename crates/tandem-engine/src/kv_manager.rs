@@ -1,0 +1,215 @@
+//! The engine thread's KV manager for P/D disaggregation, on top of the block pool: pins holding a finished
+//! prefill's blocks for export, export of pinned KV, and import of a prefilled prompt's KV (sharing what
+//! the prefix cache already holds) until it starts decoding. Like every other mutation of the pool, these
+//! run on the engine thread only.
+
+use crate::backend::Backend;
+use crate::block_pool::BlockTable;
+use crate::error::EngineError;
+use crate::handle::Item;
+use crate::sampler::SeqRng;
+use crate::scheduler::Sequence;
+use crate::types::{EngineRequest, RequestId};
+use crate::worker::{Ext, Worker};
+use std::time::Instant;
+use tandem_model::KvLayout;
+use tokio::sync::mpsc;
+
+/// The KV of a pinned prefill, ready to ship to a decode worker.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExportedKv {
+    /// Layout of the source cache (a receiver must have the same per-block shape).
+    pub layout: KvLayout,
+    /// Prompt tokens covered.
+    pub num_tokens: usize,
+    /// Logical blocks covered (`num_tokens.div_ceil(block_size)`).
+    pub num_blocks: usize,
+    /// The first generated token.
+    pub first_token: u32,
+    /// `block_bytes` per (layer, block), layer-major: entry `layer * num_blocks + block`.
+    pub data: Vec<u8>,
+}
+
+impl ExportedKv {
+    /// The bytes of one (layer, logical block).
+    pub fn block(&self, layer: usize, block: usize) -> &[u8] {
+        let n = self.layout.block_bytes();
+        let i = layer * self.num_blocks + block;
+        &self.data[i * n..(i + 1) * n]
+    }
+}
+
+/// How an import was set up: of the prompt's logical blocks, the leading `cached` ones were found in this
+/// engine's prefix cache and are shared (reference counted, like a normal admission's prefix hit); only
+/// the rest need their KV supplied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImportPlan {
+    /// Logical blocks of the prompt (`prompt_len.div_ceil(block_size)`).
+    pub num_blocks: usize,
+    /// Leading blocks already holding this prompt's KV; always full blocks, never the last partial one.
+    pub cached: usize,
+}
+
+impl ImportPlan {
+    /// The logical blocks whose KV must be imported before
+    /// [`EngineHandle::start_decoding`](crate::EngineHandle::start_decoding).
+    pub fn needed(&self) -> std::ops::Range<usize> {
+        self.cached..self.num_blocks
+    }
+}
+
+/// The KV of a finished prefill-only request, held for export until released or past its deadline.
+pub(crate) struct Pin {
+    pub(crate) table: BlockTable,
+    pub(crate) num_tokens: usize,
+    pub(crate) first_token: u32,
+    pub(crate) deadline: Instant,
+}
+
+impl<B: Backend> Worker<B> {
+    pub(crate) fn release_pin(&mut self, id: RequestId) {
+        if let Some(mut pin) = self.pins.remove(&id) {
+            self.pool.release(&mut pin.table);
+            self.shared.live.lock().remove(&id);
+        }
+    }
+
+    pub(crate) fn expire_pins(&mut self) {
+        if self.pins.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let expired: Vec<RequestId> = self
+            .pins
+            .iter()
+            .filter(|(_, p)| p.deadline <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in expired {
+            tracing::debug!(id, "prefill pin expired");
+            self.release_pin(id);
+        }
+    }
+
+    pub(crate) fn export(&mut self, id: RequestId) -> Result<ExportedKv, EngineError> {
+        let pin = self.pins.get(&id).ok_or(EngineError::UnknownRequest(id))?;
+        let layout = self.backend.kv_layout();
+        let n = layout.block_bytes();
+        let num_blocks = self.pool.blocks_for(pin.num_tokens);
+        let mut data = vec![0u8; layout.n_layers * num_blocks * n];
+        for layer in 0..layout.n_layers {
+            for (b, &phys) in pin.table.blocks[..num_blocks].iter().enumerate() {
+                let i = layer * num_blocks + b;
+                self.backend
+                    .export_block(layer, phys, &mut data[i * n..(i + 1) * n])
+                    .map_err(|e| EngineError::InvalidState {
+                        id,
+                        reason: format!("KV export failed: {e}"),
+                    })?;
+            }
+        }
+        Ok(ExportedKv {
+            layout,
+            num_tokens: pin.num_tokens,
+            num_blocks,
+            first_token: pin.first_token,
+            data,
+        })
+    }
+
+    pub(crate) fn import_prefilled(
+        &mut self,
+        req: EngineRequest,
+        first_token: u32,
+        tx: mpsc::UnboundedSender<Item>,
+    ) -> Result<ImportPlan, EngineError> {
+        let id = req.id;
+        let ext = Ext {
+            rng: SeqRng::new(req.params.seed),
+            params: req.params,
+            mode: req.mode,
+            tx,
+            queued: false,
+            first_token: Some(first_token),
+            prompt_logprobs: None,
+        };
+        let mut seq = Sequence::new(id, req.prompt, ext);
+        // The cached prefix's KV is already here: those blocks are shared and only the rest is imported.
+        // `num_computed` marks where the imported part begins until decoding starts.
+        seq.num_computed = self.pool.match_full_blocks(&mut seq.table, &seq.tokens);
+        if let Err(e) = self.pool.ensure_capacity(&mut seq.table, seq.prompt_len) {
+            self.pool.release(&mut seq.table);
+            self.shared.live.lock().remove(&id);
+            return Err(EngineError::InvalidState {
+                id,
+                reason: e.to_string(),
+            });
+        }
+        let plan = ImportPlan {
+            num_blocks: seq.table.blocks.len(),
+            cached: seq.num_computed / self.pool.block_size(),
+        };
+        self.counters.prompt_tokens_total += seq.prompt_len as u64;
+        self.counters.import_blocks_cached += plan.cached as u64;
+        self.counters.import_blocks_needed += plan.needed().len() as u64;
+        self.importing.insert(id, seq);
+        Ok(plan)
+    }
+
+    pub(crate) fn import_block(
+        &mut self,
+        id: RequestId,
+        layer: usize,
+        block: usize,
+        data: &[u8],
+    ) -> Result<(), EngineError> {
+        let seq = self
+            .importing
+            .get(&id)
+            .ok_or(EngineError::UnknownRequest(id))?;
+        let layout = self.backend.kv_layout();
+        let cached = seq.num_computed / self.pool.block_size();
+        if layer >= layout.n_layers
+            || block >= seq.table.blocks.len()
+            || block < cached
+            || data.len() != layout.block_bytes()
+        {
+            return Err(EngineError::InvalidState {
+                id,
+                reason: format!(
+                    "bad import: layer {layer}, block {block} (blocks {cached}..{} expected), {} bytes (expected {})",
+                    seq.table.blocks.len(),
+                    data.len(),
+                    layout.block_bytes()
+                ),
+            });
+        }
+        self.backend
+            .import_block(layer, seq.table.blocks[block], data)
+            .map_err(|e| EngineError::InvalidState {
+                id,
+                reason: format!("KV import failed: {e}"),
+            })
+    }
+
+    pub(crate) fn start_decoding(&mut self, id: RequestId) -> Result<(), EngineError> {
+        let mut seq = self
+            .importing
+            .remove(&id)
+            .ok_or(EngineError::UnknownRequest(id))?;
+        seq.num_computed = seq.prompt_len;
+        self.pool
+            .register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
+        let token = seq
+            .ext
+            .first_token
+            .take()
+            .expect("importing sequences carry their first token");
+        seq.tokens.push(token);
+        self.sched.add_running(seq);
+        let idx = self.sched.running.len() - 1;
+        self.emit(idx, token, None);
+        self.reap();
+        Ok(())
+    }
+}

@@ -1,0 +1,469 @@
+//! The engine thread's loop: applies commands, runs scheduled steps through the backend, samples, emits
+//! tokens and publishes stats.
+
+use crate::backend::DeviceSampling;
+use crate::backend::{Backend, BackendError};
+use crate::block_pool::BlockPool;
+use crate::error::EngineError;
+use crate::handle::{Command, Item, Shared};
+use crate::kv_manager::Pin;
+use crate::sampler::{logprobs_of, Sampled, Sampler, SeqRng};
+use crate::scheduler::{Scheduler, Sequence};
+use crate::stats::EngineStats;
+use crate::types::{
+    FinishReason, RequestId, RequestMode, SamplingParams, TokenLogprobs, TokenOutput,
+};
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+use tandem_model::{ForwardBatch, LogitsWanted};
+use tokio::sync::mpsc;
+
+/// Per-request data the engine keeps beside the scheduler's state.
+pub(crate) struct Ext {
+    pub(crate) params: SamplingParams,
+    pub(crate) mode: RequestMode,
+    pub(crate) rng: SeqRng,
+    pub(crate) tx: mpsc::UnboundedSender<Item>,
+    /// Still counted in `Shared::queued` (not yet admitted for the first time).
+    pub(crate) queued: bool,
+    /// Imported requests: the first token, emitted when decoding starts.
+    pub(crate) first_token: Option<u32>,
+    /// Requests scoring their prompt: one entry per prompt position, filled as prompt chunks run and
+    /// handed out with the first token.
+    pub(crate) prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
+}
+
+/// A sequence as the engine thread keeps it.
+pub(crate) type Seq = Sequence<Ext>;
+
+/// Scores prompt positions `start + 1 ..` from the chunk's logits rows (row j predicts the token after
+/// position `start + j`); a no-op for sequences that did not ask for prompt logprobs.
+fn score_prompt_rows(seq: &mut Seq, start: usize, rows: &[f32], vocab: usize) {
+    let top_n = seq.ext.params.prompt_logprobs.unwrap_or(0);
+    let Some(scores) = seq.ext.prompt_logprobs.as_mut() else {
+        return;
+    };
+    for (j, logits) in rows.chunks_exact(vocab).enumerate() {
+        let next = start + j + 1;
+        if next >= seq.prompt_len {
+            break;
+        }
+        scores[next] = Some(logprobs_of(logits, seq.tokens[next], top_n));
+    }
+}
+
+/// Whether a request's draws can be made by a backend's own sampler: the filters it implements
+/// and nothing that needs the whole logits row on the host.
+fn device_samplable(p: &SamplingParams) -> bool {
+    p.repetition_penalty == 1.0
+        && p.frequency_penalty == 0.0
+        && p.presence_penalty == 0.0
+        && p.logprobs.is_none()
+        && p.prompt_logprobs.is_none()
+}
+
+/// The engine thread's state: the only owner and mutator of the backend, block pool and scheduler.
+pub(crate) struct Worker<B: Backend> {
+    pub(crate) backend: B,
+    pub(crate) pool: BlockPool,
+    pub(crate) sched: Scheduler<Ext>,
+    pub(crate) sampler: Sampler,
+    pub(crate) batch: ForwardBatch,
+    pub(crate) logits: Vec<f32>,
+    /// Whether to offer steps to the backend's own sampler (cleared when it declines once).
+    pub(crate) device_sampler: bool,
+    /// This step's rows for the backend's sampler and the tokens it drew (reused buffers).
+    pub(crate) device_rows: Vec<DeviceSampling>,
+    pub(crate) device_tokens: Vec<u32>,
+    /// Requests whose prompt KV is being imported, until `start_decoding` (see `kv_manager`).
+    pub(crate) importing: HashMap<RequestId, Seq>,
+    /// Finished prefill-only requests' KV, held for export (see `kv_manager`).
+    pub(crate) pins: HashMap<RequestId, Pin>,
+    /// Indices into `sched.running` that finished this step (reused buffer).
+    pub(crate) finished: Vec<usize>,
+    pub(crate) eos: Vec<u32>,
+    pub(crate) vocab: usize,
+    /// Longest sequence allowed: the context length, capped by what the pool can hold.
+    pub(crate) max_len: usize,
+    pub(crate) counters: EngineStats,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) rx: Receiver<Command>,
+}
+
+impl<B: Backend> Worker<B> {
+    pub(crate) fn run(mut self) {
+        tracing::debug!(blocks = self.pool.num_blocks(), "engine thread started");
+        'outer: loop {
+            while let Ok(cmd) = self.rx.try_recv() {
+                if !self.handle(cmd) {
+                    break 'outer;
+                }
+            }
+            self.expire_pins();
+            let progressed = self.sched.has_work() && self.step();
+            if !progressed {
+                self.publish();
+                // Idle (or stalled until pinned blocks are released): block for the next command.
+                let cmd = match self.pins.values().map(|p| p.deadline).min() {
+                    Some(d) => match self.rx.recv_deadline(d) {
+                        Ok(c) => c,
+                        Err(RecvTimeoutError::Timeout) => continue,
+                        Err(RecvTimeoutError::Disconnected) => break,
+                    },
+                    None => match self.rx.recv() {
+                        Ok(c) => c,
+                        Err(_) => break,
+                    },
+                };
+                if !self.handle(cmd) {
+                    break;
+                }
+            }
+        }
+        self.shutdown_all();
+        tracing::debug!("engine thread stopped");
+    }
+
+    fn shutdown_all(&mut self) {
+        let ids: Vec<RequestId> = self
+            .sched
+            .running
+            .iter()
+            .chain(self.sched.waiting.iter())
+            .map(|s| s.id)
+            .chain(self.importing.keys().copied())
+            .collect();
+        for id in ids {
+            self.fail(id, EngineError::Stopped);
+        }
+        let pins: Vec<RequestId> = self.pins.keys().copied().collect();
+        for id in pins {
+            self.release_pin(id);
+        }
+        self.shared.stopped.store(true, Ordering::Release);
+        self.publish();
+    }
+
+    /// Applies one command; false means shut down.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit(req, tx) => {
+                self.counters.prompt_tokens_total += req.prompt.len() as u64;
+                let (mode, resumed) = match req.mode {
+                    RequestMode::Resume { output } => (RequestMode::Normal, output),
+                    mode => (mode, Vec::new()),
+                };
+                // A resumed request's prompt logprobs went out with its first token, elsewhere.
+                let score_prompt = req.params.prompt_logprobs.is_some() && resumed.is_empty();
+                let ext = Ext {
+                    rng: SeqRng::new(req.params.seed),
+                    prompt_logprobs: score_prompt.then(|| vec![None; req.prompt.len()]),
+                    params: req.params,
+                    mode,
+                    tx,
+                    queued: true,
+                    first_token: None,
+                };
+                let mut seq = Sequence::new(req.id, req.prompt, ext);
+                // Like a preempted sequence: the earlier output is recomputed, then sampling goes on.
+                seq.tokens.extend_from_slice(&resumed);
+                seq.score_prompt = score_prompt;
+                self.sched.add(seq);
+            }
+            Command::Abort(id) => {
+                if let Some(mut seq) = self.sched.remove(id).or_else(|| self.importing.remove(&id))
+                {
+                    self.drop_seq(&mut seq);
+                    self.counters.requests_finished_total += 1;
+                }
+                self.release_pin(id);
+            }
+            Command::ReleasePin(id) => self.release_pin(id),
+            Command::Export(id, reply) => {
+                let _ = reply.send(self.export(id));
+            }
+            Command::ImportPrefilled(req, first_token, tx, reply) => {
+                let _ = reply.send(self.import_prefilled(*req, first_token, tx));
+            }
+            Command::ImportBlock {
+                id,
+                layer,
+                block,
+                data,
+                reply,
+            } => {
+                let _ = reply.send(self.import_block(id, layer, block, &data));
+            }
+            Command::StartDecoding(id, reply) => {
+                let _ = reply.send(self.start_decoding(id));
+            }
+            Command::Check(reply) => {
+                let _ = reply.send(self.check());
+            }
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    /// Releases a removed sequence's blocks and forgets its id.
+    pub(crate) fn drop_seq(&mut self, seq: &mut Seq) {
+        self.pool.release(&mut seq.table);
+        if seq.ext.queued {
+            self.shared.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.shared.live.lock().remove(&seq.id);
+    }
+
+    fn fail(&mut self, id: RequestId, err: EngineError) {
+        if let Some(mut seq) = self.sched.remove(id).or_else(|| self.importing.remove(&id)) {
+            let _ = seq.ext.tx.send(Err(err));
+            self.drop_seq(&mut seq);
+            self.counters.requests_finished_total += 1;
+        }
+    }
+
+    /// Runs one scheduled step; false if nothing could be scheduled.
+    fn step(&mut self) -> bool {
+        self.sched.schedule(&mut self.pool, &mut self.batch);
+        self.counters.preemptions_total += self.sched.preempted().len() as u64;
+        let capacity = self.pool.num_blocks() * self.pool.block_size();
+        for id in self.sched.out_of_room().to_vec() {
+            self.fail(
+                id,
+                EngineError::KvCacheTooSmall {
+                    prompt: 0,
+                    capacity,
+                },
+            );
+        }
+        if self.sched.scheduled().is_empty() {
+            return false;
+        }
+        for k in 0..self.sched.scheduled().len() {
+            let s = self.sched.scheduled()[k];
+            let seq = &mut self.sched.running[s.index];
+            if seq.ext.queued {
+                seq.ext.queued = false;
+                self.shared.queued.fetch_sub(1, Ordering::AcqRel);
+            }
+            if s.len > 1 || seq.num_computed < seq.prompt_len {
+                self.counters.prefill_tokens_computed += s.len as u64;
+            }
+        }
+        self.counters.steps_total += 1;
+        let on_device = match self.forward() {
+            Ok(on_device) => on_device,
+            Err(e) => {
+                tracing::error!(error = %e, "forward failed; failing the step's requests");
+                let ids: Vec<RequestId> = self
+                    .sched
+                    .scheduled()
+                    .iter()
+                    .map(|s| self.sched.running[s.index].id)
+                    .collect();
+                for id in ids {
+                    self.fail(
+                        id,
+                        EngineError::Backend(BackendError::new(e.message.clone())),
+                    );
+                }
+                return true;
+            }
+        };
+        let mut row = 0;
+        for k in 0..self.sched.scheduled().len() {
+            let s = self.sched.scheduled()[k];
+            let seq = &mut self.sched.running[s.index];
+            let start = seq.num_computed;
+            seq.num_computed += s.len;
+            self.pool
+                .register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
+            let rows = match self.batch.seqs[k].logits {
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => 1,
+                LogitsWanted::All => s.len,
+            };
+            let first_row = row;
+            row += rows;
+            if self.batch.seqs[k].logits == LogitsWanted::All {
+                score_prompt_rows(
+                    seq,
+                    start,
+                    &self.logits[first_row * self.vocab..row * self.vocab],
+                    self.vocab,
+                );
+            }
+            if !s.sample {
+                continue;
+            }
+            let out = if on_device {
+                Sampled {
+                    token: self.device_tokens[row - 1],
+                    logprobs: None,
+                }
+            } else {
+                let logits = &self.logits[(row - 1) * self.vocab..row * self.vocab];
+                let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
+                self.sampler
+                    .sample(logits, &seq.ext.params, prompt, output, &mut seq.ext.rng)
+            };
+            seq.tokens.push(out.token);
+            self.emit(s.index, out.token, out.logprobs);
+        }
+        self.reap();
+        self.publish();
+        true
+    }
+
+    /// Runs the step's model pass: through the backend's own sampler when it has one and every
+    /// logits row is a draw it can make (no penalties, logprobs or prompt scoring), so the logits
+    /// stay where they are (`Ok(true)`, tokens in `device_tokens`); else `forward`, with the logits
+    /// in `logits` for the host sampler (`Ok(false)`).
+    fn forward(&mut self) -> Result<bool, BackendError> {
+        if self.device_sampler && self.fill_device_rows() {
+            let drawn = self.backend.forward_sampled(
+                &self.batch,
+                &self.device_rows,
+                &mut self.device_tokens,
+            )?;
+            if drawn {
+                return Ok(true);
+            }
+            self.device_sampler = false;
+        }
+        self.backend.forward(&self.batch, &mut self.logits)?;
+        Ok(false)
+    }
+
+    /// Fills `device_rows` with one draw per logits row of the step; false when some row needs the
+    /// host sampler.
+    fn fill_device_rows(&mut self) -> bool {
+        self.device_rows.clear();
+        for k in 0..self.sched.scheduled().len() {
+            let s = self.sched.scheduled()[k];
+            let rows = match self.batch.seqs[k].logits {
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => 1,
+                LogitsWanted::All => return false,
+            };
+            if rows == 0 {
+                continue;
+            }
+            let seq = &mut self.sched.running[s.index];
+            let p = &seq.ext.params;
+            if !s.sample || !device_samplable(p) {
+                return false;
+            }
+            let index = seq.tokens.len() - seq.prompt_len;
+            self.device_rows.push(DeviceSampling {
+                temperature: p.temperature,
+                top_k: p.top_k.min(u32::MAX as usize) as u32,
+                top_p: p.top_p,
+                min_p: p.min_p,
+                seed: seq.ext.rng.draw_seed(index),
+            });
+        }
+        !self.device_rows.is_empty()
+    }
+
+    /// Sends `token` for running sequence `idx` (already appended to its tokens), marking it finished
+    /// when a stop condition holds.
+    pub(crate) fn emit(
+        &mut self,
+        idx: usize,
+        token: u32,
+        logprobs: Option<crate::types::TokenLogprobs>,
+    ) {
+        let seq = &self.sched.running[idx];
+        let p = &seq.ext.params;
+        self.counters.generation_tokens_total += 1;
+        let finish =
+            if (!p.ignore_eos && self.eos.contains(&token)) || p.stop_token_ids.contains(&token) {
+                Some(FinishReason::Stop)
+            } else if seq.output().len() >= p.max_tokens
+                || seq.tokens.len() >= self.max_len
+                || matches!(seq.ext.mode, RequestMode::PrefillOnly { .. })
+            {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+        let prompt_logprobs = self.sched.running[idx].ext.prompt_logprobs.take();
+        let seq = &self.sched.running[idx];
+        let sent = seq
+            .ext
+            .tx
+            .send(Ok(TokenOutput {
+                token,
+                logprobs,
+                finish,
+                prompt_logprobs,
+            }))
+            .is_ok();
+        // A closed stream is a client that went away: end the request now.
+        if finish.is_some() || !sent {
+            self.finished.push(idx);
+        }
+    }
+
+    /// Removes this step's finished sequences, freeing or pinning their blocks.
+    pub(crate) fn reap(&mut self) {
+        if self.finished.is_empty() {
+            return;
+        }
+        self.finished.sort_unstable();
+        self.finished.dedup();
+        while let Some(idx) = self.finished.pop() {
+            let mut seq = self.sched.running.remove(idx);
+            self.counters.requests_finished_total += 1;
+            if let RequestMode::PrefillOnly { pin_timeout } = seq.ext.mode {
+                // The KV stays for export even if the client is gone; its Abort (if any) or the
+                // deadline frees it.
+                let table = std::mem::take(&mut seq.table);
+                let pin = Pin {
+                    table,
+                    num_tokens: seq.prompt_len,
+                    first_token: seq.tokens[seq.prompt_len],
+                    deadline: Instant::now() + pin_timeout,
+                };
+                self.pins.insert(seq.id, pin);
+                continue;
+            }
+            self.drop_seq(&mut seq);
+        }
+    }
+
+    fn check(&mut self) -> Result<EngineStats, EngineError> {
+        let s = &self.sched;
+        let refs: Vec<u32> = s
+            .running
+            .iter()
+            .chain(s.waiting.iter())
+            .chain(self.importing.values())
+            .flat_map(|q| q.table.blocks.iter().copied())
+            .chain(
+                self.pins
+                    .values()
+                    .flat_map(|p| p.table.blocks.iter().copied()),
+            )
+            .collect();
+        self.pool
+            .check_invariants(&refs)
+            .map_err(|reason| EngineError::InvalidState { id: 0, reason })?;
+        self.publish();
+        Ok(self.counters.clone())
+    }
+
+    fn publish(&mut self) {
+        let c = &mut self.counters;
+        c.running = self.sched.running.len();
+        c.waiting = self.sched.waiting.len();
+        c.kv_blocks_used = self.pool.num_used();
+        c.kv_blocks_cached = self.pool.num_cached();
+        (c.prefix_cache_queries, c.prefix_cache_hits) = self.pool.prefix_counters();
+        self.shared.stats.lock().clone_from(c);
+    }
+}
