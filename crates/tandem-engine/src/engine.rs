@@ -1237,7 +1237,3 @@ impl<B: Backend> Worker<B> {
         self.shared.stats.lock().clone_from(c);
     }
 }
-
-#[cfg(test)]
-#[path = "engine_tests.rs"]
-mod tests;

@@ -9,7 +9,6 @@ pub mod bench;
 pub mod block_pool;
 pub mod cpu;
 pub mod engine;
-pub mod mock;
 pub mod prefix_cache;
 pub mod sampler;
 pub mod scheduler;
