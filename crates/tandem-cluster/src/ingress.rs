@@ -29,7 +29,7 @@ use crate::protocol::{
 use crate::routing::{pick_decode, pick_prefill, DecodeLoad, PrefillCandidate, RoutingConfig};
 
 /// Time limits of the ingress (YAML `timeouts:`), in seconds.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TimeoutConfig {
     /// Connecting to a worker.

@@ -8,7 +8,7 @@ use clap::Args;
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use crate::config::{EngineArgs, FileConfig, ServeArgs, ServeSettings};
+use crate::config::{EngineSettings, Settings};
 use crate::serve::LocalServer;
 
 /// Flags of `tandem chat`.
@@ -25,7 +25,7 @@ pub struct ChatArgs {
     pub model_path: Option<std::path::PathBuf>,
     /// With --local: engine knobs, as for `tandem serve`.
     #[command(flatten)]
-    pub engine: EngineArgs,
+    pub engine: EngineSettings,
     /// Model name (default: the server's first model).
     #[arg(long)]
     pub model: Option<String>,
@@ -209,13 +209,13 @@ pub fn run(mut args: ChatArgs) -> Result<()> {
 }
 
 /// The settings of the in-process server: `tandem serve`'s defaults plus the chat's engine flags.
-fn local_settings(args: &ChatArgs) -> Result<ServeSettings> {
-    let serve = ServeArgs {
+fn local_settings(args: &ChatArgs) -> Result<Settings> {
+    let flags = Settings {
         model: args.model_path.clone(),
         engine: args.engine.clone(),
-        ..ServeArgs::default()
+        ..Settings::default()
     };
-    ServeSettings::resolve(&serve, FileConfig::default())
+    Settings::colocated(&flags, Settings::default())
 }
 
 #[cfg(test)]
