@@ -40,6 +40,15 @@ pub fn healthy(url: &str) -> bool {
     out.starts_with("HTTP/1.1 200")
 }
 
+/// Sends `signal` (e.g. `-9`, `-STOP`) to the process `pid` and asserts that `kill` succeeded.
+pub fn signal(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
 /// The text of a completion's first choice.
 pub fn text(v: &Value) -> String {
     v["choices"][0]["text"]

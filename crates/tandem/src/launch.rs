@@ -10,7 +10,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use tandem_api::{ApiConfig, AppState, ModelCodec};
+use tandem_api::{ApiConfig, AppState};
 use tandem_cluster::{Ingress, Role};
 use tandem_model::LoadOptions;
 use tracing::info;
@@ -100,19 +100,7 @@ pub fn run(flags: &Settings, file: Settings) -> Result<()> {
     // Load the tokenizer and template here while the workers load their engines.
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: false })
         .with_context(|| format!("loading {}", model_path.display()))?;
-    let template = match &settings.chat_template {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("reading chat template {}", path.display()))?,
-        ),
-        None => loaded.chat_template.clone(),
-    };
-    let codec =
-        ModelCodec::new(loaded.tokenizer.clone(), template.as_deref()).context("chat template")?;
-    let served_name = settings
-        .served_model_name
-        .clone()
-        .unwrap_or_else(|| loaded.name.clone());
+    let (codec, served_name) = crate::serve::codec_and_name(&settings, &loaded)?;
 
     let timeouts = dep.timeouts.clone().unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs_f64(timeouts.worker_startup_secs.max(1.0));

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use tandem_api::{ApiConfig, AppState, ModelCodec};
 use tandem_engine::EngineHandle;
-use tandem_model::LoadOptions;
+use tandem_model::{LoadOptions, LoadedModel};
 use tracing::info;
 
 use crate::config::Settings;
@@ -18,12 +18,12 @@ struct Prepared {
     served_name: String,
 }
 
-/// Loads the model, starts the engine thread and builds the API state: everything but the listener.
-fn prepare(settings: &Settings) -> Result<Prepared> {
-    let model_path = resolve_model(settings.model.as_deref())?;
-    info!(path = %model_path.display(), "loading model");
-    let loaded = tandem_model::load(&model_path, &LoadOptions { progress: true })
-        .with_context(|| format!("loading {}", model_path.display()))?;
+/// The API's codec (the tokenizer with the settings' chat template, else the model's own) and the name
+/// clients use for the model; shared by the colocated server and the P/D ingress.
+pub(crate) fn codec_and_name(
+    settings: &Settings,
+    loaded: &LoadedModel,
+) -> Result<(ModelCodec, String)> {
     let template = match &settings.chat_template {
         Some(path) => Some(
             std::fs::read_to_string(path)
@@ -40,6 +40,16 @@ fn prepare(settings: &Settings) -> Result<Prepared> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| loaded.name.clone());
+    Ok((codec, served_name))
+}
+
+/// Loads the model, starts the engine thread and builds the API state: everything but the listener.
+fn prepare(settings: &Settings) -> Result<Prepared> {
+    let model_path = resolve_model(settings.model.as_deref())?;
+    info!(path = %model_path.display(), "loading model");
+    let loaded = tandem_model::load(&model_path, &LoadOptions { progress: true })
+        .with_context(|| format!("loading {}", model_path.display()))?;
+    let (codec, served_name) = codec_and_name(settings, &loaded)?;
     let fingerprint = format!(
         "fp_{}",
         loaded.identity.0.chars().take(16).collect::<String>()

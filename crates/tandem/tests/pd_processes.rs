@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde_json::{json, Value};
 use tandem_cluster::{Role, WorkerLoad, WorkerStatus};
-use tandem_testkit::{default_model, model_path, text, Server, DEFAULT_MODEL_NAME};
+use tandem_testkit::{default_model, model_path, signal, text, Server, DEFAULT_MODEL_NAME};
 
 /// The `tandem` binary cargo built for these tests.
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -85,15 +85,6 @@ fn assert_pulled_without_prefilling(before: &WorkerLoad, after: &WorkerLoad, pul
         "decode worker prefilled"
     );
     assert_eq!(after.kv.pulls_ok - before.kv.pulls_ok, pulls);
-}
-
-/// Sends `signal` to the process `pid` and asserts `kill` succeeded.
-fn signal(pid: u32, signal: &str) {
-    let status = Command::new("kill")
-        .args([signal, &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
 }
 
 const PROMPTS: &[&str] = &[

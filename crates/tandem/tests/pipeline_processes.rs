@@ -4,11 +4,10 @@
 //! both pipelined (so KV of the remote stage's layers is exported and imported through the stage links).
 
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tandem_testkit::{model_path, text, Server};
+use tandem_testkit::{model_path, signal, text, Server};
 
 /// The `tandem` binary cargo built for these tests.
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -105,10 +104,7 @@ fn pipeline_parallel_2_answers_like_pipeline_parallel_1() {
     let (status, body) = std::thread::scope(|s| {
         let req = s.spawn(|| complete(&pp2, PROMPTS[0], 2000));
         std::thread::sleep(Duration::from_millis(1500));
-        let killed = Command::new("kill")
-            .args(["-9", &stage[0].to_string()])
-            .status();
-        assert!(killed.unwrap().success());
+        signal(stage[0], "-9");
         req.join().unwrap()
     });
     assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
