@@ -142,8 +142,8 @@ impl GenerateBackend for EngineHandle {
 mod tests {
     use super::*;
     use futures::StreamExt;
-    use tandem_engine::mock::MockBackend;
     use tandem_engine::{Engine, EngineConfig, FinishReason};
+    use tandem_testkit::{greedy, MockBackend};
 
     fn engine() -> EngineHandle {
         let config = EngineConfig {
@@ -152,15 +152,6 @@ mod tests {
             ..EngineConfig::default()
         };
         Engine::start(MockBackend::new(16, 64), config).expect("engine starts")
-    }
-
-    fn params(max_tokens: usize) -> SamplingParams {
-        SamplingParams {
-            temperature: 0.0,
-            max_tokens,
-            ignore_eos: true,
-            ..SamplingParams::default()
-        }
     }
 
     /// Waits until the engine thread has processed everything sent so far and reports no live request.
@@ -179,7 +170,7 @@ mod tests {
     async fn engine_handle_streams_to_the_finish() {
         let e = engine();
         GenerateBackend::health(&e).await.expect("healthy");
-        let outs: Vec<TokenOutput> = GenerateBackend::submit(&e, 1, vec![1, 2, 3], params(5))
+        let outs: Vec<TokenOutput> = GenerateBackend::submit(&e, 1, vec![1, 2, 3], greedy(5))
             .unwrap()
             .map(|o| o.expect("no failure"))
             .collect()
@@ -198,7 +189,7 @@ mod tests {
     #[tokio::test]
     async fn dropping_the_stream_aborts_and_frees_blocks() {
         let e = engine();
-        let mut stream = GenerateBackend::submit(&e, 7, (1..40).collect(), params(3000)).unwrap();
+        let mut stream = GenerateBackend::submit(&e, 7, (1..40).collect(), greedy(3000)).unwrap();
         assert!(stream.next().await.is_some());
         drop(stream);
         let stats = drained(&e).await;
@@ -215,7 +206,7 @@ mod tests {
         let e =
             Engine::start(MockBackend::new(16, 64).fail_at_step(2), config).expect("engine starts");
         let outs: Vec<Result<TokenOutput, BackendError>> =
-            GenerateBackend::submit(&e, 1, vec![1, 2, 3], params(5))
+            GenerateBackend::submit(&e, 1, vec![1, 2, 3], greedy(5))
                 .unwrap()
                 .collect()
                 .await;
@@ -238,12 +229,12 @@ mod tests {
         };
         let e = Engine::start(MockBackend::new(16, 64).with_max_len(100), config)
             .expect("engine starts");
-        let too_long = GenerateBackend::submit(&e, 2, vec![1; 200], params(1)).err();
+        let too_long = GenerateBackend::submit(&e, 2, vec![1; 200], greedy(1)).err();
         assert!(
             matches!(too_long, Some(BackendError::PromptTooLong { .. })),
             "{too_long:?}"
         );
-        let empty = GenerateBackend::submit(&e, 3, Vec::new(), params(1)).err();
+        let empty = GenerateBackend::submit(&e, 3, Vec::new(), greedy(1)).err();
         assert!(matches!(empty, Some(BackendError::Invalid(_))), "{empty:?}");
         e.shutdown();
     }

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use tandem_api::GenerateBackend;
-use tandem_engine::mock::MockBackend;
 use tandem_engine::{Backend, Engine, EngineConfig, EngineHandle, SamplingParams, TokenOutput};
 use tandem_kv::KvError;
+use tandem_testkit::{greedy, MockBackend};
 
 use crate::protocol::{PrefillRequest, Role};
 use crate::{
@@ -99,15 +99,6 @@ async fn cluster<const N: usize>(threshold: usize, roles: [Role; N]) -> ([TestWo
     let ingress = registered(threshold, &workers.iter().collect::<Vec<_>>()).await;
     let workers = workers.try_into().ok().expect("one worker per role");
     (workers, ingress)
-}
-
-fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        max_tokens,
-        ignore_eos: true,
-        ..SamplingParams::default()
-    }
 }
 
 fn prompt(seed: u32) -> Vec<u32> {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use parking_lot::{Mutex, RwLock};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use tandem_api::{BackendError, GenerateBackend, TokenStream};
 use tandem_engine::{EngineStats, RequestId, SamplingParams, TokenOutput};
 use tandem_kv::PeerInfo;
@@ -28,7 +28,7 @@ use crate::routing::{pick_decode, pick_prefill, DecodeLoad, PrefillCandidate, Ro
 use crate::rpc::{check_status, post_json, rpc, RemotePin};
 
 /// Time limits of the ingress (YAML `timeouts:`), in seconds.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TimeoutConfig {
     /// Connecting to a worker.

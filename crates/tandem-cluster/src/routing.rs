@@ -1,10 +1,10 @@
 //! Routing policies, as pure functions over load snapshots so they are testable without processes.
 
 use rand::Rng;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Knobs of the routing policies (YAML `routing:`).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RoutingConfig {
     /// Prompts whose part not already cached on the chosen decode worker is shorter than this many

@@ -20,7 +20,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
 use parking_lot::Mutex;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use tandem_engine::{
     EngineError, EngineHandle, EngineRequest, ExportedKv, FinishReason, Pending, RequestMode,
     RequestStream,
@@ -37,7 +37,7 @@ use crate::protocol::{
 };
 
 /// How decode workers pull KV (YAML `kv_transfer.transport`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
     /// TCP, several connections per pull: works across hosts.
@@ -62,7 +62,7 @@ impl std::str::FromStr for TransportKind {
 }
 
 /// KV transfer settings shared by every worker of a deployment (YAML `kv_transfer:`).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct KvTransferConfig {
     /// Data plane used by decode workers.

@@ -151,37 +151,3 @@ pub fn run_engine_bench(
         options: opts.clone(),
     })
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::engine::{Engine, EngineConfig};
-    use crate::mock::MockBackend;
-
-    #[test]
-    fn bench_reports_positive_figures_on_the_mock() {
-        let cfg = EngineConfig {
-            block_size: 4,
-            ..Default::default()
-        };
-        let engine = Engine::start(MockBackend::new(4, 1024), cfg).unwrap();
-        let opts = BenchOptions {
-            decode_tokens: 8,
-            prefill_len: 40,
-            concurrency: 3,
-            concurrent_tokens: 5,
-            prompt_len: 4,
-            seed: 1,
-        };
-        let r = run_engine_bench(&engine, &opts).unwrap();
-        assert!(
-            r.single_stream_decode_tok_s > 0.0
-                && r.prefill_tok_s > 0.0
-                && r.concurrent_decode_tok_s > 0.0
-        );
-        let st = engine.checked_stats().wait_blocking().unwrap();
-        assert_eq!(st.generation_tokens_total, 8 + 1 + 3 * 5);
-        assert_eq!(st.prompt_tokens_total, 4 + 40 + 3 * 4);
-        engine.shutdown();
-    }
-}

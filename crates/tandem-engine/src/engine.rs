@@ -109,7 +109,3 @@ impl Engine {
         Ok(EngineHandle { tx, shared })
     }
 }
-
-#[cfg(test)]
-#[path = "engine_tests.rs"]
-mod tests;

@@ -12,7 +12,6 @@ pub mod engine;
 mod error;
 mod handle;
 mod kv_manager;
-pub mod mock;
 pub mod prefix_cache;
 pub mod sampler;
 pub mod scheduler;

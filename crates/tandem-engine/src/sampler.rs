@@ -212,8 +212,9 @@ pub fn argmax(xs: &[f32]) -> u32 {
     best as u32
 }
 
-/// Log-softmax of the raw logits at `token`, plus the `top_n` most likely tokens (most likely first).
-pub(crate) fn logprobs_of(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs {
+/// Log-softmax of the raw logits at `token`, plus the `top_n` most likely tokens (most likely first);
+/// public so tests outside the crate can score logits exactly as the engine reports them.
+pub fn logprobs_of(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
     // A small insertion-sorted list: top_n is tiny (OpenAI caps it at 20), the vocab is not.

@@ -21,11 +21,10 @@
 //!   NEAR_TIE nats of tandem's choice under tandem's distribution (identical ones are counted);
 //! * tokenization of the prompt texts identical to llama.cpp's.
 //!
-//! Needs models/SmolLM2-135M-Instruct.Q4_1.gguf (scripts/fetch-model.sh).
+//! Needs models/SmolLM2-135M-Instruct.Q4_1.gguf (scripts/fetch-model.sh); without it the tests skip.
 
-use std::path::{Path, PathBuf};
-
-use tandem_model::{load, CpuLlama, ForwardBatch, KvCache, LoadOptions, LogitsWanted};
+use tandem_model::{CpuLlama, ForwardBatch, KvCache, LoadedModel, LogitsWanted};
+use tandem_testkit::root;
 
 const MIN_TOP1: f64 = 0.98;
 /// Largest log-probability gap (nats) at which two implementations may pick different top tokens.
@@ -52,10 +51,6 @@ struct Reference {
     full_positions: Vec<(usize, usize)>,
     /// Full llama.cpp logits at `full_positions`, one row of `vocab` each.
     full: Vec<f32>,
-}
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
@@ -133,21 +128,9 @@ fn reference() -> Reference {
     }
 }
 
-fn model_path() -> PathBuf {
-    let p = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/fetch-model.sh",
-        p.display()
-    );
-    p
-}
-
-fn model(vocab: usize, max_tokens: usize) -> (CpuLlama, KvCache) {
-    let loaded =
-        load(&model_path(), &LoadOptions { progress: false }).expect("load the default GGUF");
+fn model(loaded: &LoadedModel, vocab: usize, max_tokens: usize) -> (CpuLlama, KvCache) {
     assert_eq!(loaded.config.vocab_size, vocab);
-    let model = CpuLlama::new(loaded.config, loaded.weights, 2);
+    let model = CpuLlama::new(loaded.config.clone(), loaded.weights.clone(), 2);
     let kv = KvCache::new(model.kv_layout(BLOCK_SIZE, max_tokens.div_ceil(BLOCK_SIZE)));
     (model, kv)
 }
@@ -201,9 +184,12 @@ fn prompt_logits(model: &mut CpuLlama, kv: &mut KvCache, prompt: &[u32], out: &m
 
 #[test]
 fn teacher_forced_logits_match_llamacpp() {
+    let Some(loaded) = tandem_testkit::model() else {
+        return;
+    };
     let r = reference();
     let max_len = r.prompts.iter().map(|p| p.ids.len()).max().unwrap();
-    let (mut model, mut kv) = model(r.vocab, max_len);
+    let (mut model, mut kv) = model(loaded, r.vocab, max_len);
     let mut logits = Vec::new();
     let (mut agree, mut total, mut kl_lumped_sum) = (0usize, 0usize, 0.0f64);
     let (mut kl_full_sum, mut kl_full_n) = (0.0f64, 0usize);
@@ -311,6 +297,9 @@ fn teacher_forced_logits_match_llamacpp() {
 
 #[test]
 fn greedy_generations_match_llamacpp() {
+    let Some(loaded) = tandem_testkit::model() else {
+        return;
+    };
     let r = reference();
     let max_len = r
         .prompts
@@ -318,7 +307,7 @@ fn greedy_generations_match_llamacpp() {
         .map(|p| p.ids.len() + p.greedy.len())
         .max()
         .unwrap();
-    let (mut model, mut kv) = model(r.vocab, max_len);
+    let (mut model, mut kv) = model(loaded, r.vocab, max_len);
     let blocks: Vec<u32> = (0..max_len.div_ceil(BLOCK_SIZE) as u32).collect();
     let mut logits = Vec::new();
     let mut batch = ForwardBatch::default();
@@ -385,9 +374,10 @@ fn greedy_generations_match_llamacpp() {
 
 #[test]
 fn tokenizer_matches_llamacpp() {
+    let Some(loaded) = tandem_testkit::model() else {
+        return;
+    };
     let r = reference();
-    let loaded =
-        load(&model_path(), &LoadOptions { progress: false }).expect("load the default GGUF");
     for p in &r.prompts {
         let ours = loaded.tokenizer.encode(&p.text, true).expect("encode");
         assert_eq!(

@@ -2,31 +2,10 @@
 //! scripts/fetch-model.sh): configuration, GGUF-built tokenizer against Python `tokenizers`, chat
 //! template, greedy generation, and chunked-prefill consistency.
 
-use std::path::PathBuf;
-use std::sync::OnceLock;
-
 use tandem_model::{
     load, ChatTemplate, CpuLlama, ForwardBatch, IncrementalDecoder, KvCache, LoadOptions,
     LoadedModel, LogitsWanted,
 };
-
-fn model_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-}
-
-/// The loaded default model, or None (with a message) when models/ lacks it.
-fn loaded() -> Option<&'static LoadedModel> {
-    static M: OnceLock<Option<LoadedModel>> = OnceLock::new();
-    M.get_or_init(|| {
-        let p = model_path();
-        if !p.exists() {
-            eprintln!("SKIP: {} missing; run scripts/fetch-model.sh", p.display());
-            return None;
-        }
-        Some(load(&p, &LoadOptions { progress: false }).expect("load default model"))
-    })
-    .as_ref()
-}
 
 fn new_model(m: &LoadedModel) -> CpuLlama {
     CpuLlama::new(m.config.clone(), m.weights.clone(), 2)
@@ -34,7 +13,9 @@ fn new_model(m: &LoadedModel) -> CpuLlama {
 
 #[test]
 fn config_matches_the_gguf_metadata() {
-    let Some(m) = loaded() else { return };
+    let Some(m) = tandem_testkit::model() else {
+        return;
+    };
     let c = &m.config;
     assert_eq!(m.name, "SmolLM2-135M-Instruct.Q4_1");
     assert_eq!(c.architecture, "llama");
@@ -64,14 +45,22 @@ fn config_matches_the_gguf_metadata() {
 
 #[test]
 fn identity_is_stable_across_loads() {
-    let Some(m) = loaded() else { return };
-    let again = load(&model_path(), &LoadOptions { progress: false }).unwrap();
+    let Some(m) = tandem_testkit::model() else {
+        return;
+    };
+    let again = load(
+        &tandem_testkit::default_model(),
+        &LoadOptions { progress: false },
+    )
+    .unwrap();
     assert_eq!(m.identity, again.identity);
 }
 
 #[test]
 fn gguf_tokenizer_matches_python_tokenizers() {
-    let Some(m) = loaded() else { return };
+    let Some(m) = tandem_testkit::model() else {
+        return;
+    };
     let text = include_str!("fixtures/smollm2_tokenizer.json");
     let fixture: serde_json::Value = serde_json::from_str(text).unwrap();
     let cases = fixture["cases"].as_array().unwrap();
@@ -138,7 +127,9 @@ const NEAR_TIE: f32 = 0.5;
 /// exactly. Free-running greedy text is printed; it may leave llama.cpp's path after a near-tie.
 #[test]
 fn answers_the_capital_of_france_like_llama_cpp() {
-    let Some(m) = loaded() else { return };
+    let Some(m) = tandem_testkit::model() else {
+        return;
+    };
     let tmpl = ChatTemplate::new(
         m.chat_template.as_deref().unwrap(),
         m.tokenizer.bos_token(),
@@ -188,7 +179,9 @@ fn answers_the_capital_of_france_like_llama_cpp() {
 
 #[test]
 fn chunked_prefill_matches_one_shot_and_token_by_token() {
-    let Some(m) = loaded() else { return };
+    let Some(m) = tandem_testkit::model() else {
+        return;
+    };
     let ids = m
         .tokenizer
         .encode(

@@ -1,33 +1,13 @@
 use super::*;
 use crate::backend::split;
 use std::net::TcpListener;
-use std::path::PathBuf;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use tandem_cpu::CpuBackend;
 use tandem_engine::sampler::argmax;
 use tandem_engine::Backend;
 use tandem_model::{CpuLlama, ForwardBatch, LoadedModel, LogitsWanted};
-
-/// The default model, loaded once per test binary; None (tests skip) when the file is absent.
-fn model() -> Option<&'static LoadedModel> {
-    static MODEL: OnceLock<Option<LoadedModel>> = OnceLock::new();
-    MODEL
-        .get_or_init(|| {
-            let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-            if !path.exists() {
-                eprintln!(
-                    "skipping pipeline tests: {} is absent (run scripts/fetch-model.sh)",
-                    path.display()
-                );
-                return None;
-            }
-            Some(tandem_model::load(&path, &tandem_model::LoadOptions::default()).unwrap())
-        })
-        .as_ref()
-}
+use tandem_testkit::model;
 
 const BLOCK: usize = 4;
 const BLOCKS: usize = 64;

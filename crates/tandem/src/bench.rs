@@ -13,7 +13,7 @@ use tandem_bench::{
     WorkloadSpec,
 };
 
-use crate::serve::resolve_model;
+use crate::process::resolve_model;
 
 /// Options of `tandem bench`.
 #[derive(Args, Debug)]

@@ -11,7 +11,7 @@ use tandem_engine::bench::{run_engine_bench, BenchOptions};
 use tandem_engine::{Engine, EngineConfig};
 use tandem_model::LoadOptions;
 
-use crate::serve::resolve_model;
+use crate::process::resolve_model;
 
 /// Options of `tandem bench-engine`.
 #[derive(Args, Debug)]

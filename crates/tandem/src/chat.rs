@@ -8,7 +8,7 @@ use clap::Args;
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use crate::config::{EngineArgs, FileConfig, ServeArgs, ServeSettings};
+use crate::config::{EngineSettings, Settings};
 use crate::serve::LocalServer;
 
 /// Flags of `tandem chat`.
@@ -25,7 +25,7 @@ pub struct ChatArgs {
     pub model_path: Option<std::path::PathBuf>,
     /// With --local: engine knobs, as for `tandem serve`.
     #[command(flatten)]
-    pub engine: EngineArgs,
+    pub engine: EngineSettings,
     /// With --local and --device cuda: CUDA backend flags, as for `tandem serve`.
     #[command(flatten)]
     pub cuda: crate::cuda_settings::CudaArgs,
@@ -212,14 +212,15 @@ pub fn run(mut args: ChatArgs) -> Result<()> {
 }
 
 /// The settings of the in-process server: `tandem serve`'s defaults plus the chat's engine flags.
-fn local_settings(args: &ChatArgs) -> Result<ServeSettings> {
-    let serve = ServeArgs {
+fn local_settings(args: &ChatArgs) -> Result<Settings> {
+    let flags = Settings {
         model: args.model_path.clone(),
         engine: args.engine.clone(),
-        cuda: args.cuda.clone(),
-        ..ServeArgs::default()
+        ..Settings::default()
     };
-    ServeSettings::resolve(&serve, FileConfig::default())
+    let mut settings = Settings::colocated(&flags, Settings::default())?;
+    settings.cuda = settings.cuda.merged(&args.cuda.as_section());
+    Ok(settings)
 }
 
 #[cfg(test)]

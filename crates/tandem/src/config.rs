@@ -1,23 +1,29 @@
-//! `tandem serve` settings: the YAML file schema, the CLI flags, and how flags override the file.
+//! The settings of `tandem serve`, `tandem chat --local` and `tandem worker`: one type per concern
+//! ([`ServerSettings`], [`EngineSettings`], [`DeploymentSettings`], composed in [`Settings`]), each field
+//! declared once. The same types are the YAML schema (unknown keys are errors that name the key), the
+//! command-line flags (clap: each flag overrides the same key), and the document a launcher hands its
+//! children (JSON). Layers merge with [`overlay`]: a later layer's set values win, section by section.
 //!
-//! `deployment.mode: colocated` (the default) runs one engine in this process and is resolved into
-//! [`ServeSettings`]; `mode: pd` starts prefill and decode workers as child processes and is run by
-//! `crate::launch` straight from the parsed [`FileConfig`].
+//! A new section is one more type deriving `Deserialize` + `Serialize` (and `clap::Args` when it has
+//! flags) and one more field of [`Settings`].
+//!
+//! `deployment.mode: colocated` (the default) runs one engine in this process ([`Settings::colocated`]);
+//! `mode: pd` starts prefill and decode workers as child processes and is run by `crate::launch`.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use serde::{Deserialize, Deserializer};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::Value;
 use tandem_engine::EngineConfig;
-
-use crate::cuda_settings::{CudaArgs, CudaSection};
 
 /// The model served when none is named.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// How logs are written.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     /// Human-readable lines.
@@ -63,6 +69,13 @@ impl std::str::FromStr for ByteSize {
     }
 }
 
+/// Written as the byte count, which reads back exactly.
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0 as u64)
+    }
+}
+
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         #[derive(Deserialize)]
@@ -78,154 +91,26 @@ impl<'de> Deserialize<'de> for ByteSize {
     }
 }
 
-/// `server:` section.
-#[derive(Clone, Debug, Default, Deserialize)]
+/// `server:` section, and the flags of `tandem serve` that override it.
+#[derive(Clone, Debug, Default, Args, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct ServerSection {
-    /// Address to listen on.
+pub struct ServerSettings {
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
     pub host: Option<String>,
-    /// Port to listen on.
+    /// Port to listen on [default: 8000].
+    #[arg(long)]
     pub port: Option<u16>,
-    /// Bearer token required on /v1 routes.
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
 }
 
-/// `engine:` section: the engine knobs, all optional (unset ones keep engine defaults).
-#[derive(Clone, Debug, Default, Deserialize)]
+/// `engine:` section (and a role's `engine:`), and the engine flags shared by `tandem serve`, `tandem
+/// chat --local` and `tandem worker`: all optional, unset ones keep engine defaults.
+#[derive(Clone, Debug, Default, Args, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct EngineSection {
-    /// Tokens per KV block.
-    pub block_size: Option<usize>,
-    /// Memory for the KV cache ("1GiB" or bytes).
-    pub kv_cache_memory: Option<ByteSize>,
-    /// Running sequences per step.
-    pub max_num_seqs: Option<usize>,
-    /// Token budget per step.
-    pub max_num_batched_tokens: Option<usize>,
-    /// Split long prompts over several steps.
-    pub enable_chunked_prefill: Option<bool>,
-    /// Reuse KV of shared prompt prefixes.
-    pub enable_prefix_caching: Option<bool>,
-    /// Context length cap (defaults to the model's).
-    pub max_model_len: Option<usize>,
-    /// Waiting requests beyond which new ones get 503.
-    pub max_waiting: Option<usize>,
-    /// Compute threads (0 = all cores).
-    pub threads: Option<usize>,
-    /// Tensor-parallel ranks splitting every layer's heads and MLP (CPU: threads of one process).
-    pub tensor_parallel_size: Option<usize>,
-    /// Pipeline stages splitting the layers (CPU: stage 0 in the worker, the others in `tandem stage` processes).
-    pub pipeline_parallel_size: Option<usize>,
-    /// Micro-batches per step of a pipelined worker (0 = one per stage).
-    pub pipeline_micro_batches: Option<usize>,
-    /// Addresses (host:port) of already running stage servers 1.. (other hosts); unset = started locally.
-    pub pipeline_stages: Option<Vec<String>>,
-    /// Which backend runs the model.
-    pub device: Option<Device>,
-}
-
-/// Where the model math runs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Device {
-    /// The CPU backend (always built).
-    #[default]
-    Cpu,
-    /// The CUDA backend (binaries built with `--features cuda`).
-    Cuda,
-}
-
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Device::Cpu => "cpu",
-            Device::Cuda => "cuda",
-        })
-    }
-}
-
-/// How the server is deployed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeploymentMode {
-    /// Prefill and decode in one engine (the only mode implemented).
-    #[default]
-    Colocated,
-    /// Disaggregated prefill and decode workers behind this process as the ingress.
-    Pd,
-}
-
-/// One worker role of a P/D deployment.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RoleSection {
-    /// Number of workers of this role.
-    pub replicas: Option<usize>,
-    /// Engine knobs of these workers.
-    pub engine: Option<EngineSection>,
-}
-
-/// `deployment:` section, shaped for the P/D work.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DeploymentSection {
-    /// `colocated` or `pd`.
-    #[serde(default)]
-    pub mode: DeploymentMode,
-    /// Prefill workers.
-    pub prefill: Option<RoleSection>,
-    /// Decode workers.
-    pub decode: Option<RoleSection>,
-    /// KV transfer settings.
-    pub kv_transfer: Option<tandem_cluster::KvTransferConfig>,
-    /// Routing policy knobs.
-    pub routing: Option<tandem_cluster::RoutingConfig>,
-    /// Ingress time limits.
-    pub timeouts: Option<tandem_cluster::TimeoutConfig>,
-}
-
-/// The whole YAML document of `tandem serve --config`.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FileConfig {
-    /// GGUF file or HF folder.
-    pub model: Option<PathBuf>,
-    /// Name clients use in `model`.
-    pub served_model_name: Option<String>,
-    /// Jinja chat template overriding the model's.
-    pub chat_template: Option<PathBuf>,
-    /// Log format.
-    pub log_format: Option<LogFormat>,
-    /// HTTP settings.
-    #[serde(default)]
-    pub server: ServerSection,
-    /// Engine knobs.
-    #[serde(default)]
-    pub engine: EngineSection,
-    /// Deployment shape.
-    pub deployment: Option<DeploymentSection>,
-    /// CUDA backend settings (`crate::cuda_settings`).
-    #[serde(default)]
-    pub cuda: CudaSection,
-}
-
-impl FileConfig {
-    /// Parses a YAML document; unknown keys are errors that name the key.
-    pub fn from_yaml(text: &str) -> Result<Self> {
-        Ok(serde_yaml::from_str(text)?)
-    }
-
-    /// Reads and parses a YAML file.
-    pub fn load(path: &Path) -> Result<Self> {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        Self::from_yaml(&text).with_context(|| format!("in config file {}", path.display()))
-    }
-}
-
-/// The engine flags shared by `tandem serve` and `tandem worker`; each overrides the same `engine:` key.
-#[derive(Clone, Debug, Default, Args)]
-pub struct EngineArgs {
+pub struct EngineSettings {
     /// Tokens per KV block.
     #[arg(long)]
     pub block_size: Option<usize>,
@@ -238,12 +123,22 @@ pub struct EngineArgs {
     /// Token budget per step.
     #[arg(long)]
     pub max_num_batched_tokens: Option<usize>,
-    /// Prefill whole prompts in one step.
-    #[arg(long)]
-    pub no_chunked_prefill: bool,
-    /// Do not reuse KV of shared prompt prefixes.
-    #[arg(long)]
-    pub no_prefix_caching: bool,
+    /// Split long prompts over several steps (flag `--no-chunked-prefill` sets false).
+    #[arg(
+        long = "no-chunked-prefill",
+        num_args = 0,
+        default_missing_value = "false",
+        help = "Prefill whole prompts in one step"
+    )]
+    pub enable_chunked_prefill: Option<bool>,
+    /// Reuse KV of shared prompt prefixes (flag `--no-prefix-caching` sets false).
+    #[arg(
+        long = "no-prefix-caching",
+        num_args = 0,
+        default_missing_value = "false",
+        help = "Do not reuse KV of shared prompt prefixes"
+    )]
+    pub enable_prefix_caching: Option<bool>,
     /// Context length cap (default: the model's).
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -270,136 +165,161 @@ pub struct EngineArgs {
     pub device: Option<Device>,
 }
 
-impl EngineArgs {
-    /// The flags as an `engine:` section (unset flags stay unset), so they merge like the file's keys.
-    pub fn as_section(&self) -> EngineSection {
-        EngineSection {
-            block_size: self.block_size,
-            kv_cache_memory: self.kv_cache_memory,
-            max_num_seqs: self.max_num_seqs,
-            max_num_batched_tokens: self.max_num_batched_tokens,
-            enable_chunked_prefill: self.no_chunked_prefill.then_some(false),
-            enable_prefix_caching: self.no_prefix_caching.then_some(false),
-            max_model_len: self.max_model_len,
-            max_waiting: self.max_waiting,
-            threads: self.threads,
-            tensor_parallel_size: self.tensor_parallel_size,
-            pipeline_parallel_size: self.pipeline_parallel_size,
-            pipeline_micro_batches: self.pipeline_micro_batches,
-            pipeline_stages: self.pipeline_stages.clone(),
-            device: self.device,
-        }
-    }
-
-    /// Engine defaults with these flags applied.
+impl EngineSettings {
+    /// Engine defaults with these settings applied.
     pub fn engine_config(&self) -> EngineConfig {
         let mut engine = EngineConfig::default();
-        apply_engine(&self.as_section(), &mut engine);
+        if let Some(v) = self.block_size {
+            engine.block_size = v;
+        }
+        if let Some(v) = self.kv_cache_memory {
+            engine.kv_cache_bytes = v.0;
+        }
+        if let Some(v) = self.max_num_seqs {
+            engine.max_num_seqs = v;
+        }
+        if let Some(v) = self.max_num_batched_tokens {
+            engine.max_num_batched_tokens = v;
+        }
+        if let Some(v) = self.enable_chunked_prefill {
+            engine.enable_chunked_prefill = v;
+        }
+        if let Some(v) = self.enable_prefix_caching {
+            engine.enable_prefix_caching = v;
+        }
+        if let Some(v) = self.max_model_len {
+            engine.max_model_len = Some(v);
+        }
+        if let Some(v) = self.max_waiting {
+            engine.max_waiting = v;
+        }
+        if let Some(v) = self.threads {
+            engine.threads = v;
+        }
+        if let Some(v) = self.tensor_parallel_size {
+            engine.tensor_parallel_size = v;
+        }
+        if let Some(v) = self.pipeline_parallel_size {
+            engine.pipeline_parallel_size = v;
+        }
+        if let Some(v) = self.pipeline_micro_batches {
+            engine.pipeline_micro_batches = v;
+        }
+        if let Some(v) = &self.pipeline_stages {
+            engine.pipeline_stages = v.clone();
+        }
         engine
     }
 }
 
-/// Flags of `tandem serve`; each one overrides the same setting of the config file.
-#[derive(Clone, Debug, Default, Args)]
-pub struct ServeArgs {
+/// Where the model math runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    /// The CPU backend (always built).
+    #[default]
+    Cpu,
+    /// The CUDA backend (binaries built with `--features cuda`).
+    Cuda,
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        })
+    }
+}
+
+/// How the server is deployed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeploymentMode {
+    /// Prefill and decode in one engine (the only mode implemented).
+    #[default]
+    Colocated,
+    /// Disaggregated prefill and decode workers behind this process as the ingress.
+    Pd,
+}
+
+/// One worker role of a P/D deployment.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoleSettings {
+    /// Number of workers of this role.
+    pub replicas: Option<usize>,
+    /// Engine knobs of these workers.
+    pub engine: Option<EngineSettings>,
+}
+
+/// `deployment:` section, shaped for the P/D work (YAML only).
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeploymentSettings {
+    /// `colocated` or `pd`.
+    #[serde(default)]
+    pub mode: DeploymentMode,
+    /// Prefill workers.
+    pub prefill: Option<RoleSettings>,
+    /// Decode workers.
+    pub decode: Option<RoleSettings>,
+    /// KV transfer settings.
+    pub kv_transfer: Option<tandem_cluster::KvTransferConfig>,
+    /// Routing policy knobs.
+    pub routing: Option<tandem_cluster::RoutingConfig>,
+    /// Ingress time limits.
+    pub timeouts: Option<tandem_cluster::TimeoutConfig>,
+}
+
+/// The whole YAML document of `tandem serve --config`, and the flags of `tandem serve` that override it.
+#[derive(Clone, Debug, Default, Args, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
     /// GGUF file or HF folder (default: models/SmolLM2-135M-Instruct.Q4_1.gguf, fetched if missing).
     pub model: Option<PathBuf>,
-    /// YAML file with the same settings; flags override it.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Address to listen on [default: 127.0.0.1].
-    #[arg(long)]
-    pub host: Option<String>,
-    /// Port to listen on [default: 8000].
-    #[arg(long)]
-    pub port: Option<u16>,
+    /// HTTP settings.
+    #[command(flatten)]
+    #[serde(default)]
+    pub server: ServerSettings,
     /// Name clients use in `model` [default: the model's file stem or folder name].
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Require `Authorization: Bearer KEY` on /v1 routes.
-    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
-    pub api_key: Option<String>,
     /// Jinja chat template file overriding the model's own.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
-    /// Engine knobs.
-    #[command(flatten)]
-    pub engine: EngineArgs,
-    /// CUDA backend flags.
-    #[command(flatten)]
-    pub cuda: CudaArgs,
-}
-
-/// The merged settings `tandem serve` runs with.
-#[derive(Clone, Debug)]
-pub struct ServeSettings {
-    /// Model path; `None` means the default model.
-    pub model: Option<PathBuf>,
-    /// Name clients use in `model`, if overridden.
-    pub served_model_name: Option<String>,
-    /// Chat template override.
-    pub chat_template: Option<PathBuf>,
-    /// Listen address.
-    pub host: String,
-    /// Listen port.
-    pub port: u16,
-    /// Bearer token for /v1.
-    pub api_key: Option<String>,
-    /// Log format from the file (the CLI flag wins when given).
+    /// Log format (the global `--log-format` flag wins).
+    #[arg(skip)]
     pub log_format: Option<LogFormat>,
     /// Engine knobs.
-    pub engine: EngineConfig,
-    /// Backend the engine runs on.
-    pub device: Device,
-    /// CUDA backend settings: the file's `cuda:` section with the flags applied.
-    pub cuda: CudaSection,
+    #[command(flatten)]
+    #[serde(default)]
+    pub engine: EngineSettings,
+    /// CUDA backend settings (YAML `cuda:`; the `--cuda-*` flags are merged over them by each command).
+    #[arg(skip)]
+    #[serde(default)]
+    pub cuda: crate::cuda_settings::CudaSection,
+    /// Deployment shape (YAML only).
+    #[arg(skip)]
+    pub deployment: Option<DeploymentSettings>,
 }
 
-fn apply_engine(section: &EngineSection, engine: &mut EngineConfig) {
-    if let Some(v) = section.block_size {
-        engine.block_size = v;
+impl Settings {
+    /// Parses a YAML document; unknown keys are errors that name the key.
+    pub fn from_yaml(text: &str) -> Result<Self> {
+        Ok(serde_yaml::from_str(text)?)
     }
-    if let Some(v) = section.kv_cache_memory {
-        engine.kv_cache_bytes = v.0;
-    }
-    if let Some(v) = section.max_num_seqs {
-        engine.max_num_seqs = v;
-    }
-    if let Some(v) = section.max_num_batched_tokens {
-        engine.max_num_batched_tokens = v;
-    }
-    if let Some(v) = section.enable_chunked_prefill {
-        engine.enable_chunked_prefill = v;
-    }
-    if let Some(v) = section.enable_prefix_caching {
-        engine.enable_prefix_caching = v;
-    }
-    if let Some(v) = section.max_model_len {
-        engine.max_model_len = Some(v);
-    }
-    if let Some(v) = section.max_waiting {
-        engine.max_waiting = v;
-    }
-    if let Some(v) = section.threads {
-        engine.threads = v;
-    }
-    if let Some(v) = section.tensor_parallel_size {
-        engine.tensor_parallel_size = v;
-    }
-    if let Some(v) = section.pipeline_parallel_size {
-        engine.pipeline_parallel_size = v;
-    }
-    if let Some(v) = section.pipeline_micro_batches {
-        engine.pipeline_micro_batches = v;
-    }
-    if let Some(v) = &section.pipeline_stages {
-        engine.pipeline_stages = v.clone();
-    }
-}
 
-impl ServeSettings {
-    /// Merges defaults, then the config file, then the flags.
-    pub fn resolve(args: &ServeArgs, file: FileConfig) -> Result<Self> {
+    /// Reads and parses a YAML file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        Self::from_yaml(&text).with_context(|| format!("in config file {}", path.display()))
+    }
+
+    /// The settings of one colocated engine: the file, then the flags over it (a `pd` deployment is the
+    /// launcher's, and its sections are refused here).
+    pub fn colocated(flags: &Settings, file: Settings) -> Result<Self> {
         if let Some(deployment) = &file.deployment {
             if deployment.mode != DeploymentMode::Colocated {
                 bail!("deployment.mode `pd` is run by the P/D launcher, not as a single engine");
@@ -413,30 +333,64 @@ impl ServeSettings {
                 bail!("deployment.prefill, decode, kv_transfer, routing and timeouts only apply to `mode: pd`");
             }
         }
-        let mut engine = EngineConfig::default();
-        apply_engine(&file.engine, &mut engine);
-        apply_engine(&args.engine.as_section(), &mut engine);
-        Ok(Self {
-            model: args.model.clone().or(file.model),
-            served_model_name: args.served_model_name.clone().or(file.served_model_name),
-            chat_template: args.chat_template.clone().or(file.chat_template),
-            host: args
-                .host
-                .clone()
-                .or(file.server.host)
-                .unwrap_or_else(|| "127.0.0.1".to_owned()),
-            port: args.port.or(file.server.port).unwrap_or(8000),
-            api_key: args.api_key.clone().or(file.server.api_key),
-            log_format: file.log_format,
-            device: args
-                .engine
-                .device
-                .or(file.engine.device)
-                .unwrap_or_default(),
-            engine,
-            cuda: file.cuda.merged(&args.cuda.as_section()),
-        })
+        overlay(&[&file, flags])
     }
+
+    /// Listen address.
+    pub fn host(&self) -> String {
+        self.server
+            .host
+            .clone()
+            .unwrap_or_else(|| "127.0.0.1".to_owned())
+    }
+
+    /// Listen port.
+    pub fn port(&self) -> u16 {
+        self.server.port.unwrap_or(8000)
+    }
+
+    /// Backend the engine runs on.
+    pub fn device(&self) -> Device {
+        self.engine.device.unwrap_or_default()
+    }
+}
+
+/// Flags of `tandem serve`; each one overrides the same setting of the config file.
+#[derive(Clone, Debug, Default, Args)]
+pub struct ServeArgs {
+    /// YAML file with the same settings; flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The settings given as flags.
+    #[command(flatten)]
+    pub settings: Settings,
+    /// CUDA backend flags, merged over the file's `cuda:` section.
+    #[command(flatten)]
+    pub cuda: crate::cuda_settings::CudaArgs,
+}
+
+/// Merges `layers` of one settings type, later ones winning: every value a layer sets replaces the one
+/// before, sections merge key by key, and unset (`None`) values leave the earlier layer's in place.
+pub fn overlay<T: Serialize + DeserializeOwned>(layers: &[&T]) -> Result<T> {
+    fn merge(into: &mut Value, from: Value) {
+        match (into, from) {
+            (_, Value::Null) => {}
+            (Value::Object(a), Value::Object(b)) => {
+                for (k, v) in b {
+                    merge(a.entry(k).or_insert(Value::Null), v);
+                }
+            }
+            (slot, v) => *slot = v,
+        }
+    }
+    let mut merged = Value::Null;
+    for layer in layers {
+        merge(
+            &mut merged,
+            serde_json::to_value(layer).context("writing settings")?,
+        );
+    }
+    serde_json::from_value(merged).context("merging settings")
 }
 
 #[cfg(test)]
@@ -457,89 +411,94 @@ mod tests {
 
     #[test]
     fn full_document_parses_and_flags_override() {
-        let file = FileConfig::from_yaml(
+        let file = Settings::from_yaml(
             "model: m.gguf\nserved_model_name: smol\nserver: {host: 0.0.0.0, port: 9000, api_key: k}\n\
              engine: {block_size: 32, kv_cache_memory: 256MiB, max_num_seqs: 8, enable_prefix_caching: false}\n\
              deployment: {mode: colocated}\n",
         )
         .unwrap();
-        let args = ServeArgs {
-            port: Some(9100),
-            engine: EngineArgs {
-                max_num_seqs: Some(4),
-                ..EngineArgs::default()
+        let args = Settings {
+            server: ServerSettings {
+                port: Some(9100),
+                ..ServerSettings::default()
             },
-            ..ServeArgs::default()
+            engine: EngineSettings {
+                max_num_seqs: Some(4),
+                ..EngineSettings::default()
+            },
+            ..Settings::default()
         };
-        let s = ServeSettings::resolve(&args, file).unwrap();
+        let s = Settings::colocated(&args, file).unwrap();
         assert_eq!(s.model, Some(PathBuf::from("m.gguf")));
         assert_eq!(s.served_model_name.as_deref(), Some("smol"));
-        assert_eq!(s.host, "0.0.0.0");
-        assert_eq!(s.port, 9100);
-        assert_eq!(s.api_key.as_deref(), Some("k"));
-        assert_eq!(s.engine.block_size, 32);
-        assert_eq!(s.engine.kv_cache_bytes, 256 << 20);
-        assert_eq!(s.engine.max_num_seqs, 4);
-        assert!(!s.engine.enable_prefix_caching);
+        assert_eq!(s.host(), "0.0.0.0");
+        assert_eq!(s.port(), 9100);
+        assert_eq!(s.server.api_key.as_deref(), Some("k"));
+        let engine = s.engine.engine_config();
+        assert_eq!(engine.block_size, 32);
+        assert_eq!(engine.kv_cache_bytes, 256 << 20);
+        assert_eq!(engine.max_num_seqs, 4);
+        assert!(!engine.enable_prefix_caching);
     }
 
     #[test]
     fn defaults_without_file() {
-        let s = ServeSettings::resolve(&ServeArgs::default(), FileConfig::default()).unwrap();
-        assert_eq!(s.host, "127.0.0.1");
-        assert_eq!(s.port, 8000);
+        let s = Settings::colocated(&Settings::default(), Settings::default()).unwrap();
+        assert_eq!(s.host(), "127.0.0.1");
+        assert_eq!(s.port(), 8000);
         assert_eq!(s.model, None);
         let d = EngineConfig::default();
-        assert_eq!(s.engine.block_size, d.block_size);
-        let args = ServeArgs {
-            engine: EngineArgs {
-                no_chunked_prefill: true,
-                ..EngineArgs::default()
+        assert_eq!(s.engine.engine_config().block_size, d.block_size);
+        let args = Settings {
+            engine: EngineSettings {
+                enable_chunked_prefill: Some(false),
+                ..EngineSettings::default()
             },
-            ..ServeArgs::default()
+            ..Settings::default()
         };
         assert!(
-            !ServeSettings::resolve(&args, FileConfig::default())
+            !Settings::colocated(&args, Settings::default())
                 .unwrap()
                 .engine
+                .engine_config()
                 .enable_chunked_prefill
         );
     }
 
     #[test]
     fn device_comes_from_the_file_and_the_flag_wins() {
-        let file = FileConfig::from_yaml("engine: {device: cuda}\n").unwrap();
-        let s = ServeSettings::resolve(&ServeArgs::default(), file.clone()).unwrap();
-        assert_eq!(s.device, Device::Cuda);
-        let args = ServeArgs {
-            engine: EngineArgs {
+        let file = Settings::from_yaml("engine: {device: cuda}\n").unwrap();
+        let s = Settings::colocated(&Settings::default(), file.clone()).unwrap();
+        assert_eq!(s.device(), Device::Cuda);
+        let args = Settings {
+            engine: EngineSettings {
                 device: Some(Device::Cpu),
-                ..EngineArgs::default()
+                ..EngineSettings::default()
             },
-            ..ServeArgs::default()
+            ..Settings::default()
         };
         assert_eq!(
-            ServeSettings::resolve(&args, file).unwrap().device,
+            Settings::colocated(&args, file).unwrap().device(),
             Device::Cpu
         );
-        let default = ServeSettings::resolve(&ServeArgs::default(), FileConfig::default()).unwrap();
-        assert_eq!(default.device, Device::Cpu);
-        assert!(FileConfig::from_yaml("engine: {device: tpu}\n").is_err());
+        let default = Settings::colocated(&Settings::default(), Settings::default()).unwrap();
+        assert_eq!(default.device(), Device::Cpu);
+        assert!(Settings::from_yaml("engine: {device: tpu}\n").is_err());
     }
 
     #[test]
     fn unknown_keys_are_named() {
-        let err = FileConfig::from_yaml("server: {hots: x}\n").unwrap_err();
+        let err = Settings::from_yaml("server: {hots: x}\n").unwrap_err();
         assert!(format!("{err:#}").contains("hots"), "{err:#}");
-        let err = FileConfig::from_yaml("engine: {blok_size: 3}\n").unwrap_err();
+        let err = Settings::from_yaml("engine: {blok_size: 3}\n").unwrap_err();
         assert!(format!("{err:#}").contains("blok_size"), "{err:#}");
-        let err = FileConfig::from_yaml("modle: x\n").unwrap_err();
+        let err = Settings::from_yaml("modle: x\n").unwrap_err();
         assert!(format!("{err:#}").contains("modle"), "{err:#}");
     }
 
     #[test]
     fn pd_sections_parse_typed_and_stay_out_of_colocated() {
-        let file = FileConfig::from_yaml(
+        let file = Settings::from_yaml(
             "deployment:\n  mode: pd\n  prefill: {replicas: 1}\n  decode: {replicas: 2, engine: {block_size: 16}}\n  \
              kv_transfer: {transport: shm, streams: 2}\n  routing: {local_prefill_threshold: 64}\n  \
              timeouts: {prefill_secs: 5}\n",
@@ -555,29 +514,75 @@ mod tests {
         );
         assert_eq!(d.routing.unwrap().local_prefill_threshold, 64);
         assert_eq!(d.timeouts.unwrap().prefill_secs, 5.0);
-        let err = ServeSettings::resolve(&ServeArgs::default(), file).unwrap_err();
+        let err = Settings::colocated(&Settings::default(), file).unwrap_err();
         assert!(err.to_string().contains("P/D launcher"), "{err}");
-        let err = FileConfig::from_yaml("deployment: {mode: pd, kv_transfer: {transprot: tcp}}\n")
+        let err = Settings::from_yaml("deployment: {mode: pd, kv_transfer: {transprot: tcp}}\n")
             .unwrap_err();
         assert!(format!("{err:#}").contains("transprot"), "{err:#}");
         let colocated =
-            FileConfig::from_yaml("deployment: {routing: {prefill_load_bound: 1}}\n").unwrap();
-        assert!(ServeSettings::resolve(&ServeArgs::default(), colocated).is_err());
-        assert!(FileConfig::from_yaml("deployment: {mode: sideways}\n").is_err());
+            Settings::from_yaml("deployment: {routing: {prefill_load_bound: 1}}\n").unwrap();
+        assert!(Settings::colocated(&Settings::default(), colocated).is_err());
+        assert!(Settings::from_yaml("deployment: {mode: sideways}\n").is_err());
     }
 
     #[test]
-    fn shipped_examples_parse() {
+    fn every_shipped_example_parses() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".yaml") || n.ends_with(".yml"))
+            .collect();
+        names.sort();
         for name in [
             "pd.yaml",
             "pd-2p1d.yaml",
             "colocated.yaml",
             "pd-parallel.yaml",
         ] {
-            let file = FileConfig::load(&dir.join(name)).unwrap();
+            assert!(names.iter().any(|n| n == name), "{name} missing: {names:?}");
+        }
+        for name in &names {
+            let file = Settings::load(&dir.join(name)).unwrap();
             let mode = file.deployment.as_ref().map(|d| d.mode).unwrap_or_default();
             assert_eq!(mode == DeploymentMode::Pd, name.starts_with("pd"), "{name}");
         }
+    }
+
+    #[test]
+    fn flags_fill_the_same_fields_as_the_file_and_win() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let cli = <Cli as clap::Parser>::try_parse_from([
+            "serve",
+            "m.gguf",
+            "--port",
+            "9000",
+            "--no-chunked-prefill",
+            "--pipeline-stages",
+            "a:1,b:2",
+            "--kv-cache-memory",
+            "1GiB",
+        ])
+        .unwrap()
+        .serve
+        .settings;
+        let file = Settings::from_yaml(
+            "model: other.gguf\nserver: {port: 1, host: h}\n\
+             engine: {enable_chunked_prefill: true, enable_prefix_caching: false, threads: 3}\n",
+        )
+        .unwrap();
+        let s = Settings::colocated(&cli, file).unwrap();
+        assert_eq!(s.model, Some(PathBuf::from("m.gguf")));
+        assert_eq!((s.host(), s.port()), ("h".to_owned(), 9000));
+        let e = s.engine.engine_config();
+        assert!(!e.enable_chunked_prefill && !e.enable_prefix_caching);
+        assert_eq!((e.threads, e.kv_cache_bytes), (3, 1 << 30));
+        assert_eq!(e.pipeline_stages, ["a:1", "b:2"]);
+        // An absent flag leaves the file's value: `--no-prefix-caching` is no `enable_prefix_caching: true`.
+        assert_eq!(cli.engine.enable_prefix_caching, None);
     }
 }

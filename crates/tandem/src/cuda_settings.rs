@@ -22,7 +22,7 @@ const _: () = assert!(
 );
 
 /// Which attention kernels the CUDA backend runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize, ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum CudaAttention {
     /// Tensor-core flash attention for prefill, split-K flash decoding (the default).
@@ -42,7 +42,7 @@ impl std::fmt::Display for CudaAttention {
 
 /// `cuda:` section (and, merged with the flags, the resolved settings): unset keys keep the backend's
 /// defaults. The tuning fields are skipped by serde, so in a file they are unknown keys.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CudaSection {
     /// CUDA device ordinal.
@@ -194,38 +194,6 @@ impl CudaSection {
         m
     }
 
-    /// Appends the `--cuda-*` flags that reproduce these settings (for child worker processes).
-    pub fn push_flags(&self, out: &mut Vec<String>) {
-        let valued = [
-            ("device", self.device),
-            ("gemv-max-rows", self.gemv_max_rows),
-            ("decode-partition-small", self.decode_partition_small),
-            ("gemv-target-warps", self.gemv_target_warps),
-            ("gemv-unroll", self.gemv_unroll),
-            ("gemv-min-blocks", self.gemv_min_blocks),
-        ];
-        for (name, value) in valued {
-            if let Some(v) = value {
-                out.extend([format!("--cuda-{name}"), v.to_string()]);
-            }
-        }
-        if let Some(v) = self.attention {
-            out.extend(["--cuda-attention".to_string(), v.to_string()]);
-        }
-        let switches = [
-            (self.graphs == Some(false), "--no-cuda-graphs"),
-            (self.gemv == Some(false), "--no-cuda-gemv"),
-            (self.pdl == Some(true), "--cuda-pdl"),
-            (self.gemv_persistent == Some(true), "--cuda-gemv-persistent"),
-        ];
-        out.extend(
-            switches
-                .into_iter()
-                .filter(|(on, _)| *on)
-                .map(|(_, name)| name.to_string()),
-        );
-    }
-
     /// `base` (the sizes the caller derived from the engine settings) with every key set here applied.
     #[cfg(feature = "cuda")]
     pub fn options(&self, base: tandem_cuda::CudaOptions) -> tandem_cuda::CudaOptions {
@@ -273,7 +241,7 @@ impl CudaSection {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::FileConfig;
+    use crate::config::Settings as FileConfig;
 
     #[derive(clap::Parser)]
     struct Flags {
@@ -357,10 +325,17 @@ mod tests {
         assert_eq!(merged.gemv_max_rows, Some(4));
         assert_eq!(merged.graphs, Some(false));
         assert_eq!(merged.pdl, Some(true));
-        let mut out = Vec::new();
-        merged.push_flags(&mut out);
-        let argv: Vec<&str> = out.iter().map(String::as_str).collect();
-        assert_eq!(flags(&argv).unwrap(), merged);
+        // Workers get the section in their JSON settings document: every file key travels; the
+        // hidden tuning flags are per process (given to the worker's own command line).
+        let doc = serde_json::to_string(&merged).unwrap();
+        let travelled: CudaSection = serde_json::from_str(&doc).unwrap();
+        assert_eq!(
+            travelled,
+            CudaSection {
+                pdl: None,
+                ..merged
+            }
+        );
         assert_eq!(flags(&[]).unwrap(), CudaSection::default());
     }
 

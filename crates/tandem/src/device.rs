@@ -60,7 +60,7 @@ pub fn pipeline_backend(
     let total = tandem_kernels::resolve_threads(config.threads);
     let per_stage = (total / n).max(1);
     let (addrs, procs) = if config.pipeline_stages.is_empty() {
-        let (a, p) = crate::stage::spawn_local(model_path, n, per_stage)?;
+        let (a, p) = crate::process::spawn_local_stages(model_path, n, per_stage)?;
         (a, Some(p))
     } else if config.pipeline_stages.len() == n - 1 {
         (config.pipeline_stages.clone(), None)

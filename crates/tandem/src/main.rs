@@ -9,6 +9,7 @@ mod cuda_settings;
 mod cuda_tools;
 mod device;
 mod launch;
+mod process;
 mod serve;
 mod stage;
 mod worker;
@@ -34,7 +35,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Serve a model over an OpenAI-compatible HTTP API.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Chat interactively with a running server, or with a model loaded in process (--local).
     Chat(chat::ChatArgs),
     /// Run one prefill or decode worker of a disaggregated deployment.
@@ -83,8 +84,8 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Serve(args) => {
             let file = match &args.config {
-                Some(path) => config::FileConfig::load(path)?,
-                None => config::FileConfig::default(),
+                Some(path) => config::Settings::load(path)?,
+                None => config::Settings::default(),
             };
             if file
                 .deployment
@@ -92,9 +93,10 @@ fn main() -> Result<()> {
                 .is_some_and(|d| d.mode == config::DeploymentMode::Pd)
             {
                 init_logging(cli.log_format.or(file.log_format).unwrap_or_default());
-                return launch::run(&args, file);
+                return launch::run(&args.settings, &args.cuda.as_section(), file);
             }
-            let settings = config::ServeSettings::resolve(&args, file)?;
+            let mut settings = config::Settings::colocated(&args.settings, file)?;
+            settings.cuda = settings.cuda.merged(&args.cuda.as_section());
             init_logging(cli.log_format.or(settings.log_format).unwrap_or_default());
             serve::run(settings)
         }
@@ -163,9 +165,10 @@ mod tests {
         let Command::Serve(args) = cli.command else {
             panic!("expected serve")
         };
-        assert_eq!(args.port, Some(9000));
-        assert_eq!(args.engine.kv_cache_memory.map(|b| b.0), Some(1 << 30));
-        assert!(args.engine.no_prefix_caching);
+        assert_eq!(args.settings.server.port, Some(9000));
+        let engine = &args.settings.engine;
+        assert_eq!(engine.kv_cache_memory.map(|b| b.0), Some(1 << 30));
+        assert_eq!(engine.enable_prefix_caching, Some(false));
         assert!(Cli::try_parse_from(["tandem", "serve", "--kv-cache-memory", "lots"]).is_err());
     }
 }

@@ -2,29 +2,21 @@
 //! short concurrency sweep and a short bursty run against it, then `tandem bench plot` over both result
 //! files. Checks request and token counts, that nothing failed, and that the charts are PNG files.
 
-mod common;
-
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-use common::{default_model, root, Server, BIN};
 use serde_json::Value;
+use tandem_testkit::{model_path, root, Server};
 
-fn model() -> PathBuf {
-    let path = default_model();
-    assert!(
-        path.is_file(),
-        "{} is missing: run scripts/fetch-model.sh",
-        path.display()
-    );
-    path
-}
+/// The `tandem` binary cargo built for these tests.
+const BIN: &str = env!("CARGO_BIN_EXE_tandem");
 
-/// `tandem serve` on the default model with a small KV cache, its log in `dir`.
-fn serve(dir: &Path) -> Server {
+/// `tandem serve` on `model` with a small KV cache, its log in `dir`.
+fn serve(model: &Path, dir: &Path) -> Server {
     Server::start(
+        BIN,
         &[
-            model().as_os_str(),
+            model.as_os_str(),
             "--kv-cache-memory".as_ref(),
             "64MiB".as_ref(),
         ],
@@ -63,10 +55,10 @@ fn assert_png(path: &Path) {
 
 #[test]
 fn bench_sweeps_bursts_and_plots_against_a_live_server() {
+    let Some(model) = model_path() else { return };
     let dir = std::env::temp_dir().join(format!("tandem-bench-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let server = serve(&dir);
-    let model = model();
+    let server = serve(&model, &dir);
     let tokenizer = model.to_str().unwrap();
 
     let sweep = dir.join("sweep.json");

@@ -3,83 +3,53 @@
 //! tokens as the unsplit model, colocated and in a P/D deployment whose prefill and decode workers are
 //! both pipelined (so KV of the remote stage's layers is exported and imported through the stage links).
 
-mod common;
-
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{default_model, Server};
 use serde_json::{json, Value};
+use tandem_testkit::{model_path, signal, text, Server};
 
-fn model() -> Option<PathBuf> {
-    let path = default_model();
-    if !path.is_file() {
-        eprintln!(
-            "skipping: {} is absent (run scripts/fetch-model.sh)",
-            path.display()
-        );
-        return None;
-    }
-    Some(path)
-}
+/// The `tandem` binary cargo built for these tests.
+const BIN: &str = env!("CARGO_BIN_EXE_tandem");
 
 /// Starts `tandem serve --config <dir>/<name>.yaml` with `yaml` written there.
 fn serve(dir: &Path, name: &str, yaml: &str) -> Server {
     let config = dir.join(format!("{name}.yaml"));
     std::fs::write(&config, yaml).unwrap();
     Server::start(
+        BIN,
         &[Path::new("--config"), config.as_path()],
         &dir.join(format!("{name}.log")),
     )
 }
 
-impl Server {
-    /// One greedy completion of `max_tokens` tokens: its HTTP status and body.
-    fn complete(&self, prompt: &str, max_tokens: usize) -> (reqwest::StatusCode, Value) {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": prompt,
-                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
-            let r = reqwest::Client::new()
-                .post(format!("{}/v1/completions", self.url))
-                .json(&body)
-                .send()
-                .await
-                .expect("request sent");
-            let status = r.status();
-            (status, r.json().await.expect("JSON body"))
-        })
-    }
+/// Runs `f` to completion on a runtime of its own (these tests are synchronous).
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
 
-    /// The greedy completions of `PROMPTS`, all sent at once so the engine batches (and micro-batches) them.
-    fn answers(&self) -> Vec<String> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let http = reqwest::Client::new();
-            let calls = PROMPTS.iter().map(|p| {
-                let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": p,
-                    "max_tokens": 12, "temperature": 0, "ignore_eos": true});
-                let req = http
-                    .post(format!("{}/v1/completions", self.url))
-                    .json(&body);
-                async move {
-                    let r = req.send().await.expect("request sent");
-                    let status = r.status();
-                    let v: Value = r.json().await.expect("JSON body");
-                    assert!(status.is_success(), "{status}: {v}");
-                    v["choices"][0]["text"].as_str().expect("text").to_owned()
-                }
-            });
-            futures::future::join_all(calls).await
-        })
-    }
+/// A greedy completion of `max_tokens` tokens, EOS ignored.
+fn greedy(prompt: &str, max_tokens: usize) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
+}
+
+/// One greedy completion of `max_tokens` tokens: its HTTP status and body.
+fn complete(server: &Server, prompt: &str, max_tokens: usize) -> (reqwest::StatusCode, Value) {
+    block_on(server.post_completion(greedy(prompt, max_tokens)))
+}
+
+/// The greedy completions of `PROMPTS`, all sent at once so the engine batches (and micro-batches) them.
+fn answers(server: &Server) -> Vec<String> {
+    block_on(async {
+        let calls = PROMPTS
+            .iter()
+            .map(|p| async { text(&server.complete_with(greedy(p, 12)).await) });
+        futures::future::join_all(calls).await
+    })
 }
 
 /// Child process ids of `pid` (Linux: /proc/PID/task/*/children).
@@ -107,7 +77,7 @@ const ENGINE: &str =
 
 #[test]
 fn pipeline_parallel_2_answers_like_pipeline_parallel_1() {
-    let Some(model) = model() else { return };
+    let Some(model) = model_path() else { return };
     let dir = std::env::temp_dir().join(format!("tandem-pp-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let colocated = |pp: usize| {
@@ -120,11 +90,11 @@ fn pipeline_parallel_2_answers_like_pipeline_parallel_1() {
             )
         )
     };
-    let want = serve(&dir, "pp1", &colocated(1)).answers();
+    let want = answers(&serve(&dir, "pp1", &colocated(1)));
     assert!(want.iter().all(|t| !t.is_empty()), "{want:?}");
 
     let pp2 = serve(&dir, "pp2", &colocated(2));
-    assert_eq!(pp2.answers(), want, "colocated pipeline_parallel_size 2");
+    assert_eq!(answers(&pp2), want, "colocated pipeline_parallel_size 2");
     let log = pp2.log();
     assert!(log.contains("pipeline stage connected"), "{log}");
     // Killing the stage process mid-generation fails the request promptly instead of hanging it.
@@ -132,12 +102,9 @@ fn pipeline_parallel_2_answers_like_pipeline_parallel_1() {
     assert_eq!(stage.len(), 1, "one stage process: {stage:?}");
     let t = Instant::now();
     let (status, body) = std::thread::scope(|s| {
-        let req = s.spawn(|| pp2.complete(PROMPTS[0], 2000));
+        let req = s.spawn(|| complete(&pp2, PROMPTS[0], 2000));
         std::thread::sleep(Duration::from_millis(1500));
-        let killed = Command::new("kill")
-            .args(["-9", &stage[0].to_string()])
-            .status();
-        assert!(killed.unwrap().success());
+        signal(stage[0], "-9");
         req.join().unwrap()
     });
     assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
@@ -162,7 +129,7 @@ fn pipeline_parallel_2_answers_like_pipeline_parallel_1() {
         model.display()
     );
     let pd = serve(&dir, "pd", &pd);
-    assert_eq!(pd.answers(), want, "P/D with pipelined prefill and decode");
+    assert_eq!(answers(&pd), want, "P/D with pipelined prefill and decode");
     let log = pd.log();
     assert_eq!(
         log.matches("pipeline stage connected").count(),

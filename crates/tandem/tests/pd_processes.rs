@@ -1,52 +1,25 @@
-//! End-to-end tests of the disaggregated deployment with real processes on loopback.
-//!
-//! They run the release binary: build it first with `cargo build --release -p tandem` (or point
-//! `TANDEM_BIN` at one). Each test starts its own topology with a small KV cache and one thread per
-//! worker, one test at a time.
+//! End-to-end tests of the disaggregated deployment with real processes on loopback (the `tandem` binary
+//! cargo built for these tests). Each test starts its own topology with a small KV cache and one thread
+//! per worker, one test at a time; without the default model they skip.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde_json::{json, Value};
-use tandem_cluster::{Role, WorkerStatus};
+use tandem_cluster::{Role, WorkerLoad, WorkerStatus};
+use tandem_testkit::{default_model, model_path, signal, text, Server, DEFAULT_MODEL_NAME};
+
+/// The `tandem` binary cargo built for these tests.
+const BIN: &str = env!("CARGO_BIN_EXE_tandem");
 
 /// Serializes the tests: the machine has few cores and each topology loads the model three times.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn bin() -> PathBuf {
-    let path = std::env::var_os("TANDEM_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target/release/tandem"));
-    assert!(
-        path.is_file(),
-        "{} is missing: run `cargo build --release -p tandem` first",
-        path.display()
-    );
-    path
-}
-
-fn model() -> PathBuf {
-    let path = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        path.is_file(),
-        "{} is missing: run scripts/fetch-model.sh",
-        path.display()
-    );
-    path
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// This test's turn (held until it ends), or `None` when the default model is absent and it skips.
+async fn turn() -> Option<tokio::sync::MutexGuard<'static, ()>> {
+    model_path()?;
+    Some(SERIAL.lock().await)
 }
 
 const ENGINE: &str =
@@ -65,149 +38,30 @@ fn pd_yaml_timeouts(prefill: usize, decode: usize, timeouts: &str) -> String {
         "model: {}\n{ENGINE}deployment:\n  mode: pd\n  prefill: {{replicas: {prefill}}}\n  decode: {{replicas: {decode}}}\n  \
          kv_transfer: {{transport: tcp, pin_timeout_secs: 20}}\n  routing: {{local_prefill_threshold: 16}}\n  \
          timeouts: {{{timeouts}}}\n",
-        model().display()
+        default_model().display()
     )
 }
 
 fn colocated_yaml() -> String {
     format!(
         "model: {}\n{ENGINE}deployment: {{mode: colocated}}\n",
-        model().display()
+        default_model().display()
     )
 }
 
-/// A running `tandem serve`; killed (with its workers, which exit when its pipe closes) on drop.
-struct Server {
-    child: Child,
-    url: String,
-    http: reqwest::Client,
-    _dir: TempDir,
+/// The cluster view of a P/D server: its workers and their load.
+trait Cluster {
+    /// The registered workers.
+    async fn workers(&self) -> Vec<WorkerStatus>;
+    /// The first worker of `role`.
+    async fn worker(&self, role: Role) -> WorkerStatus;
+    /// The load a worker reports on its own RPC.
+    async fn load(&self, worker_url: &str) -> WorkerLoad;
 }
 
-/// A scratch directory removed on drop.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    async fn start(yaml: &str) -> Server {
-        let dir = std::env::temp_dir().join(format!(
-            "tandem-cluster-test-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = dir.join("config.yaml");
-        std::fs::write(&config, yaml).unwrap();
-        let port = free_port();
-        let child = Command::new(bin())
-            .args(["serve", "--config"])
-            .arg(&config)
-            .args(["--port", &port.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("serve.log")).unwrap())
-            .spawn()
-            .expect("tandem serve starts");
-        let server = Server {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            http: reqwest::Client::new(),
-            _dir: TempDir(dir),
-        };
-        server.wait_healthy().await;
-        server
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self._dir.0.join("serve.log")).unwrap_or_default()
-    }
-
-    async fn wait_healthy(&self) {
-        let deadline = Instant::now() + Duration::from_secs(240);
-        loop {
-            if let Ok(r) = self.http.get(format!("{}/health", self.url)).send().await {
-                if r.status().is_success() {
-                    return;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "server never became healthy:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-    }
-
-    async fn complete(&self, prompt: &str, max_tokens: usize) -> Value {
-        let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
-        let r = self
-            .http
-            .post(format!("{}/v1/completions", self.url))
-            .json(&body)
-            .send()
-            .await
-            .expect("completion sent");
-        let status = r.status();
-        let v: Value = r.json().await.expect("json answer");
-        assert!(status.is_success(), "{status}: {v}\n{}", self.log());
-        v
-    }
-
-    /// A greedy completion of a prompt given as token ids.
-    async fn complete_ids(&self, prompt: &[u32], max_tokens: usize) -> Value {
-        self.complete_with(json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}))
-            .await
-    }
-
-    /// A completion with the given body (the model name is filled in); panics on an error answer.
-    async fn complete_with(&self, mut body: Value) -> Value {
-        body["model"] = json!("SmolLM2-135M-Instruct.Q4_1");
-        let r = self
-            .http
-            .post(format!("{}/v1/completions", self.url))
-            .json(&body)
-            .send()
-            .await
-            .expect("completion sent");
-        let status = r.status();
-        let v: Value = r.json().await.expect("json answer");
-        assert!(status.is_success(), "{status}: {v}\n{}", self.log());
-        v
-    }
-
-    async fn metrics(&self) -> String {
-        self.http
-            .get(format!("{}/metrics", self.url))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    }
-
+impl Cluster for Server {
     async fn workers(&self) -> Vec<WorkerStatus> {
-        self.http
-            .get(format!("{}/v1/cluster/workers", self.url))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        self.get_json("/v1/cluster/workers").await
     }
 
     async fn worker(&self, role: Role) -> WorkerStatus {
@@ -218,23 +72,19 @@ impl Server {
             .expect("a worker of that role")
     }
 
-    async fn load(&self, worker_url: &str) -> tandem_cluster::WorkerLoad {
-        self.http
-            .get(format!("{worker_url}/v1/worker/load"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+    async fn load(&self, worker_url: &str) -> WorkerLoad {
+        self.get_json(&format!("{worker_url}/v1/worker/load")).await
     }
 }
 
-fn text(v: &Value) -> String {
-    v["choices"][0]["text"]
-        .as_str()
-        .expect("choice text")
-        .to_owned()
+/// Asserts that between two load snapshots of a decode worker it pulled KV `pulls` times and prefilled
+/// nothing itself.
+fn assert_pulled_without_prefilling(before: &WorkerLoad, after: &WorkerLoad, pulls: u64) {
+    assert_eq!(
+        after.engine.prefill_tokens_computed, before.engine.prefill_tokens_computed,
+        "decode worker prefilled"
+    );
+    assert_eq!(after.kv.pulls_ok - before.kv.pulls_ok, pulls);
 }
 
 const PROMPTS: &[&str] = &[
@@ -248,7 +98,7 @@ const PROMPTS: &[&str] = &[
 
 /// The colocated deployment's greedy 12-token answers to [`PROMPTS`], the reference of the P/D tests.
 async fn colocated_answers() -> Vec<Value> {
-    let colocated = Server::start(&colocated_yaml()).await;
+    let colocated = Server::with_config(BIN, &colocated_yaml());
     let mut want = Vec::new();
     for p in PROMPTS {
         want.push(colocated.complete(p, 12).await);
@@ -258,10 +108,10 @@ async fn colocated_answers() -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_matches_colocated_and_decode_never_prefills() {
-    let _serial = SERIAL.lock().await;
+    let Some(_turn) = turn().await else { return };
     let want = colocated_answers().await;
 
-    let pd = Server::start(&pd_yaml(1)).await;
+    let pd = Server::with_config(BIN, &pd_yaml(1));
     let decode = pd.worker(Role::Decode).await;
     let before = pd.load(&decode.url).await;
     let mut expected_bytes = 0u64;
@@ -279,39 +129,23 @@ async fn pd_matches_colocated_and_decode_never_prefills() {
             * layout.n_layers) as u64;
     }
     let after = pd.load(&decode.url).await;
-    assert_eq!(
-        after.engine.prefill_tokens_computed, before.engine.prefill_tokens_computed,
-        "decode worker prefilled"
-    );
+    assert_pulled_without_prefilling(&before, &after, PROMPTS.len() as u64);
     assert_eq!(
         after.kv.bytes_received - before.kv.bytes_received,
         expected_bytes
     );
-    assert_eq!(after.kv.pulls_ok - before.kv.pulls_ok, PROMPTS.len() as u64);
-    let metrics = pd
-        .http
-        .get(format!("{}/metrics", pd.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(
-        metrics.contains(&format!("tandem:kv_transfer_bytes_total {expected_bytes}")),
-        "{metrics}"
-    );
-    assert!(
-        metrics.contains("tandem:pd_requests_total{prefill=\"remote\"} 3"),
-        "{metrics}"
-    );
+    pd.assert_metrics(&[
+        &format!("tandem:kv_transfer_bytes_total {expected_bytes}"),
+        "tandem:pd_requests_total{prefill=\"remote\"} 3",
+    ])
+    .await;
 }
 
 /// Prefill split over 2 tensor-parallel ranks, decode over 3: the KV crosses in the canonical all-heads
 /// layout, so the answer equals the colocated single-rank one and decode still prefills nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_across_different_tensor_parallel_sizes_matches_colocated() {
-    let _serial = SERIAL.lock().await;
+    let Some(_turn) = turn().await else { return };
     let want = colocated_answers().await;
 
     let yaml = pd_yaml(1).replace(
@@ -322,23 +156,19 @@ async fn pd_across_different_tensor_parallel_sizes_matches_colocated() {
         "decode: {replicas: 1}",
         "decode: {replicas: 1, engine: {tensor_parallel_size: 3}}",
     );
-    let pd = Server::start(&yaml).await;
+    let pd = Server::with_config(BIN, &yaml);
     let decode = pd.worker(Role::Decode).await;
     let before = pd.load(&decode.url).await;
     for (p, want) in PROMPTS.iter().zip(&want) {
         assert_eq!(text(&pd.complete(p, 12).await), text(want), "prompt {p:?}");
     }
     let after = pd.load(&decode.url).await;
-    assert_eq!(
-        after.engine.prefill_tokens_computed, before.engine.prefill_tokens_computed,
-        "decode worker prefilled"
-    );
-    assert_eq!(after.kv.pulls_ok - before.kv.pulls_ok, PROMPTS.len() as u64);
+    assert_pulled_without_prefilling(&before, &after, PROMPTS.len() as u64);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_cached_on_the_decode_worker_is_not_transferred_again() {
-    let _serial = SERIAL.lock().await;
+    let Some(_turn) = turn().await else { return };
     // Token-id prompts, so the shared head is exactly 4 blocks of 16 whatever the tokenizer does.
     let head: Vec<u32> = (0..64u32).map(|i| 300 + (i * 131) % 4000).collect();
     let first: Vec<u32> = head
@@ -360,7 +190,7 @@ async fn a_prefix_cached_on_the_decode_worker_is_not_transferred_again() {
         .collect();
     let sampled =
         json!({"prompt": third, "max_tokens": 16, "temperature": 0.8, "top_k": 40, "seed": 1234});
-    let colocated = Server::start(&colocated_yaml()).await;
+    let colocated = Server::with_config(BIN, &colocated_yaml());
     let want = [
         colocated.complete_ids(&first, 10).await,
         colocated.complete_ids(&second, 10).await,
@@ -368,7 +198,7 @@ async fn a_prefix_cached_on_the_decode_worker_is_not_transferred_again() {
     let want_sampled = colocated.complete_with(sampled.clone()).await;
     drop(colocated);
 
-    let pd = Server::start(&pd_yaml(1)).await;
+    let pd = Server::with_config(BIN, &pd_yaml(1));
     let decode = pd.worker(Role::Decode).await;
     let layout = decode.info.peer.layout;
     assert_eq!(layout.block_size, 16);
@@ -400,11 +230,7 @@ async fn a_prefix_cached_on_the_decode_worker_is_not_transferred_again() {
             ),
             (pulled, skipped)
         );
-        assert_eq!(after.kv.pulls_ok - before.kv.pulls_ok, 1);
-        assert_eq!(
-            after.engine.prefill_tokens_computed, before.engine.prefill_tokens_computed,
-            "the decode worker prefilled"
-        );
+        assert_pulled_without_prefilling(&before, &after, 1);
     }
     let sampled = pd.complete_with(sampled).await;
     assert_eq!(
@@ -412,32 +238,22 @@ async fn a_prefix_cached_on_the_decode_worker_is_not_transferred_again() {
         text(&want_sampled),
         "seeded sampling P/D vs colocated"
     );
-    let metrics = pd.metrics().await;
-    assert!(
-        metrics.contains("tandem:kv_transfer_blocks_skipped_total 8"),
-        "{metrics}"
-    );
-    assert!(
-        metrics.contains("tandem:kv_transfer_blocks_total 11"),
-        "{metrics}"
-    );
-    assert!(
-        metrics.contains(&format!(
+    pd.assert_metrics(&[
+        "tandem:kv_transfer_blocks_skipped_total 8",
+        "tandem:kv_transfer_blocks_total 11",
+        &format!(
             "tandem:kv_transfer_bytes_total {}",
             (6 + 3 + 2) * block_bytes
-        )),
-        "{metrics}"
-    );
-    assert!(
-        metrics.contains("tandem:pd_requests_total{prefill=\"remote\"} 3"),
-        "{metrics}"
-    );
+        ),
+        "tandem:pd_requests_total{prefill=\"remote\"} 3",
+    ])
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_prefill_worker_mid_request_still_answers() {
-    let _serial = SERIAL.lock().await;
-    let pd = Server::start(&pd_yaml(1)).await;
+    let Some(_turn) = turn().await else { return };
+    let pd = Server::with_config(BIN, &pd_yaml(1));
     let prefill = pd.worker(Role::Prefill).await;
     let long: String = PROMPTS
         .iter()
@@ -449,7 +265,7 @@ async fn killing_the_prefill_worker_mid_request_still_answers() {
     let request = {
         let (http, url, long) = (pd.http.clone(), pd.url.clone(), long.clone());
         tokio::spawn(async move {
-            let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": long, "max_tokens": 8, "temperature": 0});
+            let body = json!({"model": DEFAULT_MODEL_NAME, "prompt": long, "max_tokens": 8, "temperature": 0});
             http.post(format!("{url}/v1/completions"))
                 .json(&body)
                 .send()
@@ -465,11 +281,7 @@ async fn killing_the_prefill_worker_mid_request_still_answers() {
     while pd.load(&prefill.url).await.in_flight == 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let status = Command::new("kill")
-        .args(["-9", &prefill.info.pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    signal(prefill.info.pid, "-9");
     let got = request.await.unwrap();
     let finish = got["choices"][0]["finish_reason"]
         .as_str()
@@ -483,15 +295,7 @@ async fn killing_the_prefill_worker_mid_request_still_answers() {
     // The same prompt now goes to the decode worker alone; greedy answers must agree.
     let again = pd.complete(&long, 8).await;
     assert_eq!(text(&got), text(&again));
-    let metrics = pd
-        .http
-        .get(format!("{}/metrics", pd.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = pd.metrics().await;
     assert!(
         !metrics.contains("tandem:pd_requests_total{prefill=\"fallback\"} 0"),
         "{metrics}"
@@ -510,7 +314,7 @@ async fn kill_the_decoder_mid_request(pd: &Server, body: Value) -> (reqwest::Sta
 async fn signal_the_decoder_mid_request(
     pd: &Server,
     body: Value,
-    signal: &str,
+    signal_name: &str,
 ) -> (reqwest::StatusCode, Value, u32) {
     let decoders: Vec<WorkerStatus> = pd
         .workers()
@@ -547,11 +351,7 @@ async fn signal_the_decoder_mid_request(
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
-    let status = Command::new("kill")
-        .args([signal, &victim.info.pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    signal(victim.info.pid, signal_name);
     // Never a hang: the answer comes, complete or failed, well within the bound.
     let (status, body) = tokio::time::timeout(Duration::from_secs(120), request)
         .await
@@ -562,9 +362,9 @@ async fn signal_the_decoder_mid_request(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_a_decode_worker_mid_stream_resumes_elsewhere_or_fails_cleanly() {
-    let _serial = SERIAL.lock().await;
-    let pd = Server::start(&pd_yaml_with(1, 2)).await;
-    let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": PROMPTS[2], "max_tokens": 160,
+    let Some(_turn) = turn().await else { return };
+    let pd = Server::with_config(BIN, &pd_yaml_with(1, 2));
+    let body = json!({"model": DEFAULT_MODEL_NAME, "prompt": PROMPTS[2], "max_tokens": 160,
                       "temperature": 0, "ignore_eos": true});
     let want = pd.complete_with(body.clone()).await;
     // Two decode workers: the survivor recomputes prompt + delivered tokens and finishes the answer.
@@ -576,11 +376,7 @@ async fn killing_a_decode_worker_mid_stream_resumes_elsewhere_or_fails_cleanly()
         text(&want),
         "the resumed answer continues the same tokens"
     );
-    let metrics = pd.metrics().await;
-    assert!(
-        metrics.contains("tandem:decode_resumes_total 1"),
-        "{metrics}"
-    );
+    pd.assert_metrics(&["tandem:decode_resumes_total 1"]).await;
     // No decode worker left to resume on: the request fails with an error instead of hanging.
     let (status, got) = kill_the_decoder_mid_request(&pd, body).await;
     assert!(status.is_server_error(), "{status}: {got}");
@@ -596,14 +392,12 @@ async fn killing_a_decode_worker_mid_stream_resumes_elsewhere_or_fails_cleanly()
 /// after `timeouts.token_stall_secs` and the request finishes on the other decode worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_decode_worker_is_given_up_after_the_stall_timeout() {
-    let _serial = SERIAL.lock().await;
-    let pd = Server::start(&pd_yaml_timeouts(
-        1,
-        2,
-        "poll_interval_secs: 0.2, token_stall_secs: 3",
-    ))
-    .await;
-    let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": PROMPTS[2], "max_tokens": 160,
+    let Some(_turn) = turn().await else { return };
+    let pd = Server::with_config(
+        BIN,
+        &pd_yaml_timeouts(1, 2, "poll_interval_secs: 0.2, token_stall_secs: 3"),
+    );
+    let body = json!({"model": DEFAULT_MODEL_NAME, "prompt": PROMPTS[2], "max_tokens": 160,
                       "temperature": 0, "ignore_eos": true});
     let want = pd.complete_with(body.clone()).await;
     let (status, got, frozen) = signal_the_decoder_mid_request(&pd, body, "-STOP").await;
@@ -617,20 +411,16 @@ async fn a_frozen_decode_worker_is_given_up_after_the_stall_timeout() {
         text(&want),
         "the resumed answer continues the same tokens"
     );
-    let metrics = pd.metrics().await;
-    assert!(
-        metrics.contains("tandem:decode_resumes_total 1"),
-        "{metrics}"
-    );
+    pd.assert_metrics(&["tandem:decode_resumes_total 1"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_abort_frees_blocks_on_both_sides() {
-    let _serial = SERIAL.lock().await;
-    let pd = Server::start(&pd_yaml(1)).await;
+    let Some(_turn) = turn().await else { return };
+    let pd = Server::with_config(BIN, &pd_yaml(1));
     let prefill = pd.worker(Role::Prefill).await;
     let decode = pd.worker(Role::Decode).await;
-    let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": true, "ignore_eos": true});
+    let body = json!({"model": DEFAULT_MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": true, "ignore_eos": true});
     let resp = pd
         .http
         .post(format!("{}/v1/completions", pd.url))
@@ -674,9 +464,9 @@ async fn client_abort_frees_blocks_on_both_sides() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_with_another_block_size_is_refused_naming_the_field() {
-    let _serial = SERIAL.lock().await;
-    let pd = Server::start(&pd_yaml(1)).await;
-    let out = Command::new(bin())
+    let Some(_turn) = turn().await else { return };
+    let pd = Server::with_config(BIN, &pd_yaml(1));
+    let out = Command::new(BIN)
         .args([
             "worker",
             "--role",
@@ -689,7 +479,7 @@ async fn a_worker_with_another_block_size_is_refused_naming_the_field() {
             "1",
         ])
         .arg("--model")
-        .arg(model())
+        .arg(default_model())
         .args(["--register", &pd.url])
         .stdin(Stdio::null())
         .output()

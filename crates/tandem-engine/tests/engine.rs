@@ -1,13 +1,13 @@
-//! Engine tests on the mock backend (whose logits depend on the KV read through block tables).
+//! Engine tests on the mock backend (whose logits depend on the KV read through block tables), through
+//! the public API only.
 
-use super::*;
-use crate::backend::{BackendError, DeviceSampling};
-use crate::mock::MockBackend;
-use crate::sampler::logprobs_of;
-use crate::types::{EngineRequest, FinishReason, RequestMode, SamplingParams, TokenLogprobs};
 use proptest::prelude::*;
 use std::time::Duration;
-use tandem_model::LogitsWanted;
+use tandem_engine::bench::{run_engine_bench, BenchOptions};
+use tandem_engine::sampler::logprobs_of;
+use tandem_engine::*;
+use tandem_model::{ForwardBatch, LogitsWanted};
+use tandem_testkit::{greedy, MockBackend};
 
 fn cfg(block_size: usize) -> EngineConfig {
     EngineConfig {
@@ -20,15 +20,6 @@ fn start(block_size: usize, num_blocks: usize, f: impl FnOnce(&mut EngineConfig)
     let mut c = cfg(block_size);
     f(&mut c);
     Engine::start(MockBackend::new(block_size, num_blocks), c).unwrap()
-}
-
-fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        max_tokens,
-        ignore_eos: true,
-        ..Default::default()
-    }
 }
 
 fn collect(s: &mut RequestStream) -> (Vec<u32>, Option<FinishReason>) {
@@ -866,4 +857,31 @@ fn backend_draws_are_seeded_per_request_and_output_index() {
             ..p.clone()
         })
     );
+}
+
+#[test]
+fn bench_reports_positive_figures_on_the_mock() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        ..Default::default()
+    };
+    let engine = Engine::start(MockBackend::new(4, 1024), cfg).unwrap();
+    let opts = BenchOptions {
+        decode_tokens: 8,
+        prefill_len: 40,
+        concurrency: 3,
+        concurrent_tokens: 5,
+        prompt_len: 4,
+        seed: 1,
+    };
+    let r = run_engine_bench(&engine, &opts).unwrap();
+    assert!(
+        r.single_stream_decode_tok_s > 0.0
+            && r.prefill_tok_s > 0.0
+            && r.concurrent_decode_tok_s > 0.0
+    );
+    let st = engine.checked_stats().wait_blocking().unwrap();
+    assert_eq!(st.generation_tokens_total, 8 + 1 + 3 * 5);
+    assert_eq!(st.prompt_tokens_total, 4 + 40 + 3 * 4);
+    engine.shutdown();
 }

@@ -5,10 +5,10 @@
 //! next token depends on the whole prefix exactly as stored in the cache: a paging, prefix-cache,
 //! preemption or KV-transfer bug changes the tokens (and a misplaced position is reported as an error).
 
-use crate::backend::{Backend, BackendError};
-use crate::prefix_cache::FxHasher;
 use std::hash::Hasher;
 use std::time::Duration;
+use tandem_engine::prefix_cache::FxHasher;
+use tandem_engine::{Backend, BackendError};
 use tandem_model::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
 
 const LAYERS: usize = 2;
@@ -199,7 +199,7 @@ mod tests {
     use super::*;
 
     fn greedy(logits: &[f32]) -> u32 {
-        crate::sampler::argmax(logits)
+        tandem_engine::sampler::argmax(logits)
     }
 
     #[test]
