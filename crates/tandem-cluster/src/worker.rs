@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,8 +23,8 @@ use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tandem_engine::{
-    EngineError, EngineHandle, EngineRequest, ExportedKv, FinishReason, Pending, RequestMode,
-    RequestStream,
+    EngineError, EngineHandle, EngineRequest, ExportedKv, FinishReason, HostBuf, HostPool, Pending,
+    RequestMode, RequestStream,
 };
 use tandem_kv::{
     BlockSelection, KvClient, KvError, KvListener, KvServer, KvServerConfig, KvSink, KvSource,
@@ -179,6 +180,10 @@ impl KvSource for EngineSource {
                 out.len()
             )));
         }
+        // Waits for the layer's asynchronous export to land (a GPU copy under way).
+        let bytes = kv
+            .layer(layer)
+            .map_err(|e| KvError::Source(e.to_string()))?;
         for (dst, &b) in out.chunks_exact_mut(n).zip(blocks) {
             if b as usize >= kv.num_blocks {
                 return Err(KvError::Source(format!(
@@ -186,7 +191,8 @@ impl KvSource for EngineSource {
                     kv.num_blocks
                 )));
             }
-            dst.copy_from_slice(kv.block(layer, b as usize));
+            let at = b as usize * n;
+            dst.copy_from_slice(&bytes[at..at + n]);
         }
         Ok(())
     }
@@ -198,42 +204,94 @@ impl KvSource for EngineSource {
     }
 }
 
-/// Forwards pulled blocks to the engine thread; the engine applies them in order before `start_decoding`.
+/// Collects pulled blocks layer by layer in the engine's host buffers (page-locked on a GPU) and hands
+/// each complete layer to the engine as one import; the engine applies them before `start_decoding`.
 struct EngineSink {
     engine: EngineHandle,
     request: u64,
     block_bytes: usize,
+    /// Index of the first pulled block in the transfer's block list (the rest were cached here).
+    first: usize,
+    /// One buffer per layer, taken when the layer's first bytes arrive and given to the engine
+    /// when it is complete.
+    layers: Vec<Mutex<Option<HostBuf>>>,
+    layer_bytes: usize,
+    pool: Arc<dyn HostPool>,
     pending: Mutex<Vec<Pending<()>>>,
 }
 
-impl KvSink for EngineSink {
-    fn write(&self, layer: usize, first_block: usize, data: &[u8]) -> Result<(), KvError> {
-        if !data.len().is_multiple_of(self.block_bytes) {
-            return Err(KvError::Sink(format!(
-                "{} bytes is not a whole number of blocks",
-                data.len()
-            )));
-        }
-        let mut pending = self.pending.lock();
-        for (k, block) in data.chunks_exact(self.block_bytes).enumerate() {
-            pending.push(self.engine.import_block(
-                self.request,
-                layer,
-                first_block + k,
-                block.to_vec(),
-            ));
-        }
-        Ok(())
-    }
-}
-
 impl EngineSink {
-    /// Waits until the engine has stored every block written so far.
+    fn new(
+        engine: &EngineHandle,
+        request: u64,
+        layout: &WireLayout,
+        wanted: &Range<usize>,
+    ) -> Self {
+        let block_bytes = layout.block_bytes();
+        EngineSink {
+            engine: engine.clone(),
+            request,
+            block_bytes,
+            first: wanted.start,
+            layers: (0..layout.n_layers).map(|_| Mutex::new(None)).collect(),
+            layer_bytes: wanted.len() * block_bytes,
+            pool: engine.host_pool(),
+            pending: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Waits until the engine has taken every layer handed over so far.
     async fn settle(&self) -> Result<(), EngineError> {
         let pending = std::mem::take(&mut *self.pending.lock());
         for p in pending {
             p.wait().await?;
         }
+        Ok(())
+    }
+}
+
+impl KvSink for EngineSink {
+    fn write(&self, layer: usize, first_block: usize, data: &[u8]) -> Result<(), KvError> {
+        let slot = self
+            .layers
+            .get(layer)
+            .ok_or_else(|| KvError::Sink(format!("layer {layer} out of range")))?;
+        let at = first_block
+            .checked_sub(self.first)
+            .map(|i| i * self.block_bytes)
+            .filter(|&at| {
+                at + data.len() <= self.layer_bytes && data.len().is_multiple_of(self.block_bytes)
+            })
+            .ok_or_else(|| {
+                KvError::Sink(format!(
+                    "{} bytes at block {first_block} do not fit the pulled blocks",
+                    data.len()
+                ))
+            })?;
+        let mut slot = slot.lock();
+        if slot.is_none() {
+            *slot = Some(
+                self.pool
+                    .take(self.layer_bytes)
+                    .map_err(|e| KvError::Sink(e.to_string()))?,
+            );
+        }
+        let buf = slot.as_mut().expect("taken above");
+        buf.as_mut_slice()[at..at + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn layer_complete(&self, layer: usize) -> Result<(), KvError> {
+        if self.layer_bytes == 0 {
+            return Ok(());
+        }
+        let buf = self
+            .layers
+            .get(layer)
+            .and_then(|s| s.lock().take())
+            .ok_or_else(|| KvError::Sink(format!("layer {layer} completed without data")))?;
+        let p = self.engine.import_layer(self.request, layer, buf);
+        self.pending.lock().push(p);
         Ok(())
     }
 }
@@ -504,12 +562,12 @@ impl WorkerService {
         // Blocks this engine's prefix cache already holds are shared, not pulled; with all of them
         // cached the pull only acks, which still releases the prefill worker's pin.
         let wanted = BlockSelection::range(plan.cached as u32..plan.num_blocks as u32);
-        let sink = Arc::new(EngineSink {
-            engine: self.engine.clone(),
-            request: id,
-            block_bytes: pre.handle.layout.block_bytes(),
-            pending: Mutex::new(Vec::new()),
-        });
+        let sink = Arc::new(EngineSink::new(
+            &self.engine,
+            id,
+            &pre.handle.layout,
+            &(plan.cached..plan.num_blocks),
+        ));
         let stats = client
             .pull_blocks(&pre.handle, &wanted, Arc::clone(&sink) as Arc<dyn KvSink>)
             .await;

@@ -334,7 +334,7 @@ mod tests {
         assert_eq!(plan.wait_blocking().unwrap().num_blocks, kv.num_blocks);
         for layer in 0..kv.layout.n_layers {
             for blk in 0..kv.num_blocks {
-                d.import_block(id, layer, blk, kv.block(layer, blk).to_vec())
+                d.import_block(id, layer, blk, kv.block(layer, blk).unwrap().to_vec())
                     .wait_blocking()
                     .unwrap();
             }
@@ -377,6 +377,48 @@ mod tests {
         let st = b.checked_stats().wait_blocking().unwrap();
         assert_eq!((st.prefill_tokens_computed, st.kv_blocks_used), (0, 0));
         assert_eq!(a.checked_stats().wait_blocking().unwrap().kv_blocks_used, 0);
+        a.shutdown();
+        b.shutdown();
+    }
+
+    /// The bulk path a transfer takes: one `import_layer` per layer from the export's layer bytes
+    /// (in buffers from the engine's host pool), then the fence in `start_decoding`.
+    #[test]
+    fn pd_transfer_by_whole_layers_matches_colocated_greedy() {
+        let Some(m) = model() else { return };
+        let prompt: Vec<u32> = vec![1, 504, 3070, 314, 260, 2767, 282, 4649, 30, 216, 2];
+        let a = engine(m, 64, |c| c.max_num_batched_tokens = 6);
+        let want = alone(&a, 100, &prompt, 5);
+        let req = EngineRequest {
+            id: 1,
+            prompt: prompt.clone(),
+            params: greedy(5),
+            mode: RequestMode::PrefillOnly {
+                pin_timeout: Duration::from_secs(60),
+            },
+        };
+        let first = collect(&mut a.submit(req).unwrap());
+        let b = engine(m, 64, |_| {});
+        let kv = a.export_blocks(1).wait_blocking().unwrap();
+        let (mut s, plan) = b
+            .import_prefilled(EngineRequest::new(1, prompt, greedy(5)), first[0])
+            .unwrap();
+        assert_eq!(plan.wait_blocking().unwrap().cached, 0);
+        // A layer of the wrong size is refused, naming the expectation.
+        let short = b.host_pool().take(kv.layout.block_bytes()).unwrap();
+        let err = b.import_layer(1, 0, short).wait_blocking().unwrap_err();
+        assert!(err.to_string().contains("bad import"), "{err}");
+        for layer in 0..kv.layout.n_layers {
+            let bytes = kv.layer(layer).unwrap();
+            let mut buf = b.host_pool().take(bytes.len()).unwrap();
+            buf.as_mut_slice().copy_from_slice(bytes);
+            b.import_layer(1, layer, buf).wait_blocking().unwrap();
+        }
+        b.start_decoding(1).wait_blocking().unwrap();
+        a.release_pin(1);
+        assert_eq!(collect(&mut s), want);
+        let st = b.checked_stats().wait_blocking().unwrap();
+        assert_eq!((st.prefill_tokens_computed, st.kv_blocks_used), (0, 0));
         a.shutdown();
         b.shutdown();
     }

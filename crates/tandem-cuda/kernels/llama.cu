@@ -1462,3 +1462,24 @@ GEMV(5)
 GEMV(6)
 GEMV(7)
 GEMV(8)
+
+// Bulk KV movement for P/D transfers: whole blocks of one layer between the paged cache and a
+// contiguous buffer, one CUDA block per KV block, 16-byte accesses (a block is a multiple of 16
+// bytes: KV_BLOCK * HEAD_DIM bf16 per head). `block_vecs` is the block's size in 16-byte words,
+// `ids[i]` the cache block of buffer slot i; the layer's base is folded into `cache` by the host.
+// One launch per layer keeps each layer's copy ordered before its own event, so the receiving side
+// can take layer 0 while later layers are still being gathered.
+extern "C" __global__ void kv_gather(const uint4* __restrict__ cache, const int* __restrict__ ids,
+                                     uint4* __restrict__ out, u64 block_vecs) {
+    const uint4* src = cache + (u64)ids[blockIdx.x] * block_vecs;
+    uint4* dst = out + (u64)blockIdx.x * block_vecs;
+    for (u64 i = threadIdx.x; i < block_vecs; i += blockDim.x) dst[i] = src[i];
+}
+
+// The inverse of kv_gather: buffer slot i overwrites cache block ids[i].
+extern "C" __global__ void kv_scatter(uint4* __restrict__ cache, const int* __restrict__ ids,
+                                      const uint4* __restrict__ in, u64 block_vecs) {
+    uint4* dst = cache + (u64)ids[blockIdx.x] * block_vecs;
+    const uint4* src = in + (u64)blockIdx.x * block_vecs;
+    for (u64 i = threadIdx.x; i < block_vecs; i += blockDim.x) dst[i] = src[i];
+}

@@ -1,6 +1,8 @@
 //! [`CudaBackend`]: the engine's [`Backend`] over [`CudaLlama`].
 
-use tandem_engine::{Backend, BackendError, DeviceSampling};
+use std::sync::Arc;
+
+use tandem_engine::{Backend, BackendError, DeviceSampling, HostBuf, HostPool, KvExport};
 use tandem_model::{ForwardBatch, KvLayout};
 
 use crate::model::{CudaLlama, SampleRow};
@@ -94,6 +96,36 @@ impl Backend for CudaBackend {
                 "CUDA KV import of layer {layer} block {block}: {e}"
             ))
         })
+    }
+
+    fn host_pool(&self) -> Arc<dyn HostPool> {
+        self.model.host_pool()
+    }
+
+    fn export_kv(&mut self, blocks: &[u32]) -> Result<Box<dyn KvExport>, BackendError> {
+        self.model.export_kv(blocks).map_err(|e| {
+            BackendError::new(format!("CUDA KV export of {} blocks: {e}", blocks.len()))
+        })
+    }
+
+    fn import_kv(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: HostBuf,
+    ) -> Result<(), BackendError> {
+        self.model.import_kv(layer, blocks, data).map_err(|e| {
+            BackendError::new(format!(
+                "CUDA KV import of layer {layer} ({} blocks): {e}",
+                blocks.len()
+            ))
+        })
+    }
+
+    fn import_fence(&mut self) -> Result<(), BackendError> {
+        self.model
+            .import_fence()
+            .map_err(|e| BackendError::new(format!("CUDA KV import: {e}")))
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {

@@ -35,7 +35,7 @@ pub fn decode_partition(n_decode: usize, small: usize) -> usize {
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 13] = [
+pub const KERNEL_NAMES: [&str; 15] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -49,6 +49,8 @@ pub const KERNEL_NAMES: [&str; 13] = [
     "attn_prefill",
     "attn_decode",
     "attn_decode_small",
+    "kv_gather",
+    "kv_scatter",
 ];
 
 /// Largest row count the small-batch GEMV kernels (`gemv_1` .. `gemv_8`) handle.

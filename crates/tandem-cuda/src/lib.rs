@@ -10,6 +10,7 @@
 pub mod backend;
 pub mod error;
 pub mod kernels;
+pub mod kv_bulk;
 mod memory;
 pub mod model;
 pub mod options;

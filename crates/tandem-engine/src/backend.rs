@@ -1,6 +1,10 @@
 //! The seam between scheduling and model math: the engine drives any [`Backend`] (CPU, CUDA, CPU pipeline).
 
+use std::sync::Arc;
+
 use tandem_model::{ForwardBatch, KvLayout};
+
+use crate::kv_host::{HostBuf, HostPool, KvExport, ReadyExport};
 
 /// A model step failed; the engine fails the requests of that step and keeps serving.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +61,56 @@ pub trait Backend: Send + 'static {
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError>;
     /// Copies a block across all layers (copy-on-write of a shared block).
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError>;
+    /// The pool of host buffers KV moves through on this backend's side of a transfer (page-locked
+    /// on a GPU); shared with transport threads, which fill import buffers off the engine thread.
+    fn host_pool(&self) -> Arc<dyn HostPool> {
+        crate::kv_host::vec_pool()
+    }
+    /// Starts copying every layer of `blocks` out, in the canonical layout, layer-major, and returns
+    /// at once where the backend can copy asynchronously: the engine thread never waits for a
+    /// transfer, and readers wait per layer. Blocks written by earlier steps are what is exported.
+    /// The default copies block by block through [`Self::export_block`] before returning.
+    fn export_kv(&mut self, blocks: &[u32]) -> Result<Box<dyn KvExport>, BackendError> {
+        let layout = self.kv_layout();
+        let n = layout.block_bytes();
+        let mut buf = self.host_pool().take(layout.n_layers * blocks.len() * n)?;
+        let out = buf.as_mut_slice();
+        for layer in 0..layout.n_layers {
+            for (i, &b) in blocks.iter().enumerate() {
+                let at = (layer * blocks.len() + i) * n;
+                self.export_block(layer, b, &mut out[at..at + n])?;
+            }
+        }
+        Ok(Box::new(ReadyExport::new(buf, layout.n_layers.max(1))))
+    }
+    /// Overwrites `blocks` of `layer` with `data` (their bytes back to back, as [`Self::export_kv`]
+    /// lays out one layer). An asynchronous backend keeps `data` until its copy is done; the copy is
+    /// ordered before any step after the next [`Self::import_fence`]. The default imports block by
+    /// block through [`Self::import_block`].
+    fn import_kv(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: HostBuf,
+    ) -> Result<(), BackendError> {
+        let n = self.kv_layout().block_bytes();
+        if data.len() != blocks.len() * n {
+            return Err(BackendError::new(format!(
+                "KV import of {} blocks got {} bytes",
+                blocks.len(),
+                data.len()
+            )));
+        }
+        for (chunk, &b) in data.as_slice().chunks_exact(n).zip(blocks) {
+            self.import_block(layer, b, chunk)?;
+        }
+        Ok(())
+    }
+    /// Orders every import started so far before the next step's reads of the cache, without
+    /// waiting on the host (a no-op for backends that import synchronously).
+    fn import_fence(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
     /// Runs one step like `forward` and draws each logits row's token where the logits are, under
     /// `rows` (one per logits row): `Ok(true)` with the tokens in `out`. A backend without its own
     /// sampler returns `Ok(false)` before doing anything, and the engine calls `forward` instead.

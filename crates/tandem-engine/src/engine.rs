@@ -67,6 +67,7 @@ impl Engine {
             max_waiting: config.max_waiting,
             pool_tokens: layout.num_blocks * layout.block_size,
             layout,
+            host_pool: backend.host_pool(),
             thread: Mutex::new(None),
         });
         let (tx, rx) = crossbeam_channel::unbounded();

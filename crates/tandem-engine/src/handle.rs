@@ -2,6 +2,7 @@
 //! request's output stream.
 
 use crate::error::EngineError;
+use crate::kv_host::{HostBuf, HostPool};
 use crate::kv_manager::{ExportedKv, ImportPlan};
 use crate::stats::EngineStats;
 use crate::types::{EngineRequest, RequestId, RequestMode, TokenOutput};
@@ -61,6 +62,12 @@ pub(crate) enum Command {
         data: Vec<u8>,
         reply: Reply<()>,
     },
+    ImportLayer {
+        id: RequestId,
+        layer: usize,
+        data: HostBuf,
+        reply: Reply<()>,
+    },
     StartDecoding(RequestId, Reply<()>),
     Check(Reply<EngineStats>),
     Shutdown,
@@ -78,6 +85,8 @@ pub(crate) struct Shared {
     pub(crate) max_waiting: usize,
     pub(crate) pool_tokens: usize,
     pub(crate) layout: KvLayout,
+    /// The backend's host buffers, for imports filled off the engine thread.
+    pub(crate) host_pool: Arc<dyn HostPool>,
     pub(crate) thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -316,6 +325,22 @@ impl EngineHandle {
             data,
             reply,
         })
+    }
+
+    /// Writes one layer of every block an importing request still needs ([`ImportPlan::needed`], back
+    /// to back, in a buffer from [`Self::host_pool`]); the engine thread only enqueues the copy.
+    pub fn import_layer(&self, id: RequestId, layer: usize, data: HostBuf) -> Pending<()> {
+        self.call(|reply| Command::ImportLayer {
+            id,
+            layer,
+            data,
+            reply,
+        })
+    }
+
+    /// Host buffers of the backend's preferred kind (page-locked on a GPU) for [`Self::import_layer`].
+    pub fn host_pool(&self) -> Arc<dyn HostPool> {
+        self.shared.host_pool.clone()
     }
 
     /// Marks an imported request's KV complete: it joins the running sequences and decodes

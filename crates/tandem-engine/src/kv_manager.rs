@@ -3,10 +3,11 @@
 //! the prefix cache already holds) until it starts decoding. Like every other mutation of the pool, these
 //! run on the engine thread only.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, BackendError};
 use crate::block_pool::BlockTable;
 use crate::error::EngineError;
 use crate::handle::Item;
+use crate::kv_host::{HostBuf, KvExport};
 use crate::sampler::SeqRng;
 use crate::scheduler::Sequence;
 use crate::types::{EngineRequest, RequestId};
@@ -16,7 +17,6 @@ use tandem_model::KvLayout;
 use tokio::sync::mpsc;
 
 /// The KV of a pinned prefill, ready to ship to a decode worker.
-#[derive(Clone, Debug, PartialEq)]
 pub struct ExportedKv {
     /// Layout of the source cache (a receiver must have the same per-block shape).
     pub layout: KvLayout,
@@ -26,16 +26,32 @@ pub struct ExportedKv {
     pub num_blocks: usize,
     /// The first generated token.
     pub first_token: u32,
-    /// `block_bytes` per (layer, block), layer-major: entry `layer * num_blocks + block`.
-    pub data: Vec<u8>,
+    /// The blocks' bytes, layer by layer (each layer's `num_blocks` blocks back to back), landing
+    /// asynchronously on backends that copy off the engine thread.
+    pub data: Box<dyn KvExport>,
 }
 
 impl ExportedKv {
-    /// The bytes of one (layer, logical block).
-    pub fn block(&self, layer: usize, block: usize) -> &[u8] {
+    /// The bytes of one layer's blocks, once they have landed (waits for them).
+    pub fn layer(&self, layer: usize) -> Result<&[u8], BackendError> {
+        self.data.layer(layer)
+    }
+
+    /// The bytes of one (layer, logical block), once they have landed.
+    pub fn block(&self, layer: usize, block: usize) -> Result<&[u8], BackendError> {
         let n = self.layout.block_bytes();
-        let i = layer * self.num_blocks + block;
-        &self.data[i * n..(i + 1) * n]
+        Ok(&self.layer(layer)?[block * n..(block + 1) * n])
+    }
+}
+
+impl std::fmt::Debug for ExportedKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExportedKv")
+            .field("layout", &self.layout)
+            .field("num_tokens", &self.num_tokens)
+            .field("num_blocks", &self.num_blocks)
+            .field("first_token", &self.first_token)
+            .finish_non_exhaustive()
     }
 }
 
@@ -94,25 +110,22 @@ impl<B: Backend> Worker<B> {
     pub(crate) fn export(&mut self, id: RequestId) -> Result<ExportedKv, EngineError> {
         let pin = self.pins.get(&id).ok_or(EngineError::UnknownRequest(id))?;
         let layout = self.backend.kv_layout();
-        let n = layout.block_bytes();
         let num_blocks = self.pool.blocks_for(pin.num_tokens);
-        let mut data = vec![0u8; layout.n_layers * num_blocks * n];
-        for layer in 0..layout.n_layers {
-            for (b, &phys) in pin.table.blocks[..num_blocks].iter().enumerate() {
-                let i = layer * num_blocks + b;
-                self.backend
-                    .export_block(layer, phys, &mut data[i * n..(i + 1) * n])
-                    .map_err(|e| EngineError::InvalidState {
-                        id,
-                        reason: format!("KV export failed: {e}"),
-                    })?;
-            }
-        }
+        let (num_tokens, first_token) = (pin.num_tokens, pin.first_token);
+        let blocks = pin.table.blocks[..num_blocks].to_vec();
+        // Enqueued, not waited for: readers wait per layer (`ExportedKv::layer`).
+        let data = self
+            .backend
+            .export_kv(&blocks)
+            .map_err(|e| EngineError::InvalidState {
+                id,
+                reason: format!("KV export failed: {e}"),
+            })?;
         Ok(ExportedKv {
             layout,
-            num_tokens: pin.num_tokens,
+            num_tokens,
             num_blocks,
-            first_token: pin.first_token,
+            first_token,
             data,
         })
     }
@@ -192,7 +205,51 @@ impl<B: Backend> Worker<B> {
             })
     }
 
+    pub(crate) fn import_layer(
+        &mut self,
+        id: RequestId,
+        layer: usize,
+        data: HostBuf,
+    ) -> Result<(), EngineError> {
+        let seq = self
+            .importing
+            .get(&id)
+            .ok_or(EngineError::UnknownRequest(id))?;
+        let layout = self.backend.kv_layout();
+        let cached = seq.num_computed / self.pool.block_size();
+        let blocks = &seq.table.blocks[cached..];
+        if layer >= layout.n_layers || data.len() != blocks.len() * layout.block_bytes() {
+            return Err(EngineError::InvalidState {
+                id,
+                reason: format!(
+                    "bad import: layer {layer} of {}, {} bytes (expected {} blocks of {})",
+                    layout.n_layers,
+                    data.len(),
+                    blocks.len(),
+                    layout.block_bytes()
+                ),
+            });
+        }
+        self.backend
+            .import_kv(layer, blocks, data)
+            .map_err(|e| EngineError::InvalidState {
+                id,
+                reason: format!("KV import failed: {e}"),
+            })
+    }
+
     pub(crate) fn start_decoding(&mut self, id: RequestId) -> Result<(), EngineError> {
+        if !self.importing.contains_key(&id) {
+            return Err(EngineError::UnknownRequest(id));
+        }
+        // Imports run asynchronously on some backends: this request's steps must read them. On
+        // failure the request stays importing; the caller's abort frees its blocks.
+        if let Err(e) = self.backend.import_fence() {
+            return Err(EngineError::InvalidState {
+                id,
+                reason: format!("KV import failed: {e}"),
+            });
+        }
         let mut seq = self
             .importing
             .remove(&id)

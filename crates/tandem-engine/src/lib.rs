@@ -11,6 +11,7 @@ mod config;
 pub mod engine;
 mod error;
 mod handle;
+pub mod kv_host;
 mod kv_manager;
 pub mod prefix_cache;
 pub mod sampler;
@@ -24,4 +25,5 @@ pub use engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,
     RequestStream,
 };
+pub use kv_host::{HostBuf, HostMem, HostPool, KvExport, ReadyExport, VecPool};
 pub use types::*;

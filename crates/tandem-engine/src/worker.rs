@@ -197,6 +197,14 @@ impl<B: Backend> Worker<B> {
             } => {
                 let _ = reply.send(self.import_block(id, layer, block, &data));
             }
+            Command::ImportLayer {
+                id,
+                layer,
+                data,
+                reply,
+            } => {
+                let _ = reply.send(self.import_layer(id, layer, data));
+            }
             Command::StartDecoding(id, reply) => {
                 let _ = reply.send(self.start_decoding(id));
             }

@@ -381,7 +381,7 @@ fn transfer_planned(
     assert_eq!(plan.num_blocks, kv.num_blocks);
     for layer in 0..kv.layout.n_layers {
         for blk in plan.needed() {
-            b.import_block(id, layer, blk, kv.block(layer, blk).to_vec())
+            b.import_block(id, layer, blk, kv.block(layer, blk).unwrap().to_vec())
                 .wait_blocking()
                 .unwrap();
         }

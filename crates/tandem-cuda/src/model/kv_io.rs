@@ -55,6 +55,51 @@ impl CudaLlama {
         Ok(())
     }
 
+    /// Starts the bulk export of every layer of `blocks` (see [`crate::kv_bulk`]); returns once enqueued.
+    pub fn export_kv(
+        &mut self,
+        blocks: &[u32],
+    ) -> Result<Box<dyn tandem_engine::KvExport>, CudaError> {
+        let layout = self.layout;
+        let (kv, stride) = (self.kv.ptr, self.layer_stride_bytes());
+        self.mover
+            .export(&self.stream, &layout, |l| kv + (l * stride) as u64, blocks)
+    }
+
+    /// Enqueues the bulk import of one layer's `blocks` from `data` (blocks back to back).
+    pub fn import_kv(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: tandem_engine::HostBuf,
+    ) -> Result<(), CudaError> {
+        if layer >= self.layout.n_layers {
+            return Err(CudaError::Batch(format!(
+                "KV import of layer {layer} outside {} layers",
+                self.layout.n_layers
+            )));
+        }
+        let base = self.kv.ptr + (layer * self.layer_stride_bytes()) as u64;
+        let layout = self.layout;
+        self.mover.import(&self.stream, &layout, base, blocks, data)
+    }
+
+    /// Orders every bulk import so far before the next step (the compute stream waits; the host
+    /// does not).
+    pub fn import_fence(&mut self) -> Result<(), CudaError> {
+        self.mover.fence(&self.stream)
+    }
+
+    /// The page-locked pool P/D transports stage KV through.
+    pub fn host_pool(&self) -> std::sync::Arc<dyn tandem_engine::HostPool> {
+        self.mover.pool()
+    }
+
+    /// Bytes between consecutive layers of the cache (`num_blocks` blocks plus the padding block).
+    fn layer_stride_bytes(&self) -> usize {
+        (self.layout.num_blocks + 1) * self.layout.block_bytes()
+    }
+
     /// Copies a block across all layers on the device.
     pub fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), CudaError> {
         self.ctx.bind_to_thread()?;

@@ -118,6 +118,8 @@ pub struct CudaLlama {
     /// Page-locked staging of one KV block for export/import (the P/D transfer's host side); a
     /// mutex because export takes `&self`.
     kv_staging: std::sync::Mutex<PinnedBuf>,
+    /// Bulk P/D KV export/import on a transfer stream of its own.
+    mover: crate::kv_bulk::KvMover,
     device_name: String,
     /// Blocks of each GEMV kernel (`[family][rows - 1]`) the GPU holds at once: the grid of a
     /// persistent launch.
@@ -333,6 +335,12 @@ impl CudaLlama {
             )
         }?;
         let staging = PinnedBuf::new(&ctx, 2 * STAGING_CHUNK)?;
+        let mover = crate::kv_bulk::KvMover::new(
+            &ctx,
+            &module,
+            &layout,
+            max_model_len.div_ceil(opts.block_size).min(num_blocks),
+        )?;
         let kv_staging =
             std::sync::Mutex::new(PinnedBuf::new(&ctx, layout.block_bytes().div_ceil(4))?);
         stream.synchronize()?;
@@ -370,6 +378,7 @@ impl CudaLlama {
             pick_ids: Vec::new(),
             pick_words: Vec::new(),
             kv_staging,
+            mover,
             device_name,
             gemv_caps,
             last_enqueue: std::time::Duration::ZERO,

@@ -1,0 +1,406 @@
+//! Bulk, asynchronous KV movement for P/D transfers.
+//!
+//! Export gathers a request's blocks of each layer into one contiguous device buffer (`kv_gather`,
+//! one launch per layer) and copies it into page-locked host memory, all on a transfer stream of its
+//! own that first waits for the compute stream; each layer gets an event, so a reader on another
+//! thread takes layer 0 while later layers are still being copied, and the engine thread only
+//! enqueues. Import is the mirror: a host layer buffer is copied up and scattered into its blocks
+//! (`kv_scatter`) on the transfer stream, and [`KvMover::fence`] makes the compute stream wait for
+//! every import so far before the next step reads the cache. Host buffers come from a
+//! [`PinnedPool`], so copies run at bus speed and nothing is page-locked per request.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::result as drv_result;
+use cudarc::driver::sys as drv;
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
+use tandem_engine::{BackendError, HostBuf, HostMem, HostPool, KvExport};
+use tandem_model::KvLayout;
+
+use crate::error::CudaError;
+use crate::memory::DeviceBuf;
+
+/// Pinned buffers are handed out in multiples of this, so buffers of nearby sizes are reused.
+const PINNED_GRAIN: usize = 2 << 20;
+
+/// Page-locked bytes a pool keeps cached for reuse; buffers returned beyond this are freed.
+const PINNED_CACHE_LIMIT: usize = 8 << 30;
+
+/// Threads per block of the gather/scatter kernels.
+const COPY_THREADS: u32 = 256;
+
+/// A pool of page-locked host buffers, reused across transfers (page-locking is slow: milliseconds
+/// per hundred megabytes).
+pub struct PinnedPool {
+    ctx: Arc<CudaContext>,
+    /// Free buffers by rounded size.
+    free: Mutex<HashMap<usize, Vec<usize>>>,
+    cached: Mutex<usize>,
+}
+
+impl PinnedPool {
+    /// An empty pool of the context's page-locked memory.
+    pub fn new(ctx: &Arc<CudaContext>) -> Arc<Self> {
+        Arc::new(Self {
+            ctx: ctx.clone(),
+            free: Mutex::new(HashMap::new()),
+            cached: Mutex::new(0),
+        })
+    }
+
+    fn alloc(&self, class: usize) -> Result<usize, CudaError> {
+        if let Some(ptr) = self
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&class)
+            .and_then(Vec::pop)
+        {
+            *self.cached.lock().unwrap_or_else(|e| e.into_inner()) -= class;
+            return Ok(ptr);
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: cuMemHostAlloc of a non-zero size; portable so any context may copy from it.
+        let ptr = unsafe { drv_result::malloc_host(class, drv::CU_MEMHOSTALLOC_PORTABLE) }?;
+        Ok(ptr as usize)
+    }
+
+    fn put(&self, ptr: usize, class: usize) {
+        let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
+        if *cached + class <= PINNED_CACHE_LIMIT {
+            *cached += class;
+            self.free
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(class)
+                .or_default()
+                .push(ptr);
+        } else {
+            drop(cached);
+            free_pinned(&self.ctx, ptr);
+        }
+    }
+}
+
+fn free_pinned(ctx: &Arc<CudaContext>, ptr: usize) {
+    if ctx.bind_to_thread().is_ok() {
+        // SAFETY: allocated by cuMemHostAlloc and freed once (it left the pool).
+        if let Err(e) = unsafe { drv_result::free_host(ptr as *mut std::ffi::c_void) } {
+            tracing::warn!(error = %e, "cuMemFreeHost failed");
+        }
+    }
+}
+
+impl Drop for PinnedPool {
+    fn drop(&mut self) {
+        let free = std::mem::take(&mut *self.free.lock().unwrap_or_else(|e| e.into_inner()));
+        for ptr in free.into_values().flatten() {
+            free_pinned(&self.ctx, ptr);
+        }
+    }
+}
+
+/// The pool behind an `Arc`, so buffers can return to it when dropped.
+#[derive(Clone)]
+pub struct SharedPinnedPool(pub Arc<PinnedPool>);
+
+impl SharedPinnedPool {
+    /// A page-locked buffer of exactly `len` bytes (contents unspecified).
+    pub fn take_buf(&self, len: usize) -> Result<HostBuf, CudaError> {
+        let class = len.max(1).div_ceil(PINNED_GRAIN) * PINNED_GRAIN;
+        let ptr = self.0.alloc(class)?;
+        Ok(HostBuf::new(Box::new(PinnedMem {
+            pool: self.0.clone(),
+            ptr,
+            len,
+            class,
+        })))
+    }
+}
+
+impl HostPool for SharedPinnedPool {
+    fn take(&self, len: usize) -> Result<HostBuf, BackendError> {
+        self.take_buf(len)
+            .map_err(|e| BackendError::new(format!("page-locked host buffer: {e}")))
+    }
+}
+
+/// One pooled page-locked buffer.
+struct PinnedMem {
+    pool: Arc<PinnedPool>,
+    ptr: usize,
+    len: usize,
+    class: usize,
+}
+
+impl HostMem for PinnedMem {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the allocation holds `class >= len` bytes and lives until drop.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above; &mut self makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) }
+    }
+}
+
+impl Drop for PinnedMem {
+    fn drop(&mut self) {
+        self.pool.put(self.ptr, self.class);
+    }
+}
+
+/// An export under way: a pinned buffer being filled layer by layer, an event per layer.
+struct CudaExport {
+    buf: HostBuf,
+    layer_bytes: usize,
+    events: Vec<CudaEvent>,
+}
+
+impl KvExport for CudaExport {
+    fn num_layers(&self) -> usize {
+        self.events.len()
+    }
+
+    fn layer(&self, layer: usize) -> Result<&[u8], BackendError> {
+        let ev = self.events.get(layer).ok_or_else(|| {
+            BackendError::new(format!(
+                "layer {layer} outside an export of {} layers",
+                self.events.len()
+            ))
+        })?;
+        ev.synchronize()
+            .map_err(|e| BackendError::new(format!("KV export of layer {layer} failed: {e}")))?;
+        Ok(&self.buf.as_slice()[layer * self.layer_bytes..(layer + 1) * self.layer_bytes])
+    }
+}
+
+impl Drop for CudaExport {
+    fn drop(&mut self) {
+        // The copies write into `buf`: it may go back to the pool only once they are done.
+        if let Some(last) = self.events.last() {
+            if let Err(e) = last.synchronize() {
+                tracing::warn!(error = %e, "KV export failed while being dropped");
+            }
+        }
+    }
+}
+
+// SAFETY: the events are only synchronized/queried (thread-safe driver calls, each binding the
+// context first) and the buffer is read only after its layer's event completed.
+unsafe impl Send for CudaExport {}
+unsafe impl Sync for CudaExport {}
+
+/// Moves whole layers of a request's KV between the paged cache and host buffers, off the compute
+/// stream.
+pub struct KvMover {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    gather: CudaFunction,
+    scatter: CudaFunction,
+    pool: SharedPinnedPool,
+    /// One layer of the largest request (the transfer stream copies one layer at a time).
+    staging: DeviceBuf,
+    staging_bytes: usize,
+    /// Cache block ids of the current copy.
+    ids: DeviceBuf,
+    max_blocks: usize,
+    /// Import buffers whose upload may still be running, with the event that ends it.
+    in_flight: Vec<(CudaEvent, HostBuf)>,
+    /// The last import's completion, for the next fence.
+    last_import: Option<CudaEvent>,
+}
+
+// SAFETY: owned by the engine thread's backend; moved between threads, never shared.
+unsafe impl Send for KvMover {}
+
+impl KvMover {
+    /// A mover for requests of up to `max_blocks` blocks of `layout`.
+    pub fn new(
+        ctx: &Arc<CudaContext>,
+        module: &Arc<CudaModule>,
+        layout: &KvLayout,
+        max_blocks: usize,
+    ) -> Result<Self, CudaError> {
+        let staging_bytes = max_blocks * layout.block_bytes();
+        Ok(Self {
+            ctx: ctx.clone(),
+            stream: ctx.new_stream()?,
+            gather: module.load_function("kv_gather")?,
+            scatter: module.load_function("kv_scatter")?,
+            pool: SharedPinnedPool(PinnedPool::new(ctx)),
+            staging: DeviceBuf::new(ctx, staging_bytes)?,
+            staging_bytes,
+            ids: DeviceBuf::new(ctx, max_blocks * 4)?,
+            max_blocks,
+            in_flight: Vec::new(),
+            last_import: None,
+        })
+    }
+
+    /// The pool transports fill import buffers from.
+    pub fn pool(&self) -> Arc<dyn HostPool> {
+        Arc::new(self.pool.clone())
+    }
+
+    fn upload_ids(&self, blocks: &[u32], num_blocks: usize) -> Result<(), CudaError> {
+        if blocks.len() > self.max_blocks || blocks.iter().any(|&b| b as usize >= num_blocks) {
+            return Err(CudaError::Batch(format!(
+                "KV transfer of {} blocks (ids below {num_blocks}, at most {} blocks)",
+                blocks.len(),
+                self.max_blocks
+            )));
+        }
+        // SAFETY: `ids` holds max_blocks ints. From pageable memory the driver stages the bytes
+        // before returning, so `blocks` may go right after; the stream orders the copy before the
+        // kernels that read it and after those that read the previous ids.
+        unsafe {
+            drv_result::memcpy_htod_async(self.ids.ptr, as_bytes(blocks), self.stream.cu_stream())
+        }?;
+        Ok(())
+    }
+
+    fn launch_copy(
+        &self,
+        f: &CudaFunction,
+        cache_layer: u64,
+        n: usize,
+        block_vecs: u64,
+    ) -> Result<(), CudaError> {
+        let mut b = self.stream.launch_builder(f);
+        let (ids, staging) = (self.ids.ptr, self.staging.ptr);
+        b.arg(&cache_layer);
+        b.arg(&ids);
+        b.arg(&staging);
+        b.arg(&block_vecs);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (COPY_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: (cache, ids, buffer, block_vecs) is kv_gather's and kv_scatter's signature; ids
+        // holds n valid block ids (checked on upload) and staging holds n blocks.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Enqueues the export of `blocks` of every layer; `layer_base(l)` is layer l's cache address.
+    pub fn export(
+        &mut self,
+        compute: &CudaStream,
+        layout: &KvLayout,
+        layer_base: impl Fn(usize) -> u64,
+        blocks: &[u32],
+    ) -> Result<Box<dyn KvExport>, CudaError> {
+        self.ctx.bind_to_thread()?;
+        let bb = layout.block_bytes();
+        let layer_bytes = blocks.len() * bb;
+        let mut buf = self.pool.take_buf(layout.n_layers * layer_bytes)?;
+        // The step that wrote these blocks is on the compute stream.
+        self.stream.join(compute)?;
+        self.upload_ids(blocks, layout.num_blocks)?;
+        let mut events = Vec::with_capacity(layout.n_layers);
+        let host = buf.as_mut_slice();
+        for l in 0..layout.n_layers {
+            if !blocks.is_empty() {
+                self.launch_copy(&self.gather, layer_base(l), blocks.len(), (bb / 16) as u64)?;
+                // SAFETY: the pinned buffer outlives the copy (CudaExport waits in Drop), and
+                // staging holds layer_bytes <= staging_bytes.
+                unsafe {
+                    drv_result::memcpy_dtoh_async(
+                        &mut host[l * layer_bytes..(l + 1) * layer_bytes],
+                        self.staging.ptr,
+                        self.stream.cu_stream(),
+                    )
+                }?;
+            }
+            events.push(
+                self.stream
+                    .record_event(Some(drv::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?,
+            );
+        }
+        Ok(Box::new(CudaExport {
+            buf,
+            layer_bytes,
+            events,
+        }))
+    }
+
+    /// Enqueues the import of `data` into `blocks` of the layer at `cache_layer`.
+    pub fn import(
+        &mut self,
+        compute: &CudaStream,
+        layout: &KvLayout,
+        cache_layer: u64,
+        blocks: &[u32],
+        data: HostBuf,
+    ) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread()?;
+        let bb = layout.block_bytes();
+        if data.len() != blocks.len() * bb || data.len() > self.staging_bytes {
+            return Err(CudaError::Batch(format!(
+                "KV import of {} blocks got {} bytes",
+                blocks.len(),
+                data.len()
+            )));
+        }
+        self.reap()?;
+        // The blocks may have been read by earlier steps of other sequences.
+        self.stream.join(compute)?;
+        self.upload_ids(blocks, layout.num_blocks)?;
+        // SAFETY: `data` is kept in `in_flight` until the event after this copy has completed.
+        unsafe {
+            drv_result::memcpy_htod_async(
+                self.staging.ptr,
+                data.as_slice(),
+                self.stream.cu_stream(),
+            )
+        }?;
+        self.launch_copy(&self.scatter, cache_layer, blocks.len(), (bb / 16) as u64)?;
+        let ev = self.stream.record_event(None)?;
+        self.in_flight.push((ev, data));
+        self.last_import = Some(self.stream.record_event(None)?);
+        Ok(())
+    }
+
+    /// Makes the compute stream wait for every import enqueued so far (no host wait).
+    pub fn fence(&mut self, compute: &CudaStream) -> Result<(), CudaError> {
+        if let Some(ev) = self.last_import.take() {
+            compute.wait(&ev)?;
+        }
+        self.reap()
+    }
+
+    /// Returns the buffers of finished imports to the pool.
+    fn reap(&mut self) -> Result<(), CudaError> {
+        let mut err = None;
+        self.in_flight.retain(|(ev, _)| match ev.try_is_complete() {
+            Ok(done) => !done,
+            Err(e) => {
+                err = Some(e);
+                true
+            }
+        });
+        match err {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for KvMover {
+    fn drop(&mut self) {
+        // Uploads read the in-flight buffers; they go back to the pool only once done.
+        if let Err(e) = self.stream.synchronize() {
+            tracing::warn!(error = %e, "KV transfer stream failed at shutdown");
+        }
+    }
+}
+
+fn as_bytes(ids: &[u32]) -> &[u8] {
+    // SAFETY: u32 has no padding and any byte is a valid u8.
+    unsafe { std::slice::from_raw_parts(ids.as_ptr() as *const u8, std::mem::size_of_val(ids)) }
+}
