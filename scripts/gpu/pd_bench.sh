@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# P/D against colocated serving on one GPU, side by side in one run (issue 14's targets): an 8B-shaped
+# model with random bf16 weights (MODEL_DIR, made by make_model.py if missing), served colocated and as
+# 1P1D (both workers on GPU 0, KV over $TRANSPORT), each measured with `tandem bench`:
+#   ttft-1k / ttft-4k   TTFT at concurrency 1, 1,024- and 4,096-token prompts (128 out)
+#   c64 / c256          output throughput and failures at fixed concurrency, 1,024/128
+#   bursty              8 req/s of 256/256 plus 16 x 4,096-token prompts every 5 s
+# Results: $OUT/pd_bench.jsonl (one `tandem bench --output` row per run, tagged) and $OUT/pd_summary.md.
+# Usage: OUT=dir TANDEM_BIN=path MODEL_DIR=dir scripts/gpu/pd_bench.sh [colocated] [pd] [quick]
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="${OUT:-$root/out/gpu}"
+BIN="${TANDEM_BIN:-$root/out/tandem}"
+MODEL_DIR="${MODEL_DIR:-/tmp/model-8b}"
+TRANSPORT="${TRANSPORT:-shm}"
+what=" ${*:-colocated pd} "
+mkdir -p "$OUT"
+work=/tmp/pd_bench
+mkdir -p "$work"
+
+if [ ! -f "$MODEL_DIR/config.json" ]; then
+  echo "== making the 8B-shaped model in $MODEL_DIR"
+  python3 "${MAKE_MODEL:-$root/scripts/gpu/make_model.py}" "$MODEL_DIR" 8b || exit 1
+fi
+
+wait_ready() { # url timeout_s
+  for _ in $(seq 1 "$2"); do
+    curl -sf "$1/health" >/dev/null 2>&1 && return 0
+    sleep 1
+  done
+  return 1
+}
+
+bench() { # label extra-args...
+  local label="$1"
+  shift
+  echo "-- $label: $*"
+  timeout 300 "$BIN" bench --base-url http://127.0.0.1:8000 --tokenizer "$MODEL_DIR" --prompt-format tokens \
+    --no-progress --output "$work/$label.json" "$@" >"$work/$label.log" 2>&1 ||
+    { echo "bench $label failed"; tail -5 "$work/$label.log"; }
+  if [ -f "$work/$label.json" ]; then
+    python3 - "$label" "$work/$label.json" <<'PY' | tee -a "$OUT/pd_bench.jsonl"
+import json, sys
+label, path = sys.argv[1], sys.argv[2]
+for r in json.load(open(path))["runs"]:
+    print(json.dumps({"label": label, "started_at": r["started_at"], "summary": r["summary"]}))
+PY
+  fi
+}
+
+run_suite() { # mode
+  local m="$1"
+  bench "$m-ttft-1k" --input-len 1024 --output-len 128 --num-prompts 12 --max-concurrency 1 --warmup 2
+  bench "$m-ttft-4k" --input-len 4096 --output-len 128 --num-prompts 8 --max-concurrency 1 --warmup 1
+  if [[ "$what" != *" quick "* ]]; then
+    bench "$m-c64" --input-len 1024 --output-len 128 --num-prompts 256 --max-concurrency 64 --warmup 8
+    bench "$m-c256" --input-len 1024 --output-len 128 --num-prompts 512 --max-concurrency 256 --warmup 8
+    bench "$m-bursty" --workload bursty --input-len 256 --output-len 256 --request-rate 8 --num-prompts 160 \
+      --burst-input-len 4096 --burst-output-len 16 --burst-size 16 --burst-interval 5
+  fi
+}
+
+common="
+model: $MODEL_DIR
+server: {host: 127.0.0.1, port: 8000}
+"
+serve() { # name yaml
+  printf '%s\n%s\n' "$common" "$2" >"$work/$1.yaml"
+  "$BIN" serve --config "$work/$1.yaml" >"$OUT/serve-$1.log" 2>&1 &
+  echo $! >"$work/$1.pid"
+  if ! wait_ready http://127.0.0.1:8000 240; then
+    echo "server $1 did not start"; tail -20 "$OUT/serve-$1.log"; return 1
+  fi
+}
+stop() { kill "$(cat "$work/$1.pid")" 2>/dev/null; sleep 3; pkill -f "tandem (serve|worker)" 2>/dev/null; sleep 1; }
+
+: >"$OUT/pd_bench.jsonl"
+if [[ "$what" == *" colocated "* ]]; then
+  echo "== colocated"
+  serve colocated "engine: {device: cuda, kv_cache_memory: 48GiB, max_num_seqs: 256, max_waiting: 4096}" &&
+    run_suite colocated
+  stop colocated
+fi
+if [[ "$what" == *" pd "* ]]; then
+  echo "== 1P1D over $TRANSPORT"
+  serve pd "engine: {device: cuda, kv_cache_memory: 24GiB, max_num_seqs: 256, max_waiting: 4096}
+deployment:
+  mode: pd
+  prefill: {replicas: 1}
+  decode: {replicas: 1}
+  kv_transfer: {transport: $TRANSPORT}" && run_suite pd
+  grep -iE "error|warn" "$OUT/serve-pd.log" | tail -5
+  stop pd
+fi
+python3 "$root/scripts/gpu/pd_summary.py" "$OUT/pd_bench.jsonl" | tee "$OUT/pd_summary.md"
