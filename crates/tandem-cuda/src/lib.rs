@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod error;
+pub mod kernel_cache;
 pub mod kernels;
 pub mod kv_bulk;
 mod memory;
