@@ -165,6 +165,33 @@ pub fn compile(
     })
 }
 
+/// [`compile`] through the on-disk cache under `cache_dir` (see [`crate::kernel_cache`]): a restart
+/// or a second worker on the same device loads the PTX instead of running NVRTC again.
+pub fn compile_cached(
+    shape: &KernelShape,
+    tuning: &GemvTuning,
+    major: i32,
+    minor: i32,
+    cache_dir: Option<&std::path::Path>,
+) -> Result<Ptx, CudaError> {
+    let Some(dir) = cache_dir else {
+        return compile(shape, tuning, major, minor);
+    };
+    shape.validate()?;
+    let key = format!(
+        "{}\n// options: compute_{major}{minor} --std=c++17 no-fast-math\n",
+        shape.source(tuning)
+    );
+    let entry = crate::kernel_cache::CacheEntry::new(dir, key);
+    if let Some(ptx) = entry.load() {
+        tracing::info!(dir = %dir.display(), "CUDA kernels loaded from the cache");
+        return Ok(Ptx::from_src(ptx));
+    }
+    let ptx = compile(shape, tuning, major, minor)?;
+    entry.store(&ptx.to_src());
+    Ok(ptx)
+}
+
 /// Whether NVRTC's library can be loaded here (it needs no GPU).
 pub fn nvrtc_available() -> bool {
     // SAFETY: only probes for the shared library with dlopen; no symbol is called.

@@ -52,6 +52,8 @@ pub struct CudaOptions {
     /// Persistent GEMV launches: a grid of the blocks the GPU holds at once, each streaming group
     /// after group of rows, instead of one block per group.
     pub gemv_persistent: bool,
+    /// Where compiled kernels are cached across restarts (`None`: compile every time).
+    pub kernel_cache_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for CudaOptions {
@@ -73,6 +75,7 @@ impl Default for CudaOptions {
             gemv_target_warps: GEMV_TARGET_WARPS,
             gemv_tuning: kernels::GemvTuning::default(),
             gemv_persistent: false,
+            kernel_cache_dir: None,
         }
     }
 }

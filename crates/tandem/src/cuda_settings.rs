@@ -198,6 +198,7 @@ impl CudaSection {
     #[cfg(feature = "cuda")]
     pub fn options(&self, base: tandem_cuda::CudaOptions) -> tandem_cuda::CudaOptions {
         let mut o = base;
+        o.kernel_cache_dir = kernel_cache_dir();
         if let Some(v) = self.device {
             o.device = v;
         }
@@ -236,6 +237,16 @@ impl CudaSection {
         }
         o
     }
+}
+
+/// Where compiled CUDA kernels are cached: `$XDG_CACHE_HOME/tandem/kernels`, else
+/// `$HOME/.cache/tandem/kernels` (none without either: every start compiles).
+#[cfg(feature = "cuda")]
+fn kernel_cache_dir() -> Option<std::path::PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")))?;
+    Some(base.join("tandem").join("kernels"))
 }
 
 #[cfg(test)]

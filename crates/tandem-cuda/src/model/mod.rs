@@ -218,7 +218,13 @@ impl CudaLlama {
         let (major, minor) = ctx.compute_capability()?;
         let device_name = ctx.name()?;
         let t0 = std::time::Instant::now();
-        let ptx = kernels::compile(&shape, &opts.gemv_tuning, major, minor)?;
+        let ptx = kernels::compile_cached(
+            &shape,
+            &opts.gemv_tuning,
+            major,
+            minor,
+            opts.kernel_cache_dir.as_deref(),
+        )?;
         let module = ctx.load_module(ptx)?;
         let funcs = Funcs::load(&module)?;
         funcs.allow_norm_smem(config.hidden_size)?;
