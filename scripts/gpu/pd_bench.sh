@@ -48,8 +48,28 @@ PY
   fi
 }
 
+# Greedy completions of fixed token prompts (1,024 and 2,000 tokens, 32 out): P/D must equal colocated.
+greedy() { # mode
+  python3 - "$1" "$work/greedy-$1.json" <<'PY'
+import json, sys, urllib.request
+mode, path = sys.argv[1], sys.argv[2]
+base = "http://127.0.0.1:8000/v1"
+model = json.load(urllib.request.urlopen(base + "/models", timeout=30))["data"][0]["id"]
+out = []
+for n in (1024, 2000, 17, 3000):
+    prompt = [(i * 7919 + n) % 120000 + 10 for i in range(n)]
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0, "logprobs": 1}).encode()
+    req = urllib.request.Request(base + "/completions", body, {"content-type": "application/json"})
+    r = json.load(urllib.request.urlopen(req, timeout=120))
+    out.append(r["choices"][0]["logprobs"]["tokens"])
+json.dump(out, open(path, "w"))
+print(mode, "greedy lengths", [len(t) for t in out])
+PY
+}
+
 run_suite() { # mode
   local m="$1"
+  greedy "$m"
   bench "$m-ttft-1k" --input-len 1024 --output-len 128 --num-prompts 12 --max-concurrency 1 --warmup 2
   bench "$m-ttft-4k" --input-len 4096 --output-len 128 --num-prompts 8 --max-concurrency 1 --warmup 1
   if [[ "$what" != *" quick "* ]]; then
@@ -91,5 +111,9 @@ deployment:
   kv_transfer: {transport: $TRANSPORT}" && run_suite pd
   grep -iE "error|warn" "$OUT/serve-pd.log" | tail -5
   stop pd
+fi
+if [ -f "$work/greedy-colocated.json" ] && [ -f "$work/greedy-pd.json" ]; then
+  if cmp -s "$work/greedy-colocated.json" "$work/greedy-pd.json"; then echo "PASS P/D greedy == colocated greedy (4 prompts, 32 tokens)" | tee -a "$OUT/pd_bench.jsonl"
+  else echo "FAIL P/D greedy differs from colocated" | tee -a "$OUT/pd_bench.jsonl"; fi
 fi
 python3 "$root/scripts/gpu/pd_summary.py" "$OUT/pd_bench.jsonl" | tee "$OUT/pd_summary.md"
