@@ -36,9 +36,16 @@ const COPY_THREADS: u32 = 256;
 /// per hundred megabytes).
 pub struct PinnedPool {
     ctx: Arc<CudaContext>,
-    /// Free buffers by rounded size.
-    free: Mutex<HashMap<usize, Vec<usize>>>,
-    cached: Mutex<usize>,
+    /// Free buffers by rounded size, and their total bytes: one lock, taken by transport threads
+    /// (taking) and the engine thread (returning) alike.
+    free: Mutex<FreeList>,
+}
+
+/// The pool's cached buffers.
+#[derive(Default)]
+struct FreeList {
+    by_size: HashMap<usize, Vec<usize>>,
+    bytes: usize,
 }
 
 impl PinnedPool {
@@ -46,21 +53,17 @@ impl PinnedPool {
     pub fn new(ctx: &Arc<CudaContext>) -> Arc<Self> {
         Arc::new(Self {
             ctx: ctx.clone(),
-            free: Mutex::new(HashMap::new()),
-            cached: Mutex::new(0),
+            free: Mutex::new(FreeList::default()),
         })
     }
 
     fn alloc(&self, class: usize) -> Result<usize, CudaError> {
-        if let Some(ptr) = self
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_mut(&class)
-            .and_then(Vec::pop)
         {
-            *self.cached.lock().unwrap_or_else(|e| e.into_inner()) -= class;
-            return Ok(ptr);
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(ptr) = free.by_size.get_mut(&class).and_then(Vec::pop) {
+                free.bytes -= class;
+                return Ok(ptr);
+            }
         }
         self.ctx.bind_to_thread()?;
         // SAFETY: cuMemHostAlloc of a non-zero size; portable so any context may copy from it.
@@ -69,17 +72,12 @@ impl PinnedPool {
     }
 
     fn put(&self, ptr: usize, class: usize) {
-        let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
-        if *cached + class <= PINNED_CACHE_LIMIT {
-            *cached += class;
-            self.free
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .entry(class)
-                .or_default()
-                .push(ptr);
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        if free.bytes + class <= PINNED_CACHE_LIMIT {
+            free.bytes += class;
+            free.by_size.entry(class).or_default().push(ptr);
         } else {
-            drop(cached);
+            drop(free);
             free_pinned(&self.ctx, ptr);
         }
     }
@@ -97,7 +95,7 @@ fn free_pinned(ctx: &Arc<CudaContext>, ptr: usize) {
 impl Drop for PinnedPool {
     fn drop(&mut self) {
         let free = std::mem::take(&mut *self.free.lock().unwrap_or_else(|e| e.into_inner()));
-        for ptr in free.into_values().flatten() {
+        for ptr in free.by_size.into_values().flatten() {
             free_pinned(&self.ctx, ptr);
         }
     }
