@@ -74,8 +74,8 @@ run_suite() { # mode
   bench "$m-ttft-4k" --input-len 4096 --output-len 128 --num-prompts 8 --max-concurrency 1 --warmup 1
   if [[ "$what" != *" quick "* ]]; then
     bench "$m-c64" --input-len 1024 --output-len 128 --num-prompts 256 --max-concurrency 64 --warmup 8
-    bench "$m-c256" --input-len 1024 --output-len 128 --num-prompts 512 --max-concurrency 256 --warmup 8
-    bench "$m-bursty" --workload bursty --input-len 256 --output-len 256 --request-rate 8 --num-prompts 160 \
+    bench "$m-c256" --input-len 1024 --output-len 128 --num-prompts 384 --max-concurrency 256 --warmup 8
+    bench "$m-bursty" --workload bursty --input-len 256 --output-len 256 --request-rate 8 --num-prompts 120 \
       --burst-input-len 4096 --burst-output-len 16 --burst-size 16 --burst-interval 5
   fi
 }
@@ -101,6 +101,15 @@ if [[ "$what" == *" colocated "* ]]; then
     run_suite colocated
   stop colocated
 fi
+if [[ "$what" == *" tcp "* ]]; then
+  echo "== 1P1D over tcp (greedy and TTFT only)"
+  serve pdtcp "engine: {device: cuda, kv_cache_memory: 24GiB, max_num_seqs: 256, max_waiting: 4096}
+deployment:
+  mode: pd
+  kv_transfer: {transport: tcp}" && greedy pdtcp && bench pdtcp-ttft-4k --input-len 4096 --output-len 16 --num-prompts 6 --max-concurrency 1 --warmup 1
+  stop pdtcp
+  cmp -s "$work/greedy-colocated.json" "$work/greedy-pdtcp.json" && echo "PASS P/D over tcp greedy == colocated" || echo "FAIL P/D over tcp greedy differs (or missing)"
+fi
 if [[ "$what" == *" pd "* ]]; then
   echo "== 1P1D over $TRANSPORT"
   serve pd "engine: {device: cuda, kv_cache_memory: 24GiB, max_num_seqs: 256, max_waiting: 4096}
@@ -109,6 +118,7 @@ deployment:
   prefill: {replicas: 1}
   decode: {replicas: 1}
   kv_transfer: {transport: $TRANSPORT}" && run_suite pd
+  curl -s http://127.0.0.1:8000/metrics | grep -E "^tandem:kv_transfer" >"$OUT/pd_metrics.txt"
   grep -iE "error|warn" "$OUT/serve-pd.log" | tail -5
   stop pd
 fi
