@@ -453,3 +453,23 @@ async fn a_decode_worker_lost_mid_stream_is_replaced_without_changing_the_answer
     drained(other).await;
     drained(&p).await;
 }
+
+/// One slow or lost load poll does not drop a worker (under load its answer can be late); only
+/// `DEAD_AFTER_FAILED_POLLS` failures in a row do, and one answer brings it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_is_dropped_only_after_consecutive_failed_polls() {
+    let ([d], ingress) = cluster(0, [Role::Decode]).await;
+    let healthy = |i: &Ingress| i.workers()[0].healthy;
+    d.task.abort();
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    for _ in 1..crate::registry::DEAD_AFTER_FAILED_POLLS {
+        ingress.poll_once().await;
+        assert!(
+            healthy(&ingress),
+            "dropped before {} failed polls",
+            crate::registry::DEAD_AFTER_FAILED_POLLS
+        );
+    }
+    ingress.poll_once().await;
+    assert!(!healthy(&ingress));
+}

@@ -1,7 +1,7 @@
 //! The ingress's worker registry: registration with the KV handshake check, load polling and health, and
 //! the listing served on `/v1/cluster/workers`.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,12 +29,30 @@ pub struct WorkerEntry {
     /// Its registration record.
     pub info: WorkerInfo,
     pub(crate) healthy: AtomicBool,
+    /// Load polls failed in a row: one slow answer under load is not a death.
+    failed_polls: AtomicU32,
     pub(crate) in_flight: Arc<AtomicUsize>,
     pub(crate) load: Mutex<WorkerLoad>,
     pub(crate) prefix: Mutex<PrefixTracker>,
 }
 
+/// Consecutive failed load polls after which a worker counts as gone (at the default 0.5 s interval,
+/// about 1.5 s of silence, each poll allowed at least 1 s).
+pub const DEAD_AFTER_FAILED_POLLS: u32 = 3;
+
 impl WorkerEntry {
+    /// Records an answered poll; true when the worker was unhealthy until now.
+    fn poll_answered(&self) -> bool {
+        self.failed_polls.store(0, Ordering::Relaxed);
+        !self.healthy.swap(true, Ordering::Relaxed)
+    }
+
+    /// Records a failed poll; true when this one marks the worker unhealthy.
+    fn poll_failed(&self) -> bool {
+        let n = self.failed_polls.fetch_add(1, Ordering::Relaxed) + 1;
+        n >= DEAD_AFTER_FAILED_POLLS && self.healthy.swap(false, Ordering::Relaxed)
+    }
+
     /// Whether its last poll or RPC succeeded.
     pub fn healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
@@ -137,6 +155,7 @@ impl Ingress {
             url: url.clone(),
             info: info.clone(),
             healthy: AtomicBool::new(true),
+            failed_polls: AtomicU32::new(0),
             in_flight: Arc::new(AtomicUsize::new(0)),
             load: Mutex::new(WorkerLoad::default()),
         });
@@ -178,13 +197,15 @@ impl Ingress {
                         }
                     }
                     *w.load.lock() = load;
-                    if !w.healthy.swap(true, Ordering::Relaxed) {
+                    if w.poll_answered() {
                         tracing::info!(url = %w.url, "worker is back");
                     }
                 }
                 Err(e) => {
-                    if w.healthy.swap(false, Ordering::Relaxed) {
-                        tracing::warn!(url = %w.url, error = %e, "worker stopped answering");
+                    if w.poll_failed() {
+                        tracing::warn!(url = %w.url, error = %e, polls = DEAD_AFTER_FAILED_POLLS, "worker stopped answering");
+                    } else {
+                        tracing::debug!(url = %w.url, error = %e, "load poll failed");
                     }
                 }
             }
