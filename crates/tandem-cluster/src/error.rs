@@ -67,7 +67,9 @@ impl ClusterError {
     /// The HTTP status a worker answers this error with.
     pub fn status(&self) -> StatusCode {
         match self {
-            ClusterError::Engine(EngineError::QueueFull { .. }) => StatusCode::SERVICE_UNAVAILABLE,
+            ClusterError::Engine(EngineError::QueueFull { .. } | EngineError::KvBusy { .. }) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ClusterError::Engine(
                 EngineError::PromptTooLong { .. }
                 | EngineError::KvCacheTooSmall { .. }

@@ -140,6 +140,9 @@ pub fn peer_info(engine: &EngineHandle, model_id: String, n_heads: usize) -> Pee
     }
 }
 
+/// How often a decode whose import found the KV cache full tries again.
+const IMPORT_RETRY: Duration = Duration::from_millis(20);
+
 /// Pinned prefills this worker serves to decode workers, by transfer id.
 struct EngineSource {
     engine: EngineHandle,
@@ -545,9 +548,26 @@ impl WorkerService {
                 message: "a resumed decode cannot import prefilled KV".into(),
             });
         }
-        let (stream, plan) = self.engine.import_prefilled(engine_req, pre.first_token)?;
-        // From here on, dropping `stream` (on any error) aborts the import and frees its blocks.
-        let plan = plan.wait().await?;
+        // When running sequences hold the whole KV cache, the import waits for blocks to free, like
+        // a queued admission (bounded by half the prefill pin's lifetime, so the pin is still there),
+        // instead of failing over to recomputing the prompt here.
+        let deadline = tokio::time::Instant::now() + self.config.kv.pin_timeout() / 2;
+        let (stream, plan) = loop {
+            let (stream, plan) = self
+                .engine
+                .import_prefilled(engine_req.clone(), pre.first_token)?;
+            // From here on, dropping `stream` (on any error) aborts the import and frees its blocks.
+            match plan.wait().await {
+                Ok(plan) => break (stream, plan),
+                Err(EngineError::KvBusy { .. }) if tokio::time::Instant::now() < deadline => {
+                    drop(stream);
+                    engine_req.id = self.next_id();
+                    tokio::time::sleep(IMPORT_RETRY).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let id = engine_req.id;
         if plan.num_blocks != pre.handle.block_ids.len() || pre.handle.n_tokens != prompt_len {
             return Err(ClusterError::Protocol {
                 url: pre.handle.endpoint.clone(),

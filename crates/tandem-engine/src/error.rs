@@ -47,6 +47,15 @@ pub enum EngineError {
         /// What was wrong.
         reason: String,
     },
+    /// The KV cache has no free blocks for an import right now (running sequences hold them); the
+    /// caller may wait and retry, as an admission waits in the queue.
+    #[error("request {id}: no room in the KV cache for its import yet: {reason}")]
+    KvBusy {
+        /// The request.
+        id: RequestId,
+        /// The pool's shortfall.
+        reason: String,
+    },
     /// Sampling parameters out of range.
     #[error("invalid sampling parameters: {0}")]
     InvalidParams(String),

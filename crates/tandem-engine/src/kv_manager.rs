@@ -153,7 +153,7 @@ impl<B: Backend> Worker<B> {
         if let Err(e) = self.pool.ensure_capacity(&mut seq.table, seq.prompt_len) {
             self.pool.release(&mut seq.table);
             self.shared.live.lock().remove(&id);
-            return Err(EngineError::InvalidState {
+            return Err(EngineError::KvBusy {
                 id,
                 reason: e.to_string(),
             });

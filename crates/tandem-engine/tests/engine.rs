@@ -885,3 +885,30 @@ fn bench_reports_positive_figures_on_the_mock() {
     assert_eq!(st.prompt_tokens_total, 4 + 40 + 3 * 4);
     engine.shutdown();
 }
+
+/// An import that finds every block held by running sequences is refused as `KvBusy` (retryable:
+/// the decode worker waits and tries again) and leaves the pool as it was; once the blocks free, the
+/// same import succeeds.
+#[test]
+fn import_into_a_full_cache_is_busy_not_failed() {
+    let slow = MockBackend::new(4, 8).with_step_delay(Duration::from_millis(50));
+    let e = Engine::start(slow, cfg(4)).unwrap();
+    // A 29-token prompt holds all 8 blocks of 4 tokens from its first token on.
+    let mut busy = e
+        .submit(EngineRequest::new(1, vec![1; 29], greedy(3)))
+        .unwrap();
+    busy.blocking_recv().unwrap();
+    let (_s, plan) = e
+        .import_prefilled(EngineRequest::new(2, vec![2; 12], greedy(2)), 3)
+        .unwrap();
+    match plan.wait_blocking() {
+        Err(EngineError::KvBusy { id: 2, .. }) => {}
+        other => panic!("expected KvBusy, got {other:?}"),
+    }
+    while busy.blocking_recv().is_some() {}
+    let (_s, plan) = e
+        .import_prefilled(EngineRequest::new(3, vec![2; 12], greedy(2)), 3)
+        .unwrap();
+    assert_eq!(plan.wait_blocking().unwrap().num_blocks, 3);
+    e.shutdown();
+}
