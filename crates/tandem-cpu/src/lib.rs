@@ -355,9 +355,9 @@ mod tests {
         assert_eq!(b.vocab_size(), m.config.vocab_size);
     }
 
-    #[test]
-    fn pd_transfer_on_cpu_matches_colocated_greedy() {
-        let Some(m) = model() else { return };
+    /// A prefill engine holding request 1's pinned prefill of a fixed prompt: (engine, prompt, the
+    /// prompt's colocated greedy tokens, the prefill's first token).
+    fn prefilled(m: &tandem_model::LoadedModel) -> (EngineHandle, Vec<u32>, Vec<u32>, Vec<u32>) {
         let prompt: Vec<u32> = vec![1, 504, 3070, 314, 260, 2767, 282, 4649, 30, 216, 2];
         let a = engine(m, 64, |c| c.max_num_batched_tokens = 6);
         let want = alone(&a, 100, &prompt, 5);
@@ -370,6 +370,13 @@ mod tests {
             },
         };
         let first = collect(&mut a.submit(req).unwrap());
+        (a, prompt, want, first)
+    }
+
+    #[test]
+    fn pd_transfer_on_cpu_matches_colocated_greedy() {
+        let Some(m) = model() else { return };
+        let (a, prompt, want, first) = prefilled(m);
         assert_eq!(first, want[..1]);
         let b = engine(m, 64, |_| {});
         let mut s = hand_over(&a, &b, EngineRequest::new(1, prompt, greedy(5)), first[0]);
@@ -386,18 +393,7 @@ mod tests {
     #[test]
     fn pd_transfer_by_whole_layers_matches_colocated_greedy() {
         let Some(m) = model() else { return };
-        let prompt: Vec<u32> = vec![1, 504, 3070, 314, 260, 2767, 282, 4649, 30, 216, 2];
-        let a = engine(m, 64, |c| c.max_num_batched_tokens = 6);
-        let want = alone(&a, 100, &prompt, 5);
-        let req = EngineRequest {
-            id: 1,
-            prompt: prompt.clone(),
-            params: greedy(5),
-            mode: RequestMode::PrefillOnly {
-                pin_timeout: Duration::from_secs(60),
-            },
-        };
-        let first = collect(&mut a.submit(req).unwrap());
+        let (a, prompt, want, first) = prefilled(m);
         let b = engine(m, 64, |_| {});
         let kv = a.export_blocks(1).wait_blocking().unwrap();
         let (mut s, plan) = b

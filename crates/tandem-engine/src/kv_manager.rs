@@ -11,7 +11,7 @@ use crate::kv_host::{HostBuf, KvExport};
 use crate::sampler::SeqRng;
 use crate::scheduler::Sequence;
 use crate::types::{EngineRequest, RequestId};
-use crate::worker::{Ext, Worker};
+use crate::worker::{Ext, Seq, Worker};
 use std::time::Instant;
 use tandem_model::KvLayout;
 use tokio::sync::mpsc;
@@ -169,6 +169,16 @@ impl<B: Backend> Worker<B> {
         Ok(plan)
     }
 
+    /// An importing request, the cache layout, and how many of its leading blocks were cached here.
+    fn importing_seq(&self, id: RequestId) -> Result<(&Seq, KvLayout, usize), EngineError> {
+        let seq = self
+            .importing
+            .get(&id)
+            .ok_or(EngineError::UnknownRequest(id))?;
+        let cached = seq.num_computed / self.pool.block_size();
+        Ok((seq, self.backend.kv_layout(), cached))
+    }
+
     pub(crate) fn import_block(
         &mut self,
         id: RequestId,
@@ -176,12 +186,7 @@ impl<B: Backend> Worker<B> {
         block: usize,
         data: &[u8],
     ) -> Result<(), EngineError> {
-        let seq = self
-            .importing
-            .get(&id)
-            .ok_or(EngineError::UnknownRequest(id))?;
-        let layout = self.backend.kv_layout();
-        let cached = seq.num_computed / self.pool.block_size();
+        let (seq, layout, cached) = self.importing_seq(id)?;
         if layer >= layout.n_layers
             || block >= seq.table.blocks.len()
             || block < cached
@@ -211,13 +216,9 @@ impl<B: Backend> Worker<B> {
         layer: usize,
         data: HostBuf,
     ) -> Result<(), EngineError> {
-        let seq = self
-            .importing
-            .get(&id)
-            .ok_or(EngineError::UnknownRequest(id))?;
-        let layout = self.backend.kv_layout();
-        let cached = seq.num_computed / self.pool.block_size();
-        let blocks = &seq.table.blocks[cached..];
+        let (seq, layout, cached) = self.importing_seq(id)?;
+        // Owned: the backend call below borrows the engine mutably (a few ids per layer).
+        let blocks = seq.table.blocks[cached..].to_vec();
         if layer >= layout.n_layers || data.len() != blocks.len() * layout.block_bytes() {
             return Err(EngineError::InvalidState {
                 id,
@@ -231,7 +232,7 @@ impl<B: Backend> Worker<B> {
             });
         }
         self.backend
-            .import_kv(layer, blocks, data)
+            .import_kv(layer, &blocks, data)
             .map_err(|e| EngineError::InvalidState {
                 id,
                 reason: format!("KV import failed: {e}"),
