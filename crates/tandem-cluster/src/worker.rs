@@ -28,7 +28,8 @@ use tandem_engine::{
 };
 use tandem_kv::{
     BlockSelection, KvClient, KvError, KvListener, KvServer, KvServerConfig, KvSink, KvSource,
-    PeerInfo, ShmTransport, TcpConfig, TcpTransport, WireDtype, WireLayout,
+    NixlAgent, NixlBackend, NixlConfig, NixlTransport, PeerInfo, ShmTransport, TcpConfig,
+    TcpTransport, WireDtype, WireLayout,
 };
 
 use crate::error::ClusterError;
@@ -46,6 +47,10 @@ pub enum TransportKind {
     Tcp,
     /// Shared-memory file plus a TCP control connection: same host only, fewer copies through the kernel.
     Shm,
+    /// NIXL (loaded at run time) moves the bytes by one-sided READs from the prefill worker's registered
+    /// memory; handshake, pins and acks stay on a TCP control connection. Every worker of the deployment
+    /// needs the library (`nixl_library`); a worker that cannot load it fails at start-up naming why.
+    Nixl,
 }
 
 impl std::str::FromStr for TransportKind {
@@ -55,8 +60,9 @@ impl std::str::FromStr for TransportKind {
         match s {
             "tcp" => Ok(TransportKind::Tcp),
             "shm" => Ok(TransportKind::Shm),
+            "nixl" => Ok(TransportKind::Nixl),
             other => Err(format!(
-                "unknown KV transport `{other}` (expected tcp or shm)"
+                "unknown KV transport `{other}` (expected tcp, shm or nixl)"
             )),
         }
     }
@@ -76,6 +82,11 @@ pub struct KvTransferConfig {
     pub io_timeout_secs: f64,
     /// CRC32 every data frame.
     pub checksum: bool,
+    /// NIXL backend plugin (`transport: nixl`): ucx, or libfabric (AWS EFA).
+    pub nixl_backend: NixlBackend,
+    /// `libnixl_capi.so`, its directory, or an unpacked `nixl-cu13` wheel (`transport: nixl`); unset: the
+    /// system loader's search path.
+    pub nixl_library: Option<std::path::PathBuf>,
 }
 
 impl Default for KvTransferConfig {
@@ -86,6 +97,8 @@ impl Default for KvTransferConfig {
             pin_timeout_secs: 30.0,
             io_timeout_secs: 10.0,
             checksum: false,
+            nixl_backend: NixlBackend::Ucx,
+            nixl_library: None,
         }
     }
 }
@@ -93,6 +106,19 @@ impl Default for KvTransferConfig {
 impl KvTransferConfig {
     fn pin_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.pin_timeout_secs.max(0.001))
+    }
+
+    /// The NIXL agent of a worker of a `transport: nixl` deployment (both roles have one).
+    fn nixl_agent(&self, worker_id: &str) -> Result<Option<NixlAgent>, KvError> {
+        if self.transport != TransportKind::Nixl {
+            return Ok(None);
+        }
+        let config = NixlConfig {
+            library: self.nixl_library.clone(),
+            backend: self.nixl_backend,
+            ..NixlConfig::default()
+        };
+        NixlAgent::new(worker_id, &config).map(Some)
     }
 
     fn io_timeout(&self) -> Duration {
@@ -366,6 +392,9 @@ impl WorkerService {
                     peer.clone(),
                     Arc::clone(&source) as Arc<dyn KvSource>,
                 );
+                if let Some(agent) = config.kv.nixl_agent(&config.worker_id)? {
+                    server.enable_nixl(agent)?;
+                }
                 let listener = server.listen(&config.kv_listen).await?;
                 (Some(server), Some(listener), None)
             }
@@ -383,6 +412,13 @@ impl WorkerService {
                         tcp,
                         tandem_kv::default_shm_dir(),
                     )),
+                    TransportKind::Nixl => {
+                        let agent = config
+                            .kv
+                            .nixl_agent(&config.worker_id)?
+                            .expect("transport is nixl");
+                        Arc::new(NixlTransport::new(peer.clone(), tcp, agent))
+                    }
                 };
                 (None, None, Some(KvClient::new(transport)))
             }

@@ -499,3 +499,62 @@ async fn a_worker_with_another_block_size_is_refused_naming_the_field() {
         "the refused worker must not be registered"
     );
 }
+
+/// `transport: nixl` where NIXL cannot be loaded fails at start-up, naming the library it tried —
+/// never a deployment that comes up and fails (or silently falls back) at request time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_nixl_library_fails_at_start_naming_it() {
+    let Some(_turn) = turn().await else { return };
+    let dir = std::env::temp_dir().join(format!("tandem-no-nixl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let yaml = pd_yaml(1).replace(
+        "kv_transfer: {transport: tcp,",
+        &format!(
+            "kv_transfer: {{transport: nixl, nixl_library: {},",
+            dir.display()
+        ),
+    );
+    let config = dir.join("pd.yaml");
+    std::fs::write(&config, yaml).unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--port", "0", "--config"])
+        .arg(&config)
+        .stdin(Stdio::null())
+        .output()
+        .expect("tandem serve runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "it must not serve:\n{stderr}");
+    assert!(
+        stderr.contains(&dir.display().to_string()) && stderr.contains("libnixl_capi"),
+        "the error must name the library path tried:\n{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// P/D over NIXL (the unpacked `nixl-cu13` wheel named by `TANDEM_TEST_NIXL_LIB`, as `scripts/test.sh` sets
+/// it): the same greedy tokens as colocated, the KV pulled, nothing prefilled on the decode worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_over_nixl_matches_colocated() {
+    let Some(lib) = std::env::var_os("TANDEM_TEST_NIXL_LIB") else {
+        eprintln!("skipped: TANDEM_TEST_NIXL_LIB is unset (scripts/test.sh sets it to the unpacked nixl-cu13 wheel)");
+        return;
+    };
+    let Some(_turn) = turn().await else { return };
+    let want = colocated_answers().await;
+    let yaml = pd_yaml(1).replace(
+        "kv_transfer: {transport: tcp,",
+        &format!(
+            "kv_transfer: {{transport: nixl, nixl_library: {},",
+            std::path::Path::new(&lib).display()
+        ),
+    );
+    let pd = Server::with_config(BIN, &yaml);
+    let decode = pd.worker(Role::Decode).await;
+    let before = pd.load(&decode.url).await;
+    for (p, want) in PROMPTS.iter().zip(&want) {
+        let got = pd.complete(p, 12).await;
+        assert_eq!(text(&got), text(want), "prompt {p:?}");
+    }
+    let after = pd.load(&decode.url).await;
+    assert_pulled_without_prefilling(&before, &after, PROMPTS.len() as u64);
+}
