@@ -6,7 +6,9 @@
 #   c64 / c256          output throughput and failures at fixed concurrency, 1,024/128
 #   bursty              8 req/s of 256/256 plus 16 x 4,096-token prompts every 5 s
 # Results: $OUT/pd_bench.jsonl (one `tandem bench --output` row per run, tagged) and $OUT/pd_summary.md.
-# Usage: OUT=dir TANDEM_BIN=path MODEL_DIR=dir scripts/gpu/pd_bench.sh [colocated] [pd] [quick]
+# Usage: OUT=dir TANDEM_BIN=path MODEL_DIR=dir MAKE_MODEL=path/make_model.py scripts/gpu/pd_bench.sh \
+#          [colocated] [tcp] [pd] [quick]
+# (MAKE_MODEL: the workplace's shared gpu/make_model.py, needed only when MODEL_DIR has no model yet.)
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${OUT:-$root/out/gpu}"
