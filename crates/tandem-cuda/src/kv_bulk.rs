@@ -206,10 +206,8 @@ pub struct KvMover {
     /// Cache block ids of the current copy.
     ids: DeviceBuf,
     max_blocks: usize,
-    /// Import buffers whose upload may still be running, with the event that ends it.
+    /// Import buffers whose upload may still be running, with the event that ends it, oldest first.
     in_flight: Vec<(CudaEvent, HostBuf)>,
-    /// The last import's completion, for the next fence.
-    last_import: Option<CudaEvent>,
 }
 
 // SAFETY: owned by the engine thread's backend; moved between threads, never shared.
@@ -235,7 +233,6 @@ impl KvMover {
             ids: DeviceBuf::new(ctx, max_blocks * 4)?,
             max_blocks,
             in_flight: Vec::new(),
-            last_import: None,
         })
     }
 
@@ -360,14 +357,15 @@ impl KvMover {
         self.launch_copy(&self.scatter, cache_layer, blocks.len(), (bb / 16) as u64)?;
         let ev = self.stream.record_event(None)?;
         self.in_flight.push((ev, data));
-        self.last_import = Some(self.stream.record_event(None)?);
         Ok(())
     }
 
     /// Makes the compute stream wait for every import enqueued so far (no host wait).
     pub fn fence(&mut self, compute: &CudaStream) -> Result<(), CudaError> {
-        if let Some(ev) = self.last_import.take() {
-            compute.wait(&ev)?;
+        // Imports run in order on one stream: the newest one still in flight ends after all the others
+        // (none in flight: all are done).
+        if let Some((ev, _)) = self.in_flight.last() {
+            compute.wait(ev)?;
         }
         self.reap()
     }
