@@ -23,13 +23,13 @@ use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tandem_engine::{
-    EngineError, EngineHandle, EngineRequest, ExportedKv, FinishReason, HostBuf, HostPool, Pending,
-    RequestMode, RequestStream,
+    EngineError, EngineHandle, EngineRequest, ExportedKv, FinishReason, HostBuf, HostPool,
+    KvStaging, Pending, RequestMode, RequestStream, StagedLayer, StagingKind, StagingSlice,
 };
 use tandem_kv::{
     BlockSelection, KvClient, KvError, KvListener, KvServer, KvServerConfig, KvSink, KvSource,
-    NixlAgent, NixlBackend, NixlConfig, NixlTransport, PeerInfo, ShmTransport, TcpConfig,
-    TcpTransport, WireDtype, WireLayout,
+    MemKind, MemRegion, NixlAgent, NixlBackend, NixlConfig, NixlTransport, PeerInfo, Registration,
+    ShmTransport, TcpConfig, TcpTransport, WireDtype, WireLayout,
 };
 
 use crate::error::ClusterError;
@@ -87,6 +87,10 @@ pub struct KvTransferConfig {
     /// `libnixl_capi.so`, its directory, or an unpacked `nixl-cu13` wheel (`transport: nixl`); unset: the
     /// system loader's search path.
     pub nixl_library: Option<std::path::PathBuf>,
+    /// MiB of staging memory (`transport: nixl`), allocated where the KV lives (GPU memory on CUDA workers)
+    /// and registered once: prefill exports into it and decode READs into it, so KV moves GPU to GPU with
+    /// no host copy. A transfer that finds it full goes through registered host buffers instead. 0: none.
+    pub staging_mib: usize,
 }
 
 impl Default for KvTransferConfig {
@@ -99,6 +103,7 @@ impl Default for KvTransferConfig {
             checksum: false,
             nixl_backend: NixlBackend::Ucx,
             nixl_library: None,
+            staging_mib: 1024,
         }
     }
 }
@@ -226,6 +231,27 @@ impl KvSource for EngineSource {
         Ok(())
     }
 
+    fn staged(&self, transfer_id: u64) -> Result<Option<MemRegion>, KvError> {
+        let pins = self.pins.lock();
+        let p = pins
+            .get(&transfer_id)
+            .ok_or(KvError::UnknownTransfer(transfer_id))?;
+        Ok(p.kv
+            .staged()
+            .map(|s| staging_region(s.kind(), s.addr(), s.len())))
+    }
+
+    fn wait_staged(&self, transfer_id: u64, layer: usize) -> Result<(), KvError> {
+        let kv = self
+            .pins
+            .lock()
+            .get(&transfer_id)
+            .map(|p| Arc::clone(&p.kv))
+            .ok_or(KvError::UnknownTransfer(transfer_id))?;
+        kv.wait_layer(layer)
+            .map_err(|e| KvError::Source(e.to_string()))
+    }
+
     fn release(&self, transfer_id: u64, _blocks: &[u32]) {
         if let Some(p) = self.pins.lock().remove(&transfer_id) {
             self.engine.release_pin(p.request);
@@ -246,6 +272,10 @@ struct EngineSink {
     layers: Vec<Mutex<Option<HostBuf>>>,
     layer_bytes: usize,
     pool: Arc<dyn HostPool>,
+    /// The engine's staging memory, registered with the transport, which a zero-copy pull lands in.
+    staging: Option<Arc<KvStaging>>,
+    /// The slice of it this pull landed in; each imported layer holds it until copied out.
+    landing: Mutex<Option<Arc<StagingSlice>>>,
     pending: Mutex<Vec<Pending<()>>>,
 }
 
@@ -255,6 +285,7 @@ impl EngineSink {
         request: u64,
         layout: &WireLayout,
         wanted: &Range<usize>,
+        staging: Option<Arc<KvStaging>>,
     ) -> Self {
         let block_bytes = layout.block_bytes();
         EngineSink {
@@ -265,6 +296,8 @@ impl EngineSink {
             layers: (0..layout.n_layers).map(|_| Mutex::new(None)).collect(),
             layer_bytes: wanted.len() * block_bytes,
             pool: engine.host_pool(),
+            staging,
+            landing: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
         }
     }
@@ -323,6 +356,70 @@ impl KvSink for EngineSink {
         self.pending.lock().push(p);
         Ok(())
     }
+
+    fn landing(&self, len: usize) -> Result<Option<MemRegion>, KvError> {
+        let Some(slice) = self.staging.as_ref().and_then(|s| s.take(len)) else {
+            return Ok(None);
+        };
+        let region = staging_region(slice.kind(), slice.addr(), slice.len());
+        *self.landing.lock() = Some(Arc::new(slice));
+        Ok(Some(region))
+    }
+
+    fn landed(&self, layer: usize, offset: usize, len: usize) -> Result<(), KvError> {
+        let slice = self
+            .landing
+            .lock()
+            .clone()
+            .ok_or_else(|| KvError::Sink(format!("layer {layer} landed before a landing")))?;
+        if layer >= self.layers.len() || len != self.layer_bytes {
+            return Err(KvError::Sink(format!(
+                "landed layer {layer} of {len} bytes (expected {} layers of {})",
+                self.layers.len(),
+                self.layer_bytes
+            )));
+        }
+        let staged = StagedLayer { slice, offset, len };
+        let p = self.engine.import_staged(self.request, layer, staged);
+        self.pending.lock().push(p);
+        Ok(())
+    }
+}
+
+/// Allocates the engine's staging memory and registers it with `agent` once (`mib` 0: none).
+async fn register_staging(
+    engine: &EngineHandle,
+    agent: &NixlAgent,
+    mib: usize,
+) -> Result<Option<(Registration, Arc<KvStaging>)>, ClusterError> {
+    if mib == 0 {
+        return Ok(None);
+    }
+    let staging = engine.enable_kv_staging(mib << 20).wait().await?;
+    let region = staging_region(staging.kind(), staging.addr(), staging.len());
+    // SAFETY: the memory lives as long as the arena; the caller keeps a reference to it beside the
+    // registration, in a tuple that drops the registration first.
+    let reg = unsafe { agent.register(region) }?;
+    tracing::info!(
+        mib,
+        kind = ?staging.kind(),
+        "KV staging registered with NIXL: transfers move without host copies"
+    );
+    Ok(Some((reg, staging)))
+}
+
+/// Staging memory as NIXL names it.
+fn staging_region(kind: StagingKind, addr: u64, len: usize) -> MemRegion {
+    let (kind, device) = match kind {
+        StagingKind::Host => (MemKind::Dram, 0),
+        StagingKind::Device(d) => (MemKind::Vram, u64::from(d)),
+    };
+    MemRegion {
+        addr,
+        len: len as u64,
+        kind,
+        device,
+    }
 }
 
 /// Releases an engine pin unless disarmed: covers a prefill whose HTTP caller went away mid-handler.
@@ -364,6 +461,9 @@ pub struct WorkerService {
     source: Arc<EngineSource>,
     kv_server: Option<KvServer>,
     kv_client: Option<KvClient>,
+    /// The NIXL registration of the engine's staging memory, and the memory (`transport: nixl`,
+    /// `staging_mib` > 0); the registration drops first, while the memory is still alive.
+    staged: Option<(Registration, Arc<KvStaging>)>,
     _listener: Option<KvListener>,
     next_id: AtomicU64,
     in_flight: Arc<AtomicUsize>,
@@ -380,6 +480,7 @@ impl WorkerService {
             engine: engine.clone(),
             pins: Mutex::new(HashMap::new()),
         });
+        let mut staged = None;
         let (kv_server, listener, kv_client) = match config.role {
             Role::Prefill => {
                 let server = KvServer::new(
@@ -393,6 +494,7 @@ impl WorkerService {
                     Arc::clone(&source) as Arc<dyn KvSource>,
                 );
                 if let Some(agent) = config.kv.nixl_agent(&config.worker_id)? {
+                    staged = register_staging(&engine, &agent, config.kv.staging_mib).await?;
                     server.enable_nixl(agent)?;
                 }
                 let listener = server.listen(&config.kv_listen).await?;
@@ -417,6 +519,7 @@ impl WorkerService {
                             .kv
                             .nixl_agent(&config.worker_id)?
                             .expect("transport is nixl");
+                        staged = register_staging(&engine, &agent, config.kv.staging_mib).await?;
                         Arc::new(NixlTransport::new(peer.clone(), tcp, agent))
                     }
                 };
@@ -445,6 +548,7 @@ impl WorkerService {
             source,
             kv_server,
             kv_client,
+            staged,
             _listener: listener,
             next_id: AtomicU64::new(1),
             in_flight: Arc::new(AtomicUsize::new(0)),
@@ -623,6 +727,7 @@ impl WorkerService {
             id,
             &pre.handle.layout,
             &(plan.cached..plan.num_blocks),
+            self.staged.as_ref().map(|(_, s)| Arc::clone(s)),
         ));
         let stats = client
             .pull_blocks(&pre.handle, &wanted, Arc::clone(&sink) as Arc<dyn KvSink>)

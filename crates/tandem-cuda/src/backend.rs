@@ -2,7 +2,10 @@
 
 use std::sync::Arc;
 
-use tandem_engine::{Backend, BackendError, DeviceSampling, HostBuf, HostPool, KvExport};
+use tandem_engine::{
+    Backend, BackendError, DeviceSampling, HostBuf, HostPool, KvExport, KvStaging, StagedLayer,
+    StagingSlice,
+};
 use tandem_model::{ForwardBatch, KvLayout};
 
 use crate::model::{CudaLlama, SampleRow};
@@ -120,6 +123,41 @@ impl Backend for CudaBackend {
                 blocks.len()
             ))
         })
+    }
+
+    fn kv_staging(&mut self, bytes: usize) -> Result<Arc<KvStaging>, BackendError> {
+        self.model
+            .kv_staging(bytes)
+            .map_err(|e| BackendError::new(format!("CUDA KV staging of {bytes} bytes: {e}")))
+    }
+
+    fn export_kv_staged(
+        &mut self,
+        blocks: &[u32],
+        dest: StagingSlice,
+    ) -> Result<Box<dyn KvExport>, BackendError> {
+        self.model.export_kv_staged(blocks, dest).map_err(|e| {
+            BackendError::new(format!(
+                "CUDA staged KV export of {} blocks: {e}",
+                blocks.len()
+            ))
+        })
+    }
+
+    fn import_kv_staged(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        src: StagedLayer,
+    ) -> Result<(), BackendError> {
+        self.model
+            .import_kv_staged(layer, blocks, src)
+            .map_err(|e| {
+                BackendError::new(format!(
+                    "CUDA staged KV import of layer {layer} ({} blocks): {e}",
+                    blocks.len()
+                ))
+            })
     }
 
     fn import_fence(&mut self) -> Result<(), BackendError> {

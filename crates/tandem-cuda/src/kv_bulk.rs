@@ -8,6 +8,9 @@
 //! (`kv_scatter`) on the transfer stream, and [`KvMover::fence`] makes the compute stream wait for
 //! every import so far before the next step reads the cache. Host buffers come from a
 //! [`PinnedPool`], so copies run at bus speed and nothing is page-locked per request.
+//!
+//! For zero-copy transports (NIXL reading GPU memory) the same kernels gather into, and scatter from,
+//! a slice of the device staging region ([`KvMover::staging`]) instead, and no byte crosses the bus.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -17,7 +20,10 @@ use cudarc::driver::sys as drv;
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
 };
-use tandem_engine::{BackendError, HostBuf, HostMem, HostPool, KvExport};
+use tandem_engine::{
+    BackendError, HostBuf, HostMem, HostPool, KvExport, KvStaging, StagedLayer, StagingKind,
+    StagingMem, StagingSlice,
+};
 use tandem_model::KvLayout;
 
 use crate::error::CudaError;
@@ -151,10 +157,15 @@ impl Drop for PinnedMem {
     }
 }
 
-/// An export under way: a pinned buffer being filled layer by layer, an event per layer.
+/// Where an export lands: a pooled page-locked host buffer, or a slice of device staging memory.
+enum ExportDest {
+    Host { buf: HostBuf, layer_bytes: usize },
+    Staged(StagingSlice),
+}
+
+/// An export under way: its destination being filled layer by layer, an event per layer.
 struct CudaExport {
-    buf: HostBuf,
-    layer_bytes: usize,
+    dest: ExportDest,
     events: Vec<CudaEvent>,
 }
 
@@ -164,6 +175,18 @@ impl KvExport for CudaExport {
     }
 
     fn layer(&self, layer: usize) -> Result<&[u8], BackendError> {
+        self.wait_layer(layer)?;
+        match &self.dest {
+            ExportDest::Host { buf, layer_bytes } => {
+                Ok(&buf.as_slice()[layer * layer_bytes..(layer + 1) * layer_bytes])
+            }
+            ExportDest::Staged(_) => Err(BackendError::new(
+                "this KV export is in GPU memory: only a zero-copy transport (nixl) reads it",
+            )),
+        }
+    }
+
+    fn wait_layer(&self, layer: usize) -> Result<(), BackendError> {
         let ev = self.events.get(layer).ok_or_else(|| {
             BackendError::new(format!(
                 "layer {layer} outside an export of {} layers",
@@ -171,14 +194,20 @@ impl KvExport for CudaExport {
             ))
         })?;
         ev.synchronize()
-            .map_err(|e| BackendError::new(format!("KV export of layer {layer} failed: {e}")))?;
-        Ok(&self.buf.as_slice()[layer * self.layer_bytes..(layer + 1) * self.layer_bytes])
+            .map_err(|e| BackendError::new(format!("KV export of layer {layer} failed: {e}")))
+    }
+
+    fn staged(&self) -> Option<&StagingSlice> {
+        match &self.dest {
+            ExportDest::Staged(s) => Some(s),
+            ExportDest::Host { .. } => None,
+        }
     }
 }
 
 impl Drop for CudaExport {
     fn drop(&mut self) {
-        // The copies write into `buf`: it may go back to the pool only once they are done.
+        // The copies write into the destination: it may be reused only once they are done.
         if let Some(last) = self.events.last() {
             if let Err(e) = last.synchronize() {
                 tracing::warn!(error = %e, "KV export failed while being dropped");
@@ -191,6 +220,24 @@ impl Drop for CudaExport {
 // context first) and the buffer is read only after its layer's event completed.
 unsafe impl Send for CudaExport {}
 unsafe impl Sync for CudaExport {}
+
+/// Device memory for zero-copy transfers: one allocation, registered once by a transport.
+struct DeviceStaging {
+    buf: DeviceBuf,
+    ordinal: u32,
+}
+
+impl StagingMem for DeviceStaging {
+    fn addr(&self) -> u64 {
+        self.buf.ptr
+    }
+    fn size(&self) -> usize {
+        self.buf.bytes
+    }
+    fn kind(&self) -> StagingKind {
+        StagingKind::Device(self.ordinal)
+    }
+}
 
 /// Moves whole layers of a request's KV between the paged cache and host buffers, off the compute
 /// stream.
@@ -206,8 +253,9 @@ pub struct KvMover {
     /// Cache block ids of the current copy.
     ids: DeviceBuf,
     max_blocks: usize,
-    /// Import buffers whose upload may still be running, with the event that ends it, oldest first.
-    in_flight: Vec<(CudaEvent, HostBuf)>,
+    /// What imports still read (host buffers, staging slices), with the event that ends the read,
+    /// oldest first.
+    in_flight: Vec<(CudaEvent, Box<dyn Send>)>,
 }
 
 // SAFETY: owned by the engine thread's backend; moved between threads, never shared.
@@ -258,18 +306,21 @@ impl KvMover {
         Ok(())
     }
 
+    /// Launches `f` (kv_gather or kv_scatter) over `n` blocks between the cache layer at `cache_layer`
+    /// and the contiguous buffer at `buf`.
     fn launch_copy(
         &self,
         f: &CudaFunction,
         cache_layer: u64,
+        buf: u64,
         n: usize,
         block_vecs: u64,
     ) -> Result<(), CudaError> {
         let mut b = self.stream.launch_builder(f);
-        let (ids, staging) = (self.ids.ptr, self.staging.ptr);
+        let ids = self.ids.ptr;
         b.arg(&cache_layer);
         b.arg(&ids);
-        b.arg(&staging);
+        b.arg(&buf);
         b.arg(&block_vecs);
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
@@ -277,51 +328,88 @@ impl KvMover {
             shared_mem_bytes: 0,
         };
         // SAFETY: (cache, ids, buffer, block_vecs) is kv_gather's and kv_scatter's signature; ids
-        // holds n valid block ids (checked on upload) and staging holds n blocks.
+        // holds n valid block ids (checked on upload) and every caller's buffer holds n blocks.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
 
+    /// `bytes` of device memory for zero-copy transfers, on this mover's GPU.
+    pub fn staging(&self, bytes: usize) -> Result<Arc<KvStaging>, CudaError> {
+        let buf = DeviceBuf::new(&self.ctx, bytes)?;
+        Ok(KvStaging::new(Box::new(DeviceStaging {
+            buf,
+            ordinal: self.ctx.ordinal() as u32,
+        })))
+    }
+
+    /// Whether `kind` is this mover's GPU.
+    fn is_own(&self, kind: StagingKind) -> bool {
+        kind == StagingKind::Device(self.ctx.ordinal() as u32)
+    }
+
     /// Enqueues the export of `blocks` of every layer; `layer_base(l)` is layer l's cache address.
+    /// Into `staged` when given (a slice of this mover's staging), else into a pooled pinned buffer.
     pub fn export(
         &mut self,
         compute: &CudaStream,
         layout: &KvLayout,
         layer_base: impl Fn(usize) -> u64,
         blocks: &[u32],
+        staged: Option<StagingSlice>,
     ) -> Result<Box<dyn KvExport>, CudaError> {
         self.ctx.bind_to_thread()?;
         let bb = layout.block_bytes();
         let layer_bytes = blocks.len() * bb;
-        let mut buf = self.pool.take_buf(layout.n_layers * layer_bytes)?;
+        let mut dest = match staged {
+            Some(s) if self.is_own(s.kind()) && s.len() == layout.n_layers * layer_bytes => {
+                ExportDest::Staged(s)
+            }
+            Some(s) => {
+                return Err(CudaError::Batch(format!(
+                    "staged export of {} bytes into {:?} staging of {} bytes",
+                    layout.n_layers * layer_bytes,
+                    s.kind(),
+                    s.len()
+                )))
+            }
+            None => ExportDest::Host {
+                buf: self.pool.take_buf(layout.n_layers * layer_bytes)?,
+                layer_bytes,
+            },
+        };
         // The step that wrote these blocks is on the compute stream.
         self.stream.join(compute)?;
         self.upload_ids(blocks, layout.num_blocks)?;
         let mut events = Vec::with_capacity(layout.n_layers);
-        let host = buf.as_mut_slice();
+        let vecs = (bb / 16) as u64;
         for l in 0..layout.n_layers {
             if !blocks.is_empty() {
-                self.launch_copy(&self.gather, layer_base(l), blocks.len(), (bb / 16) as u64)?;
-                // SAFETY: the pinned buffer outlives the copy (CudaExport waits in Drop), and
-                // staging holds layer_bytes <= staging_bytes.
-                unsafe {
-                    drv_result::memcpy_dtoh_async(
-                        &mut host[l * layer_bytes..(l + 1) * layer_bytes],
-                        self.staging.ptr,
-                        self.stream.cu_stream(),
-                    )
-                }?;
+                match &mut dest {
+                    ExportDest::Staged(s) => {
+                        let at = s.addr() + (l * layer_bytes) as u64;
+                        self.launch_copy(&self.gather, layer_base(l), at, blocks.len(), vecs)?;
+                    }
+                    ExportDest::Host { buf, .. } => {
+                        let staging = self.staging.ptr;
+                        self.launch_copy(&self.gather, layer_base(l), staging, blocks.len(), vecs)?;
+                        // SAFETY: the pinned buffer outlives the copy (CudaExport waits in Drop), and
+                        // staging holds layer_bytes <= staging_bytes.
+                        unsafe {
+                            drv_result::memcpy_dtoh_async(
+                                &mut buf.as_mut_slice()[l * layer_bytes..(l + 1) * layer_bytes],
+                                staging,
+                                self.stream.cu_stream(),
+                            )
+                        }?;
+                    }
+                }
             }
             events.push(
                 self.stream
                     .record_event(Some(drv::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?,
             );
         }
-        Ok(Box::new(CudaExport {
-            buf,
-            layer_bytes,
-            events,
-        }))
+        Ok(Box::new(CudaExport { dest, events }))
     }
 
     /// Enqueues the import of `data` into `blocks` of the layer at `cache_layer`.
@@ -333,19 +421,14 @@ impl KvMover {
         blocks: &[u32],
         data: HostBuf,
     ) -> Result<(), CudaError> {
-        self.ctx.bind_to_thread()?;
-        let bb = layout.block_bytes();
-        if data.len() != blocks.len() * bb || data.len() > self.staging_bytes {
+        if data.len() > self.staging_bytes {
             return Err(CudaError::Batch(format!(
-                "KV import of {} blocks got {} bytes",
-                blocks.len(),
-                data.len()
+                "KV import of {} bytes past the {}-byte staging buffer",
+                data.len(),
+                self.staging_bytes
             )));
         }
-        self.reap()?;
-        // The blocks may have been read by earlier steps of other sequences.
-        self.stream.join(compute)?;
-        self.upload_ids(blocks, layout.num_blocks)?;
+        self.begin_import(compute, layout, blocks, data.len())?;
         // SAFETY: `data` is kept in `in_flight` until the event after this copy has completed.
         unsafe {
             drv_result::memcpy_htod_async(
@@ -354,9 +437,68 @@ impl KvMover {
                 self.stream.cu_stream(),
             )
         }?;
-        self.launch_copy(&self.scatter, cache_layer, blocks.len(), (bb / 16) as u64)?;
+        let staging = self.staging.ptr;
+        self.end_import(layout, cache_layer, staging, blocks, Box::new(data))
+    }
+
+    /// Enqueues the import of a layer that landed in this mover's staging memory: one scatter, no
+    /// host copy.
+    pub fn import_staged(
+        &mut self,
+        compute: &CudaStream,
+        layout: &KvLayout,
+        cache_layer: u64,
+        blocks: &[u32],
+        src: StagedLayer,
+    ) -> Result<(), CudaError> {
+        if !self.is_own(src.slice.kind()) || src.offset + src.len > src.slice.len() {
+            return Err(CudaError::Batch(format!(
+                "staged KV import from {:?} memory ({} bytes at {}) on GPU {}",
+                src.slice.kind(),
+                src.len,
+                src.offset,
+                self.ctx.ordinal()
+            )));
+        }
+        self.begin_import(compute, layout, blocks, src.len)?;
+        let at = src.addr();
+        self.end_import(layout, cache_layer, at, blocks, Box::new(src))
+    }
+
+    /// Checks an import's size and orders it after the compute stream, with its block ids uploaded.
+    fn begin_import(
+        &mut self,
+        compute: &CudaStream,
+        layout: &KvLayout,
+        blocks: &[u32],
+        len: usize,
+    ) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread()?;
+        if len != blocks.len() * layout.block_bytes() {
+            return Err(CudaError::Batch(format!(
+                "KV import of {} blocks got {len} bytes",
+                blocks.len()
+            )));
+        }
+        self.reap()?;
+        // The blocks may have been read by earlier steps of other sequences.
+        self.stream.join(compute)?;
+        self.upload_ids(blocks, layout.num_blocks)
+    }
+
+    /// Scatters the layer at device address `src` into its blocks and keeps `keep` until that is done.
+    fn end_import(
+        &mut self,
+        layout: &KvLayout,
+        cache_layer: u64,
+        src: u64,
+        blocks: &[u32],
+        keep: Box<dyn Send>,
+    ) -> Result<(), CudaError> {
+        let vecs = (layout.block_bytes() / 16) as u64;
+        self.launch_copy(&self.scatter, cache_layer, src, blocks.len(), vecs)?;
         let ev = self.stream.record_event(None)?;
-        self.in_flight.push((ev, data));
+        self.in_flight.push((ev, keep));
         Ok(())
     }
 

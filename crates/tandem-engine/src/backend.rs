@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use tandem_model::{ForwardBatch, KvLayout};
 
-use crate::kv_host::{HostBuf, HostPool, KvExport, ReadyExport};
+use crate::kv_host::{HostBuf, HostPool, KvExport, ReadyExport, StagedExport};
+use crate::kv_staging::{HostStaging, KvStaging, StagedLayer, StagingSlice};
 
 /// A model step failed; the engine fails the requests of that step and keeps serving.
 #[derive(Debug, thiserror::Error)]
@@ -72,15 +73,10 @@ pub trait Backend: Send + 'static {
     /// The default copies block by block through [`Self::export_block`] before returning.
     fn export_kv(&mut self, blocks: &[u32]) -> Result<Box<dyn KvExport>, BackendError> {
         let layout = self.kv_layout();
-        let n = layout.block_bytes();
-        let mut buf = self.host_pool().take(layout.n_layers * blocks.len() * n)?;
-        let out = buf.as_mut_slice();
-        for layer in 0..layout.n_layers {
-            for (i, &b) in blocks.iter().enumerate() {
-                let at = (layer * blocks.len() + i) * n;
-                self.export_block(layer, b, &mut out[at..at + n])?;
-            }
-        }
+        let mut buf = self
+            .host_pool()
+            .take(layout.n_layers * blocks.len() * layout.block_bytes())?;
+        export_by_block(self, blocks, buf.as_mut_slice())?;
         Ok(Box::new(ReadyExport::new(buf, layout.n_layers.max(1))))
     }
     /// Overwrites `blocks` of `layer` with `data` (their bytes back to back, as [`Self::export_kv`]
@@ -93,18 +89,40 @@ pub trait Backend: Send + 'static {
         blocks: &[u32],
         data: HostBuf,
     ) -> Result<(), BackendError> {
-        let n = self.kv_layout().block_bytes();
-        if data.len() != blocks.len() * n {
-            return Err(BackendError::new(format!(
-                "KV import of {} blocks got {} bytes",
-                blocks.len(),
-                data.len()
-            )));
-        }
-        for (chunk, &b) in data.as_slice().chunks_exact(n).zip(blocks) {
-            self.import_block(layer, b, chunk)?;
-        }
-        Ok(())
+        import_by_block(self, layer, blocks, data.as_slice())
+    }
+    /// Allocates `bytes` of staging memory for zero-copy transfers (see [`crate::kv_staging`]), once,
+    /// where this backend's KV lives: device memory on a GPU. The default is host memory, which the
+    /// block-by-block defaults of [`Self::export_kv_staged`] and [`Self::import_kv_staged`] use.
+    fn kv_staging(&mut self, bytes: usize) -> Result<Arc<KvStaging>, BackendError> {
+        Ok(KvStaging::new(Box::new(HostStaging::new(bytes))))
+    }
+    /// Like [`Self::export_kv`], into `dest`, a slice of this backend's [`Self::kv_staging`] of
+    /// `layers × blocks × block_bytes` bytes. The default copies host staging block by block.
+    fn export_kv_staged(
+        &mut self,
+        blocks: &[u32],
+        mut dest: StagingSlice,
+    ) -> Result<Box<dyn KvExport>, BackendError> {
+        let kind = dest.kind();
+        let out = dest.host_bytes_mut().ok_or_else(|| {
+            BackendError::new(format!("this backend cannot export into {kind:?} staging"))
+        })?;
+        export_by_block(self, blocks, out)?;
+        Ok(Box::new(StagedExport::new(
+            dest,
+            self.kv_layout().n_layers.max(1),
+        )))
+    }
+    /// Like [`Self::import_kv`], from a layer that landed in this backend's staging. The default reads
+    /// host staging block by block.
+    fn import_kv_staged(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        src: StagedLayer,
+    ) -> Result<(), BackendError> {
+        import_by_block(self, layer, blocks, src.host_bytes()?)
     }
     /// Orders every import started so far before the next step's reads of the cache, without
     /// waiting on the host (a no-op for backends that import synchronously).
@@ -123,4 +141,49 @@ pub trait Backend: Send + 'static {
         let _ = (batch, rows, out);
         Ok(false)
     }
+}
+
+/// Copies every layer of `blocks` into `out` (layer-major, blocks back to back) one block at a time.
+fn export_by_block<B: Backend + ?Sized>(
+    backend: &B,
+    blocks: &[u32],
+    out: &mut [u8],
+) -> Result<(), BackendError> {
+    let layout = backend.kv_layout();
+    let n = layout.block_bytes();
+    if out.len() != layout.n_layers * blocks.len() * n {
+        return Err(BackendError::new(format!(
+            "KV export of {} blocks given {} bytes",
+            blocks.len(),
+            out.len()
+        )));
+    }
+    for layer in 0..layout.n_layers {
+        for (i, &b) in blocks.iter().enumerate() {
+            let at = (layer * blocks.len() + i) * n;
+            backend.export_block(layer, b, &mut out[at..at + n])?;
+        }
+    }
+    Ok(())
+}
+
+/// Overwrites `blocks` of `layer` from `data` (their bytes back to back) one block at a time.
+fn import_by_block<B: Backend + ?Sized>(
+    backend: &mut B,
+    layer: usize,
+    blocks: &[u32],
+    data: &[u8],
+) -> Result<(), BackendError> {
+    let n = backend.kv_layout().block_bytes();
+    if data.len() != blocks.len() * n {
+        return Err(BackendError::new(format!(
+            "KV import of {} blocks got {} bytes",
+            blocks.len(),
+            data.len()
+        )));
+    }
+    for (chunk, &b) in data.chunks_exact(n).zip(blocks) {
+        backend.import_block(layer, b, chunk)?;
+    }
+    Ok(())
 }

@@ -93,6 +93,7 @@ impl Engine {
             device_tokens: Vec::new(),
             importing: HashMap::new(),
             pins: HashMap::new(),
+            staging: None,
             finished: Vec::new(),
             max_len: max_model_len.min(layout.num_blocks * layout.block_size),
             counters: EngineStats {

@@ -4,6 +4,7 @@
 use crate::error::EngineError;
 use crate::kv_host::{HostBuf, HostPool};
 use crate::kv_manager::{ExportedKv, ImportPlan};
+use crate::kv_staging::{KvStaging, StagedLayer};
 use crate::stats::EngineStats;
 use crate::types::{EngineRequest, RequestId, RequestMode, TokenOutput};
 use crossbeam_channel::Sender;
@@ -65,12 +66,28 @@ pub(crate) enum Command {
     ImportLayer {
         id: RequestId,
         layer: usize,
-        data: HostBuf,
+        data: ImportData,
         reply: Reply<()>,
     },
+    EnableStaging(usize, Reply<Arc<KvStaging>>),
     StartDecoding(RequestId, Reply<()>),
     Check(Reply<EngineStats>),
     Shutdown,
+}
+
+/// Where an imported layer's bytes are: a host buffer, or staging memory a zero-copy transport filled.
+pub(crate) enum ImportData {
+    Host(HostBuf),
+    Staged(StagedLayer),
+}
+
+impl ImportData {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            ImportData::Host(b) => b.len(),
+            ImportData::Staged(l) => l.len,
+        }
+    }
 }
 
 /// What the handles and the engine thread share: published stats, live ids, and the limits `submit`
@@ -333,9 +350,27 @@ impl EngineHandle {
         self.call(|reply| Command::ImportLayer {
             id,
             layer,
-            data,
+            data: ImportData::Host(data),
             reply,
         })
+    }
+
+    /// Like [`Self::import_layer`], from a layer that landed in this engine's staging memory
+    /// ([`Self::enable_kv_staging`]); the backend copies it into the cache without a host round trip.
+    pub fn import_staged(&self, id: RequestId, layer: usize, data: StagedLayer) -> Pending<()> {
+        self.call(|reply| Command::ImportLayer {
+            id,
+            layer,
+            data: ImportData::Staged(data),
+            reply,
+        })
+    }
+
+    /// Allocates `bytes` of the backend's staging memory (device memory on a GPU) for zero-copy
+    /// transfers, once: from then on exports go into it while it has room, and the returned arena is
+    /// what a transport registers and lands imports in.
+    pub fn enable_kv_staging(&self, bytes: usize) -> Pending<Arc<KvStaging>> {
+        self.call(|reply| Command::EnableStaging(bytes, reply))
     }
 
     /// Host buffers of the backend's preferred kind (page-locked on a GPU) for [`Self::import_layer`].

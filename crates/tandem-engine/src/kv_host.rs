@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use crate::kv_staging::StagingSlice;
 use crate::BackendError;
 
 /// Memory behind a [`HostBuf`]: plain bytes for CPU backends, page-locked pooled memory for GPUs.
@@ -92,8 +93,18 @@ impl HostPool for VecPool {
 pub trait KvExport: Send + Sync {
     /// Layers the export holds.
     fn num_layers(&self) -> usize;
-    /// Waits until layer `layer` has landed, then returns its bytes (`blocks × block_bytes`).
+    /// Waits until layer `layer` has landed, then returns its bytes (`blocks × block_bytes`); an error
+    /// for an export held in device memory, which only a zero-copy transport reads.
     fn layer(&self, layer: usize) -> Result<&[u8], BackendError>;
+    /// Waits until layer `layer` has landed (wherever the export lives).
+    fn wait_layer(&self, layer: usize) -> Result<(), BackendError> {
+        self.layer(layer).map(|_| ())
+    }
+    /// The staging slice holding the export (layer-major, whole layers back to back), when it was
+    /// made into staging memory for a zero-copy transport.
+    fn staged(&self) -> Option<&StagingSlice> {
+        None
+    }
 }
 
 /// An export that was complete when made (backends that copy synchronously).
@@ -117,15 +128,51 @@ impl KvExport for ReadyExport {
     }
 
     fn layer(&self, layer: usize) -> Result<&[u8], BackendError> {
-        if layer >= self.num_layers {
-            return Err(BackendError::new(format!(
-                "layer {layer} outside an export of {} layers",
-                self.num_layers
-            )));
-        }
-        let n = self.buf.len() / self.num_layers;
-        Ok(&self.buf.as_slice()[layer * n..(layer + 1) * n])
+        layer_of(self.buf.as_slice(), self.num_layers, layer)
     }
+}
+
+/// An export into host staging memory that was complete when made (backends that copy synchronously).
+#[derive(Debug)]
+pub struct StagedExport {
+    slice: StagingSlice,
+    num_layers: usize,
+}
+
+impl StagedExport {
+    /// `slice` (host staging) holds `num_layers` equal layer slices back to back.
+    pub fn new(slice: StagingSlice, num_layers: usize) -> Self {
+        assert!(num_layers > 0 && slice.len().is_multiple_of(num_layers));
+        Self { slice, num_layers }
+    }
+}
+
+impl KvExport for StagedExport {
+    fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    fn layer(&self, layer: usize) -> Result<&[u8], BackendError> {
+        let bytes = self.slice.host_bytes().ok_or_else(|| {
+            BackendError::new("a staged export in device memory has no host bytes")
+        })?;
+        layer_of(bytes, self.num_layers, layer)
+    }
+
+    fn staged(&self) -> Option<&StagingSlice> {
+        Some(&self.slice)
+    }
+}
+
+/// Layer `layer` of `bytes`, which holds `num_layers` equal layers back to back.
+fn layer_of(bytes: &[u8], num_layers: usize, layer: usize) -> Result<&[u8], BackendError> {
+    if layer >= num_layers {
+        return Err(BackendError::new(format!(
+            "layer {layer} outside an export of {num_layers} layers"
+        )));
+    }
+    let n = bytes.len() / num_layers;
+    Ok(&bytes[layer * n..(layer + 1) * n])
 }
 
 /// The default pool as a shared handle (what [`crate::Backend::host_pool`] returns unless overridden).

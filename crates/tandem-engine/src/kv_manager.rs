@@ -6,12 +6,14 @@
 use crate::backend::{Backend, BackendError};
 use crate::block_pool::BlockTable;
 use crate::error::EngineError;
-use crate::handle::Item;
-use crate::kv_host::{HostBuf, KvExport};
+use crate::handle::{ImportData, Item};
+use crate::kv_host::KvExport;
+use crate::kv_staging::KvStaging;
 use crate::sampler::SeqRng;
 use crate::scheduler::Sequence;
 use crate::types::{EngineRequest, RequestId};
 use crate::worker::{Ext, Seq, Worker};
+use std::sync::Arc;
 use std::time::Instant;
 use tandem_model::KvLayout;
 use tokio::sync::mpsc;
@@ -35,6 +37,16 @@ impl ExportedKv {
     /// The bytes of one layer's blocks, once they have landed (waits for them).
     pub fn layer(&self, layer: usize) -> Result<&[u8], BackendError> {
         self.data.layer(layer)
+    }
+
+    /// Waits until one layer has landed, wherever the export lives.
+    pub fn wait_layer(&self, layer: usize) -> Result<(), BackendError> {
+        self.data.wait_layer(layer)
+    }
+
+    /// The staging slice holding the export when it went into staging memory (zero-copy transports).
+    pub fn staged(&self) -> Option<&crate::kv_staging::StagingSlice> {
+        self.data.staged()
     }
 
     /// The bytes of one (layer, logical block), once they have landed.
@@ -113,14 +125,21 @@ impl<B: Backend> Worker<B> {
         let num_blocks = self.pool.blocks_for(pin.num_tokens);
         let (num_tokens, first_token) = (pin.num_tokens, pin.first_token);
         let blocks = pin.table.blocks[..num_blocks].to_vec();
-        // Enqueued, not waited for: readers wait per layer (`ExportedKv::layer`).
-        let data = self
-            .backend
-            .export_kv(&blocks)
-            .map_err(|e| EngineError::InvalidState {
-                id,
-                reason: format!("KV export failed: {e}"),
-            })?;
+        // Into staging memory while it has room (a zero-copy transport reads it there), else into host
+        // buffers. Enqueued, not waited for: readers wait per layer (`ExportedKv::layer`).
+        let bytes = layout.n_layers * blocks.len() * layout.block_bytes();
+        let slice = self.staging.as_ref().and_then(|s| s.take(bytes));
+        if self.staging.is_some() && slice.is_none() {
+            tracing::debug!(id, bytes, "KV staging full: exporting through host memory");
+        }
+        let data = match slice {
+            Some(slice) => self.backend.export_kv_staged(&blocks, slice),
+            None => self.backend.export_kv(&blocks),
+        }
+        .map_err(|e| EngineError::InvalidState {
+            id,
+            reason: format!("KV export failed: {e}"),
+        })?;
         Ok(ExportedKv {
             layout,
             num_tokens,
@@ -214,7 +233,7 @@ impl<B: Backend> Worker<B> {
         &mut self,
         id: RequestId,
         layer: usize,
-        data: HostBuf,
+        data: ImportData,
     ) -> Result<(), EngineError> {
         let (seq, layout, cached) = self.importing_seq(id)?;
         // Owned: the backend call below borrows the engine mutably (a few ids per layer).
@@ -231,12 +250,27 @@ impl<B: Backend> Worker<B> {
                 ),
             });
         }
-        self.backend
-            .import_kv(layer, &blocks, data)
-            .map_err(|e| EngineError::InvalidState {
-                id,
-                reason: format!("KV import failed: {e}"),
-            })
+        match data {
+            ImportData::Host(buf) => self.backend.import_kv(layer, &blocks, buf),
+            ImportData::Staged(staged) => self.backend.import_kv_staged(layer, &blocks, staged),
+        }
+        .map_err(|e| EngineError::InvalidState {
+            id,
+            reason: format!("KV import failed: {e}"),
+        })
+    }
+
+    pub(crate) fn enable_staging(&mut self, bytes: usize) -> Result<Arc<KvStaging>, EngineError> {
+        if let Some(s) = &self.staging {
+            return Ok(Arc::clone(s));
+        }
+        let staging = self
+            .backend
+            .kv_staging(bytes)
+            .map_err(|e| EngineError::Config(format!("KV staging of {bytes} bytes: {e}")))?;
+        tracing::info!(bytes, kind = ?staging.kind(), "KV staging memory allocated");
+        self.staging = Some(Arc::clone(&staging));
+        Ok(staging)
     }
 
     pub(crate) fn start_decoding(&mut self, id: RequestId) -> Result<(), EngineError> {

@@ -13,6 +13,7 @@ mod error;
 mod handle;
 pub mod kv_host;
 mod kv_manager;
+pub mod kv_staging;
 pub mod prefix_cache;
 pub mod sampler;
 pub mod scheduler;
@@ -25,5 +26,6 @@ pub use engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,
     RequestStream,
 };
-pub use kv_host::{HostBuf, HostMem, HostPool, KvExport, ReadyExport, VecPool};
+pub use kv_host::{HostBuf, HostMem, HostPool, KvExport, ReadyExport, StagedExport, VecPool};
+pub use kv_staging::{HostStaging, KvStaging, StagedLayer, StagingKind, StagingMem, StagingSlice};
 pub use types::*;

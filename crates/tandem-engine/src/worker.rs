@@ -7,6 +7,7 @@ use crate::block_pool::BlockPool;
 use crate::error::EngineError;
 use crate::handle::{Command, Item, Shared};
 use crate::kv_manager::Pin;
+use crate::kv_staging::KvStaging;
 use crate::sampler::{logprobs_of, Sampled, Sampler, SeqRng};
 use crate::scheduler::{Scheduler, Sequence};
 use crate::stats::EngineStats;
@@ -82,6 +83,8 @@ pub(crate) struct Worker<B: Backend> {
     pub(crate) importing: HashMap<RequestId, Seq>,
     /// Finished prefill-only requests' KV, held for export (see `kv_manager`).
     pub(crate) pins: HashMap<RequestId, Pin>,
+    /// Staging memory exports go into while it has room (zero-copy transports).
+    pub(crate) staging: Option<Arc<KvStaging>>,
     /// Indices into `sched.running` that finished this step (reused buffer).
     pub(crate) finished: Vec<usize>,
     pub(crate) eos: Vec<u32>,
@@ -204,6 +207,9 @@ impl<B: Backend> Worker<B> {
                 reply,
             } => {
                 let _ = reply.send(self.import_layer(id, layer, data));
+            }
+            Command::EnableStaging(bytes, reply) => {
+                let _ = reply.send(self.enable_staging(bytes));
             }
             Command::StartDecoding(id, reply) => {
                 let _ = reply.send(self.start_decoding(id));

@@ -32,6 +32,7 @@ pub struct KvMetrics {
     released_disconnect: AtomicU64,
     released_timeout: AtomicU64,
     serve_errors: AtomicU64,
+    served_in_place: AtomicU64,
 }
 
 /// A point-in-time copy of [`KvMetrics`], for export and tests.
@@ -63,6 +64,10 @@ pub struct KvMetricsSnapshot {
     pub released_timeout: u64,
     /// Server connections that ended in an error.
     pub serve_errors: u64,
+    /// Pulls a server let a zero-copy transport READ in place from registered staging memory (GPU to GPU
+    /// on CUDA workers), with no copy on either side.
+    #[serde(default)]
+    pub served_in_place: u64,
 }
 
 impl KvMetrics {
@@ -96,6 +101,9 @@ impl KvMetrics {
     pub(crate) fn serve_error(&self) {
         self.serve_errors.fetch_add(1, Relaxed);
     }
+    pub(crate) fn served_in_place(&self) {
+        self.served_in_place.fetch_add(1, Relaxed);
+    }
 
     /// Reads every counter.
     pub fn snapshot(&self) -> KvMetricsSnapshot {
@@ -112,6 +120,7 @@ impl KvMetrics {
             released_disconnect: self.released_disconnect.load(Relaxed),
             released_timeout: self.released_timeout.load(Relaxed),
             serve_errors: self.serve_errors.load(Relaxed),
+            served_in_place: self.served_in_place.load(Relaxed),
         }
     }
 }

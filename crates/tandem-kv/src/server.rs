@@ -245,8 +245,9 @@ struct ConnState {
     control: Option<u64>,
     /// The shared-memory segment of the transfer in flight; back to the pool when the transfer ends.
     shm: Option<ShmSegment>,
-    /// The registered NIXL export buffer of the transfer in flight; back to its pool when the transfer ends.
-    nixl: Option<crate::nixl::PoolLease>,
+    /// What the NIXL transfer in flight is READ from (a registered copy, or the pin of a staged export);
+    /// let go when the transfer ends.
+    nixl: Option<crate::nixl::server::NixlHold>,
 }
 
 impl ConnState {
@@ -341,18 +342,9 @@ async fn conn_loop(
                 let req: crate::nixl::server::NixlPullRequest = r.json(&h).await?;
                 let guard = inner.registry.begin_read(tid)?;
                 st.control = Some(tid);
-                let blocks = selected(&guard.blocks, &req.blocks)?;
                 st.end_transfer(inner);
-                crate::nixl::server::send_nixl(
-                    inner,
-                    r.get_mut(),
-                    tid,
-                    &req,
-                    guard,
-                    blocks,
-                    &mut st.nixl,
-                )
-                .await?;
+                crate::nixl::server::send_nixl(inner, r.get_mut(), tid, &req, guard, &mut st.nixl)
+                    .await?;
                 send_control(r.get_mut(), FrameKind::PullDone, tid, io).await?;
             }
             FrameKind::Ack => {

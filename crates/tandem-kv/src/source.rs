@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::nixl::MemRegion;
 use crate::{BlockSelection, KvError, WireLayout};
 
 /// Read access to a prefill worker's pinned KV blocks; implemented by the prefill worker over its engine.
@@ -20,6 +21,18 @@ pub trait KvSource: Send + Sync + 'static {
         out: &mut [u8],
     ) -> Result<(), KvError>;
 
+    /// Where the transfer's KV sits when the prefill exported it into staging memory a zero-copy transport
+    /// registered (NIXL reads it in place): the whole export, layer-major, each layer every block of the
+    /// transfer back to back. `None` (the default): serve it through [`Self::copy_blocks`].
+    fn staged(&self, _transfer_id: u64) -> Result<Option<MemRegion>, KvError> {
+        Ok(None)
+    }
+
+    /// Blocks until `layer` of the transfer's staged export has landed (an asynchronous GPU gather).
+    fn wait_staged(&self, _transfer_id: u64, _layer: usize) -> Result<(), KvError> {
+        Ok(())
+    }
+
     /// Unpins the transfer's blocks; the server calls it exactly once per registered transfer
     /// (on ack, abort, disconnect or timeout).
     fn release(&self, transfer_id: u64, blocks: &[u32]);
@@ -37,6 +50,21 @@ pub trait KvSink: Send + Sync {
     /// Every selected block of `layer` has been written; lets decode start on that layer early.
     fn layer_complete(&self, _layer: usize) -> Result<(), KvError> {
         Ok(())
+    }
+
+    /// Registered staging memory of this sink's owner a zero-copy pull of `len` bytes may READ into
+    /// directly (every layer's selected blocks back to back, layer-major), or `None` (the default) to have
+    /// the bytes delivered through [`Self::write`]. Asked once per pull; the region stays the sink's.
+    fn landing(&self, _len: usize) -> Result<Option<MemRegion>, KvError> {
+        Ok(None)
+    }
+
+    /// All of `layer` has landed in the [`Self::landing`] region: `len` bytes at `offset`. Takes the place
+    /// of `write` + `layer_complete` for that layer.
+    fn landed(&self, layer: usize, _offset: usize, _len: usize) -> Result<(), KvError> {
+        Err(KvError::Sink(format!(
+            "layer {layer} landed in staging memory this sink never offered"
+        )))
     }
 
     /// Every layer has been written; after this returns `Ok` the pull acks and the source unpins.

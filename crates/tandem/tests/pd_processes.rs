@@ -532,7 +532,9 @@ async fn a_missing_nixl_library_fails_at_start_naming_it() {
 }
 
 /// P/D over NIXL (the unpacked `nixl-cu13` wheel named by `TANDEM_TEST_NIXL_LIB`, as `scripts/test.sh` sets
-/// it): the same greedy tokens as colocated, the KV pulled, nothing prefilled on the decode worker.
+/// it): the same greedy tokens as colocated, the KV pulled, nothing prefilled on the decode worker — both
+/// in place (the default: prefill exports into registered staging memory, decode READs into its own, no
+/// copy into a transfer buffer on either side) and, with `staging_mib: 0`, through registered buffers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_over_nixl_matches_colocated() {
     let Some(lib) = std::env::var_os("TANDEM_TEST_NIXL_LIB") else {
@@ -541,20 +543,29 @@ async fn pd_over_nixl_matches_colocated() {
     };
     let Some(_turn) = turn().await else { return };
     let want = colocated_answers().await;
-    let yaml = pd_yaml(1).replace(
-        "kv_transfer: {transport: tcp,",
-        &format!(
-            "kv_transfer: {{transport: nixl, nixl_library: {},",
-            std::path::Path::new(&lib).display()
-        ),
-    );
-    let pd = Server::with_config(BIN, &yaml);
-    let decode = pd.worker(Role::Decode).await;
-    let before = pd.load(&decode.url).await;
-    for (p, want) in PROMPTS.iter().zip(&want) {
-        let got = pd.complete(p, 12).await;
-        assert_eq!(text(&got), text(want), "prompt {p:?}");
+    for (staging, in_place) in [("", PROMPTS.len() as u64), (" staging_mib: 0,", 0)] {
+        let yaml = pd_yaml(1).replace(
+            "kv_transfer: {transport: tcp,",
+            &format!(
+                "kv_transfer: {{transport: nixl, nixl_library: {},{staging}",
+                std::path::Path::new(&lib).display()
+            ),
+        );
+        let pd = Server::with_config(BIN, &yaml);
+        let decode = pd.worker(Role::Decode).await;
+        let prefill = pd.worker(Role::Prefill).await;
+        let before = pd.load(&decode.url).await;
+        for (p, want) in PROMPTS.iter().zip(&want) {
+            let got = pd.complete(p, 12).await;
+            assert_eq!(text(&got), text(want), "prompt {p:?} ({staging:?})");
+        }
+        let after = pd.load(&decode.url).await;
+        assert_pulled_without_prefilling(&before, &after, PROMPTS.len() as u64);
+        let served = pd.load(&prefill.url).await.kv;
+        assert_eq!(
+            served.served_in_place, in_place,
+            "pulls READ in place from staging ({staging:?})"
+        );
+        assert_eq!(served.released_ack, PROMPTS.len() as u64, "every pin acked");
     }
-    let after = pd.load(&decode.url).await;
-    assert_pulled_without_prefilling(&before, &after, PROMPTS.len() as u64);
 }

@@ -60,10 +60,41 @@ impl CudaLlama {
         &mut self,
         blocks: &[u32],
     ) -> Result<Box<dyn tandem_engine::KvExport>, CudaError> {
+        self.export_into(blocks, None)
+    }
+
+    /// Starts the bulk export of every layer of `blocks` into `dest`, a slice of [`Self::kv_staging`]
+    /// (device memory a zero-copy transport reads); returns once enqueued.
+    pub fn export_kv_staged(
+        &mut self,
+        blocks: &[u32],
+        dest: tandem_engine::StagingSlice,
+    ) -> Result<Box<dyn tandem_engine::KvExport>, CudaError> {
+        self.export_into(blocks, Some(dest))
+    }
+
+    fn export_into(
+        &mut self,
+        blocks: &[u32],
+        dest: Option<tandem_engine::StagingSlice>,
+    ) -> Result<Box<dyn tandem_engine::KvExport>, CudaError> {
         let layout = self.layout;
         let (kv, stride) = (self.kv.ptr, self.layer_stride_bytes());
-        self.mover
-            .export(&self.stream, &layout, |l| kv + (l * stride) as u64, blocks)
+        self.mover.export(
+            &self.stream,
+            &layout,
+            |l| kv + (l * stride) as u64,
+            blocks,
+            dest,
+        )
+    }
+
+    /// `bytes` of device memory for zero-copy KV transfers (see [`crate::kv_bulk`]).
+    pub fn kv_staging(
+        &self,
+        bytes: usize,
+    ) -> Result<std::sync::Arc<tandem_engine::KvStaging>, CudaError> {
+        self.mover.staging(bytes)
     }
 
     /// Enqueues the bulk import of one layer's `blocks` from `data` (blocks back to back).
@@ -73,15 +104,33 @@ impl CudaLlama {
         blocks: &[u32],
         data: tandem_engine::HostBuf,
     ) -> Result<(), CudaError> {
+        let base = self.layer_base(layer)?;
+        let layout = self.layout;
+        self.mover.import(&self.stream, &layout, base, blocks, data)
+    }
+
+    /// Enqueues the bulk import of one layer's `blocks` from this GPU's staging memory.
+    pub fn import_kv_staged(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        src: tandem_engine::StagedLayer,
+    ) -> Result<(), CudaError> {
+        let base = self.layer_base(layer)?;
+        let layout = self.layout;
+        self.mover
+            .import_staged(&self.stream, &layout, base, blocks, src)
+    }
+
+    /// Device address of `layer`'s cache, checked.
+    fn layer_base(&self, layer: usize) -> Result<u64, CudaError> {
         if layer >= self.layout.n_layers {
             return Err(CudaError::Batch(format!(
                 "KV import of layer {layer} outside {} layers",
                 self.layout.n_layers
             )));
         }
-        let base = self.kv.ptr + (layer * self.layer_stride_bytes()) as u64;
-        let layout = self.layout;
-        self.mover.import(&self.stream, &layout, base, blocks, data)
+        Ok(self.kv.ptr + (layer * self.layer_stride_bytes()) as u64)
     }
 
     /// Orders every bulk import so far before the next step (the compute stream waits; the host

@@ -192,8 +192,9 @@ pub(crate) struct Xfer {
     core: Arc<AgentCore>,
     req: ffi::XferReq,
     done: bool,
-    /// The buffer the READ writes into: leaked, never reused, if NIXL cannot cancel a running READ.
-    dest: Option<Arc<PoolLease>>,
+    /// What owns the memory the READ writes into: leaked, never reused, if NIXL cannot cancel a running
+    /// READ.
+    dest: Option<Box<dyn Send>>,
 }
 
 // SAFETY: the request handle is only used through the (thread-safe) agent.
@@ -243,7 +244,7 @@ impl Drop for Xfer {
         if !self.release() {
             tracing::error!(
                 done = self.done,
-                "NIXL refused to release a transfer request; leaking its receive buffer"
+                "NIXL refused to release a transfer request; leaking the memory it writes into"
             );
             if let Some(d) = self.dest.take() {
                 std::mem::forget(d);
@@ -406,7 +407,7 @@ impl NixlAgent {
         local: &[MemRegion],
         remote: &[MemRegion],
         remote_agent: &str,
-        dest: &Arc<PoolLease>,
+        dest: Box<dyn Send>,
     ) -> Result<Xfer, KvError> {
         if local.len() != remote.len() || local.iter().zip(remote).any(|(l, r)| l.len != r.len) {
             return Err(KvError::Protocol(
@@ -438,7 +439,7 @@ impl NixlAgent {
             core: Arc::clone(&self.core),
             req,
             done: false,
-            dest: Some(Arc::clone(dest)),
+            dest: Some(dest),
         };
         // SAFETY: a fresh request of this agent.
         let s =

@@ -8,8 +8,8 @@ use tokio::net::TcpStream;
 
 use super::{MemRegion, PoolLease};
 use crate::registry::ReadGuard;
-use crate::server::{copy_and_announce, ServerInner};
-use crate::wire::{self, FrameKind};
+use crate::server::{copy_and_announce, selected, ServerInner};
+use crate::wire::{self, FrameHeader, FrameKind};
 use crate::{BlockSelection, KvError};
 
 /// Body of a `NixlPull` frame.
@@ -37,29 +37,53 @@ pub(crate) struct NixlOpen {
     pub layers: Vec<MemRegion>,
 }
 
-/// Serves one `NixlPull`: leases a registered buffer big enough for the selected blocks of every layer,
-/// sends `NixlOpen`, then copies the layers in and announces each with `NixlLayer`. The buffer is parked in
-/// `slot` until the transfer ends (ack, abort, disconnect), since the client READs it until then.
+/// What a NIXL transfer keeps until it ends (ack, abort, disconnect), because the client READs until then:
+/// the registered buffer the blocks were copied into, or — for an export already in registered staging
+/// memory — the read guard that keeps the pin, and so that memory, from being released.
+pub(crate) enum NixlHold {
+    /// A pooled registered buffer holding a copy.
+    Lease { _lease: PoolLease },
+    /// The pin of a staged export.
+    Pin { _guard: ReadGuard },
+}
+
+/// Serves one `NixlPull`. When the source's export sits in registered staging memory, the client READs it
+/// in place: `NixlOpen` names each layer's selected run there, and each layer is announced once its export
+/// has landed. Otherwise it leases a registered buffer big enough for the selected blocks of every layer,
+/// copies the layers in and announces each. Either way what the client READs is parked in `slot` until the
+/// transfer ends.
 pub(crate) async fn send_nixl(
     inner: &Arc<ServerInner>,
     w: &mut TcpStream,
     tid: u64,
     req: &NixlPullRequest,
     guard: ReadGuard,
-    blocks: Vec<u32>,
-    slot: &mut Option<PoolLease>,
+    slot: &mut Option<NixlHold>,
 ) -> Result<(), KvError> {
     let agent = inner
         .nixl
         .get()
         .ok_or_else(|| KvError::Protocol("this KV server does not serve NIXL pulls".into()))?;
+    let blocks = selected(&guard.blocks, &req.blocks)?;
     if blocks.is_empty() {
         return Err(KvError::Protocol("a NIXL pull of no block".into()));
     }
     let layout = inner.info.layout;
+    let n_total = guard.blocks.len();
     let layer_bytes = blocks.len() * layout.block_bytes();
     let total = layout.n_layers * layer_bytes;
-    let lease = agent.lease(total)?;
+    let staged = inner.registry.source().staged(tid)?;
+    let (layers, lease) = match staged {
+        Some(region) => (
+            staged_layers(&region, &req.blocks, layout.n_layers, n_total)?,
+            None,
+        ),
+        None => {
+            let lease = agent.lease(total)?;
+            let layers = lease.region().pieces(layout.n_layers, layer_bytes as u64);
+            (layers, Some(lease))
+        }
+    };
     // Generation before metadata: the blob is then at least as new as the generation we announce.
     let md_gen = agent.md_generation();
     let current = req
@@ -75,9 +99,15 @@ pub(crate) async fn send_nixl(
             Some(agent.local_md()?)
         },
         n_blocks: blocks.len() as u32,
-        layers: lease.region().pieces(layout.n_layers, layer_bytes as u64),
+        layers,
     };
     wire::send_json(w, FrameKind::NixlOpen, tid, &open, inner.config.io_timeout).await?;
+    let Some(lease) = lease else {
+        inner.metrics.served_in_place();
+        let res = announce_staged(inner, w, tid, blocks.len(), layer_bytes).await;
+        *slot = Some(NixlHold::Pin { _guard: guard });
+        return res;
+    };
     let (lease, res) = copy_and_announce(
         inner,
         w,
@@ -89,6 +119,96 @@ pub(crate) async fn send_nixl(
         FrameKind::NixlLayer,
     )
     .await?;
-    *slot = Some(lease);
+    *slot = Some(NixlHold::Lease { _lease: lease });
     res
+}
+
+/// Each layer's selected blocks within a staged export (`n_layers` layers of `n_total` blocks each, back
+/// to back): one region per layer, so the selection must be one run of blocks.
+fn staged_layers(
+    export: &MemRegion,
+    selection: &BlockSelection,
+    n_layers: usize,
+    n_total: usize,
+) -> Result<Vec<MemRegion>, KvError> {
+    let [run] = selection.runs() else {
+        return Err(KvError::Protocol(format!(
+            "a pull from staged KV must select one run of blocks, not {}",
+            selection.runs().len()
+        )));
+    };
+    let full_layer = export.len / n_layers.max(1) as u64;
+    let block = full_layer / n_total.max(1) as u64;
+    if full_layer * n_layers as u64 != export.len || block * n_total as u64 != full_layer {
+        return Err(KvError::Source(format!(
+            "a staged export of {} bytes is not {n_layers} layers of {n_total} blocks",
+            export.len
+        )));
+    }
+    let (start, len) = (
+        run.start as u64 * block,
+        (run.end - run.start) as u64 * block,
+    );
+    Ok((0..n_layers as u64)
+        .map(|l| export.slice(l * full_layer + start, len))
+        .collect())
+}
+
+/// Announces each layer of a staged export as soon as the source says it has landed (the waits run on the
+/// blocking pool, in layer order).
+async fn announce_staged(
+    inner: &Arc<ServerInner>,
+    w: &mut TcpStream,
+    tid: u64,
+    n_blocks: usize,
+    layer_bytes: usize,
+) -> Result<(), KvError> {
+    for layer in 0..inner.info.layout.n_layers {
+        let waiter = Arc::clone(inner);
+        tokio::task::spawn_blocking(move || waiter.registry.source().wait_staged(tid, layer))
+            .await
+            .map_err(|e| KvError::Source(format!("KV export wait failed: {e}")))??;
+        let mut h = FrameHeader::control(FrameKind::NixlLayer, tid, 0);
+        h.layer = layer as u32;
+        h.n_blocks = n_blocks as u32;
+        wire::send(w, h, &[], inner.config.io_timeout).await?;
+        inner.metrics.add_sent(layer_bytes as u64);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nixl::MemKind;
+
+    fn export(len: u64) -> MemRegion {
+        MemRegion {
+            addr: 1 << 20,
+            len,
+            kind: MemKind::Vram,
+            device: 2,
+        }
+    }
+
+    #[test]
+    fn staged_layers_name_the_selected_run_of_each_layer() {
+        // 3 layers of 4 blocks of 100 bytes; blocks 1..3 selected.
+        let r = staged_layers(&export(1200), &BlockSelection::range(1..3), 3, 4).unwrap();
+        assert_eq!(r.len(), 3);
+        assert_eq!(r[0].addr, (1 << 20) + 100);
+        assert_eq!(r[2].addr, (1 << 20) + 800 + 100);
+        assert!(r
+            .iter()
+            .all(|x| x.len == 200 && x.kind == MemKind::Vram && x.device == 2));
+    }
+
+    #[test]
+    fn staged_layers_refuse_gaps_and_odd_sizes() {
+        let gaps = BlockSelection::from_indices([0, 2]);
+        let e = staged_layers(&export(1200), &gaps, 3, 4).unwrap_err();
+        assert!(e.to_string().contains("one run"), "{e}");
+        let e = staged_layers(&export(1100), &BlockSelection::all(4), 3, 4).unwrap_err();
+        assert!(e.to_string().contains("not 3 layers of 4 blocks"), "{e}");
+    }
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::nixl::server::{NixlOpen, NixlPullRequest};
-use crate::nixl::{slow_transfer_warning, MemKind, MemRegion, NixlAgent, PoolLease, Xfer};
+use crate::nixl::{slow_transfer_warning, MemRegion, NixlAgent, PoolLease, Xfer};
 use crate::transport::tcp::{ack_only, connect, finish_on_control, TcpConfig};
 use crate::transport::{KvTransport, PullFuture};
 use crate::wire::{self, FrameKind, FrameReader};
@@ -60,7 +60,7 @@ impl NixlTransport {
             known,
         };
         wire::send_json(c.get_mut(), FrameKind::NixlPull, tid, &req, io).await?;
-        let res = self.receive(&mut c, handle, blocks, &*sink).await;
+        let res = self.receive(&mut c, handle, blocks, &sink).await;
         let res = match res {
             Ok(b) => sink.complete().map(|()| b),
             e => e,
@@ -82,7 +82,7 @@ impl NixlTransport {
         c: &mut FrameReader<tokio::net::TcpStream>,
         handle: &TransferHandle,
         blocks: &BlockSelection,
-        sink: &dyn KvSink,
+        sink: &Arc<dyn KvSink>,
     ) -> Result<u64, KvError> {
         let n_layers = handle.layout.n_layers;
         let bb = handle.layout.block_bytes();
@@ -112,7 +112,14 @@ impl NixlTransport {
                 open.agent
             )));
         }
-        let dest = Arc::new(self.agent.lease(n_layers * layer_bytes)?);
+        let total = n_layers * layer_bytes;
+        // READ straight into the sink's staging memory when it offers some of the kind the server's
+        // regions are (GPU to GPU), else into a registered buffer of ours and deliver from there.
+        let remote_kind = open.layers[0].kind;
+        let dest = match sink.landing(total)? {
+            Some(r) if r.kind == remote_kind && r.len >= total as u64 => Dest::Landing(r),
+            _ => Dest::Lease(Arc::new(self.agent.lease(total)?)),
+        };
         let local = dest.region().pieces(n_layers, layer_bytes as u64);
         let mut reads = Reads {
             running: Vec::new(),
@@ -137,10 +144,10 @@ impl NixlTransport {
                         &local[layer..=layer],
                         &open.layers[layer..=layer],
                         &open.agent,
-                        &dest,
+                        dest.keep_alive(sink),
                     )?;
                     reads.running.push((layer, x));
-                    reads.deliver_done(&dest, &local, &runs, sink)?;
+                    reads.deliver_done(&dest, &local, &runs, &**sink)?;
                 }
                 FrameKind::PullDone => break,
                 k => {
@@ -155,7 +162,7 @@ impl NixlTransport {
         }
         let mut polls = 0u32;
         while reads.left > 0 {
-            reads.deliver_done(&dest, &local, &runs, sink)?;
+            reads.deliver_done(&dest, &local, &runs, &**sink)?;
             if reads.left == 0 {
                 break;
             }
@@ -180,12 +187,38 @@ impl NixlTransport {
         if let Some(start) = reads.started {
             let elapsed = start.elapsed();
             if let Some(w) =
-                slow_transfer_warning(bytes, elapsed, MemKind::Dram, self.agent.warn_below_gbps())
+                slow_transfer_warning(bytes, elapsed, remote_kind, self.agent.warn_below_gbps())
             {
                 tracing::warn!(transfer_id = handle.transfer_id, "{w}");
             }
         }
         Ok(bytes)
+    }
+}
+
+/// Where a pull's READs land.
+enum Dest {
+    /// A registered buffer of this transport's pool; layers are delivered to the sink from it.
+    Lease(Arc<PoolLease>),
+    /// The sink's own registered staging memory; layers are handed over in place.
+    Landing(MemRegion),
+}
+
+impl Dest {
+    fn region(&self) -> MemRegion {
+        match self {
+            Dest::Lease(l) => l.region(),
+            Dest::Landing(r) => *r,
+        }
+    }
+
+    /// What a READ into this destination keeps alive (leaks, if NIXL cannot cancel it): the buffer, or
+    /// the sink that owns the landing memory.
+    fn keep_alive(&self, sink: &Arc<dyn KvSink>) -> Box<dyn Send> {
+        match self {
+            Dest::Lease(l) => Box::new(Arc::clone(l)),
+            Dest::Landing(_) => Box::new(Arc::clone(sink)),
+        }
     }
 }
 
@@ -201,7 +234,7 @@ impl Reads {
     /// Hands every finished layer to the sink.
     fn deliver_done(
         &mut self,
-        dest: &PoolLease,
+        dest: &Dest,
         local: &[MemRegion],
         runs: &[(usize, usize, usize)],
         sink: &dyn KvSink,
@@ -212,11 +245,16 @@ impl Reads {
                 let (layer, x) = self.running.swap_remove(i);
                 drop(x);
                 let base = (local[layer].addr - local[0].addr) as usize;
-                let bytes = dest.as_ref();
-                for &(first, off, len) in runs {
-                    sink.write(layer, first, &bytes[base + off..base + off + len])?;
+                match dest {
+                    Dest::Landing(_) => sink.landed(layer, base, local[layer].len as usize)?,
+                    Dest::Lease(lease) => {
+                        let bytes: &[u8] = (**lease).as_ref();
+                        for &(first, off, len) in runs {
+                            sink.write(layer, first, &bytes[base + off..base + off + len])?;
+                        }
+                        sink.layer_complete(layer)?;
+                    }
                 }
-                sink.layer_complete(layer)?;
                 self.left -= 1;
             } else {
                 i += 1;
