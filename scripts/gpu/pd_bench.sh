@@ -5,17 +5,26 @@
 #   ttft-1k / ttft-4k   TTFT at concurrency 1, 1,024- and 4,096-token prompts (128 out)
 #   c64 / c256          output throughput and failures at fixed concurrency, 1,024/128
 #   bursty              8 req/s of 256/256 plus 16 x 4,096-token prompts every 5 s
-# Results: $OUT/pd_bench.jsonl (one `tandem bench --output` row per run, tagged) and $OUT/pd_summary.md.
-# Usage: OUT=dir TANDEM_BIN=path MODEL_DIR=dir MAKE_MODEL=path/make_model.py scripts/gpu/pd_bench.sh \
-#          [colocated] [tcp] [pd] [quick]
-# (MAKE_MODEL: the workplace's shared gpu/make_model.py, needed only when MODEL_DIR has no model yet.)
+# Results: $OUT/pd_bench.jsonl (one `tandem bench --output` row per run, tagged) and $OUT/pd_summary.md;
+# with TRANSPORT=nixl also $OUT/kv_rates.txt: the rate of every large pull, from the workers' debug lines
+# (NIXL: first layer announced to last READ done; tcp: the whole pull).
+# Usage: OUT=dir TANDEM_BIN=path MODEL_DIR=dir MAKE_MODEL=path/make_model.py [TRANSPORT=shm|tcp|nixl \
+#          NIXL_LIB=unpacked-wheel-or-subset] scripts/gpu/pd_bench.sh [colocated] [tcp] [pd] [quick]
+# (MAKE_MODEL: the workplace's shared gpu/make_model.py, needed only when MODEL_DIR has no model yet;
+# NIXL_LIB: what scripts/gpu/nixl_subset.sh copies out of the nixl-cu13 wheel.)
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${OUT:-$root/out/gpu}"
 BIN="${TANDEM_BIN:-$root/out/tandem}"
 MODEL_DIR="${MODEL_DIR:-/tmp/model-8b}"
 TRANSPORT="${TRANSPORT:-shm}"
+nixl_opt=""
+[ "$TRANSPORT" = nixl ] && nixl_opt=", nixl_library: ${NIXL_LIB:?TRANSPORT=nixl needs NIXL_LIB}"
+# The workers' per-pull debug lines feed kv_rates.txt.
+export RUST_LOG="${RUST_LOG:-info,tandem_kv::transport=debug}"
 what=" ${*:-colocated pd} "
+# shellcheck source=scripts/gpu/cuda_env.sh
+source "$root/scripts/gpu/cuda_env.sh"
 mkdir -p "$OUT"
 work=/tmp/pd_bench
 mkdir -p "$work"
@@ -119,7 +128,7 @@ deployment:
   mode: pd
   prefill: {replicas: 1}
   decode: {replicas: 1}
-  kv_transfer: {transport: $TRANSPORT}" && run_suite pd
+  kv_transfer: {transport: $TRANSPORT$nixl_opt, staging_mib: 8192}" && run_suite pd
   curl -s http://127.0.0.1:8000/metrics | grep -E "^tandem:kv_transfer" >"$OUT/pd_metrics.txt"
   grep -iE "error|warn" "$OUT/serve-pd.log" | tail -5
   stop pd
@@ -128,4 +137,31 @@ if [ -f "$work/greedy-colocated.json" ] && [ -f "$work/greedy-pd.json" ]; then
   if cmp -s "$work/greedy-colocated.json" "$work/greedy-pd.json"; then echo "PASS P/D greedy == colocated greedy (4 prompts, 32 tokens)" | tee -a "$OUT/pd_bench.jsonl"
   else echo "FAIL P/D greedy differs from colocated" | tee -a "$OUT/pd_bench.jsonl"; fi
 fi
+# Rates of pulls of at least 256 MiB (the 4,096-token prompts: 512 MiB of 8B KV), per log.
+python3 - "$OUT" <<'PY' | tee "$OUT/kv_rates.txt"
+import glob, re, statistics, sys
+unit = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
+for log in sorted(glob.glob(sys.argv[1] + "/serve-*.log")):
+    nixl, pulls = [], []
+    for line in open(log, errors="replace"):
+        b = re.search(r"\bbytes=(\d+)", line)
+        if not b or int(b.group(1)) < 256 << 20:
+            continue
+        n = int(b.group(1))
+        if "NIXL READs done" in line:
+            g = re.search(r"gbps=([\d.]+)", line)
+            nixl.append((float(g.group(1)), "in_place=true" in line))
+        elif "KV pull done" in line:
+            e = re.search(r"elapsed=([\d.]+)(s|ms|µs|us|ns)", line)
+            if e:
+                pulls.append(n / (float(e.group(1)) * unit[e.group(2)]) / 1e9)
+    name = log.rsplit("/", 1)[-1]
+    if nixl:
+        rates = [g for g, _ in nixl]
+        print(f"{name}: {len(nixl)} NIXL READ sets of >=256 MiB ({sum(p for _, p in nixl)} in place): "
+              f"median {statistics.median(rates):.1f} GB/s, min {min(rates):.1f}, max {max(rates):.1f}")
+    if pulls:
+        print(f"{name}: {len(pulls)} whole pulls of >=256 MiB: median {statistics.median(pulls):.1f} GB/s, "
+              f"min {min(pulls):.1f}, max {max(pulls):.1f}")
+PY
 python3 "$root/scripts/gpu/pd_summary.py" "$OUT/pd_bench.jsonl" | tee "$OUT/pd_summary.md"

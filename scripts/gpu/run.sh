@@ -28,18 +28,8 @@ want() { [[ "$what" == *" $1 "* || "$what" == *" all "* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-# NVRTC and cuBLAS 13 come from the CUDA toolkit or from PyTorch's nvidia wheels.
-libdirs="$(python3 - <<'PY'
-import glob, os, site
-dirs = []
-for sp in site.getsitepackages():
-    for d in sorted(glob.glob(os.path.join(sp, "nvidia", "*", "lib"))):
-        if glob.glob(os.path.join(d, "libnvrtc.so*")) or glob.glob(os.path.join(d, "libcublas*.so*")):
-            dirs.append(d)
-print(":".join(dirs))
-PY
-)"
-export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${libdirs}:${LD_LIBRARY_PATH:-}"
+# shellcheck source=scripts/gpu/cuda_env.sh
+source "$root/scripts/gpu/cuda_env.sh"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit --format=csv |
   tee "$OUT/nvidia-smi.txt"

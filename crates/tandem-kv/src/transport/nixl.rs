@@ -186,6 +186,15 @@ impl NixlTransport {
         let bytes = (n_layers * layer_bytes) as u64;
         if let Some(start) = reads.started {
             let elapsed = start.elapsed();
+            tracing::debug!(
+                transfer_id = handle.transfer_id,
+                bytes,
+                micros = elapsed.as_micros() as u64,
+                gbps = bytes as f64 / elapsed.as_secs_f64().max(1e-9) / 1e9,
+                in_place = matches!(dest, Dest::Landing(_)),
+                kind = ?remote_kind,
+                "NIXL READs done (first announcement to last READ)"
+            );
             if let Some(w) =
                 slow_transfer_warning(bytes, elapsed, remote_kind, self.agent.warn_below_gbps())
             {
