@@ -144,6 +144,7 @@ unit = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
 for log in sorted(glob.glob(sys.argv[1] + "/serve-*.log")):
     nixl, pulls = [], []
     for line in open(log, errors="replace"):
+        line = re.sub(r"\x1b\[[0-9;]*m", "", line)
         b = re.search(r"\bbytes=(\d+)", line)
         if not b or int(b.group(1)) < 256 << 20:
             continue
