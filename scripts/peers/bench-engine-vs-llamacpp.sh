@@ -8,9 +8,7 @@
 #   LLAMACPP=python through llama-cpp-python itself (scripts/peers/llamacpp-venv.sh builds it once; 10–40 min),
 #                   measured by scripts/peers/llamacpp-speed.py the way `tandem bench-engine` measures.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-cd "$root"
-model="${1:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 threads="${2:-$(nproc)}"
 mode="${LLAMACPP:-bench}"
 bash scripts/fetch-model.sh >/dev/null

@@ -12,9 +12,7 @@
 # PEERS (llama-server,colocated,pd), LLAMA_THREADS (nproc), TANDEM_BIN (default: target/release/tandem,
 # built if missing). With PEERS a subset, the table still includes the other peers' latest results in OUT.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-cd "$root"
-model="${1:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 out="${OUT:-out/compare}"
 concurrencies="${CONCURRENCIES:-1,4,16}"
 num_prompts="${NUM_PROMPTS:-32}"

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::codec::CodecError;
 use crate::error::ApiError;
-use crate::generate::{chat_logprob, collect, submit_choices};
+use crate::generate::{chat_logprob, collect, submit_choices, AnswerHead};
 use crate::protocol::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, MessageContent, Usage,
@@ -134,20 +134,11 @@ pub async fn chat_completions(
     let max_tokens =
         resolve_max_tokens(plan.max_tokens, prompt.len(), state.backend.max_model_len())?;
     let runs = submit_choices(&state, &prompt, &plan, max_tokens, arrived)?;
-    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
-    let created = chrono::Utc::now().timestamp();
-    let model = state.primary_model_name().to_owned();
-    let fingerprint = state.config.system_fingerprint.clone();
+    let head = AnswerHead::new(&state, "chatcmpl");
     let chunk = {
-        let (id, model, fingerprint) = (id.clone(), model.clone(), fingerprint.clone());
-        move |choices: Vec<ChatChunkChoice>, usage: Option<Usage>| ChatCompletionChunk {
-            id: id.clone(),
-            object: "chat.completion.chunk",
-            created,
-            model: model.clone(),
-            system_fingerprint: fingerprint.clone(),
-            choices,
-            usage,
+        let head = head.clone();
+        move |choices: Vec<ChatChunkChoice>, usage: Option<Usage>| -> ChatCompletionChunk {
+            head.answer("chat.completion.chunk", choices, usage)
         }
     };
 
@@ -228,14 +219,7 @@ pub async fn chat_completions(
             finish_reason: c.finish,
         });
     }
-    Ok(Json(ChatCompletionResponse {
-        id,
-        object: "chat.completion",
-        created,
-        model,
-        system_fingerprint: fingerprint,
-        choices,
-        usage: Usage::new(prompt.len(), completion_tokens),
-    })
-    .into_response())
+    let usage = Usage::new(prompt.len(), completion_tokens);
+    let answer: ChatCompletionResponse = head.answer("chat.completion", choices, usage);
+    Ok(Json(answer).into_response())
 }

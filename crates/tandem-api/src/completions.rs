@@ -9,7 +9,9 @@ use axum::Json;
 
 use crate::codec::TextCodec;
 use crate::error::ApiError;
-use crate::generate::{collect, push_completion_logprobs, submit_choices, GeneratedToken, Step};
+use crate::generate::{
+    collect, push_completion_logprobs, submit_choices, AnswerHead, GeneratedToken, Step,
+};
 use crate::protocol::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptInput, Usage,
 };
@@ -141,22 +143,11 @@ pub async fn completions(
         );
     }
     let prompt_tokens: usize = prompts.iter().map(|p| p.ids.len()).sum();
-    let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
-    let created = chrono::Utc::now().timestamp();
-    let model = state.primary_model_name().to_owned();
-    let fingerprint = state.config.system_fingerprint.clone();
-    let response = {
-        let (id, model, fingerprint) = (id.clone(), model.clone(), fingerprint.clone());
-        move |choices: Vec<CompletionChoice>, usage: Option<Usage>| CompletionResponse {
-            id: id.clone(),
-            object: "text_completion",
-            created,
-            model: model.clone(),
-            system_fingerprint: fingerprint.clone(),
-            choices,
-            usage,
-        }
-    };
+    let head = AnswerHead::new(&state, "cmpl");
+    let response =
+        move |choices: Vec<CompletionChoice>, usage: Option<Usage>| -> CompletionResponse {
+            head.answer("text_completion", choices, usage)
+        };
     if plan.stream {
         let total = prompts.len() * plan.n;
         let mut offsets = vec![0usize; total];

@@ -10,7 +10,7 @@ use tandem_engine::{FinishReason, TokenLogprobs};
 use crate::backend::TokenStream;
 use crate::codec::{StreamDecoder, TextCodec};
 use crate::error::ApiError;
-use crate::protocol::{ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs};
+use crate::protocol::{Answer, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs};
 use crate::state::AppState;
 use crate::stop::StopMatcher;
 use crate::validate::GenPlan;
@@ -36,6 +36,41 @@ pub struct Step {
     /// On the first step of a request that scored its prompt (echo with logprobs): one entry per
     /// prompt token, `None` for the first.
     pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
+}
+
+/// What every response object of one answer repeats, fixed when the answer starts.
+#[derive(Debug, Clone)]
+pub struct AnswerHead {
+    id: String,
+    created: i64,
+    model: String,
+    fingerprint: String,
+}
+
+impl AnswerHead {
+    /// A fresh answer id (`{id_prefix}-` and a random UUID), the time now, and the served model's name
+    /// and fingerprint.
+    pub fn new(state: &AppState, id_prefix: &str) -> Self {
+        AnswerHead {
+            id: format!("{id_prefix}-{}", uuid::Uuid::new_v4().simple()),
+            created: chrono::Utc::now().timestamp(),
+            model: state.primary_model_name().to_owned(),
+            fingerprint: state.config.system_fingerprint.clone(),
+        }
+    }
+
+    /// One response object of this answer, of OpenAI type `object`.
+    pub fn answer<C, U>(&self, object: &'static str, choices: Vec<C>, usage: U) -> Answer<C, U> {
+        Answer {
+            id: self.id.clone(),
+            object,
+            created: self.created,
+            model: self.model.clone(),
+            system_fingerprint: self.fingerprint.clone(),
+            choices,
+            usage,
+        }
+    }
 }
 
 /// The state of one choice while it generates.

@@ -240,25 +240,6 @@ pub struct ChatChoice {
     pub finish_reason: Option<&'static str>,
 }
 
-/// A non-streamed chat answer.
-#[derive(Debug, Clone, Serialize)]
-pub struct ChatCompletionResponse {
-    /// `chatcmpl-...`.
-    pub id: String,
-    /// Always `chat.completion`.
-    pub object: &'static str,
-    /// Unix seconds.
-    pub created: i64,
-    /// The served model name.
-    pub model: String,
-    /// Identifies the server build and model.
-    pub system_fingerprint: String,
-    /// The choices.
-    pub choices: Vec<ChatChoice>,
-    /// Token accounting.
-    pub usage: Usage,
-}
-
 /// The delta of a streamed chat chunk.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ChatDelta {
@@ -283,26 +264,6 @@ pub struct ChatChunkChoice {
     pub finish_reason: Option<&'static str>,
 }
 
-/// A streamed chat chunk.
-#[derive(Debug, Clone, Serialize)]
-pub struct ChatCompletionChunk {
-    /// Same id in every chunk of one answer.
-    pub id: String,
-    /// Always `chat.completion.chunk`.
-    pub object: &'static str,
-    /// Unix seconds.
-    pub created: i64,
-    /// The served model name.
-    pub model: String,
-    /// Identifies the server build and model.
-    pub system_fingerprint: String,
-    /// Usually one choice; empty in the final usage chunk.
-    pub choices: Vec<ChatChunkChoice>,
-    /// Only in the final chunk, when `stream_options.include_usage` is set.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-}
-
 /// One choice of a text completion (streamed or not).
 #[derive(Debug, Clone, Serialize)]
 pub struct CompletionChoice {
@@ -316,12 +277,14 @@ pub struct CompletionChoice {
     pub finish_reason: Option<&'static str>,
 }
 
-/// A text completion answer, or one streamed chunk of it (same object type, as in OpenAI).
+/// A response object of one answer (a chat answer, a chat chunk, a text completion or one chunk of it):
+/// the fields OpenAI repeats in every object of an answer, its choices, and token usage where it has one.
 #[derive(Debug, Clone, Serialize)]
-pub struct CompletionResponse {
-    /// `cmpl-...`.
+#[serde(bound(serialize = "C: Serialize, U: Serialize + UsageSlot"))]
+pub struct Answer<C, U> {
+    /// `chatcmpl-...` or `cmpl-...`, the same in every chunk of one answer.
     pub id: String,
-    /// Always `text_completion`.
+    /// `chat.completion`, `chat.completion.chunk` or `text_completion`.
     pub object: &'static str,
     /// Unix seconds.
     pub created: i64,
@@ -329,12 +292,40 @@ pub struct CompletionResponse {
     pub model: String,
     /// Identifies the server build and model.
     pub system_fingerprint: String,
-    /// The choices.
-    pub choices: Vec<CompletionChoice>,
-    /// Token accounting (non-streamed always; streamed only in the final usage chunk).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
+    /// The choices; a chunk usually has one, the final usage chunk none.
+    pub choices: Vec<C>,
+    /// Token accounting: always in a whole answer; in a stream only in the final chunk, when
+    /// `stream_options.include_usage` is set.
+    #[serde(skip_serializing_if = "UsageSlot::is_absent")]
+    pub usage: U,
 }
+
+/// Token usage as an answer object holds it: always ([`Usage`]) or in some objects only (`Option`).
+pub trait UsageSlot {
+    /// Whether the object leaves `usage` out.
+    fn is_absent(&self) -> bool;
+}
+
+impl UsageSlot for Usage {
+    fn is_absent(&self) -> bool {
+        false
+    }
+}
+
+impl UsageSlot for Option<Usage> {
+    fn is_absent(&self) -> bool {
+        self.is_none()
+    }
+}
+
+/// A non-streamed chat answer (`chat.completion`).
+pub type ChatCompletionResponse = Answer<ChatChoice, Usage>;
+
+/// A streamed chat chunk (`chat.completion.chunk`).
+pub type ChatCompletionChunk = Answer<ChatChunkChoice, Option<Usage>>;
+
+/// A text completion answer, or one streamed chunk of it (same object type, as in OpenAI).
+pub type CompletionResponse = Answer<CompletionChoice, Option<Usage>>;
 
 /// One entry of `GET /v1/models`.
 #[derive(Debug, Clone, Serialize)]

@@ -22,4 +22,4 @@ pub use error::BenchError;
 pub use metrics::{RequestRecord, Slo, Summary};
 pub use report::{BenchFile, RunConfig, RunResult};
 pub use runner::{run_plan, BenchPlan, SweepPoint};
-pub use workload::{PromptBuilder, PromptFormat, WorkloadSpec};
+pub use workload::{BurstySpec, PromptBuilder, PromptFormat, WorkloadSpec};

@@ -303,7 +303,7 @@ pub fn itl_over_time(runs: &[RunResult], path: &Path) -> Result<(), BenchError> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workload::{LengthSpec, WorkloadSpec};
+    use crate::workload::{BurstySpec, LengthSpec, WorkloadSpec};
 
     #[test]
     fn charts_are_drawn_from_runs() {
@@ -321,7 +321,7 @@ mod tests {
         let path = dir.join("itl.png");
         assert!(itl_over_time(std::slice::from_ref(&a), &path).is_err());
         let mut bursty = a;
-        bursty.config.workload = WorkloadSpec::Bursty {
+        bursty.config.workload = WorkloadSpec::Bursty(BurstySpec {
             steady_input: LengthSpec::fixed(8),
             steady_output: LengthSpec::fixed(3),
             steady_rate: 1.0,
@@ -329,7 +329,7 @@ mod tests {
             burst_output: 2,
             burst_size: 2,
             burst_interval_s: 1.0,
-        };
+        });
         bursty.burst_times_s = vec![0.05];
         let points = itl_points(&bursty);
         assert_eq!(points.len(), 2);

@@ -133,9 +133,9 @@ async fn run_point(
 ) -> Result<RunResult, BenchError> {
     let seed = plan.seed + index as u64;
     let mut workload = plan.workload.clone();
-    if let WorkloadSpec::Bursty { steady_rate, .. } = &mut workload {
+    if let WorkloadSpec::Bursty(b) = &mut workload {
         if point.request_rate.is_finite() {
-            *steady_rate = point.request_rate;
+            b.steady_rate = point.request_rate;
         }
     }
     let generated = workload.generate(builder, plan.num_prompts, plan.prompt_format, seed)?;

@@ -130,22 +130,7 @@ pub enum WorkloadSpec {
     },
     /// Steady short chats (Poisson at `steady_rate`) plus, every `burst_interval_s`, `burst_size` long
     /// prompts at once: the load where decode latency suffers from co-scheduled prefills.
-    Bursty {
-        /// Prompt length of the steady requests.
-        steady_input: LengthSpec,
-        /// Output length of the steady requests.
-        steady_output: LengthSpec,
-        /// Steady requests per second.
-        steady_rate: f64,
-        /// Prompt length of the burst requests.
-        burst_input: usize,
-        /// Output length of the burst requests.
-        burst_output: usize,
-        /// Requests per burst.
-        burst_size: usize,
-        /// Seconds between bursts (the first comes after one interval).
-        burst_interval_s: f64,
-    },
+    Bursty(BurstySpec),
     /// Prompts from a JSONL file: one object per line with `prompt` (text) and optionally `max_tokens`.
     Jsonl {
         /// The file.
@@ -153,6 +138,25 @@ pub enum WorkloadSpec {
         /// Output length of lines without `max_tokens`.
         output_len: usize,
     },
+}
+
+/// The parameters of [`WorkloadSpec::Bursty`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BurstySpec {
+    /// Prompt length of the steady requests.
+    pub steady_input: LengthSpec,
+    /// Output length of the steady requests.
+    pub steady_output: LengthSpec,
+    /// Steady requests per second.
+    pub steady_rate: f64,
+    /// Prompt length of the burst requests.
+    pub burst_input: usize,
+    /// Output length of the burst requests.
+    pub burst_output: usize,
+    /// Requests per burst.
+    pub burst_size: usize,
+    /// Seconds between bursts (the first comes after one interval).
+    pub burst_interval_s: f64,
 }
 
 /// The generated requests of one run, in send order.
@@ -184,19 +188,16 @@ impl WorkloadSpec {
                 num_prefixes,
                 suffix,
                 output,
-            } => format!(
-                "shared_prefix {num_prefixes}×{prefix_len} + {suffix} out={output}"
-            ),
-            WorkloadSpec::Bursty {
-                steady_input,
-                steady_output,
-                steady_rate,
-                burst_input,
-                burst_output,
-                burst_size,
-                burst_interval_s,
-            } => format!(
-                "bursty steady {steady_input}/{steady_output} at {steady_rate}/s + {burst_size}×{burst_input}/{burst_output} every {burst_interval_s}s"
+            } => format!("shared_prefix {num_prefixes}×{prefix_len} + {suffix} out={output}"),
+            WorkloadSpec::Bursty(b) => format!(
+                "bursty steady {}/{} at {}/s + {}×{}/{} every {}s",
+                b.steady_input,
+                b.steady_output,
+                b.steady_rate,
+                b.burst_size,
+                b.burst_input,
+                b.burst_output,
+                b.burst_interval_s
             ),
             WorkloadSpec::Jsonl { path, .. } => format!("jsonl {}", path.display()),
         }
@@ -249,56 +250,8 @@ impl WorkloadSpec {
                     })
                     .collect::<Result<Vec<_>, _>>()?
             }
-            WorkloadSpec::Bursty {
-                steady_input,
-                steady_output,
-                steady_rate,
-                burst_input,
-                burst_output,
-                burst_size,
-                burst_interval_s,
-            } => {
-                if !(steady_rate.is_finite() && *steady_rate > 0.0 && *burst_interval_s > 0.0) {
-                    return Err(BenchError::Config(
-                        "bursty needs a finite steady rate and a positive burst interval".into(),
-                    ));
-                }
-                let times = arrival::poisson_offsets(n, *steady_rate, &mut rng);
-                let mut all = Vec::with_capacity(n);
-                for t in &times {
-                    let len = steady_input.sample(&mut rng);
-                    let max_tokens = steady_output.sample(&mut rng);
-                    let mut r = builder.request(
-                        &mut rng,
-                        &[],
-                        len,
-                        max_tokens,
-                        format,
-                        RequestClass::Steady,
-                    )?;
-                    r.at_s = Some(*t);
-                    all.push(r);
-                }
-                let span = times.last().copied().unwrap_or(0.0);
-                let mut t = *burst_interval_s;
-                while t <= span {
-                    burst_times_s.push(t);
-                    for _ in 0..*burst_size {
-                        let mut r = builder.request(
-                            &mut rng,
-                            &[],
-                            *burst_input,
-                            *burst_output,
-                            format,
-                            RequestClass::Burst,
-                        )?;
-                        r.at_s = Some(t);
-                        all.push(r);
-                    }
-                    t += burst_interval_s;
-                }
-                all.sort_by(|a, b| a.at_s.unwrap_or(0.0).total_cmp(&b.at_s.unwrap_or(0.0)));
-                all
+            WorkloadSpec::Bursty(b) => {
+                b.requests(builder, n, format, &mut rng, &mut burst_times_s)?
             }
             WorkloadSpec::Jsonl { path, output_len } => {
                 read_jsonl(builder, path, n, *output_len, format)?
@@ -308,6 +261,55 @@ impl WorkloadSpec {
             requests,
             burst_times_s,
         })
+    }
+}
+
+impl BurstySpec {
+    /// The steady requests at Poisson times and, every interval within their span, a burst; in send
+    /// order. Records each burst's start in `burst_times_s`.
+    fn requests(
+        &self,
+        builder: &PromptBuilder,
+        n: usize,
+        format: PromptFormat,
+        rng: &mut ChaCha8Rng,
+        burst_times_s: &mut Vec<f64>,
+    ) -> Result<Vec<BenchRequest>, BenchError> {
+        if !(self.steady_rate.is_finite() && self.steady_rate > 0.0 && self.burst_interval_s > 0.0)
+        {
+            return Err(BenchError::Config(
+                "bursty needs a finite steady rate and a positive burst interval".into(),
+            ));
+        }
+        let times = arrival::poisson_offsets(n, self.steady_rate, rng);
+        let mut all = Vec::with_capacity(n);
+        for t in &times {
+            let len = self.steady_input.sample(rng);
+            let max_tokens = self.steady_output.sample(rng);
+            let mut r = builder.request(rng, &[], len, max_tokens, format, RequestClass::Steady)?;
+            r.at_s = Some(*t);
+            all.push(r);
+        }
+        let span = times.last().copied().unwrap_or(0.0);
+        let mut t = self.burst_interval_s;
+        while t <= span {
+            burst_times_s.push(t);
+            for _ in 0..self.burst_size {
+                let mut r = builder.request(
+                    rng,
+                    &[],
+                    self.burst_input,
+                    self.burst_output,
+                    format,
+                    RequestClass::Burst,
+                )?;
+                r.at_s = Some(t);
+                all.push(r);
+            }
+            t += self.burst_interval_s;
+        }
+        all.sort_by(|a, b| a.at_s.unwrap_or(0.0).total_cmp(&b.at_s.unwrap_or(0.0)));
+        Ok(all)
     }
 }
 
@@ -543,7 +545,7 @@ mod tests {
     #[test]
     fn bursty_adds_timed_bursts_of_long_prompts() {
         let Some(b) = builder() else { return };
-        let spec = WorkloadSpec::Bursty {
+        let spec = WorkloadSpec::Bursty(BurstySpec {
             steady_input: LengthSpec::fixed(16),
             steady_output: LengthSpec::fixed(8),
             steady_rate: 4.0,
@@ -551,7 +553,14 @@ mod tests {
             burst_output: 2,
             burst_size: 3,
             burst_interval_s: 1.0,
-        };
+        });
+        // Serialized flat, its fields beside the tag, as when they were the variant's own.
+        let json = serde_json::to_value(&spec).unwrap();
+        assert_eq!(
+            (json["kind"].as_str(), json["burst_size"].as_u64()),
+            (Some("bursty"), Some(3))
+        );
+        assert_eq!(serde_json::from_value::<WorkloadSpec>(json).unwrap(), spec);
         let w = spec.generate(&b, 40, PromptFormat::Tokens, 5).unwrap();
         let steady: Vec<_> = w
             .requests

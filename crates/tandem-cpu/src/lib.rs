@@ -5,7 +5,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use tandem_engine::{Backend, BackendError};
+use tandem_engine::{Backend, BackendError, BackendInfo};
 use tandem_model::{
     CpuLlama, ForwardBatch, GroupBreaker, KvCache, KvDtype, KvLayout, LlamaWeights, ModelConfig,
     ModelError, Partition, ThreadCollective,
@@ -28,10 +28,7 @@ struct Rank {
 /// all-heads layout (and imports split back), so workers of different tensor-parallel sizes exchange KV.
 pub struct CpuBackend {
     ranks: Vec<Rank>,
-    layout: KvLayout,
-    eos: Vec<u32>,
-    vocab: usize,
-    max_len: usize,
+    info: BackendInfo,
     /// One rank's block bytes during export/import, reused.
     staging: std::cell::RefCell<Vec<u8>>,
 }
@@ -105,10 +102,7 @@ impl CpuBackend {
     fn from_ranks(c: &ModelConfig, ranks: Vec<Rank>, layout: KvLayout) -> Self {
         CpuBackend {
             ranks,
-            layout,
-            eos: c.eos_token_ids.clone(),
-            vocab: c.vocab_size,
-            max_len: c.max_position_embeddings,
+            info: BackendInfo::new(c, layout),
             staging: Default::default(),
         }
     }
@@ -120,7 +114,7 @@ impl CpuBackend {
 
     /// Byte range of rank `r`'s K (part 0) or V (part 1) heads inside one canonical block.
     fn part_range(&self, r: usize, part: usize) -> std::ops::Range<usize> {
-        let l = &self.layout;
+        let l = &self.info.layout;
         let head_bytes = l.block_bytes() / (2 * l.n_kv_heads);
         let heads = &self.ranks[r].model.share().kv_heads;
         let base = part * l.n_kv_heads * head_bytes;
@@ -151,20 +145,8 @@ fn rank_step(rank: &mut Rank, batch: &ForwardBatch) -> Result<(), BackendError> 
 }
 
 impl Backend for CpuBackend {
-    fn kv_layout(&self) -> KvLayout {
-        self.layout
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-
-    fn max_model_len(&self) -> usize {
-        self.max_len
-    }
-
-    fn eos_token_ids(&self) -> &[u32] {
-        &self.eos
+    fn info(&self) -> &BackendInfo {
+        &self.info
     }
 
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
@@ -294,15 +276,6 @@ mod tests {
         Engine::start(CpuBackend::new(llama, 4, per_block * kv_blocks), cfg).unwrap()
     }
 
-    fn greedy(max_tokens: usize) -> SamplingParams {
-        SamplingParams {
-            temperature: 0.0,
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        }
-    }
-
     fn collect(s: &mut RequestStream) -> Vec<u32> {
         let mut out = Vec::new();
         while let Some(o) = s.blocking_recv() {
@@ -315,7 +288,11 @@ mod tests {
     fn alone(e: &EngineHandle, id: u64, prompt: &[u32], n: usize) -> Vec<u32> {
         collect(
             &mut e
-                .submit(EngineRequest::new(id, prompt.to_vec(), greedy(n)))
+                .submit(EngineRequest::new(
+                    id,
+                    prompt.to_vec(),
+                    SamplingParams::greedy(n),
+                ))
                 .unwrap(),
         )
     }
@@ -364,7 +341,7 @@ mod tests {
         let req = EngineRequest {
             id: 1,
             prompt: prompt.clone(),
-            params: greedy(5),
+            params: SamplingParams::greedy(5),
             mode: RequestMode::PrefillOnly {
                 pin_timeout: Duration::from_secs(60),
             },
@@ -379,7 +356,12 @@ mod tests {
         let (a, prompt, want, first) = prefilled(m);
         assert_eq!(first, want[..1]);
         let b = engine(m, 64, |_| {});
-        let mut s = hand_over(&a, &b, EngineRequest::new(1, prompt, greedy(5)), first[0]);
+        let mut s = hand_over(
+            &a,
+            &b,
+            EngineRequest::new(1, prompt, SamplingParams::greedy(5)),
+            first[0],
+        );
         assert_eq!(collect(&mut s), want);
         let st = b.checked_stats().wait_blocking().unwrap();
         assert_eq!((st.prefill_tokens_computed, st.kv_blocks_used), (0, 0));
@@ -397,7 +379,10 @@ mod tests {
         let b = engine(m, 64, |_| {});
         let kv = a.export_blocks(1).wait_blocking().unwrap();
         let (mut s, plan) = b
-            .import_prefilled(EngineRequest::new(1, prompt, greedy(5)), first[0])
+            .import_prefilled(
+                EngineRequest::new(1, prompt, SamplingParams::greedy(5)),
+                first[0],
+            )
             .unwrap();
         assert_eq!(plan.wait_blocking().unwrap().cached, 0);
         // A layer of the wrong size is refused, naming the expectation.
@@ -456,8 +441,12 @@ mod tests {
                 .iter()
                 .enumerate()
                 .map(|(i, p)| {
-                    e.submit(EngineRequest::new(i as u64, p.to_vec(), greedy(12)))
-                        .unwrap()
+                    e.submit(EngineRequest::new(
+                        i as u64,
+                        p.to_vec(),
+                        SamplingParams::greedy(12),
+                    ))
+                    .unwrap()
                 })
                 .collect();
             for (w, s) in want.iter().zip(&mut streams) {
@@ -479,14 +468,14 @@ mod tests {
             let req = EngineRequest {
                 id: 1,
                 prompt: prompt.clone(),
-                params: greedy(6),
+                params: SamplingParams::greedy(6),
                 mode: RequestMode::PrefillOnly {
                     pin_timeout: Duration::from_secs(60),
                 },
             };
             let first = collect(&mut p.submit(req).unwrap());
             let d = engine_tp(m, d_tp, 64);
-            let req = EngineRequest::new(1, prompt.clone(), greedy(6));
+            let req = EngineRequest::new(1, prompt.clone(), SamplingParams::greedy(6));
             let mut s = hand_over(&p, &d, req, first[0]);
             assert_eq!(collect(&mut s), want, "prefill tp={p_tp}, decode tp={d_tp}");
             assert_eq!(
@@ -506,7 +495,11 @@ mod tests {
         let Some(m) = model() else { return };
         let e = engine(m, 64, |_| {});
         let mut s = e
-            .submit(EngineRequest::new(1, vec![1, 504, 3070, 314], greedy(1000)))
+            .submit(EngineRequest::new(
+                1,
+                vec![1, 504, 3070, 314],
+                SamplingParams::greedy(1000),
+            ))
             .unwrap();
         assert!(s.blocking_recv().unwrap().finish.is_none());
         drop(s);
@@ -534,7 +527,7 @@ mod tests {
             let mut streams: Vec<_> = prompts
                 .iter()
                 .enumerate()
-                .map(|(i, p)| e.submit(EngineRequest::new(i as u64, p.clone(), greedy(4))).unwrap())
+                .map(|(i, p)| e.submit(EngineRequest::new(i as u64, p.clone(), SamplingParams::greedy(4))).unwrap())
                 .collect();
             for (w, s) in want.iter().zip(&mut streams) {
                 prop_assert_eq!(&collect(s), w);

@@ -3,17 +3,17 @@
 use std::sync::Arc;
 
 use tandem_engine::{
-    Backend, BackendError, DeviceSampling, HostBuf, HostPool, KvExport, KvStaging, StagedLayer,
-    StagingSlice,
+    Backend, BackendError, BackendInfo, DeviceSampling, HostBuf, HostPool, KvExport, KvStaging,
+    StagedLayer, StagingSlice,
 };
-use tandem_model::{ForwardBatch, KvLayout};
+use tandem_model::ForwardBatch;
 
 use crate::model::{CudaLlama, SampleRow};
 
 /// The engine's view of the GPU model: steps, KV layout, and KV block export/import for P/D.
 pub struct CudaBackend {
     model: CudaLlama,
-    eos: Vec<u32>,
+    info: BackendInfo,
     rows: Vec<SampleRow>,
 }
 
@@ -28,10 +28,15 @@ impl std::fmt::Debug for CudaBackend {
 impl CudaBackend {
     /// Wraps a loaded GPU model.
     pub fn new(model: CudaLlama) -> CudaBackend {
-        let eos = model.config().eos_token_ids.clone();
+        let info = BackendInfo {
+            layout: model.kv_layout(),
+            vocab: model.config().vocab_size,
+            max_len: model.max_model_len(),
+            eos: model.config().eos_token_ids.clone(),
+        };
         CudaBackend {
             model,
-            eos,
+            info,
             rows: Vec::new(),
         }
     }
@@ -43,20 +48,8 @@ impl CudaBackend {
 }
 
 impl Backend for CudaBackend {
-    fn kv_layout(&self) -> KvLayout {
-        self.model.kv_layout()
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.model.config().vocab_size
-    }
-
-    fn max_model_len(&self) -> usize {
-        self.model.max_model_len()
-    }
-
-    fn eos_token_ids(&self) -> &[u32] {
-        &self.eos
+    fn info(&self) -> &BackendInfo {
+        &self.info
     }
 
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {

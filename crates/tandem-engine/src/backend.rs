@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use tandem_model::{ForwardBatch, KvLayout};
+use tandem_model::{ForwardBatch, KvLayout, ModelConfig};
 
 use crate::kv_host::{HostBuf, HostPool, KvExport, ReadyExport, StagedExport};
 use crate::kv_staging::{HostStaging, KvStaging, StagedLayer, StagingSlice};
@@ -41,16 +41,52 @@ pub struct DeviceSampling {
     pub seed: u64,
 }
 
+/// The fixed facts about a backend's model and cache that the engine reads, kept in one place so that
+/// backends answer [`Backend`]'s accessors from it instead of each repeating them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackendInfo {
+    /// Shape of the KV cache.
+    pub layout: KvLayout,
+    /// Width of one logits row.
+    pub vocab: usize,
+    /// The model's context length.
+    pub max_len: usize,
+    /// Tokens that end generation unless a request sets `ignore_eos`.
+    pub eos: Vec<u32>,
+}
+
+impl BackendInfo {
+    /// The facts of a model served at its configured context length over a cache of `layout`.
+    pub fn new(config: &ModelConfig, layout: KvLayout) -> Self {
+        BackendInfo {
+            layout,
+            vocab: config.vocab_size,
+            max_len: config.max_position_embeddings,
+            eos: config.eos_token_ids.clone(),
+        }
+    }
+}
+
 /// A model plus the paged KV storage it reads and writes, owned by the engine thread.
 pub trait Backend: Send + 'static {
+    /// The model's and cache's fixed facts, which the accessors below read.
+    fn info(&self) -> &BackendInfo;
     /// Shape of the KV cache; `num_blocks` sizes the engine's block pool.
-    fn kv_layout(&self) -> KvLayout;
+    fn kv_layout(&self) -> KvLayout {
+        self.info().layout
+    }
     /// Width of one logits row.
-    fn vocab_size(&self) -> usize;
+    fn vocab_size(&self) -> usize {
+        self.info().vocab
+    }
     /// The model's context length.
-    fn max_model_len(&self) -> usize;
+    fn max_model_len(&self) -> usize {
+        self.info().max_len
+    }
     /// Tokens that end generation unless a request sets `ignore_eos`.
-    fn eos_token_ids(&self) -> &[u32];
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.info().eos
+    }
     /// Runs one step: writes the batch's K/V through its block tables and returns
     /// `batch.logits_rows()` rows of `vocab_size` logits (cleared, then filled).
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError>;

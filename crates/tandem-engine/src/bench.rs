@@ -61,15 +61,6 @@ fn random_prompt(rng: &mut rand_chacha::ChaCha8Rng, len: usize, vocab: usize) ->
         .collect()
 }
 
-fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        max_tokens,
-        ignore_eos: true,
-        ..Default::default()
-    }
-}
-
 fn next(stream: &mut RequestStream) -> Result<crate::types::TokenOutput, EngineError> {
     stream
         .blocking_recv()
@@ -96,7 +87,7 @@ pub fn run_engine_bench(
     let mut s = engine.submit(EngineRequest::new(
         next_id(),
         prompt,
-        greedy(opts.decode_tokens),
+        SamplingParams::greedy(opts.decode_tokens),
     ))?;
     next(&mut s)?;
     let single_stream_ttft = t0.elapsed();
@@ -110,7 +101,11 @@ pub fn run_engine_bench(
     // Prefill of a long prompt.
     let prompt = random_prompt(&mut rng, opts.prefill_len, vocab);
     let t0 = Instant::now();
-    let mut s = engine.submit(EngineRequest::new(next_id(), prompt, greedy(1)))?;
+    let mut s = engine.submit(EngineRequest::new(
+        next_id(),
+        prompt,
+        SamplingParams::greedy(1),
+    ))?;
     next(&mut s)?;
     let prefill_ttft = t0.elapsed();
     let prefill_tok_s = opts.prefill_len as f64 / prefill_ttft.as_secs_f64();
@@ -122,7 +117,7 @@ pub fn run_engine_bench(
         streams.push(engine.submit(EngineRequest::new(
             next_id(),
             prompt,
-            greedy(opts.concurrent_tokens),
+            SamplingParams::greedy(opts.concurrent_tokens),
         ))?);
     }
     let mut total = 0usize;

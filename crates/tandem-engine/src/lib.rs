@@ -21,7 +21,7 @@ mod stats;
 pub mod types;
 mod worker;
 
-pub use backend::{Backend, BackendError, DeviceSampling};
+pub use backend::{Backend, BackendError, BackendInfo, DeviceSampling};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,
     RequestStream,

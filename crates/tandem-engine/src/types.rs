@@ -59,6 +59,19 @@ impl Default for SamplingParams {
     }
 }
 
+impl SamplingParams {
+    /// Greedy sampling of exactly `max_tokens` tokens (EOS ignored): the deterministic request of
+    /// benchmarks and tests.
+    pub fn greedy(max_tokens: usize) -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        }
+    }
+}
+
 /// Why a request stopped producing tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FinishReason {

@@ -696,17 +696,8 @@ struct DeviceSamplingMock {
 }
 
 impl Backend for DeviceSamplingMock {
-    fn kv_layout(&self) -> tandem_model::KvLayout {
-        self.inner.kv_layout()
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn max_model_len(&self) -> usize {
-        self.inner.max_model_len()
-    }
-    fn eos_token_ids(&self) -> &[u32] {
-        self.inner.eos_token_ids()
+    fn info(&self) -> &tandem_engine::BackendInfo {
+        self.inner.info()
     }
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
         self.host_steps

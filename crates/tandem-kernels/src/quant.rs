@@ -525,23 +525,13 @@ fn quantize_q6k_block(x: &[f32], out: &mut Vec<u8>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::matmul::tests::ALL;
     use rand::{Rng, SeedableRng};
 
     pub(crate) fn random_vec(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
     }
-
-    const ALL: [DType; 8] = [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q8_0,
-        DType::Q4K,
-        DType::Q6K,
-    ];
 
     /// Row slices decode to exactly the corresponding rows of the whole matrix, in every format.
     #[test]

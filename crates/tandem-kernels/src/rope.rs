@@ -2,6 +2,11 @@
 
 /// Which element pairs a rotation acts on; GGUF llama weights need `Interleaved`, HF checkpoints `Neox`.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "snake_case")
+)]
 pub enum RopeStyle {
     /// Rotates adjacent pairs (x[2i], x[2i+1]) (llama.cpp "normal" rope on converter-permuted Q/K).
     Interleaved,
@@ -11,6 +16,11 @@ pub enum RopeStyle {
 
 /// Context-extension schemes that rescale the rotary frequencies.
 #[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(tag = "type", rename_all = "snake_case")
+)]
 pub enum RopeScaling {
     /// Plain RoPE.
     None,

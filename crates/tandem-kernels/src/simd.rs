@@ -34,25 +34,24 @@ pub(crate) fn matmul_kernel_avx512(dt: DType) -> Option<RangeKernel> {
     qmatmul512::kernel(dt)
 }
 
-#[inline(always)]
-pub(crate) unsafe fn hsum(v: __m256) -> f32 {
-    let lo = _mm256_castps256_ps128(v);
-    let hi = _mm256_extractf128_ps(v, 1);
-    let s = _mm_add_ps(lo, hi);
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
+/// Defines `$name`, the horizontal reduction of a `__m256`'s 8 lanes by the 128-bit operation `$op` and
+/// its scalar form `$op_ss`: the one shuffle sequence of the sum and the max.
+macro_rules! horizontal {
+    ($vis:vis fn $name:ident = $op:ident, $op_ss:ident) => {
+        #[inline(always)]
+        $vis unsafe fn $name(v: __m256) -> f32 {
+            let lo = _mm256_castps256_ps128(v);
+            let hi = _mm256_extractf128_ps(v, 1);
+            let s = $op(lo, hi);
+            let s = $op(s, _mm_movehl_ps(s, s));
+            let s = $op_ss(s, _mm_movehdup_ps(s));
+            _mm_cvtss_f32(s)
+        }
+    };
 }
 
-#[inline(always)]
-unsafe fn hmax(v: __m256) -> f32 {
-    let lo = _mm256_castps256_ps128(v);
-    let hi = _mm256_extractf128_ps(v, 1);
-    let s = _mm_max_ps(lo, hi);
-    let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
+horizontal!(pub(crate) fn hsum = _mm_add_ps, _mm_add_ss);
+horizontal!(fn hmax = _mm_max_ps, _mm_max_ss);
 
 /// e^x per lane, llama.cpp's AVX2 `ggml_v_expf` operation for operation (its softmax and SiLU use it, so
 /// the same inputs give the same bits); at most ~1.5 ulp off, 0 for -inf and below about -103.

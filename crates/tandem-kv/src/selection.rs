@@ -56,6 +56,20 @@ impl BlockSelection {
         &self.runs
     }
 
+    /// Where each run lands when the selected blocks, `block_bytes` each, are packed back to back (one
+    /// layer of a pull): (first block index, byte offset in the packed region, bytes), per run.
+    pub fn packed_runs(&self, block_bytes: usize) -> Vec<(usize, usize, usize)> {
+        let mut end = 0;
+        self.runs
+            .iter()
+            .map(|run| {
+                let len = (run.end - run.start) as usize * block_bytes;
+                end += len;
+                (run.start as usize, end - len, len)
+            })
+            .collect()
+    }
+
     /// Number of selected blocks.
     pub fn len(&self) -> usize {
         self.runs.iter().map(|r| (r.end - r.start) as usize).sum()
@@ -120,6 +134,13 @@ mod tests {
         let merged: BlockSelection = serde_json::from_str("[[5,8],[0,2],[1,3],[8,8]]").unwrap();
         assert_eq!(merged.runs(), &[0..3, 5..8]);
         assert!(serde_json::from_str::<BlockSelection>("[[3,1]]").is_err());
+    }
+
+    #[test]
+    fn packed_runs_lay_selected_blocks_back_to_back() {
+        let sel = BlockSelection::from_indices([0, 1, 5]);
+        assert_eq!(sel.packed_runs(10), vec![(0, 0, 20), (5, 20, 10)]);
+        assert!(BlockSelection::range(2..2).packed_runs(10).is_empty());
     }
 
     proptest! {

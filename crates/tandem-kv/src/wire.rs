@@ -411,6 +411,22 @@ impl<R: tokio::io::AsyncRead + Unpin> FrameReader<R> {
         }
         Ok(h)
     }
+
+    /// Reads the next frame, which must be a `kind` frame, and decodes its JSON payload: the reply a
+    /// client waits for after a request.
+    pub async fn expect_json<T: DeserializeOwned>(
+        &mut self,
+        kind: FrameKind,
+    ) -> Result<T, KvError> {
+        let h = self.expect_frame().await?;
+        if h.kind != kind {
+            return Err(KvError::Protocol(format!(
+                "expected {kind:?}, got {:?}",
+                h.kind
+            )));
+        }
+        self.json(&h).await
+    }
 }
 
 /// Client half of the handshake: sends our info, reads the server's, and checks it field by field.
@@ -423,14 +439,7 @@ where
     S: tokio::io::AsyncRead + AsyncWrite + Unpin,
 {
     send_json(r.get_mut(), FrameKind::Hello, 0, local, io).await?;
-    let h = r.expect_frame().await?;
-    if h.kind != FrameKind::HelloReply {
-        return Err(KvError::Protocol(format!(
-            "expected HelloReply, got {:?}",
-            h.kind
-        )));
-    }
-    let remote: PeerInfo = r.json(&h).await?;
+    let remote: PeerInfo = r.expect_json(FrameKind::HelloReply).await?;
     local.check_compatible(&remote)
 }
 

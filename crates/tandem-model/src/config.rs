@@ -8,33 +8,6 @@ use tandem_kernels::{RopeScaling, RopeStyle};
 use crate::error::ModelError;
 use crate::gguf::{GgufFile, GgufValue};
 
-/// Serde mirror of [`RopeScaling`], which lives in the dependency-free kernels crate.
-#[derive(Serialize, Deserialize)]
-#[serde(remote = "RopeScaling", tag = "type", rename_all = "snake_case")]
-enum RopeScalingDef {
-    None,
-    Linear {
-        factor: f32,
-    },
-    Llama3 {
-        factor: f32,
-        low_freq_factor: f32,
-        high_freq_factor: f32,
-        original_max_position: usize,
-    },
-    FreqFactors {
-        factors: Vec<f32>,
-    },
-}
-
-/// Serde mirror of [`RopeStyle`].
-#[derive(Serialize, Deserialize)]
-#[serde(remote = "RopeStyle", rename_all = "snake_case")]
-enum RopeStyleDef {
-    Interleaved,
-    Neox,
-}
-
 /// Hyper-parameters of one Llama-family model, read from GGUF metadata or config.json.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
@@ -61,10 +34,8 @@ pub struct ModelConfig {
     /// RoPE base frequency.
     pub rope_theta: f32,
     /// RoPE frequency scaling for long-context variants.
-    #[serde(with = "RopeScalingDef")]
     pub rope_scaling: RopeScaling,
     /// Which element pairs RoPE rotates: GGUF llama weights are permuted for adjacent pairs, HF weights are not.
-    #[serde(with = "RopeStyleDef")]
     pub rope_style: RopeStyle,
     /// Whether the output head reuses the embedding matrix.
     pub tie_word_embeddings: bool,

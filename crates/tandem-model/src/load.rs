@@ -9,6 +9,7 @@ use crate::identity::ModelIdentity;
 use crate::tokenizer::Tokenizer;
 use crate::weights::{
     gguf_tensor_descs, load_gguf_weights, load_safetensors_weights, LlamaWeights, SafetensorsSet,
+    TensorDesc,
 };
 
 /// Everything loaded from a model path (GGUF file or HF folder).
@@ -51,14 +52,33 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel, ModelError> 
         .or_else(|| path.file_name())
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".to_string());
-    if path.is_dir() {
-        load_hf_dir(path, name, opts)
+    let (parts, format) = if path.is_dir() {
+        (load_hf_dir(path, opts)?, "safetensors")
     } else {
-        load_gguf(path, name, opts)
-    }
+        (load_gguf(path, opts)?, "GGUF")
+    };
+    let identity = ModelIdentity::compute(&parts.config, &parts.tensors);
+    tracing::info!(model = %name, arch = %parts.config.architecture, layers = parts.config.num_layers, identity = %identity, "loaded {format} model");
+    Ok(LoadedModel {
+        name,
+        config: parts.config,
+        weights: parts.weights,
+        tokenizer: parts.tokenizer,
+        chat_template: parts.chat_template,
+        identity,
+    })
 }
 
-fn load_gguf(path: &Path, name: String, opts: &LoadOptions) -> Result<LoadedModel, ModelError> {
+/// What either format's loader reads, before the identity is hashed from `tensors`.
+struct Parts {
+    config: ModelConfig,
+    weights: LlamaWeights,
+    tokenizer: Tokenizer,
+    chat_template: Option<String>,
+    tensors: Vec<TensorDesc>,
+}
+
+fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<Parts, ModelError> {
     let gguf = GgufFile::open(path)?;
     let config = ModelConfig::from_gguf(&gguf)?;
     let tokenizer = Tokenizer::from_gguf(&gguf)?;
@@ -68,19 +88,16 @@ fn load_gguf(path: &Path, name: String, opts: &LoadOptions) -> Result<LoadedMode
         .get("tokenizer.chat_template")
         .and_then(GgufValue::as_str)
         .map(str::to_string);
-    let identity = ModelIdentity::compute(&config, &gguf_tensor_descs(&gguf));
-    tracing::info!(model = %name, arch = %config.architecture, layers = config.num_layers, identity = %identity, "loaded GGUF model");
-    Ok(LoadedModel {
-        name,
+    Ok(Parts {
         config,
         weights,
         tokenizer,
         chat_template,
-        identity,
+        tensors: gguf_tensor_descs(&gguf),
     })
 }
 
-fn load_hf_dir(dir: &Path, name: String, opts: &LoadOptions) -> Result<LoadedModel, ModelError> {
+fn load_hf_dir(dir: &Path, opts: &LoadOptions) -> Result<Parts, ModelError> {
     let config = ModelConfig::from_hf_dir(dir)?;
     let tc_path = dir.join("tokenizer_config.json");
     let tokenizer_config: Option<serde_json::Value> = match std::fs::read_to_string(&tc_path) {
@@ -118,15 +135,12 @@ fn load_hf_dir(dir: &Path, name: String, opts: &LoadOptions) -> Result<LoadedMod
     };
     let set = SafetensorsSet::open(dir)?;
     let weights = load_safetensors_weights(&set, &config, opts.progress)?;
-    let identity = ModelIdentity::compute(&config, &set.tensor_descs());
-    tracing::info!(model = %name, arch = %config.architecture, layers = config.num_layers, identity = %identity, "loaded safetensors model");
-    Ok(LoadedModel {
-        name,
+    Ok(Parts {
         config,
         weights,
         tokenizer,
         chat_template,
-        identity,
+        tensors: set.tensor_descs(),
     })
 }
 

@@ -100,74 +100,71 @@ trait TensorSource {
     fn has(&self, name: &str) -> bool;
 }
 
-/// HF and GGUF spellings of the tensors of one model.
-struct Names {
-    embed: &'static str,
-    norm: &'static str,
-    head: &'static str,
-    layer: fn(usize, &str) -> String,
+/// Which spelling of the tensor names a checkpoint uses: GGUF's or HF's.
+#[derive(Clone, Copy)]
+enum Names {
+    Gguf,
+    Hf,
 }
 
-const GGUF_NAMES: Names = Names {
-    embed: "token_embd.weight",
-    norm: "output_norm.weight",
-    head: "output.weight",
-    layer: |l, part| {
-        let p = match part {
-            "attn_norm" => "attn_norm.weight",
-            "q" => "attn_q.weight",
-            "k" => "attn_k.weight",
-            "v" => "attn_v.weight",
-            "o" => "attn_output.weight",
-            "bq" => "attn_q.bias",
-            "bk" => "attn_k.bias",
-            "bv" => "attn_v.bias",
-            "ffn_norm" => "ffn_norm.weight",
-            "gate" => "ffn_gate.weight",
-            "up" => "ffn_up.weight",
-            "down" => "ffn_down.weight",
-            _ => unreachable!("unknown layer tensor {part}"),
-        };
-        format!("blk.{l}.{p}")
-    },
-};
+/// Every tensor the loader reads, as (the loader's name for it, GGUF spelling, HF spelling); the
+/// layer tensors (from `attn_norm` on) are spelled after their layer's prefix.
+const TENSOR_NAMES: [(&str, &str, &str); 15] = [
+    ("embed", "token_embd.weight", "model.embed_tokens.weight"),
+    ("norm", "output_norm.weight", "model.norm.weight"),
+    ("head", "output.weight", "lm_head.weight"),
+    ("attn_norm", "attn_norm.weight", "input_layernorm.weight"),
+    ("q", "attn_q.weight", "self_attn.q_proj.weight"),
+    ("k", "attn_k.weight", "self_attn.k_proj.weight"),
+    ("v", "attn_v.weight", "self_attn.v_proj.weight"),
+    ("o", "attn_output.weight", "self_attn.o_proj.weight"),
+    ("bq", "attn_q.bias", "self_attn.q_proj.bias"),
+    ("bk", "attn_k.bias", "self_attn.k_proj.bias"),
+    ("bv", "attn_v.bias", "self_attn.v_proj.bias"),
+    (
+        "ffn_norm",
+        "ffn_norm.weight",
+        "post_attention_layernorm.weight",
+    ),
+    ("gate", "ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("up", "ffn_up.weight", "mlp.up_proj.weight"),
+    ("down", "ffn_down.weight", "mlp.down_proj.weight"),
+];
 
-const HF_NAMES: Names = Names {
-    embed: "model.embed_tokens.weight",
-    norm: "model.norm.weight",
-    head: "lm_head.weight",
-    layer: |l, part| {
-        let p = match part {
-            "attn_norm" => "input_layernorm.weight",
-            "q" => "self_attn.q_proj.weight",
-            "k" => "self_attn.k_proj.weight",
-            "v" => "self_attn.v_proj.weight",
-            "o" => "self_attn.o_proj.weight",
-            "bq" => "self_attn.q_proj.bias",
-            "bk" => "self_attn.k_proj.bias",
-            "bv" => "self_attn.v_proj.bias",
-            "ffn_norm" => "post_attention_layernorm.weight",
-            "gate" => "mlp.gate_proj.weight",
-            "up" => "mlp.up_proj.weight",
-            "down" => "mlp.down_proj.weight",
-            _ => unreachable!("unknown layer tensor {part}"),
+impl Names {
+    /// This format's name of tensor `part` (a first column of [`TENSOR_NAMES`]).
+    fn get(self, part: &str) -> &'static str {
+        match TENSOR_NAMES.iter().find(|t| t.0 == part) {
+            Some(&(_, gguf, hf)) => match self {
+                Names::Gguf => gguf,
+                Names::Hf => hf,
+            },
+            None => unreachable!("unknown tensor {part}"),
+        }
+    }
+
+    /// This format's name of layer `l`'s tensor `part`.
+    fn layer(self, l: usize, part: &str) -> String {
+        let prefix = match self {
+            Names::Gguf => "blk",
+            Names::Hf => "model.layers",
         };
-        format!("model.layers.{l}.{p}")
-    },
-};
+        format!("{prefix}.{l}.{}", self.get(part))
+    }
+}
 
 fn assemble(
     src: &dyn TensorSource,
-    names: &Names,
+    names: Names,
     c: &ModelConfig,
     pb: &ProgressBar,
 ) -> Result<LlamaWeights, ModelError> {
     let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-    let embed = src.matrix(names.embed, c.vocab_size, h)?;
+    let embed = src.matrix(names.get("embed"), c.vocab_size, h)?;
     pb.inc(1);
     let mut layers = Vec::with_capacity(c.num_layers);
     for l in 0..c.num_layers {
-        let n = |p: &str| (names.layer)(l, p);
+        let n = |p: &str| names.layer(l, p);
         let bias = |p: &str, len: usize| -> Result<Option<Vec<f32>>, ModelError> {
             if c.attention_bias {
                 src.vector(&n(p), len).map(Some)
@@ -192,12 +189,12 @@ fn assemble(
         pb.inc(if c.attention_bias { 12 } else { 9 });
         layers.push(layer);
     }
-    let norm = src.vector(names.norm, h)?;
+    let norm = src.vector(names.get("norm"), h)?;
     pb.inc(1);
-    let lm_head = if c.tie_word_embeddings && !src.has(names.head) {
+    let lm_head = if c.tie_word_embeddings && !src.has(names.get("head")) {
         None
     } else {
-        let m = src.matrix(names.head, c.vocab_size, h)?;
+        let m = src.matrix(names.get("head"), c.vocab_size, h)?;
         pb.inc(1);
         Some(m)
     };
@@ -255,7 +252,7 @@ pub fn load_gguf_weights(
     progress: bool,
 ) -> Result<LlamaWeights, ModelError> {
     let pb = progress_bar(progress, gguf.tensor_names().len(), "loading GGUF weights");
-    let w = assemble(gguf, &GGUF_NAMES, config, &pb);
+    let w = assemble(gguf, Names::Gguf, config, &pb);
     pb.finish_and_clear();
     w
 }
@@ -382,15 +379,14 @@ impl SafetensorsSet {
             .get(name)
             .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
     }
-}
 
-impl TensorSource for SafetensorsSet {
-    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
+    /// The tensor `name` with its element type, checked to have exactly `shape` and a float dtype.
+    fn checked(&self, name: &str, shape: &[usize]) -> Result<(&StTensor, DType), ModelError> {
         let t = self.get(name)?;
-        if t.shape != [rows, cols] {
+        if t.shape != shape {
             return Err(ModelError::Shape {
                 tensor: name.to_string(),
-                expected: vec![rows, cols],
+                expected: shape.to_vec(),
                 actual: t.shape.clone(),
             });
         }
@@ -405,6 +401,13 @@ impl TensorSource for SafetensorsSet {
                 })
             }
         };
+        Ok((t, dtype))
+    }
+}
+
+impl TensorSource for SafetensorsSet {
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
+        let (t, dtype) = self.checked(name, &[rows, cols])?;
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.shards[t.shard].1.clone();
         Ok(Matrix::new(
             dtype,
@@ -418,25 +421,7 @@ impl TensorSource for SafetensorsSet {
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
-        let t = self.get(name)?;
-        if t.shape != [len] {
-            return Err(ModelError::Shape {
-                tensor: name.to_string(),
-                expected: vec![len],
-                actual: t.shape.clone(),
-            });
-        }
-        let dtype = match t.dtype {
-            StDtype::F32 => DType::F32,
-            StDtype::F16 => DType::F16,
-            StDtype::BF16 => DType::BF16,
-            other => {
-                return Err(ModelError::UnsupportedDtype {
-                    tensor: name.to_string(),
-                    dtype: other.to_string(),
-                })
-            }
-        };
+        let (t, dtype) = self.checked(name, &[len])?;
         let mut out = vec![0.0; len];
         dequantize(dtype, self.bytes(t), &mut out);
         Ok(out)
@@ -454,7 +439,7 @@ pub fn load_safetensors_weights(
     progress: bool,
 ) -> Result<LlamaWeights, ModelError> {
     let pb = progress_bar(progress, set.tensors.len(), "loading safetensors weights");
-    let w = assemble(set, &HF_NAMES, config, &pb);
+    let w = assemble(set, Names::Hf, config, &pb);
     pb.finish_and_clear();
     w
 }
@@ -498,12 +483,12 @@ mod tests {
         };
         let f32v = |n: usize| -> Vec<u8> { (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect() };
         tensors.push((
-            HF_NAMES.embed.into(),
+            Names::Hf.get("embed").into(),
             StDtype::BF16,
             vec![c.vocab_size, h],
             bf16(c.vocab_size * h),
         ));
-        tensors.push((HF_NAMES.norm.into(), StDtype::F32, vec![h], f32v(h)));
+        tensors.push((Names::Hf.get("norm").into(), StDtype::F32, vec![h], f32v(h)));
         for (part, shape) in [
             ("q", [q, h]),
             ("k", [kv, h]),
@@ -514,14 +499,14 @@ mod tests {
             ("down", [h, f]),
         ] {
             tensors.push((
-                (HF_NAMES.layer)(0, part),
+                Names::Hf.layer(0, part),
                 StDtype::BF16,
                 shape.to_vec(),
                 bf16(shape[0] * shape[1]),
             ));
         }
         for part in ["attn_norm", "ffn_norm"] {
-            tensors.push(((HF_NAMES.layer)(0, part), StDtype::F32, vec![h], f32v(h)));
+            tensors.push((Names::Hf.layer(0, part), StDtype::F32, vec![h], f32v(h)));
         }
         let views: Map<String, safetensors::tensor::TensorView> = tensors
             .iter()

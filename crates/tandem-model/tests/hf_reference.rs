@@ -237,19 +237,11 @@ fn tokenizer_and_template(name: &str) {
     let f = fixture(name);
     let loaded = load(&f.model, &LoadOptions { progress: false }).unwrap();
     for case in f.expected["tokenizer_cases"].as_array().unwrap() {
-        let text = case["text"].as_str().unwrap();
-        let want: Vec<u32> = case["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        let got = loaded.tokenizer.encode(text, false).unwrap();
-        assert_eq!(got, want, "{name}: encode({text:?})");
-        assert_eq!(
-            loaded.tokenizer.decode(&got, false).unwrap(),
-            text,
-            "{name}: decode round trip"
+        tandem_testkit::assert_tokenizer_case(
+            &loaded.tokenizer,
+            case,
+            "text",
+            &format!("{name}: "),
         );
     }
     let chat = &f.expected["chat_case"];

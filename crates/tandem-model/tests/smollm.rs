@@ -66,20 +66,7 @@ fn gguf_tokenizer_matches_python_tokenizers() {
     let cases = fixture["cases"].as_array().unwrap();
     assert!(cases.len() >= 10);
     for case in cases {
-        let s = case["text"].as_str().unwrap();
-        let want: Vec<u32> = case["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        let got = m.tokenizer.encode(s, false).unwrap();
-        assert_eq!(got, want, "encoding {s:?}");
-        assert_eq!(
-            m.tokenizer.decode(&got, false).unwrap(),
-            s,
-            "round trip of {s:?}"
-        );
+        tandem_testkit::assert_tokenizer_case(&m.tokenizer, case, "text", "");
     }
     assert_eq!(m.tokenizer.encode("<|im_start|>", false).unwrap(), vec![1]);
 }

@@ -4,7 +4,7 @@
 use std::sync::mpsc;
 use std::sync::Mutex;
 
-use tandem_engine::{Backend, BackendError};
+use tandem_engine::{Backend, BackendError, BackendInfo};
 use tandem_kv::KvError;
 use tandem_model::{
     CpuLlama, ForwardBatch, KvCache, KvDtype, KvLayout, LlamaWeights, ModelConfig, ModelError,
@@ -51,12 +51,9 @@ pub struct PipelineBackend {
     model: CpuLlama,
     kv: KvCache,
     links: Vec<Link>,
-    layout: KvLayout,
+    info: BackendInfo,
     micro_batches: usize,
     min_micro_batch_tokens: usize,
-    eos: Vec<u32>,
-    vocab: usize,
-    max_len: usize,
     /// The step's micro-batches, reused across steps.
     mbs: Vec<ForwardBatch>,
     /// Per micro-batch: hidden states on the way out, logits on the way back; reused across steps.
@@ -71,7 +68,7 @@ impl std::fmt::Debug for PipelineBackend {
         f.debug_struct("PipelineBackend")
             .field("stages", &(self.links.len() + 1))
             .field("micro_batches", &self.micro_batches)
-            .field("layout", &self.layout)
+            .field("layout", &self.info.layout)
             .finish()
     }
 }
@@ -133,12 +130,9 @@ impl PipelineBackend {
             model,
             kv,
             links,
-            layout,
+            info: BackendInfo::new(config, layout),
             micro_batches,
             min_micro_batch_tokens: cfg.min_micro_batch_tokens,
-            eos: config.eos_token_ids.clone(),
-            vocab: config.vocab_size,
-            max_len: config.max_position_embeddings,
             mbs: Vec::new(),
             bufs: Vec::new(),
             keep_alive: None,
@@ -168,12 +162,12 @@ impl PipelineBackend {
     }
 
     fn check_block(&self, block: u32) -> Result<(), BackendError> {
-        if (block as usize) < self.layout.num_blocks {
+        if (block as usize) < self.info.layout.num_blocks {
             Ok(())
         } else {
             Err(BackendError::new(format!(
                 "block {block} beyond the pool of {}",
-                self.layout.num_blocks
+                self.info.layout.num_blocks
             )))
         }
     }
@@ -209,20 +203,8 @@ pub(crate) fn split(batch: &ForwardBatch, m: usize, mbs: &mut Vec<ForwardBatch>)
 }
 
 impl Backend for PipelineBackend {
-    fn kv_layout(&self) -> KvLayout {
-        self.layout
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-
-    fn max_model_len(&self) -> usize {
-        self.max_len
-    }
-
-    fn eos_token_ids(&self) -> &[u32] {
-        &self.eos
+    fn info(&self) -> &BackendInfo {
+        &self.info
     }
 
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {

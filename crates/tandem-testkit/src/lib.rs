@@ -13,14 +13,49 @@ pub use mock::MockBackend;
 pub use model::{default_model, model, model_path, root, DEFAULT_MODEL, DEFAULT_MODEL_NAME};
 pub use server::{free_port, healthy, signal, text, Server};
 
+use serde_json::Value;
 use tandem_engine::SamplingParams;
+use tandem_model::Tokenizer;
+
+/// Three long prose prompts (several KV blocks each) whose greedy answers the multi-process tests compare
+/// between deployments.
+pub const PROMPTS: &[&str] = &[
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith \
+     from Mainz, combined movable metal type with an oil-based ink and a screw press adapted from",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to \
+     synthesize foods from carbon dioxide and water. In plants it generally involves the green pigment",
+    "In computer science, a hash table is a data structure that implements an associative array, which \
+     maps keys to values. A hash table uses a hash function to compute an index into an array of",
+];
 
 /// Greedy sampling of exactly `max_tokens` tokens (EOS ignored), the deterministic request of most tests.
 pub fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        max_tokens,
-        ignore_eos: true,
-        ..SamplingParams::default()
-    }
+    SamplingParams::greedy(max_tokens)
+}
+
+/// Checks one tokenizer fixture case (`{"text": ..., "ids": [...]}`, as the fixture scripts write them):
+/// `tok` encodes the text without special tokens to exactly the ids and decodes those back to
+/// `case[decoded_key]`. `label` prefixes the assertion messages; returns the text and the ids.
+pub fn assert_tokenizer_case<'a>(
+    tok: &Tokenizer,
+    case: &'a Value,
+    decoded_key: &str,
+    label: &str,
+) -> (&'a str, Vec<u32>) {
+    let text = case["text"].as_str().unwrap();
+    let want: Vec<u32> = case["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let got = tok.encode(text, false).unwrap();
+    assert_eq!(got, want, "{label}encode({text:?})");
+    let decoded = case[decoded_key].as_str().unwrap();
+    assert_eq!(
+        tok.decode(&got, false).unwrap(),
+        decoded,
+        "{label}decode of {text:?}"
+    );
+    (text, got)
 }

@@ -8,7 +8,7 @@
 use std::hash::Hasher;
 use std::time::Duration;
 use tandem_engine::prefix_cache::FxHasher;
-use tandem_engine::{Backend, BackendError};
+use tandem_engine::{Backend, BackendError, BackendInfo};
 use tandem_model::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
 
 const LAYERS: usize = 2;
@@ -17,10 +17,7 @@ const HEAD_DIM: usize = 2;
 /// The mock model and its paged cache.
 #[derive(Debug, Clone)]
 pub struct MockBackend {
-    layout: KvLayout,
-    vocab: usize,
-    max_len: usize,
-    eos: Vec<u32>,
+    info: BackendInfo,
     kv: Vec<Vec<f32>>,
     fail_at_step: Option<u64>,
     step_delay: Duration,
@@ -39,10 +36,12 @@ impl MockBackend {
             dtype: KvDtype::F32,
         };
         Self {
-            layout,
-            vocab: 64,
-            max_len: 4096,
-            eos: vec![63],
+            info: BackendInfo {
+                layout,
+                vocab: 64,
+                max_len: 4096,
+                eos: vec![63],
+            },
             kv: vec![vec![0.0; layout.block_elems() * num_blocks]; LAYERS],
             fail_at_step: None,
             step_delay: Duration::ZERO,
@@ -52,7 +51,7 @@ impl MockBackend {
 
     /// Sets the context length the mock reports.
     pub fn with_max_len(mut self, max_len: usize) -> Self {
-        self.max_len = max_len;
+        self.info.max_len = max_len;
         self
     }
 
@@ -69,28 +68,16 @@ impl MockBackend {
     }
 
     fn slot(&self, block: u32, slot: usize, v: bool) -> usize {
-        let bs = self.layout.block_size;
-        block as usize * self.layout.block_elems()
+        let bs = self.info.layout.block_size;
+        block as usize * self.info.layout.block_elems()
             + usize::from(v) * bs * HEAD_DIM
             + slot * HEAD_DIM
     }
 }
 
 impl Backend for MockBackend {
-    fn kv_layout(&self) -> KvLayout {
-        self.layout
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-
-    fn max_model_len(&self) -> usize {
-        self.max_len
-    }
-
-    fn eos_token_ids(&self) -> &[u32] {
-        &self.eos
+    fn info(&self) -> &BackendInfo {
+        &self.info
     }
 
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
@@ -104,7 +91,7 @@ impl Backend for MockBackend {
         if !self.step_delay.is_zero() {
             std::thread::sleep(self.step_delay);
         }
-        let bs = self.layout.block_size;
+        let bs = self.info.layout.block_size;
         for c in &batch.seqs {
             let end = c.pos + c.tokens.len();
             if c.blocks.len() * bs < end {
@@ -116,7 +103,7 @@ impl Backend for MockBackend {
             for (k, &t) in batch.tokens[c.tokens.clone()].iter().enumerate() {
                 let p = c.pos + k;
                 let block = c.blocks[p / bs];
-                if block as usize >= self.layout.num_blocks {
+                if block as usize >= self.info.layout.num_blocks {
                     return Err(BackendError::new(format!("block {block} out of range")));
                 }
                 for l in 0..LAYERS {
@@ -156,7 +143,7 @@ impl Backend for MockBackend {
                     }
                 }
                 let seed = h.finish();
-                logits.extend((0..self.vocab as u64).map(|v| {
+                logits.extend((0..self.info.vocab as u64).map(|v| {
                     let mut x = FxHasher::default();
                     x.write_u64(seed);
                     x.write_u64(v);
@@ -168,7 +155,7 @@ impl Backend for MockBackend {
     }
 
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
-        let n = self.layout.block_elems();
+        let n = self.info.layout.block_elems();
         let src = &self.kv[layer][block as usize * n..(block as usize + 1) * n];
         for (o, v) in out.chunks_exact_mut(4).zip(src) {
             o.copy_from_slice(&v.to_le_bytes());
@@ -177,7 +164,7 @@ impl Backend for MockBackend {
     }
 
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
-        let n = self.layout.block_elems();
+        let n = self.info.layout.block_elems();
         let dst = &mut self.kv[layer][block as usize * n..(block as usize + 1) * n];
         for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
             *d = f32::from_le_bytes(b.try_into().expect("4 bytes"));
@@ -186,7 +173,7 @@ impl Backend for MockBackend {
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
-        let n = self.layout.block_elems();
+        let n = self.info.layout.block_elems();
         for layer in &mut self.kv {
             layer.copy_within(src as usize * n..(src as usize + 1) * n, dst as usize * n);
         }

@@ -9,8 +9,8 @@ use clap::{Args, Subcommand, ValueEnum};
 use tandem_bench::arrival::parse_rate;
 use tandem_bench::workload::LengthSpec;
 use tandem_bench::{
-    plot, report, BenchFile, BenchPlan, Endpoint, PromptBuilder, PromptFormat, Slo, SweepPoint,
-    WorkloadSpec,
+    plot, report, BenchFile, BenchPlan, BurstySpec, Endpoint, PromptBuilder, PromptFormat, Slo,
+    SweepPoint, WorkloadSpec,
 };
 
 use crate::process::resolve_model;
@@ -211,7 +211,7 @@ fn workload(a: &RunArgs) -> Result<WorkloadSpec> {
             suffix: len(a.input_len),
             output: len(a.output_len),
         },
-        WorkloadKind::Bursty => WorkloadSpec::Bursty {
+        WorkloadKind::Bursty => WorkloadSpec::Bursty(BurstySpec {
             steady_input: len(a.input_len),
             steady_output: len(a.output_len),
             steady_rate: if a.request_rate.is_finite() {
@@ -223,7 +223,7 @@ fn workload(a: &RunArgs) -> Result<WorkloadSpec> {
             burst_output: a.burst_output_len,
             burst_size: a.burst_size,
             burst_interval_s: a.burst_interval,
-        },
+        }),
         WorkloadKind::Jsonl => WorkloadSpec::Jsonl {
             path: a
                 .dataset
@@ -350,10 +350,10 @@ mod tests {
             [Some(1), Some(4), Some(16)]
         );
         assert_eq!(a.goodput, ["ttft:500", "tpot:50"]);
-        let WorkloadSpec::Bursty { steady_rate, .. } = workload(&a).unwrap() else {
+        let WorkloadSpec::Bursty(b) = workload(&a).unwrap() else {
             panic!("expected bursty")
         };
-        assert_eq!(steady_rate, 3.0);
+        assert_eq!(b.steady_rate, 3.0);
 
         let cli = Cli::try_parse_from(["bench", "--request-rates", "1,inf"]).unwrap();
         let rates: Vec<f64> = points(&cli.bench.run)

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde_json::{json, Value};
 use tandem_cluster::{Role, WorkerLoad, WorkerStatus};
-use tandem_testkit::{default_model, model_path, signal, text, Server, DEFAULT_MODEL_NAME};
+use tandem_testkit::{
+    default_model, model_path, signal, text, Server, DEFAULT_MODEL_NAME, PROMPTS,
+};
 
 /// The `tandem` binary cargo built for these tests.
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -86,15 +88,6 @@ fn assert_pulled_without_prefilling(before: &WorkerLoad, after: &WorkerLoad, pul
     );
     assert_eq!(after.kv.pulls_ok - before.kv.pulls_ok, pulls);
 }
-
-const PROMPTS: &[&str] = &[
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith \
-     from Mainz, combined movable metal type with an oil-based ink and a screw press adapted from",
-    "Photosynthesis is the process by which green plants and some other organisms use sunlight to \
-     synthesize foods from carbon dioxide and water. In plants it generally involves the green pigment",
-    "In computer science, a hash table is a data structure that implements an associative array, which \
-     maps keys to values. A hash table uses a hash function to compute an index into an array of",
-];
 
 /// The colocated deployment's greedy 12-token answers to [`PROMPTS`], the reference of the P/D tests.
 async fn colocated_answers() -> Vec<Value> {

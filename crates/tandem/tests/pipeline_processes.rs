@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tandem_testkit::{model_path, signal, text, Server};
+use tandem_testkit::{model_path, signal, text, Server, PROMPTS};
 
 /// The `tandem` binary cargo built for these tests.
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -62,15 +62,6 @@ fn children(pid: u32) -> Vec<u32> {
     }
     out
 }
-
-const PROMPTS: &[&str] = &[
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith \
-     from Mainz, combined movable metal type with an oil-based ink and a screw press adapted from",
-    "Photosynthesis is the process by which green plants and some other organisms use sunlight to \
-     synthesize foods from carbon dioxide and water. In plants it generally involves the green pigment",
-    "In computer science, a hash table is a data structure that implements an associative array, which \
-     maps keys to values. A hash table uses a hash function to compute an index into an array of",
-];
 
 const ENGINE: &str =
     "engine: {block_size: 16, kv_cache_memory: 64MiB, threads: 2, max_num_seqs: 8}\n";

@@ -1,12 +1,9 @@
 //! Direct calls into a [`KvServer`] in the same process: engine tests and single-process P/D.
 
-use std::sync::Arc;
-
 use parking_lot::Mutex;
 
 use crate::metrics::ReleaseReason;
 use crate::server::selected;
-use crate::transport::{KvTransport, PullFuture};
 use crate::{BlockSelection, KvError, KvServer, KvSink, PeerInfo, TransferHandle};
 
 /// Pulls from a server object directly, with the same handshake and release rules as the socket transports.
@@ -74,21 +71,8 @@ impl InProcTransport {
     }
 }
 
-impl KvTransport for InProcTransport {
-    fn name(&self) -> &'static str {
-        "inproc"
-    }
-
-    fn local(&self) -> &PeerInfo {
-        &self.local
-    }
-
-    fn pull<'a>(
-        &'a self,
-        handle: &'a TransferHandle,
-        blocks: &'a BlockSelection,
-        sink: Arc<dyn KvSink>,
-    ) -> PullFuture<'a> {
-        Box::pin(async move { self.pull_sync(handle, blocks, &*sink) })
-    }
-}
+kv_transport!(
+    InProcTransport,
+    "inproc",
+    |this, handle, blocks, sink| async move { this.pull_sync(handle, blocks, &*sink) }
+);

@@ -17,6 +17,34 @@ use std::time::{Duration, Instant};
 
 use crate::{BlockSelection, KvError, KvMetrics, KvSink, PeerInfo, TransferHandle};
 
+/// Implements [`KvTransport`] for a transport with a `local: PeerInfo` field: its `name`, and `pull` as
+/// `$body`, a future over the transport (`$this`) and the pull's arguments, so each transport writes only
+/// what differs.
+macro_rules! kv_transport {
+    ($ty:ty, $name:literal, |$this:ident, $handle:ident, $blocks:ident, $sink:ident| $body:expr) => {
+        impl $crate::transport::KvTransport for $ty {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn local(&self) -> &$crate::PeerInfo {
+                &self.local
+            }
+
+            fn pull<'a>(
+                &'a self,
+                $handle: &'a $crate::TransferHandle,
+                $blocks: &'a $crate::BlockSelection,
+                $sink: std::sync::Arc<dyn $crate::KvSink>,
+            ) -> $crate::transport::PullFuture<'a> {
+                let $this = self;
+                Box::pin($body)
+            }
+        }
+    };
+}
+
+mod control;
 pub mod inproc;
 pub mod nixl;
 pub mod shm;

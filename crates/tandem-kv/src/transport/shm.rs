@@ -7,8 +7,8 @@ use memmap2::Mmap;
 use tokio::task::JoinSet;
 
 use crate::shm_pool::{default_copy_threads, MapCache, StopFlag, FILE_PREFIX};
-use crate::transport::tcp::{ack_only, connect, finish_on_control, TcpConfig};
-use crate::transport::{KvTransport, PullFuture};
+use crate::transport::control::{self, ControlPull};
+use crate::transport::tcp::TcpConfig;
 use crate::wire::{self, FrameKind, ShmOpen, ShmPullRequest};
 use crate::{BlockSelection, KvError, KvSink, PeerInfo, TransferHandle};
 
@@ -56,54 +56,6 @@ impl ShmTransport {
         }
     }
 
-    async fn pull_impl(
-        &self,
-        handle: &TransferHandle,
-        blocks: &BlockSelection,
-        sink: Arc<dyn KvSink>,
-    ) -> Result<u64, KvError> {
-        if blocks.is_empty() {
-            return ack_only(handle, &self.local, &self.config, &*sink).await;
-        }
-        let tid = handle.transfer_id;
-        let io = self.config.io_timeout;
-        let mut c = connect(&handle.endpoint, &self.local, &self.config).await?;
-        let req = ShmPullRequest {
-            blocks: blocks.clone(),
-        };
-        wire::send_json(c.get_mut(), FrameKind::ShmPull, tid, &req, io).await?;
-        let res = self.receive(&mut c, handle, blocks, &sink).await;
-        let res = match res {
-            Ok(b) => sink.complete().map(|()| b),
-            e => e,
-        };
-        match res {
-            Ok(bytes) => finish_on_control(&mut c, tid, None, io)
-                .await
-                .map(|()| bytes),
-            Err(e) => finish_on_control(&mut c, tid, Some(e), io)
-                .await
-                .map(|()| 0),
-        }
-    }
-
-    /// Receives the layer announcements and copies each announced layer into the sink on the blocking pool,
-    /// up to `copy_threads` layers at once. Returns only once no copy is running, also on failure, so the
-    /// sink is never written after the pull has ended (or acked/aborted).
-    async fn receive(
-        &self,
-        c: &mut wire::FrameReader<tokio::net::TcpStream>,
-        handle: &TransferHandle,
-        blocks: &BlockSelection,
-        sink: &Arc<dyn KvSink>,
-    ) -> Result<u64, KvError> {
-        let mut copies = LayerCopies::new(self.copy_threads);
-        let res = self.announced(c, handle, blocks, sink, &mut copies).await;
-        let copied = copies.finish(res.is_err()).await;
-        let bytes = res?;
-        copied.map(|()| bytes)
-    }
-
     /// Reads `ShmOpen` and then every `ShmLayer` up to `PullDone`, handing each layer to `copies`.
     async fn announced(
         &self,
@@ -117,14 +69,7 @@ impl ShmTransport {
         let n_blocks = blocks.len();
         let bb = handle.layout.block_bytes();
         let layer_bytes = n_blocks * bb;
-        let h = c.expect_frame().await?;
-        if h.kind != FrameKind::ShmOpen {
-            return Err(KvError::Protocol(format!(
-                "expected ShmOpen, got {:?}",
-                h.kind
-            )));
-        }
-        let open: ShmOpen = c.json(&h).await?;
+        let open: ShmOpen = c.expect_json(FrameKind::ShmOpen).await?;
         let path = PathBuf::from(&open.path);
         self.check_path(&path)?;
         if open.n_blocks as usize != n_blocks || open.total_len != (n_layers * layer_bytes) as u64 {
@@ -140,17 +85,7 @@ impl ShmTransport {
             )));
         }
         let map = self.maps.get(&path, open.map_len as usize)?;
-        // Where each selected run lands: (first block index, offset within a layer's packed region, bytes).
-        let runs: Arc<[(usize, usize, usize)]> = blocks
-            .runs()
-            .iter()
-            .scan(0usize, |off, run| {
-                let len = (run.end - run.start) as usize * bb;
-                let at = (run.start as usize, *off, len);
-                *off += len;
-                Some(at)
-            })
-            .collect();
+        let runs: Arc<[(usize, usize, usize)]> = blocks.packed_runs(bb).into();
         let mut seen = vec![false; n_layers];
         let mut bytes = 0u64;
         loop {
@@ -284,21 +219,38 @@ fn joined(done: Result<Result<(), KvError>, tokio::task::JoinError>) -> Result<(
     })
 }
 
-impl KvTransport for ShmTransport {
-    fn name(&self) -> &'static str {
-        "shm"
+impl ControlPull for ShmTransport {
+    type Request = ShmPullRequest;
+    const KIND: FrameKind = FrameKind::ShmPull;
+
+    fn socket(&self) -> (&PeerInfo, &TcpConfig) {
+        (&self.local, &self.config)
     }
 
-    fn local(&self) -> &PeerInfo {
-        &self.local
+    fn request(&self, _handle: &TransferHandle, blocks: &BlockSelection) -> ShmPullRequest {
+        ShmPullRequest {
+            blocks: blocks.clone(),
+        }
     }
 
-    fn pull<'a>(
-        &'a self,
-        handle: &'a TransferHandle,
-        blocks: &'a BlockSelection,
-        sink: Arc<dyn KvSink>,
-    ) -> PullFuture<'a> {
-        Box::pin(self.pull_impl(handle, blocks, sink))
+    /// Receives the layer announcements and copies each announced layer into the sink on the blocking pool,
+    /// up to `copy_threads` layers at once. Returns only once no copy is running, also on failure, so the
+    /// sink is never written after the pull has ended (or acked/aborted).
+    async fn receive(
+        &self,
+        c: &mut wire::FrameReader<tokio::net::TcpStream>,
+        handle: &TransferHandle,
+        blocks: &BlockSelection,
+        sink: &Arc<dyn KvSink>,
+    ) -> Result<u64, KvError> {
+        let mut copies = LayerCopies::new(self.copy_threads);
+        let res = self.announced(c, handle, blocks, sink, &mut copies).await;
+        let copied = copies.finish(res.is_err()).await;
+        let bytes = res?;
+        copied.map(|()| bytes)
     }
 }
+
+kv_transport!(ShmTransport, "shm", |this, handle, blocks, sink| {
+    control::pull(this, handle, blocks, sink)
+});

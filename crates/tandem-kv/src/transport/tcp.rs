@@ -7,7 +7,6 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
 use crate::error::timed;
-use crate::transport::{KvTransport, PullFuture};
 use crate::wire::{self, FrameHeader, FrameKind, FrameReader, PullRequest};
 use crate::{BlockSelection, KvError, KvSink, PeerInfo, TransferHandle};
 
@@ -303,21 +302,5 @@ impl StreamJob {
     }
 }
 
-impl KvTransport for TcpTransport {
-    fn name(&self) -> &'static str {
-        "tcp"
-    }
-
-    fn local(&self) -> &PeerInfo {
-        &self.local
-    }
-
-    fn pull<'a>(
-        &'a self,
-        handle: &'a TransferHandle,
-        blocks: &'a BlockSelection,
-        sink: Arc<dyn KvSink>,
-    ) -> PullFuture<'a> {
-        Box::pin(self.pull_impl(handle, blocks, sink))
-    }
-}
+kv_transport!(TcpTransport, "tcp", |this, handle, blocks, sink| this
+    .pull_impl(handle, blocks, sink));

@@ -70,6 +70,23 @@ fn tcp_config(streams: usize, checksum: bool) -> TcpConfig {
         connect_timeout: Duration::from_secs(5),
     }
 }
+/// Connects to the handle's server as `f`'s decode side and sends one raw request frame, for tests that
+/// drive the protocol by hand; returns the connection to read the answer from.
+async fn send_request<T: serde::Serialize>(
+    f: &Fixture,
+    handle: &TransferHandle,
+    kind: FrameKind,
+    req: &T,
+) -> FrameReader<tokio::net::TcpStream> {
+    let cfg = tcp_config(1, false);
+    let mut c = crate::transport::tcp::connect(&handle.endpoint, &f.info, &cfg)
+        .await
+        .unwrap();
+    wire::send_json(c.get_mut(), kind, handle.transfer_id, req, cfg.io_timeout)
+        .await
+        .unwrap();
+    c
+}
 
 fn transports(f: &Fixture) -> Vec<Arc<dyn KvTransport>> {
     vec![
@@ -254,25 +271,13 @@ async fn partial_pulls_deliver_exactly_the_requested_blocks() {
         )
         .await;
     assert!(matches!(r, Err(KvError::Protocol(_))), "{r:?}");
-    let cfg = tcp_config(1, false);
-    let mut c = crate::transport::tcp::connect(&handle.endpoint, &f.info, &cfg)
-        .await
-        .unwrap();
     let req = PullRequest {
         layers: vec![0],
         blocks: BlockSelection::range(3..5),
         control: false,
         checksum: false,
     };
-    wire::send_json(
-        c.get_mut(),
-        FrameKind::Pull,
-        handle.transfer_id,
-        &req,
-        cfg.io_timeout,
-    )
-    .await
-    .unwrap();
+    let mut c = send_request(&f, &handle, FrameKind::Pull, &req).await;
     assert!(matches!(c.expect_frame().await, Err(KvError::Remote(_))));
     // The refused request did not consume the pin: a valid pull still works.
     let sink = Arc::new(MemSink::new(f.info.layout, 4));
@@ -401,25 +406,13 @@ async fn dropped_control_connection_releases() {
         .server
         .register(scattered_blocks(NUM_BLOCKS), 1000)
         .unwrap();
-    let cfg = tcp_config(1, false);
-    let mut c = crate::transport::tcp::connect(&handle.endpoint, &f.info, &cfg)
-        .await
-        .unwrap();
     let req = PullRequest {
         layers: (0..30).collect(),
         blocks: BlockSelection::all(NUM_BLOCKS),
         control: true,
         checksum: false,
     };
-    wire::send_json(
-        c.get_mut(),
-        FrameKind::Pull,
-        handle.transfer_id,
-        &req,
-        cfg.io_timeout,
-    )
-    .await
-    .unwrap();
+    let mut c = send_request(&f, &handle, FrameKind::Pull, &req).await;
     // Read one frame to be sure the server is mid-transfer, then vanish.
     let h = c.expect_frame().await.unwrap();
     assert_eq!(h.kind, FrameKind::Data);
@@ -731,22 +724,10 @@ async fn parallel_shm_failures_release_once_and_leak_no_segment() {
 
     // The decode side vanishes after the first announced layer while the server is still copying.
     let handle = f.server.register(blocks.clone(), 9 * 16).unwrap();
-    let cfg = tcp_config(1, false);
-    let mut c = crate::transport::tcp::connect(&handle.endpoint, &f.info, &cfg)
-        .await
-        .unwrap();
     let req = crate::wire::ShmPullRequest {
         blocks: BlockSelection::all(blocks.len()),
     };
-    wire::send_json(
-        c.get_mut(),
-        FrameKind::ShmPull,
-        handle.transfer_id,
-        &req,
-        cfg.io_timeout,
-    )
-    .await
-    .unwrap();
+    let mut c = send_request(&f, &handle, FrameKind::ShmPull, &req).await;
     assert_eq!(c.expect_frame().await.unwrap().kind, FrameKind::ShmOpen);
     drop(c);
     wait_released(&f, handle.transfer_id).await;
