@@ -5,11 +5,13 @@
 #   ttft-1k / ttft-4k   TTFT at concurrency 1, 1,024- and 4,096-token prompts (128 out)
 #   c64 / c256          output throughput and failures at fixed concurrency, 1,024/128
 #   bursty              8 req/s of 256/256 plus 16 x 4,096-token prompts every 5 s
+#   leak (only when named)  1,000 requests of 1,024 tokens, every tenth abandoned mid-flight: every worker's
+#                       blocks, pins, staging and GPU memory back where they were (scripts/gpu/pd_leak.py)
 # Results: $OUT/pd_bench.jsonl (one `tandem bench --output` row per run, tagged) and $OUT/pd_summary.md;
 # with TRANSPORT=nixl also $OUT/kv_rates.txt: the rate of every large pull, from the workers' debug lines
 # (NIXL: first layer announced to last READ done; tcp: the whole pull).
 # Usage: OUT=dir TANDEM_BIN=path MODEL_DIR=dir MAKE_MODEL=path/make_model.py [TRANSPORT=shm|tcp|nixl \
-#          NIXL_LIB=unpacked-wheel-or-subset] scripts/gpu/pd_bench.sh [colocated] [tcp] [pd] [quick]
+#          NIXL_LIB=unpacked-wheel-or-subset] scripts/gpu/pd_bench.sh [colocated] [tcp] [pd] [leak] [quick]
 # (MAKE_MODEL: the workplace's shared gpu/make_model.py, needed only when MODEL_DIR has no model yet;
 # NIXL_LIB: what scripts/gpu/nixl_subset.sh copies out of the nixl-cu13 wheel.)
 set -uo pipefail
@@ -132,6 +134,15 @@ deployment:
   curl -s http://127.0.0.1:8000/metrics | grep -E "^tandem:kv_transfer" >"$OUT/pd_metrics.txt"
   grep -iE "error|warn" "$OUT/serve-pd.log" | tail -5
   stop pd
+fi
+if [[ "$what" == *" leak "* ]]; then
+  echo "== 1P1D over $TRANSPORT: 1,000 requests, a tenth abandoned mid-flight, nothing leaked"
+  serve pdleak "engine: {device: cuda, kv_cache_memory: 24GiB, max_num_seqs: 256, max_waiting: 4096}
+deployment:
+  mode: pd
+  kv_transfer: {transport: $TRANSPORT$nixl_opt, staging_mib: 8192}" &&
+    python3 "$root/scripts/gpu/pd_leak.py" --requests 1000 --concurrency 32 --out "$OUT/pd_leak.json"
+  stop pdleak
 fi
 if [ -f "$work/greedy-colocated.json" ] && [ -f "$work/greedy-pd.json" ]; then
   if cmp -s "$work/greedy-colocated.json" "$work/greedy-pd.json"; then echo "PASS P/D greedy == colocated greedy (4 prompts, 32 tokens)" | tee -a "$OUT/pd_bench.jsonl"

@@ -84,6 +84,13 @@ pub struct WorkerLoad {
     pub in_flight: usize,
     /// KV transfer counters (server side on prefill workers, client side on decode workers).
     pub kv: KvMetricsSnapshot,
+    /// Bytes of registered staging memory (`transport: nixl`; 0 without), and how many of them no
+    /// transfer holds: equal when idle, or a transfer leaked its slice.
+    #[serde(default)]
+    pub staging_bytes: usize,
+    /// See `staging_bytes`.
+    #[serde(default)]
+    pub staging_free_bytes: usize,
 }
 
 /// Body of [`PATH_PREFILL`].

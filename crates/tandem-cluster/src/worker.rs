@@ -573,6 +573,8 @@ impl WorkerService {
             pinned_transfers: self.kv_server.as_ref().map_or(0, KvServer::pinned),
             in_flight: self.in_flight.load(Ordering::Relaxed),
             kv,
+            staging_bytes: self.staged.as_ref().map_or(0, |(_, s)| s.len()),
+            staging_free_bytes: self.staged.as_ref().map_or(0, |(_, s)| s.free_bytes()),
         }
     }
 

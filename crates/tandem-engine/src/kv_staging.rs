@@ -86,9 +86,10 @@ impl KvStaging {
         self.mem.addr()
     }
 
-    /// Length of the whole region in bytes.
+    /// Length of the region in bytes (what slices are carved from: the memory rounded down to the
+    /// slices' alignment).
     pub fn len(&self) -> usize {
-        self.mem.size()
+        self.mem.size() / ALIGN * ALIGN
     }
 
     /// Whether the region has no bytes.

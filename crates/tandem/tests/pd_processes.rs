@@ -560,5 +560,14 @@ async fn pd_over_nixl_matches_colocated() {
             "pulls READ in place from staging ({staging:?})"
         );
         assert_eq!(served.released_ack, PROMPTS.len() as u64, "every pin acked");
+        for w in [&prefill, &decode] {
+            let l = pd.load(&w.url).await;
+            assert_eq!(
+                l.staging_free_bytes, l.staging_bytes,
+                "every staging slice returned ({staging:?}, {:?})",
+                w.info.role
+            );
+            assert_eq!(l.staging_bytes > 0, staging.is_empty());
+        }
     }
 }

@@ -223,8 +223,9 @@ pub fn slow_transfer_warning(
         return None;
     }
     let cause = match kind {
-        MemKind::Vram => "UCX is probably emulating CUDA-IPC reads over TCP (no NVLink detected): \
-             set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, and run the GPU workers of one node in one PID namespace",
+        MemKind::Vram => "UCX may be emulating CUDA-IPC reads over TCP (no NVLink detected): \
+             set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, and run the GPU workers of one node in one PID namespace; \
+             or the prefill GPU was busy (the span includes waiting for its per-layer exports)",
         MemKind::Dram => "UCX probably fell back to TCP: check UCX_TLS allows shared memory (sm, cma) on \
              one host, or RDMA across hosts",
     };
