@@ -2,7 +2,7 @@
 //!
 //! Export gathers a request's blocks of each layer into one contiguous device buffer (`kv_gather`,
 //! one launch per layer) and copies it into page-locked host memory, all on a transfer stream of its
-//! own that first waits for the compute stream; each layer gets an event, so a reader on another
+//! own (the blocks' writes are already complete: see [`KvMover::export`]); each layer gets an event, so a reader on another
 //! thread takes layer 0 while later layers are still being copied, and the engine thread only
 //! enqueues. Import is the mirror: a host layer buffer is copied up and scattered into its blocks
 //! (`kv_scatter`) on the transfer stream, and [`KvMover::fence`] makes the compute stream wait for
@@ -351,7 +351,6 @@ impl KvMover {
     /// Into `staged` when given (a slice of this mover's staging), else into a pooled pinned buffer.
     pub fn export(
         &mut self,
-        compute: &CudaStream,
         layout: &KvLayout,
         layer_base: impl Fn(usize) -> u64,
         blocks: &[u32],
@@ -377,8 +376,10 @@ impl KvMover {
                 layer_bytes,
             },
         };
-        // The step that wrote these blocks is on the compute stream.
-        self.stream.join(compute)?;
+        // No wait for the compute stream: the steps that wrote these blocks have finished (the engine
+        // read their sampled tokens back before it could pin the request), and pinned blocks are written
+        // by no later step. Joining it would queue the gather behind whatever step was launched since —
+        // a whole prefill batch, ~100 ms under load.
         self.upload_ids(blocks, layout.num_blocks)?;
         let mut events = Vec::with_capacity(layout.n_layers);
         let vecs = (bb / 16) as u64;

@@ -80,13 +80,8 @@ impl CudaLlama {
     ) -> Result<Box<dyn tandem_engine::KvExport>, CudaError> {
         let layout = self.layout;
         let (kv, stride) = (self.kv.ptr, self.layer_stride_bytes());
-        self.mover.export(
-            &self.stream,
-            &layout,
-            |l| kv + (l * stride) as u64,
-            blocks,
-            dest,
-        )
+        self.mover
+            .export(&layout, |l| kv + (l * stride) as u64, blocks, dest)
     }
 
     /// `bytes` of device memory for zero-copy KV transfers (see [`crate::kv_bulk`]).
