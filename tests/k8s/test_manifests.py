@@ -281,6 +281,9 @@ def test_probes_and_drain(m):
     assert head["readinessProbe"]["httpGet"]["path"] == "/health"
     for probe in ("startupProbe", "livenessProbe"):
         assert probe in head
+    # The head waits for its open requests on SIGTERM: its grace outlasts its preStop sleep by 30 s or more.
+    head_sleep = head["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert m.deployment("head")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= head_sleep + 30
 
 
 def test_prefill_and_decode_never_share_a_node(m):
