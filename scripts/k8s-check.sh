@@ -16,4 +16,4 @@ if [ "$(cat "$venv/.requirements.sha256" 2>/dev/null)" != "$stamp" ]; then
     "$venv/bin/pip" install --quiet -r "$req" &&
     echo "$stamp" >"$venv/.requirements.sha256" || exit 1
 fi
-TANDEM_BIN="${TANDEM_BIN:-$root/target/release/tandem}" exec "$venv/bin/python" -m pytest -q -rs "$root/tests/k8s" "$@"
+TANDEM_BIN="${TANDEM_BIN:-$root/target/release/tandem}" exec "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "$root/tests/k8s" "$@"
