@@ -326,13 +326,15 @@ def test_gpu_workers_ask_for_a_gpu(m):
         assert cfg["deployment"]["kv_transfer"]["transport"] == "nixl"
 
 
-def test_efa_only_where_asked(m):
+def test_efa_only_on_gpu_workers(m):
     for role in ROLES:
-        efa = m.container(role)["resources"].get("limits", {}).get("vpc.amazonaws.com/efa")
+        c = m.container(role)
+        efa = c["resources"].get("limits", {}).get("vpc.amazonaws.com/efa")
         if "efa" in m.profile:
-            assert efa is not None and int(efa) >= 1, role
-        else:
-            assert efa is None, role
+            assert efa is not None and int(efa) >= 1, f"{role}: an EFA profile without EFA"
+        if efa is not None:
+            assert int(efa) >= 1 and flag(c["args"], "--device") == "cuda", f"{role}: EFA on a CPU worker"
+    assert "vpc.amazonaws.com/efa" not in m.container("head")["resources"].get("limits", {})
 
 
 def check_config_result(path):
