@@ -337,6 +337,27 @@ def test_efa_only_on_gpu_workers(m):
     assert "vpc.amazonaws.com/efa" not in m.container("head")["resources"].get("limits", {})
 
 
+def expand(args, env):
+    """Kubernetes' $(VAR) expansion of container args, with stand-in values for the downward API."""
+    values = {"POD_IP": "10.0.0.7", "POD_NAME": "tandem-decode-5d9c7b-x2k8q"}
+    names = {e["name"] for e in env}
+    return [re.sub(r"\$\((\w+)\)", lambda g: values[g.group(1)] if g.group(1) in names else g.group(0), a) for a in args]
+
+
+def test_every_command_line_parses_with_the_binary(m):
+    """Each container's command line, given to the release binary with --help appended: clap rejects an
+    unknown flag or a value it cannot parse before it gets to --help, so exit 0 means every flag and value
+    of the manifests is one the binary takes (nothing runs)."""
+    if not os.path.exists(TANDEM_BIN):
+        pytest.fail(f"{TANDEM_BIN} not found: build it (cargo build --release -p tandem) or set TANDEM_BIN")
+    for component in ("head",) + ROLES:
+        c = m.container(component)
+        assert c["command"] == ["tandem"], component
+        args = expand(c["args"], c.get("env", []))
+        out = subprocess.run([TANDEM_BIN, *args, "--help"], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, f"{m.profile} {component}: tandem {' '.join(args)}\n{out.stderr}"
+
+
 def check_config_result(path):
     out = subprocess.run(
         [TANDEM_BIN, "serve", "--check-config", str(path)], capture_output=True, text=True, timeout=60
