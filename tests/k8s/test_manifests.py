@@ -1,5 +1,5 @@
-"""tandem's Kubernetes manifests (deploy/k8s): every profile in deploy/k8s/overlays/ is rendered by
-scripts/k8s-render.sh (kustomize) and checked:
+"""tandem's Helm chart (deploy/helm/tandem): every profile of scripts/k8s-render.sh (`--list`; Helm's
+engine renders it, as `helm template` would) is checked:
 
 - every object against the Kubernetes 1.31 JSON schemas in strict mode (kubernetes-validate, bundled
   schemas, no network); the ServiceMonitor is a CRD without a bundled schema, so it is checked structurally
@@ -25,11 +25,11 @@ import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
+CHART = ROOT / "deploy" / "helm" / "tandem"
 RENDER = ROOT / "scripts" / "k8s-render.sh"
 TANDEM_BIN = os.environ.get("TANDEM_BIN", str(ROOT / "target" / "release" / "tandem"))
 K8S_VERSION = "1.31.0"
-PROFILES = sorted(p.name for p in OVERLAYS.iterdir() if (p / "kustomization.yaml").is_file())
+PROFILES = subprocess.run(["bash", str(RENDER), "--list"], capture_output=True, text=True, check=True).stdout.split()
 ROLES = ("prefill", "decode")
 # The worker's drain on SIGTERM lasts at most drain_grace_secs (default 30) and the pod's grace period
 # must cover the preStop sleep, that and some margin for the exit.
@@ -39,22 +39,28 @@ MIN_MARGIN_SECS = 5
 _rendered = {}
 
 
+def render_with(args, env=None):
+    out = subprocess.run(
+        ["bash", str(RENDER), *args], capture_output=True, text=True, timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+    assert out.returncode == 0, f"k8s-render.sh {' '.join(args)} failed:\n{out.stderr}"
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert docs, f"k8s-render.sh {' '.join(args)} printed no objects"
+    return docs
+
+
 def render(profile):
     if profile not in _rendered:
-        out = subprocess.run(
-            ["bash", str(RENDER), profile], capture_output=True, text=True, timeout=120
-        )
-        assert out.returncode == 0, f"k8s-render.sh {profile} failed:\n{out.stderr}"
-        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-        assert docs, f"k8s-render.sh {profile} printed no objects"
-        _rendered[profile] = docs
+        _rendered[profile] = render_with([profile])
     return _rendered[profile]
 
 
 class Manifests:
-    def __init__(self, profile):
+    def __init__(self, profile, docs=None, prefix="tandem"):
         self.profile = profile
-        self.docs = render(profile)
+        self.prefix = prefix
+        self.docs = docs if docs is not None else render(profile)
 
     def all(self, kind):
         return [d for d in self.docs if d["kind"] == kind]
@@ -65,7 +71,7 @@ class Manifests:
         return found[0]
 
     def deployment(self, component):
-        return self.get("Deployment", f"tandem-{component}")
+        return self.get("Deployment", f"{self.prefix}-{component}")
 
     def service(self, name):
         return self.get("Service", name)
@@ -76,7 +82,7 @@ class Manifests:
         return containers[0]
 
     def config_map(self):
-        maps = [d for d in self.all("ConfigMap") if d["metadata"]["name"].startswith("tandem-config")]
+        maps = [d for d in self.all("ConfigMap") if d["metadata"]["name"] == f"{self.prefix}-config"]
         assert len(maps) == 1, f"{self.profile}: expected one tandem-config ConfigMap"
         return maps[0]
 
@@ -134,11 +140,11 @@ def check_service_monitor(m, sm):
     assert set(sm) <= {"apiVersion", "kind", "metadata", "spec"}, sorted(sm)
     spec = sm["spec"]
     assert set(spec) <= {"selector", "endpoints", "namespaceSelector", "jobLabel"}, sorted(spec)
-    head = m.service("tandem-head")
+    head = m.service(f"{m.prefix}-head")
     selector = spec["selector"]["matchLabels"]
     assert selects(selector, head["metadata"]["labels"]), "the ServiceMonitor must select the head's Service"
     for other in ROLES:
-        assert not selects(selector, m.service(f"tandem-{other}")["metadata"]["labels"])
+        assert not selects(selector, m.service(f"{m.prefix}-{other}")["metadata"]["labels"])
     ports = {p["name"] for p in head["spec"]["ports"]}
     assert spec["endpoints"], "no endpoints"
     for ep in spec["endpoints"]:
@@ -168,13 +174,13 @@ def test_the_objects_are_there(m):
     assert {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget"} <= set(kinds), kinds
     for component in ("head",) + ROLES:
         m.deployment(component)
-        m.get("PodDisruptionBudget", f"tandem-{component}")
-    assert m.service("tandem-head")["spec"].get("clusterIP") != "None"
+        m.get("PodDisruptionBudget", f"{m.prefix}-{component}")
+    assert m.service(f"{m.prefix}-head")["spec"].get("clusterIP") != "None"
 
 
 def test_pdbs_select_their_pool(m):
     for component in ("head",) + ROLES:
-        pdb = m.get("PodDisruptionBudget", f"tandem-{component}")
+        pdb = m.get("PodDisruptionBudget", f"{m.prefix}-{component}")
         labels = pod_labels(m, component)
         assert selects(pdb["spec"]["selector"]["matchLabels"], labels), component
         others = [c for c in ("head",) + ROLES if c != component]
@@ -217,7 +223,7 @@ def test_head_serves_its_config(m):
     assert cfg["server"]["host"] == "0.0.0.0", "the head must listen beyond its loopback"
     port = cfg["server"]["port"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]}["http"] == port
-    svc_ports = m.service("tandem-head")["spec"]["ports"]
+    svc_ports = m.service(f"{m.prefix}-head")["spec"]["ports"]
     assert any(p["targetPort"] == "http" for p in svc_ports)
 
 
@@ -289,7 +295,13 @@ def test_probes_and_drain(m):
 def test_prefill_and_decode_never_share_a_node(m):
     for role, other in (("prefill", "decode"), ("decode", "prefill")):
         spec = m.deployment(role)["spec"]["template"]["spec"]
-        terms = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        anti = spec["affinity"]["podAntiAffinity"]
+        # Required in the shipped profiles; a profile may relax it to preferred (single-node clusters).
+        if m.profile in ("cpu", "gpu"):
+            assert set(anti) == {"requiredDuringSchedulingIgnoredDuringExecution"}, anti
+        terms = anti.get("requiredDuringSchedulingIgnoredDuringExecution", []) + [
+            t["podAffinityTerm"] for t in anti.get("preferredDuringSchedulingIgnoredDuringExecution", [])
+        ]
         assert any(
             t["topologyKey"] == "kubernetes.io/hostname"
             and selects(t["labelSelector"]["matchLabels"], pod_labels(m, other))
@@ -388,3 +400,61 @@ def test_check_config_refuses_a_bad_key(tmp_path):
     if rc != 0 and re.search(r"unexpected argument '--check-config'", out):
         pytest.skip(f"{TANDEM_BIN} has no `serve --check-config` yet (it reports the flag unknown)")
     assert rc != 0 and "intervall_secs" in out, f"rc {rc}:\n{out}"
+
+
+def values_file(tmp_path, values):
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def test_one_value_moves_the_head_and_the_workers_together(tmp_path):
+    """block_size, the model, the transport and the RPC port are each one value: the config and the
+    workers' flags change together, and the discovery names follow the release name."""
+    f = values_file(tmp_path, {
+        "engine": {"block_size": 32},
+        "model": {"path": "/models/other.gguf"},
+        "workers": {"rpcPort": 9100},
+    })
+    m = Manifests("custom", render_with(["cpu", "-f", f], {"TANDEM_RELEASE": "llm"}), prefix="llm-tandem")
+    cfg = m.tandem_config()
+    assert cfg["engine"]["block_size"] == 32 and cfg["model"] == "/models/other.gguf"
+    assert cfg["deployment"]["discovery"]["decode"] == "llm-tandem-decode:9100"
+    test_workers_agree_with_the_head(m)
+    test_head_config_discovers_the_headless_services(m)
+    test_every_object_is_valid_kubernetes_1_31_strict(m)
+
+
+def test_a_pool_overrides_the_shared_worker_values():
+    m = Manifests("eks-example")
+    decode, prefill = m.container("decode")["args"], m.container("prefill")["args"]
+    assert flag(decode, "--kv-cache-memory") == "64GiB" and flag(prefill, "--kv-cache-memory") == "32GiB"
+    assert flag(decode, "--max-num-seqs") == "128" and flag(prefill, "--max-num-seqs") is None
+    spec = lambda role: m.deployment(role)["spec"]["template"]["spec"]
+    assert spec("decode")["nodeSelector"] != spec("prefill")["nodeSelector"]
+    assert m.deployment("decode")["spec"]["replicas"] == 4 and m.deployment("prefill")["spec"]["replicas"] == 2
+    assert m.tandem_config()["served_model_name"] == "llama-3.1-8b"
+
+
+def test_the_grace_period_follows_the_drain(tmp_path):
+    f = values_file(tmp_path, {"workers": {"drainGraceSecs": 120}})
+    m = Manifests("custom", render_with(["cpu", "-f", f]))
+    assert m.deployment("decode")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 5 + 120 + 10
+
+
+def test_a_config_change_rolls_the_heads(tmp_path):
+    f = values_file(tmp_path, {"discovery": {"intervalSecs": 5}})
+    before = Manifests("cpu").deployment("head")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    m = Manifests("custom", render_with(["cpu", "-f", f]))
+    assert m.deployment("head")["spec"]["template"]["metadata"]["annotations"]["checksum/config"] != before
+
+
+def test_bad_values_are_refused_naming_them(tmp_path):
+    for values, key in (
+        ({"model": {"volume": {"type": "nfs"}}}, "model.volume.type"),
+        ({"workers": {"antiAffinity": "sometimes"}}, "antiAffinity"),
+    ):
+        out = subprocess.run(
+            ["bash", str(RENDER), "cpu", "-f", values_file(tmp_path, values)], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode != 0 and key in out.stderr, (values, out.stderr)
