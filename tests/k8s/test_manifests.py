@@ -451,10 +451,27 @@ def test_a_config_change_rolls_the_heads(tmp_path):
 
 def test_bad_values_are_refused_naming_them(tmp_path):
     for values, key in (
-        ({"model": {"volume": {"type": "nfs"}}}, "model.volume.type"),
-        ({"workers": {"antiAffinity": "sometimes"}}, "antiAffinity"),
+        ({"model": {"volume": {"type": "nfs"}}}, "/model/volume/type"),
+        ({"workers": {"antiAffinity": "sometimes"}}, "/workers/antiAffinity"),
+        ({"decode": {"replica": 3}}, "'replica'"),
+        ({"head": {"servce": {"type": "LoadBalancer"}}}, "'servce'"),
+        ({"workers": {"device": "tpu"}}, "/workers/device"),
     ):
         out = subprocess.run(
             ["bash", str(RENDER), "cpu", "-f", values_file(tmp_path, values)], capture_output=True, text=True, timeout=120
         )
         assert out.returncode != 0 and key in out.stderr, (values, out.stderr)
+
+
+@pytest.mark.parametrize("values_files", [[], ["values-gpu.yaml"]])
+def test_helm_lint_strict(values_files):
+    """`helm lint --strict` (Helm's own linter, through its engine): no warning and no error; an
+    informational note (e.g. "icon is recommended") is allowed."""
+    import helm_python
+
+    values = {}
+    for f in values_files:
+        values.update(yaml.safe_load((CHART / f).read_text()))
+    report = helm_python.lint(str(CHART), values, strict=True, kube_version="v" + K8S_VERSION)
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
