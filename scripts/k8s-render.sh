@@ -57,7 +57,9 @@ namespace="${TANDEM_NAMESPACE:-default}"
 if command -v helm >/dev/null 2>&1; then
   args=()
   for v in ${values[@]+"${values[@]}"}; do args+=(-f "$v"); done
-  exec helm template "$release" "$chart" --namespace "$namespace" ${args[@]+"${args[@]}"}
+  # --kube-version: the version CI validates against, so older helm commands (whose default is older than
+  # the chart's kubeVersion, >=1.30) render too; `helm install` takes the cluster's own.
+  exec helm template "$release" "$chart" --namespace "$namespace" --kube-version "${TANDEM_KUBE_VERSION:-1.31.0}" ${args[@]+"${args[@]}"}
 fi
 venv="$(bash "$root/scripts/k8s-venv.sh")"
 exec "$venv/bin/python" "$root/scripts/k8s_render.py" "$chart" "$release" "$namespace" ${values[@]+"${values[@]}"}
