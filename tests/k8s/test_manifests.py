@@ -475,3 +475,22 @@ def test_helm_lint_strict(values_files):
     report = helm_python.lint(str(CHART), values, strict=True, kube_version="v" + K8S_VERSION)
     problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
     assert not problems, problems
+
+
+def test_render_runs_the_helm_command_where_there_is_one(tmp_path):
+    """With `helm` on PATH (a user's machine) the script hands the profile's values files, then the user's,
+    to `helm template`; a stand-in `helm` records the command line."""
+    fake = tmp_path / "bin" / "helm"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    mine = values_file(tmp_path, {"decode": {"replicas": 3}})
+    out = subprocess.run(
+        ["bash", str(RENDER), "gpu-efa", "-f", mine], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "TANDEM_RELEASE": "llm"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:-1] == [
+        "template", "llm", str(CHART), "--namespace", "default", "--kube-version", "1.31.0",
+        "-f", str(CHART / "values-gpu.yaml"), "-f", str(CHART / "ci" / "efa-monitoring-values.yaml"), "-f", mine,
+    ]
