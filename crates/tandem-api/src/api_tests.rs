@@ -588,3 +588,26 @@ async fn client_disconnect_mid_stream_drops_the_request() {
         "dropping the body must drop the engine streams"
     );
 }
+
+/// A body over the limit is refused with 413 in OpenAI's error shape, before any of it is parsed; one
+/// under it is read as usual.
+#[tokio::test]
+async fn a_body_over_the_limit_gets_413_in_the_openai_shape() {
+    let (app, _) = app("hi");
+    let big = format!(
+        r#"{{"model":"fake","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(2 << 20)
+    );
+    let r = send(&app, "POST", "/v1/chat/completions", Some(&big), &[]).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(v["error"]["code"], "request_too_large");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("max_body_bytes"));
+    let small = r#"{"model":"fake","messages":[{"role":"user","content":"hello"}]}"#;
+    let r = send(&app, "POST", "/v1/chat/completions", Some(small), &[]).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+}

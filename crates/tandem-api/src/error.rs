@@ -64,6 +64,19 @@ impl ApiError {
         }
     }
 
+    /// A 413 for a request body over the server's limit (`server.max_body_bytes`).
+    pub fn too_large() -> Self {
+        Self {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: "The request body is larger than this server accepts (server.max_body_bytes)."
+                .to_owned(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_too_large"),
+            retry_after: None,
+        }
+    }
+
     /// A 401 for a missing or wrong bearer token.
     pub fn unauthorized() -> Self {
         Self {
@@ -149,6 +162,9 @@ impl IntoResponse for ApiError {
 impl From<JsonRejection> for ApiError {
     /// Axum answers malformed bodies with 415/422 and plain text; OpenAI clients expect a 400 JSON error.
     fn from(rejection: JsonRejection) -> Self {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            return ApiError::too_large();
+        }
         ApiError::invalid(rejection.body_text(), None)
     }
 }

@@ -25,7 +25,7 @@ pub use backend::{BackendError, GenerateBackend, TokenStream};
 pub use codec::{CodecError, ModelCodec, StreamDecoder, TextCodec};
 pub use error::ApiError;
 pub use routes::router;
-pub use state::{ApiConfig, AppState};
+pub use state::{ApiConfig, AppState, DEFAULT_MAX_BODY_BYTES};
 
 use std::future::Future;
 use std::sync::Arc;

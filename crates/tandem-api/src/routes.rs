@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::{FromRequest, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, Path, Request, State};
 use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -57,6 +57,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(fallback)
+        .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
         .layer(
             TraceLayer::new_for_http()
                 .make_span_with(request_span)

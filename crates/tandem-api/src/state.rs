@@ -21,7 +21,12 @@ pub struct ApiConfig {
     pub api_key: Option<String>,
     /// `system_fingerprint` of every answer: ties outputs to a server version and model identity.
     pub system_fingerprint: String,
+    /// Largest request body read; a larger one is answered 413 before any of it is parsed.
+    pub max_body_bytes: usize,
 }
+
+/// [`ApiConfig::max_body_bytes`] unless configured: room for a 128k-token prompt sent as token ids.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 8 << 20;
 
 /// Everything a handler needs, shared behind an `Arc`.
 pub struct AppState {

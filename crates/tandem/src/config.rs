@@ -104,6 +104,9 @@ pub struct ServerSettings {
     /// Require `Authorization: Bearer KEY` on /v1 routes.
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Largest request body, e.g. 8MiB [default: 8MiB]; a larger one gets 413.
+    #[arg(long)]
+    pub max_body_bytes: Option<ByteSize>,
 }
 
 /// `engine:` section (and a role's `engine:`), and the engine flags shared by `tandem serve`, `tandem
@@ -347,6 +350,13 @@ impl Settings {
     /// Listen port.
     pub fn port(&self) -> u16 {
         self.server.port.unwrap_or(8000)
+    }
+
+    /// Largest request body the API reads.
+    pub fn max_body_bytes(&self) -> usize {
+        self.server
+            .max_body_bytes
+            .map_or(tandem_api::DEFAULT_MAX_BODY_BYTES, |b| b.0)
     }
 
     /// Backend the engine runs on.

@@ -131,6 +131,7 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
             "fp_{}",
             loaded.identity.0.chars().take(16).collect::<String>()
         ),
+        max_body_bytes: settings.max_body_bytes(),
     };
     let state = Arc::new(AppState::new(
         Arc::new(ingress.clone()),

@@ -77,6 +77,7 @@ fn prepare(settings: &Settings) -> Result<Prepared> {
         model_root,
         api_key: settings.server.api_key.clone(),
         system_fingerprint: fingerprint,
+        max_body_bytes: settings.max_body_bytes(),
     };
     let state = Arc::new(AppState::new(
         Arc::new(engine.clone()),
