@@ -15,9 +15,9 @@ use crate::{
     WorkerService,
 };
 
-const BLOCK: usize = 4;
+pub(crate) const BLOCK: usize = 4;
 
-fn engine(block_size: usize) -> EngineHandle {
+pub(crate) fn engine(block_size: usize) -> EngineHandle {
     engine_on(MockBackend::new(block_size, 64))
 }
 
@@ -31,18 +31,18 @@ fn engine_on(mock: MockBackend) -> EngineHandle {
 }
 
 /// A worker serving on loopback; abort the task to make it vanish like a killed process.
-struct TestWorker {
-    url: String,
-    engine: EngineHandle,
-    service: Arc<WorkerService>,
-    task: tokio::task::JoinHandle<()>,
+pub(crate) struct TestWorker {
+    pub(crate) url: String,
+    pub(crate) engine: EngineHandle,
+    pub(crate) service: Arc<WorkerService>,
+    pub(crate) task: tokio::task::JoinHandle<()>,
 }
 
-async fn worker(role: Role, block_size: usize) -> TestWorker {
+pub(crate) async fn worker(role: Role, block_size: usize) -> TestWorker {
     worker_on(role, engine(block_size)).await
 }
 
-async fn worker_on(role: Role, engine: EngineHandle) -> TestWorker {
+pub(crate) async fn worker_on(role: Role, engine: EngineHandle) -> TestWorker {
     let peer = crate::peer_info(&engine, "mock".into(), 2);
     let config = WorkerConfig {
         worker_id: format!("{role}-test"),
@@ -72,7 +72,7 @@ async fn worker_on(role: Role, engine: EngineHandle) -> TestWorker {
     }
 }
 
-fn ingress(threshold: usize) -> Ingress {
+pub(crate) fn ingress(threshold: usize) -> Ingress {
     let routing = RoutingConfig {
         local_prefill_threshold: threshold,
         ..RoutingConfig::default()
@@ -472,4 +472,77 @@ async fn a_worker_is_dropped_only_after_consecutive_failed_polls() {
     }
     ingress.poll_once().await;
     assert!(!healthy(&ingress));
+}
+
+/// A draining worker fails readiness, reports it, gets no new work once the ingress polled it, and its
+/// drain ends only when its pin is released; gone afterwards, it leaves the registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_worker_gets_no_new_work_and_its_drain_waits_for_its_pin() {
+    let ([p, d], ingress) = cluster(0, [Role::Prefill, Role::Decode]).await;
+    // Registering again (a worker that re-registers) keeps the one entry.
+    ingress.register(&d.url).await.unwrap();
+    assert_eq!(ingress.workers().len(), 2);
+    let pinned = p
+        .service
+        .prefill(PrefillRequest {
+            prompt: prompt(0),
+            params: greedy(5),
+        })
+        .await
+        .unwrap()
+        .handle
+        .expect("pinned");
+    let http = reqwest::Client::new();
+    let health = |url: String| {
+        let http = http.clone();
+        async move {
+            http.get(format!("{url}/health"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(health(p.url.clone()).await, 200);
+    let service = Arc::clone(&p.service);
+    let drain = tokio::spawn(async move { service.drain(Duration::from_secs(30)).await });
+    while !p.service.is_draining() {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(health(p.url.clone()).await, 503);
+    ingress.poll_once().await;
+    ingress.poll_once().await;
+    assert!(ingress.routable(Role::Prefill).is_empty());
+    assert!(ingress
+        .workers()
+        .iter()
+        .any(|w| w.url == p.url && w.draining));
+    let before = p.service.load().engine.prompt_tokens_total;
+    collect(&ingress, prompt(1), greedy(4)).await;
+    assert_eq!(
+        p.service.load().engine.prompt_tokens_total,
+        before,
+        "a draining prefill worker got new work"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!drain.is_finished(), "the drain ended with a pin held");
+    let released: bool = http
+        .post(format!("{}/v1/worker/release", p.url))
+        .json(&serde_json::json!({"transfer_id": pinned.transfer_id}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(released);
+    assert!(drain.await.unwrap(), "drained with nothing left");
+    p.task.abort();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for _ in 0..crate::registry::DEAD_AFTER_FAILED_POLLS {
+        ingress.poll_once().await;
+    }
+    let left: Vec<String> = ingress.workers().into_iter().map(|w| w.url).collect();
+    assert_eq!(left, [d.url.clone()], "the drained worker was not removed");
 }

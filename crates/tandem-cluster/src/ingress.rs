@@ -148,7 +148,7 @@ impl Job {
         loop {
             let cands: Vec<Arc<WorkerEntry>> = self
                 .ingress
-                .healthy(Role::Prefill)
+                .routable(Role::Prefill)
                 .into_iter()
                 .filter(|w| !tried.contains(&w.url))
                 .collect();
@@ -193,7 +193,7 @@ impl Job {
     async fn route(self) -> Result<(), ClusterError> {
         let inner = &self.ingress.inner;
         let hashes = block_hashes(&self.prompt, self.ingress.block_size());
-        let decoders = self.ingress.healthy(Role::Decode);
+        let decoders = self.ingress.routable(Role::Decode);
         let loads: Vec<DecodeLoad> = decoders.iter().map(|w| w.decode_load()).collect();
         let Some(i) = pick_decode(&loads, &mut rand::rng()) else {
             return Err(ClusterError::Protocol {
@@ -212,7 +212,7 @@ impl Job {
         let mut prefilled = None;
         let mut pin = None;
         if uncached >= inner.routing.local_prefill_threshold
-            && !self.ingress.healthy(Role::Prefill).is_empty()
+            && !self.ingress.routable(Role::Prefill).is_empty()
         {
             path = PrefillPath::Fallback;
             if let Some((p, resp)) = self.remote_prefill(&hashes).await {
@@ -331,7 +331,7 @@ impl Job {
     fn next_decoder(&self, tried: &[String]) -> Option<Arc<WorkerEntry>> {
         let cands: Vec<Arc<WorkerEntry>> = self
             .ingress
-            .healthy(Role::Decode)
+            .routable(Role::Decode)
             .into_iter()
             .filter(|w| !tried.contains(&w.url))
             .collect();
@@ -439,7 +439,7 @@ impl GenerateBackend for Ingress {
         if prompt.is_empty() {
             return Err(BackendError::Invalid("the prompt is empty".into()));
         }
-        if self.healthy(Role::Decode).is_empty() {
+        if self.routable(Role::Decode).is_empty() {
             return Err(BackendError::Unavailable(
                 "no decode worker is available".into(),
             ));
@@ -513,7 +513,7 @@ impl GenerateBackend for Ingress {
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), BackendError>> {
-        let ok = !self.healthy(Role::Decode).is_empty();
+        let ok = !self.routable(Role::Decode).is_empty();
         Box::pin(async move {
             if ok {
                 Ok(())

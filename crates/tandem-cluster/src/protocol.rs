@@ -18,6 +18,8 @@ pub const PATH_DECODE: &str = "/v1/worker/decode";
 pub const PATH_RELEASE: &str = "/v1/worker/release";
 /// `POST` [`RegisterRequest`] on the ingress: a worker started elsewhere joins the deployment.
 pub const PATH_REGISTER: &str = "/v1/cluster/workers";
+/// `GET` on a worker: readiness for orchestrators (200 while it takes work, 503 once it drains).
+pub const PATH_HEALTH: &str = "/health";
 
 /// What a worker does in a disaggregated deployment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -91,6 +93,9 @@ pub struct WorkerLoad {
     /// See `staging_bytes`.
     #[serde(default)]
     pub staging_free_bytes: usize,
+    /// The worker is draining (SIGTERM): it finishes what it has and must get no new work.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// Body of [`PATH_PREFILL`].
