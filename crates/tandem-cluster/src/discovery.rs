@@ -192,9 +192,15 @@ impl Ingress {
                 }
             }
         }
+        // New addresses, and DNS-found ones that stopped answering: a new process may have taken the
+        // address over, and it must pass the handshake itself (the same process keeps its entry).
         let new: Vec<&String> = urls
             .iter()
-            .filter(|u| !known.iter().any(|w| &&w.url == u))
+            .filter(|u| {
+                !known
+                    .iter()
+                    .any(|w| &&w.url == u && (w.origin == Origin::Static || w.healthy()))
+            })
             .collect();
         let joins = new.into_iter().map(|url| async move {
             match self.register_as(url, Some(role), Origin::Dns).await {
