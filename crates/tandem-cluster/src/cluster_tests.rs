@@ -544,5 +544,5 @@ async fn a_draining_worker_gets_no_new_work_and_its_drain_waits_for_its_pin() {
         ingress.poll_once().await;
     }
     let left: Vec<String> = ingress.workers().into_iter().map(|w| w.url).collect();
-    assert_eq!(left, [d.url.clone()], "the drained worker was not removed");
+    assert_eq!(left, [d.url.as_str()], "the drained worker was not removed");
 }

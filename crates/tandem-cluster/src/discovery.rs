@@ -314,7 +314,7 @@ mod tests {
         drop(busy);
         ingress.discover_once(&config, &resolver).await;
         let listed: Vec<String> = ingress.workers().into_iter().map(|w| w.url).collect();
-        assert_eq!(listed, [b.url.clone()], "drained and idle: removed");
+        assert_eq!(listed, [b.url.as_str()], "drained and idle: removed");
 
         // Back in the name: handshake again, routable again.
         resolver.set(&[&a, &b]);

@@ -39,7 +39,7 @@ enum Command {
     /// Chat interactively with a running server, or with a model loaded in process (--local).
     Chat(chat::ChatArgs),
     /// Run one prefill or decode worker of a disaggregated deployment.
-    Worker(worker::WorkerArgs),
+    Worker(Box<worker::WorkerArgs>),
     /// Measure the engine's decode and prefill speed on one model, in process.
     BenchEngine(bench_engine::BenchEngineArgs),
     /// Benchmark an OpenAI-compatible server (or several) with vLLM-compatible serving metrics.
@@ -109,7 +109,7 @@ fn main() -> Result<()> {
         }
         Command::Worker(args) => {
             init_logging(cli.log_format.unwrap_or_default());
-            worker::run(args)
+            worker::run(*args)
         }
         Command::Chat(args) => {
             // In-process serving would interleave its info logs with the conversation.
