@@ -546,3 +546,24 @@ async fn a_draining_worker_gets_no_new_work_and_its_drain_waits_for_its_pin() {
     let left: Vec<String> = ingress.workers().into_iter().map(|w| w.url).collect();
     assert_eq!(left, [d.url.as_str()], "the drained worker was not removed");
 }
+
+/// A decode worker that no longer answers when a request starts on it (gone before any poll noticed)
+/// costs no request: another decode worker takes it from the start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_unreachable_at_start_is_replaced() {
+    let colocated = engine(BLOCK);
+    let ([p, d1, d2], ingress) = cluster(BLOCK, [Role::Prefill, Role::Decode, Role::Decode]).await;
+    d1.task.abort();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for seed in 0..6 {
+        let want = collect(&colocated, prompt(seed), greedy(6)).await;
+        assert_eq!(
+            collect(&ingress, prompt(seed), greedy(6)).await,
+            want,
+            "seed {seed}"
+        );
+    }
+    assert_eq!(ingress.routable(Role::Decode).len(), 1);
+    drained(&p).await;
+    drained(&d2).await;
+}

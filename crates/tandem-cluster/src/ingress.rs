@@ -246,7 +246,6 @@ impl Job {
             resume: Vec::new(),
         };
         let resp = match self.start_decode(&d, &req).await {
-            Ok(resp) => resp,
             Err(e) if req.prefilled.is_some() => {
                 // The pull failed (prefill worker died, pin expired...): prefill on the decode worker instead.
                 tracing::warn!(error = %e, "KV transfer failed; prefilling on the decode worker");
@@ -254,28 +253,41 @@ impl Job {
                 drop(pin.take());
                 path = PrefillPath::Fallback;
                 req.prefilled = None;
-                self.start_decode(&d, &req).await?
+                self.start_decode(&d, &req).await
             }
-            Err(e) => return Err(e),
+            started => started,
         };
-        // The decode worker answered, so it has acked or aborted the pull itself.
-        if let Some(p) = pin.as_mut() {
-            p.armed = false;
-        }
+        let resp = match resp {
+            // The decode worker answered, so it has acked or aborted the pull itself.
+            Ok(r) => {
+                if let Some(p) = pin.as_mut() {
+                    p.armed = false;
+                }
+                Ok(r)
+            }
+            // It refused the request itself (a full queue, a bad prompt): its answer is the client's.
+            Err(e @ ClusterError::Remote { .. }) => return Err(e),
+            // Unreachable (gone, or drained away since it was chosen): another decode worker takes it
+            // in `stream`, as if it had failed before its first token.
+            Err(e) => {
+                drop(pin.take());
+                Err(e)
+            }
+        };
         inner.metrics.request(path);
         d.prefix.lock().insert(&hashes);
         self.stream(d, busy, resp, first_sent, sent, &hashes).await
     }
 
-    /// Relays the decode worker's tokens; if it fails mid-stream (process died, connection lost, engine
-    /// error), resumes the request on another healthy decode worker after the tokens already delivered,
+    /// Relays the decode worker's tokens (`resp` is its answer, or the error of a start that found it
+    /// unreachable); if it fails mid-stream (process died, connection lost, engine error), resumes the request on another healthy decode worker after the tokens already delivered,
     /// and gives up with the error (the client's stream ends without a finish, which the API reports)
     /// when no other decode worker is left to try.
     async fn stream(
         &self,
         d: Arc<WorkerEntry>,
         busy: InFlight,
-        mut resp: reqwest::Response,
+        mut resp: Result<reqwest::Response, ClusterError>,
         mut skip_first: bool,
         mut sent: Vec<u32>,
         hashes: &[u64],
@@ -285,8 +297,11 @@ impl Job {
         // The worker streaming now, with its in-flight count held until it is replaced or we return.
         let (mut d, mut _busy) = (d, busy);
         loop {
-            let err = match self.forward(&d.url, resp, skip_first, &mut sent).await {
-                Ok(()) => return Ok(()),
+            let err = match resp {
+                Ok(r) => match self.forward(&d.url, r, skip_first, &mut sent).await {
+                    Ok(()) => return Ok(()),
+                    Err(e) => e,
+                },
                 Err(e) => e,
             };
             if !matches!(err, ClusterError::Remote { .. }) {
@@ -323,11 +338,11 @@ impl Job {
             };
             inner.metrics.decode_resumed();
             next.prefix.lock().insert(hashes);
-            (d, _busy, resp, skip_first) = (next, next_busy, r, false);
+            (d, _busy, resp, skip_first) = (next, next_busy, Ok(r), false);
         }
     }
 
-    /// The least loaded healthy decode worker not yet tried for this request.
+    /// The least loaded routable decode worker not yet tried for this request.
     fn next_decoder(&self, tried: &[String]) -> Option<Arc<WorkerEntry>> {
         let cands: Vec<Arc<WorkerEntry>> = self
             .ingress
