@@ -82,6 +82,7 @@ pub struct WorkerSettings {
 /// The drain grace period when none is given (Kubernetes' default termination grace is 30 s as well).
 pub const DEFAULT_DRAIN_GRACE_SECS: f64 = 30.0;
 
+/// Serde's default for `drain_grace_secs` (a document without the key).
 fn default_drain_grace_secs() -> f64 {
     DEFAULT_DRAIN_GRACE_SECS
 }
