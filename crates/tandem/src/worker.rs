@@ -339,6 +339,12 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         .context("building the tokio runtime")?;
     let advertise = bracketed(&advertise_host(&settings));
     let result = runtime.block_on(async {
+        // Listen for SIGTERM from here on, so one that comes while the worker registers still drains it.
+        let (signalled, mut signal) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = signalled.send(());
+        });
         let config = WorkerConfig {
             worker_id: worker_id.clone(),
             role,
@@ -386,7 +392,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             ended = &mut server => {
                 return ended.context("worker server task")?.context("worker HTTP server");
             }
-            () = shutdown_signal() => {}
+            _ = &mut signal => {}
         }
         if let Some(keeper) = keeper {
             keeper.abort();
