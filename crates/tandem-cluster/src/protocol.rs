@@ -71,6 +71,10 @@ pub struct WorkerInfo {
     pub max_num_seqs: usize,
     /// OS process id, so an operator (or a test) can find the process behind a worker.
     pub pid: u32,
+    /// Random per process start: tells a new process at a known address (often pid 1 again, in a
+    /// container) from the one that passed the handshake there.
+    #[serde(default)]
+    pub instance: u64,
 }
 
 /// A worker's load, answered on [`PATH_LOAD`].
@@ -96,6 +100,9 @@ pub struct WorkerLoad {
     /// The worker is draining (SIGTERM): it finishes what it has and must get no new work.
     #[serde(default)]
     pub draining: bool,
+    /// Its [`WorkerInfo::instance`]: a poll answered by another process is not this worker's.
+    #[serde(default)]
+    pub instance: u64,
 }
 
 /// Body of [`PATH_PREFILL`].

@@ -214,10 +214,12 @@ impl Ingress {
         }
         let mut workers = self.inner.workers.write();
         // The same process registering again (it re-registers when unpolled) keeps its entry and counts.
-        if workers
-            .iter()
-            .any(|w| w.url == url && w.info.worker_id == info.worker_id && w.info.pid == info.pid)
-        {
+        if workers.iter().any(|w| {
+            w.url == url
+                && w.info.worker_id == info.worker_id
+                && w.info.pid == info.pid
+                && w.info.instance == info.instance
+        }) {
             return Ok(info);
         }
         let entry = Arc::new(WorkerEntry {
@@ -260,6 +262,13 @@ impl Ingress {
         let timeout = secs(self.inner.timeouts.poll_interval_secs).max(Duration::from_secs(1));
         let polls = workers.iter().map(|w| async move {
             match get_json::<WorkerLoad>(&self.inner.http, &w.url, PATH_LOAD, timeout).await {
+                Ok(load) if load.instance != w.info.instance => {
+                    // A new process took the address: it must pass the handshake (it registers
+                    // itself, or DNS discovery tries it) before it gets work in this one's place.
+                    if w.healthy.swap(false, Ordering::Relaxed) {
+                        tracing::warn!(url = %w.url, worker = %w.info.worker_id, "another process answers at this worker's address; it needs a handshake");
+                    }
+                }
                 Ok(load) => {
                     if let Some(cap) =
                         (load.engine.kv_blocks_total > 0).then_some(load.engine.kv_blocks_total)

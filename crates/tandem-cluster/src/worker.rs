@@ -558,6 +558,7 @@ impl WorkerService {
             max_model_len: engine.max_model_len(),
             max_num_seqs: config.max_num_seqs,
             pid: std::process::id(),
+            instance: rand::random::<u64>() | 1,
         };
         Ok(Arc::new(WorkerService {
             engine,
@@ -657,6 +658,7 @@ impl WorkerService {
             staging_bytes: self.staged.as_ref().map_or(0, |(_, s)| s.len()),
             staging_free_bytes: self.staged.as_ref().map_or(0, |(_, s)| s.free_bytes()),
             draining: self.is_draining(),
+            instance: self.info.instance,
         }
     }
 
