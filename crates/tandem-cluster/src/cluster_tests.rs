@@ -15,9 +15,9 @@ use crate::{
     WorkerService,
 };
 
-const BLOCK: usize = 4;
+pub(crate) const BLOCK: usize = 4;
 
-fn engine(block_size: usize) -> EngineHandle {
+pub(crate) fn engine(block_size: usize) -> EngineHandle {
     engine_on(MockBackend::new(block_size, 64))
 }
 
@@ -31,18 +31,18 @@ fn engine_on(mock: MockBackend) -> EngineHandle {
 }
 
 /// A worker serving on loopback; abort the task to make it vanish like a killed process.
-struct TestWorker {
-    url: String,
-    engine: EngineHandle,
-    service: Arc<WorkerService>,
-    task: tokio::task::JoinHandle<()>,
+pub(crate) struct TestWorker {
+    pub(crate) url: String,
+    pub(crate) engine: EngineHandle,
+    pub(crate) service: Arc<WorkerService>,
+    pub(crate) task: tokio::task::JoinHandle<()>,
 }
 
-async fn worker(role: Role, block_size: usize) -> TestWorker {
+pub(crate) async fn worker(role: Role, block_size: usize) -> TestWorker {
     worker_on(role, engine(block_size)).await
 }
 
-async fn worker_on(role: Role, engine: EngineHandle) -> TestWorker {
+pub(crate) async fn worker_on(role: Role, engine: EngineHandle) -> TestWorker {
     let peer = crate::peer_info(&engine, "mock".into(), 2);
     let config = WorkerConfig {
         worker_id: format!("{role}-test"),
@@ -61,7 +61,7 @@ async fn worker_on(role: Role, engine: EngineHandle) -> TestWorker {
         .expect("worker starts");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let router = Arc::clone(&service).router();
+    let router = closing(Arc::clone(&service).router());
     let task = tokio::spawn(async move {
         let _ = axum::serve(listener, router).await;
     });
@@ -73,7 +73,21 @@ async fn worker_on(role: Role, engine: EngineHandle) -> TestWorker {
     }
 }
 
-fn ingress(threshold: usize) -> Ingress {
+/// `router` answering with `Connection: close`: aborting a test worker's server task then leaves no
+/// kept-alive connection answering for it, as none would for a dead process.
+pub(crate) fn closing(router: axum::Router) -> axum::Router {
+    router.layer(axum::middleware::map_response(
+        |mut r: axum::response::Response| async move {
+            r.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+            r
+        },
+    ))
+}
+
+pub(crate) fn ingress(threshold: usize) -> Ingress {
     let routing = RoutingConfig {
         local_prefill_threshold: threshold,
         ..RoutingConfig::default()
@@ -540,4 +554,140 @@ fn saturation_is_read_from_the_reported_bound() {
     assert_eq!(load.saturated(), None);
     load.imports_waiting = 2;
     assert_eq!(load.saturated(), Some(3));
+}
+
+/// A draining worker fails readiness, reports it, gets no new work once the ingress polled it, and its
+/// drain ends only when its pin is released; gone afterwards, it leaves the registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_worker_gets_no_new_work_and_its_drain_waits_for_its_pin() {
+    let ([p, d], ingress) = cluster(0, [Role::Prefill, Role::Decode]).await;
+    // Registering again (a worker that re-registers) keeps the one entry.
+    ingress.register(&d.url).await.unwrap();
+    assert_eq!(ingress.workers().len(), 2);
+    let pinned = p
+        .service
+        .prefill(PrefillRequest {
+            prompt: prompt(0),
+            params: greedy(5),
+        })
+        .await
+        .unwrap()
+        .handle
+        .expect("pinned");
+    let http = reqwest::Client::new();
+    let health = |url: String| {
+        let http = http.clone();
+        async move {
+            http.get(format!("{url}/health"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(health(p.url.clone()).await, 200);
+    let service = Arc::clone(&p.service);
+    let drain = tokio::spawn(async move { service.drain(Duration::from_secs(30)).await });
+    while !p.service.is_draining() {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(health(p.url.clone()).await, 503);
+    ingress.poll_once().await;
+    ingress.poll_once().await;
+    assert!(ingress.routable(Role::Prefill).is_empty());
+    assert!(ingress
+        .workers()
+        .iter()
+        .any(|w| w.url == p.url && w.draining));
+    let before = p.service.load().engine.prompt_tokens_total;
+    collect(&ingress, prompt(1), greedy(4)).await;
+    assert_eq!(
+        p.service.load().engine.prompt_tokens_total,
+        before,
+        "a draining prefill worker got new work"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!drain.is_finished(), "the drain ended with a pin held");
+    let released: bool = http
+        .post(format!("{}/v1/worker/release", p.url))
+        .json(&serde_json::json!({"transfer_id": pinned.transfer_id}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(released);
+    assert!(drain.await.unwrap(), "drained with nothing left");
+    p.task.abort();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for _ in 0..crate::registry::DEAD_AFTER_FAILED_POLLS {
+        ingress.poll_once().await;
+    }
+    let left: Vec<String> = ingress.workers().into_iter().map(|w| w.url).collect();
+    assert_eq!(left, [d.url.as_str()], "the drained worker was not removed");
+}
+
+/// A decode worker that no longer answers when a request starts on it (gone before any poll noticed)
+/// costs no request: another decode worker takes it from the start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_unreachable_at_start_is_replaced() {
+    let colocated = engine(BLOCK);
+    let ([p, d1, d2], ingress) = cluster(BLOCK, [Role::Prefill, Role::Decode, Role::Decode]).await;
+    d1.task.abort();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Routing picks either decode worker at random: go on until the dead one was tried (and marked down).
+    for seed in 0..40 {
+        let want = collect(&colocated, prompt(seed), greedy(6)).await;
+        assert_eq!(
+            collect(&ingress, prompt(seed), greedy(6)).await,
+            want,
+            "seed {seed}"
+        );
+        if ingress.routable(Role::Decode).len() == 1 {
+            break;
+        }
+    }
+    assert_eq!(
+        ingress.routable(Role::Decode).len(),
+        1,
+        "the dead worker was never tried"
+    );
+    drained(&p).await;
+    drained(&d2).await;
+}
+
+/// A new process answering at a registered worker's address (a restarted container keeps its IP) is not
+/// that worker: the polls mark the entry down until the newcomer passes the handshake itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_process_at_a_known_address_gets_no_work_before_its_handshake() {
+    let ([d], ingress) = cluster(0, [Role::Decode]).await;
+    ingress.poll_once().await;
+    assert_eq!(ingress.routable(Role::Decode).len(), 1);
+    d.task.abort();
+    let _ = d.task.await;
+    // Same address, another block size: its answers to load polls must not revive the old entry.
+    let other = worker_on(Role::Decode, engine(BLOCK * 2)).await;
+    let addr = d.url.trim_start_matches("http://").to_owned();
+    let listener = loop {
+        match tokio::net::TcpListener::bind(&addr).await {
+            Ok(l) => break l,
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    let router = closing(Arc::clone(&other.service).router());
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    ingress.poll_once().await;
+    assert!(
+        ingress.routable(Role::Decode).is_empty(),
+        "the newcomer was taken for the old worker"
+    );
+    let err = ingress.register(&d.url).await.unwrap_err();
+    assert!(err.to_string().contains("block_size"), "{err}");
+    ingress.poll_once().await;
+    assert!(ingress.routable(Role::Decode).is_empty());
+    task.abort();
 }

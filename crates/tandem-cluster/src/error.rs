@@ -53,6 +53,14 @@ pub enum ClusterError {
         /// The worker's error message.
         message: String,
     },
+    /// A cluster setting is invalid (the error names the key, relative to its section).
+    #[error("{key}: {message}")]
+    BadConfig {
+        /// The key, e.g. `discovery.decode`.
+        key: &'static str,
+        /// What is wrong with its value.
+        message: String,
+    },
     /// A worker answered something that does not follow the protocol.
     #[error("bad answer from {url}: {message}")]
     Protocol {
@@ -91,7 +99,9 @@ impl ClusterError {
             | ClusterError::Rpc { .. }
             | ClusterError::Remote { .. }
             | ClusterError::Protocol { .. } => StatusCode::BAD_GATEWAY,
-            ClusterError::Engine(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ClusterError::Engine(_) | ClusterError::BadConfig { .. } => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 }

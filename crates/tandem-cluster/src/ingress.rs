@@ -153,7 +153,7 @@ impl Job {
         loop {
             let cands: Vec<Arc<WorkerEntry>> = self
                 .ingress
-                .healthy(Role::Prefill)
+                .routable(Role::Prefill)
                 .into_iter()
                 .filter(|w| !tried.contains(&w.url))
                 .collect();
@@ -198,7 +198,7 @@ impl Job {
     async fn route(self) -> Result<(), ClusterError> {
         let inner = &self.ingress.inner;
         let hashes = block_hashes(&self.prompt, self.ingress.block_size());
-        let decoders = self.ingress.healthy(Role::Decode);
+        let decoders = self.ingress.routable(Role::Decode);
         let loads: Vec<DecodeLoad> = decoders.iter().map(|w| w.decode_load()).collect();
         let Some(i) = pick_decode(&loads, &mut rand::rng()) else {
             return Err(ClusterError::Protocol {
@@ -217,7 +217,7 @@ impl Job {
         let mut prefilled = None;
         let mut pin = None;
         if uncached >= inner.routing.local_prefill_threshold
-            && !self.ingress.healthy(Role::Prefill).is_empty()
+            && !self.ingress.routable(Role::Prefill).is_empty()
         {
             path = PrefillPath::Fallback;
             if let Some((p, resp)) = self.remote_prefill(&hashes).await {
@@ -252,7 +252,6 @@ impl Job {
         };
         let (mut d, mut busy) = (d, busy);
         let resp = match self.start_decode(&d, &req).await {
-            Ok(resp) => resp,
             Err(e) if req.prefilled.is_some() && e.is_busy() => {
                 // The decode worker's KV cache is full and its import queue too: the KV stays pinned
                 // on the prefill worker for another decode worker to pull; with none free the request
@@ -268,10 +267,13 @@ impl Job {
                     match self.start_decode(&next, &req).await {
                         Ok(resp) => {
                             (d, busy) = (next, next_busy);
-                            break resp;
+                            break Ok(resp);
                         }
                         Err(e) if e.is_busy() => last = e,
-                        Err(e) => return Err(e),
+                        Err(e) => {
+                            (d, busy) = (next, next_busy);
+                            break Err(e);
+                        }
                     }
                 }
             }
@@ -282,28 +284,41 @@ impl Job {
                 drop(pin.take());
                 path = PrefillPath::Fallback;
                 req.prefilled = None;
-                self.start_decode(&d, &req).await?
+                self.start_decode(&d, &req).await
             }
-            Err(e) => return Err(e),
+            started => started,
         };
-        // The decode worker answered, so it has acked or aborted the pull itself.
-        if let Some(p) = pin.as_mut() {
-            p.armed = false;
-        }
+        let resp = match resp {
+            // The decode worker answered, so it has acked or aborted the pull itself.
+            Ok(r) => {
+                if let Some(p) = pin.as_mut() {
+                    p.armed = false;
+                }
+                Ok(r)
+            }
+            // It refused the request itself (a full queue, a bad prompt): its answer is the client's.
+            Err(e @ ClusterError::Remote { .. }) => return Err(e),
+            // Unreachable (gone, or drained away since it was chosen): another decode worker takes it
+            // in `stream`, as if it had failed before its first token.
+            Err(e) => {
+                drop(pin.take());
+                Err(e)
+            }
+        };
         inner.metrics.request(path);
         d.prefix.lock().insert(&hashes);
         self.stream(d, busy, resp, first_sent, sent, &hashes).await
     }
 
-    /// Relays the decode worker's tokens; if it fails mid-stream (process died, connection lost, engine
-    /// error), resumes the request on another healthy decode worker after the tokens already delivered,
+    /// Relays the decode worker's tokens (`resp` is its answer, or the error of a start that found it
+    /// unreachable); if it fails mid-stream (process died, connection lost, engine error), resumes the request on another healthy decode worker after the tokens already delivered,
     /// and gives up with the error (the client's stream ends without a finish, which the API reports)
     /// when no other decode worker is left to try.
     async fn stream(
         &self,
         d: Arc<WorkerEntry>,
         busy: InFlight,
-        mut resp: reqwest::Response,
+        mut resp: Result<reqwest::Response, ClusterError>,
         mut skip_first: bool,
         mut sent: Vec<u32>,
         hashes: &[u64],
@@ -313,8 +328,11 @@ impl Job {
         // The worker streaming now, with its in-flight count held until it is replaced or we return.
         let (mut d, mut _busy) = (d, busy);
         loop {
-            let err = match self.forward(&d.url, resp, skip_first, &mut sent).await {
-                Ok(()) => return Ok(()),
+            let err = match resp {
+                Ok(r) => match self.forward(&d.url, r, skip_first, &mut sent).await {
+                    Ok(()) => return Ok(()),
+                    Err(e) => e,
+                },
                 Err(e) => e,
             };
             if !matches!(err, ClusterError::Remote { .. }) {
@@ -351,15 +369,15 @@ impl Job {
             };
             inner.metrics.decode_resumed();
             next.prefix.lock().insert(hashes);
-            (d, _busy, resp, skip_first) = (next, next_busy, r, false);
+            (d, _busy, resp, skip_first) = (next, next_busy, Ok(r), false);
         }
     }
 
-    /// The least loaded healthy decode worker not yet tried for this request.
+    /// The least loaded routable decode worker not yet tried for this request.
     fn next_decoder(&self, tried: &[String]) -> Option<Arc<WorkerEntry>> {
         let cands: Vec<Arc<WorkerEntry>> = self
             .ingress
-            .healthy(Role::Decode)
+            .routable(Role::Decode)
             .into_iter()
             .filter(|w| !tried.contains(&w.url))
             .collect();
@@ -467,7 +485,7 @@ impl GenerateBackend for Ingress {
         if prompt.is_empty() {
             return Err(BackendError::Invalid("the prompt is empty".into()));
         }
-        let decoders = self.healthy(Role::Decode);
+        let decoders = self.routable(Role::Decode);
         if decoders.is_empty() {
             return Err(BackendError::Unavailable(
                 "no decode worker is available".into(),
@@ -550,7 +568,7 @@ impl GenerateBackend for Ingress {
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), BackendError>> {
-        let ok = !self.healthy(Role::Decode).is_empty();
+        let ok = !self.routable(Role::Decode).is_empty();
         Box::pin(async move {
             if ok {
                 Ok(())

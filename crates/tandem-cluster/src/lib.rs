@@ -28,10 +28,16 @@
 //! OpenAI API, and every call can be debugged with curl. The hot data path — the KV bytes — does not go
 //! through this RPC at all: it is `tandem-kv`'s binary wire format over TCP or shared memory.
 //!
+//! Membership: the workers `tandem serve` starts, those that register themselves, and with
+//! [`DiscoveryConfig`] `mode: dns` every address a role's DNS name resolves to (`discovery`). A worker
+//! drains on SIGTERM ([`WorkerService::drain`]): its `/health` answers 503 and its load says so, the
+//! ingress routes nothing new to it, and it exits once its requests and pins are done.
+//!
 //! Worker compatibility is checked twice: at registration in the ingress (model identity and KV layout,
 //! a mismatch refused with [`ClusterError::Refused`] naming the field) and again in every `tandem-kv`
 //! connection handshake.
 
+pub mod discovery;
 pub mod error;
 pub mod ingress;
 pub mod metrics;
@@ -42,6 +48,7 @@ pub mod routing;
 mod rpc;
 pub mod worker;
 
+pub use discovery::{DiscoveryConfig, DiscoveryMode, DnsResolver, Resolver};
 pub use error::ClusterError;
 pub use ingress::{Ingress, TimeoutConfig, WorkerStatus};
 pub use protocol::{Role, WorkerInfo, WorkerLoad};

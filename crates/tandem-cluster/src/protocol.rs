@@ -18,6 +18,8 @@ pub const PATH_DECODE: &str = "/v1/worker/decode";
 pub const PATH_RELEASE: &str = "/v1/worker/release";
 /// `POST` [`RegisterRequest`] on the ingress: a worker started elsewhere joins the deployment.
 pub const PATH_REGISTER: &str = "/v1/cluster/workers";
+/// `GET` on a worker: readiness for orchestrators (200 while it takes work, 503 once it drains).
+pub const PATH_HEALTH: &str = "/health";
 
 /// What a worker does in a disaggregated deployment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -69,6 +71,10 @@ pub struct WorkerInfo {
     pub max_num_seqs: usize,
     /// OS process id, so an operator (or a test) can find the process behind a worker.
     pub pid: u32,
+    /// Random per process start: tells a new process at a known address (often pid 1 again, in a
+    /// container) from the one that passed the handshake there.
+    #[serde(default)]
+    pub instance: u64,
 }
 
 /// A worker's load, answered on [`PATH_LOAD`].
@@ -99,6 +105,12 @@ pub struct WorkerLoad {
     /// worker is there.
     #[serde(default)]
     pub max_waiting: usize,
+    /// The worker is draining (SIGTERM): it finishes what it has and must get no new work.
+    #[serde(default)]
+    pub draining: bool,
+    /// Its [`WorkerInfo::instance`]: a poll answered by another process is not this worker's.
+    #[serde(default)]
+    pub instance: u64,
 }
 
 impl WorkerLoad {

@@ -1,4 +1,5 @@
-//! The ingress's worker registry: registration with the KV handshake check, load polling and health, and
+//! The ingress's worker registry: registration with the KV handshake check, load polling and health,
+//! draining (a worker that reports it, or one DNS discovery lost) and removal once its requests end, and
 //! the listing served on `/v1/cluster/workers`.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
@@ -22,13 +23,27 @@ use crate::protocol::{
 use crate::routing::DecodeLoad;
 use crate::rpc::get_json;
 
+/// How a worker joined: it decides who may take it out again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Origin {
+    /// Started by this process or registered itself (`POST /v1/cluster/workers`): stays until it drains away.
+    Static,
+    /// Found by DNS discovery: drained when its address leaves the name.
+    Dns,
+}
+
 /// Everything the ingress knows about one registered worker.
 pub struct WorkerEntry {
     /// Base URL of its RPC server.
     pub url: String,
     /// Its registration record.
     pub info: WorkerInfo,
+    pub(crate) origin: Origin,
     pub(crate) healthy: AtomicBool,
+    /// The worker said it is draining (its load poll): no new work.
+    pub(crate) draining: AtomicBool,
+    /// DNS discovery no longer lists its address: no new work, removed once its requests end.
+    pub(crate) vanished: AtomicBool,
     /// Load polls failed in a row: one slow answer under load is not a death.
     failed_polls: AtomicU32,
     pub(crate) in_flight: Arc<AtomicUsize>,
@@ -56,6 +71,24 @@ impl WorkerEntry {
     /// Whether its last poll or RPC succeeded.
     pub fn healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Whether it is on its way out (it drains, or DNS lost it): routing skips it.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed) || self.vanished.load(Ordering::Relaxed)
+    }
+
+    /// Whether new requests may go to it.
+    pub(crate) fn routable(&self) -> bool {
+        self.healthy() && !self.draining()
+    }
+
+    /// Whether it can leave the registry: DNS lost it, or it drained and stopped answering, and no
+    /// request of this ingress is still on it.
+    fn removable(&self) -> bool {
+        let gone = self.vanished.load(Ordering::Relaxed)
+            || (self.draining.load(Ordering::Relaxed) && !self.healthy());
+        gone && self.in_flight.load(Ordering::Relaxed) == 0
     }
 
     /// Its last polled load.
@@ -98,6 +131,9 @@ pub struct WorkerStatus {
     pub info: WorkerInfo,
     /// Whether it answers.
     pub healthy: bool,
+    /// Whether it drains (it said so, or DNS discovery lost it): it gets no new work.
+    #[serde(default)]
+    pub draining: bool,
     /// Last polled load.
     pub load: WorkerLoad,
 }
@@ -105,6 +141,17 @@ pub struct WorkerStatus {
 impl Ingress {
     /// Fetches a worker's info, runs the handshake check and adds it; a mismatch is refused naming the field.
     pub async fn register(&self, url: &str) -> Result<WorkerInfo, ClusterError> {
+        self.register_as(url, None, Origin::Static).await
+    }
+
+    /// [`Self::register`] for a worker expected in `role` (DNS discovery lists workers per role), added
+    /// with its `origin`.
+    pub(crate) async fn register_as(
+        &self,
+        url: &str,
+        role: Option<Role>,
+        origin: Origin,
+    ) -> Result<WorkerInfo, ClusterError> {
         let url = url.trim_end_matches('/').to_owned();
         let info: WorkerInfo = get_json(
             &self.inner.http,
@@ -113,7 +160,17 @@ impl Ingress {
             secs(self.inner.timeouts.connect_secs) * 5,
         )
         .await?;
-        self.admit(url, info)
+        if let Some(role) = role.filter(|r| *r != info.role) {
+            return Err(ClusterError::Refused {
+                url,
+                source: KvError::Mismatch {
+                    field: "role",
+                    local: role.to_string(),
+                    remote: info.role.to_string(),
+                },
+            });
+        }
+        self.admit(url, info, origin)
     }
 
     /// Like [`Self::register`], retrying connection failures until the worker is up or the startup timeout passes.
@@ -129,7 +186,12 @@ impl Ingress {
         }
     }
 
-    fn admit(&self, url: String, info: WorkerInfo) -> Result<WorkerInfo, ClusterError> {
+    fn admit(
+        &self,
+        url: String,
+        info: WorkerInfo,
+        origin: Origin,
+    ) -> Result<WorkerInfo, ClusterError> {
         let refuse = |source: KvError| ClusterError::Refused {
             url: url.clone(),
             source,
@@ -150,16 +212,28 @@ impl Ingress {
                 None => *reference = Some(info.peer.clone()),
             }
         }
+        let mut workers = self.inner.workers.write();
+        // The same process registering again (it re-registers when unpolled) keeps its entry and counts.
+        if workers.iter().any(|w| {
+            w.url == url
+                && w.info.worker_id == info.worker_id
+                && w.info.pid == info.pid
+                && w.info.instance == info.instance
+        }) {
+            return Ok(info);
+        }
         let entry = Arc::new(WorkerEntry {
             prefix: Mutex::new(PrefixTracker::new(16_384)),
             url: url.clone(),
             info: info.clone(),
+            origin,
             healthy: AtomicBool::new(true),
+            draining: AtomicBool::new(false),
+            vanished: AtomicBool::new(false),
             failed_polls: AtomicU32::new(0),
             in_flight: Arc::new(AtomicUsize::new(0)),
             load: Mutex::new(WorkerLoad::default()),
         });
-        let mut workers = self.inner.workers.write();
         workers.retain(|w| w.url != url);
         workers.push(entry);
         tracing::info!(%url, worker = %info.worker_id, role = %info.role, "worker registered");
@@ -176,6 +250,7 @@ impl Ingress {
                 url: w.url.clone(),
                 info: w.info.clone(),
                 healthy: w.healthy(),
+                draining: w.draining(),
                 load: w.load(),
             })
             .collect()
@@ -187,6 +262,13 @@ impl Ingress {
         let timeout = secs(self.inner.timeouts.poll_interval_secs).max(Duration::from_secs(1));
         let polls = workers.iter().map(|w| async move {
             match get_json::<WorkerLoad>(&self.inner.http, &w.url, PATH_LOAD, timeout).await {
+                Ok(load) if load.instance != w.info.instance => {
+                    // A new process took the address: it must pass the handshake (it registers
+                    // itself, or DNS discovery tries it) before it gets work in this one's place.
+                    if w.healthy.swap(false, Ordering::Relaxed) {
+                        tracing::warn!(url = %w.url, worker = %w.info.worker_id, "another process answers at this worker's address; it needs a handshake");
+                    }
+                }
                 Ok(load) => {
                     if let Some(cap) =
                         (load.engine.kv_blocks_total > 0).then_some(load.engine.kv_blocks_total)
@@ -196,7 +278,11 @@ impl Ingress {
                             *p = PrefixTracker::new(cap);
                         }
                     }
+                    let draining = load.draining;
                     *w.load.lock() = load;
+                    if draining != w.draining.swap(draining, Ordering::Relaxed) {
+                        tracing::info!(url = %w.url, draining, "worker drain state changed");
+                    }
                     if w.poll_answered() {
                         tracing::info!(url = %w.url, "worker is back");
                     }
@@ -211,6 +297,19 @@ impl Ingress {
             }
         });
         futures::future::join_all(polls).await;
+        self.prune();
+    }
+
+    /// Removes the workers that left (drained away, or lost by DNS discovery) and have no request left here.
+    pub(crate) fn prune(&self) {
+        let mut workers = self.inner.workers.write();
+        workers.retain(|w| {
+            let remove = w.removable();
+            if remove {
+                tracing::info!(url = %w.url, worker = %w.info.worker_id, "worker removed after draining");
+            }
+            !remove
+        });
     }
 
     /// Polls worker loads forever (spawn it).
@@ -233,12 +332,13 @@ impl Ingress {
             .with_state(self.clone())
     }
 
-    pub(crate) fn healthy(&self, role: Role) -> Vec<Arc<WorkerEntry>> {
+    /// The workers of `role` that may get new requests (healthy, not draining).
+    pub(crate) fn routable(&self, role: Role) -> Vec<Arc<WorkerEntry>> {
         self.inner
             .workers
             .read()
             .iter()
-            .filter(|w| w.info.role == role && w.healthy())
+            .filter(|w| w.info.role == role && w.routable())
             .cloned()
             .collect()
     }

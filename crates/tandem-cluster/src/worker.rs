@@ -5,17 +5,21 @@
 //! them in the engine. Decode: share the blocks the engine's prefix cache already holds, reserve the
 //! rest, pull only those through a [`KvSink`] that forwards each block to the engine thread, then start
 //! decoding with zero prefill compute.
+//!
+//! Drain ([`WorkerService::drain`], on SIGTERM): `/health` answers 503 and the load says `draining`, so
+//! orchestrators and the ingress send nothing new; requests in flight finish and pins are pulled or
+//! released within the grace period, then the caller stops the server.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::header;
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -34,8 +38,9 @@ use tandem_kv::{
 
 use crate::error::ClusterError;
 use crate::protocol::{
-    DecodeRequest, PrefillRequest, PrefillResponse, ReleaseRequest, Role, StreamEvent, WireToken,
-    WorkerInfo, WorkerLoad, PATH_DECODE, PATH_INFO, PATH_LOAD, PATH_PREFILL, PATH_RELEASE,
+    DecodeRequest, ErrorBody, PrefillRequest, PrefillResponse, ReleaseRequest, Role, StreamEvent,
+    WireToken, WorkerInfo, WorkerLoad, PATH_DECODE, PATH_HEALTH, PATH_INFO, PATH_LOAD,
+    PATH_PREFILL, PATH_RELEASE,
 };
 
 /// How decode workers pull KV (YAML `kv_transfer.transport`).
@@ -213,6 +218,12 @@ impl Drop for ImportWaiting<'_> {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
+/// How often a drain checks whether the worker's work is done.
+const DRAIN_CHECK: Duration = Duration::from_millis(50);
+
+/// Longest a drain waits for the ingress to notice it (two load polls after it began, so routing has
+/// seen `draining`) before an idle worker may stop: with no ingress polling, it must not wait out the grace.
+const DRAIN_NOTICE: Duration = Duration::from_secs(5);
 
 /// Pinned prefills this worker serves to decode workers, by transfer id.
 struct EngineSource {
@@ -512,6 +523,12 @@ pub struct WorkerService {
     /// Taken by a waiting import while it retries, so imports are admitted in arrival order (tokio's
     /// mutex is fair).
     import_turn: tokio::sync::Mutex<()>,
+    /// Set on SIGTERM: readiness fails and the load says so.
+    draining: AtomicBool,
+    /// Load polls answered, and when the last one came: how a drain knows the ingress saw it, and how
+    /// a self-registered worker notices its ingress is gone (restarted) and registers again.
+    polls: AtomicU64,
+    last_poll: Mutex<Instant>,
 }
 
 impl WorkerService {
@@ -583,6 +600,7 @@ impl WorkerService {
             max_model_len: engine.max_model_len(),
             max_num_seqs: config.max_num_seqs,
             pid: std::process::id(),
+            instance: rand::random::<u64>() | 1,
         };
         Ok(Arc::new(WorkerService {
             engine,
@@ -597,7 +615,70 @@ impl WorkerService {
             in_flight: Arc::new(AtomicUsize::new(0)),
             imports_waiting: AtomicUsize::new(0),
             import_turn: tokio::sync::Mutex::new(()),
+            draining: AtomicBool::new(false),
+            polls: AtomicU64::new(0),
+            last_poll: Mutex::new(Instant::now()),
         }))
+    }
+
+    /// Marks the worker draining: `/health` fails and the load says `draining`; work is still served.
+    pub fn start_drain(&self) {
+        if !self.draining.swap(true, Ordering::Relaxed) {
+            tracing::info!(worker = %self.info.worker_id, "draining: no new work, finishing what is in flight");
+        }
+    }
+
+    /// Whether [`Self::start_drain`] was called.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Time since the ingress last polled this worker's load (since start when it never did).
+    pub fn since_polled(&self) -> Duration {
+        self.last_poll.lock().elapsed()
+    }
+
+    /// Whether nothing is left to finish: no request in flight, no pin waiting for its pull.
+    fn idle(&self) -> bool {
+        self.in_flight.load(Ordering::Relaxed) == 0
+            && self.source.pins.lock().is_empty()
+            && self.kv_server.as_ref().map_or(0, KvServer::pinned) == 0
+    }
+
+    /// Drains the worker: marks it draining, waits until the ingress has seen that (or [`DRAIN_NOTICE`]
+    /// passed) and every request and pin is done, for at most `grace`. True when it ended idle; false
+    /// when the grace period ran out with work left (logged).
+    pub async fn drain(&self, grace: Duration) -> bool {
+        self.start_drain();
+        let start = Instant::now();
+        let polls_at_start = self.polls.load(Ordering::Relaxed);
+        loop {
+            let waited = start.elapsed();
+            let noticed =
+                self.polls.load(Ordering::Relaxed) >= polls_at_start + 2 || waited >= DRAIN_NOTICE;
+            if noticed && self.idle() {
+                tracing::info!(worker = %self.info.worker_id, secs = waited.as_secs_f64(), "drained");
+                return true;
+            }
+            if waited >= grace {
+                let load = self.load();
+                tracing::warn!(
+                    worker = %self.info.worker_id,
+                    in_flight = load.in_flight,
+                    pinned_transfers = load.pinned_transfers,
+                    "drain grace period over with work left"
+                );
+                return false;
+            }
+            tokio::time::sleep(DRAIN_CHECK).await;
+        }
+    }
+
+    /// The load, counted as a poll of the ingress.
+    fn polled(&self) -> WorkerLoad {
+        self.polls.fetch_add(1, Ordering::Relaxed);
+        *self.last_poll.lock() = Instant::now();
+        self.load()
     }
 
     /// What the worker announces at registration.
@@ -622,6 +703,8 @@ impl WorkerService {
             staging_free_bytes: self.staged.as_ref().map_or(0, |(_, s)| s.free_bytes()),
             imports_waiting: self.imports_waiting.load(Ordering::Relaxed),
             max_waiting: self.engine.max_waiting(),
+            draining: self.is_draining(),
+            instance: self.info.instance,
         }
     }
 
@@ -634,8 +717,9 @@ impl WorkerService {
             )
             .route(
                 PATH_LOAD,
-                get(|State(s): State<Arc<Self>>| async move { Json(s.load()) }),
+                get(|State(s): State<Arc<Self>>| async move { Json(s.polled()) }),
             )
+            .route(PATH_HEALTH, get(health))
             .route(PATH_PREFILL, post(prefill))
             .route(PATH_DECODE, post(decode))
             .route(PATH_RELEASE, post(release))
@@ -818,6 +902,21 @@ async fn next_output(
     match stream.recv().await {
         Some(out) => Ok(out),
         None => Err(stream.take_error().unwrap_or(EngineError::Stopped).into()),
+    }
+}
+
+/// Readiness: 200 while the worker takes work, 503 once it drains.
+async fn health(State(s): State<Arc<WorkerService>>) -> Response {
+    if s.is_draining() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(ErrorBody {
+                error: "draining".into(),
+            }),
+        )
+            .into_response()
+    } else {
+        (StatusCode::OK, "ok").into_response()
     }
 }
 

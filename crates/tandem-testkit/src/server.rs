@@ -25,19 +25,20 @@ pub fn free_port() -> u16 {
 /// Whether `GET /health` at `url` answers 200: a raw HTTP/1.1 request over loopback, so polling needs no
 /// runtime.
 pub fn healthy(url: &str) -> bool {
+    health_status(url) == Some(200)
+}
+
+/// The status `GET /health` at `url` answers, `None` when nothing answers (a raw HTTP/1.1 request).
+pub fn health_status(url: &str) -> Option<u16> {
     use std::io::{Read, Write};
     let addr = url.trim_start_matches("http://");
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return false;
-    };
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
     let req = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    if s.write_all(req.as_bytes()).is_err() {
-        return false;
-    }
+    s.write_all(req.as_bytes()).ok()?;
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
-    out.starts_with("HTTP/1.1 200")
+    out.strip_prefix("HTTP/1.1 ")?.get(..3)?.parse().ok()
 }
 
 /// Sends `signal` (e.g. `-9`, `-STOP`) to the process `pid` and asserts that `kill` succeeded.
@@ -91,12 +92,22 @@ impl Server {
     /// 300 s) until it answers `/health`; panics with its log when it exits first. `bin` is the `tandem`
     /// binary (`env!("CARGO_BIN_EXE_tandem")` in the binary's tests).
     pub fn start<S: AsRef<OsStr>>(bin: &str, args: &[S], log: &Path) -> Server {
-        Self::spawn(bin, args, log, None)
+        Self::spawn(bin, args, log, None, free_port(), healthy)
+    }
+
+    /// Like [`Server::with_config`] on `port`, but returns as soon as `/health` answers at all: a P/D
+    /// head waiting for its workers (to register, or to be discovered) answers 503 until one is there.
+    pub fn starting(bin: &str, yaml: &str, port: u16) -> Server {
+        Self::with_config_on(bin, yaml, port, |url| health_status(url).is_some())
     }
 
     /// Starts `BIN serve --config <yaml written to a scratch directory>` like [`Server::start`]; the
     /// directory (config and log) goes when the server does.
     pub fn with_config(bin: &str, yaml: &str) -> Server {
+        Self::with_config_on(bin, yaml, free_port(), healthy)
+    }
+
+    fn with_config_on(bin: &str, yaml: &str, port: u16, ready: fn(&str) -> bool) -> Server {
         let dir = std::env::temp_dir().join(format!(
             "tandem-test-{}-{}",
             std::process::id(),
@@ -111,11 +122,19 @@ impl Server {
             &[OsStr::new("--config"), config.as_os_str()],
             &log,
             Some(TempDir(dir)),
+            port,
+            ready,
         )
     }
 
-    fn spawn<S: AsRef<OsStr>>(bin: &str, args: &[S], log: &Path, dir: Option<TempDir>) -> Server {
-        let port = free_port();
+    fn spawn<S: AsRef<OsStr>>(
+        bin: &str,
+        args: &[S],
+        log: &Path,
+        dir: Option<TempDir>,
+        port: u16,
+        ready: fn(&str) -> bool,
+    ) -> Server {
         let child = Command::new(bin)
             .arg("serve")
             .args(args)
@@ -137,7 +156,7 @@ impl Server {
             if let Some(status) = server.child.try_wait().unwrap() {
                 panic!("tandem serve exited with {status}:\n{}", server.log());
             }
-            if healthy(&server.url) {
+            if ready(&server.url) {
                 return server;
             }
             assert!(

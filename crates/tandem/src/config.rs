@@ -19,6 +19,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 use tandem_engine::EngineConfig;
 
+use crate::cuda_settings::CudaSection;
+
 /// The model served when none is named.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -273,6 +275,33 @@ pub struct DeploymentSettings {
     pub routing: Option<tandem_cluster::RoutingConfig>,
     /// Ingress time limits.
     pub timeouts: Option<tandem_cluster::TimeoutConfig>,
+    /// How workers started elsewhere are found: `static` (they register themselves) or `dns` (a name per role).
+    pub discovery: Option<tandem_cluster::DiscoveryConfig>,
+}
+
+impl DeploymentSettings {
+    /// Checks what parsing cannot (discovery names, intervals), naming the key of a bad value.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(discovery) = &self.discovery {
+            discovery
+                .validate()
+                .map_err(|e| anyhow::anyhow!("deployment.{e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Every section and replica count set, to its default where the file left it out.
+    fn fill_defaults(&mut self) {
+        for role in [&mut self.prefill, &mut self.decode] {
+            role.get_or_insert_with(RoleSettings::default)
+                .replicas
+                .get_or_insert(1);
+        }
+        self.kv_transfer.get_or_insert_with(Default::default);
+        self.routing.get_or_insert_with(Default::default);
+        self.timeouts.get_or_insert_with(Default::default);
+        self.discovery.get_or_insert_with(Default::default);
+    }
 }
 
 /// The whole YAML document of `tandem serve --config`, and the flags of `tandem serve` that override it.
@@ -332,8 +361,9 @@ impl Settings {
                 || deployment.kv_transfer.is_some()
                 || deployment.routing.is_some()
                 || deployment.timeouts.is_some()
+                || deployment.discovery.is_some()
             {
-                bail!("deployment.prefill, decode, kv_transfer, routing and timeouts only apply to `mode: pd`");
+                bail!("deployment.prefill, decode, kv_transfer, routing, timeouts and discovery only apply to `mode: pd`");
             }
         }
         overlay(&[&file, flags])
@@ -365,12 +395,43 @@ impl Settings {
     }
 }
 
+/// What `tandem serve --check-config` prints: the settings serve would run with (the file, the flags over
+/// it, a `pd` deployment's sections filled with their defaults), checked as serve checks them before it
+/// loads the model (the model file is not opened). The API key is printed as `(set)`, never itself.
+pub fn resolved(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result<Settings> {
+    let pd = file
+        .deployment
+        .as_ref()
+        .is_some_and(|d| d.mode == DeploymentMode::Pd);
+    let mut s = if pd {
+        overlay(&[&file, flags])?
+    } else {
+        Settings::colocated(flags, file)?
+    };
+    s.cuda = s.cuda.merged(cuda_flags);
+    s.server.host = Some(s.host());
+    s.server.port = Some(s.port());
+    if s.server.api_key.is_some() {
+        s.server.api_key = Some("(set)".into());
+    }
+    if pd {
+        let deployment = s.deployment.get_or_insert_with(DeploymentSettings::default);
+        deployment.validate()?;
+        deployment.fill_defaults();
+    }
+    Ok(s)
+}
+
 /// Flags of `tandem serve`; each one overrides the same setting of the config file.
 #[derive(Clone, Debug, Default, Args)]
 pub struct ServeArgs {
     /// YAML file with the same settings; flags override it.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Check this YAML file as `--config` would read it, print the resolved settings (YAML) and exit:
+    /// 0 when it is valid, non-zero with an error naming the bad key (the model is not loaded).
+    #[arg(long, value_name = "FILE", conflicts_with = "config")]
+    pub check_config: Option<PathBuf>,
     /// The settings given as flags.
     #[command(flatten)]
     pub settings: Settings,
@@ -536,6 +597,69 @@ mod tests {
     }
 
     #[test]
+    fn discovery_parses_is_checked_naming_the_key_and_resolves() {
+        let file = Settings::from_yaml(
+            "deployment:\n  mode: pd\n  prefill: {replicas: 0}\n  decode: {replicas: 0}\n  discovery:\n    \
+             mode: dns\n    prefill: \"prefill:8100\"\n    decode: \"decode:8100\"\n    interval_secs: 3\n",
+        )
+        .unwrap();
+        let s = resolved(&Settings::default(), &CudaSection::default(), file).unwrap();
+        let d = s.deployment.as_ref().unwrap();
+        let discovery = d.discovery.clone().unwrap();
+        assert_eq!(discovery.mode, tandem_cluster::DiscoveryMode::Dns);
+        assert_eq!(discovery.decode.as_deref(), Some("decode:8100"));
+        assert_eq!(discovery.interval_secs, 3.0);
+        assert_eq!(d.decode.as_ref().unwrap().replicas, Some(0));
+        assert_eq!(
+            d.timeouts.as_ref().unwrap().poll_interval_secs,
+            0.5,
+            "defaults filled"
+        );
+        // What --check-config prints reads back to the same settings.
+        let printed = serde_yaml::to_string(&s).unwrap();
+        let again = resolved(
+            &Settings::default(),
+            &CudaSection::default(),
+            Settings::from_yaml(&printed).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(serde_yaml::to_string(&again).unwrap(), printed);
+
+        for (yaml, key) in [
+            (
+                "discovery: {mode: dns, decode: decode}",
+                "deployment.discovery.decode",
+            ),
+            ("discovery: {mode: dns}", "deployment.discovery.decode"),
+            (
+                "discovery: {mode: static, prefill: \"p:1\"}",
+                "deployment.discovery.prefill",
+            ),
+            (
+                "discovery: {mode: dns, decode: \"d:1\", interval_secs: -1}",
+                "deployment.discovery.interval_secs",
+            ),
+        ] {
+            let file = Settings::from_yaml(&format!("deployment: {{mode: pd, {yaml}}}\n")).unwrap();
+            let err = resolved(&Settings::default(), &CudaSection::default(), file).unwrap_err();
+            assert!(format!("{err:#}").contains(key), "{yaml}: {err:#}");
+        }
+        let err = Settings::from_yaml(
+            "deployment: {mode: pd, discovery: {mode: dns, intervl_secs: 1}}\n",
+        )
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("intervl_secs"), "{err:#}");
+        let err =
+            Settings::from_yaml("deployment: {mode: pd, discovery: {mode: mdns}}\n").unwrap_err();
+        assert!(format!("{err:#}").contains("mdns"), "{err:#}");
+        let colocated = Settings::from_yaml("deployment: {discovery: {mode: dns}}\n").unwrap();
+        assert!(Settings::colocated(&Settings::default(), colocated).is_err());
+        let keyed = Settings::from_yaml("server: {api_key: secret}\n").unwrap();
+        let s = resolved(&Settings::default(), &CudaSection::default(), keyed).unwrap();
+        assert!(!serde_yaml::to_string(&s).unwrap().contains("secret"));
+    }
+
+    #[test]
     fn every_shipped_example_parses() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
         let mut names: Vec<String> = std::fs::read_dir(&dir)
@@ -549,11 +673,14 @@ mod tests {
             "pd-2p1d.yaml",
             "colocated.yaml",
             "pd-parallel.yaml",
+            "pd-dns.yaml",
         ] {
             assert!(names.iter().any(|n| n == name), "{name} missing: {names:?}");
         }
         for name in &names {
             let file = Settings::load(&dir.join(name)).unwrap();
+            resolved(&Settings::default(), &CudaSection::default(), file.clone())
+                .unwrap_or_else(|e| panic!("{name}: {e:#}"));
             let mode = file.deployment.as_ref().map(|d| d.mode).unwrap_or_default();
             assert_eq!(mode == DeploymentMode::Pd, name.starts_with("pd"), "{name}");
         }

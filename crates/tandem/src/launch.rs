@@ -9,9 +9,9 @@ use std::process::Command;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use tandem_api::{ApiConfig, AppState};
-use tandem_cluster::{Ingress, Role};
+use tandem_cluster::{DiscoveryMode, DnsResolver, Ingress, Role};
 use tandem_model::LoadOptions;
 use tracing::info;
 
@@ -38,6 +38,7 @@ fn worker_settings(
         advertise_host: None,
         kv_port: 0,
         register: None,
+        drain_grace_secs: crate::worker::DEFAULT_DRAIN_GRACE_SECS,
         kv_transfer: dep.kv_transfer.clone().unwrap_or_default(),
         engine,
         cuda: CudaSection::default(),
@@ -71,6 +72,8 @@ fn spawn_worker(
 /// Runs the disaggregated deployment described by `file` (whose `deployment.mode` is `pd`).
 pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result<()> {
     let dep = file.deployment.clone().unwrap_or_default();
+    dep.validate()?;
+    let discovery = dep.discovery.clone().unwrap_or_default();
     let settings = overlay(&[&file, flags])?;
     let cuda = settings.cuda.merged(cuda_flags);
     let model_path = resolve_model(settings.model.as_deref())?;
@@ -83,8 +86,15 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
         let default = RoleSettings::default();
         let section = section.as_ref().unwrap_or(&default);
         let replicas = section.replicas.unwrap_or(1);
-        if role == Role::Decode && replicas == 0 {
-            bail!("deployment.decode.replicas must be at least 1");
+        if replicas == 0 {
+            let by_dns = discovery.mode == DiscoveryMode::Dns
+                && match role {
+                    Role::Prefill => discovery.prefill.is_some(),
+                    Role::Decode => discovery.decode.is_some(),
+                };
+            if !by_dns {
+                info!(%role, "deployment.{role}.replicas is 0: waiting for {role} workers to register (POST /v1/cluster/workers)");
+            }
         }
         let engine = overlay(&[
             &file.engine,
@@ -152,6 +162,10 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
         }
         ingress.poll_once().await;
         tokio::spawn(ingress.clone().poll_forever());
+        if discovery.mode == DiscoveryMode::Dns {
+            ingress.discover_once(&discovery, &DnsResolver).await;
+            tokio::spawn(ingress.clone().discover_forever(discovery.clone(), Arc::new(DnsResolver)));
+        }
         let listener = tokio::net::TcpListener::bind((host.as_str(), port))
             .await
             .with_context(|| format!("binding {host}:{port}"))?;

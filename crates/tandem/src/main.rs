@@ -14,7 +14,7 @@ mod serve;
 mod stage;
 mod worker;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
@@ -39,7 +39,7 @@ enum Command {
     /// Chat interactively with a running server, or with a model loaded in process (--local).
     Chat(chat::ChatArgs),
     /// Run one prefill or decode worker of a disaggregated deployment.
-    Worker(worker::WorkerArgs),
+    Worker(Box<worker::WorkerArgs>),
     /// Measure the engine's decode and prefill speed on one model, in process.
     BenchEngine(bench_engine::BenchEngineArgs),
     /// Benchmark an OpenAI-compatible server (or several) with vLLM-compatible serving metrics.
@@ -83,6 +83,13 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => {
+            if let Some(path) = &args.check_config {
+                let file = config::Settings::load(path)?;
+                let settings = config::resolved(&args.settings, &args.cuda.as_section(), file)
+                    .with_context(|| format!("in config file {}", path.display()))?;
+                print!("{}", serde_yaml::to_string(&settings)?);
+                return Ok(());
+            }
             let file = match &args.config {
                 Some(path) => config::Settings::load(path)?,
                 None => config::Settings::default(),
@@ -102,7 +109,7 @@ fn main() -> Result<()> {
         }
         Command::Worker(args) => {
             init_logging(cli.log_format.unwrap_or_default());
-            worker::run(args)
+            worker::run(*args)
         }
         Command::Chat(args) => {
             // In-process serving would interleave its info logs with the conversation.
@@ -170,5 +177,10 @@ mod tests {
         assert_eq!(engine.kv_cache_memory.map(|b| b.0), Some(1 << 30));
         assert_eq!(engine.enable_prefix_caching, Some(false));
         assert!(Cli::try_parse_from(["tandem", "serve", "--kv-cache-memory", "lots"]).is_err());
+        assert!(
+            Cli::try_parse_from(["tandem", "serve", "--check-config", "a", "--config", "b"])
+                .is_err(),
+            "--check-config takes the file itself"
+        );
     }
 }

@@ -2,11 +2,24 @@
 //!
 //! It loads the model, starts an engine, serves the worker RPC of `tandem-cluster` and (prefill) a KV
 //! server. `tandem serve` starts these as child processes; on other hosts start them by hand with
-//! `--register http://INGRESS:PORT` so the ingress adds them.
+//! `--register http://INGRESS:PORT` so the ingress adds them (and adds them again after it restarts:
+//! a worker the ingress has not polled for [`REREGISTER_AFTER`] registers again), or let the ingress
+//! find them by DNS (`deployment.discovery`).
+//!
+//! The address it advertises (RPC URL and KV endpoint) is `--advertise-host`, else the `--host` it binds,
+//! else, when that is a wildcard (`0.0.0.0`, `::`), this host's outward address: the local address of a
+//! UDP socket connected toward the ingress (`--register`), else the hostname's first non-loopback
+//! address (a container's or pod's IP), else the address of the default route; 127.0.0.1 only when none
+//! exists (logged).
+//!
+//! SIGTERM drains it: `/health` fails, the ingress stops routing to it, in-flight requests and pins
+//! finish within `--drain-grace-secs`, then it exits 0.
 
 use std::io::Write;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -16,7 +29,7 @@ use tandem_cluster::{
     peer_info, KvTransferConfig, Role, TransportKind, WorkerConfig, WorkerService,
 };
 use tandem_model::LoadOptions;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::config::EngineSettings;
 use crate::process::{exit_when_parent_goes, resolve_model, shutdown_signal, WORKER_READY_PREFIX};
@@ -50,6 +63,10 @@ pub struct WorkerSettings {
     /// Ingress to register with once serving, e.g. http://10.0.0.1:8000.
     #[arg(long)]
     pub register: Option<String>,
+    /// Seconds a SIGTERM'd worker waits for its in-flight requests and pins before it exits anyway.
+    #[arg(long, default_value_t = DEFAULT_DRAIN_GRACE_SECS)]
+    #[serde(default = "default_drain_grace_secs")]
+    pub drain_grace_secs: f64,
     /// KV transfer settings (by hand: `--transport`, `--kv-streams` and `--pin-timeout` over the defaults).
     #[arg(skip)]
     pub kv_transfer: KvTransferConfig,
@@ -61,6 +78,21 @@ pub struct WorkerSettings {
     #[serde(default)]
     pub cuda: crate::cuda_settings::CudaSection,
 }
+
+/// The drain grace period when none is given (Kubernetes' default termination grace is 30 s as well).
+pub const DEFAULT_DRAIN_GRACE_SECS: f64 = 30.0;
+
+/// Serde's default for `drain_grace_secs` (a document without the key).
+fn default_drain_grace_secs() -> f64 {
+    DEFAULT_DRAIN_GRACE_SECS
+}
+
+/// How long a worker started with `--register` goes unpolled before it registers again: its ingress
+/// restarted (losing its registry) or never got it.
+const REREGISTER_AFTER: Duration = Duration::from_secs(10);
+
+/// How long the HTTP server may take to close its connections once the drain is over.
+const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// The KV transfer flags of a worker started by hand, each setting one `kv_transfer` key.
 #[derive(Clone, Debug, Args)]
@@ -77,7 +109,7 @@ pub struct KvTransferFlags {
 }
 
 /// What `--settings-json` conflicts with: every settings flag (the flattened sections by their group).
-const WITH_FLAGS: [&str; 10] = [
+const WITH_FLAGS: [&str; 11] = [
     "role",
     "model",
     "worker_id",
@@ -86,6 +118,7 @@ const WITH_FLAGS: [&str; 10] = [
     "advertise_host",
     "kv_port",
     "register",
+    "drain_grace_secs",
     "KvTransferFlags",
     "EngineSettings",
 ];
@@ -128,16 +161,28 @@ impl WorkerArgs {
     }
 }
 
+/// How a registration the ingress did not refuse ended.
+enum Registration {
+    /// The ingress added this worker (or already had it).
+    Done,
+    /// The ingress did not answer; it is tried again later.
+    Unreachable(reqwest::Error),
+}
+
 /// Asks the ingress to add this worker; a refusal (e.g. a `block_size` mismatch) is an error naming the field.
-async fn register(ingress: &str, url: &str) -> Result<()> {
-    let resp = reqwest::Client::new()
+async fn register(ingress: &str, url: &str) -> Result<Registration> {
+    let sent = reqwest::Client::new()
         .post(format!("{}{PATH_REGISTER}", ingress.trim_end_matches('/')))
         .json(&RegisterRequest {
             url: url.to_owned(),
         })
+        .timeout(Duration::from_secs(30))
         .send()
-        .await
-        .with_context(|| format!("registering with {ingress}"))?;
+        .await;
+    let resp = match sent {
+        Ok(resp) => resp,
+        Err(e) => return Ok(Registration::Unreachable(e)),
+    };
     if !resp.status().is_success() {
         let status = resp.status();
         let text = resp.text().await.unwrap_or_default();
@@ -147,7 +192,117 @@ async fn register(ingress: &str, url: &str) -> Result<()> {
         bail!("the ingress at {ingress} refused this worker ({status}): {message}");
     }
     info!(%ingress, "registered with the ingress");
-    Ok(())
+    Ok(Registration::Done)
+}
+
+/// Registers again whenever the ingress has not polled this worker for [`REREGISTER_AFTER`] (it
+/// restarted, or was down at start-up), until the worker drains.
+async fn keep_registered(service: Arc<WorkerService>, ingress: String, url: String) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut last_try = Instant::now();
+    loop {
+        tick.tick().await;
+        if service.is_draining() {
+            return;
+        }
+        if service.since_polled() < REREGISTER_AFTER || last_try.elapsed() < REREGISTER_AFTER {
+            continue;
+        }
+        last_try = Instant::now();
+        info!(%ingress, unpolled_secs = service.since_polled().as_secs(), "the ingress stopped polling this worker; registering again");
+        match register(&ingress, &url).await {
+            Ok(Registration::Done) => {}
+            Ok(Registration::Unreachable(e)) => {
+                warn!(%ingress, error = %e, "the ingress does not answer; trying again later")
+            }
+            Err(e) => warn!(%ingress, error = format!("{e:#}"), "the ingress refused this worker"),
+        }
+    }
+}
+
+/// `host` as it goes before `:port` (IPv6 literals in brackets).
+fn bracketed(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    }
+}
+
+/// The host others reach this worker at (RPC URL and KV endpoint); see the module doc for the order.
+fn advertise_host(settings: &WorkerSettings) -> String {
+    if let Some(host) = &settings.advertise_host {
+        return host.clone();
+    }
+    let wildcard = settings
+        .host
+        .trim_matches(['[', ']'])
+        .parse::<IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified());
+    if !wildcard {
+        return settings.host.clone();
+    }
+    match outward_ip(settings.register.as_deref()) {
+        Some(ip) => {
+            info!(%ip, "advertising this host's outward address (--advertise-host sets another)");
+            ip.to_string()
+        }
+        None => {
+            warn!("no outward address found; advertising 127.0.0.1 (set --advertise-host)");
+            "127.0.0.1".to_owned()
+        }
+    }
+}
+
+/// This host's outward address: toward the ingress at `ingress` (a URL), else the hostname's first
+/// non-loopback address, else the default route's source address.
+fn outward_ip(ingress: Option<&str>) -> Option<IpAddr> {
+    let ingress = ingress.and_then(|url| {
+        let rest = url.split_once("://").map_or(url, |(_, r)| r);
+        let authority = rest.split('/').next()?;
+        let with_port = if authority
+            .rsplit_once(':')
+            .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+        {
+            authority.to_owned()
+        } else {
+            format!("{authority}:80")
+        };
+        with_port.to_socket_addrs().ok()?.next()
+    });
+    if let Some(ip) = ingress.and_then(source_toward) {
+        // An ingress on loopback is on this host, and reaches this worker there.
+        return Some(ip);
+    }
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty());
+    let by_name = hostname.and_then(|h| {
+        (h.as_str(), 0)
+            .to_socket_addrs()
+            .ok()?
+            .map(|a| a.ip())
+            .find(|ip| !ip.is_loopback() && !ip.is_unspecified())
+    });
+    // TEST-NET-1 (RFC 5737): connecting a UDP socket sends nothing, it only consults the routing table.
+    by_name.or_else(|| {
+        source_toward(SocketAddr::from(([192, 0, 2, 1], 9))).filter(|ip| !ip.is_loopback())
+    })
+}
+
+/// The local address this host sends from toward `target` (a UDP socket "connected" to it: no packet).
+fn source_toward(target: SocketAddr) -> Option<IpAddr> {
+    let bind = if target.is_ipv4() {
+        SocketAddr::from(([0, 0, 0, 0], 0))
+    } else {
+        SocketAddr::from(([0u16; 8], 0))
+    };
+    let socket = UdpSocket::bind(bind).ok()?;
+    socket.connect(target).ok()?;
+    let ip = socket.local_addr().ok()?.ip();
+    (!ip.is_unspecified()).then_some(ip)
 }
 
 /// Runs the worker until a signal.
@@ -187,12 +342,19 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("building the tokio runtime")?;
+    let advertise = bracketed(&advertise_host(&settings));
     let result = runtime.block_on(async {
+        // Listen for SIGTERM from here on, so one that comes while the worker registers still drains it.
+        let (signalled, mut signal) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = signalled.send(());
+        });
         let config = WorkerConfig {
             worker_id: worker_id.clone(),
             role,
-            kv_listen: format!("{}:{}", settings.host, settings.kv_port),
-            kv_advertise_host: settings.advertise_host.clone(),
+            kv_listen: format!("{}:{}", bracketed(&settings.host), settings.kv_port),
+            kv_advertise_host: Some(advertise.clone()),
             kv: settings.kv_transfer.clone(),
             max_num_seqs: engine_config.max_num_seqs,
             gpu: settings.engine.device.unwrap_or_default() != crate::config::Device::Cpu,
@@ -201,30 +363,57 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         let service = WorkerService::start(engine.clone(), peer, config)
             .await
             .context("starting the KV side")?;
-        let listener = tokio::net::TcpListener::bind((settings.host.as_str(), settings.port))
+        let bind = settings.host.trim_matches(['[', ']']);
+        let listener = tokio::net::TcpListener::bind((bind, settings.port))
             .await
             .with_context(|| format!("binding {}:{}", settings.host, settings.port))?;
-        let local = listener.local_addr()?;
-        let url = match &settings.advertise_host {
-            Some(host) => format!("http://{host}:{}", local.port()),
-            None => format!("http://{local}"),
-        };
+        let url = format!("http://{advertise}:{}", listener.local_addr()?.port());
         info!(%url, worker = %worker_id, %role, kv = %service.info().kv_endpoint, "worker serving");
-        let server = axum::serve(listener, Arc::clone(&service).router())
-            .with_graceful_shutdown(shutdown_signal());
-        let server = tokio::spawn(async move { server.await });
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = axum::serve(listener, Arc::clone(&service).router()).with_graceful_shutdown(
+            async move {
+                let _ = stopped.await;
+            },
+        );
+        let mut server = tokio::spawn(async move { server.await });
         {
             let mut out = std::io::stdout().lock();
             writeln!(out, "{WORKER_READY_PREFIX}{url}")?;
             out.flush()?;
         }
-        if let Some(ingress) = &settings.register {
-            register(ingress, &url).await?;
+        let keeper = match &settings.register {
+            Some(ingress) => {
+                if let Registration::Unreachable(e) = register(ingress, &url).await? {
+                    warn!(%ingress, error = %e, "the ingress does not answer yet; registering again later");
+                }
+                Some(tokio::spawn(keep_registered(
+                    Arc::clone(&service),
+                    ingress.clone(),
+                    url.clone(),
+                )))
+            }
+            None => None,
+        };
+        tokio::select! {
+            ended = &mut server => {
+                return ended.context("worker server task")?.context("worker HTTP server");
+            }
+            _ = &mut signal => {}
         }
-        server
-            .await
-            .context("worker server task")?
-            .context("worker HTTP server")
+        if let Some(keeper) = keeper {
+            keeper.abort();
+        }
+        service
+            .drain(Duration::from_secs_f64(settings.drain_grace_secs.max(0.0)))
+            .await;
+        let _ = stop.send(());
+        match tokio::time::timeout(STOP_WAIT, server).await {
+            Ok(ended) => ended.context("worker server task")?.context("worker HTTP server"),
+            Err(_) => {
+                warn!("connections still open {STOP_WAIT:?} after the drain; closing them");
+                Ok(())
+            }
+        }
     });
     engine.shutdown();
     result
@@ -273,6 +462,8 @@ mod tests {
         assert_eq!((s.host.as_str(), s.port, s.kv_port), ("0.0.0.0", 0, 0));
         assert_eq!(s.advertise_host.as_deref(), Some("10.0.0.5"));
         assert_eq!(s.register.as_deref(), Some("http://10.0.0.1:8000"));
+        assert_eq!(s.drain_grace_secs, DEFAULT_DRAIN_GRACE_SECS);
+        assert_eq!(advertise_host(&s), "10.0.0.5");
         assert_eq!(
             (
                 s.kv_transfer.transport,
@@ -284,6 +475,39 @@ mod tests {
         let e = s.engine.engine_config();
         assert_eq!(e.block_size, 32);
         assert!(!e.enable_prefix_caching);
+    }
+
+    #[test]
+    fn a_wildcard_bind_never_advertises_loopback_to_a_remote_ingress() {
+        let mut s = parse(&[
+            "--role",
+            "prefill",
+            "--host",
+            "127.0.0.2",
+            "--drain-grace-secs",
+            "5",
+        ])
+        .unwrap()
+        .resolve()
+        .unwrap();
+        assert_eq!(s.drain_grace_secs, 5.0);
+        assert_eq!(
+            advertise_host(&s),
+            "127.0.0.2",
+            "a concrete bind address is advertised"
+        );
+        s.host = "0.0.0.0".into();
+        // Toward an ingress on loopback, loopback is right; toward any other, this host's outward address.
+        s.register = Some("http://127.0.0.1:8000".into());
+        assert_eq!(advertise_host(&s), "127.0.0.1");
+        if let Some(ip) = source_toward(SocketAddr::from(([192, 0, 2, 1], 9))) {
+            s.register = Some("http://192.0.2.1:8000/".into());
+            let got: IpAddr = advertise_host(&s).parse().unwrap();
+            assert_eq!(got, ip);
+            assert!(!got.is_loopback() && !got.is_unspecified());
+        }
+        assert_eq!(bracketed("::1"), "[::1]");
+        assert_eq!(bracketed("10.0.0.5"), "10.0.0.5");
     }
 
     #[test]
