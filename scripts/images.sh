@@ -154,6 +154,8 @@ build() {
     --build-arg REVISION="$revision" \
     --build-arg CREATED="$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
     -t "$name:$flavor" "$ctx" >/dev/null
+  # The image this tag named before, now untagged.
+  docker image prune -f --filter "label=org.opencontainers.image.revision" --filter "label=io.tandem.flavor=$flavor" >/dev/null
 }
 
 build_cpu() {
