@@ -147,7 +147,7 @@ build() {
   revision="$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)"
   version="$(awk -F'"' '/^version *=/ {print $2; exit}' "$root/Cargo.toml")"
   echo "building $name:$flavor from $dockerfile"
-  docker build --quiet -f "$dockerfile" \
+  docker build --quiet --force-rm -f "$dockerfile" \
     --build-arg BASE_IMAGE="$base" \
     --build-arg TANDEM_BIN=tandem \
     --build-arg VERSION="$version" \

@@ -1,7 +1,8 @@
 """deploy/compose: the deployment brought up with docker compose, answering the OpenAI client.
 
-- test_worker_serves_on_the_private_network: a worker container alone, reached by its service name
-  from another container on the project's internal network (and not from the host).
+- test_workers_scale_and_serve_on_the_private_network: the workers alone, scaled to two each: each
+  replica its own address, the service name resolving to all, each serving its RPC on the internal
+  network (and nothing published on the host).
 - test_register_variant_serves_1p1d: compose.yaml + compose.register.yaml (workers register with the
   head; what tandem does without `discovery:`).
 - test_default_deployment_serves / test_scale: the default compose.yaml (DNS discovery) and
@@ -42,13 +43,31 @@ def probe_from_network(d, url):
                check=False, timeout=60)
 
 
-def test_worker_serves_on_the_private_network(deployment):
+def resolve(d, name):
+    """The IPv4 addresses `name` resolves to on the project's internal network, sorted."""
+    out = run(["docker", "run", "--rm", "--network", d.network("backend"), "--entrypoint", "getent", CPU_IMAGE,
+               "ahostsv4", name], check=False, timeout=60).stdout
+    return sorted({line.split()[0] for line in out.splitlines() if line.strip()})
+
+
+def test_workers_scale_and_serve_on_the_private_network(deployment):
+    """The workers alone, two of each (`--scale`): every replica is its own host on the internal network,
+    the service name resolves to all of them (what DNS discovery reads), and each serves its worker RPC."""
     d = deployment(["compose.yaml"], "w")
-    d.up("prefill", "decode")
+    d.up("prefill", "decode", scale={"prefill": 2, "decode": 2})
     for role in ("prefill", "decode"):
-        d.wait_for(f"{role} worker info on the backend network",
-                   lambda: probe_from_network(d, f"http://{role}:8100/v1/worker/info").returncode == 0,
-                   timeout=120, interval=2)
+        containers = d.containers(role)
+        assert len(containers) == 2, containers
+        ips = sorted(
+            run(["docker", "inspect", "--format",
+                 "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", c], timeout=30).stdout.strip()
+            for c in containers)
+        assert len(set(ips)) == 2 and all(ips), ips
+        d.wait_for(f"`{role}` resolving to both replicas", lambda: resolve(d, role) == ips, timeout=60, interval=2)
+        for ip in ips:
+            d.wait_for(f"{role} worker info at {ip}:8100 on the backend network",
+                       lambda: probe_from_network(d, f"http://{ip}:8100/v1/worker/info").returncode == 0,
+                       timeout=120, interval=2)
     # The containers' own HEALTHCHECK (tandem probe of TANDEM_PROBE_URL, the worker's info) passes.
     for c in d.containers("prefill") + d.containers("decode"):
         d.wait_for("the worker's HEALTHCHECK",
