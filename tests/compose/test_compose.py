@@ -118,6 +118,8 @@ def test_scale(require_dns_discovery, deployment):
                timeout=120)
     addrs = {w["url"] for w in d.workers()}
     assert len(addrs) == 4, addrs
+    names = [w["info"]["worker_id"] for w in d.workers()]
+    assert len(set(names)) == 4 and all(n.startswith(("prefill-", "decode-")) for n in names), names
     for _ in range(4):
         chat(d)
     # Scale decode up: the new worker is discovered (and gets traffic) within 30 s.
