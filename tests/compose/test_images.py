@@ -24,9 +24,10 @@ def test_image_metadata(image):
     for key in ("title", "description", "version", "revision", "created", "licenses", "base.name"):
         assert labels.get(f"org.opencontainers.image.{key}"), f"label {key} missing: {labels}"
     assert labels["org.opencontainers.image.revision"] != "unknown"
-    # Nothing runs as root: the user exists in the image with its own uid.
+    # The health check's subcommand is there and reads TANDEM_PROBE_URL.
     p = run(["docker", "run", "--rm", image, "probe", "--help"], timeout=60)
     assert "TANDEM_PROBE_URL" in p.stdout
+    # Nothing runs as root: the user exists in the image with its own uid.
     p = run(["docker", "run", "--rm", "--entrypoint", "id", image], timeout=60)
     assert p.stdout.startswith("uid=10001(tandem)"), p.stdout
 
