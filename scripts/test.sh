@@ -94,6 +94,9 @@ nvrtc_compile() {
   TANDEM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$dir/nvidia/cu13/lib" cargo test -p tandem-cuda --release --lib compiles_for_hopper -- --nocapture
 }
 run_step "CUDA kernels compile (NVRTC, sm_90)" nvrtc_compile
+# The Helm chart (seconds): every profile of deploy/helm/tandem rendered by Helm's engine, validated against
+# the Kubernetes 1.31 schemas in strict mode, its wiring checked, and its ConfigMap through `serve --check-config`.
+run_step "Helm chart (tests/k8s)" env TANDEM_BIN="$root/target/release/tandem" bash scripts/k8s-check.sh
 if [ "$build_ok" = 1 ]; then
   run_step "pytest tests/python" python_tests
 else

@@ -8,10 +8,10 @@
 #   leak (only when named)  1,000 requests of 1,024 tokens, every tenth abandoned mid-flight: every worker's
 #                       blocks, pins, staging and GPU memory back where they were (scripts/gpu/pd_leak.py)
 # Results: $OUT/pd_bench.jsonl (one `tandem bench --output` row per run, tagged) and $OUT/pd_summary.md;
-# with TRANSPORT=nixl also $OUT/kv_rates.txt: the rate of every large pull, from the workers' debug lines
+# with TRANSPORT=nixl or auto also $OUT/kv_rates.txt: the rate of every large pull, from the workers' debug lines
 # (NIXL: first layer announced to last READ done; tcp: the whole pull).
-# Usage: OUT=dir TANDEM_BIN=path MODEL_DIR=dir MAKE_MODEL=path/make_model.py [TRANSPORT=shm|tcp|nixl \
-#          NIXL_LIB=unpacked-wheel-or-subset] scripts/gpu/pd_bench.sh [colocated] [tcp] [pd] [leak] [quick]
+# Usage: OUT=dir TANDEM_BIN=path MODEL_DIR=dir MAKE_MODEL=path/make_model.py [TRANSPORT=shm|tcp|nixl|auto \
+#          NIXL_LIB=unpacked-wheel-or-subset TCP_STREAMS=n] scripts/gpu/pd_bench.sh [colocated] [tcp] [pd] [leak] [quick]
 # (MAKE_MODEL: the workplace's shared gpu/make_model.py, needed only when MODEL_DIR has no model yet;
 # NIXL_LIB: what scripts/gpu/nixl_subset.sh copies out of the nixl-cu13 wheel.)
 set -uo pipefail
@@ -21,7 +21,10 @@ BIN="${TANDEM_BIN:-$root/out/tandem}"
 MODEL_DIR="${MODEL_DIR:-/tmp/model-8b}"
 TRANSPORT="${TRANSPORT:-shm}"
 nixl_opt=""
-[ "$TRANSPORT" = nixl ] && nixl_opt=", nixl_library: ${NIXL_LIB:?TRANSPORT=nixl needs NIXL_LIB}"
+case "$TRANSPORT" in
+  nixl | auto) nixl_opt=", nixl_library: ${NIXL_LIB:?TRANSPORT=$TRANSPORT needs NIXL_LIB}" ;;
+esac
+TCP_STREAMS="${TCP_STREAMS:-4}"
 # The workers' per-pull debug lines feed kv_rates.txt.
 export RUST_LOG="${RUST_LOG:-info,tandem_kv::transport=debug}"
 what=" ${*:-colocated pd} "
@@ -115,11 +118,11 @@ if [[ "$what" == *" colocated "* ]]; then
   stop colocated
 fi
 if [[ "$what" == *" tcp "* ]]; then
-  echo "== 1P1D over tcp (greedy and TTFT only)"
+  echo "== 1P1D over tcp, $TCP_STREAMS connections per pull (greedy and TTFT only)"
   serve pdtcp "engine: {device: cuda, kv_cache_memory: 24GiB, max_num_seqs: 256, max_waiting: 4096}
 deployment:
   mode: pd
-  kv_transfer: {transport: tcp}" && greedy pdtcp && bench pdtcp-ttft-4k --input-len 4096 --output-len 16 --num-prompts 6 --max-concurrency 1 --warmup 1
+  kv_transfer: {transport: tcp, streams: $TCP_STREAMS}" && greedy pdtcp && bench pdtcp-ttft-4k --input-len 4096 --output-len 16 --num-prompts 6 --max-concurrency 1 --warmup 1
   stop pdtcp
   cmp -s "$work/greedy-colocated.json" "$work/greedy-pdtcp.json" && echo "PASS P/D over tcp greedy == colocated" || echo "FAIL P/D over tcp greedy differs (or missing)"
 fi

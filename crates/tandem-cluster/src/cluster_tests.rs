@@ -54,6 +54,7 @@ async fn worker_on(role: Role, engine: EngineHandle) -> TestWorker {
             ..KvTransferConfig::default()
         },
         max_num_seqs: 8,
+        gpu: false,
     };
     let service = WorkerService::start(engine.clone(), peer, config)
         .await
@@ -472,4 +473,71 @@ async fn a_worker_is_dropped_only_after_consecutive_failed_polls() {
     }
     ingress.poll_once().await;
     assert!(!healthy(&ingress));
+}
+
+/// A decode worker whose KV cache is full of running sequences queues imports, in order, up to its
+/// engine's `max_waiting`, and refuses the rest with 503 (the ingress ends those requests as
+/// overloaded, releasing the prefill pin) — it never recomputes a prompt for want of room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_decode_cache_queues_imports_up_to_max_waiting_then_refuses() {
+    let p = worker(Role::Prefill, BLOCK).await;
+    // 10 blocks: one request (23 prompt + 12 generated tokens = 9 blocks) at a time, each step slow
+    // enough that the others arrive while it runs.
+    let mock = MockBackend::new(BLOCK, 10).with_step_delay(Duration::from_millis(20));
+    let config = EngineConfig {
+        block_size: BLOCK,
+        max_num_seqs: 8,
+        max_waiting: 2,
+        ..EngineConfig::default()
+    };
+    let d = worker_on(Role::Decode, Engine::start(mock, config).unwrap()).await;
+    let ingress = registered(0, &[&p, &d]).await;
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..greedy(12)
+    };
+    let runs = (0..6).map(|seed| {
+        let stream = ingress.submit(seed, prompt(seed as u32), params.clone());
+        async move {
+            let outs: Vec<_> = stream.expect("accepted").collect().await;
+            outs
+        }
+    });
+    let (mut done, mut refused) = (0, 0);
+    for outs in futures::future::join_all(runs).await {
+        match outs.last() {
+            Some(Ok(last)) if last.finish.is_some() => {
+                assert_eq!(outs.len(), 12);
+                done += 1;
+            }
+            Some(Err(tandem_api::BackendError::Unavailable(m))) => {
+                assert!(m.contains("503"), "{m}");
+                refused += 1;
+            }
+            other => panic!("neither finished nor refused: {other:?}"),
+        }
+    }
+    // The first runs at once, at least one more waits its turn, and past two waiting the rest are
+    // refused.
+    assert!(done >= 2 && refused >= 1, "{done} done, {refused} refused");
+    assert_eq!(done + refused, 6);
+    let load = d.service.load();
+    assert_eq!(load.engine.prefill_tokens_computed, 0);
+    assert_eq!((load.imports_waiting, load.max_waiting), (0, 2));
+    drained(&p).await;
+    drained(&d).await;
+}
+
+/// The ingress refuses a request up front (503 with Retry-After, like a full engine queue) only
+/// when every decode worker last reported its waiting bound reached.
+#[test]
+fn saturation_is_read_from_the_reported_bound() {
+    let mut load = crate::protocol::WorkerLoad::default();
+    assert_eq!(load.saturated(), None, "no bound reported");
+    load.max_waiting = 3;
+    load.engine.waiting = 1;
+    load.imports_waiting = 1;
+    assert_eq!(load.saturated(), None);
+    load.imports_waiting = 2;
+    assert_eq!(load.saturated(), Some(3));
 }

@@ -64,6 +64,15 @@ pub enum ClusterError {
 }
 
 impl ClusterError {
+    /// Whether this is an overload a client should retry later (503 here or from a worker): a full
+    /// queue or KV cache, not a failure.
+    pub fn is_busy(&self) -> bool {
+        match self {
+            ClusterError::Remote { status, .. } => *status == 503,
+            _ => self.status() == StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
     /// The HTTP status a worker answers this error with.
     pub fn status(&self) -> StatusCode {
         match self {

@@ -137,7 +137,12 @@ impl Job {
         let tx = self.tx.clone();
         if let Err(e) = self.route().await {
             tracing::warn!(error = %e, "P/D request failed");
-            let _ = tx.send(Err(BackendError::Failed(e.to_string())));
+            let err = if e.is_busy() {
+                BackendError::Unavailable(e.to_string())
+            } else {
+                BackendError::Failed(e.to_string())
+            };
+            let _ = tx.send(Err(err));
         }
     }
 
@@ -245,8 +250,31 @@ impl Job {
             prefilled,
             resume: Vec::new(),
         };
+        let (mut d, mut busy) = (d, busy);
         let resp = match self.start_decode(&d, &req).await {
             Ok(resp) => resp,
+            Err(e) if req.prefilled.is_some() && e.is_busy() => {
+                // The decode worker's KV cache is full and its import queue too: the KV stays pinned
+                // on the prefill worker for another decode worker to pull; with none free the request
+                // fails as overloaded (503) rather than being recomputed where there is no room.
+                let mut tried = vec![d.url.clone()];
+                let mut last = e;
+                loop {
+                    let Some(next) = self.next_decoder(&tried) else {
+                        return Err(last);
+                    };
+                    tried.push(next.url.clone());
+                    let next_busy = next.track();
+                    match self.start_decode(&next, &req).await {
+                        Ok(resp) => {
+                            (d, busy) = (next, next_busy);
+                            break resp;
+                        }
+                        Err(e) if e.is_busy() => last = e,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
             Err(e) if req.prefilled.is_some() => {
                 // The pull failed (prefill worker died, pin expired...): prefill on the decode worker instead.
                 tracing::warn!(error = %e, "KV transfer failed; prefilling on the decode worker");
@@ -439,10 +467,19 @@ impl GenerateBackend for Ingress {
         if prompt.is_empty() {
             return Err(BackendError::Invalid("the prompt is empty".into()));
         }
-        if self.healthy(Role::Decode).is_empty() {
+        let decoders = self.healthy(Role::Decode);
+        if decoders.is_empty() {
             return Err(BackendError::Unavailable(
                 "no decode worker is available".into(),
             ));
+        }
+        // Like the colocated engine's queue bound: refused up front (503 + Retry-After) only when every
+        // decode worker last reported as many requests and imports waiting as it allows.
+        let waiting: Vec<Option<usize>> = decoders.iter().map(|w| w.load().saturated()).collect();
+        if waiting.iter().all(Option::is_some) {
+            return Err(BackendError::QueueFull {
+                waiting: waiting.into_iter().flatten().sum(),
+            });
         }
         let max_model_len = self.max_model_len();
         // Same rule as the engine: the prompt must leave room for one generated token.

@@ -91,6 +91,23 @@ pub struct WorkerLoad {
     /// See `staging_bytes`.
     #[serde(default)]
     pub staging_free_bytes: usize,
+    /// Decode imports waiting for KV blocks (the cache is full of running sequences).
+    #[serde(default)]
+    pub imports_waiting: usize,
+    /// The engine's bound on waiting requests, which also bounds `imports_waiting`: past it a decode
+    /// worker answers 503, and the ingress refuses new requests with Retry-After when every decode
+    /// worker is there.
+    #[serde(default)]
+    pub max_waiting: usize,
+}
+
+impl WorkerLoad {
+    /// The requests and imports waiting on this worker when they reach its bound, else `None` (also
+    /// for a worker that reports no bound).
+    pub fn saturated(&self) -> Option<usize> {
+        let waiting = self.engine.waiting + self.imports_waiting;
+        (self.max_waiting > 0 && waiting >= self.max_waiting).then_some(waiting)
+    }
 }
 
 /// Body of [`PATH_PREFILL`].

@@ -42,8 +42,12 @@ use crate::protocol::{
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
-    /// TCP, several connections per pull: works across hosts.
+    /// NIXL on GPU workers where the library loads (device-to-device READs), TCP otherwise — decided
+    /// by each worker at start-up and logged; a NIXL decode worker pulls over TCP from a prefill
+    /// worker without NIXL (`TransferHandle::nixl`), so workers deciding differently still agree.
     #[default]
+    Auto,
+    /// TCP, several connections per pull: works across hosts.
     Tcp,
     /// Shared-memory file plus a TCP control connection: same host only, fewer copies through the kernel.
     Shm,
@@ -58,11 +62,12 @@ impl std::str::FromStr for TransportKind {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
+            "auto" => Ok(TransportKind::Auto),
             "tcp" => Ok(TransportKind::Tcp),
             "shm" => Ok(TransportKind::Shm),
             "nixl" => Ok(TransportKind::Nixl),
             other => Err(format!(
-                "unknown KV transport `{other}` (expected tcp, shm or nixl)"
+                "unknown KV transport `{other}` (expected auto, tcp, shm or nixl)"
             )),
         }
     }
@@ -96,7 +101,7 @@ pub struct KvTransferConfig {
 impl Default for KvTransferConfig {
     fn default() -> Self {
         KvTransferConfig {
-            transport: TransportKind::Tcp,
+            transport: TransportKind::Auto,
             streams: 4,
             pin_timeout_secs: 30.0,
             io_timeout_secs: 10.0,
@@ -114,16 +119,28 @@ impl KvTransferConfig {
     }
 
     /// The NIXL agent of a worker of a `transport: nixl` deployment (both roles have one).
-    fn nixl_agent(&self, worker_id: &str) -> Result<Option<NixlAgent>, KvError> {
-        if self.transport != TransportKind::Nixl {
-            return Ok(None);
-        }
+    /// This worker's NIXL agent: required with `transport: nixl` (a load failure is an error naming
+    /// what is missing), tried on GPU workers with `auto` (a failure logs why and means TCP).
+    fn nixl_agent(&self, worker_id: &str, gpu: bool) -> Result<Option<NixlAgent>, KvError> {
         let config = NixlConfig {
             library: self.nixl_library.clone(),
             backend: self.nixl_backend,
             ..NixlConfig::default()
         };
-        NixlAgent::new(worker_id, &config).map(Some)
+        match self.transport {
+            TransportKind::Nixl => NixlAgent::new(worker_id, &config).map(Some),
+            TransportKind::Auto if gpu => match NixlAgent::new(worker_id, &config) {
+                Ok(agent) => {
+                    tracing::info!("KV transfer: NIXL (transport: auto on a GPU worker)");
+                    Ok(Some(agent))
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "KV transfer: TCP (transport: auto could not load NIXL; set nixl_library)");
+                    Ok(None)
+                }
+            },
+            _ => Ok(None),
+        }
     }
 
     fn io_timeout(&self) -> Duration {
@@ -146,6 +163,8 @@ pub struct WorkerConfig {
     pub kv: KvTransferConfig,
     /// The engine's batch size, reported to the router.
     pub max_num_seqs: usize,
+    /// The engine runs on a GPU: `transport: auto` then tries NIXL.
+    pub gpu: bool,
 }
 
 /// Builds the handshake record of an engine: the model identity plus its KV shape.
@@ -173,6 +192,27 @@ pub fn peer_info(engine: &EngineHandle, model_id: String, n_heads: usize) -> Pee
 
 /// How often a decode whose import found the KV cache full tries again.
 const IMPORT_RETRY: Duration = Duration::from_millis(20);
+
+/// One decode import counted in `imports_waiting` until dropped.
+struct ImportWaiting<'a>(&'a AtomicUsize);
+
+impl<'a> ImportWaiting<'a> {
+    /// Counts one more waiting import, or refuses it (`QueueFull`) when `max` already wait.
+    fn enter(count: &'a AtomicUsize, max: usize) -> Result<Self, EngineError> {
+        let waiting = count.fetch_add(1, Ordering::AcqRel);
+        let entered = ImportWaiting(count);
+        if waiting >= max {
+            return Err(EngineError::QueueFull { waiting });
+        }
+        Ok(entered)
+    }
+}
+
+impl Drop for ImportWaiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 /// Pinned prefills this worker serves to decode workers, by transfer id.
 struct EngineSource {
@@ -467,6 +507,11 @@ pub struct WorkerService {
     _listener: Option<KvListener>,
     next_id: AtomicU64,
     in_flight: Arc<AtomicUsize>,
+    /// Decode imports waiting for KV blocks, at most the engine's `max_waiting`.
+    imports_waiting: AtomicUsize,
+    /// Taken by a waiting import while it retries, so imports are admitted in arrival order (tokio's
+    /// mutex is fair).
+    import_turn: tokio::sync::Mutex<()>,
 }
 
 impl WorkerService {
@@ -493,7 +538,7 @@ impl WorkerService {
                     peer.clone(),
                     Arc::clone(&source) as Arc<dyn KvSource>,
                 );
-                if let Some(agent) = config.kv.nixl_agent(&config.worker_id)? {
+                if let Some(agent) = config.kv.nixl_agent(&config.worker_id, config.gpu)? {
                     staged = register_staging(&engine, &agent, config.kv.staging_mib).await?;
                     server.enable_nixl(agent)?;
                 }
@@ -507,21 +552,19 @@ impl WorkerService {
                     checksum: config.kv.checksum,
                     ..TcpConfig::default()
                 };
-                let transport: Arc<dyn tandem_kv::KvTransport> = match config.kv.transport {
-                    TransportKind::Tcp => Arc::new(TcpTransport::new(peer.clone(), tcp)),
-                    TransportKind::Shm => Arc::new(ShmTransport::new(
+                let agent = config.kv.nixl_agent(&config.worker_id, config.gpu)?;
+                let transport: Arc<dyn tandem_kv::KvTransport> = match (config.kv.transport, agent)
+                {
+                    (TransportKind::Shm, _) => Arc::new(ShmTransport::new(
                         peer.clone(),
                         tcp,
                         tandem_kv::default_shm_dir(),
                     )),
-                    TransportKind::Nixl => {
-                        let agent = config
-                            .kv
-                            .nixl_agent(&config.worker_id)?
-                            .expect("transport is nixl");
+                    (_, Some(agent)) => {
                         staged = register_staging(&engine, &agent, config.kv.staging_mib).await?;
                         Arc::new(NixlTransport::new(peer.clone(), tcp, agent))
                     }
+                    (_, None) => Arc::new(TcpTransport::new(peer.clone(), tcp)),
                 };
                 (None, None, Some(KvClient::new(transport)))
             }
@@ -552,6 +595,8 @@ impl WorkerService {
             _listener: listener,
             next_id: AtomicU64::new(1),
             in_flight: Arc::new(AtomicUsize::new(0)),
+            imports_waiting: AtomicUsize::new(0),
+            import_turn: tokio::sync::Mutex::new(()),
         }))
     }
 
@@ -575,6 +620,8 @@ impl WorkerService {
             kv,
             staging_bytes: self.staged.as_ref().map_or(0, |(_, s)| s.len()),
             staging_free_bytes: self.staged.as_ref().map_or(0, |(_, s)| s.free_bytes()),
+            imports_waiting: self.imports_waiting.load(Ordering::Relaxed),
+            max_waiting: self.engine.max_waiting(),
         }
     }
 
@@ -690,10 +737,18 @@ impl WorkerService {
                 message: "a resumed decode cannot import prefilled KV".into(),
             });
         }
-        // When running sequences hold the whole KV cache, the import waits for blocks to free, like
-        // a queued admission (bounded by half the prefill pin's lifetime, so the pin is still there),
-        // instead of failing over to recomputing the prompt here.
+        // When running sequences hold the whole KV cache, the import waits for blocks to free, like a
+        // queued admission — in arrival order, at most `max_waiting` at once (past that, 503 as the
+        // engine refuses submissions), for at most half the prefill pin's lifetime (so the pin is
+        // still there) — instead of recomputing the prompt here.
         let deadline = tokio::time::Instant::now() + self.config.kv.pin_timeout() / 2;
+        let _waiting = ImportWaiting::enter(&self.imports_waiting, self.engine.max_waiting())?;
+        let turn = tokio::time::timeout_at(deadline, self.import_turn.lock())
+            .await
+            .map_err(|_| EngineError::KvBusy {
+                id: engine_req.id,
+                reason: "earlier imports are still waiting for KV blocks".into(),
+            })?;
         let (stream, plan) = loop {
             let (stream, plan) = self
                 .engine
@@ -709,6 +764,7 @@ impl WorkerService {
                 Err(e) => return Err(e.into()),
             }
         };
+        drop((turn, _waiting));
         let id = engine_req.id;
         if plan.num_blocks != pre.handle.block_ids.len() || pre.handle.n_tokens != prompt_len {
             return Err(ClusterError::Protocol {

@@ -403,6 +403,12 @@ impl EngineHandle {
         self.shared.stats.lock().clone()
     }
 
+    /// Requests that may wait for admission before more are refused (`EngineConfig::max_waiting`); a
+    /// P/D decode worker bounds the imports waiting for KV blocks by the same number.
+    pub fn max_waiting(&self) -> usize {
+        self.shared.max_waiting
+    }
+
     /// The context length requests are checked against.
     pub fn max_model_len(&self) -> usize {
         self.shared.max_model_len

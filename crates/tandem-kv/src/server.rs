@@ -147,6 +147,7 @@ impl KvServer {
             block_ids,
             n_tokens,
             layout: self.inner.info.layout,
+            nixl: self.inner.nixl.get().is_some(),
         })
     }
 

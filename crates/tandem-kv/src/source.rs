@@ -90,6 +90,10 @@ pub struct TransferHandle {
     pub n_tokens: usize,
     /// The prefill worker's cache shape, so a decode worker can refuse a mismatch before connecting.
     pub layout: WireLayout,
+    /// Whether that server also serves NIXL pulls; a NIXL client pulls over TCP from one that does
+    /// not, so workers that loaded NIXL and workers that could not still work together.
+    #[serde(default)]
+    pub nixl: bool,
 }
 
 impl TransferHandle {

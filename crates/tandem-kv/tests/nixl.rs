@@ -113,6 +113,7 @@ async fn two_agents_move_pinned_transfers_and_release_once() {
         let h = server
             .register((0..N_BLOCKS as u32).rev().collect(), 96)
             .unwrap();
+        assert!(h.nixl);
         let sink = Arc::new(MemSink::new(layout, N_BLOCKS));
         let stats = client.pull(&h, sink.clone()).await.expect("pull");
         assert_eq!(
@@ -161,6 +162,32 @@ async fn two_agents_move_pinned_transfers_and_release_once() {
             .is_err(),
         "a released transfer cannot be pulled again"
     );
+    listener.shutdown();
+}
+
+/// A NIXL client pulling from a KV server without NIXL (a worker that could not load it) pulls over
+/// TCP instead, byte for byte, and the pin is released once: workers that decided differently under
+/// `transport: auto` still work together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nixl_client_pulls_over_tcp_from_a_server_without_nixl() {
+    let Some(lib) = nixl_lib() else { return };
+    let source = Arc::new(MemSource::random(info().layout, N_BLOCKS, SEED));
+    let server = KvServer::new(server_config(), info(), source.clone());
+    let listener = server.listen("127.0.0.1:0").await.unwrap();
+    let client = client(lib);
+    let layout = info().layout;
+    let h = server
+        .register((0..N_BLOCKS as u32).rev().collect(), 96)
+        .unwrap();
+    assert!(!h.nixl, "the handle says the server has no NIXL agent");
+    let sink = Arc::new(MemSink::new(layout, N_BLOCKS));
+    let stats = client.pull(&h, sink.clone()).await.expect("pull over TCP");
+    assert_eq!(
+        stats.bytes,
+        (N_BLOCKS * layout.n_layers * layout.block_bytes()) as u64
+    );
+    assert_same(&source, &sink, &h, &BlockSelection::all(N_BLOCKS));
+    wait_for(|| source.releases(h.transfer_id) == 1).await;
     listener.shutdown();
 }
 

@@ -190,6 +190,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             kv_advertise_host: settings.advertise_host.clone(),
             kv: settings.kv_transfer.clone(),
             max_num_seqs: engine_config.max_num_seqs,
+            gpu: settings.engine.device.unwrap_or_default() != crate::config::Device::Cpu,
         };
         let peer = peer_info(&engine, model_id, n_heads);
         let service = WorkerService::start(engine.clone(), peer, config)

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 
 use crate::nixl::server::{NixlOpen, NixlPullRequest};
 use crate::nixl::{slow_transfer_warning, MemRegion, NixlAgent, PoolLease, Xfer};
-use crate::transport::tcp::{ack_only, connect, finish_on_control, TcpConfig};
+use crate::transport::tcp::{ack_only, connect, finish_on_control, TcpConfig, TcpTransport};
 use crate::transport::{KvTransport, PullFuture};
 use crate::wire::{self, FrameKind, FrameReader};
 use crate::{BlockSelection, KvError, KvSink, PeerInfo, TransferHandle};
@@ -25,16 +25,22 @@ pub struct NixlTransport {
     agent: NixlAgent,
     /// Server agent learned per endpoint, so its metadata is sent only when it changed.
     peers: Mutex<HashMap<String, String>>,
+    /// Pulls from servers without NIXL (`TransferHandle::nixl` false).
+    tcp: TcpTransport,
+    /// Endpoints already reported as pulled over TCP, so the warning is logged once per server.
+    tcp_only: Mutex<std::collections::HashSet<String>>,
 }
 
 impl NixlTransport {
     /// A NIXL transport reading through `agent` (its pool provides the receive buffers).
     pub fn new(local: PeerInfo, config: TcpConfig, agent: NixlAgent) -> Self {
         NixlTransport {
+            tcp: TcpTransport::new(local.clone(), config.clone()),
             local,
             config,
             agent,
             peers: Mutex::new(HashMap::new()),
+            tcp_only: Mutex::new(Default::default()),
         }
     }
 
@@ -46,6 +52,16 @@ impl NixlTransport {
     ) -> Result<u64, KvError> {
         if blocks.is_empty() {
             return ack_only(handle, &self.local, &self.config, &*sink).await;
+        }
+        if !handle.nixl {
+            if self.tcp_only.lock().insert(handle.endpoint.clone()) {
+                tracing::warn!(
+                    endpoint = %handle.endpoint,
+                    worker = %handle.worker_id,
+                    "this KV server has no NIXL agent; pulling its KV over TCP"
+                );
+            }
+            return self.tcp.pull(handle, blocks, sink).await;
         }
         let tid = handle.transfer_id;
         let io = self.config.io_timeout;
