@@ -3,6 +3,7 @@ CUDA image starting and refusing `serve --device cuda` clearly on a host without
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -95,3 +96,30 @@ def test_cuda_image_starts_and_refuses_cuda_without_a_gpu():
     out = p.stdout
     assert "libcuda.so" in out and "driver" in out.lower(), out[-3000:]
     assert "panicked" not in out, out[-3000:]
+
+
+def test_cuda_image_loads_nixl():
+    """NIXL, as the CUDA image carries it, loads: a CPU prefill worker with `--transport nixl` creates its
+    NIXL agent (UCX backend) and registers its staging memory at start-up, or fails naming why."""
+    require_image(CUDA_IMAGE)
+    require_model()
+    name = f"tandemct{os.getpid()}nixl"
+    run(["docker", "run", "-d", "--name", name, "-v", f"{MODELS}:/models:ro",
+         "-e", "TANDEM_PROBE_URL=http://127.0.0.1:8100/v1/worker/info", CUDA_IMAGE,
+         "worker", "--role", "prefill", "--transport", "nixl", "--host", "127.0.0.1", "--port", "8100",
+         "--kv-port", "8200"], timeout=60)
+    try:
+        deadline = time.monotonic() + 90
+        logs = ""
+        while time.monotonic() < deadline:
+            logs = run(["docker", "logs", name], check=False, timeout=30).stdout
+            state = json.loads(run(["docker", "inspect", name], timeout=30).stdout)[0]["State"]
+            if "TANDEM_WORKER_READY" in logs or state["Status"] != "running":
+                break
+            time.sleep(1)
+        assert "TANDEM_WORKER_READY" in logs, logs[-3000:]
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", logs)
+        assert "NIXL agent ready" in plain and "backend=UCX" in plain, plain[-3000:]
+        run(["docker", "exec", name, "tandem", "probe"], timeout=60)
+    finally:
+        run(["docker", "rm", "-f", "-v", name], check=False, timeout=60)
