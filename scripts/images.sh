@@ -9,7 +9,7 @@
 # Environment:
 #   TANDEM_BASE_IMAGE    base of both images (default debian:bookworm-slim). When the local Docker daemon
 #                        lacks that tag it is built first from Debian's packages (debootstrap --variant=minbase
-#                        bookworm, then docker import), which only works for a debian:bookworm* name.
+#                        bookworm, then docker import); only debian:bookworm-slim or debian:bookworm is built.
 #   TANDEM_DEBIAN_MIRROR the Debian mirror for that (default: the first bookworm mirror of this host's apt
 #                        sources)
 #   TANDEM_CPU_BIN, TANDEM_CUDA_BIN   the binaries (defaults above)
@@ -192,6 +192,10 @@ build_cuda() {
   echo "$name:cuda built in $((SECONDS - start)) s"
 }
 
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+  exit 0
+fi
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(all)
 command -v docker >/dev/null || die "docker is not installed"
