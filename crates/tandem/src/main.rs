@@ -9,6 +9,7 @@ mod cuda_settings;
 mod cuda_tools;
 mod device;
 mod launch;
+mod probe;
 mod process;
 mod serve;
 mod stage;
@@ -44,6 +45,8 @@ enum Command {
     BenchEngine(bench_engine::BenchEngineArgs),
     /// Benchmark an OpenAI-compatible server (or several) with vLLM-compatible serving metrics.
     Bench(bench::BenchArgs),
+    /// GET a URL (default: this host's /health) and exit 0 on a 2xx answer, 1 otherwise: the images' health check.
+    Probe(probe::ProbeArgs),
     /// Hosts one later pipeline stage for a worker (started by workers with pipeline_parallel_size > 1).
     #[command(hide = true)]
     Stage(stage::StageArgs),
@@ -144,6 +147,7 @@ fn main() -> Result<()> {
             init_logging_at(cli.log_format.unwrap_or_default(), "warn");
             bench::run(args)
         }
+        Command::Probe(args) => probe::run(&args),
     }
 }
 

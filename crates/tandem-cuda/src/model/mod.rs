@@ -166,7 +166,12 @@ impl CudaLlama {
     ) -> Result<CudaLlama, CudaError> {
         config.validate()?;
         if !driver_available() {
-            return Err(CudaError::Unavailable("libcuda could not be loaded".into()));
+            return Err(CudaError::Unavailable(
+                "libcuda.so.1, the NVIDIA driver's library, could not be loaded: this host has no NVIDIA \
+                 driver (in a container, start it with the NVIDIA Container Toolkit, e.g. `docker run --gpus all`), \
+                 or serve with --device cpu"
+                    .into(),
+            ));
         }
         if !kernels::nvrtc_available() {
             return Err(CudaError::Unavailable(
