@@ -53,6 +53,7 @@ pub use error::ClusterError;
 pub use ingress::{Ingress, TimeoutConfig, WorkerStatus};
 pub use protocol::{Role, WorkerInfo, WorkerLoad};
 pub use routing::RoutingConfig;
+pub use tandem_kv::NixlBackend;
 pub use worker::{peer_info, KvTransferConfig, TransportKind, WorkerConfig, WorkerService};
 
 #[cfg(test)]

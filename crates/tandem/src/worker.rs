@@ -97,8 +97,8 @@ const STOP_WAIT: Duration = Duration::from_secs(5);
 /// The KV transfer flags of a worker started by hand, each setting one `kv_transfer` key.
 #[derive(Clone, Debug, Args)]
 pub struct KvTransferFlags {
-    /// KV data plane of a decode worker: tcp or shm (same host).
-    #[arg(long, default_value = "tcp")]
+    /// KV data plane: auto (NIXL on a GPU worker where it loads, else tcp), tcp, shm (same host) or nixl.
+    #[arg(long, default_value = "auto")]
     pub transport: TransportKind,
     /// Parallel TCP connections per KV pull.
     #[arg(long, default_value_t = 4)]
@@ -106,6 +106,15 @@ pub struct KvTransferFlags {
     /// Seconds a prefill worker keeps KV pinned waiting for the pull's ack.
     #[arg(long, default_value_t = 30.0)]
     pub pin_timeout: f64,
+    /// NIXL's `libnixl_capi.so`, its folder, or an unpacked `nixl-cu13` wheel [default: the loader's path].
+    #[arg(long)]
+    pub nixl_library: Option<PathBuf>,
+    /// NIXL backend plugin: ucx, or libfabric (AWS EFA).
+    #[arg(long, default_value = "ucx")]
+    pub nixl_backend: tandem_cluster::NixlBackend,
+    /// MiB of NIXL staging memory registered where the KV lives (0: none).
+    #[arg(long, default_value_t = KvTransferConfig::default().staging_mib)]
+    pub staging_mib: usize,
 }
 
 /// What `--settings-json` conflicts with: every settings flag (the flattened sections by their group).
@@ -155,6 +164,9 @@ impl WorkerArgs {
             transport: self.kv.transport,
             streams: self.kv.kv_streams,
             pin_timeout_secs: self.kv.pin_timeout,
+            nixl_library: self.kv.nixl_library.clone(),
+            nixl_backend: self.kv.nixl_backend,
+            staging_mib: self.kv.staging_mib,
             ..KvTransferConfig::default()
         };
         Ok(settings)
@@ -475,6 +487,39 @@ mod tests {
         let e = s.engine.engine_config();
         assert_eq!(e.block_size, 32);
         assert!(!e.enable_prefix_caching);
+    }
+
+    #[test]
+    fn the_nixl_flags_set_the_kv_transfer_keys() {
+        let s = parse(&["--role", "decode"]).unwrap().resolve().unwrap();
+        assert_eq!(s.kv_transfer.transport, TransportKind::Auto);
+        assert_eq!(
+            s.kv_transfer.staging_mib,
+            KvTransferConfig::default().staging_mib
+        );
+        let s = parse(&[
+            "--role",
+            "decode",
+            "--transport",
+            "nixl",
+            "--nixl-library",
+            "/opt/nixl",
+            "--nixl-backend",
+            "libfabric",
+            "--staging-mib",
+            "0",
+        ])
+        .unwrap()
+        .resolve()
+        .unwrap();
+        let kv = &s.kv_transfer;
+        assert_eq!(kv.transport, TransportKind::Nixl);
+        assert_eq!(
+            kv.nixl_library.as_deref(),
+            Some(std::path::Path::new("/opt/nixl"))
+        );
+        assert_eq!(kv.nixl_backend, tandem_cluster::NixlBackend::Libfabric);
+        assert_eq!(kv.staging_mib, 0);
     }
 
     #[test]
