@@ -110,6 +110,11 @@ serve() { # name yaml
 }
 stop() { kill "$(cat "$work/$1.pid")" 2>/dev/null; sleep 3; pkill -f "tandem (serve|worker)" 2>/dev/null; sleep 1; }
 
+pd_yaml() { # kv_transfer keys: 1P1D, both workers on GPU 0 with half the colocated KV each
+  printf '%s\n' "engine: {device: cuda, kv_cache_memory: 24GiB, max_num_seqs: 256, max_waiting: 4096}" \
+    "deployment:" "  mode: pd" "  kv_transfer: {$1}"
+}
+
 : >"$OUT/pd_bench.jsonl"
 if [[ "$what" == *" colocated "* ]]; then
   echo "== colocated"
@@ -119,31 +124,20 @@ if [[ "$what" == *" colocated "* ]]; then
 fi
 if [[ "$what" == *" tcp "* ]]; then
   echo "== 1P1D over tcp, $TCP_STREAMS connections per pull (greedy and TTFT only)"
-  serve pdtcp "engine: {device: cuda, kv_cache_memory: 24GiB, max_num_seqs: 256, max_waiting: 4096}
-deployment:
-  mode: pd
-  kv_transfer: {transport: tcp, streams: $TCP_STREAMS}" && greedy pdtcp && bench pdtcp-ttft-4k --input-len 4096 --output-len 16 --num-prompts 6 --max-concurrency 1 --warmup 1
+  serve pdtcp "$(pd_yaml "transport: tcp, streams: $TCP_STREAMS")" && greedy pdtcp && bench pdtcp-ttft-4k --input-len 4096 --output-len 16 --num-prompts 6 --max-concurrency 1 --warmup 1
   stop pdtcp
   cmp -s "$work/greedy-colocated.json" "$work/greedy-pdtcp.json" && echo "PASS P/D over tcp greedy == colocated" || echo "FAIL P/D over tcp greedy differs (or missing)"
 fi
 if [[ "$what" == *" pd "* ]]; then
   echo "== 1P1D over $TRANSPORT"
-  serve pd "engine: {device: cuda, kv_cache_memory: 24GiB, max_num_seqs: 256, max_waiting: 4096}
-deployment:
-  mode: pd
-  prefill: {replicas: 1}
-  decode: {replicas: 1}
-  kv_transfer: {transport: $TRANSPORT$nixl_opt, staging_mib: 8192}" && run_suite pd
+  serve pd "$(pd_yaml "transport: $TRANSPORT$nixl_opt, staging_mib: 8192")" && run_suite pd
   curl -s http://127.0.0.1:8000/metrics | grep -E "^tandem:kv_transfer" >"$OUT/pd_metrics.txt"
   grep -iE "error|warn" "$OUT/serve-pd.log" | tail -5
   stop pd
 fi
 if [[ "$what" == *" leak "* ]]; then
   echo "== 1P1D over $TRANSPORT: 1,000 requests, a tenth abandoned mid-flight, nothing leaked"
-  serve pdleak "engine: {device: cuda, kv_cache_memory: 24GiB, max_num_seqs: 256, max_waiting: 4096}
-deployment:
-  mode: pd
-  kv_transfer: {transport: $TRANSPORT$nixl_opt, staging_mib: 8192}" &&
+  serve pdleak "$(pd_yaml "transport: $TRANSPORT$nixl_opt, staging_mib: 8192")" &&
     python3 "$root/scripts/gpu/pd_leak.py" --requests 1000 --concurrency 32 --out "$OUT/pd_leak.json"
   stop pdleak
 fi

@@ -133,6 +133,20 @@ async fn collect(
         .await
 }
 
+/// A prefill on `p` that leaves its KV pinned for a pull: the transfer handle.
+async fn pinned_prefill(
+    p: &TestWorker,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+) -> tandem_kv::TransferHandle {
+    p.service
+        .prefill(PrefillRequest { prompt, params })
+        .await
+        .unwrap()
+        .handle
+        .expect("pinned")
+}
+
 /// Waits until the worker's engine holds no block (pinned or in use) and the KV server no transfer.
 async fn drained(w: &TestWorker) {
     for _ in 0..200 {
@@ -229,15 +243,7 @@ async fn dropping_the_stream_frees_both_sides_and_unpulled_pins_are_released() {
     );
 
     // A prefill nobody pulls (the client vanished before decode) is released on request.
-    let resp = p
-        .service
-        .prefill(PrefillRequest {
-            prompt: prompt(5),
-            params: greedy(4),
-        })
-        .await
-        .unwrap();
-    let handle = resp.handle.expect("pinned");
+    let handle = pinned_prefill(&p, prompt(5), greedy(4)).await;
     assert!(p.service.load().pinned_blocks > 0);
     let http = reqwest::Client::new();
     let released: bool = http
@@ -564,16 +570,7 @@ async fn a_draining_worker_gets_no_new_work_and_its_drain_waits_for_its_pin() {
     // Registering again (a worker that re-registers) keeps the one entry.
     ingress.register(&d.url).await.unwrap();
     assert_eq!(ingress.workers().len(), 2);
-    let pinned = p
-        .service
-        .prefill(PrefillRequest {
-            prompt: prompt(0),
-            params: greedy(5),
-        })
-        .await
-        .unwrap()
-        .handle
-        .expect("pinned");
+    let pinned = pinned_prefill(&p, prompt(0), greedy(5)).await;
     let http = reqwest::Client::new();
     let health = |url: String| {
         let http = http.clone();

@@ -206,6 +206,25 @@ impl Server {
         (status, r.json().await.expect("JSON answer"))
     }
 
+    /// [`Server::post_completion`] on a task of its own, for a test that acts while the request runs.
+    pub fn spawn_completion(
+        &self,
+        mut body: Value,
+    ) -> tokio::task::JoinHandle<(reqwest::StatusCode, Value)> {
+        body["model"] = json!(DEFAULT_MODEL_NAME);
+        let (http, url) = (self.http.clone(), format!("{}/v1/completions", self.url));
+        tokio::spawn(async move {
+            let r = http
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .expect("completion sent");
+            let status = r.status();
+            (status, r.json().await.expect("JSON answer"))
+        })
+    }
+
     /// The Prometheus text of `/metrics`.
     pub async fn metrics(&self) -> String {
         self.http

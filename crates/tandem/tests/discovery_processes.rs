@@ -243,18 +243,7 @@ async fn sigterm_drains_a_decode_worker_mid_stream_and_it_exits_0() {
     for w in &pair {
         before.push(load(&head, &w.url).await.engine.generation_tokens_total);
     }
-    let request = {
-        let (http, url, body) = (head.http.clone(), head.url.clone(), body.clone());
-        tokio::spawn(async move {
-            let r = http
-                .post(format!("{url}/v1/completions"))
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            (r.status(), r.json::<Value>().await.unwrap())
-        })
-    };
+    let request = head.spawn_completion(body.clone());
     let deadline = Instant::now() + Duration::from_secs(60);
     let victim = 'found: loop {
         for (i, (w, &b)) in pair.iter().zip(&before).enumerate() {

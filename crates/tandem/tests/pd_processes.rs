@@ -319,18 +319,7 @@ async fn signal_the_decoder_mid_request(
     for d in &decoders {
         before.push(pd.load(&d.url).await.engine.generation_tokens_total);
     }
-    let request = {
-        let (http, url) = (pd.http.clone(), pd.url.clone());
-        tokio::spawn(async move {
-            let r = http
-                .post(format!("{url}/v1/completions"))
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            (r.status(), r.json::<Value>().await.unwrap())
-        })
-    };
+    let request = pd.spawn_completion(body);
     let deadline = Instant::now() + Duration::from_secs(60);
     let victim = 'found: loop {
         for (d, &b) in decoders.iter().zip(&before) {
