@@ -16,6 +16,8 @@ compose project with the short time limits of head-faults.yaml, driven through t
 Each prints a `FAULTS` line with its counts (requests, failures, resumes, timings) for BENCHMARKS.md.
 """
 
+import os
+import re
 import threading
 import time
 import uuid
@@ -26,7 +28,9 @@ import requests
 from conftest import CPU_IMAGE, MODEL_FILE, ROOT, run
 
 MODEL = MODEL_FILE.removesuffix(".gguf")
-HEAD_CONFIG = ROOT / "tests" / "compose" / "head-faults.yaml"
+# TANDEM_FAULTS_HEAD_CONFIG names another head YAML (e.g. deploy/compose/head.yaml, the default time
+# limits: to see test_prefill_disconnected fail on a request held past the client's patience).
+HEAD_CONFIG = os.environ.get("TANDEM_FAULTS_HEAD_CONFIG", str(ROOT / "tests" / "compose" / "head-faults.yaml"))
 # A client never waits longer than this for one request: past it the request counts as hung (failed).
 CLIENT_TIMEOUT_S = 60
 
@@ -42,8 +46,9 @@ def prompt(tag=""):
              "the wind, the harbour lights and the boats that come home late in the evening."}]
 
 
-def stream(c, max_tokens, tag=""):
-    """One streamed chat completion; returns (finish_reason, content chunks, usage tokens or None)."""
+def stream(c, max_tokens, tag="", progress=None):
+    """One streamed chat completion; returns (finish_reason, content chunks, usage tokens or None).
+    `progress(chunks)` is called after each content chunk."""
     finish, chunks, usage = None, 0, None
     for chunk in c.chat.completions.create(model=MODEL, messages=prompt(tag), max_tokens=max_tokens,
                                            temperature=0, stream=True, stream_options={"include_usage": True},
@@ -53,6 +58,8 @@ def stream(c, max_tokens, tag=""):
         for ch in chunk.choices:
             if ch.delta.content:
                 chunks += 1
+                if progress:
+                    progress(chunks)
             finish = ch.finish_reason or finish
     return finish, chunks, usage
 
@@ -106,6 +113,7 @@ class Load:
 
 
 def summary(name, **counts):
+    counts = {k: re.sub(r"\x1b\[[0-9;]*m", "", v) if isinstance(v, str) else v for k, v in counts.items()}
     print(f"\nFAULTS {name}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
 
 
@@ -137,23 +145,25 @@ def test_decode_killed_mid_stream(require_dns_discovery, deployment):
     d = up(deployment, "fk", prefill=1, decode=2)
     c = client(d)
     n, max_tokens = 6, 160
-    results, errors = [None] * n, [None] * n
+    results, errors, received = [None] * n, [None] * n, [0] * n
 
     def one(i):
         try:
-            results[i] = stream(c, max_tokens, f"stream {i}")
+            results[i] = stream(c, max_tokens, f"stream {i}", progress=lambda k: received.__setitem__(i, k))
         except Exception as e:  # noqa: BLE001
             errors[i] = f"{type(e).__name__}: {e}"
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
-    # Kill the decode worker serving the most streams once they are all under way.
+    # Kill the decode worker serving the most streams once every stream has delivered tokens to the client.
     ips = by_ip(d, "decode")
+    d.wait_for("5 tokens received on every stream", lambda: min(received) >= 5, timeout=60, interval=0.1)
     victim = d.wait_for("every stream decoding", lambda: (
         lambda ws: sum(w["load"]["in_flight"] for w in ws) >= n and max(ws, key=lambda w: w["load"]["in_flight"]))(
             d.healthy_workers("decode")), timeout=60, interval=0.2)
     on_victim = victim["load"]["in_flight"]
+    received_at_kill = sorted(received)
     generated = victim["load"]["engine"]["generation_tokens_total"]
     container = ips[victim["url"].removeprefix("http://").rsplit(":", 1)[0]]
     t_kill = time.monotonic()
@@ -168,7 +178,9 @@ def test_decode_killed_mid_stream(require_dns_discovery, deployment):
     resumes = counter(d, "tandem:decode_resumes_total")
     summary("decode killed mid-stream", streams=n, on_killed_worker=on_victim, failures=len(failed) + len(bad),
             decode_resumes=int(resumes), decode_failures=int(counter(d, "tandem:decode_failures_total")),
-            killed_after_tokens=generated, streams_done_after_kill_s=round(took, 1))
+            client_tokens_at_kill=received_at_kill, worker_tokens_at_kill=generated,
+            streams_done_after_kill_s=round(took, 1))
+    assert max(received_at_kill) < max_tokens, "a stream had finished before the kill: not mid-stream"
     assert not failed, f"streams that raised: {failed}"
     assert not bad, f"streams without their {max_tokens} tokens and finish reason 'length': {bad}"
     # Every stream of the killed worker was resumed elsewhere (it had started: the kill came mid-stream).
