@@ -213,28 +213,35 @@ def test_scale_up_under_load(require_dns_discovery, deployment):
         # newcomer gets the prompts past the bound. A burst of 8 concurrent requests goes past it.
         d.wait_for("the new prefill worker routable",
                    lambda: [w for w in d.healthy_workers("prefill") if w["url"] not in before], timeout=30)
-        burst = [None] * 8
+        bursts, bad = 0, []
 
-        def one(i):
-            try:
-                burst[i] = stream(client(d), 8, f"burst {i}")
-            except Exception as e:  # noqa: BLE001
-                burst[i] = f"{type(e).__name__}: {e}"
+        def burst_until_served():
+            # Bursts of 8 concurrent requests until the newcomer has prompts (or the 30 s are up).
+            nonlocal bursts
+            out = [None] * 8
 
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(burst))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(CLIENT_TIMEOUT_S + 10)
-        pre = d.wait_for("the new prefill worker serving prompts",
-                         lambda: new_serving("prefill", "prompt_tokens_total"),
+            def one(i):
+                try:
+                    out[i] = stream(client(d), 8, f"burst {bursts} {i}")
+                except Exception as e:  # noqa: BLE001
+                    out[i] = f"{type(e).__name__}: {e}"
+
+            threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(out))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(CLIENT_TIMEOUT_S + 10)
+            bursts += 1
+            bad.extend(b for b in out if not (isinstance(b, tuple) and b[0] == "length" and b[2] == 8))
+            return new_serving("prefill", "prompt_tokens_total")
+
+        pre = d.wait_for("the new prefill worker serving prompts", burst_until_served,
                          timeout=max(1.0, 30 - (time.monotonic() - t0)), interval=0.5)
         t_served = time.monotonic() - t0
     finally:
         load.stop()
-    bad = [b for b in burst if not (isinstance(b, tuple) and b[0] == "length" and b[2] == 8)]
     summary("scale-up 1P1D -> 2P2D under load", requests=load.count(), failures=len(load.failures),
-            burst=len(burst), burst_failures=len(bad), compose_up_s=round(t_up, 1),
+            bursts_of_8=bursts, burst_failures=len(bad), compose_up_s=round(t_up, 1),
             new_decode_served_after_s=round(t_decode, 1), new_prefill_served_after_s=round(t_served, 1),
             new_decode_requests=dec["load"]["engine"]["requests_finished_total"],
             new_prefill_prompt_tokens=pre["load"]["engine"]["prompt_tokens_total"])
@@ -288,12 +295,17 @@ def test_prefill_disconnected(require_dns_discovery, deployment):
 def test_rolling_restart_of_decode(require_dns_discovery, deployment):
     d = up(deployment, "fr", prefill=1, decode=2)
     containers = d.containers("decode")
-    load = Load(d, threads=3).start()
-    stops = []
+    load = Load(d, threads=3, max_tokens=32).start()
+    stops, in_flight_at_stop = [], []
     try:
         d.wait_for("requests flowing", lambda: load.count() >= 3, timeout=60)
         for c in containers:
             old = {w["info"]["instance"] for w in d.healthy_workers("decode")}
+            # Stop it while it streams (its own count, read on the bridge network), so the drain has work.
+            ip = d.ip(c)
+            d.wait_for(f"a stream on decode {ip}", lambda: requests.get(
+                f"http://{ip}:8100/v1/worker/load", timeout=5).json()["in_flight"] > 0, timeout=30, interval=0.05)
+            in_flight_at_stop.append(requests.get(f"http://{ip}:8100/v1/worker/load", timeout=5).json()["in_flight"])
             t0 = time.monotonic()
             run(["docker", "stop", "-t", "40", c], timeout=60)
             stops.append(round(time.monotonic() - t0, 1))
@@ -308,10 +320,14 @@ def test_rolling_restart_of_decode(require_dns_discovery, deployment):
         d.wait_for("requests served after the last restart", lambda: load.count() >= n + 3, timeout=60)
     finally:
         load.stop()
+    resumes = int(counter(d, "tandem:decode_resumes_total"))
     summary("rolling restart of 2 decode replicas under load", requests=load.count(),
-            failures=len(load.failures), decode_resumes=int(counter(d, "tandem:decode_resumes_total")),
+            failures=len(load.failures), streams_on_worker_at_sigterm=in_flight_at_stop, decode_resumes=resumes,
             decode_failures=int(counter(d, "tandem:decode_failures_total")), stop_s=stops)
     assert not load.failures, f"failed requests during the rolling restart: {load.failures}"
+    # The drain finished the streams in flight on the stopped worker itself: none had to be resumed
+    # elsewhere (a resume here means a stream broke on a SIGTERM, i.e. the drain did not hold).
+    assert resumes == 0, f"{resumes} streams broke and were resumed during the rolling restart"
 
 
 def test_head_restarted(require_dns_discovery, deployment):
