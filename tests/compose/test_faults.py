@@ -6,7 +6,8 @@ compose project with the short time limits of head-faults.yaml, driven through t
 - test_scale_up_under_load: `--scale prefill=2 --scale decode=2` from 1/1 while a client loop runs: each
   new worker is listed and gets traffic within 30 s.
 - test_prefill_disconnected: `docker network disconnect` of one of 2 prefill containers under load: every
-  request is served (by the other prefill worker, or prefilled on decode) and none takes past the timeouts.
+  request is served (by the other prefill worker, or prefilled on decode) and none takes past the timeouts;
+  connected again, it is back in routing.
 - test_rolling_restart_of_decode: the decode replicas stopped (SIGTERM: drain) and started one at a time
   under load: zero failed requests.
 - test_head_restarted: `docker restart` of the head: its workers are rediscovered and new requests served.
@@ -289,7 +290,12 @@ def test_prefill_disconnected(require_dns_discovery, deployment):
     assert other_after > other_before, "the remaining prefill worker took no prompt after the fault"
     # prefill_secs (10) + decode of 16 tokens: nothing waits on the cut-off worker past its timeouts.
     assert slowest < 25, f"a request took {slowest:.1f}s, past the time limits of head-faults.yaml"
-    assert disconnected
+    # The partition heals: connected again under its service name, it is rediscovered (a new handshake).
+    t0 = time.monotonic()
+    run(["docker", "network", "connect", "--alias", "prefill", net, disconnected], timeout=30)
+    d.wait_for("the reconnected prefill worker back in routing",
+               lambda: len([w for w in d.healthy_workers("prefill") if not w["draining"]]) == 2, timeout=30)
+    summary("prefill reconnected", back_in_routing_after_s=round(time.monotonic() - t0, 1))
 
 
 def test_rolling_restart_of_decode(require_dns_discovery, deployment):
