@@ -51,6 +51,7 @@ python_tests() {
 # The images' and the compose deployment's tests (tests/compose): they use the images scripts/images.sh
 # built and the model in models/, bring each deployment up under its own compose project and always take
 # it down. The tests of the DNS-discovery deployment fail, saying so, where tandem lacks `discovery:`.
+# test_faults.py kills, cuts off, scales and restarts containers under load (about 2.5 minutes).
 compose_tests() {
   ensure_venv || return 1
   "$venv/bin/python" -m pytest -q "$root/tests/compose"

@@ -82,7 +82,7 @@ def image_config(image: str) -> dict:
 class Deployment:
     """One compose project made of `files` (relative to deploy/compose/), on a free loopback port."""
 
-    def __init__(self, files, name):
+    def __init__(self, files, name, head_config=None):
         require_image(CPU_IMAGE)
         require_model()
         self.compose = compose_command()
@@ -91,6 +91,12 @@ class Deployment:
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = dict(os.environ, TANDEM_PORT=str(self.port), TANDEM_MODELS=str(MODELS),
                         TANDEM_IMAGE=CPU_IMAGE, TANDEM_HEAD_IMAGE=CPU_IMAGE)
+        if head_config:
+            # The head's YAML (TANDEM_HEAD_CONFIG in compose.yaml), e.g. tests/compose/head-faults.yaml.
+            self.env["TANDEM_HEAD_CONFIG"] = str(pathlib.Path(head_config).resolve())
+        # Containers started beside the project (`docker run` on its network): removed before `down`,
+        # which could not remove the network while they are attached to it.
+        self.extra = []
         self.base = [*self.compose, "-p", self.project]
         for f in files:
             self.base += ["-f", str(COMPOSE_DIR / f)]
@@ -106,6 +112,8 @@ class Deployment:
 
     def down(self):
         # Always runs (finalizers); failures here are reported but the test's own result stands.
+        for c in self.extra:
+            run(["docker", "rm", "-f", "-v", c], timeout=60, check=False)
         p = self("down", "-v", "--remove-orphans", "--timeout", "10", timeout=120, check=False)
         if p.returncode != 0:
             print(f"compose down failed ({p.returncode}):\n{p.stdout[-2000:]}")
@@ -129,6 +137,27 @@ class Deployment:
         match = [n for n in nets if n.endswith("_" + suffix)]
         assert len(match) == 1, f"networks of {self.project}: {nets}"
         return match[0]
+
+    def ip(self, container, suffix="backend") -> str:
+        """A container's address on one of the project's networks ('' when not attached)."""
+        net = self.network(suffix)
+        nets = json.loads(run(["docker", "inspect", "--format", "{{json .NetworkSettings.Networks}}", container],
+                              timeout=30).stdout)
+        return (nets.get(net) or {}).get("IPAddress", "")
+
+    def metrics(self) -> dict:
+        """The head's /metrics as {name{labels}: value}."""
+        r = requests.get(self.url + "/metrics", timeout=5)
+        r.raise_for_status()
+        out = {}
+        for line in r.text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    pass
+        return out
 
     def fail(self, message):
         pytest.fail(f"{message}\n--- compose logs ({self.project}) ---\n{self.logs()}")
@@ -167,11 +196,11 @@ class Deployment:
 
 @pytest.fixture
 def deployment(request):
-    """Factory: deployment(files, name) -> an up-able Deployment, taken down after the test."""
+    """Factory: deployment(files, name[, head_config]) -> an up-able Deployment, taken down after the test."""
     made = []
 
-    def make(files, name):
-        d = Deployment(files, name)
+    def make(files, name, head_config=None):
+        d = Deployment(files, name, head_config)
         made.append(d)
         return d
 
