@@ -119,6 +119,10 @@ else
 fi
 run_step "image tandem:cuda" bash scripts/images.sh cuda
 run_step "pytest tests/compose (images, compose deployment)" compose_tests
+# The Helm chart's CPU-profile pods run under Docker as a kubelet would run them (their args with POD_IP,
+# uid/gid, no capabilities, the ConfigMap's file, a read-only model): served, probed, SIGTERM'd.
+run_step "k8s pods under Docker (tests/k8s)" env TANDEM_K8S_DOCKER_IMAGE=tandem:cpu \
+  TANDEM_BIN="$root/target/release/tandem" bash scripts/k8s-check.sh -k pods_in_docker
 
 echo
 echo "==== summary ($((SECONDS - total_start)) s) ===="
