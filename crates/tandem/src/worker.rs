@@ -31,7 +31,7 @@ use tandem_cluster::{
 use tandem_model::LoadOptions;
 use tracing::{info, warn};
 
-use crate::config::EngineSettings;
+use crate::config::{EngineSettings, ListenSettings};
 use crate::process::{exit_when_parent_goes, resolve_model, shutdown_signal, WORKER_READY_PREFIX};
 
 /// Everything one worker runs with: the flags of a worker started by hand, or the one JSON document
@@ -67,6 +67,10 @@ pub struct WorkerSettings {
     #[arg(long, default_value_t = DEFAULT_DRAIN_GRACE_SECS)]
     #[serde(default = "default_drain_grace_secs")]
     pub drain_grace_secs: f64,
+    /// Read timeouts and connection limit of the RPC listener (from the launcher: the head's `server:` ones).
+    #[command(flatten)]
+    #[serde(default)]
+    pub listen: ListenSettings,
     /// KV transfer settings (by hand: `--transport`, `--kv-streams` and `--pin-timeout` over the defaults).
     #[arg(skip)]
     pub kv_transfer: KvTransferConfig,
@@ -109,7 +113,7 @@ pub struct KvTransferFlags {
 }
 
 /// What `--settings-json` conflicts with: every settings flag (the flattened sections by their group).
-const WITH_FLAGS: [&str; 11] = [
+const WITH_FLAGS: [&str; 12] = [
     "role",
     "model",
     "worker_id",
@@ -121,6 +125,7 @@ const WITH_FLAGS: [&str; 11] = [
     "drain_grace_secs",
     "KvTransferFlags",
     "EngineSettings",
+    "ListenSettings",
 ];
 
 /// Flags of `tandem worker`.
@@ -311,6 +316,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         exit_when_parent_goes("the launcher")?;
     }
     let settings = args.resolve()?;
+    settings.listen.validate()?;
     let role = settings.role.context("--role is required")?;
     let model_path = resolve_model(settings.model.as_deref())?;
     info!(path = %model_path.display(), %role, "loading model");
@@ -370,12 +376,15 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         let url = format!("http://{advertise}:{}", listener.local_addr()?.port());
         info!(%url, worker = %worker_id, %role, kv = %service.info().kv_endpoint, "worker serving");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = axum::serve(listener, Arc::clone(&service).router()).with_graceful_shutdown(
+        let server = tandem_api::serve_router(
+            listener,
+            Arc::clone(&service).router(),
+            settings.listen.limits(),
             async move {
                 let _ = stopped.await;
             },
         );
-        let mut server = tokio::spawn(async move { server.await });
+        let mut server = tokio::spawn(server);
         {
             let mut out = std::io::stdout().lock();
             writeln!(out, "{WORKER_READY_PREFIX}{url}")?;
