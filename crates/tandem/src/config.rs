@@ -329,11 +329,27 @@ pub struct DeploymentSettings {
     pub timeouts: Option<tandem_cluster::TimeoutConfig>,
     /// How workers started elsewhere are found: `static` (they register themselves) or `dns` (a name per role).
     pub discovery: Option<tandem_cluster::DiscoveryConfig>,
+    /// The cluster secret workers, KV peers and stages must prove (else `TANDEM_CLUSTER_TOKEN`); unset
+    /// everywhere, the worker, KV and stage ports answer anyone who reaches them.
+    pub cluster_token: Option<String>,
+    /// A file holding the cluster secret (a mounted secret), instead of `cluster_token`.
+    pub cluster_token_file: Option<PathBuf>,
 }
 
 impl DeploymentSettings {
+    /// The cluster token this deployment's config gives (value, file, else the environment).
+    pub fn cluster_token(&self) -> Result<Option<String>> {
+        crate::token::resolve(
+            self.cluster_token.as_deref(),
+            self.cluster_token_file.as_deref(),
+        )
+    }
+
     /// Checks what parsing cannot (discovery names, intervals), naming the key of a bad value.
     pub fn validate(&self) -> Result<()> {
+        if self.cluster_token.is_some() && self.cluster_token_file.is_some() {
+            bail!("set deployment.cluster_token or deployment.cluster_token_file, not both");
+        }
         if let Some(discovery) = &self.discovery {
             discovery
                 .validate()
@@ -467,6 +483,12 @@ pub fn resolved(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> R
     s.server.port = Some(s.port());
     if s.server.api_key.is_some() {
         s.server.api_key = Some("(set)".into());
+    }
+    if let Some(deployment) = s.deployment.as_mut() {
+        deployment.validate()?;
+        if deployment.cluster_token.is_some() {
+            deployment.cluster_token = Some("(set)".into());
+        }
     }
     s.server.listen.validate()?;
     let limits = s.server.listen.limits();
@@ -718,6 +740,26 @@ mod tests {
         let keyed = Settings::from_yaml("server: {api_key: secret}\n").unwrap();
         let s = resolved(&Settings::default(), &CudaSection::default(), keyed).unwrap();
         assert!(!serde_yaml::to_string(&s).unwrap().contains("secret"));
+        for yaml in [
+            "deployment: {mode: pd, cluster_token: s3cret-token}\n",
+            "deployment: {mode: colocated, cluster_token: s3cret-token}\n",
+        ] {
+            let s = resolved(
+                &Settings::default(),
+                &CudaSection::default(),
+                Settings::from_yaml(yaml).unwrap(),
+            )
+            .unwrap();
+            let printed = serde_yaml::to_string(&s).unwrap();
+            assert!(!printed.contains("s3cret"), "{printed}");
+            assert!(printed.contains("cluster_token: (set)"), "{printed}");
+        }
+        let both = Settings::from_yaml(
+            "deployment: {mode: pd, cluster_token: a, cluster_token_file: /run/secrets/t}\n",
+        )
+        .unwrap();
+        let err = resolved(&Settings::default(), &CudaSection::default(), both).unwrap_err();
+        assert!(format!("{err:#}").contains("cluster_token_file"), "{err:#}");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use anyhow::{anyhow, Context, Result};
 use tandem_api::{ApiConfig, AppState};
 use tandem_cluster::{DiscoveryMode, DnsResolver, Ingress, Role};
 use tandem_model::LoadOptions;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::config::{
     overlay, DeploymentSettings, EngineSettings, ListenSettings, RoleSettings, Settings,
@@ -40,6 +40,7 @@ fn worker_settings(
         advertise_host: None,
         kv_port: 0,
         register: None,
+        cluster_token_file: None,
         drain_grace_secs: crate::worker::DEFAULT_DRAIN_GRACE_SECS,
         listen: ListenSettings::default(),
         kv_transfer: dep.kv_transfer.clone().unwrap_or_default(),
@@ -133,10 +134,15 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
         urls.push(url);
     }
 
+    let cluster_key = crate::token::key();
+    if cluster_key.is_none() {
+        warn!("no cluster token (deployment.cluster_token, cluster_token_file or TANDEM_CLUSTER_TOKEN): worker, KV and stage ports answer anyone who reaches them");
+    }
     let ingress = Ingress::new(
         dep.routing.clone().unwrap_or_default(),
         timeouts,
         Some(loaded.identity.0.clone()),
+        cluster_key,
     )?;
     let config = ApiConfig {
         served_model_names: vec![served_name.clone()],

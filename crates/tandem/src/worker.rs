@@ -63,6 +63,10 @@ pub struct WorkerSettings {
     /// Ingress to register with once serving, e.g. http://10.0.0.1:8000.
     #[arg(long)]
     pub register: Option<String>,
+    /// File holding the cluster token (a mounted secret); else `TANDEM_CLUSTER_TOKEN` is used.
+    #[arg(long)]
+    #[serde(default)]
+    pub cluster_token_file: Option<PathBuf>,
     /// Seconds a SIGTERM'd worker waits for its in-flight requests and pins before it exits anyway.
     #[arg(long, default_value_t = DEFAULT_DRAIN_GRACE_SECS)]
     #[serde(default = "default_drain_grace_secs")]
@@ -113,7 +117,7 @@ pub struct KvTransferFlags {
 }
 
 /// What `--settings-json` conflicts with: every settings flag (the flattened sections by their group).
-const WITH_FLAGS: [&str; 12] = [
+const WITH_FLAGS: [&str; 13] = [
     "role",
     "model",
     "worker_id",
@@ -122,6 +126,7 @@ const WITH_FLAGS: [&str; 12] = [
     "advertise_host",
     "kv_port",
     "register",
+    "cluster_token_file",
     "drain_grace_secs",
     "KvTransferFlags",
     "EngineSettings",
@@ -178,6 +183,9 @@ enum Registration {
 async fn register(ingress: &str, url: &str) -> Result<Registration> {
     let sent = reqwest::Client::new()
         .post(format!("{}{PATH_REGISTER}", ingress.trim_end_matches('/')))
+        .headers(tandem_cluster::auth::token_headers(
+            crate::token::key().as_ref(),
+        ))
         .json(&RegisterRequest {
             url: url.to_owned(),
         })
@@ -312,10 +320,14 @@ fn source_toward(target: SocketAddr) -> Option<IpAddr> {
 
 /// Runs the worker until a signal.
 pub fn run(args: WorkerArgs) -> Result<()> {
+    let settings = args.resolve()?;
+    if let Some(file) = &settings.cluster_token_file {
+        // Before any thread starts: the environment is process-wide.
+        crate::token::export(crate::token::resolve(None, Some(file))?.as_deref());
+    }
     if args.exit_with_stdin {
         exit_when_parent_goes("the launcher")?;
     }
-    let settings = args.resolve()?;
     settings.listen.validate()?;
     let role = settings.role.context("--role is required")?;
     let model_path = resolve_model(settings.model.as_deref())?;
@@ -364,6 +376,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             kv: settings.kv_transfer.clone(),
             max_num_seqs: engine_config.max_num_seqs,
             gpu: settings.engine.device.unwrap_or_default() != crate::config::Device::Cpu,
+            cluster_key: crate::token::key(),
         };
         let peer = peer_info(&engine, model_id, n_heads);
         let service = WorkerService::start(engine.clone(), peer, config)
