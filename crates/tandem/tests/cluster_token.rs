@@ -1,11 +1,13 @@
 //! The cluster token with real processes on loopback: a P/D deployment whose token comes from a mounted
 //! file serves end to end, while a stranger (no token, a wrong one) can neither call a worker's control
 //! API (info, load, prefill, decode, release) nor the head's registration, nor pull a pinned KV block
-//! from the prefill worker's KV port; `--check-config` and the logs never show the token. Without the
-//! default model the test skips.
+//! from the prefill worker's KV port; a pipeline stage serves only an engine proving the token;
+//! `--check-config` and the logs never show the token. Without the default model the tests skip.
 
-use std::process::Command;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tandem_cluster::protocol::{PrefillRequest, PrefillResponse, ReleaseRequest, WorkerInfo};
@@ -195,6 +197,88 @@ async fn strangers_are_refused_and_the_deployment_with_the_token_serves() {
     let log = server.log();
     assert!(!log.contains(TOKEN), "the token was logged:\n{log}");
     assert!(log.contains("without the cluster token refused"), "{log}");
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A child process killed on drop.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_stage_serves_only_an_engine_proving_the_token() {
+    let Some(model) = model_path() else { return };
+    let mut stage = Killed(
+        Command::new(BIN)
+            .args(["stage", "--stage", "1", "--stages", "2", "--threads", "1"])
+            .arg("--model")
+            .arg(&model)
+            .env("TANDEM_CLUSTER_TOKEN", TOKEN)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    BufReader::new(stage.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("TANDEM_STAGE_READY ")
+        .unwrap_or_else(|| panic!("no ready line: {line:?}"))
+        .to_owned();
+    let dir = std::env::temp_dir().join(format!("tandem-token-pp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = |token: &str| {
+        format!(
+            "model: {}
+engine: {{block_size: 16, kv_cache_memory: 64MiB, threads: 1, max_num_seqs: 4, \
+             pipeline_parallel_size: 2, pipeline_stages: ['{addr}']}}
+deployment: {{mode: colocated{token}}}\n",
+            model.display()
+        )
+    };
+
+    // Without the token the engine cannot link its stage, and says why.
+    let stranger = dir.join("stranger.yaml");
+    std::fs::write(&stranger, config("")).unwrap();
+    let mut child = Command::new(BIN)
+        .args(["serve", "--port", "0", "--config"])
+        .arg(&stranger)
+        .env_remove("TANDEM_CLUSTER_TOKEN")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "serve without the token kept running"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("requires the cluster token"), "{err}");
+
+    // With it (from the YAML), the same stage serves, its pool sized by this engine, not the stranger.
+    let server = Server::with_config(BIN, &config(&format!(", cluster_token: {TOKEN}")));
+    let answer = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(server.complete("The capital of France is", 6));
+    assert!(answer["choices"][0]["text"].as_str().is_some(), "{answer}");
+    assert!(!server.log().contains(TOKEN));
     drop(server);
     std::fs::remove_dir_all(&dir).unwrap();
 }
