@@ -136,7 +136,16 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
 
     let cluster_key = crate::token::key();
     if cluster_key.is_none() {
-        warn!("no cluster token (deployment.cluster_token, cluster_token_file or TANDEM_CLUSTER_TOKEN): worker, KV and stage ports answer anyone who reaches them");
+        let remote = discovery.mode == DiscoveryMode::Dns
+            || [&dep.prefill, &dep.decode]
+                .iter()
+                .any(|r| r.as_ref().and_then(|r| r.replicas) == Some(0));
+        let note = "no cluster token (deployment.cluster_token, cluster_token_file or TANDEM_CLUSTER_TOKEN): worker, KV and stage ports answer anyone who reaches them";
+        if remote {
+            warn!("{note}");
+        } else {
+            info!("{note}");
+        }
     }
     let ingress = Ingress::new(
         dep.routing.clone().unwrap_or_default(),

@@ -32,6 +32,10 @@ pub fn resolve(token: Option<&str>, file: Option<&Path>) -> Result<Option<String
     if token.is_empty() && file.is_some() {
         bail!("the cluster token file is empty");
     }
+    if !token.chars().all(|c| c.is_ascii_graphic()) {
+        // It travels in an HTTP header: anything else could not be sent, and every call would get 401.
+        bail!("the cluster token must be printable ASCII without spaces");
+    }
     Ok((!token.is_empty()).then_some(token))
 }
 
@@ -67,6 +71,8 @@ mod tests {
             Some("yaml")
         );
         assert!(resolve(Some("yaml"), Some(&file)).is_err());
+        assert!(resolve(Some("two words"), None).is_err());
+        assert!(resolve(Some("caf\u{e9}"), None).is_err());
         std::fs::write(&file, "\n").unwrap();
         assert!(
             resolve(None, Some(&file)).is_err(),
