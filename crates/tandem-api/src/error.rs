@@ -77,6 +77,19 @@ impl ApiError {
         }
     }
 
+    /// A 408 for a request body that did not arrive within `server.body_read_timeout_secs`.
+    pub fn body_timeout() -> Self {
+        Self {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: "The request body did not arrive in time (server.body_read_timeout_secs)."
+                .to_owned(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_timeout"),
+            retry_after: None,
+        }
+    }
+
     /// A 401 for a missing or wrong bearer token.
     pub fn unauthorized() -> Self {
         Self {
@@ -164,6 +177,13 @@ impl From<JsonRejection> for ApiError {
     fn from(rejection: JsonRejection) -> Self {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             return ApiError::too_large();
+        }
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&rejection);
+        while let Some(e) = cause {
+            if e.is::<crate::listen::BodyReadTimeout>() {
+                return ApiError::body_timeout();
+            }
+            cause = e.source();
         }
         ApiError::invalid(rejection.body_text(), None)
     }

@@ -8,6 +8,7 @@ pub mod codec;
 pub mod completions;
 pub mod error;
 pub mod generate;
+pub mod listen;
 pub mod metrics;
 pub mod protocol;
 pub mod routes;
@@ -24,19 +25,20 @@ mod testing;
 pub use backend::{BackendError, GenerateBackend, TokenStream};
 pub use codec::{CodecError, ModelCodec, StreamDecoder, TextCodec};
 pub use error::ApiError;
+pub use listen::{serve_router, ServeLimits};
 pub use routes::router;
 pub use state::{ApiConfig, AppState, DEFAULT_MAX_BODY_BYTES};
 
 use std::future::Future;
 use std::sync::Arc;
 
-/// Serves the API on an already-bound listener until `shutdown` resolves (in-flight requests finish).
+/// Serves the API on an already-bound listener under `limits` until `shutdown` resolves (in-flight
+/// requests finish).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
+    limits: ServeLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_router(listener, router(state), limits, shutdown).await
 }

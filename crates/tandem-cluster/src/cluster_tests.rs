@@ -43,6 +43,15 @@ pub(crate) async fn worker(role: Role, block_size: usize) -> TestWorker {
 }
 
 pub(crate) async fn worker_on(role: Role, engine: EngineHandle) -> TestWorker {
+    worker_keyed(role, engine, None).await
+}
+
+/// A worker requiring `key` (when set) of its callers and KV peers.
+pub(crate) async fn worker_keyed(
+    role: Role,
+    engine: EngineHandle,
+    key: Option<crate::ClusterKey>,
+) -> TestWorker {
     let peer = crate::peer_info(&engine, "mock".into(), 2);
     let config = WorkerConfig {
         worker_id: format!("{role}-test"),
@@ -55,6 +64,7 @@ pub(crate) async fn worker_on(role: Role, engine: EngineHandle) -> TestWorker {
         },
         max_num_seqs: 8,
         gpu: false,
+        cluster_key: key,
     };
     let service = WorkerService::start(engine.clone(), peer, config)
         .await
@@ -92,7 +102,7 @@ pub(crate) fn ingress(threshold: usize) -> Ingress {
         local_prefill_threshold: threshold,
         ..RoutingConfig::default()
     };
-    Ingress::new(routing, TimeoutConfig::default(), Some("mock".into())).unwrap()
+    Ingress::new(routing, TimeoutConfig::default(), Some("mock".into()), None).unwrap()
 }
 
 /// An ingress (local-prefill threshold `threshold`) with `workers` registered, in order.
@@ -116,11 +126,11 @@ async fn cluster<const N: usize>(threshold: usize, roles: [Role; N]) -> ([TestWo
     (workers, ingress)
 }
 
-fn prompt(seed: u32) -> Vec<u32> {
+pub(crate) fn prompt(seed: u32) -> Vec<u32> {
     (0..23).map(|i| (i * 7 + seed) % 60).collect()
 }
 
-async fn collect(
+pub(crate) async fn collect(
     backend: &dyn GenerateBackend,
     prompt: Vec<u32>,
     params: SamplingParams,

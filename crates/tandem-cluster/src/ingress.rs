@@ -74,6 +74,8 @@ pub(crate) struct Inner {
     pub(crate) reference: Mutex<Option<PeerInfo>>,
     pub(crate) model_id: Option<String>,
     pub(crate) metrics: ClusterMetrics,
+    /// The cluster secret its calls carry and registrations must carry (`crate::auth`).
+    pub(crate) cluster_key: Option<tandem_kv::ClusterKey>,
 }
 
 /// The P/D router: a [`GenerateBackend`] over remote workers. Cheap to clone.
@@ -83,13 +85,16 @@ pub struct Ingress {
 }
 
 impl Ingress {
-    /// An ingress with no worker yet; `model_id` (the served model's identity hash) is required of every worker.
+    /// An ingress with no worker yet; `model_id` (the served model's identity hash) is required of every
+    /// worker, and `cluster_key` (when set) goes with every call to them and is required to register.
     pub fn new(
         routing: RoutingConfig,
         timeouts: TimeoutConfig,
         model_id: Option<String>,
+        cluster_key: Option<tandem_kv::ClusterKey>,
     ) -> Result<Self, ClusterError> {
         let http = reqwest::Client::builder()
+            .default_headers(crate::auth::token_headers(cluster_key.as_ref()))
             .connect_timeout(secs(timeouts.connect_secs))
             .tcp_nodelay(true)
             .build()
@@ -110,6 +115,7 @@ impl Ingress {
                 reference: Mutex::new(None),
                 model_id,
                 metrics,
+                cluster_key,
             }),
         })
     }

@@ -37,6 +37,7 @@
 //! a mismatch refused with [`ClusterError::Refused`] naming the field) and again in every `tandem-kv`
 //! connection handshake.
 
+pub mod auth;
 pub mod discovery;
 pub mod error;
 pub mod ingress;
@@ -53,8 +54,10 @@ pub use error::ClusterError;
 pub use ingress::{Ingress, TimeoutConfig, WorkerStatus};
 pub use protocol::{Role, WorkerInfo, WorkerLoad};
 pub use routing::RoutingConfig;
-pub use tandem_kv::NixlBackend;
+pub use tandem_kv::{ClusterKey, NixlBackend};
 pub use worker::{peer_info, KvTransferConfig, TransportKind, WorkerConfig, WorkerService};
 
+#[cfg(test)]
+mod auth_tests;
 #[cfg(test)]
 mod cluster_tests;

@@ -321,15 +321,14 @@ impl Ingress {
         }
     }
 
-    /// Routes of the ingress itself: worker registration and listing.
+    /// Routes of the ingress itself: worker registration and listing (both need the cluster token
+    /// when one is set).
     pub fn routes(&self) -> Router {
-        Router::new()
-            .route(
-                PATH_REGISTER,
-                post(register_handler)
-                    .get(|State(i): State<Ingress>| async move { Json(i.workers()) }),
-            )
-            .with_state(self.clone())
+        let routes = Router::new().route(
+            PATH_REGISTER,
+            post(register_handler).get(|State(i): State<Ingress>| async move { Json(i.workers()) }),
+        );
+        crate::auth::require_token(routes, self.inner.cluster_key.clone()).with_state(self.clone())
     }
 
     /// The workers of `role` that may get new requests (healthy, not draining).

@@ -170,6 +170,8 @@ pub struct WorkerConfig {
     pub max_num_seqs: usize,
     /// The engine runs on a GPU: `transport: auto` then tries NIXL.
     pub gpu: bool,
+    /// The cluster secret callers and KV peers must prove (`crate::auth`); `None` leaves the ports open.
+    pub cluster_key: Option<tandem_kv::ClusterKey>,
 }
 
 /// Builds the handshake record of an engine: the model identity plus its KV shape.
@@ -550,6 +552,7 @@ impl WorkerService {
                         worker_id: config.worker_id.clone(),
                         pin_timeout: config.kv.pin_timeout(),
                         io_timeout: config.kv.io_timeout(),
+                        cluster_key: config.cluster_key.clone(),
                         ..KvServerConfig::default()
                     },
                     peer.clone(),
@@ -567,6 +570,7 @@ impl WorkerService {
                     streams: config.kv.streams.max(1),
                     io_timeout: config.kv.io_timeout(),
                     checksum: config.kv.checksum,
+                    cluster_key: config.cluster_key.clone(),
                     ..TcpConfig::default()
                 };
                 let agent = config.kv.nixl_agent(&config.worker_id, config.gpu)?;
@@ -708,9 +712,10 @@ impl WorkerService {
         }
     }
 
-    /// The worker's HTTP routes.
+    /// The worker's HTTP routes: all but `/health` need the cluster token when one is set.
     pub fn router(self: Arc<Self>) -> Router {
-        Router::new()
+        let key = self.config.cluster_key.clone();
+        let calls = Router::new()
             .route(
                 PATH_INFO,
                 get(|State(s): State<Arc<Self>>| async move { Json(s.info.clone()) }),
@@ -719,10 +724,11 @@ impl WorkerService {
                 PATH_LOAD,
                 get(|State(s): State<Arc<Self>>| async move { Json(s.polled()) }),
             )
-            .route(PATH_HEALTH, get(health))
             .route(PATH_PREFILL, post(prefill))
             .route(PATH_DECODE, post(decode))
-            .route(PATH_RELEASE, post(release))
+            .route(PATH_RELEASE, post(release));
+        crate::auth::require_token(calls, key)
+            .route(PATH_HEALTH, get(health))
             .with_state(self)
     }
 

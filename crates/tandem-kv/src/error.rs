@@ -34,6 +34,9 @@ pub enum KvError {
         /// The deadline that elapsed.
         after: Duration,
     },
+    /// The peer failed the cluster token challenge, or this side cannot answer one (`crate::auth`).
+    #[error("cluster authentication failed: {0}")]
+    Auth(String),
     /// The peer sent bytes that do not follow the wire format.
     #[error("protocol violation: {0}")]
     Protocol(String),

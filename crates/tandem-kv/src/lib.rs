@@ -38,7 +38,8 @@
 //! Control payloads are JSON (cold path); `Data` payloads are raw block bytes, `n_blocks * block_bytes`,
 //! each block being the engine's contiguous `[K|V][kv_head][slot][head_dim]` range for one layer.
 //!
-//! A connection: client `Hello(PeerInfo)` → server `HelloReply(PeerInfo)`. Both sides compare model id,
+//! A connection: client `Hello(PeerInfo)` → (with a cluster secret: the challenge-response of [`auth`])
+//! → server `HelloReply(PeerInfo)`. Both sides compare model id,
 //! dtype, block size, layer count, head counts and head dim; a difference is refused at first contact as
 //! [`KvError::Mismatch`] naming the field (never a silent recompute). Both pulls name the blocks they want
 //! as `blocks`, runs `[[start, end], ...]` of indices into the transfer's block list (version 2; version 1
@@ -57,6 +58,7 @@
 //! The `Stage*` frame kinds belong to the pipeline stage link (`tandem_pipeline::link`), which reuses this
 //! header over its own blocking sockets; this crate only reserves their numbers.
 
+pub mod auth;
 pub mod bench;
 mod error;
 pub mod mem;
@@ -71,6 +73,7 @@ mod source;
 pub mod transport;
 pub mod wire;
 
+pub use auth::ClusterKey;
 pub use error::KvError;
 pub use metrics::{KvMetrics, KvMetricsSnapshot, ReleaseReason};
 pub use nixl::{MemKind, MemRegion, NixlAgent, NixlBackend, NixlConfig, NixlError, Registration};

@@ -38,6 +38,8 @@ pub struct KvServerConfig {
     /// Threads copying one shared-memory pull's layers into its segment (at least 1): one core's memcpy
     /// cannot saturate a many-core host's memory bandwidth.
     pub shm_copy_threads: usize,
+    /// The cluster secret every client must prove it holds ([`crate::auth`]); `None` serves anyone.
+    pub cluster_key: Option<crate::ClusterKey>,
 }
 
 impl Default for KvServerConfig {
@@ -50,6 +52,7 @@ impl Default for KvServerConfig {
             shm_dir: default_shm_dir(),
             shm_cache_bytes: 2 << 30,
             shm_copy_threads: default_copy_threads(),
+            cluster_key: None,
         }
     }
 }
@@ -310,6 +313,9 @@ async fn conn_loop(
         )));
     }
     let remote: PeerInfo = r.json(&h).await?;
+    if let Some(key) = &inner.config.cluster_key {
+        wire::server_challenge(r, key, io).await?;
+    }
     // Reply with our info even on mismatch so the client can name the differing field itself.
     wire::send_json(r.get_mut(), FrameKind::HelloReply, 0, &inner.info, io).await?;
     inner.info.check_compatible(&remote)?;

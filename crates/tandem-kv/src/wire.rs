@@ -7,8 +7,9 @@ use std::time::Duration;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::auth::{self, AuthChallenge, AuthProof};
 use crate::error::timed;
-use crate::{BlockSelection, KvError, PeerInfo};
+use crate::{BlockSelection, ClusterKey, KvError, PeerInfo};
 
 /// `b"TNKV"` read as a little-endian u32: lets a reader reject a stray connection on the first 4 bytes.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"TNKV");
@@ -75,6 +76,11 @@ pub enum FrameKind {
     NixlOpen = 23,
     /// Server → client: one layer is ready to READ (no payload).
     NixlLayer = 24,
+    /// Server → client, after a `Hello` or `StageHello` when a cluster secret is set: JSON
+    /// [`crate::auth::AuthChallenge`].
+    AuthChallenge = 25,
+    /// Either way: JSON [`crate::auth::AuthProof`], the client's answer and then the server's.
+    AuthProof = 26,
 }
 
 impl FrameKind {
@@ -105,6 +111,8 @@ impl FrameKind {
             22 => NixlPull,
             23 => NixlOpen,
             24 => NixlLayer,
+            25 => AuthChallenge,
+            26 => AuthProof,
             _ => return Err(KvError::Protocol(format!("unknown frame kind {v}"))),
         })
     }
@@ -429,18 +437,65 @@ impl<R: tokio::io::AsyncRead + Unpin> FrameReader<R> {
     }
 }
 
-/// Client half of the handshake: sends our info, reads the server's, and checks it field by field.
+/// Client half of the handshake: sends our info, answers the server's challenge when it sends one
+/// (see [`crate::auth`]; with `key` set it must), reads the server's info and checks it field by field.
 pub async fn client_handshake<S>(
     r: &mut FrameReader<S>,
     local: &PeerInfo,
+    key: Option<&ClusterKey>,
     io: Duration,
 ) -> Result<(), KvError>
 where
     S: tokio::io::AsyncRead + AsyncWrite + Unpin,
 {
     send_json(r.get_mut(), FrameKind::Hello, 0, local, io).await?;
-    let remote: PeerInfo = r.expect_json(FrameKind::HelloReply).await?;
+    let first = r.expect_frame().await?;
+    let reply = match (first.kind == FrameKind::AuthChallenge, key) {
+        (false, None) => first,
+        (false, Some(_)) => return Err(auth::unchallenged()),
+        (true, None) => return Err(auth::missing_token()),
+        (true, Some(key)) => {
+            let challenge: AuthChallenge = r.json(&first).await?;
+            let own = auth::nonce();
+            let proof = AuthProof {
+                mac: key.prove(auth::CLIENT_LABEL, &challenge.nonce, &own),
+                nonce: own.clone(),
+            };
+            send_json(r.get_mut(), FrameKind::AuthProof, 0, &proof, io).await?;
+            let back: AuthProof = r.expect_json(FrameKind::AuthProof).await?;
+            auth::check_server(key, &own, &challenge.nonce, &back)?;
+            r.expect_frame().await?
+        }
+    };
+    if reply.kind != FrameKind::HelloReply {
+        return Err(KvError::Protocol(format!(
+            "expected HelloReply, got {:?}",
+            reply.kind
+        )));
+    }
+    let remote: PeerInfo = r.json(&reply).await?;
     local.check_compatible(&remote)
+}
+
+/// Server half of the challenge (see [`crate::auth`]), after the client's hello: challenges, checks
+/// the client's proof and sends its own. A client without the secret is refused before it learns
+/// anything of this server.
+pub async fn server_challenge<S>(
+    r: &mut FrameReader<S>,
+    key: &ClusterKey,
+    io: Duration,
+) -> Result<(), KvError>
+where
+    S: tokio::io::AsyncRead + AsyncWrite + Unpin,
+{
+    let challenge = auth::nonce();
+    let body = AuthChallenge {
+        nonce: challenge.clone(),
+    };
+    send_json(r.get_mut(), FrameKind::AuthChallenge, 0, &body, io).await?;
+    let proof: AuthProof = r.expect_json(FrameKind::AuthProof).await?;
+    let back = auth::check_client(key, &challenge, &proof)?;
+    send_json(r.get_mut(), FrameKind::AuthProof, 0, &back, io).await
 }
 
 #[cfg(test)]
@@ -450,7 +505,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn header_round_trips(kind in 1u8..=24, flags: u8, transfer_id: u64, layer: u32, first_block: u32, n_blocks: u32, checksum: u32, payload_len: u64) {
+        fn header_round_trips(kind in 1u8..=26, flags: u8, transfer_id: u64, layer: u32, first_block: u32, n_blocks: u32, checksum: u32, payload_len: u64) {
             let h = FrameHeader { kind: FrameKind::from_u8(kind).unwrap(), flags, transfer_id, layer, first_block, n_blocks, checksum, payload_len };
             prop_assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
         }

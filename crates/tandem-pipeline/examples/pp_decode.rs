@@ -91,6 +91,7 @@ fn main() {
         per_stage,
         l,
         Duration::from_secs(60),
+        None,
     )
     .unwrap();
     let cfg = PipelineConfig {
@@ -100,6 +101,7 @@ fn main() {
         block_size: BLOCK,
         kv_cache_bytes: budget,
         timeouts: StageTimeouts::default(),
+        cluster_key: None,
     };
     let mut pp = PipelineBackend::connect(
         c,

@@ -106,13 +106,12 @@ impl PipelineBackend {
                 num_blocks,
             );
             let client =
-                StageClient::connect(addr.as_str(), &h, cfg.timeouts).map_err(|source| {
-                    PipelineError::Link {
+                StageClient::connect(addr.as_str(), &h, cfg.timeouts, cfg.cluster_key.as_ref())
+                    .map_err(|source| PipelineError::Link {
                         stage,
                         addr: addr.clone(),
                         source,
-                    }
-                })?;
+                    })?;
             tracing::info!(stage, addr = %addr, layers = ?part.layers, "pipeline stage connected");
             links.push(Link {
                 stage,

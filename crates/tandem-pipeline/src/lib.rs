@@ -86,6 +86,8 @@ pub struct PipelineConfig {
     pub kv_cache_bytes: usize,
     /// Deadlines of every stage link.
     pub timeouts: StageTimeouts,
+    /// The cluster secret to prove to every stage server (which must then ask for it).
+    pub cluster_key: Option<tandem_kv::ClusterKey>,
 }
 
 /// The handshake both ends of the link to `stage` agree on.

@@ -18,6 +18,10 @@
 //!   `StageCopy{first_block = src, n_blocks = dst}` → `StageOk`. Layers are global model layers; the server
 //!   refuses one it does not own.
 //!
+//! With a cluster secret ([`ClusterKey`]) the server answers the hello with `tandem_kv::auth`'s
+//! challenge-response (`AuthChallenge` → `AuthProof` → `AuthProof`) before it sizes its pool or replies:
+//! a client without the secret is refused, and a client with one refuses a server that does not ask.
+//!
 //! Every read and write is bounded by [`StageTimeouts`]; a closed or silent peer becomes a typed error,
 //! never a hang. A client whose connection failed stays failed ([`StageClient`] docs say why).
 
@@ -30,8 +34,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tandem_model::ForwardBatch;
 
+use tandem_kv::auth::{self, AuthChallenge, AuthProof};
 use tandem_kv::wire::{FrameHeader, FrameKind, WireError, HEADER_LEN, MAX_CONTROL_LEN};
-use tandem_kv::{check_field, KvError};
+use tandem_kv::{check_field, ClusterKey, KvError};
 
 /// What both ends of a stage link must agree on before any activation or KV byte crosses it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -167,7 +172,7 @@ impl Conn {
     }
 
     /// Reads the next header, failing on end of stream and turning an `Error` frame into its error.
-    fn expect(&mut self, kind: FrameKind) -> Result<FrameHeader, KvError> {
+    fn next(&mut self) -> Result<FrameHeader, KvError> {
         let h = self
             .header()?
             .ok_or_else(|| KvError::Protocol("stage peer closed the connection".into()))?;
@@ -175,6 +180,12 @@ impl Conn {
             let w: WireError = self.json(&h)?;
             return Err(w.into());
         }
+        Ok(h)
+    }
+
+    /// Reads the next header, which must be a `kind` frame.
+    fn expect(&mut self, kind: FrameKind) -> Result<FrameHeader, KvError> {
+        let h = self.next()?;
         if h.kind != kind {
             return Err(KvError::Protocol(format!(
                 "expected {kind:?}, got {:?}",
@@ -182,6 +193,45 @@ impl Conn {
             )));
         }
         Ok(h)
+    }
+
+    /// Client side of the challenge after the hello: answers it when the server sends one (with `key`
+    /// set it must) and returns the header of the server's hello reply.
+    fn answer_challenge(&mut self, key: Option<&ClusterKey>) -> Result<FrameHeader, KvError> {
+        let first = self.next()?;
+        match (first.kind == FrameKind::AuthChallenge, key) {
+            (false, None) => Ok(first),
+            (false, Some(_)) => Err(auth::unchallenged()),
+            (true, None) => Err(auth::missing_token()),
+            (true, Some(key)) => {
+                let challenge: AuthChallenge = self.json(&first)?;
+                let own = auth::nonce();
+                let proof = AuthProof {
+                    mac: key.prove(auth::CLIENT_LABEL, &challenge.nonce, &own),
+                    nonce: own.clone(),
+                };
+                self.send_json(FrameKind::AuthProof, &proof)?;
+                let h = self.expect(FrameKind::AuthProof)?;
+                let back: AuthProof = self.json(&h)?;
+                auth::check_server(key, &own, &challenge.nonce, &back)?;
+                self.next()
+            }
+        }
+    }
+
+    /// Server side of the challenge: a client without `key` fails here.
+    fn challenge(&mut self, key: &ClusterKey) -> Result<(), KvError> {
+        let nonce = auth::nonce();
+        self.send_json(
+            FrameKind::AuthChallenge,
+            &AuthChallenge {
+                nonce: nonce.clone(),
+            },
+        )?;
+        let h = self.expect(FrameKind::AuthProof)?;
+        let proof: AuthProof = self.json(&h)?;
+        let back = auth::check_client(key, &nonce, &proof)?;
+        self.send_json(FrameKind::AuthProof, &back)
     }
 
     /// Reads `len` payload bytes into `out`.
@@ -240,11 +290,13 @@ pub struct StageClient {
 }
 
 impl StageClient {
-    /// Connects to `addr` and handshakes with `hello` (the stage this client expects).
+    /// Connects to `addr` and handshakes with `hello` (the stage this client expects), proving `key`
+    /// when set.
     pub fn connect(
         addr: impl ToSocketAddrs,
         hello: &StageHello,
         timeouts: StageTimeouts,
+        key: Option<&ClusterKey>,
     ) -> Result<StageClient, KvError> {
         let peer = addr
             .to_socket_addrs()
@@ -255,7 +307,13 @@ impl StageClient {
             .map_err(io_err("connecting to a stage", timeouts.connect))?;
         let mut conn = Conn::new(stream, timeouts.io)?;
         conn.send_json(FrameKind::StageHello, hello)?;
-        let h = conn.expect(FrameKind::StageHelloReply)?;
+        let h = conn.answer_challenge(key)?;
+        if h.kind != FrameKind::StageHelloReply {
+            return Err(KvError::Protocol(format!(
+                "expected StageHelloReply, got {:?}",
+                h.kind
+            )));
+        }
         let remote: StageHello = conn.json(&h)?;
         hello.check_compatible(&remote)?;
         Ok(StageClient {
@@ -396,11 +454,13 @@ pub struct StageServer {
 
 impl StageServer {
     /// Starts serving `listener` with `handler` on a thread of its own; `io` bounds each frame read/write
-    /// after the first frame of a request (an idle link waits for the next request indefinitely).
+    /// after the first frame of a request (an idle link waits for the next request indefinitely); with
+    /// `key` set, only clients proving it are served.
     pub fn start<H: StageHandler>(
         listener: TcpListener,
         handler: H,
         io: Duration,
+        key: Option<ClusterKey>,
     ) -> Result<StageServer, KvError> {
         let addr = listener
             .local_addr()
@@ -410,7 +470,7 @@ impl StageServer {
         let (s, c) = (stop.clone(), current.clone());
         let thread = std::thread::Builder::new()
             .name(format!("stage-{addr}"))
-            .spawn(move || accept_loop(listener, handler, io, s, c))
+            .spawn(move || accept_loop(listener, handler, io, key, s, c))
             .map_err(io_err("spawning the stage server thread", io))?;
         Ok(StageServer {
             addr,
@@ -462,6 +522,7 @@ fn accept_loop<H: StageHandler>(
     listener: TcpListener,
     mut handler: H,
     io: Duration,
+    key: Option<ClusterKey>,
     stop: Arc<AtomicBool>,
     current: Arc<Mutex<Option<TcpStream>>>,
 ) {
@@ -487,7 +548,7 @@ fn accept_loop<H: StageHandler>(
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        match serve_conn(stream, &mut handler, io) {
+        match serve_conn(stream, &mut handler, io, key.as_ref()) {
             Ok(()) => tracing::info!(?peer, "stage client disconnected"),
             Err(e) => tracing::warn!(?peer, error = %e, "stage connection ended"),
         }
@@ -499,11 +560,17 @@ fn serve_conn<H: StageHandler>(
     stream: TcpStream,
     handler: &mut H,
     io: Duration,
+    key: Option<&ClusterKey>,
 ) -> Result<(), KvError> {
     let mut c = Conn::new(stream, io)?;
     // The handshake is bounded; afterwards the link may idle between steps.
     let h = c.expect(FrameKind::StageHello)?;
     let client: StageHello = c.json(&h)?;
+    if let Some(key) = key {
+        if let Err(e) = c.challenge(key) {
+            return refuse(&mut c, e);
+        }
+    }
     let mut mine = handler.hello();
     if mine.block_size == 0 && mine.num_blocks == 0 {
         if let Err(e) = handler.size_pool(client.block_size, client.num_blocks) {
@@ -699,10 +766,14 @@ mod tests {
     }
 
     fn server() -> StageServer {
-        stalling_server(Duration::ZERO)
+        keyed_server(Duration::ZERO, None)
     }
 
     fn stalling_server(stall: Duration) -> StageServer {
+        keyed_server(stall, None)
+    }
+
+    fn keyed_server(stall: Duration, key: Option<ClusterKey>) -> StageServer {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         StageServer::start(
             l,
@@ -712,14 +783,45 @@ mod tests {
                 stall,
             },
             Duration::from_secs(5),
+            key,
         )
         .unwrap()
     }
 
     #[test]
+    fn only_clients_with_the_cluster_secret_get_a_stage_and_they_need_it_asked() {
+        let key = ClusterKey::new("cluster-secret");
+        let s = keyed_server(Duration::ZERO, key.clone());
+        let to = StageTimeouts::default();
+        let e = StageClient::connect(s.addr(), &hello(), to, None)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("requires the cluster token"), "{e}");
+        let wrong = ClusterKey::new("guess");
+        let e = StageClient::connect(s.addr(), &hello(), to, wrong.as_ref())
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("cluster token challenge"), "{e}");
+        let mut c = StageClient::connect(s.addr(), &hello(), to, key.as_ref()).unwrap();
+        c.import_block(3, 5, &[9, 8, 7, 6]).unwrap();
+        let mut out = [0u8; 4];
+        c.export_block(3, 5, &mut out).unwrap();
+        assert_eq!(out, [9, 8, 7, 6]);
+        drop(c);
+        s.shutdown();
+        let open = server();
+        let e = StageClient::connect(open.addr(), &hello(), to, key.as_ref())
+            .err()
+            .unwrap();
+        assert!(matches!(e, KvError::Auth(_)), "{e}");
+        open.shutdown();
+    }
+
+    #[test]
     fn forward_and_blocks_round_trip() {
         let s = server();
-        let mut c = StageClient::connect(s.addr(), &hello(), StageTimeouts::default()).unwrap();
+        let mut c =
+            StageClient::connect(s.addr(), &hello(), StageTimeouts::default(), None).unwrap();
         let mut b = ForwardBatch::default();
         b.push(&[1, 2], 0, vec![0], tandem_model::LogitsWanted::Last);
         let mut buf = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.5];
@@ -737,14 +839,14 @@ mod tests {
         // A second client of the now sized server must agree on the pool size.
         let mut other = hello();
         other.num_blocks = 9;
-        match StageClient::connect(s.addr(), &other, StageTimeouts::default()) {
+        match StageClient::connect(s.addr(), &other, StageTimeouts::default(), None) {
             Err(KvError::Remote(m)) => assert!(m.contains("`num_blocks`"), "{m}"),
             Err(e) => panic!("{e}"),
             Ok(_) => panic!("mismatch accepted"),
         }
         other = hello();
         other.layer_start = 1;
-        let e = StageClient::connect(s.addr(), &other, StageTimeouts::default())
+        let e = StageClient::connect(s.addr(), &other, StageTimeouts::default(), None)
             .err()
             .unwrap()
             .to_string();
@@ -755,7 +857,8 @@ mod tests {
     #[test]
     fn a_dead_or_silent_server_is_an_error_not_a_hang() {
         let s = server();
-        let mut c = StageClient::connect(s.addr(), &hello(), StageTimeouts::default()).unwrap();
+        let mut c =
+            StageClient::connect(s.addr(), &hello(), StageTimeouts::default(), None).unwrap();
         s.shutdown();
         let mut b = ForwardBatch::default();
         b.push(&[1], 0, vec![0], tandem_model::LogitsWanted::Last);
@@ -770,12 +873,14 @@ mod tests {
             connect: Duration::from_secs(1),
             io: Duration::from_millis(300),
         };
-        let e = StageClient::connect(addr, &hello(), to).err().unwrap();
+        let e = StageClient::connect(addr, &hello(), to, None)
+            .err()
+            .unwrap();
         assert!(matches!(e, KvError::Timeout { .. }), "{e}");
         drop(hold.join());
         // A stage that handshakes but then stalls in a forward: the forward times out.
         let s = stalling_server(Duration::from_secs(2));
-        let mut c = StageClient::connect(s.addr(), &hello(), to).unwrap();
+        let mut c = StageClient::connect(s.addr(), &hello(), to, None).unwrap();
         let t = std::time::Instant::now();
         let e = c.forward(&b, &mut vec![0.0; 3]).unwrap_err();
         assert!(matches!(e, KvError::Timeout { .. }), "{e}");

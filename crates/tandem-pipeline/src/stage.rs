@@ -163,7 +163,8 @@ impl StageHandler for StageModel {
 }
 
 /// Hosts stage `stage` (≥ 1) of `stages` on `listener`: builds that stage's layers of the model and serves
-/// its worker's link until shut down. The KV pool is sized by the first worker that connects.
+/// its worker's link until shut down (only a worker proving `key`, when set). The KV pool is sized by the
+/// first worker that connects.
 #[allow(clippy::too_many_arguments)]
 pub fn serve_stage(
     config: &ModelConfig,
@@ -174,6 +175,7 @@ pub fn serve_stage(
     threads: usize,
     listener: TcpListener,
     io: Duration,
+    key: Option<tandem_kv::ClusterKey>,
 ) -> Result<StageServer, PipelineError> {
     if stage == 0 {
         return Err(PipelineError::Config(
@@ -191,7 +193,7 @@ pub fn serve_stage(
         stages,
     };
     let server =
-        StageServer::start(listener, handler, io).map_err(|source| PipelineError::Link {
+        StageServer::start(listener, handler, io, key).map_err(|source| PipelineError::Link {
             stage,
             addr: "listener".into(),
             source,

@@ -30,6 +30,7 @@ fn servers(m: &LoadedModel, stages: usize) -> Vec<StageServer> {
                 1,
                 l,
                 Duration::from_secs(30),
+                None,
             )
             .unwrap()
         })
@@ -48,6 +49,7 @@ fn pipeline(m: &LoadedModel, servers: &[StageServer], micro_batches: usize) -> P
             connect: Duration::from_secs(2),
             io: Duration::from_secs(30),
         },
+        cluster_key: None,
     };
     PipelineBackend::connect(&m.config, &m.weights, &m.identity, &addrs, &cfg).unwrap()
 }
@@ -212,6 +214,7 @@ fn a_mismatched_stage_is_refused_naming_the_field() {
         1,
         l,
         Duration::from_secs(5),
+        None,
     )
     .unwrap();
     let cfg = PipelineConfig {
@@ -221,6 +224,7 @@ fn a_mismatched_stage_is_refused_naming_the_field() {
         block_size: BLOCK,
         kv_cache_bytes: budget(m),
         timeouts: StageTimeouts::default(),
+        cluster_key: None,
     };
     let e = PipelineBackend::connect(
         &m.config,

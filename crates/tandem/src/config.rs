@@ -109,6 +109,58 @@ pub struct ServerSettings {
     /// Largest request body, e.g. 8MiB [default: 8MiB]; a larger one gets 413.
     #[arg(long)]
     pub max_body_bytes: Option<ByteSize>,
+    /// Read timeouts and the connection limit of this listener (keys of `server:` itself).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub listen: ListenSettings,
+}
+
+/// The limits of one HTTP listener against slow or numerous clients: keys of the `server:` section, and
+/// of a worker's settings for its RPC listener (the launcher hands its workers the head's).
+#[derive(Clone, Debug, Default, PartialEq, Args, Deserialize, Serialize)]
+pub struct ListenSettings {
+    /// Seconds a connection has to send a complete request header (also the keep-alive idle limit) [default: 10].
+    #[arg(long)]
+    pub header_read_timeout_secs: Option<f64>,
+    /// Seconds a request has, after its header, to send its whole body; else 408 [default: 30].
+    #[arg(long)]
+    pub body_read_timeout_secs: Option<f64>,
+    /// Connections open at once; one more is answered 503 and closed [default: 1024].
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+}
+
+impl ListenSettings {
+    /// The limits these settings give, defaults where unset.
+    pub fn limits(&self) -> tandem_api::ServeLimits {
+        let default = tandem_api::ServeLimits::default();
+        let secs = |v: Option<f64>, d: std::time::Duration| {
+            v.map_or(d, std::time::Duration::from_secs_f64)
+        };
+        tandem_api::ServeLimits {
+            header_read_timeout: secs(self.header_read_timeout_secs, default.header_read_timeout),
+            body_read_timeout: secs(self.body_read_timeout_secs, default.body_read_timeout),
+            max_connections: self.max_connections.unwrap_or(default.max_connections),
+        }
+    }
+
+    /// Checks the values parsing cannot (positive, finite), naming the key of a bad one.
+    pub fn validate(&self) -> Result<()> {
+        for (key, v) in [
+            ("header_read_timeout_secs", self.header_read_timeout_secs),
+            ("body_read_timeout_secs", self.body_read_timeout_secs),
+        ] {
+            if let Some(v) = v {
+                if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
+                    bail!("server.{key} must be a number of seconds in (0, 86400], not {v}");
+                }
+            }
+        }
+        if self.max_connections == Some(0) {
+            bail!("server.max_connections must be at least 1");
+        }
+        Ok(())
+    }
 }
 
 /// `engine:` section (and a role's `engine:`), and the engine flags shared by `tandem serve`, `tandem
@@ -277,11 +329,27 @@ pub struct DeploymentSettings {
     pub timeouts: Option<tandem_cluster::TimeoutConfig>,
     /// How workers started elsewhere are found: `static` (they register themselves) or `dns` (a name per role).
     pub discovery: Option<tandem_cluster::DiscoveryConfig>,
+    /// The cluster secret workers, KV peers and stages must prove (else `TANDEM_CLUSTER_TOKEN`); unset
+    /// everywhere, the worker, KV and stage ports answer anyone who reaches them.
+    pub cluster_token: Option<String>,
+    /// A file holding the cluster secret (a mounted secret), instead of `cluster_token`.
+    pub cluster_token_file: Option<PathBuf>,
 }
 
 impl DeploymentSettings {
+    /// The cluster token this deployment's config gives (value, file, else the environment).
+    pub fn cluster_token(&self) -> Result<Option<String>> {
+        crate::token::resolve(
+            self.cluster_token.as_deref(),
+            self.cluster_token_file.as_deref(),
+        )
+    }
+
     /// Checks what parsing cannot (discovery names, intervals), naming the key of a bad value.
     pub fn validate(&self) -> Result<()> {
+        if self.cluster_token.is_some() && self.cluster_token_file.is_some() {
+            bail!("set deployment.cluster_token or deployment.cluster_token_file, not both");
+        }
         if let Some(discovery) = &self.discovery {
             discovery
                 .validate()
@@ -366,7 +434,9 @@ impl Settings {
                 bail!("deployment.prefill, decode, kv_transfer, routing, timeouts and discovery only apply to `mode: pd`");
             }
         }
-        overlay(&[&file, flags])
+        let settings: Settings = overlay(&[&file, flags])?;
+        settings.server.listen.validate()?;
+        Ok(settings)
     }
 
     /// Listen address.
@@ -414,6 +484,19 @@ pub fn resolved(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> R
     if s.server.api_key.is_some() {
         s.server.api_key = Some("(set)".into());
     }
+    if let Some(deployment) = s.deployment.as_mut() {
+        deployment.validate()?;
+        if deployment.cluster_token.is_some() {
+            deployment.cluster_token = Some("(set)".into());
+        }
+    }
+    s.server.listen.validate()?;
+    let limits = s.server.listen.limits();
+    s.server.listen = ListenSettings {
+        header_read_timeout_secs: Some(limits.header_read_timeout.as_secs_f64()),
+        body_read_timeout_secs: Some(limits.body_read_timeout.as_secs_f64()),
+        max_connections: Some(limits.max_connections),
+    };
     if pd {
         let deployment = s.deployment.get_or_insert_with(DeploymentSettings::default);
         deployment.validate()?;
@@ -657,6 +740,87 @@ mod tests {
         let keyed = Settings::from_yaml("server: {api_key: secret}\n").unwrap();
         let s = resolved(&Settings::default(), &CudaSection::default(), keyed).unwrap();
         assert!(!serde_yaml::to_string(&s).unwrap().contains("secret"));
+        for yaml in [
+            "deployment: {mode: pd, cluster_token: s3cret-token}\n",
+            "deployment: {mode: colocated, cluster_token: s3cret-token}\n",
+        ] {
+            let s = resolved(
+                &Settings::default(),
+                &CudaSection::default(),
+                Settings::from_yaml(yaml).unwrap(),
+            )
+            .unwrap();
+            let printed = serde_yaml::to_string(&s).unwrap();
+            assert!(!printed.contains("s3cret"), "{printed}");
+            assert!(printed.contains("cluster_token: (set)"), "{printed}");
+        }
+        let both = Settings::from_yaml(
+            "deployment: {mode: pd, cluster_token: a, cluster_token_file: /run/secrets/t}\n",
+        )
+        .unwrap();
+        let err = resolved(&Settings::default(), &CudaSection::default(), both).unwrap_err();
+        assert!(format!("{err:#}").contains("cluster_token_file"), "{err:#}");
+    }
+
+    #[test]
+    fn listener_limits_are_server_keys_and_flags_checked_and_resolved() {
+        let file = Settings::from_yaml(
+            "server: {port: 9000, header_read_timeout_secs: 2, max_connections: 64}\n",
+        )
+        .unwrap();
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let flags =
+            <Cli as clap::Parser>::try_parse_from(["serve", "--body-read-timeout-secs", "5"])
+                .unwrap()
+                .serve
+                .settings;
+        let s = Settings::colocated(&flags, file).unwrap();
+        let limits = s.server.listen.limits();
+        assert_eq!(
+            limits.header_read_timeout,
+            std::time::Duration::from_secs(2)
+        );
+        assert_eq!(limits.body_read_timeout, std::time::Duration::from_secs(5));
+        assert_eq!((limits.max_connections, s.port()), (64, 9000));
+        let defaults = ListenSettings::default().limits();
+        assert_eq!(defaults, tandem_api::ServeLimits::default());
+        assert_eq!(defaults.header_read_timeout.as_secs(), 10);
+        assert_eq!(defaults.body_read_timeout.as_secs(), 30);
+        assert_eq!(defaults.max_connections, 1024);
+
+        let err = Settings::from_yaml("server: {header_read_timeout: 2}\n").unwrap_err();
+        assert!(
+            format!("{err:#}").contains("header_read_timeout"),
+            "{err:#}"
+        );
+        for (yaml, key) in [
+            ("header_read_timeout_secs: 0", "header_read_timeout_secs"),
+            ("body_read_timeout_secs: -1", "body_read_timeout_secs"),
+            ("max_connections: 0", "max_connections"),
+        ] {
+            let file = Settings::from_yaml(&format!("server: {{{yaml}}}\n")).unwrap();
+            let err = Settings::colocated(&Settings::default(), file.clone()).unwrap_err();
+            assert!(format!("{err:#}").contains(key), "{yaml}: {err:#}");
+            assert!(resolved(&Settings::default(), &CudaSection::default(), file).is_err());
+        }
+        let printed = resolved(
+            &Settings::default(),
+            &CudaSection::default(),
+            Settings::default(),
+        )
+        .unwrap();
+        let text = serde_yaml::to_string(&printed).unwrap();
+        for key in [
+            "header_read_timeout_secs: 10",
+            "body_read_timeout_secs: 30",
+            "max_connections: 1024",
+        ] {
+            assert!(text.contains(key), "{key} missing from:\n{text}");
+        }
     }
 
     #[test]

@@ -78,6 +78,7 @@ pub fn pipeline_backend(
         block_size: config.block_size,
         kv_cache_bytes: config.kv_cache_bytes,
         timeouts: Default::default(),
+        cluster_key: crate::token::key(),
     };
     let mut backend = PipelineBackend::connect(
         &loaded.config,

@@ -13,9 +13,11 @@ use anyhow::{anyhow, Context, Result};
 use tandem_api::{ApiConfig, AppState};
 use tandem_cluster::{DiscoveryMode, DnsResolver, Ingress, Role};
 use tandem_model::LoadOptions;
-use tracing::info;
+use tracing::{info, warn};
 
-use crate::config::{overlay, DeploymentSettings, EngineSettings, RoleSettings, Settings};
+use crate::config::{
+    overlay, DeploymentSettings, EngineSettings, ListenSettings, RoleSettings, Settings,
+};
 use crate::cuda_settings::CudaSection;
 use crate::process::{resolve_model, shutdown_signal, Children, WORKER_READY_PREFIX};
 use crate::worker::WorkerSettings;
@@ -38,7 +40,9 @@ fn worker_settings(
         advertise_host: None,
         kv_port: 0,
         register: None,
+        cluster_token_file: None,
         drain_grace_secs: crate::worker::DEFAULT_DRAIN_GRACE_SECS,
+        listen: ListenSettings::default(),
         kv_transfer: dep.kv_transfer.clone().unwrap_or_default(),
         engine,
         cuda: CudaSection::default(),
@@ -74,7 +78,8 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
     let dep = file.deployment.clone().unwrap_or_default();
     dep.validate()?;
     let discovery = dep.discovery.clone().unwrap_or_default();
-    let settings = overlay(&[&file, flags])?;
+    let settings: Settings = overlay(&[&file, flags])?;
+    settings.server.listen.validate()?;
     let cuda = settings.cuda.merged(cuda_flags);
     let model_path = resolve_model(settings.model.as_deref())?;
     let model_path: PathBuf = std::fs::canonicalize(&model_path).unwrap_or(model_path);
@@ -107,6 +112,7 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
         for i in 0..replicas {
             let mut worker = worker_settings(&model_path, role, i, engine.clone(), &dep);
             worker.cuda = cuda.clone();
+            worker.listen = settings.server.listen.clone();
             pending.push(spawn_worker(&mut children, &exe, &worker)?);
         }
     }
@@ -128,10 +134,24 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
         urls.push(url);
     }
 
+    let cluster_key = crate::token::key();
+    if cluster_key.is_none() {
+        let remote = discovery.mode == DiscoveryMode::Dns
+            || [&dep.prefill, &dep.decode]
+                .iter()
+                .any(|r| r.as_ref().and_then(|r| r.replicas) == Some(0));
+        let note = "no cluster token (deployment.cluster_token, cluster_token_file or TANDEM_CLUSTER_TOKEN): worker, KV and stage ports answer anyone who reaches them";
+        if remote {
+            warn!("{note}");
+        } else {
+            info!("{note}");
+        }
+    }
     let ingress = Ingress::new(
         dep.routing.clone().unwrap_or_default(),
         timeouts,
         Some(loaded.identity.0.clone()),
+        cluster_key,
     )?;
     let config = ApiConfig {
         served_model_names: vec![served_name.clone()],
@@ -171,7 +191,7 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
             .with_context(|| format!("binding {host}:{port}"))?;
         info!(address = %listener.local_addr()?, model = %served_name, workers = urls.len(), "serving the OpenAI API (prefill/decode disaggregated)");
         let app = tandem_api::router(state).merge(ingress.routes());
-        axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await.context("HTTP server")
+        tandem_api::serve_router(listener, app, settings.server.listen.limits(), shutdown_signal()).await.context("HTTP server")
     });
     drop(children);
     result

@@ -13,6 +13,7 @@ mod probe;
 mod process;
 mod serve;
 mod stage;
+mod token;
 mod worker;
 
 use anyhow::{Context, Result};
@@ -97,6 +98,9 @@ fn main() -> Result<()> {
                 Some(path) => config::Settings::load(path)?,
                 None => config::Settings::default(),
             };
+            if let Some(deployment) = &file.deployment {
+                token::export(deployment.cluster_token()?.as_deref());
+            }
             if file
                 .deployment
                 .as_ref()

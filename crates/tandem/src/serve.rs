@@ -114,9 +114,14 @@ pub fn run(settings: Settings) -> Result<()> {
             .await
             .with_context(|| format!("binding {host}:{port}"))?;
         info!(address = %listener.local_addr()?, model = %served_name, "serving the OpenAI API");
-        tandem_api::serve(listener, state, shutdown_signal())
-            .await
-            .context("HTTP server")
+        tandem_api::serve(
+            listener,
+            state,
+            settings.server.listen.limits(),
+            shutdown_signal(),
+        )
+        .await
+        .context("HTTP server")
     });
     engine.shutdown();
     result
@@ -135,6 +140,7 @@ impl LocalServer {
     pub fn start(mut settings: Settings) -> Result<Self> {
         settings.server.host = Some("127.0.0.1".to_owned());
         let Prepared { engine, state, .. } = prepare(&settings)?;
+        let limits = settings.server.listen.limits();
         let runtime = http_runtime()?;
         let listener = runtime
             .block_on(tokio::net::TcpListener::bind(("127.0.0.1", 0)))
@@ -149,7 +155,7 @@ impl LocalServer {
                         // A dropped sender means the chat ended: stop either way.
                         let _ = stopped.await;
                     };
-                    tandem_api::serve(listener, state, shutdown)
+                    tandem_api::serve(listener, state, limits, shutdown)
                         .await
                         .context("HTTP server")
                 });

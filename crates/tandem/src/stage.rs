@@ -1,5 +1,6 @@
 //! `tandem stage`: hosts one later pipeline stage (layers of stage `I` of `N`) for one worker (a worker
-//! starts its stages on this host with `crate::process::spawn_local_stages`).
+//! starts its stages on this host with `crate::process::spawn_local_stages`). With `TANDEM_CLUSTER_TOKEN`
+//! set (a worker's stages inherit it) only a worker proving the token is served.
 
 use std::io::Write;
 use std::net::TcpListener;
@@ -57,6 +58,7 @@ pub fn run(args: StageArgs) -> Result<()> {
         args.threads,
         listener,
         Duration::from_secs_f64(args.io_timeout),
+        crate::token::key(),
     )?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "{STAGE_READY_PREFIX}{}", server.addr())?;

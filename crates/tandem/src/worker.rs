@@ -31,7 +31,7 @@ use tandem_cluster::{
 use tandem_model::LoadOptions;
 use tracing::{info, warn};
 
-use crate::config::EngineSettings;
+use crate::config::{EngineSettings, ListenSettings};
 use crate::process::{exit_when_parent_goes, resolve_model, shutdown_signal, WORKER_READY_PREFIX};
 
 /// Everything one worker runs with: the flags of a worker started by hand, or the one JSON document
@@ -63,10 +63,18 @@ pub struct WorkerSettings {
     /// Ingress to register with once serving, e.g. http://10.0.0.1:8000.
     #[arg(long)]
     pub register: Option<String>,
+    /// File holding the cluster token (a mounted secret); else `TANDEM_CLUSTER_TOKEN` is used.
+    #[arg(long)]
+    #[serde(default)]
+    pub cluster_token_file: Option<PathBuf>,
     /// Seconds a SIGTERM'd worker waits for its in-flight requests and pins before it exits anyway.
     #[arg(long, default_value_t = DEFAULT_DRAIN_GRACE_SECS)]
     #[serde(default = "default_drain_grace_secs")]
     pub drain_grace_secs: f64,
+    /// Read timeouts and connection limit of the RPC listener (from the launcher: the head's `server:` ones).
+    #[command(flatten)]
+    #[serde(default)]
+    pub listen: ListenSettings,
     /// KV transfer settings (by hand: `--transport`, `--kv-streams` and `--pin-timeout` over the defaults).
     #[arg(skip)]
     pub kv_transfer: KvTransferConfig,
@@ -118,7 +126,7 @@ pub struct KvTransferFlags {
 }
 
 /// What `--settings-json` conflicts with: every settings flag (the flattened sections by their group).
-const WITH_FLAGS: [&str; 11] = [
+const WITH_FLAGS: [&str; 13] = [
     "role",
     "model",
     "worker_id",
@@ -127,9 +135,11 @@ const WITH_FLAGS: [&str; 11] = [
     "advertise_host",
     "kv_port",
     "register",
+    "cluster_token_file",
     "drain_grace_secs",
     "KvTransferFlags",
     "EngineSettings",
+    "ListenSettings",
 ];
 
 /// Flags of `tandem worker`.
@@ -185,6 +195,9 @@ enum Registration {
 async fn register(ingress: &str, url: &str) -> Result<Registration> {
     let sent = reqwest::Client::new()
         .post(format!("{}{PATH_REGISTER}", ingress.trim_end_matches('/')))
+        .headers(tandem_cluster::auth::token_headers(
+            crate::token::key().as_ref(),
+        ))
         .json(&RegisterRequest {
             url: url.to_owned(),
         })
@@ -319,10 +332,15 @@ fn source_toward(target: SocketAddr) -> Option<IpAddr> {
 
 /// Runs the worker until a signal.
 pub fn run(args: WorkerArgs) -> Result<()> {
+    let settings = args.resolve()?;
+    if let Some(file) = &settings.cluster_token_file {
+        // Before any thread starts: the environment is process-wide.
+        crate::token::export(crate::token::resolve(None, Some(file))?.as_deref());
+    }
     if args.exit_with_stdin {
         exit_when_parent_goes("the launcher")?;
     }
-    let settings = args.resolve()?;
+    settings.listen.validate()?;
     let role = settings.role.context("--role is required")?;
     let model_path = resolve_model(settings.model.as_deref())?;
     info!(path = %model_path.display(), %role, "loading model");
@@ -370,6 +388,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             kv: settings.kv_transfer.clone(),
             max_num_seqs: engine_config.max_num_seqs,
             gpu: settings.engine.device.unwrap_or_default() != crate::config::Device::Cpu,
+            cluster_key: crate::token::key(),
         };
         let peer = peer_info(&engine, model_id, n_heads);
         let service = WorkerService::start(engine.clone(), peer, config)
@@ -382,12 +401,15 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         let url = format!("http://{advertise}:{}", listener.local_addr()?.port());
         info!(%url, worker = %worker_id, %role, kv = %service.info().kv_endpoint, "worker serving");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = axum::serve(listener, Arc::clone(&service).router()).with_graceful_shutdown(
+        let server = tandem_api::serve_router(
+            listener,
+            Arc::clone(&service).router(),
+            settings.listen.limits(),
             async move {
                 let _ = stopped.await;
             },
         );
-        let mut server = tokio::spawn(async move { server.await });
+        let mut server = tokio::spawn(server);
         {
             let mut out = std::io::stdout().lock();
             writeln!(out, "{WORKER_READY_PREFIX}{url}")?;

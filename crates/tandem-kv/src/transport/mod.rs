@@ -162,4 +162,6 @@ impl KvClient {
 }
 
 #[cfg(test)]
+mod auth_tests;
+#[cfg(test)]
 mod tests;

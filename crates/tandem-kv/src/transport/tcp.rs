@@ -21,6 +21,8 @@ pub struct TcpConfig {
     pub io_timeout: Duration,
     /// Ask the server to CRC32 every data frame (costs throughput; for untrusted links and debugging).
     pub checksum: bool,
+    /// The cluster secret to prove to the server, which must ask for it ([`crate::auth`]).
+    pub cluster_key: Option<crate::ClusterKey>,
 }
 
 impl Default for TcpConfig {
@@ -30,6 +32,7 @@ impl Default for TcpConfig {
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(10),
             checksum: false,
+            cluster_key: None,
         }
     }
 }
@@ -201,7 +204,13 @@ pub(crate) async fn connect(
         .set_nodelay(true)
         .map_err(KvError::io("setting TCP_NODELAY"))?;
     let mut r = FrameReader::new(stream, config.io_timeout);
-    wire::client_handshake(&mut r, local, config.io_timeout).await?;
+    wire::client_handshake(
+        &mut r,
+        local,
+        config.cluster_key.as_ref(),
+        config.io_timeout,
+    )
+    .await?;
     Ok(r)
 }
 

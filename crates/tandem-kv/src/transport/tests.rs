@@ -68,6 +68,7 @@ fn tcp_config(streams: usize, checksum: bool) -> TcpConfig {
         checksum,
         io_timeout: Duration::from_secs(5),
         connect_timeout: Duration::from_secs(5),
+        cluster_key: None,
     }
 }
 /// Connects to the handle's server as `f`'s decode side and sends one raw request frame, for tests that
