@@ -157,6 +157,16 @@ async fn pinned_prefill(
         .expect("pinned")
 }
 
+/// Asks `p` over its RPC to release an unpulled pin: whether it held one.
+async fn release(p: &TestWorker, transfer_id: u64) -> bool {
+    tandem_testkit::json_of(
+        reqwest::Client::new()
+            .post(format!("{}{}", p.url, crate::protocol::PATH_RELEASE))
+            .json(&crate::protocol::ReleaseRequest { transfer_id }),
+    )
+    .await
+}
+
 /// Waits until the worker's engine holds no block (pinned or in use) and the KV server no transfer.
 async fn drained(w: &TestWorker) {
     for _ in 0..200 {
@@ -255,19 +265,7 @@ async fn dropping_the_stream_frees_both_sides_and_unpulled_pins_are_released() {
     // A prefill nobody pulls (the client vanished before decode) is released on request.
     let handle = pinned_prefill(&p, prompt(5), greedy(4)).await;
     assert!(p.service.load().pinned_blocks > 0);
-    let http = reqwest::Client::new();
-    let released: bool = http
-        .post(format!("{}{}", p.url, crate::protocol::PATH_RELEASE))
-        .json(&crate::protocol::ReleaseRequest {
-            transfer_id: handle.transfer_id,
-        })
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert!(released);
+    assert!(release(&p, handle.transfer_id).await);
     drained(&p).await;
 }
 
@@ -616,16 +614,7 @@ async fn a_draining_worker_gets_no_new_work_and_its_drain_waits_for_its_pin() {
     );
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!drain.is_finished(), "the drain ended with a pin held");
-    let released: bool = http
-        .post(format!("{}/v1/worker/release", p.url))
-        .json(&serde_json::json!({"transfer_id": pinned.transfer_id}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert!(released);
+    assert!(release(&p, pinned.transfer_id).await);
     assert!(drain.await.unwrap(), "drained with nothing left");
     p.task.abort();
     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -11,7 +11,7 @@ mod server;
 
 pub use mock::MockBackend;
 pub use model::{default_model, model, model_path, root, DEFAULT_MODEL, DEFAULT_MODEL_NAME};
-pub use server::{free_port, health_status, healthy, signal, text, Server};
+pub use server::{free_port, health_status, healthy, json_of, signal, text, Server};
 
 use serde_json::Value;
 use tandem_engine::SamplingParams;

@@ -193,17 +193,8 @@ impl Server {
     }
 
     /// Sends a completion with the given body (the default model's name filled in): its status and body.
-    pub async fn post_completion(&self, mut body: Value) -> (reqwest::StatusCode, Value) {
-        body["model"] = json!(DEFAULT_MODEL_NAME);
-        let r = self
-            .http
-            .post(format!("{}/v1/completions", self.url))
-            .json(&body)
-            .send()
-            .await
-            .expect("completion sent");
-        let status = r.status();
-        (status, r.json().await.expect("JSON answer"))
+    pub async fn post_completion(&self, body: Value) -> (reqwest::StatusCode, Value) {
+        self.spawn_completion(body).await.expect("completion task")
     }
 
     /// [`Server::post_completion`] on a task of its own, for a test that acts while the request runs.
@@ -252,13 +243,16 @@ impl Server {
         } else {
             format!("{}{path_or_url}", self.url)
         };
-        self.http
-            .get(url)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        json_of(self.http.get(url)).await
     }
+}
+
+/// Sends `req` and reads its answer as JSON of type `T`, panicking on a transport or parse failure.
+pub async fn json_of<T: serde::de::DeserializeOwned>(req: reqwest::RequestBuilder) -> T {
+    req.send()
+        .await
+        .expect("request sent")
+        .json()
+        .await
+        .expect("JSON answer")
 }

@@ -21,6 +21,11 @@ const BIN: &str = env!("CARGO_BIN_EXE_tandem");
 
 const TOKEN: &str = "s3cret-cluster-token-4711";
 
+/// A cluster member's call (the token as bearer), its answer as JSON of type `T`.
+async fn member_json<T: serde::de::DeserializeOwned>(req: reqwest::RequestBuilder) -> T {
+    tandem_testkit::json_of(req.bearer_auth(TOKEN)).await
+}
+
 fn yaml(token_line: &str) -> String {
     format!(
         "model: {}\nengine: {{block_size: 16, kv_cache_memory: 64MiB, threads: 1, max_num_seqs: 8}}\n\
@@ -78,15 +83,7 @@ async fn strangers_are_refused_and_the_deployment_with_the_token_serves() {
     let http = reqwest::Client::new();
     let listing = format!("{}/v1/cluster/workers", server.url);
     assert_eq!(http.get(&listing).send().await.unwrap().status(), 401);
-    let workers: Vec<Value> = http
-        .get(&listing)
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let workers: Vec<Value> = member_json(http.get(&listing)).await;
     assert_eq!(workers.len(), 2, "{workers:?}");
     let register = http
         .post(&listing)
@@ -138,25 +135,12 @@ async fn strangers_are_refused_and_the_deployment_with_the_token_serves() {
     }
 
     // A cluster member pins a prompt's KV on the prefill worker...
-    let info: WorkerInfo = http
-        .get(format!("{prefill}/v1/worker/info"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let pinned: PrefillResponse = http
-        .post(format!("{prefill}/v1/worker/prefill"))
-        .bearer_auth(TOKEN)
-        .json(&request)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info: WorkerInfo = member_json(http.get(format!("{prefill}/v1/worker/info"))).await;
+    let pinned: PrefillResponse = member_json(
+        http.post(format!("{prefill}/v1/worker/prefill"))
+            .json(&request),
+    )
+    .await;
     let handle = pinned.handle.expect("KV pinned");
 
     // ...which a stranger on the KV port cannot pull, with no key or a wrong one.

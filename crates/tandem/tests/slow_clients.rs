@@ -68,7 +68,12 @@ async fn slowloris(addr: String, give_up: Duration) -> Option<Duration> {
 }
 
 /// Asserts every slowloris connection was closed within the header timeout (plus [`SLACK`]).
-fn assert_all_cut(held: &[Option<Duration>], log: &str) {
+async fn assert_all_cut(held: Vec<tokio::task::JoinHandle<Option<Duration>>>, log: &str) {
+    let held: Vec<Option<Duration>> = futures::future::join_all(held)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
     for (i, open) in held.iter().enumerate() {
         let open = open.unwrap_or_else(|| panic!("slowloris {i} never closed\n{log}"));
         assert!(
@@ -155,12 +160,7 @@ async fn a_hundred_slowloris_connections_are_closed_while_others_are_served() {
     );
     assert!(!text.is_empty());
 
-    let held: Vec<Option<Duration>> = futures::future::join_all(held)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
-    assert_all_cut(&held, &server.log());
+    assert_all_cut(held, &server.log()).await;
 
     // A body that stops arriving gets 408 within the body timeout.
     let started = Instant::now();
@@ -247,24 +247,14 @@ async fn pd_head_refuses_over_the_limit_quickly_and_workers_cut_slowloris() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert_eq!(served["choices"], want["choices"]);
-    let held: Vec<Option<Duration>> = futures::future::join_all(held)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
-    assert_all_cut(&held, &server.log());
+    assert_all_cut(held, &server.log()).await;
 
     // Each worker's RPC listener got the head's limits: slowloris there are cut as well.
     for url in &worker_urls {
         let held: Vec<_> = (0..6)
             .map(|_| tokio::spawn(slowloris(authority(url), Duration::from_secs(20))))
             .collect();
-        let held: Vec<Option<Duration>> = futures::future::join_all(held)
-            .await
-            .into_iter()
-            .map(Result::unwrap)
-            .collect();
-        assert_all_cut(&held, &server.log());
+        assert_all_cut(held, &server.log()).await;
     }
     // The ingress's pooled connections to the workers were closed idle meanwhile; it still routes.
     let again = server.complete(prompt, 8).await;
