@@ -50,25 +50,33 @@ pub fn router(state: Arc<AppState>) -> Router {
             state.clone(),
             require_api_key,
         ));
-    Router::new()
+    let api = Router::new()
         .merge(v1)
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .fallback(fallback);
+    // Scrapers and probes call these every few seconds: their lines are DEBUG, so INFO shows requests.
+    let probes = Router::new()
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .fallback(fallback)
+        .route("/metrics", get(metrics));
+    traced(api, Level::INFO)
+        .merge(traced(probes, Level::DEBUG))
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
-        .layer(
-            TraceLayer::new_for_http()
-                .make_span_with(request_span)
-                .on_response(
-                    DefaultOnResponse::new()
-                        .level(Level::INFO)
-                        .latency_unit(LatencyUnit::Millis),
-                ),
-        )
         .layer(middleware::from_fn(request_id))
         .with_state(state)
+}
+
+/// `router` with one span per request and a line per response at `level`.
+fn traced<S: Clone + Send + Sync + 'static>(router: Router<S>, level: Level) -> Router<S> {
+    router.layer(
+        TraceLayer::new_for_http()
+            .make_span_with(request_span)
+            .on_response(
+                DefaultOnResponse::new()
+                    .level(level)
+                    .latency_unit(LatencyUnit::Millis),
+            ),
+    )
 }
 
 /// Rejects /v1 requests without the configured bearer token.

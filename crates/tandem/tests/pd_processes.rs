@@ -132,6 +132,20 @@ async fn pd_matches_colocated_and_decode_never_prefills() {
         "tandem:pd_requests_total{prefill=\"remote\"} 3",
     ])
     .await;
+    // Logs for machines: no colour codes in a redirected log; the completions are INFO lines, the
+    // scrapes and probes (the /metrics above, the health polls at start-up) are not.
+    let log = pd.log();
+    assert!(
+        !log.contains('\u{1b}'),
+        "colour codes in a redirected log:\n{log}"
+    );
+    if std::env::var_os("RUST_LOG").is_none() {
+        assert!(log.contains("path=/v1/completions"), "{log}");
+        assert!(
+            !log.contains("path=/metrics") && !log.contains("path=/health"),
+            "{log}"
+        );
+    }
 }
 
 /// Prefill split over 2 tensor-parallel ranks, decode over 3: the KV crosses in the canonical all-heads
