@@ -82,6 +82,9 @@ pub struct ChoiceRun {
     state: Arc<AppState>,
     arrived: Instant,
     last_token_at: Option<Instant>,
+    /// Time to the first token, and tokens so far: the finish line's figures.
+    ttft: Option<std::time::Duration>,
+    tokens: usize,
     failed: bool,
 }
 
@@ -109,6 +112,8 @@ impl ChoiceRun {
             state,
             arrived,
             last_token_at: None,
+            ttft: None,
+            tokens: 0,
             failed: false,
         }
     }
@@ -141,14 +146,26 @@ impl ChoiceRun {
             Some(prev) => self.state.metrics.observe_itl((now - prev).as_secs_f64()),
         }
         self.last_token_at = Some(now);
+        self.ttft.get_or_insert(now - self.arrived);
+        self.tokens += 1;
         match self.step(&out) {
             Ok(mut step) => {
                 step.prompt_logprobs = out.prompt_logprobs;
                 if let Some(reason) = step.finish {
                     self.stream = None;
+                    let total = now - self.arrived;
                     self.state
                         .metrics
-                        .observe_finished(reason, (now - self.arrived).as_secs_f64());
+                        .observe_finished(reason, total.as_secs_f64());
+                    // The access line goes out with the headers (latency 0 for a stream): this one
+                    // carries the whole answer's figures, in the request's span.
+                    tracing::info!(
+                        finish = reason,
+                        completion_tokens = self.tokens,
+                        ttft_ms = self.ttft.unwrap_or_default().as_millis() as u64,
+                        duration_ms = total.as_millis() as u64,
+                        "generation finished"
+                    );
                 }
                 Some(Ok(step))
             }

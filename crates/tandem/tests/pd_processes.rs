@@ -142,6 +142,10 @@ async fn pd_matches_colocated_and_decode_never_prefills() {
     if std::env::var_os("RUST_LOG").is_none() {
         assert!(log.contains("path=/v1/completions"), "{log}");
         assert!(
+            log.contains("generation finished finish=\"length\" completion_tokens=12"),
+            "{log}"
+        );
+        assert!(
             !log.contains("path=/metrics") && !log.contains("path=/health"),
             "{log}"
         );
