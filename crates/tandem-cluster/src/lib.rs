@@ -39,6 +39,7 @@
 
 pub mod auth;
 pub mod discovery;
+mod engine_kv;
 pub mod error;
 pub mod ingress;
 pub mod metrics;
