@@ -34,6 +34,17 @@ impl EngineSource {
     }
 }
 
+impl EngineSource {
+    /// The pinned export of `transfer_id`, held past the lock so a wait on it blocks no other pull.
+    fn export(&self, transfer_id: u64) -> Result<Arc<ExportedKv>, KvError> {
+        self.pins
+            .lock()
+            .get(&transfer_id)
+            .map(|p| Arc::clone(&p.kv))
+            .ok_or(KvError::UnknownTransfer(transfer_id))
+    }
+}
+
 impl KvSource for EngineSource {
     fn copy_blocks(
         &self,
@@ -42,12 +53,7 @@ impl KvSource for EngineSource {
         blocks: &[u32],
         out: &mut [u8],
     ) -> Result<(), KvError> {
-        let kv = self
-            .pins
-            .lock()
-            .get(&transfer_id)
-            .map(|p| Arc::clone(&p.kv))
-            .ok_or(KvError::UnknownTransfer(transfer_id))?;
+        let kv = self.export(transfer_id)?;
         let n = kv.layout.block_bytes();
         if layer >= kv.layout.n_layers || out.len() != blocks.len() * n {
             return Err(KvError::Source(format!(
@@ -74,22 +80,14 @@ impl KvSource for EngineSource {
     }
 
     fn staged(&self, transfer_id: u64) -> Result<Option<MemRegion>, KvError> {
-        let pins = self.pins.lock();
-        let p = pins
-            .get(&transfer_id)
-            .ok_or(KvError::UnknownTransfer(transfer_id))?;
-        Ok(p.kv
+        Ok(self
+            .export(transfer_id)?
             .staged()
             .map(|s| staging_region(s.kind(), s.addr(), s.len())))
     }
 
     fn wait_staged(&self, transfer_id: u64, layer: usize) -> Result<(), KvError> {
-        let kv = self
-            .pins
-            .lock()
-            .get(&transfer_id)
-            .map(|p| Arc::clone(&p.kv))
-            .ok_or(KvError::UnknownTransfer(transfer_id))?;
+        let kv = self.export(transfer_id)?;
         kv.wait_layer(layer)
             .map_err(|e| KvError::Source(e.to_string()))
     }
