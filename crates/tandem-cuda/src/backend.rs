@@ -65,13 +65,7 @@ impl Backend for CudaBackend {
         out: &mut Vec<u32>,
     ) -> Result<bool, BackendError> {
         self.rows.clear();
-        self.rows.extend(rows.iter().map(|r| SampleRow {
-            temperature: r.temperature,
-            top_p: r.top_p,
-            min_p: r.min_p,
-            top_k: r.top_k,
-            seed: r.seed,
-        }));
+        self.rows.extend(rows.iter().map(SampleRow::from));
         self.model
             .forward_sampled(batch, &self.rows, out)
             .map_err(|e| BackendError::new(e.to_string()))?;

@@ -16,8 +16,10 @@ mod memory;
 pub mod model;
 pub mod options;
 pub mod plan;
+pub mod stage;
 
 pub use backend::CudaBackend;
 pub use error::CudaError;
 pub use model::{driver_available, CudaLlama, SampleRow, WeightSource};
 pub use options::{AttnMode, CudaOptions};
+pub use stage::CudaStage;

@@ -54,6 +54,13 @@ pub struct CudaOptions {
     pub gemv_persistent: bool,
     /// Where compiled kernels are cached across restarts (`None`: compile every time).
     pub kernel_cache_dir: Option<std::path::PathBuf>,
+    /// Global layers this instance computes (`None`: all of them): a pipeline stage's share. A stage
+    /// without layer 0 takes hidden states instead of tokens; one without the last layer returns
+    /// hidden states instead of logits.
+    pub layers: Option<std::ops::Range<usize>>,
+    /// Blocks of the KV pool (`None`: what `kv_cache_bytes` holds for the whole model): a pipeline's
+    /// stages all size their pools to the worker's block count.
+    pub num_blocks: Option<usize>,
 }
 
 impl Default for CudaOptions {
@@ -76,6 +83,8 @@ impl Default for CudaOptions {
             gemv_tuning: kernels::GemvTuning::default(),
             gemv_persistent: false,
             kernel_cache_dir: None,
+            layers: None,
+            num_blocks: None,
         }
     }
 }

@@ -26,7 +26,7 @@ impl BackendError {
 
 /// One logits row's draw for a backend that samples where the logits are (a GPU): the host
 /// sampler's filters without penalties or logprobs, which need the whole row on the host.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DeviceSampling {
     /// 0: greedy.
     pub temperature: f32,

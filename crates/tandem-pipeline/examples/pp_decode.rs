@@ -10,8 +10,10 @@ use std::time::{Duration, Instant};
 
 use tandem_cpu::CpuBackend;
 use tandem_engine::Backend;
-use tandem_model::{CpuLlama, ForwardBatch, LogitsWanted};
-use tandem_pipeline::{serve_stage, PipelineBackend, PipelineConfig, StageTimeouts};
+use tandem_model::{CpuLlama, ForwardBatch, LogitsWanted, Partition};
+use tandem_pipeline::{
+    serve_stage, CpuStage, PipelineBackend, PipelineConfig, StageModel, StageTimeouts,
+};
 
 const BLOCK: usize = 16;
 
@@ -82,13 +84,15 @@ fn main() {
 
     let per_stage = (threads / 2).max(1);
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let stage = |i| -> Box<dyn StageModel> {
+        let part = Partition::stage(c, i, 2).unwrap();
+        Box::new(CpuStage::new(c, &m.weights, per_stage, part).unwrap())
+    };
     let server = serve_stage(
-        c,
-        &m.weights,
+        stage(1),
         &m.identity,
         1,
         2,
-        per_stage,
         l,
         Duration::from_secs(60),
         None,
@@ -97,20 +101,14 @@ fn main() {
     let cfg = PipelineConfig {
         micro_batches: mbs,
         min_micro_batch_tokens: arg(5, 1),
-        threads: per_stage,
         block_size: BLOCK,
         kv_cache_bytes: budget,
         timeouts: StageTimeouts::default(),
         cluster_key: None,
     };
-    let mut pp = PipelineBackend::connect(
-        c,
-        &m.weights,
-        &m.identity,
-        &[server.addr().to_string()],
-        &cfg,
-    )
-    .unwrap();
+    let mut pp =
+        PipelineBackend::connect(stage(0), &m.identity, &[server.addr().to_string()], &cfg)
+            .unwrap();
     let pp2 = decode_tok_s(&mut pp, seqs, steps);
     let pre2 = prefill_tok_s(&mut pp, seqs, 3);
     println!(

@@ -4,20 +4,24 @@
 use std::sync::mpsc;
 use std::sync::Mutex;
 
-use tandem_engine::{Backend, BackendError, BackendInfo};
+use tandem_engine::{Backend, BackendError, BackendInfo, DeviceSampling};
 use tandem_kv::KvError;
-use tandem_model::{
-    CpuLlama, ForwardBatch, KvCache, KvDtype, KvLayout, LlamaWeights, ModelConfig, ModelError,
-    ModelIdentity, Partition,
-};
+use tandem_model::{ForwardBatch, KvLayout, ModelIdentity, Partition};
 
 use crate::link::StageClient;
-use crate::{hello, PipelineConfig, PipelineError};
+use crate::model::StageModel;
+use crate::{hello, PipelineConfig, PipelineError, StageError};
+
+/// A micro-batch on its way through the stages: its index, its hidden states (logits rows once back
+/// from a last stage that returns logits) and its drawn tokens (from one that samples).
+type InFlight = (usize, Vec<f32>, Vec<u32>);
 
 /// A remote stage as the first stage sees it.
 struct Link {
     stage: usize,
     layers: std::ops::Range<usize>,
+    /// The stage draws tokens on its device (its hello said so).
+    samples: bool,
     /// Locked only by the engine thread (block operations) or by the step's link thread, never both at once.
     client: Mutex<StageClient>,
 }
@@ -48,8 +52,7 @@ impl Link {
 
 /// The engine's `Backend` over a pipeline: the first stage computed here, later stages over their links.
 pub struct PipelineBackend {
-    model: CpuLlama,
-    kv: KvCache,
+    model: Box<dyn StageModel>,
     links: Vec<Link>,
     info: BackendInfo,
     micro_batches: usize,
@@ -58,6 +61,8 @@ pub struct PipelineBackend {
     mbs: Vec<ForwardBatch>,
     /// Per micro-batch: hidden states on the way out, logits on the way back; reused across steps.
     bufs: Vec<Vec<f32>>,
+    /// Per micro-batch: tokens drawn by a last stage that samples; reused across steps.
+    ids: Vec<Vec<u32>>,
     /// Whatever must live exactly as long as the backend (the stage processes a worker started);
     /// declared last so the links close before it drops.
     keep_alive: Option<Box<dyn Send>>,
@@ -74,24 +79,32 @@ impl std::fmt::Debug for PipelineBackend {
 }
 
 impl PipelineBackend {
-    /// Builds the first stage of `stage_addrs.len() + 1` stages and connects to the servers of the
-    /// others (in stage order), checking model identity, stage, layers and KV pool at each handshake.
+    /// Makes `model` (stage 0's layers, on any device) the first stage of `stage_addrs.len() + 1`
+    /// stages, sizes its KV pool and connects to the servers of the others (in stage order), checking
+    /// model identity, stage, layers and KV pool at each handshake.
     pub fn connect(
-        config: &ModelConfig,
-        weights: &LlamaWeights,
+        mut model: Box<dyn StageModel>,
         identity: &ModelIdentity,
         stage_addrs: &[String],
         cfg: &PipelineConfig,
     ) -> Result<PipelineBackend, PipelineError> {
+        let config = &model.config().clone();
         let stages = stage_addrs.len() + 1;
         if cfg.block_size == 0 {
             return Err(PipelineError::Config("block_size 0".into()));
         }
-        let layout = KvLayout::for_budget(config, cfg.block_size, cfg.kv_cache_bytes, KvDtype::F32);
-        let num_blocks = layout.num_blocks;
         let first = Partition::stage(config, 0, stages)?;
-        let model = CpuLlama::partitioned(config.clone(), weights, cfg.threads, first, None)?;
-        let kv = KvCache::new(model.kv_layout(cfg.block_size, num_blocks));
+        if &first != model.partition() {
+            return Err(PipelineError::Config(format!(
+                "stage 0 of {stages} holds layers {:?}, the model given holds {:?}",
+                first.layers,
+                model.partition().layers
+            )));
+        }
+        let layout =
+            KvLayout::for_budget(config, cfg.block_size, cfg.kv_cache_bytes, model.kv_dtype());
+        let num_blocks = layout.num_blocks;
+        model.size_pool(cfg.block_size, num_blocks)?;
         let mut links = Vec::with_capacity(stages - 1);
         for (i, addr) in stage_addrs.iter().enumerate() {
             let stage = i + 1;
@@ -116,6 +129,7 @@ impl PipelineBackend {
             links.push(Link {
                 stage,
                 layers: part.layers,
+                samples: client.remote().samples,
                 client: Mutex::new(client),
             });
         }
@@ -127,13 +141,13 @@ impl PipelineBackend {
         tracing::info!(stages, micro_batches, num_blocks, "pipeline ready");
         Ok(PipelineBackend {
             model,
-            kv,
             links,
             info: BackendInfo::new(config, layout),
             micro_batches,
             min_micro_batch_tokens: cfg.min_micro_batch_tokens,
             mbs: Vec::new(),
             bufs: Vec::new(),
+            ids: Vec::new(),
             keep_alive: None,
         })
     }
@@ -146,6 +160,13 @@ impl PipelineBackend {
     /// Pipeline stages, this one included.
     pub fn stages(&self) -> usize {
         self.links.len() + 1
+    }
+
+    /// Whether the last stage draws tokens on its device (so `forward_sampled` moves no logits).
+    pub fn samples_on_device(&self) -> bool {
+        self.links
+            .last()
+            .map_or_else(|| self.model.samples_on_device(), |l| l.samples)
     }
 
     /// The link owning global `layer`, or None for the local first stage.
@@ -170,6 +191,137 @@ impl PipelineBackend {
             )))
         }
     }
+}
+
+impl PipelineBackend {
+    /// One step through every stage: logits rows into `logits`, or with `rows` (a last stage that
+    /// samples) the drawn tokens into `ids`.
+    fn step(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: Option<&[DeviceSampling]>,
+        logits: &mut Vec<f32>,
+        ids: &mut Vec<u32>,
+    ) -> Result<(), BackendError> {
+        let to_err = |e: StageError| BackendError::new(format!("pipeline stage 0: {e}"));
+        if self.links.is_empty() {
+            return match rows {
+                Some(rows) => self.model.forward_sampled(batch, None, rows, ids),
+                None => self.model.forward(batch, None, logits),
+            }
+            .map_err(to_err);
+        }
+        if batch.seqs.is_empty() {
+            return Ok(());
+        }
+        let worth = batch.tokens.len() / self.min_micro_batch_tokens.max(1);
+        let m = split(batch, self.micro_batches.min(worth), &mut self.mbs);
+        if self.bufs.len() < m {
+            self.bufs.resize_with(m, Vec::new);
+            self.ids.resize_with(m, Vec::new);
+        }
+        // Each micro-batch's share of the sampling rows (one per logits row, in batch order).
+        let mut row_ranges = Vec::with_capacity(m);
+        let mut at = 0;
+        for mb in &self.mbs[..m] {
+            row_ranges.push(at..at + mb.logits_rows());
+            at += mb.logits_rows();
+        }
+        let PipelineBackend {
+            model,
+            links,
+            mbs,
+            bufs,
+            ids: id_bufs,
+            ..
+        } = self;
+        let mbs = &mbs[..m];
+        let row_ranges = &row_ranges;
+        let last = links.len() - 1;
+        let result = std::thread::scope(|s| {
+            // First stage → link thread of stage 1 → ... → the last link thread → back here.
+            let (tx_first, mut rx) = mpsc::channel::<InFlight>();
+            let mut threads = Vec::with_capacity(links.len());
+            for (k, link) in links.iter_mut().enumerate() {
+                let (tx, rx_next) = mpsc::channel::<InFlight>();
+                let rx_in = std::mem::replace(&mut rx, rx_next);
+                let sample = rows.filter(|_| k == last);
+                threads.push(s.spawn(move || -> Result<(), BackendError> {
+                    let stage = link.stage;
+                    let client = link.client.get_mut().map_err(|_| {
+                        BackendError::new(format!("pipeline stage {stage}: link lock poisoned"))
+                    })?;
+                    for (i, mut buf, mut got) in rx_in {
+                        let r = match sample {
+                            Some(rows) => client.forward_sampled(
+                                &mbs[i],
+                                &rows[row_ranges[i].clone()],
+                                &buf,
+                                &mut got,
+                            ),
+                            None => client.forward(&mbs[i], &mut buf),
+                        };
+                        if let Err(e) = r {
+                            return Err(link.err("forward", e));
+                        }
+                        if tx.send((i, buf, got)).is_err() {
+                            break;
+                        }
+                    }
+                    Ok(())
+                }));
+            }
+            let mut first_err = None;
+            for (i, mb) in mbs.iter().enumerate() {
+                let mut buf = std::mem::take(&mut bufs[i]);
+                if let Err(e) = model.forward(mb, None, &mut buf) {
+                    first_err = Some(to_err(e));
+                    break;
+                }
+                if tx_first
+                    .send((i, buf, std::mem::take(&mut id_bufs[i])))
+                    .is_err()
+                {
+                    break;
+                }
+            }
+            drop(tx_first);
+            let mut done = 0;
+            for (i, buf, got) in rx {
+                bufs[i] = buf;
+                id_bufs[i] = got;
+                done += 1;
+            }
+            for t in threads {
+                let r = t
+                    .join()
+                    .unwrap_or_else(|_| Err(BackendError::new("pipeline link thread panicked")));
+                if let (Err(e), None) = (r, &first_err) {
+                    first_err = Some(e);
+                }
+            }
+            match first_err {
+                Some(e) => Err(e),
+                None if done != m => Err(BackendError::new(format!(
+                    "pipeline returned {done} of {m} micro-batches"
+                ))),
+                None => Ok(()),
+            }
+        });
+        result?;
+        match rows {
+            Some(_) => self.ids[..m].iter().for_each(|b| ids.extend_from_slice(b)),
+            None => self.bufs[..m]
+                .iter()
+                .for_each(|b| logits.extend_from_slice(b)),
+        }
+        Ok(())
+    }
+}
+
+/// A block operation of the local first stage that failed (its layers are global = local: it starts at 0).
+fn stage0_err(what: &str, e: StageError) -> BackendError {
+    BackendError::new(format!("pipeline stage 0 {what}: {e}"))
 }
 
 /// Cuts `batch`'s sequences into at most `m` contiguous non-empty groups of about equal token counts
@@ -208,100 +360,30 @@ impl Backend for PipelineBackend {
 
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
         logits.clear();
-        let to_err = |e: ModelError| BackendError::new(format!("pipeline stage 0: {e}"));
-        if self.links.is_empty() {
-            return self
-                .model
-                .forward_stage(batch, &mut self.kv, None, logits)
-                .map_err(to_err);
+        self.step(batch, None, logits, &mut Vec::new())
+    }
+
+    fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[DeviceSampling],
+        out: &mut Vec<u32>,
+    ) -> Result<bool, BackendError> {
+        if !self.samples_on_device() {
+            return Ok(false);
         }
-        if batch.seqs.is_empty() {
-            return Ok(());
-        }
-        let worth = batch.tokens.len() / self.min_micro_batch_tokens.max(1);
-        let m = split(batch, self.micro_batches.min(worth), &mut self.mbs);
-        if self.bufs.len() < m {
-            self.bufs.resize_with(m, Vec::new);
-        }
-        let PipelineBackend {
-            model,
-            kv,
-            links,
-            mbs,
-            bufs,
-            ..
-        } = self;
-        let mbs = &mbs[..m];
-        let result = std::thread::scope(|s| {
-            // First stage → link thread of stage 1 → ... → the last link thread → back here.
-            let (tx_first, mut rx) = mpsc::channel::<(usize, Vec<f32>)>();
-            let mut threads = Vec::with_capacity(links.len());
-            for link in links.iter_mut() {
-                let (tx, rx_next) = mpsc::channel::<(usize, Vec<f32>)>();
-                let rx_in = std::mem::replace(&mut rx, rx_next);
-                threads.push(s.spawn(move || -> Result<(), BackendError> {
-                    let stage = link.stage;
-                    let client = link.client.get_mut().map_err(|_| {
-                        BackendError::new(format!("pipeline stage {stage}: link lock poisoned"))
-                    })?;
-                    for (i, mut buf) in rx_in {
-                        if let Err(e) = client.forward(&mbs[i], &mut buf) {
-                            return Err(link.err("forward", e));
-                        }
-                        if tx.send((i, buf)).is_err() {
-                            break;
-                        }
-                    }
-                    Ok(())
-                }));
-            }
-            let mut first_err = None;
-            for (i, mb) in mbs.iter().enumerate() {
-                let mut buf = std::mem::take(&mut bufs[i]);
-                if let Err(e) = model.forward_stage(mb, kv, None, &mut buf) {
-                    first_err = Some(to_err(e));
-                    break;
-                }
-                if tx_first.send((i, buf)).is_err() {
-                    break;
-                }
-            }
-            drop(tx_first);
-            let mut done = 0;
-            for (i, buf) in rx {
-                bufs[i] = buf;
-                done += 1;
-            }
-            for t in threads {
-                let r = t
-                    .join()
-                    .unwrap_or_else(|_| Err(BackendError::new("pipeline link thread panicked")));
-                if let (Err(e), None) = (r, &first_err) {
-                    first_err = Some(e);
-                }
-            }
-            match first_err {
-                Some(e) => Err(e),
-                None if done != m => Err(BackendError::new(format!(
-                    "pipeline returned {done} of {m} micro-batches"
-                ))),
-                None => Ok(()),
-            }
-        });
-        result?;
-        for b in &self.bufs[..m] {
-            logits.extend_from_slice(b);
-        }
-        Ok(())
+        out.clear();
+        self.step(batch, Some(rows), &mut Vec::new(), out)?;
+        Ok(true)
     }
 
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
         self.check_block(block)?;
         match self.owner(layer)? {
-            None => {
-                self.kv.export_block(layer, block, out);
-                Ok(())
-            }
+            None => self
+                .model
+                .export_block(layer, block, out)
+                .map_err(|e| stage0_err("export", e)),
             Some(link) => link.call("export", |c| c.export_block(layer, block, out)),
         }
     }
@@ -309,10 +391,10 @@ impl Backend for PipelineBackend {
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
         self.check_block(block)?;
         match self.owner(layer)? {
-            None => {
-                self.kv.import_block(layer, block, data);
-                Ok(())
-            }
+            None => self
+                .model
+                .import_block(layer, block, data)
+                .map_err(|e| stage0_err("import", e)),
             Some(link) => link.call("import", |c| c.import_block(layer, block, data)),
         }
     }
@@ -320,7 +402,9 @@ impl Backend for PipelineBackend {
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
         self.check_block(src)?;
         self.check_block(dst)?;
-        self.kv.copy_block(src, dst);
+        self.model
+            .copy_block(src, dst)
+            .map_err(|e| stage0_err("copy", e))?;
         for link in &self.links {
             link.call("copy", |c| c.copy_block(src, dst))?;
         }

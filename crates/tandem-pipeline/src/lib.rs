@@ -1,11 +1,18 @@
-//! Pipeline parallelism on CPU: the model's layers cut into contiguous stages ([`Partition::stage`]), the
+//! Pipeline parallelism: the model's layers cut into contiguous stages ([`Partition::stage`]), the
 //! first stage inside the worker's engine thread and every later stage in a stage server process
-//! ([`serve_stage`], `tandem stage`), possibly on another host.
+//! ([`serve_stage`], `tandem stage`), possibly on another host. Each stage computes through a
+//! [`StageModel`]: the CPU model ([`CpuStage`]) or a GPU's (`tandem_cuda::CudaStage`, each stage on
+//! the device ordinal it is given); stages on different devices do not mix, since the KV dtype sets
+//! the pool.
 //!
 //! [`PipelineBackend`] implements the engine's `Backend`, so the engine, its block pool and the P/D
 //! machinery do not know the model is split: `kv_layout()` is the whole model's (every stage holds the
 //! same block ids for its own layers), and block export/import/copy are routed to the stage that owns
 //! the layer, so KV leaves a pipelined worker in the canonical layout.
+//!
+//! Hidden states cross the links as f32 rows (exact for a GPU's bf16 residual stream). When the last
+//! stage draws tokens on its device ([`StageModel::samples_on_device`]), the backend's
+//! `forward_sampled` sends the sampling rows along and only token ids come back, never logits rows.
 //!
 //! **Routing is a star through the first stage**, not a chain: the first stage sends micro-batch `i` to
 //! stage 1, takes its hidden states back, sends them to stage 2, and so on; the last stage's logits come
@@ -31,6 +38,7 @@
 
 mod backend;
 pub mod link;
+mod model;
 mod stage;
 
 use tandem_kv::KvError;
@@ -38,6 +46,7 @@ use tandem_model::{ModelConfig, ModelError, ModelIdentity, Partition};
 
 pub use backend::PipelineBackend;
 pub use link::{StageServer, StageTimeouts};
+pub use model::{CpuStage, StageModel};
 pub use stage::{serve_stage, StageError};
 
 use link::StageHello;
@@ -62,6 +71,9 @@ pub enum PipelineError {
     /// The settings do not describe a pipeline.
     #[error("pipeline configuration: {0}")]
     Config(String),
+    /// The first stage's model failed to size its KV pool.
+    #[error("pipeline stage 0: {0}")]
+    Stage(#[from] StageError),
 }
 
 /// Default of [`PipelineConfig::min_micro_batch_tokens`]: on the 2-core dev machine splitting 8 decode
@@ -78,8 +90,6 @@ pub struct PipelineConfig {
     /// On CPU a small step (decode) costs about one read of the weights whatever its row count, so cutting
     /// it only multiplies the weight reads; a prefill chunk is compute-bound and gains from the overlap.
     pub min_micro_batch_tokens: usize,
-    /// Kernel threads of the first stage (0 = all cores).
-    pub threads: usize,
     /// Tokens per KV block.
     pub block_size: usize,
     /// KV budget of the whole model, across all stages.
@@ -109,6 +119,7 @@ pub(crate) fn hello(
         hidden_size: config.hidden_size,
         block_size,
         num_blocks,
+        samples: false,
     }
 }
 

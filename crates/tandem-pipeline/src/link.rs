@@ -12,7 +12,10 @@
 //! - `StageForward` → `StageReply`: the header's `transfer_id` is the request number (echoed in the reply),
 //!   `layer` the length of the JSON [`ForwardBatch`] that starts the payload, and the rest of the payload
 //!   the raw little-endian f32 hidden states (tokens × hidden). The reply's payload is raw f32: the next
-//!   stage's hidden states, or logits rows from the last stage.
+//!   stage's hidden states, or logits rows from the last stage. With `n_blocks` non-zero (only to a last
+//!   stage whose hello says `samples`), the batch is followed by `n_blocks` bytes of JSON
+//!   [`DeviceSampling`] rows, one per logits row, and the reply is the drawn token ids as little-endian
+//!   u32: the logits never cross the link.
 //! - `StageExport{layer, first_block = block}` → `StageBlock` (the block's bytes);
 //!   `StageImport{layer, first_block = block, payload = bytes}` → `StageOk`;
 //!   `StageCopy{first_block = src, n_blocks = dst}` → `StageOk`. Layers are global model layers; the server
@@ -32,6 +35,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tandem_engine::DeviceSampling;
 use tandem_model::ForwardBatch;
 
 use tandem_kv::auth::{self, AuthChallenge, AuthProof};
@@ -57,6 +61,9 @@ pub struct StageHello {
     pub block_size: usize,
     /// Blocks in the KV pool; block ids travel in the batch, so every stage needs the same pool.
     pub num_blocks: usize,
+    /// The server draws tokens on its device (a last stage on a GPU); informational, not compared.
+    #[serde(default)]
+    pub samples: bool,
 }
 
 impl StageHello {
@@ -265,6 +272,51 @@ impl Conn {
             .map_err(|e| KvError::Protocol(format!("decode {:?}: {e}", h.kind)))
     }
 
+    /// Sends request `id` (a batch, its sampling rows if any, its hidden states) and waits for the
+    /// header of its reply; returns the reply's payload length.
+    fn request(
+        &mut self,
+        id: u64,
+        batch: &ForwardBatch,
+        rows: Option<&[DeviceSampling]>,
+        hidden: &[f32],
+    ) -> Result<u64, KvError> {
+        let meta = serde_json::to_vec(batch)
+            .map_err(|e| KvError::Protocol(format!("encode batch: {e}")))?;
+        let rows = match rows {
+            Some(r) => serde_json::to_vec(r)
+                .map_err(|e| KvError::Protocol(format!("encode sampling rows: {e}")))?,
+            None => Vec::new(),
+        };
+        let mut h = FrameHeader::control(FrameKind::StageForward, id, 0);
+        h.layer = meta.len() as u32;
+        h.n_blocks = rows.len() as u32;
+        self.send(h, &[&meta, &rows, f32_bytes(hidden)])?;
+        let r = self.expect(FrameKind::StageReply)?;
+        if r.transfer_id != id {
+            return Err(KvError::Protocol(format!(
+                "reply {} to request {id}",
+                r.transfer_id
+            )));
+        }
+        Ok(r.payload_len)
+    }
+
+    /// Reads `len` bytes of JSON control payload as a `T`.
+    fn json_part<T: serde::de::DeserializeOwned>(
+        &mut self,
+        len: u64,
+        what: &str,
+    ) -> Result<T, KvError> {
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.resize(len as usize, 0);
+        let r = self.read_into(&mut buf);
+        self.buf = buf;
+        r?;
+        serde_json::from_slice(&self.buf)
+            .map_err(|e| KvError::Protocol(format!("decode {what}: {e}")))
+    }
+
     /// Reads a raw f32 payload into `out` (resized to fit), without an intermediate copy.
     fn f32_payload(&mut self, len: u64, out: &mut Vec<f32>) -> Result<(), KvError> {
         if !len.is_multiple_of(4) {
@@ -287,6 +339,8 @@ pub struct StageClient {
     next_id: u64,
     peer: SocketAddr,
     failed: Option<String>,
+    /// The server's hello reply.
+    remote: StageHello,
 }
 
 impl StageClient {
@@ -321,7 +375,13 @@ impl StageClient {
             next_id: 1,
             peer,
             failed: None,
+            remote,
         })
+    }
+
+    /// What the server said of itself at the handshake.
+    pub fn remote(&self) -> &StageHello {
+        &self.remote
     }
 
     /// The server's address.
@@ -353,19 +413,29 @@ impl StageClient {
     /// the next stage's hidden states, or the batch's logits rows from the last stage.
     pub fn forward(&mut self, batch: &ForwardBatch, buf: &mut Vec<f32>) -> Result<(), KvError> {
         self.guarded(|c, id| {
-            let meta = serde_json::to_vec(batch)
-                .map_err(|e| KvError::Protocol(format!("encode batch: {e}")))?;
-            let mut h = FrameHeader::control(FrameKind::StageForward, id, 0);
-            h.layer = meta.len() as u32;
-            c.send(h, &[&meta, f32_bytes(buf)])?;
-            let r = c.expect(FrameKind::StageReply)?;
-            if r.transfer_id != id {
+            let len = c.request(id, batch, None, buf)?;
+            c.f32_payload(len, buf)
+        })
+    }
+
+    /// Sends `batch` with its hidden states `buf` to a last stage that draws tokens on its device
+    /// (`remote().samples`), one per logits row under `rows`; `ids` gets the drawn tokens.
+    pub fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[DeviceSampling],
+        buf: &[f32],
+        ids: &mut Vec<u32>,
+    ) -> Result<(), KvError> {
+        self.guarded(|c, id| {
+            let len = c.request(id, batch, Some(rows), buf)?;
+            if !len.is_multiple_of(4) {
                 return Err(KvError::Protocol(format!(
-                    "reply {} to request {id}",
-                    r.transfer_id
+                    "token payload of {len} bytes is not a whole number of ids"
                 )));
             }
-            c.f32_payload(r.payload_len, buf)
+            ids.resize(len as usize / 4, 0);
+            c.read_into(bytemuck::cast_slice_mut(ids))
         })
     }
 
@@ -432,6 +502,14 @@ pub trait StageHandler: Send + 'static {
         batch: &ForwardBatch,
         hidden_in: &[f32],
         out: &mut Vec<f32>,
+    ) -> Result<(), Self::Error>;
+    /// Runs the last stage's layers and draws one token per logits row under `rows` into `out`.
+    fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        hidden_in: &[f32],
+        rows: &[DeviceSampling],
+        out: &mut Vec<u32>,
     ) -> Result<(), Self::Error>;
     /// Bytes of one block of the KV layout.
     fn block_bytes(&self) -> usize;
@@ -587,6 +665,7 @@ fn serve_conn<H: StageHandler>(
         .map_err(io_err("configuring a stage socket", io))?;
     let mut hidden: Vec<f32> = Vec::new();
     let mut out: Vec<f32> = Vec::new();
+    let mut ids: Vec<u32> = Vec::new();
     let mut block: Vec<u8> = Vec::new();
     loop {
         let Some(h) = c.header()? else { return Ok(()) };
@@ -595,24 +674,33 @@ fn serve_conn<H: StageHandler>(
             .map_err(io_err("configuring a stage socket", io))?;
         let reply = match h.kind {
             FrameKind::StageForward => {
-                let meta_len = h.layer as u64;
-                if meta_len > MAX_CONTROL_LEN || meta_len > h.payload_len {
+                let (meta_len, rows_len) = (h.layer as u64, h.n_blocks as u64);
+                if meta_len > MAX_CONTROL_LEN
+                    || rows_len > MAX_CONTROL_LEN
+                    || meta_len + rows_len > h.payload_len
+                {
                     return Err(KvError::Protocol(format!(
-                        "batch metadata of {meta_len} bytes in a {}-byte frame",
+                        "batch metadata of {meta_len} + {rows_len} bytes in a {}-byte frame",
                         h.payload_len
                     )));
                 }
-                let mut buf = std::mem::take(&mut c.buf);
-                buf.resize(meta_len as usize, 0);
-                let r = c.read_into(&mut buf);
-                c.buf = buf;
-                r?;
-                let batch: ForwardBatch = serde_json::from_slice(&c.buf)
-                    .map_err(|e| KvError::Protocol(format!("decode batch: {e}")))?;
-                c.f32_payload(h.payload_len - meta_len, &mut hidden)?;
-                handler
-                    .forward(&batch, &hidden, &mut out)
-                    .map(|()| FrameHeader::control(FrameKind::StageReply, h.transfer_id, 0))
+                let batch: ForwardBatch = c.json_part(meta_len, "batch")?;
+                let rows: Option<Vec<DeviceSampling>> = match rows_len {
+                    0 => None,
+                    n => Some(c.json_part(n, "sampling rows")?),
+                };
+                c.f32_payload(h.payload_len - meta_len - rows_len, &mut hidden)?;
+                let mut reply = FrameHeader::control(FrameKind::StageReply, h.transfer_id, 0);
+                match rows {
+                    None => handler.forward(&batch, &hidden, &mut out).map(|()| reply),
+                    Some(rows) => {
+                        // Marks the reply as token ids (n_blocks is unused on a reply otherwise).
+                        reply.n_blocks = 1;
+                        handler
+                            .forward_sampled(&batch, &hidden, &rows, &mut ids)
+                            .map(|()| reply)
+                    }
+                }
             }
             FrameKind::StageExport => {
                 block.resize(handler.block_bytes(), 0);
@@ -645,6 +733,9 @@ fn serve_conn<H: StageHandler>(
         };
         match reply {
             Ok(r) => match r.kind {
+                FrameKind::StageReply if r.n_blocks == 1 => {
+                    c.send(r, &[bytemuck::cast_slice(&ids)])?
+                }
                 FrameKind::StageReply => c.send(r, &[f32_bytes(&out)])?,
                 FrameKind::StageBlock => c.send(r, &[&block])?,
                 _ => c.send(r, &[])?,
@@ -664,226 +755,4 @@ fn refuse(c: &mut Conn, e: KvError) -> Result<(), KvError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn hello() -> StageHello {
-        StageHello {
-            model_id: "m".into(),
-            stage: 1,
-            stages: 2,
-            layer_start: 2,
-            layer_end: 4,
-            hidden_size: 3,
-            block_size: 4,
-            num_blocks: 8,
-        }
-    }
-
-    /// Doubles the hidden states; KV is one byte vector per (layer, block) of 4 bytes.
-    struct Doubler {
-        sized: bool,
-        kv: Vec<u8>,
-        /// How long each forward stalls, to play a frozen stage.
-        stall: Duration,
-    }
-
-    /// The test handler's failures.
-    #[derive(Debug, thiserror::Error)]
-    enum DoublerError {
-        #[error("bad hidden")]
-        BadHidden,
-        #[error("no such layer")]
-        NoSuchLayer,
-        #[error("layer {0} is not on this stage")]
-        NotOnStage(usize),
-    }
-
-    impl StageHandler for Doubler {
-        type Error = DoublerError;
-
-        fn hello(&self) -> StageHello {
-            let mut h = hello();
-            if !self.sized {
-                h.block_size = 0;
-                h.num_blocks = 0;
-            }
-            h
-        }
-        fn size_pool(&mut self, _: usize, num_blocks: usize) -> Result<(), DoublerError> {
-            self.sized = true;
-            self.kv = vec![0; 2 * num_blocks * 4];
-            Ok(())
-        }
-        fn forward(
-            &mut self,
-            b: &ForwardBatch,
-            x: &[f32],
-            out: &mut Vec<f32>,
-        ) -> Result<(), DoublerError> {
-            std::thread::sleep(self.stall);
-            if x.len() != b.tokens.len() * 3 {
-                return Err(DoublerError::BadHidden);
-            }
-            out.clear();
-            out.extend(x.iter().map(|v| v * 2.0));
-            Ok(())
-        }
-        fn block_bytes(&self) -> usize {
-            4
-        }
-        fn export_block(
-            &self,
-            layer: usize,
-            block: u32,
-            out: &mut [u8],
-        ) -> Result<(), DoublerError> {
-            let at = ((layer - 2) * 8 + block as usize) * 4;
-            out.copy_from_slice(self.kv.get(at..at + 4).ok_or(DoublerError::NoSuchLayer)?);
-            Ok(())
-        }
-        fn import_block(
-            &mut self,
-            layer: usize,
-            block: u32,
-            data: &[u8],
-        ) -> Result<(), DoublerError> {
-            if !(2..4).contains(&layer) {
-                return Err(DoublerError::NotOnStage(layer));
-            }
-            let at = ((layer - 2) * 8 + block as usize) * 4;
-            self.kv[at..at + 4].copy_from_slice(data);
-            Ok(())
-        }
-        fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), DoublerError> {
-            for l in 2..4 {
-                let mut b = [0u8; 4];
-                self.export_block(l, src, &mut b)?;
-                self.import_block(l, dst, &b)?;
-            }
-            Ok(())
-        }
-    }
-
-    fn server() -> StageServer {
-        keyed_server(Duration::ZERO, None)
-    }
-
-    fn stalling_server(stall: Duration) -> StageServer {
-        keyed_server(stall, None)
-    }
-
-    fn keyed_server(stall: Duration, key: Option<ClusterKey>) -> StageServer {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        StageServer::start(
-            l,
-            Doubler {
-                sized: false,
-                kv: Vec::new(),
-                stall,
-            },
-            Duration::from_secs(5),
-            key,
-        )
-        .unwrap()
-    }
-
-    #[test]
-    fn only_clients_with_the_cluster_secret_get_a_stage_and_they_need_it_asked() {
-        let key = ClusterKey::new("cluster-secret");
-        let s = keyed_server(Duration::ZERO, key.clone());
-        let to = StageTimeouts::default();
-        let e = StageClient::connect(s.addr(), &hello(), to, None)
-            .err()
-            .unwrap();
-        assert!(e.to_string().contains("requires the cluster token"), "{e}");
-        let wrong = ClusterKey::new("guess");
-        let e = StageClient::connect(s.addr(), &hello(), to, wrong.as_ref())
-            .err()
-            .unwrap();
-        assert!(e.to_string().contains("cluster token challenge"), "{e}");
-        let mut c = StageClient::connect(s.addr(), &hello(), to, key.as_ref()).unwrap();
-        c.import_block(3, 5, &[9, 8, 7, 6]).unwrap();
-        let mut out = [0u8; 4];
-        c.export_block(3, 5, &mut out).unwrap();
-        assert_eq!(out, [9, 8, 7, 6]);
-        drop(c);
-        s.shutdown();
-        let open = server();
-        let e = StageClient::connect(open.addr(), &hello(), to, key.as_ref())
-            .err()
-            .unwrap();
-        assert!(matches!(e, KvError::Auth(_)), "{e}");
-        open.shutdown();
-    }
-
-    #[test]
-    fn forward_and_blocks_round_trip() {
-        let s = server();
-        let mut c =
-            StageClient::connect(s.addr(), &hello(), StageTimeouts::default(), None).unwrap();
-        let mut b = ForwardBatch::default();
-        b.push(&[1, 2], 0, vec![0], tandem_model::LogitsWanted::Last);
-        let mut buf = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.5];
-        c.forward(&b, &mut buf).unwrap();
-        assert_eq!(buf, [2.0, 4.0, 6.0, 8.0, 10.0, 13.0]);
-        c.import_block(3, 5, &[9, 8, 7, 6]).unwrap();
-        c.copy_block(5, 6).unwrap();
-        let mut out = [0u8; 4];
-        c.export_block(3, 6, &mut out).unwrap();
-        assert_eq!(out, [9, 8, 7, 6]);
-        let e = c.import_block(0, 1, &[0; 4]).unwrap_err().to_string();
-        assert!(e.contains("layer 0 is not on this stage"), "{e}");
-        // The failure poisons the link.
-        assert!(c.copy_block(1, 2).is_err());
-        // A second client of the now sized server must agree on the pool size.
-        let mut other = hello();
-        other.num_blocks = 9;
-        match StageClient::connect(s.addr(), &other, StageTimeouts::default(), None) {
-            Err(KvError::Remote(m)) => assert!(m.contains("`num_blocks`"), "{m}"),
-            Err(e) => panic!("{e}"),
-            Ok(_) => panic!("mismatch accepted"),
-        }
-        other = hello();
-        other.layer_start = 1;
-        let e = StageClient::connect(s.addr(), &other, StageTimeouts::default(), None)
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("`layer_start`"), "{e}");
-        s.shutdown();
-    }
-
-    #[test]
-    fn a_dead_or_silent_server_is_an_error_not_a_hang() {
-        let s = server();
-        let mut c =
-            StageClient::connect(s.addr(), &hello(), StageTimeouts::default(), None).unwrap();
-        s.shutdown();
-        let mut b = ForwardBatch::default();
-        b.push(&[1], 0, vec![0], tandem_model::LogitsWanted::Last);
-        let t = std::time::Instant::now();
-        assert!(c.forward(&b, &mut vec![0.0; 3]).is_err());
-        assert!(t.elapsed() < Duration::from_secs(5));
-        // A peer that accepts but never answers: the handshake times out.
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let hold = std::thread::spawn(move || l.accept().map(|(s, _)| s));
-        let to = StageTimeouts {
-            connect: Duration::from_secs(1),
-            io: Duration::from_millis(300),
-        };
-        let e = StageClient::connect(addr, &hello(), to, None)
-            .err()
-            .unwrap();
-        assert!(matches!(e, KvError::Timeout { .. }), "{e}");
-        drop(hold.join());
-        // A stage that handshakes but then stalls in a forward: the forward times out.
-        let s = stalling_server(Duration::from_secs(2));
-        let mut c = StageClient::connect(s.addr(), &hello(), to, None).unwrap();
-        let t = std::time::Instant::now();
-        let e = c.forward(&b, &mut vec![0.0; 3]).unwrap_err();
-        assert!(matches!(e, KvError::Timeout { .. }), "{e}");
-        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
-    }
-}
+mod tests;

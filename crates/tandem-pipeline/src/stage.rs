@@ -4,12 +4,11 @@
 use std::net::TcpListener;
 use std::time::Duration;
 
-use tandem_model::{
-    CpuLlama, ForwardBatch, KvCache, LlamaWeights, ModelConfig, ModelError, ModelIdentity,
-    Partition,
-};
+use tandem_engine::DeviceSampling;
+use tandem_model::{ForwardBatch, ModelError, ModelIdentity, Partition};
 
 use crate::link::{StageHandler, StageHello, StageServer};
+use crate::model::StageModel;
 use crate::{hello, PipelineError};
 
 /// Why a stage refused or failed one request of its link; its message reaches the worker in the link's
@@ -48,26 +47,23 @@ pub enum StageError {
     /// The stage's layers failed on the batch.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The stage's device failed (a GPU's driver, kernels or memory).
+    #[error("stage device: {0}")]
+    Device(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// Token draws were asked of a stage that returns logits (not the last, or not on a GPU).
+    #[error("this stage does not draw tokens on its device")]
+    NoDeviceSampling,
 }
 
-/// One later stage's model and KV, answering its link's requests.
-struct StageModel {
-    model: CpuLlama,
-    kv: Option<KvCache>,
+/// One later stage's model, answering its link's requests.
+struct Hosted {
+    model: Box<dyn StageModel>,
     model_id: ModelIdentity,
     stage: usize,
     stages: usize,
 }
 
-impl StageModel {
-    fn kv(&self) -> Result<&KvCache, StageError> {
-        self.kv.as_ref().ok_or(StageError::Unsized)
-    }
-
-    fn kv_mut(&mut self) -> Result<&mut KvCache, StageError> {
-        self.kv.as_mut().ok_or(StageError::Unsized)
-    }
-
+impl Hosted {
     /// The stage-local index of global `layer`, and a bounds check of `block`.
     fn locate(&self, layer: usize, block: u32) -> Result<usize, StageError> {
         let layers = &self.model.partition().layers;
@@ -78,7 +74,7 @@ impl StageModel {
                 layers: layers.clone(),
             });
         }
-        let nb = self.kv()?.layout().num_blocks;
+        let nb = self.model.pool().ok_or(StageError::Unsized)?.num_blocks;
         if block as usize >= nb {
             return Err(StageError::BlockOutOfRange {
                 block,
@@ -89,14 +85,15 @@ impl StageModel {
     }
 }
 
-impl StageHandler for StageModel {
+impl StageHandler for Hosted {
     type Error = StageError;
 
     fn hello(&self) -> StageHello {
-        let (bs, nb) = self.kv.as_ref().map_or((0, 0), |kv| {
-            (kv.layout().block_size, kv.layout().num_blocks)
-        });
-        hello(
+        let (bs, nb) = self
+            .model
+            .pool()
+            .map_or((0, 0), |l| (l.block_size, l.num_blocks));
+        let mut h = hello(
             self.model.config(),
             &self.model_id,
             self.model.partition(),
@@ -104,7 +101,9 @@ impl StageHandler for StageModel {
             self.stages,
             bs,
             nb,
-        )
+        );
+        h.samples = self.model.samples_on_device();
+        h
     }
 
     fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), StageError> {
@@ -114,14 +113,13 @@ impl StageHandler for StageModel {
                 num_blocks,
             });
         }
-        let layout = self.model.kv_layout(block_size, num_blocks);
+        self.model.size_pool(block_size, num_blocks)?;
         tracing::info!(
             stage = self.stage,
             num_blocks,
             block_size,
             "stage KV cache allocated"
         );
-        self.kv = Some(KvCache::new(layout));
         Ok(())
     }
 
@@ -131,48 +129,50 @@ impl StageHandler for StageModel {
         hidden_in: &[f32],
         out: &mut Vec<f32>,
     ) -> Result<(), StageError> {
-        let kv = self.kv.as_mut().ok_or(StageError::Unsized)?;
+        self.model.forward(batch, Some(hidden_in), out)
+    }
+
+    fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        hidden_in: &[f32],
+        rows: &[DeviceSampling],
+        out: &mut Vec<u32>,
+    ) -> Result<(), StageError> {
         self.model
-            .forward_stage(batch, kv, Some(hidden_in), out)
-            .map_err(StageError::from)
+            .forward_sampled(batch, Some(hidden_in), rows, out)
     }
 
     fn block_bytes(&self) -> usize {
-        self.kv.as_ref().map_or(0, |kv| kv.layout().block_bytes())
+        self.model.pool().map_or(0, |l| l.block_bytes())
     }
 
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError> {
         let l = self.locate(layer, block)?;
-        self.kv()?.export_block(l, block, out);
-        Ok(())
+        self.model.export_block(l, block, out)
     }
 
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), StageError> {
         let l = self.locate(layer, block)?;
-        self.kv_mut()?.import_block(l, block, data);
-        Ok(())
+        self.model.import_block(l, block, data)
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), StageError> {
         let first = self.model.partition().layers.start;
         self.locate(first, src)?;
         self.locate(first, dst)?;
-        self.kv_mut()?.copy_block(src, dst);
-        Ok(())
+        self.model.copy_block(src, dst)
     }
 }
 
-/// Hosts stage `stage` (≥ 1) of `stages` on `listener`: builds that stage's layers of the model and serves
-/// its worker's link until shut down (only a worker proving `key`, when set). The KV pool is sized by the
-/// first worker that connects.
-#[allow(clippy::too_many_arguments)]
+/// Hosts stage `stage` (≥ 1) of `stages` on `listener`: serves `model` (that stage's layers, on any
+/// device) to its worker's link until shut down (only a worker proving `key`, when set). The KV pool is
+/// sized by the first worker that connects.
 pub fn serve_stage(
-    config: &ModelConfig,
-    weights: &LlamaWeights,
+    model: Box<dyn StageModel>,
     identity: &ModelIdentity,
     stage: usize,
     stages: usize,
-    threads: usize,
     listener: TcpListener,
     io: Duration,
     key: Option<tandem_kv::ClusterKey>,
@@ -182,12 +182,17 @@ pub fn serve_stage(
             "stage 0 runs inside the worker; a stage server hosts stages 1 and later".into(),
         ));
     }
-    let part = Partition::stage(config, stage, stages)?;
-    let layers = part.layers.clone();
-    let model = CpuLlama::partitioned(config.clone(), weights, threads, part, None)?;
-    let handler = StageModel {
+    let part = Partition::stage(model.config(), stage, stages)?;
+    if &part != model.partition() {
+        return Err(PipelineError::Config(format!(
+            "stage {stage} of {stages} holds layers {:?}, the model given holds {:?}",
+            part.layers,
+            model.partition().layers
+        )));
+    }
+    let layers = part.layers;
+    let handler = Hosted {
         model,
-        kv: None,
         model_id: identity.clone(),
         stage,
         stages,

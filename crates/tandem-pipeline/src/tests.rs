@@ -17,17 +17,21 @@ fn budget(m: &LoadedModel) -> usize {
     BLOCKS * c.num_layers * 2 * c.num_kv_heads * BLOCK * c.head_dim * 4
 }
 
+/// Stage `stage` of `stages` of the test model on the CPU, one kernel thread.
+fn cpu_stage(m: &LoadedModel, stage: usize, stages: usize) -> Box<dyn StageModel> {
+    let part = tandem_model::Partition::stage(&m.config, stage, stages).unwrap();
+    Box::new(CpuStage::new(&m.config, &m.weights, 1, part).unwrap())
+}
+
 fn servers(m: &LoadedModel, stages: usize) -> Vec<StageServer> {
     (1..stages)
         .map(|s| {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
             serve_stage(
-                &m.config,
-                &m.weights,
+                cpu_stage(m, s, stages),
                 &m.identity,
                 s,
                 stages,
-                1,
                 l,
                 Duration::from_secs(30),
                 None,
@@ -42,7 +46,6 @@ fn pipeline(m: &LoadedModel, servers: &[StageServer], micro_batches: usize) -> P
     let cfg = PipelineConfig {
         micro_batches,
         min_micro_batch_tokens: 1,
-        threads: 1,
         block_size: BLOCK,
         kv_cache_bytes: budget(m),
         timeouts: StageTimeouts {
@@ -51,7 +54,7 @@ fn pipeline(m: &LoadedModel, servers: &[StageServer], micro_batches: usize) -> P
         },
         cluster_key: None,
     };
-    PipelineBackend::connect(&m.config, &m.weights, &m.identity, &addrs, &cfg).unwrap()
+    PipelineBackend::connect(cpu_stage(m, 0, addrs.len() + 1), &m.identity, &addrs, &cfg).unwrap()
 }
 
 fn reference(m: &LoadedModel) -> CpuBackend {
@@ -206,12 +209,10 @@ fn a_mismatched_stage_is_refused_naming_the_field() {
     // A server for stage 1 of 3 behind a worker that expects stage 1 of 2.
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let srv = serve_stage(
-        &m.config,
-        &m.weights,
+        cpu_stage(m, 1, 3),
         &m.identity,
         1,
         3,
-        1,
         l,
         Duration::from_secs(5),
         None,
@@ -220,15 +221,13 @@ fn a_mismatched_stage_is_refused_naming_the_field() {
     let cfg = PipelineConfig {
         micro_batches: 0,
         min_micro_batch_tokens: 1,
-        threads: 1,
         block_size: BLOCK,
         kv_cache_bytes: budget(m),
         timeouts: StageTimeouts::default(),
         cluster_key: None,
     };
     let e = PipelineBackend::connect(
-        &m.config,
-        &m.weights,
+        cpu_stage(m, 0, 2),
         &m.identity,
         &[srv.addr().to_string()],
         &cfg,
@@ -237,14 +236,8 @@ fn a_mismatched_stage_is_refused_naming_the_field() {
     .to_string();
     assert!(e.contains("`stages`"), "{e}");
     let other = ModelIdentity("another-model".into());
-    let e = PipelineBackend::connect(
-        &m.config,
-        &m.weights,
-        &other,
-        &[srv.addr().to_string()],
-        &cfg,
-    )
-    .unwrap_err()
-    .to_string();
+    let e = PipelineBackend::connect(cpu_stage(m, 0, 2), &other, &[srv.addr().to_string()], &cfg)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("`model_id`"), "{e}");
 }

@@ -47,6 +47,8 @@ impl std::fmt::Display for CudaAttention {
 pub struct CudaSection {
     /// CUDA device ordinal.
     pub device: Option<usize>,
+    /// Device ordinal of each pipeline stage a worker starts, stage 0 first (unset: all on `device`).
+    pub pipeline_devices: Option<Vec<usize>>,
     /// Attention kernels.
     pub attention: Option<CudaAttention>,
     /// Capture CUDA graphs for decode-only steps.
@@ -120,6 +122,9 @@ pub struct CudaArgs {
     /// CUDA device ordinal (--device cuda).
     #[arg(long)]
     pub cuda_device: Option<usize>,
+    /// CUDA device ordinal of each pipeline stage, stage 0 first, as 0,1,... (unset: all on --cuda-device).
+    #[arg(long, value_delimiter = ',')]
+    pub cuda_pipeline_devices: Option<Vec<usize>>,
     /// CUDA attention kernels: fast, or the simple reference kernel (on-device checks).
     #[arg(long, value_enum)]
     pub cuda_attention: Option<CudaAttention>,
@@ -157,6 +162,7 @@ impl CudaArgs {
     pub fn as_section(&self) -> CudaSection {
         CudaSection {
             device: self.cuda_device,
+            pipeline_devices: self.cuda_pipeline_devices.clone(),
             attention: self.cuda_attention,
             graphs: self.no_cuda_graphs.then_some(false),
             gemv: self.no_cuda_gemv.then_some(false),
@@ -175,6 +181,9 @@ impl CudaSection {
     /// These settings with every key `over` sets replacing ours (the file, then the flags).
     pub fn merged(&self, over: &CudaSection) -> CudaSection {
         let mut m = self.clone();
+        if over.pipeline_devices.is_some() {
+            m.pipeline_devices.clone_from(&over.pipeline_devices);
+        }
         macro_rules! take {
             ($($f:ident),*) => { $( if over.$f.is_some() { m.$f = over.$f; } )* };
         }
@@ -192,6 +201,37 @@ impl CudaSection {
             gemv_persistent
         );
         m
+    }
+
+    /// The device ordinal of each of `stages` pipeline stages: `pipeline_devices`, else `device` (0)
+    /// for all.
+    pub fn stage_devices(&self, stages: usize) -> Result<Vec<usize>, String> {
+        match &self.pipeline_devices {
+            Some(d) if d.len() == stages => Ok(d.clone()),
+            Some(d) => Err(format!(
+                "cuda.pipeline_devices names {} devices for {stages} pipeline stages",
+                d.len()
+            )),
+            None => Ok(vec![self.device.unwrap_or(0); stages]),
+        }
+    }
+
+    /// The flags that give a stage process these settings on GPU `device` (`tandem stage`).
+    pub fn stage_flags(&self, device: usize) -> Vec<String> {
+        let mut f = vec!["--cuda-device".to_string(), device.to_string()];
+        if let Some(a) = self.attention {
+            f.extend(["--cuda-attention".to_string(), a.to_string()]);
+        }
+        if self.graphs == Some(false) {
+            f.push("--no-cuda-graphs".into());
+        }
+        if self.gemv == Some(false) {
+            f.push("--no-cuda-gemv".into());
+        }
+        if let Some(n) = self.gemv_max_rows {
+            f.extend(["--cuda-gemv-max-rows".to_string(), n.to_string()]);
+        }
+        f
     }
 
     /// `base` (the sizes the caller derived from the engine settings) with every key set here applied.
@@ -348,6 +388,43 @@ mod tests {
             }
         );
         assert_eq!(flags(&[]).unwrap(), CudaSection::default());
+    }
+
+    #[test]
+    fn each_pipeline_stage_gets_its_device() {
+        let file =
+            FileConfig::from_yaml("cuda: {device: 1, pipeline_devices: [0, 1, 1]}\n").unwrap();
+        assert_eq!(file.cuda.stage_devices(3).unwrap(), [0, 1, 1]);
+        let err = file.cuda.stage_devices(2).unwrap_err();
+        assert!(err.contains("3 devices for 2"), "{err}");
+        assert_eq!(
+            flags(&["--cuda-device", "2"])
+                .unwrap()
+                .stage_devices(2)
+                .unwrap(),
+            [2, 2]
+        );
+        let cli = flags(&["--cuda-pipeline-devices", "3,4"]).unwrap();
+        assert_eq!(cli.stage_devices(2).unwrap(), [3, 4]);
+        assert_eq!(file.cuda.merged(&cli).stage_devices(2).unwrap(), [3, 4]);
+        // A stage process's flags give it the worker's settings on its own device.
+        let worker = flags(&[
+            "--cuda-attention",
+            "simple",
+            "--no-cuda-graphs",
+            "--cuda-gemv-max-rows",
+            "2",
+        ])
+        .unwrap();
+        let f = worker.stage_flags(5);
+        let refs: Vec<&str> = f.iter().map(String::as_str).collect();
+        assert_eq!(
+            flags(&refs).unwrap(),
+            CudaSection {
+                device: Some(5),
+                ..worker
+            }
+        );
     }
 
     /// With nothing set, the backend runs with its defaults: what it ran with when no `TANDEM_CUDA_*`

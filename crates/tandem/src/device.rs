@@ -6,8 +6,8 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use tandem_cpu::CpuBackend;
 use tandem_engine::{Engine, EngineConfig, EngineHandle};
-use tandem_model::{CpuLlama, LoadedModel};
-use tandem_pipeline::{PipelineBackend, PipelineConfig};
+use tandem_model::{CpuLlama, LoadedModel, Partition};
+use tandem_pipeline::{CpuStage, PipelineBackend, PipelineConfig, StageModel};
 
 use crate::config::Device;
 use crate::cuda_settings::CudaSection;
@@ -21,13 +21,13 @@ pub fn start_engine(
     cuda: &CudaSection,
 ) -> Result<EngineHandle> {
     if config.pipeline_parallel_size > 1 {
-        if device != Device::Cpu || config.tensor_parallel_size > 1 {
+        if config.tensor_parallel_size > 1 {
             bail!(
-                "pipeline_parallel_size {} needs --device cpu and tensor_parallel_size 1",
+                "pipeline_parallel_size {} needs tensor_parallel_size 1",
                 config.pipeline_parallel_size
             );
         }
-        let backend = pipeline_backend(loaded, model_path, config)?;
+        let backend = pipeline_backend(loaded, model_path, config, device, cuda)?;
         return Engine::start(backend, config.clone()).context("starting the engine");
     }
     match device {
@@ -48,19 +48,32 @@ pub fn start_engine(
     }
 }
 
-/// A pipeline of `pipeline_parallel_size` stages: stage 0 here, the others at `pipeline_stages` or, when
-/// none are given, in `tandem stage` processes started on this host (which live as long as the backend).
-/// Threads are shared out: each of the N stages gets `threads / N` (all cores when `threads` is 0).
+/// A pipeline of `pipeline_parallel_size` stages on `device`: stage 0 here, the others at
+/// `pipeline_stages` or, when none are given, in `tandem stage` processes started on this host (which
+/// live as long as the backend). On the CPU threads are shared out: each of the N stages gets
+/// `threads / N` (all cores when `threads` is 0); on CUDA each stage runs on its ordinal of
+/// `cuda.pipeline_devices` (default: all on `cuda.device`).
 pub fn pipeline_backend(
     loaded: LoadedModel,
     model_path: &Path,
     config: &EngineConfig,
+    device: Device,
+    cuda: &CudaSection,
 ) -> Result<PipelineBackend> {
     let n = config.pipeline_parallel_size;
     let total = tandem_kernels::resolve_threads(config.threads);
     let per_stage = (total / n).max(1);
+    let devices = cuda.stage_devices(n).map_err(anyhow::Error::msg)?;
+    let limits = step_limits(config, loaded.config.max_position_embeddings);
     let (addrs, procs) = if config.pipeline_stages.is_empty() {
-        let (a, p) = crate::process::spawn_local_stages(model_path, n, per_stage)?;
+        let launch = crate::process::StageLaunch {
+            threads: per_stage,
+            device,
+            cuda,
+            devices: &devices,
+            limits,
+        };
+        let (a, p) = crate::process::spawn_local_stages(model_path, n, &launch)?;
         (a, Some(p))
     } else if config.pipeline_stages.len() == n - 1 {
         (config.pipeline_stages.clone(), None)
@@ -74,24 +87,107 @@ pub fn pipeline_backend(
     let cfg = PipelineConfig {
         micro_batches: config.pipeline_micro_batches,
         min_micro_batch_tokens: tandem_pipeline::DEFAULT_MIN_MICRO_BATCH_TOKENS,
-        threads: per_stage,
         block_size: config.block_size,
         kv_cache_bytes: config.kv_cache_bytes,
         timeouts: Default::default(),
         cluster_key: crate::token::key(),
     };
-    let mut backend = PipelineBackend::connect(
-        &loaded.config,
-        &loaded.weights,
-        &loaded.identity,
-        &addrs,
-        &cfg,
-    )
-    .context("connecting the pipeline stages")?;
+    let identity = loaded.identity.clone();
+    let part = Partition::stage(&loaded.config, 0, n)?;
+    let first = stage_model(loaded, part, device, per_stage, cuda, devices[0], limits)?;
+    let mut backend = PipelineBackend::connect(first, &identity, &addrs, &cfg)
+        .context("connecting the pipeline stages")?;
     if let Some(p) = procs {
         backend.keep_alive(Box::new(p));
     }
     Ok(backend)
+}
+
+/// What a CUDA step holds at most: tokens, sequences, and the context (`None`: the model's).
+#[derive(Clone, Copy, Debug)]
+pub struct StepLimits {
+    /// Most tokens in one step.
+    pub max_tokens: usize,
+    /// Most sequences in one step.
+    pub max_seqs: usize,
+    /// Longest context.
+    pub max_model_len: Option<usize>,
+}
+
+/// The step limits of an engine run with `config` on a model of `model_len` positions.
+pub fn step_limits(config: &EngineConfig, model_len: usize) -> StepLimits {
+    // A step never carries more than the token budget, except whole prompts when chunking is off.
+    let mut max_tokens = config.max_num_batched_tokens.max(config.max_num_seqs);
+    if !config.enable_chunked_prefill {
+        max_tokens = max_tokens.max(config.max_model_len.unwrap_or(model_len));
+    }
+    StepLimits {
+        max_tokens,
+        max_seqs: config.max_num_seqs,
+        max_model_len: config.max_model_len,
+    }
+}
+
+/// One pipeline stage's model: `part`'s layers on the CPU (`threads` kernel threads) or on CUDA device
+/// `cuda_device` under the `cuda` settings and `limits`.
+pub fn stage_model(
+    loaded: LoadedModel,
+    part: Partition,
+    device: Device,
+    threads: usize,
+    cuda: &CudaSection,
+    cuda_device: usize,
+    limits: StepLimits,
+) -> Result<Box<dyn StageModel>> {
+    match device {
+        Device::Cpu => Ok(Box::new(CpuStage::new(
+            &loaded.config,
+            &loaded.weights,
+            threads,
+            part,
+        )?)),
+        Device::Cuda => cuda_stage(loaded, part, cuda, cuda_device, limits),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_stage(
+    loaded: LoadedModel,
+    part: Partition,
+    cuda: &CudaSection,
+    cuda_device: usize,
+    limits: StepLimits,
+) -> Result<Box<dyn StageModel>> {
+    let mut opts = cuda_options(cuda, limits);
+    opts.device = cuda_device;
+    Ok(Box::new(tandem_cuda::CudaStage::new(
+        loaded.config,
+        loaded.weights,
+        part,
+        opts,
+    )?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_stage(
+    _loaded: LoadedModel,
+    _part: Partition,
+    _cuda: &CudaSection,
+    _cuda_device: usize,
+    _limits: StepLimits,
+) -> Result<Box<dyn StageModel>> {
+    anyhow::bail!("--device cuda needs a binary built with `cargo build --release --features cuda`")
+}
+
+/// The CUDA options of `cuda` over buffers sized for `limits`.
+#[cfg(feature = "cuda")]
+fn cuda_options(cuda: &CudaSection, limits: StepLimits) -> tandem_cuda::CudaOptions {
+    cuda.options(tandem_cuda::CudaOptions {
+        max_tokens: limits.max_tokens,
+        max_seqs: limits.max_seqs,
+        max_model_len: limits.max_model_len,
+        ..tandem_cuda::CudaOptions::default()
+    })
 }
 
 /// The CPU backend for `config`: one model, or `tensor_parallel_size` ranks as threads.
@@ -121,21 +217,11 @@ fn start_cuda(
     config: &EngineConfig,
     cuda: &CudaSection,
 ) -> Result<EngineHandle> {
-    use tandem_cuda::{CudaBackend, CudaLlama, CudaOptions, WeightSource};
-    let max_model_len = config.max_model_len;
-    // A step never carries more than the token budget, except whole prompts when chunking is off.
-    let mut max_tokens = config.max_num_batched_tokens.max(config.max_num_seqs);
-    if !config.enable_chunked_prefill {
-        max_tokens = max_tokens.max(max_model_len.unwrap_or(loaded.config.max_position_embeddings));
-    }
-    let opts = cuda.options(CudaOptions {
-        block_size: config.block_size,
-        kv_cache_bytes: config.kv_cache_bytes,
-        max_tokens,
-        max_seqs: config.max_num_seqs,
-        max_model_len,
-        ..CudaOptions::default()
-    });
+    use tandem_cuda::{CudaBackend, CudaLlama, WeightSource};
+    let limits = step_limits(config, loaded.config.max_position_embeddings);
+    let mut opts = cuda_options(cuda, limits);
+    opts.block_size = config.block_size;
+    opts.kv_cache_bytes = config.kv_cache_bytes;
     let model = CudaLlama::new(
         loaded.config.clone(),
         WeightSource::Host(&loaded.weights),

@@ -182,33 +182,60 @@ impl Drop for Children {
     }
 }
 
+/// How a worker starts its local stage processes: their kernel threads (CPU), device, and on CUDA
+/// each stage's ordinal, the worker's `cuda:` settings and its step limits.
+pub struct StageLaunch<'a> {
+    /// Kernel threads of each CPU stage.
+    pub threads: usize,
+    /// Where the stages compute.
+    pub device: crate::config::Device,
+    /// The worker's CUDA settings (kernels, graphs) for the stages.
+    pub cuda: &'a crate::cuda_settings::CudaSection,
+    /// Device ordinal of every stage, stage 0 first.
+    pub devices: &'a [usize],
+    /// The worker's step limits, which size a CUDA stage's buffers.
+    pub limits: crate::device::StepLimits,
+}
+
 /// Starts stages 1..`stages` of `model` as `tandem stage` child processes on loopback and returns their
 /// addresses with the processes.
 pub fn spawn_local_stages(
     model: &Path,
     stages: usize,
-    threads: usize,
+    launch: &StageLaunch<'_>,
 ) -> Result<(Vec<String>, Children)> {
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut procs = Children::default();
     let mut ready = Vec::new();
     for stage in 1..stages {
-        let (_, rx) = procs.spawn(
-            &format!("stage-{stage}"),
-            Command::new(&exe)
-                .arg("stage")
-                .arg("--model")
-                .arg(model)
-                .args([
-                    "--stage",
-                    &stage.to_string(),
-                    "--stages",
-                    &stages.to_string(),
-                ])
-                .args(["--listen", "127.0.0.1:0", "--threads", &threads.to_string()])
-                .arg("--exit-with-stdin"),
-            STAGE_READY_PREFIX,
-        )?;
+        let mut cmd = Command::new(&exe);
+        cmd.arg("stage")
+            .arg("--model")
+            .arg(model)
+            .args([
+                "--stage",
+                &stage.to_string(),
+                "--stages",
+                &stages.to_string(),
+            ])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--threads",
+                &launch.threads.to_string(),
+            ])
+            .args(["--device", &launch.device.to_string()])
+            .arg("--exit-with-stdin");
+        if launch.device == crate::config::Device::Cuda {
+            let l = &launch.limits;
+            cmd.args(launch.cuda.stage_flags(launch.devices[stage]))
+                .args(["--max-tokens", &l.max_tokens.to_string()])
+                .args(["--max-seqs", &l.max_seqs.to_string()]);
+            if let Some(n) = l.max_model_len {
+                cmd.args(["--max-model-len", &n.to_string()]);
+            }
+        }
+        let (_, rx) = procs.spawn(&format!("stage-{stage}"), &mut cmd, STAGE_READY_PREFIX)?;
         ready.push((stage, rx));
     }
     let mut addrs = Vec::new();

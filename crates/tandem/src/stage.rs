@@ -11,6 +11,9 @@ use anyhow::{Context, Result};
 use clap::Args;
 use tandem_model::LoadOptions;
 
+use crate::config::Device;
+use crate::cuda_settings::CudaArgs;
+use crate::device::{stage_model, StepLimits};
 use crate::process::{exit_when_parent_goes, resolve_model, STAGE_READY_PREFIX};
 
 /// Flags of `tandem stage`.
@@ -34,6 +37,21 @@ pub struct StageArgs {
     /// Seconds any one read or write of a request may take.
     #[arg(long, default_value_t = 60.0)]
     pub io_timeout: f64,
+    /// Backend of this stage: cpu, or cuda in binaries built with the `cuda` feature.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// CUDA settings of this stage (`--cuda-device` picks its GPU).
+    #[command(flatten)]
+    pub cuda: CudaArgs,
+    /// Most tokens in one step (--device cuda: sizes its buffers; a worker passes its own).
+    #[arg(long, default_value_t = 2048)]
+    pub max_tokens: usize,
+    /// Most sequences in one step (--device cuda).
+    #[arg(long, default_value_t = 256)]
+    pub max_seqs: usize,
+    /// Longest context (--device cuda; unset: the model's).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
     /// Exit when stdin closes (set by a launching worker, so stages never outlive it).
     #[arg(long, hide = true)]
     pub exit_with_stdin: bool,
@@ -49,13 +67,28 @@ pub fn run(args: StageArgs) -> Result<()> {
         .with_context(|| format!("loading {}", model_path.display()))?;
     let listener =
         TcpListener::bind(&args.listen).with_context(|| format!("binding {}", args.listen))?;
+    let identity = loaded.identity.clone();
+    let part = tandem_model::Partition::stage(&loaded.config, args.stage, args.stages)?;
+    let cuda = args.cuda.as_section();
+    let limits = StepLimits {
+        max_tokens: args.max_tokens,
+        max_seqs: args.max_seqs,
+        max_model_len: args.max_model_len,
+    };
+    let model = stage_model(
+        loaded,
+        part,
+        args.device,
+        args.threads,
+        &cuda,
+        cuda.device.unwrap_or(0),
+        limits,
+    )?;
     let server = tandem_pipeline::serve_stage(
-        &loaded.config,
-        &loaded.weights,
-        &loaded.identity,
+        model,
+        &identity,
         args.stage,
         args.stages,
-        args.threads,
         listener,
         Duration::from_secs_f64(args.io_timeout),
         crate::token::key(),

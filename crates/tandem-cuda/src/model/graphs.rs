@@ -75,13 +75,13 @@ impl CudaLlama {
         if !self.graphs.0.contains_key(&g) {
             // Run once eagerly (cuBLAS picks and loads its kernels outside capture), then capture.
             self.enqueue_body(g, true)?;
-            self.enqueue_head(0, g)?;
+            self.enqueue_graph_head(g)?;
             self.stream.synchronize()?;
             self.stream
                 .begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
             let body = self
                 .enqueue_body(g, true)
-                .and_then(|_| self.enqueue_head(0, g));
+                .and_then(|_| self.enqueue_graph_head(g));
             let graph = self.stream.end_capture(drv::CUgraphInstantiate_flags(0))?;
             body?;
             let graph = graph
@@ -92,5 +92,15 @@ impl CudaLlama {
         }
         self.graphs.0[&g].launch()?;
         Ok(())
+    }
+
+    /// The output head of a graph's `g` rows: only on the stage holding the last layer (an earlier
+    /// stage's graph ends with the residual stream, which goes to the next stage).
+    fn enqueue_graph_head(&self, g: usize) -> Result<(), CudaError> {
+        if self.is_last() {
+            self.enqueue_head(0, g)
+        } else {
+            Ok(())
+        }
     }
 }

@@ -95,7 +95,10 @@ pub struct CudaLlama {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     funcs: Funcs,
-    embed: DeviceBuf,
+    /// The token embedding: absent on a pipeline stage that neither embeds nor reads a tied head.
+    embed: Option<DeviceBuf>,
+    /// Global index of `layers[0]` (0 unless this is a later pipeline stage).
+    first_layer: usize,
     layers: Vec<LayerBufs>,
     norm: DeviceBuf,
     lm_head: Option<DeviceBuf>,
@@ -115,6 +118,8 @@ pub struct CudaLlama {
     /// so a step allocates nothing).
     pick_ids: Vec<i32>,
     pick_words: Vec<u32>,
+    /// Host scratch of a pipeline stage's residual stream (bf16 bits), in or out.
+    hidden_host: Vec<u16>,
     /// Page-locked staging of one KV block for export/import (the P/D transfer's host side); a
     /// mutex because export takes `&self`.
     kv_staging: std::sync::Mutex<PinnedBuf>,
@@ -265,7 +270,14 @@ impl CudaLlama {
             funcs: &funcs,
             seed: 0,
         };
-        let (embed, layers, norm, lm_head) = up.weights(weights, c)?;
+        let range = opts.layers.clone().unwrap_or(0..c.num_layers);
+        if range.is_empty() || range.end > c.num_layers {
+            return Err(CudaError::Unsupported(format!(
+                "layers {range:?} of a {}-layer model",
+                c.num_layers
+            )));
+        }
+        let (embed, layers, norm, lm_head) = up.weights(weights, c, range.clone())?;
 
         // RoPE tables.
         let rope = RopeTable::new(
@@ -279,7 +291,11 @@ impl CudaLlama {
         let rope_sin = up.upload(rope.sin())?;
 
         // KV cache: one extra block at the end is the scratch target of padded graph rows.
-        let layout = KvLayout::for_budget(c, opts.block_size, opts.kv_cache_bytes, KvDtype::Bf16);
+        let mut layout =
+            KvLayout::for_budget(c, opts.block_size, opts.kv_cache_bytes, KvDtype::Bf16);
+        layout.num_blocks = opts.num_blocks.unwrap_or(layout.num_blocks);
+        // Only this instance's layers hold KV here.
+        layout.n_layers = range.len();
         let num_blocks = layout.num_blocks;
         if num_blocks == 0 {
             return Err(CudaError::Unsupported(format!(
@@ -287,7 +303,10 @@ impl CudaLlama {
                 opts.kv_cache_bytes
             )));
         }
-        let kv_buf = DeviceBuf::new(&ctx, c.num_layers * (num_blocks + 1) * layout.block_bytes())?;
+        let kv_buf = DeviceBuf::new(
+            &ctx,
+            layout.n_layers * (num_blocks + 1) * layout.block_bytes(),
+        )?;
         // Random, not zero, so that timing runs over unwritten slots read real-looking data.
         up.fill_random(&kv_buf, kv_buf.bytes / BF16, 1.0)?;
 
@@ -372,6 +391,7 @@ impl CudaLlama {
             blas,
             funcs,
             embed,
+            first_layer: range.start,
             layers,
             norm,
             lm_head,
@@ -388,6 +408,7 @@ impl CudaLlama {
             staging,
             pick_ids: Vec::new(),
             pick_words: Vec::new(),
+            hidden_host: Vec::new(),
             kv_staging,
             mover,
             device_name,
@@ -404,6 +425,21 @@ impl CudaLlama {
     /// The KV cache's shape.
     pub fn kv_layout(&self) -> KvLayout {
         self.layout
+    }
+
+    /// Global layers this instance computes (all of them unless it is a pipeline stage).
+    pub fn layers(&self) -> std::ops::Range<usize> {
+        self.first_layer..self.first_layer + self.layers.len()
+    }
+
+    /// Whether this instance embeds tokens (it holds layer 0); otherwise it takes hidden states.
+    pub fn is_first(&self) -> bool {
+        self.first_layer == 0
+    }
+
+    /// Whether this instance produces logits (it holds the last layer); otherwise hidden states.
+    pub fn is_last(&self) -> bool {
+        self.first_layer + self.layers.len() == self.config.num_layers
     }
 
     /// The longest context this instance serves.
@@ -434,7 +470,7 @@ impl CudaLlama {
         let c = &self.config;
         let (h, q, kv, f, v) = widths(c);
         let per_layer = (q + 2 * kv) * h + q * h + 2 * f * h + h * f + 2 * h;
-        (c.num_layers * per_layer + h + v * h) * BF16
+        (self.layers.len() * per_layer + h + v * h) * BF16
     }
 
     fn limits(&self) -> PlanLimits {

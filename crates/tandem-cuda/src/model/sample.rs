@@ -24,6 +24,18 @@ pub struct SampleRow {
     pub seed: u64,
 }
 
+impl From<&tandem_engine::DeviceSampling> for SampleRow {
+    fn from(r: &tandem_engine::DeviceSampling) -> SampleRow {
+        SampleRow {
+            temperature: r.temperature,
+            top_p: r.top_p,
+            min_p: r.min_p,
+            top_k: r.top_k,
+            seed: r.seed,
+        }
+    }
+}
+
 /// 32-bit words of one `SampleRow` on the device (24 bytes, the C struct's layout).
 pub(super) const SAMPLE_ROW_WORDS: usize = 6;
 
@@ -102,7 +114,7 @@ impl CudaLlama {
         batch: &ForwardBatch,
         out: &mut Vec<u32>,
     ) -> Result<(), CudaError> {
-        self.forward_pick(batch, None, out)
+        self.forward_pick(batch, None, None, out)
     }
 
     /// Runs one step and draws each logits row's token on the GPU under `rows` (one per logits
@@ -120,13 +132,35 @@ impl CudaLlama {
                 batch.logits_rows()
             )));
         }
-        self.forward_pick(batch, Some(rows), out)
+        self.forward_pick(batch, None, Some(rows), out)
     }
 
-    /// One step, then argmax (`sample` None) or the draws of `sample` over each logits row.
+    /// [`Self::forward_sampled`] on the last stage of a pipeline: `hidden` is the previous stage's
+    /// output (tokens × hidden), `None` when this instance holds layer 0.
+    pub fn forward_stage_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        hidden: Option<&[f32]>,
+        rows: &[SampleRow],
+        out: &mut Vec<u32>,
+    ) -> Result<(), CudaError> {
+        if !self.is_last() || rows.len() != batch.logits_rows() {
+            return Err(CudaError::Batch(format!(
+                "{} sampling rows for {} logits rows on layers {:?}",
+                rows.len(),
+                batch.logits_rows(),
+                self.layers()
+            )));
+        }
+        self.forward_pick(batch, hidden, Some(rows), out)
+    }
+
+    /// One step (from `hidden` on a later pipeline stage), then argmax (`sample` None) or the draws
+    /// of `sample` over each logits row.
     pub(super) fn forward_pick(
         &mut self,
         batch: &ForwardBatch,
+        hidden: Option<&[f32]>,
         sample: Option<&[SampleRow]>,
         out: &mut Vec<u32>,
     ) -> Result<(), CudaError> {
@@ -134,6 +168,7 @@ impl CudaLlama {
         let t0 = std::time::Instant::now();
         out.clear();
         let graph = self.prepare(batch)?;
+        self.load_hidden(hidden, batch.tokens.len())?;
         let rows = batch.logits_rows();
         if graph == 0 && self.plan.num_tokens() == 0 {
             return Ok(());

@@ -11,9 +11,15 @@ use super::{widths, LayerBufs, WeightSource};
 use crate::error::CudaError;
 use crate::memory::{bf16_bits, DeviceBuf, BF16};
 
-/// The uploaded weights: the embedding, the layers, the final norm and the output head (`None`: tied
-/// to the embedding).
-pub(super) type Weights = (DeviceBuf, Vec<LayerBufs>, DeviceBuf, Option<DeviceBuf>);
+/// The uploaded weights of a layer range: the embedding (when the range starts the model or its last
+/// layer reads a tied head), the layers, the final norm and the output head (only with the last layer;
+/// `None` there: tied to the embedding).
+pub(super) type Weights = (
+    Option<DeviceBuf>,
+    Vec<LayerBufs>,
+    DeviceBuf,
+    Option<DeviceBuf>,
+);
 
 /// Weight upload helpers (host conversion to bf16, or generation on the device).
 pub(super) struct Uploader<'a> {
@@ -85,6 +91,15 @@ impl Uploader<'_> {
         Ok(())
     }
 
+    /// Advances the generator past one `random` call without making its buffer, so that a layer
+    /// range's random weights are the whole model's weights for those layers.
+    fn skip_random(&mut self) {
+        self.seed = self
+            .seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+    }
+
     pub(super) fn random(&mut self, n: usize, scale: f32) -> Result<DeviceBuf, CudaError> {
         let buf = DeviceBuf::new(self.ctx, n * BF16)?;
         self.fill_random(&buf, n, scale)?;
@@ -105,20 +120,26 @@ impl Uploader<'_> {
         Ok(buf)
     }
 
-    /// Uploads (or generates) every weight of the model: the embedding, the layers, the final norm
-    /// and the output head (`None`: tied to the embedding).
+    /// Uploads (or generates) the weights of global layers `range`: see [`Weights`].
     pub(super) fn weights(
         &mut self,
         weights: WeightSource<'_>,
         c: &ModelConfig,
+        range: std::ops::Range<usize>,
     ) -> Result<Weights, CudaError> {
         let up = self;
         let (h, q, kv, f, v) = widths(c);
+        let last = range.end == c.num_layers;
+        let want_embed = range.start == 0 || (last && c.tie_word_embeddings);
         Ok(match weights {
             WeightSource::Host(w) => {
-                let embed = up.matrices(&[&w.embed])?;
-                let mut layers = Vec::with_capacity(c.num_layers);
-                for lw in &w.layers {
+                let embed = if want_embed || (last && w.lm_head.is_none()) {
+                    Some(up.matrices(&[&w.embed])?)
+                } else {
+                    None
+                };
+                let mut layers = Vec::with_capacity(range.len());
+                for lw in &w.layers[range.clone()] {
                     let bqkv = match (&lw.bq, &lw.bk, &lw.bv) {
                         (Some(a), Some(b), Some(cc)) => {
                             let all: Vec<f32> = a.iter().chain(b).chain(cc).copied().collect();
@@ -138,16 +159,28 @@ impl Uploader<'_> {
                 }
                 let norm = up.vector(&w.norm)?;
                 let lm_head = match &w.lm_head {
-                    Some(m) => Some(up.matrices(&[m])?),
-                    None => None,
+                    Some(m) if last => Some(up.matrices(&[m])?),
+                    _ => None,
                 };
                 (embed, layers, norm, lm_head)
             }
             WeightSource::Random { seed } => {
                 up.seed = seed;
-                let embed = up.random(v * h, 1.0)?;
-                let mut layers = Vec::with_capacity(c.num_layers);
-                for _ in 0..c.num_layers {
+                let embed = if want_embed {
+                    Some(up.random(v * h, 1.0)?)
+                } else {
+                    up.skip_random();
+                    None
+                };
+                let mut layers = Vec::with_capacity(range.len());
+                for l in 0..c.num_layers {
+                    if !range.contains(&l) {
+                        // wqkv, the bias, wo, gate/up and down of a layer another stage holds.
+                        for _ in 0..4 + usize::from(c.attention_bias) {
+                            up.skip_random();
+                        }
+                        continue;
+                    }
                     layers.push(LayerBufs {
                         attn_norm: up.constant(h, 1.0)?,
                         wqkv: up.random((q + 2 * kv) * h, 1.0 / (h as f32).sqrt())?,
@@ -163,7 +196,7 @@ impl Uploader<'_> {
                     });
                 }
                 let norm = up.constant(h, 1.0)?;
-                let lm_head = if c.tie_word_embeddings {
+                let lm_head = if c.tie_word_embeddings || !last {
                     None
                 } else {
                     Some(up.random(v * h, 1.0 / (h as f32).sqrt())?)

@@ -1,0 +1,154 @@
+//! [`CudaStage`]: a pipeline stage's layers on one GPU behind the pipeline's `StageModel` seam, so the
+//! pipeline backend and the stage server run it as they run the CPU model.
+
+use tandem_engine::DeviceSampling;
+use tandem_model::{ForwardBatch, KvDtype, KvLayout, LlamaWeights, ModelConfig, Partition};
+use tandem_pipeline::{StageError, StageModel};
+
+use crate::error::CudaError;
+use crate::model::{CudaLlama, SampleRow, WeightSource};
+use crate::options::CudaOptions;
+
+/// One pipeline stage on GPU `opts.device`: its layers' weights and bf16 KV pool. The weights go to the
+/// GPU when the pool is sized (the worker's handshake gives the block count every stage shares).
+pub struct CudaStage {
+    config: ModelConfig,
+    part: Partition,
+    /// Host weights until the model is on the GPU.
+    weights: Option<LlamaWeights>,
+    opts: CudaOptions,
+    model: Option<CudaLlama>,
+    rows: Vec<SampleRow>,
+}
+
+impl std::fmt::Debug for CudaStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaStage")
+            .field("layers", &self.part.layers)
+            .field("device", &self.opts.device)
+            .field("model", &self.model)
+            .finish()
+    }
+}
+
+/// A CUDA failure as the stage's error.
+fn device(e: CudaError) -> StageError {
+    StageError::Device(Box::new(e))
+}
+
+impl CudaStage {
+    /// The stage holding `part`'s layers of `weights`, to run on the GPU `opts` names (`opts.layers`
+    /// and `opts.num_blocks` are set from `part` and the pool).
+    pub fn new(
+        config: ModelConfig,
+        weights: LlamaWeights,
+        part: Partition,
+        opts: CudaOptions,
+    ) -> Result<CudaStage, CudaError> {
+        if part.tp_size != 1 {
+            return Err(CudaError::Unsupported(
+                "tensor-parallel ranks of a CUDA pipeline stage".into(),
+            ));
+        }
+        Ok(CudaStage {
+            config,
+            part,
+            weights: Some(weights),
+            opts,
+            model: None,
+            rows: Vec::new(),
+        })
+    }
+
+    fn model(&self) -> Result<&CudaLlama, StageError> {
+        self.model.as_ref().ok_or(StageError::Unsized)
+    }
+
+    fn model_mut(&mut self) -> Result<&mut CudaLlama, StageError> {
+        self.model.as_mut().ok_or(StageError::Unsized)
+    }
+}
+
+impl StageModel for CudaStage {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn partition(&self) -> &Partition {
+        &self.part
+    }
+
+    fn kv_dtype(&self) -> KvDtype {
+        KvDtype::Bf16
+    }
+
+    fn pool(&self) -> Option<KvLayout> {
+        self.model.as_ref().map(|m| m.kv_layout())
+    }
+
+    fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), StageError> {
+        let weights = self.weights.as_ref().ok_or(StageError::Device(
+            "the stage's weights are already on the GPU".into(),
+        ))?;
+        let opts = CudaOptions {
+            block_size,
+            num_blocks: Some(num_blocks),
+            layers: Some(self.part.layers.clone()),
+            ..self.opts.clone()
+        };
+        let model = CudaLlama::new(self.config.clone(), WeightSource::Host(weights), opts)
+            .map_err(device)?;
+        self.model = Some(model);
+        self.weights = None;
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        hidden_in: Option<&[f32]>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), StageError> {
+        self.model_mut()?
+            .forward_stage(batch, hidden_in, out)
+            .map_err(device)
+    }
+
+    fn samples_on_device(&self) -> bool {
+        self.part.is_last(&self.config)
+    }
+
+    fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        hidden_in: Option<&[f32]>,
+        rows: &[DeviceSampling],
+        out: &mut Vec<u32>,
+    ) -> Result<(), StageError> {
+        let mut sample = std::mem::take(&mut self.rows);
+        sample.clear();
+        sample.extend(rows.iter().map(SampleRow::from));
+        let r = self.model_mut().and_then(|m| {
+            m.forward_stage_sampled(batch, hidden_in, &sample, out)
+                .map_err(device)
+        });
+        self.rows = sample;
+        r
+    }
+
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError> {
+        self.model()?
+            .export_block(layer, block, out)
+            .map_err(device)
+    }
+
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), StageError> {
+        self.model_mut()?
+            .import_block(layer, block, data)
+            .map_err(device)
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), StageError> {
+        self.model_mut()?.copy_block(src, dst).map_err(device)
+    }
+}

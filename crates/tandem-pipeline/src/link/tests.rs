@@ -1,0 +1,253 @@
+//! The stage link against a toy handler: round trips, the handshake's checks, the cluster secret,
+//! and failures that must be errors, not hangs.
+
+use super::*;
+
+fn hello() -> StageHello {
+    StageHello {
+        model_id: "m".into(),
+        stage: 1,
+        stages: 2,
+        layer_start: 2,
+        layer_end: 4,
+        hidden_size: 3,
+        block_size: 4,
+        num_blocks: 8,
+        samples: false,
+    }
+}
+
+/// Doubles the hidden states; KV is one byte vector per (layer, block) of 4 bytes.
+struct Doubler {
+    sized: bool,
+    kv: Vec<u8>,
+    /// How long each forward stalls, to play a frozen stage.
+    stall: Duration,
+}
+
+/// The test handler's failures.
+#[derive(Debug, thiserror::Error)]
+enum DoublerError {
+    #[error("bad hidden")]
+    BadHidden,
+    #[error("no such layer")]
+    NoSuchLayer,
+    #[error("layer {0} is not on this stage")]
+    NotOnStage(usize),
+}
+
+impl StageHandler for Doubler {
+    type Error = DoublerError;
+
+    fn hello(&self) -> StageHello {
+        let mut h = hello();
+        if !self.sized {
+            h.block_size = 0;
+            h.num_blocks = 0;
+        }
+        h
+    }
+    fn size_pool(&mut self, _: usize, num_blocks: usize) -> Result<(), DoublerError> {
+        self.sized = true;
+        self.kv = vec![0; 2 * num_blocks * 4];
+        Ok(())
+    }
+    fn forward(
+        &mut self,
+        b: &ForwardBatch,
+        x: &[f32],
+        out: &mut Vec<f32>,
+    ) -> Result<(), DoublerError> {
+        std::thread::sleep(self.stall);
+        if x.len() != b.tokens.len() * 3 {
+            return Err(DoublerError::BadHidden);
+        }
+        out.clear();
+        out.extend(x.iter().map(|v| v * 2.0));
+        Ok(())
+    }
+    /// "Draws" each row's first hidden value plus its row's seed.
+    fn forward_sampled(
+        &mut self,
+        b: &ForwardBatch,
+        x: &[f32],
+        rows: &[DeviceSampling],
+        out: &mut Vec<u32>,
+    ) -> Result<(), DoublerError> {
+        if x.len() != b.tokens.len() * 3 || rows.len() != b.logits_rows() {
+            return Err(DoublerError::BadHidden);
+        }
+        out.clear();
+        out.extend(
+            x.chunks(3)
+                .zip(rows)
+                .map(|(r, s)| r[0] as u32 + s.seed as u32),
+        );
+        Ok(())
+    }
+    fn block_bytes(&self) -> usize {
+        4
+    }
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), DoublerError> {
+        let at = ((layer - 2) * 8 + block as usize) * 4;
+        out.copy_from_slice(self.kv.get(at..at + 4).ok_or(DoublerError::NoSuchLayer)?);
+        Ok(())
+    }
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), DoublerError> {
+        if !(2..4).contains(&layer) {
+            return Err(DoublerError::NotOnStage(layer));
+        }
+        let at = ((layer - 2) * 8 + block as usize) * 4;
+        self.kv[at..at + 4].copy_from_slice(data);
+        Ok(())
+    }
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), DoublerError> {
+        for l in 2..4 {
+            let mut b = [0u8; 4];
+            self.export_block(l, src, &mut b)?;
+            self.import_block(l, dst, &b)?;
+        }
+        Ok(())
+    }
+}
+
+fn server() -> StageServer {
+    keyed_server(Duration::ZERO, None)
+}
+
+fn stalling_server(stall: Duration) -> StageServer {
+    keyed_server(stall, None)
+}
+
+fn keyed_server(stall: Duration, key: Option<ClusterKey>) -> StageServer {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    StageServer::start(
+        l,
+        Doubler {
+            sized: false,
+            kv: Vec::new(),
+            stall,
+        },
+        Duration::from_secs(5),
+        key,
+    )
+    .unwrap()
+}
+
+#[test]
+fn only_clients_with_the_cluster_secret_get_a_stage_and_they_need_it_asked() {
+    let key = ClusterKey::new("cluster-secret");
+    let s = keyed_server(Duration::ZERO, key.clone());
+    let to = StageTimeouts::default();
+    let e = StageClient::connect(s.addr(), &hello(), to, None)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("requires the cluster token"), "{e}");
+    let wrong = ClusterKey::new("guess");
+    let e = StageClient::connect(s.addr(), &hello(), to, wrong.as_ref())
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("cluster token challenge"), "{e}");
+    let mut c = StageClient::connect(s.addr(), &hello(), to, key.as_ref()).unwrap();
+    c.import_block(3, 5, &[9, 8, 7, 6]).unwrap();
+    let mut out = [0u8; 4];
+    c.export_block(3, 5, &mut out).unwrap();
+    assert_eq!(out, [9, 8, 7, 6]);
+    drop(c);
+    s.shutdown();
+    let open = server();
+    let e = StageClient::connect(open.addr(), &hello(), to, key.as_ref())
+        .err()
+        .unwrap();
+    assert!(matches!(e, KvError::Auth(_)), "{e}");
+    open.shutdown();
+}
+
+#[test]
+fn forward_and_blocks_round_trip() {
+    let s = server();
+    let mut c = StageClient::connect(s.addr(), &hello(), StageTimeouts::default(), None).unwrap();
+    let mut b = ForwardBatch::default();
+    b.push(&[1, 2], 0, vec![0], tandem_model::LogitsWanted::Last);
+    let mut buf = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.5];
+    c.forward(&b, &mut buf).unwrap();
+    assert_eq!(buf, [2.0, 4.0, 6.0, 8.0, 10.0, 13.0]);
+    let mut all = ForwardBatch::default();
+    all.push(&[1, 2], 0, vec![0], tandem_model::LogitsWanted::All);
+    let row = |seed| DeviceSampling {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed,
+    };
+    let mut ids = Vec::new();
+    c.forward_sampled(
+        &all,
+        &[row(10), row(20)],
+        &[7.0, 0.0, 0.0, 9.0, 0.0, 0.0],
+        &mut ids,
+    )
+    .unwrap();
+    assert_eq!(ids, [17, 29]);
+    // Plain forwards still carry f32 after a sampled one.
+    c.forward(&b, &mut buf).unwrap();
+    assert_eq!(buf, [4.0, 8.0, 12.0, 16.0, 20.0, 26.0]);
+    c.import_block(3, 5, &[9, 8, 7, 6]).unwrap();
+    c.copy_block(5, 6).unwrap();
+    let mut out = [0u8; 4];
+    c.export_block(3, 6, &mut out).unwrap();
+    assert_eq!(out, [9, 8, 7, 6]);
+    let e = c.import_block(0, 1, &[0; 4]).unwrap_err().to_string();
+    assert!(e.contains("layer 0 is not on this stage"), "{e}");
+    // The failure poisons the link.
+    assert!(c.copy_block(1, 2).is_err());
+    // A second client of the now sized server must agree on the pool size.
+    let mut other = hello();
+    other.num_blocks = 9;
+    match StageClient::connect(s.addr(), &other, StageTimeouts::default(), None) {
+        Err(KvError::Remote(m)) => assert!(m.contains("`num_blocks`"), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("mismatch accepted"),
+    }
+    other = hello();
+    other.layer_start = 1;
+    let e = StageClient::connect(s.addr(), &other, StageTimeouts::default(), None)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("`layer_start`"), "{e}");
+    s.shutdown();
+}
+
+#[test]
+fn a_dead_or_silent_server_is_an_error_not_a_hang() {
+    let s = server();
+    let mut c = StageClient::connect(s.addr(), &hello(), StageTimeouts::default(), None).unwrap();
+    s.shutdown();
+    let mut b = ForwardBatch::default();
+    b.push(&[1], 0, vec![0], tandem_model::LogitsWanted::Last);
+    let t = std::time::Instant::now();
+    assert!(c.forward(&b, &mut vec![0.0; 3]).is_err());
+    assert!(t.elapsed() < Duration::from_secs(5));
+    // A peer that accepts but never answers: the handshake times out.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let hold = std::thread::spawn(move || l.accept().map(|(s, _)| s));
+    let to = StageTimeouts {
+        connect: Duration::from_secs(1),
+        io: Duration::from_millis(300),
+    };
+    let e = StageClient::connect(addr, &hello(), to, None)
+        .err()
+        .unwrap();
+    assert!(matches!(e, KvError::Timeout { .. }), "{e}");
+    drop(hold.join());
+    // A stage that handshakes but then stalls in a forward: the forward times out.
+    let s = stalling_server(Duration::from_secs(2));
+    let mut c = StageClient::connect(s.addr(), &hello(), to, None).unwrap();
+    let t = std::time::Instant::now();
+    let e = c.forward(&b, &mut vec![0.0; 3]).unwrap_err();
+    assert!(matches!(e, KvError::Timeout { .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+}

@@ -1,0 +1,135 @@
+//! The seam between the pipeline and the device computing a stage: [`StageModel`] is one stage's layers
+//! and its share of the KV pool, on whichever device holds them. The pipeline backend runs its first
+//! stage through it and the stage server its later ones, so neither knows the device; [`CpuStage`] is
+//! the CPU model behind it, and the CUDA model implements it in `tandem-cuda`.
+
+use tandem_engine::DeviceSampling;
+use tandem_model::{
+    CpuLlama, ForwardBatch, KvCache, KvDtype, KvLayout, LlamaWeights, ModelConfig, ModelError,
+    Partition,
+};
+
+use crate::StageError;
+
+/// One pipeline stage's layers and KV pool on one device. Layers passed to the block operations are
+/// stage-local (0 = the stage's first layer); callers check them and the block ids first.
+pub trait StageModel: Send + 'static {
+    /// The whole model's hyper-parameters.
+    fn config(&self) -> &ModelConfig;
+    /// The layers this stage computes.
+    fn partition(&self) -> &Partition;
+    /// Element type of this device's KV cache (it sets how many blocks a byte budget holds).
+    fn kv_dtype(&self) -> KvDtype;
+    /// The stage's KV layout (its layers only), once the pool is sized.
+    fn pool(&self) -> Option<KvLayout>;
+    /// Allocates the KV pool: `num_blocks` blocks of `block_size` tokens for the stage's layers.
+    fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), StageError>;
+    /// Runs the stage's layers on one batch: from the tokens on the first stage (`hidden_in` None),
+    /// else from the previous stage's hidden states; `out` gets the next stage's hidden states, or the
+    /// batch's logits rows on the last stage.
+    fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        hidden_in: Option<&[f32]>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), StageError>;
+    /// Whether [`StageModel::forward_sampled`] works: a last stage that draws tokens where its logits
+    /// are (a GPU), so only token ids cross the links.
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+    /// [`StageModel::forward`] on the last stage, then one token per logits row drawn under `rows`.
+    fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        hidden_in: Option<&[f32]>,
+        rows: &[DeviceSampling],
+        out: &mut Vec<u32>,
+    ) -> Result<(), StageError> {
+        let _ = (batch, hidden_in, rows, out);
+        Err(StageError::NoDeviceSampling)
+    }
+    /// Copies one (stage-local layer, block) of KV out (`out` is one block's bytes).
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError>;
+    /// Overwrites one (stage-local layer, block) of KV.
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), StageError>;
+    /// Copies block `src` to `dst` in every layer of the stage.
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), StageError>;
+}
+
+/// A stage on the CPU: a partitioned [`CpuLlama`] and its f32 KV cache.
+pub struct CpuStage {
+    model: CpuLlama,
+    kv: Option<KvCache>,
+}
+
+impl CpuStage {
+    /// Builds the layers of `part` with `threads` kernel threads (0 = all cores); the pool is sized later.
+    pub fn new(
+        config: &ModelConfig,
+        weights: &LlamaWeights,
+        threads: usize,
+        part: Partition,
+    ) -> Result<CpuStage, ModelError> {
+        Ok(CpuStage {
+            model: CpuLlama::partitioned(config.clone(), weights, threads, part, None)?,
+            kv: None,
+        })
+    }
+
+    fn kv(&self) -> Result<&KvCache, StageError> {
+        self.kv.as_ref().ok_or(StageError::Unsized)
+    }
+
+    fn kv_mut(&mut self) -> Result<&mut KvCache, StageError> {
+        self.kv.as_mut().ok_or(StageError::Unsized)
+    }
+}
+
+impl StageModel for CpuStage {
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn partition(&self) -> &Partition {
+        self.model.partition()
+    }
+
+    fn kv_dtype(&self) -> KvDtype {
+        KvDtype::F32
+    }
+
+    fn pool(&self) -> Option<KvLayout> {
+        self.kv.as_ref().map(|kv| *kv.layout())
+    }
+
+    fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), StageError> {
+        self.kv = Some(KvCache::new(self.model.kv_layout(block_size, num_blocks)));
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        hidden_in: Option<&[f32]>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), StageError> {
+        let kv = self.kv.as_mut().ok_or(StageError::Unsized)?;
+        Ok(self.model.forward_stage(batch, kv, hidden_in, out)?)
+    }
+
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError> {
+        self.kv()?.export_block(layer, block, out);
+        Ok(())
+    }
+
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), StageError> {
+        self.kv_mut()?.import_block(layer, block, data);
+        Ok(())
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), StageError> {
+        self.kv_mut()?.copy_block(src, dst);
+        Ok(())
+    }
+}
