@@ -50,25 +50,29 @@ stop() { # the server started last, and with it its workers and stages
   sleep 2
 }
 
-# Greedy completions of fixed token prompts, one request at a time (so every step has the same batch).
-greedy() { # name vocab lens...
-  local name="$1" vocab="$2"
-  shift 2
-  python3 - "$work/greedy-$name.json" "$vocab" "$@" <<'PY'
+# Greedy completions of fixed token prompts, one request at a time (so every step has the same batch);
+# with logprobs (logits to the host sampler) when logprobs is 1, else drawn on the GPU.
+greedy() { # name vocab logprobs lens...
+  local name="$1" vocab="$2" lp="$3"
+  shift 3
+  python3 - "$work/greedy-$name.json" "$vocab" "$lp" "$@" <<'PY'
 import json, sys, urllib.request
-path, vocab, lens = sys.argv[1], int(sys.argv[2]), [int(n) for n in sys.argv[3:]]
+path, vocab, lp, lens = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", [int(n) for n in sys.argv[4:]]
 base = "http://127.0.0.1:8000/v1"
 model = json.load(urllib.request.urlopen(base + "/models", timeout=30))["data"][0]["id"]
 out = []
 for n in lens:
     prompt = [(i * 7919 + n) % (vocab - 20) + 10 for i in range(n)]
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0,
-                       "ignore_eos": True}).encode()
+    body = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    if lp:
+        body["logprobs"] = 1
+    body = json.dumps(body).encode()
     req = urllib.request.Request(base + "/completions", body, {"content-type": "application/json"})
     r = json.load(urllib.request.urlopen(req, timeout=300))
-    out.append(r["choices"][0]["text"])
+    c = r["choices"][0]
+    out.append([c["text"], c["logprobs"]["tokens"] if lp else None])
 json.dump(out, open(path, "w"))
-print(path, "greedy lengths", [len(t) for t in out])
+print(path, "greedy text lengths", [len(t[0]) for t in out])
 PY
 }
 same() { # label a b
@@ -112,20 +116,20 @@ fi
 
 if [[ "$what" == *" tiny "* || "$what" == *" pd "* ]]; then
   echo "== tiny model: PP=1 and PP=2 greedy"
-  serve tiny1 "$TINY_DIR" "engine: {device: cuda, kv_cache_memory: 2GiB, $engine}" && greedy tiny1 1024 $tiny_lens
+  serve tiny1 "$TINY_DIR" "engine: {device: cuda, kv_cache_memory: 2GiB, $engine}" && greedy tiny1 1024 1 $tiny_lens
   stop
   serve tiny2 "$TINY_DIR" "engine: {device: cuda, kv_cache_memory: 2GiB, $engine, pipeline_parallel_size: 2}" &&
-    greedy tiny2 1024 $tiny_lens
+    greedy tiny2 1024 1 $tiny_lens
   stop
   same "tiny PP=2 greedy == PP=1 greedy" tiny1 tiny2
 fi
 if [[ "$what" == *" 8b "* ]]; then
   echo "== 8B shape: PP=1, PP=2 (micro-batches 1 and 2)"
   serve big1 "$MODEL_DIR" "engine: {device: cuda, kv_cache_memory: 48GiB, $engine}" &&
-    { greedy big1 128256 $big_lens; c64 pp1-c64; }
+    { greedy big1 128256 0 $big_lens; c64 pp1-c64; }
   stop
   serve big2 "$MODEL_DIR" "engine: {device: cuda, kv_cache_memory: 48GiB, $engine, pipeline_parallel_size: 2, pipeline_micro_batches: 1}" &&
-    { greedy big2 128256 $big_lens; c64 pp2-mb1-c64; }
+    { greedy big2 128256 0 $big_lens; c64 pp2-mb1-c64; }
   stop
   same "8B PP=2 greedy == PP=1 greedy" big1 big2
   serve big2mb2 "$MODEL_DIR" "engine: {device: cuda, kv_cache_memory: 48GiB, $engine, pipeline_parallel_size: 2, pipeline_micro_batches: 2}" &&
@@ -138,11 +142,11 @@ if [[ "$what" == *" pd "* ]]; then
       "  decode: {replicas: 1, engine: {pipeline_parallel_size: 2}}" "  kv_transfer: {transport: tcp}"
   }
   echo "== 1P1D, decode a 2-stage pipeline"
-  serve pdtiny "$TINY_DIR" "$(pd_yaml 1GiB)" && greedy pdtiny 1024 $tiny_lens
+  serve pdtiny "$TINY_DIR" "$(pd_yaml 1GiB)" && greedy pdtiny 1024 1 $tiny_lens
   stop
   same "tiny P/D (pipelined decode) greedy == colocated greedy" tiny1 pdtiny
   if [ -s "$work/greedy-big1.json" ]; then
-    serve pdbig "$MODEL_DIR" "$(pd_yaml 24GiB)" && greedy pdbig 128256 $big_lens
+    serve pdbig "$MODEL_DIR" "$(pd_yaml 24GiB)" && greedy pdbig 128256 0 $big_lens
     stop
     same "8B P/D (pipelined decode) greedy == colocated greedy" big1 pdbig
   fi

@@ -3,7 +3,7 @@
 
 use tandem_engine::DeviceSampling;
 use tandem_model::{ForwardBatch, KvDtype, KvLayout, LlamaWeights, ModelConfig, Partition};
-use tandem_pipeline::{StageError, StageModel};
+use tandem_pipeline::{Activations, StageError, StageModel};
 
 use crate::error::CudaError;
 use crate::model::{CudaLlama, SampleRow, WeightSource};
@@ -82,6 +82,10 @@ impl StageModel for CudaStage {
         KvDtype::Bf16
     }
 
+    fn activations(&self) -> Activations {
+        Activations::Bf16
+    }
+
     fn pool(&self) -> Option<KvLayout> {
         self.model.as_ref().map(|m| m.kv_layout())
     }
@@ -106,8 +110,8 @@ impl StageModel for CudaStage {
     fn forward(
         &mut self,
         batch: &ForwardBatch,
-        hidden_in: Option<&[f32]>,
-        out: &mut Vec<f32>,
+        hidden_in: Option<&[u8]>,
+        out: &mut Vec<u8>,
     ) -> Result<(), StageError> {
         self.model_mut()?
             .forward_stage(batch, hidden_in, out)
@@ -121,7 +125,7 @@ impl StageModel for CudaStage {
     fn forward_sampled(
         &mut self,
         batch: &ForwardBatch,
-        hidden_in: Option<&[f32]>,
+        hidden_in: Option<&[u8]>,
         rows: &[DeviceSampling],
         out: &mut Vec<u32>,
     ) -> Result<(), StageError> {

@@ -9,12 +9,12 @@ use tandem_kv::KvError;
 use tandem_model::{ForwardBatch, KvLayout, ModelIdentity, Partition};
 
 use crate::link::StageClient;
-use crate::model::StageModel;
+use crate::model::{extend_f32, StageModel};
 use crate::{hello, PipelineConfig, PipelineError, StageError};
 
-/// A micro-batch on its way through the stages: its index, its hidden states (logits rows once back
-/// from a last stage that returns logits) and its drawn tokens (from one that samples).
-type InFlight = (usize, Vec<f32>, Vec<u32>);
+/// A micro-batch on its way through the stages: its index, its hidden states (f32 logits rows once
+/// back from a last stage that returns logits) and its drawn tokens (from one that samples).
+type InFlight = (usize, Vec<u8>, Vec<u32>);
 
 /// A remote stage as the first stage sees it.
 struct Link {
@@ -60,7 +60,7 @@ pub struct PipelineBackend {
     /// The step's micro-batches, reused across steps.
     mbs: Vec<ForwardBatch>,
     /// Per micro-batch: hidden states on the way out, logits on the way back; reused across steps.
-    bufs: Vec<Vec<f32>>,
+    bufs: Vec<Vec<u8>>,
     /// Per micro-batch: tokens drawn by a last stage that samples; reused across steps.
     ids: Vec<Vec<u32>>,
     /// Whatever must live exactly as long as the backend (the stage processes a worker started);
@@ -110,13 +110,11 @@ impl PipelineBackend {
             let stage = i + 1;
             let part = Partition::stage(config, stage, stages)?;
             let h = hello(
-                config,
+                &*model,
                 identity,
                 &part,
-                stage,
-                stages,
-                cfg.block_size,
-                num_blocks,
+                (stage, stages),
+                (cfg.block_size, num_blocks),
             );
             let client =
                 StageClient::connect(addr.as_str(), &h, cfg.timeouts, cfg.cluster_key.as_ref())
@@ -205,11 +203,18 @@ impl PipelineBackend {
     ) -> Result<(), BackendError> {
         let to_err = |e: StageError| BackendError::new(format!("pipeline stage 0: {e}"));
         if self.links.is_empty() {
-            return match rows {
-                Some(rows) => self.model.forward_sampled(batch, None, rows, ids),
-                None => self.model.forward(batch, None, logits),
+            if let Some(rows) = rows {
+                return self
+                    .model
+                    .forward_sampled(batch, None, rows, ids)
+                    .map_err(to_err);
             }
-            .map_err(to_err);
+            self.bufs.resize_with(self.bufs.len().max(1), Vec::new);
+            self.model
+                .forward(batch, None, &mut self.bufs[0])
+                .map_err(to_err)?;
+            extend_f32(logits, &self.bufs[0]);
+            return Ok(());
         }
         if batch.seqs.is_empty() {
             return Ok(());
@@ -311,9 +316,7 @@ impl PipelineBackend {
         result?;
         match rows {
             Some(_) => self.ids[..m].iter().for_each(|b| ids.extend_from_slice(b)),
-            None => self.bufs[..m]
-                .iter()
-                .for_each(|b| logits.extend_from_slice(b)),
+            None => self.bufs[..m].iter().for_each(|b| extend_f32(logits, b)),
         }
         Ok(())
     }

@@ -10,7 +10,8 @@
 //! same block ids for its own layers), and block export/import/copy are routed to the stage that owns
 //! the layer, so KV leaves a pipelined worker in the canonical layout.
 //!
-//! Hidden states cross the links as f32 rows (exact for a GPU's bf16 residual stream). When the last
+//! Hidden states cross the links in the stages' own element type ([`Activations`]: f32 on CPU, the
+//! bf16 residual stream on GPUs), so nothing is converted or rounded on the way. When the last
 //! stage draws tokens on its device ([`StageModel::samples_on_device`]), the backend's
 //! `forward_sampled` sends the sampling rows along and only token ids come back, never logits rows.
 //!
@@ -42,10 +43,10 @@ mod model;
 mod stage;
 
 use tandem_kv::KvError;
-use tandem_model::{ModelConfig, ModelError, ModelIdentity, Partition};
+use tandem_model::{ModelError, ModelIdentity, Partition};
 
 pub use backend::PipelineBackend;
-pub use link::{StageServer, StageTimeouts};
+pub use link::{Activations, StageServer, StageTimeouts};
 pub use model::{CpuStage, StageModel};
 pub use stage::{serve_stage, StageError};
 
@@ -100,15 +101,14 @@ pub struct PipelineConfig {
     pub cluster_key: Option<tandem_kv::ClusterKey>,
 }
 
-/// The handshake both ends of the link to `stage` agree on.
+/// The handshake both ends of the link to `stage` of `stages` agree on: `model` gives the model and
+/// the activations, `part` the stage's layers, `pool` its (block size, block count).
 pub(crate) fn hello(
-    config: &ModelConfig,
+    model: &dyn StageModel,
     identity: &ModelIdentity,
     part: &Partition,
-    stage: usize,
-    stages: usize,
-    block_size: usize,
-    num_blocks: usize,
+    (stage, stages): (usize, usize),
+    (block_size, num_blocks): (usize, usize),
 ) -> StageHello {
     StageHello {
         model_id: identity.0.clone(),
@@ -116,7 +116,8 @@ pub(crate) fn hello(
         stages,
         layer_start: part.layers.start,
         layer_end: part.layers.end,
-        hidden_size: config.hidden_size,
+        hidden_size: model.config().hidden_size,
+        activations: model.activations(),
         block_size,
         num_blocks,
         samples: false,

@@ -11,8 +11,9 @@
 //!   client's block size and block count.
 //! - `StageForward` → `StageReply`: the header's `transfer_id` is the request number (echoed in the reply),
 //!   `layer` the length of the JSON [`ForwardBatch`] that starts the payload, and the rest of the payload
-//!   the raw little-endian f32 hidden states (tokens × hidden). The reply's payload is raw f32: the next
-//!   stage's hidden states, or logits rows from the last stage. With `n_blocks` non-zero (only to a last
+//!   the raw hidden states (tokens × hidden, little-endian, in the stages' [`Activations`] type: f32 on
+//!   CPU, the bf16 residual stream on GPUs). The reply's payload is the next stage's hidden states, or
+//!   f32 logits rows from the last stage. With `n_blocks` non-zero (only to a last
 //!   stage whose hello says `samples`), the batch is followed by `n_blocks` bytes of JSON
 //!   [`DeviceSampling`] rows, one per logits row, and the reply is the drawn token ids as little-endian
 //!   u32: the logits never cross the link.
@@ -42,6 +43,36 @@ use tandem_kv::auth::{self, AuthChallenge, AuthProof};
 use tandem_kv::wire::{FrameHeader, FrameKind, WireError, HEADER_LEN, MAX_CONTROL_LEN};
 use tandem_kv::{check_field, ClusterKey, KvError};
 
+/// Element type of the hidden states crossing a link: what the stages' models keep their residual
+/// stream in, so nothing is converted on the way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Activations {
+    /// 32-bit floats (the CPU model).
+    F32,
+    /// bfloat16 (the CUDA model).
+    Bf16,
+}
+
+impl Activations {
+    /// Bytes of one element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Activations::F32 => 4,
+            Activations::Bf16 => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for Activations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Activations::F32 => "f32",
+            Activations::Bf16 => "bf16",
+        })
+    }
+}
+
 /// What both ends of a stage link must agree on before any activation or KV byte crosses it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StageHello {
@@ -57,6 +88,8 @@ pub struct StageHello {
     pub layer_end: usize,
     /// Width of one hidden-state row.
     pub hidden_size: usize,
+    /// Element type of the hidden states (a CPU stage and a GPU stage do not mix).
+    pub activations: Activations,
     /// Tokens per KV block (the engine's block pool is shared by all stages).
     pub block_size: usize,
     /// Blocks in the KV pool; block ids travel in the batch, so every stage needs the same pool.
@@ -76,6 +109,7 @@ impl StageHello {
         check_field("layer_start", &l.layer_start, &r.layer_start)?;
         check_field("layer_end", &l.layer_end, &r.layer_end)?;
         check_field("hidden_size", &l.hidden_size, &r.hidden_size)?;
+        check_field("activations", &l.activations, &r.activations)?;
         check_field("block_size", &l.block_size, &r.block_size)?;
         check_field("num_blocks", &l.num_blocks, &r.num_blocks)
     }
@@ -97,12 +131,6 @@ impl Default for StageTimeouts {
             io: Duration::from_secs(60),
         }
     }
-}
-
-/// Views f32s as their bytes (little-endian on every platform this runs on), so payloads move without
-/// per-element serialization.
-fn f32_bytes(v: &[f32]) -> &[u8] {
-    bytemuck::cast_slice(v)
 }
 
 fn io_err(context: &'static str, timeout: Duration) -> impl FnOnce(std::io::Error) -> KvError {
@@ -279,7 +307,7 @@ impl Conn {
         id: u64,
         batch: &ForwardBatch,
         rows: Option<&[DeviceSampling]>,
-        hidden: &[f32],
+        hidden: &[u8],
     ) -> Result<u64, KvError> {
         let meta = serde_json::to_vec(batch)
             .map_err(|e| KvError::Protocol(format!("encode batch: {e}")))?;
@@ -291,7 +319,7 @@ impl Conn {
         let mut h = FrameHeader::control(FrameKind::StageForward, id, 0);
         h.layer = meta.len() as u32;
         h.n_blocks = rows.len() as u32;
-        self.send(h, &[&meta, &rows, f32_bytes(hidden)])?;
+        self.send(h, &[&meta, &rows, hidden])?;
         let r = self.expect(FrameKind::StageReply)?;
         if r.transfer_id != id {
             return Err(KvError::Protocol(format!(
@@ -317,15 +345,12 @@ impl Conn {
             .map_err(|e| KvError::Protocol(format!("decode {what}: {e}")))
     }
 
-    /// Reads a raw f32 payload into `out` (resized to fit), without an intermediate copy.
-    fn f32_payload(&mut self, len: u64, out: &mut Vec<f32>) -> Result<(), KvError> {
-        if !len.is_multiple_of(4) {
-            return Err(KvError::Protocol(format!(
-                "f32 payload of {len} bytes is not a whole number of floats"
-            )));
-        }
-        out.resize(len as usize / 4, 0.0);
-        self.read_into(bytemuck::cast_slice_mut(out))
+    /// Reads a raw payload of `len` bytes into `out` (resized to fit).
+    fn bytes_payload(&mut self, len: u64, out: &mut Vec<u8>) -> Result<(), KvError> {
+        let len =
+            usize::try_from(len).map_err(|_| KvError::Protocol("payload too large".into()))?;
+        out.resize(len, 0);
+        self.read_into(out)
     }
 }
 
@@ -410,11 +435,11 @@ impl StageClient {
     }
 
     /// Sends `batch` with its hidden states `buf` (tokens × hidden) and replaces `buf` with the reply:
-    /// the next stage's hidden states, or the batch's logits rows from the last stage.
-    pub fn forward(&mut self, batch: &ForwardBatch, buf: &mut Vec<f32>) -> Result<(), KvError> {
+    /// the next stage's hidden states, or the batch's f32 logits rows from the last stage.
+    pub fn forward(&mut self, batch: &ForwardBatch, buf: &mut Vec<u8>) -> Result<(), KvError> {
         self.guarded(|c, id| {
             let len = c.request(id, batch, None, buf)?;
-            c.f32_payload(len, buf)
+            c.bytes_payload(len, buf)
         })
     }
 
@@ -424,7 +449,7 @@ impl StageClient {
         &mut self,
         batch: &ForwardBatch,
         rows: &[DeviceSampling],
-        buf: &[f32],
+        buf: &[u8],
         ids: &mut Vec<u32>,
     ) -> Result<(), KvError> {
         self.guarded(|c, id| {
@@ -496,18 +521,19 @@ pub trait StageHandler: Send + 'static {
     fn hello(&self) -> StageHello;
     /// Allocates the KV pool for the client's block size and count (only while unsized).
     fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), Self::Error>;
-    /// Runs the stage's layers on one batch: `hidden_in` from the previous stage, `out` for the next.
+    /// Runs the stage's layers on one batch: `hidden_in` from the previous stage, `out` for the next
+    /// (or f32 logits rows from the last stage).
     fn forward(
         &mut self,
         batch: &ForwardBatch,
-        hidden_in: &[f32],
-        out: &mut Vec<f32>,
+        hidden_in: &[u8],
+        out: &mut Vec<u8>,
     ) -> Result<(), Self::Error>;
     /// Runs the last stage's layers and draws one token per logits row under `rows` into `out`.
     fn forward_sampled(
         &mut self,
         batch: &ForwardBatch,
-        hidden_in: &[f32],
+        hidden_in: &[u8],
         rows: &[DeviceSampling],
         out: &mut Vec<u32>,
     ) -> Result<(), Self::Error>;
@@ -663,8 +689,8 @@ fn serve_conn<H: StageHandler>(
     c.stream
         .set_read_timeout(None)
         .map_err(io_err("configuring a stage socket", io))?;
-    let mut hidden: Vec<f32> = Vec::new();
-    let mut out: Vec<f32> = Vec::new();
+    let mut hidden: Vec<u8> = Vec::new();
+    let mut out: Vec<u8> = Vec::new();
     let mut ids: Vec<u32> = Vec::new();
     let mut block: Vec<u8> = Vec::new();
     loop {
@@ -689,7 +715,7 @@ fn serve_conn<H: StageHandler>(
                     0 => None,
                     n => Some(c.json_part(n, "sampling rows")?),
                 };
-                c.f32_payload(h.payload_len - meta_len - rows_len, &mut hidden)?;
+                c.bytes_payload(h.payload_len - meta_len - rows_len, &mut hidden)?;
                 let mut reply = FrameHeader::control(FrameKind::StageReply, h.transfer_id, 0);
                 match rows {
                     None => handler.forward(&batch, &hidden, &mut out).map(|()| reply),
@@ -736,7 +762,7 @@ fn serve_conn<H: StageHandler>(
                 FrameKind::StageReply if r.n_blocks == 1 => {
                     c.send(r, &[bytemuck::cast_slice(&ids)])?
                 }
-                FrameKind::StageReply => c.send(r, &[f32_bytes(&out)])?,
+                FrameKind::StageReply => c.send(r, &[&out])?,
                 FrameKind::StageBlock => c.send(r, &[&block])?,
                 _ => c.send(r, &[])?,
             },

@@ -9,7 +9,17 @@ use tandem_model::{
     Partition,
 };
 
+use crate::link::Activations;
 use crate::StageError;
+
+/// Appends little-endian f32 `bytes` to `out` (a payload's bytes need not be 4-aligned).
+pub(crate) fn extend_f32(out: &mut Vec<f32>, bytes: &[u8]) {
+    out.extend(
+        bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+    );
+}
 
 /// One pipeline stage's layers and KV pool on one device. Layers passed to the block operations are
 /// stage-local (0 = the stage's first layer); callers check them and the block ids first.
@@ -20,18 +30,21 @@ pub trait StageModel: Send + 'static {
     fn partition(&self) -> &Partition;
     /// Element type of this device's KV cache (it sets how many blocks a byte budget holds).
     fn kv_dtype(&self) -> KvDtype;
+    /// Element type of the hidden states this stage takes and gives (its residual stream's).
+    fn activations(&self) -> Activations;
     /// The stage's KV layout (its layers only), once the pool is sized.
     fn pool(&self) -> Option<KvLayout>;
     /// Allocates the KV pool: `num_blocks` blocks of `block_size` tokens for the stage's layers.
     fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), StageError>;
     /// Runs the stage's layers on one batch: from the tokens on the first stage (`hidden_in` None),
-    /// else from the previous stage's hidden states; `out` gets the next stage's hidden states, or the
-    /// batch's logits rows on the last stage.
+    /// else from the previous stage's hidden states (little-endian [`StageModel::activations`]); `out`
+    /// gets the next stage's hidden states, or the batch's logits rows (little-endian f32) on the last
+    /// stage.
     fn forward(
         &mut self,
         batch: &ForwardBatch,
-        hidden_in: Option<&[f32]>,
-        out: &mut Vec<f32>,
+        hidden_in: Option<&[u8]>,
+        out: &mut Vec<u8>,
     ) -> Result<(), StageError>;
     /// Whether [`StageModel::forward_sampled`] works: a last stage that draws tokens where its logits
     /// are (a GPU), so only token ids cross the links.
@@ -42,7 +55,7 @@ pub trait StageModel: Send + 'static {
     fn forward_sampled(
         &mut self,
         batch: &ForwardBatch,
-        hidden_in: Option<&[f32]>,
+        hidden_in: Option<&[u8]>,
         rows: &[DeviceSampling],
         out: &mut Vec<u32>,
     ) -> Result<(), StageError> {
@@ -61,6 +74,9 @@ pub trait StageModel: Send + 'static {
 pub struct CpuStage {
     model: CpuLlama,
     kv: Option<KvCache>,
+    /// The step's hidden states in and out as f32 (reused).
+    input: Vec<f32>,
+    output: Vec<f32>,
 }
 
 impl CpuStage {
@@ -74,6 +90,8 @@ impl CpuStage {
         Ok(CpuStage {
             model: CpuLlama::partitioned(config.clone(), weights, threads, part, None)?,
             kv: None,
+            input: Vec::new(),
+            output: Vec::new(),
         })
     }
 
@@ -99,6 +117,10 @@ impl StageModel for CpuStage {
         KvDtype::F32
     }
 
+    fn activations(&self) -> Activations {
+        Activations::F32
+    }
+
     fn pool(&self) -> Option<KvLayout> {
         self.kv.as_ref().map(|kv| *kv.layout())
     }
@@ -111,11 +133,20 @@ impl StageModel for CpuStage {
     fn forward(
         &mut self,
         batch: &ForwardBatch,
-        hidden_in: Option<&[f32]>,
-        out: &mut Vec<f32>,
+        hidden_in: Option<&[u8]>,
+        out: &mut Vec<u8>,
     ) -> Result<(), StageError> {
         let kv = self.kv.as_mut().ok_or(StageError::Unsized)?;
-        Ok(self.model.forward_stage(batch, kv, hidden_in, out)?)
+        let input = hidden_in.map(|b| {
+            self.input.clear();
+            extend_f32(&mut self.input, b);
+            &self.input[..]
+        });
+        self.model
+            .forward_stage(batch, kv, input, &mut self.output)?;
+        out.clear();
+        out.extend_from_slice(bytemuck::cast_slice(&self.output));
+        Ok(())
     }
 
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError> {

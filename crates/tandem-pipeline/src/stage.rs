@@ -94,13 +94,11 @@ impl StageHandler for Hosted {
             .pool()
             .map_or((0, 0), |l| (l.block_size, l.num_blocks));
         let mut h = hello(
-            self.model.config(),
+            &*self.model,
             &self.model_id,
             self.model.partition(),
-            self.stage,
-            self.stages,
-            bs,
-            nb,
+            (self.stage, self.stages),
+            (bs, nb),
         );
         h.samples = self.model.samples_on_device();
         h
@@ -126,8 +124,8 @@ impl StageHandler for Hosted {
     fn forward(
         &mut self,
         batch: &ForwardBatch,
-        hidden_in: &[f32],
-        out: &mut Vec<f32>,
+        hidden_in: &[u8],
+        out: &mut Vec<u8>,
     ) -> Result<(), StageError> {
         self.model.forward(batch, Some(hidden_in), out)
     }
@@ -135,7 +133,7 @@ impl StageHandler for Hosted {
     fn forward_sampled(
         &mut self,
         batch: &ForwardBatch,
-        hidden_in: &[f32],
+        hidden_in: &[u8],
         rows: &[DeviceSampling],
         out: &mut Vec<u32>,
     ) -> Result<(), StageError> {

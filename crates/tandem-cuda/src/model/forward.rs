@@ -10,7 +10,7 @@ use super::launch::{KernelArg, SeqAttnArgs};
 use super::CudaLlama;
 use crate::error::CudaError;
 use crate::kernels::{self, DECODE_PARTITION_SMALL};
-use crate::memory::{bf16_bits, BF16, STAGING_CHUNK};
+use crate::memory::{BF16, STAGING_CHUNK};
 use crate::options::AttnMode;
 use crate::plan::Region;
 
@@ -411,33 +411,21 @@ impl CudaLlama {
         batch: &ForwardBatch,
         logits: &mut Vec<f32>,
     ) -> Result<(), CudaError> {
-        self.forward_stage(batch, None, logits)
+        self.ctx.bind_to_thread()?;
+        logits.clear();
+        let graph = self.prepare(batch)?;
+        self.load_hidden(None, batch.tokens.len())?;
+        self.logits_of(graph, batch, logits)
     }
 
-    /// Runs this instance's layers on one step: from the tokens when it holds layer 0, else from
-    /// `hidden` (the previous pipeline stage's residual stream, tokens × hidden); returns logits rows
-    /// when it holds the last layer, else its residual stream for the next stage. The residual is
-    /// bf16 on the device, so the fp32 values on the wire are exact and a pipeline computes what the
-    /// whole model does, bit for bit.
-    pub fn forward_stage(
+    /// The device work of a step after planning (through graph `graph` when non-zero): the body,
+    /// then the head, its logits rows copied into `logits`.
+    pub(super) fn logits_of(
         &mut self,
+        graph: usize,
         batch: &ForwardBatch,
-        hidden: Option<&[f32]>,
-        out: &mut Vec<f32>,
+        logits: &mut Vec<f32>,
     ) -> Result<(), CudaError> {
-        self.ctx.bind_to_thread()?;
-        out.clear();
-        let graph = self.prepare(batch)?;
-        self.load_hidden(hidden, batch.tokens.len())?;
-        if !self.is_last() {
-            if graph > 0 {
-                self.run_graph(graph)?;
-            } else if self.plan.num_tokens() > 0 {
-                self.enqueue_body(self.plan.num_tokens(), false)?;
-            }
-            return self.copy_hidden(batch.tokens.len(), out);
-        }
-        let logits = out;
         let rows = batch.logits_rows();
         let v = self.config.vocab_size;
         logits.resize(rows * v, 0.0);
@@ -461,64 +449,6 @@ impl CudaLlama {
         }
         self.stream.synchronize()?;
         Ok(())
-    }
-
-    /// Puts a previous stage's residual stream (`n` rows) into x, or checks that none is due on the
-    /// stage that embeds tokens.
-    pub(super) fn load_hidden(
-        &mut self,
-        hidden: Option<&[f32]>,
-        n: usize,
-    ) -> Result<(), CudaError> {
-        let h = self.config.hidden_size;
-        match (hidden, self.is_first()) {
-            (None, true) => Ok(()),
-            (Some(x), false) if x.len() == n * h => {
-                let mut bits = std::mem::take(&mut self.hidden_host);
-                bits.clear();
-                bits.extend(x.iter().map(|&v| bf16_bits(v)));
-                // SAFETY: x holds at least n rows (the plan was checked against the buffers); a
-                // pageable copy is staged before the call returns, so `bits` may be reused after.
-                let r = unsafe {
-                    drv_result::memcpy_htod_async(
-                        self.acts.x.ptr,
-                        &bits[..],
-                        self.stream.cu_stream(),
-                    )
-                };
-                self.hidden_host = bits;
-                r?;
-                Ok(())
-            }
-            (Some(x), false) => Err(CudaError::Batch(format!(
-                "{} hidden values for {n} tokens of width {h}",
-                x.len()
-            ))),
-            (None, false) => Err(CudaError::Batch(format!(
-                "layers {:?} need the previous stage's hidden states",
-                self.layers()
-            ))),
-            (Some(_), true) => Err(CudaError::Batch(
-                "the stage holding layer 0 embeds tokens; it takes no hidden states".into(),
-            )),
-        }
-    }
-
-    /// Copies the first `n` rows of the residual stream to `out` as fp32 (exact: they are bf16).
-    fn copy_hidden(&mut self, n: usize, out: &mut Vec<f32>) -> Result<(), CudaError> {
-        let mut bits = std::mem::take(&mut self.hidden_host);
-        bits.clear();
-        bits.resize(n * self.config.hidden_size, 0);
-        // SAFETY: x holds at least n rows; the stream is synchronised before `bits` is read.
-        let r = unsafe {
-            drv_result::memcpy_dtoh_async(&mut bits[..], self.acts.x.ptr, self.stream.cu_stream())
-        }
-        .map_err(CudaError::from)
-        .and_then(|()| Ok(self.stream.synchronize()?));
-        out.clear();
-        out.extend(bits.iter().map(|&b| f32::from_bits(u32::from(b) << 16)));
-        self.hidden_host = bits;
-        r
     }
 
     /// Copies `rows` rows of logits to `dst` through the pinned staging buffer, two slots deep: the

@@ -15,6 +15,7 @@ mod gemv;
 mod graphs;
 mod kv_io;
 mod sample;
+mod stage_io;
 mod upload;
 
 use std::sync::Arc;
@@ -118,8 +119,11 @@ pub struct CudaLlama {
     /// so a step allocates nothing).
     pick_ids: Vec<i32>,
     pick_words: Vec<u32>,
-    /// Host scratch of a pipeline stage's residual stream (bf16 bits), in or out.
-    hidden_host: Vec<u16>,
+    /// Page-locked staging of a pipeline stage's residual stream, in or out (`max_tokens` rows);
+    /// only on an instance that does not hold the whole model.
+    hidden_pinned: Option<PinnedBuf>,
+    /// Host scratch of a last stage's logits before they become bytes.
+    stage_logits: Vec<f32>,
     /// Page-locked staging of one KV block for export/import (the P/D transfer's host side); a
     /// mutex because export takes `&self`.
     kv_staging: std::sync::Mutex<PinnedBuf>,
@@ -373,6 +377,11 @@ impl CudaLlama {
         )?;
         let kv_staging =
             std::sync::Mutex::new(PinnedBuf::new(&ctx, layout.block_bytes().div_ceil(4))?);
+        let hidden_pinned = if range == (0..c.num_layers) {
+            None
+        } else {
+            Some(PinnedBuf::new(&ctx, (max_tokens * h * BF16).div_ceil(4))?)
+        };
         stream.synchronize()?;
         let (free, total) = ctx.mem_get_info()?;
         tracing::info!(
@@ -408,7 +417,8 @@ impl CudaLlama {
             staging,
             pick_ids: Vec::new(),
             pick_words: Vec::new(),
-            hidden_host: Vec::new(),
+            hidden_pinned,
+            stage_logits: Vec::new(),
             kv_staging,
             mover,
             device_name,

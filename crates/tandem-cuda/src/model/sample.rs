@@ -140,7 +140,7 @@ impl CudaLlama {
     pub fn forward_stage_sampled(
         &mut self,
         batch: &ForwardBatch,
-        hidden: Option<&[f32]>,
+        hidden: Option<&[u8]>,
         rows: &[SampleRow],
         out: &mut Vec<u32>,
     ) -> Result<(), CudaError> {
@@ -160,7 +160,7 @@ impl CudaLlama {
     pub(super) fn forward_pick(
         &mut self,
         batch: &ForwardBatch,
-        hidden: Option<&[f32]>,
+        hidden: Option<&[u8]>,
         sample: Option<&[SampleRow]>,
         out: &mut Vec<u32>,
     ) -> Result<(), CudaError> {

@@ -3,6 +3,16 @@
 
 use super::*;
 
+fn bytes(v: &[f32]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+fn floats(b: &[u8]) -> Vec<f32> {
+    let mut v = Vec::new();
+    crate::model::extend_f32(&mut v, b);
+    v
+}
+
 fn hello() -> StageHello {
     StageHello {
         model_id: "m".into(),
@@ -11,6 +21,7 @@ fn hello() -> StageHello {
         layer_start: 2,
         layer_end: 4,
         hidden_size: 3,
+        activations: Activations::F32,
         block_size: 4,
         num_blocks: 8,
         samples: false,
@@ -55,25 +66,26 @@ impl StageHandler for Doubler {
     fn forward(
         &mut self,
         b: &ForwardBatch,
-        x: &[f32],
-        out: &mut Vec<f32>,
+        x: &[u8],
+        out: &mut Vec<u8>,
     ) -> Result<(), DoublerError> {
         std::thread::sleep(self.stall);
+        let x = floats(x);
         if x.len() != b.tokens.len() * 3 {
             return Err(DoublerError::BadHidden);
         }
-        out.clear();
-        out.extend(x.iter().map(|v| v * 2.0));
+        *out = bytes(&x.iter().map(|v| v * 2.0).collect::<Vec<_>>());
         Ok(())
     }
     /// "Draws" each row's first hidden value plus its row's seed.
     fn forward_sampled(
         &mut self,
         b: &ForwardBatch,
-        x: &[f32],
+        x: &[u8],
         rows: &[DeviceSampling],
         out: &mut Vec<u32>,
     ) -> Result<(), DoublerError> {
+        let x = floats(x);
         if x.len() != b.tokens.len() * 3 || rows.len() != b.logits_rows() {
             return Err(DoublerError::BadHidden);
         }
@@ -169,9 +181,9 @@ fn forward_and_blocks_round_trip() {
     let mut c = StageClient::connect(s.addr(), &hello(), StageTimeouts::default(), None).unwrap();
     let mut b = ForwardBatch::default();
     b.push(&[1, 2], 0, vec![0], tandem_model::LogitsWanted::Last);
-    let mut buf = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.5];
+    let mut buf = bytes(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.5]);
     c.forward(&b, &mut buf).unwrap();
-    assert_eq!(buf, [2.0, 4.0, 6.0, 8.0, 10.0, 13.0]);
+    assert_eq!(floats(&buf), [2.0, 4.0, 6.0, 8.0, 10.0, 13.0]);
     let mut all = ForwardBatch::default();
     all.push(&[1, 2], 0, vec![0], tandem_model::LogitsWanted::All);
     let row = |seed| DeviceSampling {
@@ -185,14 +197,14 @@ fn forward_and_blocks_round_trip() {
     c.forward_sampled(
         &all,
         &[row(10), row(20)],
-        &[7.0, 0.0, 0.0, 9.0, 0.0, 0.0],
+        &bytes(&[7.0, 0.0, 0.0, 9.0, 0.0, 0.0]),
         &mut ids,
     )
     .unwrap();
     assert_eq!(ids, [17, 29]);
-    // Plain forwards still carry f32 after a sampled one.
+    // Plain forwards still carry hidden states after a sampled one.
     c.forward(&b, &mut buf).unwrap();
-    assert_eq!(buf, [4.0, 8.0, 12.0, 16.0, 20.0, 26.0]);
+    assert_eq!(floats(&buf), [4.0, 8.0, 12.0, 16.0, 20.0, 26.0]);
     c.import_block(3, 5, &[9, 8, 7, 6]).unwrap();
     c.copy_block(5, 6).unwrap();
     let mut out = [0u8; 4];
@@ -210,6 +222,14 @@ fn forward_and_blocks_round_trip() {
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("mismatch accepted"),
     }
+    // A GPU stage's bf16 hidden states are not a CPU stage's f32 ones.
+    other = hello();
+    other.activations = Activations::Bf16;
+    let e = StageClient::connect(s.addr(), &other, StageTimeouts::default(), None)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("`activations`"), "{e}");
     other = hello();
     other.layer_start = 1;
     let e = StageClient::connect(s.addr(), &other, StageTimeouts::default(), None)
@@ -228,7 +248,7 @@ fn a_dead_or_silent_server_is_an_error_not_a_hang() {
     let mut b = ForwardBatch::default();
     b.push(&[1], 0, vec![0], tandem_model::LogitsWanted::Last);
     let t = std::time::Instant::now();
-    assert!(c.forward(&b, &mut vec![0.0; 3]).is_err());
+    assert!(c.forward(&b, &mut bytes(&[0.0; 3])).is_err());
     assert!(t.elapsed() < Duration::from_secs(5));
     // A peer that accepts but never answers: the handshake times out.
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -247,7 +267,7 @@ fn a_dead_or_silent_server_is_an_error_not_a_hang() {
     let s = stalling_server(Duration::from_secs(2));
     let mut c = StageClient::connect(s.addr(), &hello(), to, None).unwrap();
     let t = std::time::Instant::now();
-    let e = c.forward(&b, &mut vec![0.0; 3]).unwrap_err();
+    let e = c.forward(&b, &mut bytes(&[0.0; 3])).unwrap_err();
     assert!(matches!(e, KvError::Timeout { .. }), "{e}");
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
 }
