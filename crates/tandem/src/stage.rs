@@ -1,5 +1,6 @@
-//! `tandem stage`: hosts one later pipeline stage (layers of stage `I` of `N`) for one worker (a worker
-//! starts its stages on this host with `crate::process::spawn_local_stages`). With `TANDEM_CLUSTER_TOKEN`
+//! `tandem stage`: hosts one later pipeline stage (layers of stage `I` of `N`) for one worker, on the CPU
+//! or with `--device cuda` on GPU `--cuda-device` (a worker starts its stages on this host with
+//! `crate::process::spawn_local_stages`, passing its device, CUDA settings and step limits). With `TANDEM_CLUSTER_TOKEN`
 //! set (a worker's stages inherit it) only a worker proving the token is served.
 
 use std::io::Write;
