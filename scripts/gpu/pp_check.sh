@@ -3,9 +3,9 @@
 #   tiny     check.py's tiny random Llama (4 layers): greedy tokens of PP=2 == PP=1 (prompts of 1 to 700 tokens)
 #   8b       the 8B shape (random bf16 weights, MODEL_DIR made by make_model.py if missing): greedy PP=2 == PP=1,
 #            then output throughput at c64 (1,024 prompt / 128 output tokens) for PP=1 and PP=2 with
-#            micro-batches 1 and 2
+#            micro-batches 1 (the default on one GPU) and 2, and PP=1's TTFT at c1
 #   pd       1P1D over tcp whose decode worker is a 2-stage pipeline, on the tiny model and the 8B shape:
-#            greedy == the PP=1 colocated greedy above
+#            greedy == the PP=1 colocated greedy above; TTFT at c1 (1,024 tokens) against colocated PP=1
 # Results: $OUT/pp_bench.jsonl (one `tandem bench` summary per run, tagged), $OUT/pp_check.txt (PASS/FAIL
 # lines and the throughput ratios), and the serve logs.
 # Usage: OUT=dir TANDEM_BIN=path MODEL_DIR=dir MAKE_MODEL=path/make_model.py scripts/gpu/pp_check.sh [tiny] [8b] [pd]
@@ -97,6 +97,7 @@ for r in json.load(open(path))["runs"]:
 PY
 }
 c64() { bench "$1" --input-len 1024 --output-len 128 --num-prompts "$C64_PROMPTS" --max-concurrency 64 --warmup 8; }
+ttft() { bench "$1" --input-len 1024 --output-len 128 --num-prompts 12 --max-concurrency 1 --warmup 2; }
 
 engine="max_num_seqs: 256, max_waiting: 4096"
 tiny_lens="1 17 300 700"
@@ -126,9 +127,10 @@ fi
 if [[ "$what" == *" 8b "* ]]; then
   echo "== 8B shape: PP=1, PP=2 (micro-batches 1 and 2)"
   serve big1 "$MODEL_DIR" "engine: {device: cuda, kv_cache_memory: 48GiB, $engine}" &&
-    { greedy big1 128256 0 $big_lens; c64 pp1-c64; }
+    { greedy big1 128256 0 $big_lens; c64 pp1-c64; ttft pp1-ttft-1k; }
   stop
-  serve big2 "$MODEL_DIR" "engine: {device: cuda, kv_cache_memory: 48GiB, $engine, pipeline_parallel_size: 2, pipeline_micro_batches: 1}" &&
+  # Micro-batches left at their default: 1 when every stage shares one GPU.
+  serve big2 "$MODEL_DIR" "engine: {device: cuda, kv_cache_memory: 48GiB, $engine, pipeline_parallel_size: 2}" &&
     { greedy big2 128256 0 $big_lens; c64 pp2-mb1-c64; }
   stop
   same "8B PP=2 greedy == PP=1 greedy" big1 big2
@@ -146,7 +148,7 @@ if [[ "$what" == *" pd "* ]]; then
   stop
   same "tiny P/D (pipelined decode) greedy == colocated greedy" tiny1 pdtiny
   if [ -s "$work/greedy-big1.json" ]; then
-    serve pdbig "$MODEL_DIR" "$(pd_yaml 24GiB)" && greedy pdbig 128256 0 $big_lens
+    serve pdbig "$MODEL_DIR" "$(pd_yaml 24GiB)" && { greedy pdbig 128256 0 $big_lens; ttft pd-pp2-ttft-1k; }
     stop
     same "8B P/D (pipelined decode) greedy == colocated greedy" big1 pdbig
   fi

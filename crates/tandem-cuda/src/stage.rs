@@ -140,16 +140,36 @@ impl StageModel for CudaStage {
         r
     }
 
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError> {
-        self.model()?
-            .export_block(layer, block, out)
-            .map_err(device)
+    fn export_blocks(
+        &self,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), StageError> {
+        let m = self.model()?;
+        let n = m.kv_layout().block_bytes();
+        for (&b, o) in blocks.iter().zip(out.chunks_exact_mut(n)) {
+            m.export_block(layer, b, o).map_err(device)?;
+        }
+        Ok(())
     }
 
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), StageError> {
-        self.model_mut()?
-            .import_block(layer, block, data)
-            .map_err(device)
+    /// One bulk scatter through a page-locked buffer (the P/D import path), ordered before the next
+    /// step, rather than a synchronous copy per block.
+    fn import_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: &[u8],
+    ) -> Result<(), StageError> {
+        let m = self.model_mut()?;
+        let mut buf = m
+            .host_pool()
+            .take(data.len())
+            .map_err(|e| StageError::Device(Box::new(e)))?;
+        buf.as_mut_slice().copy_from_slice(data);
+        m.import_kv(layer, blocks, buf).map_err(device)?;
+        m.import_fence().map_err(device)
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), StageError> {

@@ -4,7 +4,10 @@
 use std::sync::mpsc;
 use std::sync::Mutex;
 
-use tandem_engine::{Backend, BackendError, BackendInfo, DeviceSampling};
+use tandem_engine::{
+    Backend, BackendError, BackendInfo, DeviceSampling, HostBuf, KvExport, ReadyExport,
+    StagedExport, StagedLayer, StagingSlice,
+};
 use tandem_kv::KvError;
 use tandem_model::{ForwardBatch, KvLayout, ModelIdentity, Partition};
 
@@ -179,15 +182,82 @@ impl PipelineBackend {
             .ok_or_else(|| BackendError::new(format!("layer {layer} beyond the model")))
     }
 
-    fn check_block(&self, block: u32) -> Result<(), BackendError> {
-        if (block as usize) < self.info.layout.num_blocks {
+    fn check_blocks(&self, blocks: &[u32]) -> Result<(), BackendError> {
+        match blocks
+            .iter()
+            .find(|&&b| b as usize >= self.info.layout.num_blocks)
+        {
+            None => Ok(()),
+            Some(b) => Err(BackendError::new(format!(
+                "block {b} beyond the pool of {}",
+                self.info.layout.num_blocks
+            ))),
+        }
+    }
+
+    /// Checks that `bytes` holds `blocks` blocks of every one of `layers` layers.
+    fn check_len(&self, blocks: &[u32], layers: usize, bytes: usize) -> Result<(), BackendError> {
+        let want = layers * blocks.len() * self.info.layout.block_bytes();
+        if bytes == want {
             Ok(())
         } else {
             Err(BackendError::new(format!(
-                "block {block} beyond the pool of {}",
-                self.info.layout.num_blocks
+                "{bytes} bytes for {} blocks of {layers} layers ({want} expected)",
+                blocks.len()
             )))
         }
+    }
+
+    /// Copies `blocks` of global `layer` into `out` (back to back) from the stage owning the layer, in
+    /// one request.
+    fn export_layer(
+        &self,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), BackendError> {
+        self.check_blocks(blocks)?;
+        self.check_len(blocks, 1, out.len())?;
+        match self.owner(layer)? {
+            None => self
+                .model
+                .export_blocks(layer, blocks, out)
+                .map_err(|e| stage0_err("export", e)),
+            Some(link) => link.call("export", |c| c.export_blocks(layer, blocks, out)),
+        }
+    }
+
+    /// Overwrites `blocks` of global `layer` from `data` (back to back) on the stage owning the layer,
+    /// in one request.
+    fn import_layer(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: &[u8],
+    ) -> Result<(), BackendError> {
+        self.check_blocks(blocks)?;
+        self.check_len(blocks, 1, data.len())?;
+        match self.owner(layer)? {
+            None => self
+                .model
+                .import_blocks(layer, blocks, data)
+                .map_err(|e| stage0_err("import", e)),
+            Some(link) => link.call("import", |c| c.import_blocks(layer, blocks, data)),
+        }
+    }
+
+    /// Copies every layer of `blocks` into `out`, layer-major, one request per layer.
+    fn export_layers(&self, blocks: &[u32], out: &mut [u8]) -> Result<(), BackendError> {
+        let layers = self.info.layout.n_layers;
+        self.check_len(blocks, layers, out.len())?;
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let per_layer = out.len() / layers;
+        for (layer, o) in out.chunks_exact_mut(per_layer).enumerate() {
+            self.export_layer(layer, blocks, o)?;
+        }
+        Ok(())
     }
 }
 
@@ -381,30 +451,58 @@ impl Backend for PipelineBackend {
     }
 
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
-        self.check_block(block)?;
-        match self.owner(layer)? {
-            None => self
-                .model
-                .export_block(layer, block, out)
-                .map_err(|e| stage0_err("export", e)),
-            Some(link) => link.call("export", |c| c.export_block(layer, block, out)),
-        }
+        self.export_layer(layer, &[block], out)
     }
 
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
-        self.check_block(block)?;
-        match self.owner(layer)? {
-            None => self
-                .model
-                .import_block(layer, block, data)
-                .map_err(|e| stage0_err("import", e)),
-            Some(link) => link.call("import", |c| c.import_block(layer, block, data)),
-        }
+        self.import_layer(layer, &[block], data)
+    }
+
+    fn export_kv(&mut self, blocks: &[u32]) -> Result<Box<dyn KvExport>, BackendError> {
+        let layout = self.info.layout;
+        let mut buf = self
+            .host_pool()
+            .take(layout.n_layers * blocks.len() * layout.block_bytes())?;
+        self.export_layers(blocks, buf.as_mut_slice())?;
+        Ok(Box::new(ReadyExport::new(buf, layout.n_layers.max(1))))
+    }
+
+    fn import_kv(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: HostBuf,
+    ) -> Result<(), BackendError> {
+        self.import_layer(layer, blocks, data.as_slice())
+    }
+
+    fn export_kv_staged(
+        &mut self,
+        blocks: &[u32],
+        mut dest: StagingSlice,
+    ) -> Result<Box<dyn KvExport>, BackendError> {
+        let kind = dest.kind();
+        let out = dest.host_bytes_mut().ok_or_else(|| {
+            BackendError::new(format!("a pipeline cannot export into {kind:?} staging"))
+        })?;
+        self.export_layers(blocks, out)?;
+        Ok(Box::new(StagedExport::new(
+            dest,
+            self.info.layout.n_layers.max(1),
+        )))
+    }
+
+    fn import_kv_staged(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        src: StagedLayer,
+    ) -> Result<(), BackendError> {
+        self.import_layer(layer, blocks, src.host_bytes()?)
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
-        self.check_block(src)?;
-        self.check_block(dst)?;
+        self.check_blocks(&[src, dst])?;
         self.model
             .copy_block(src, dst)
             .map_err(|e| stage0_err("copy", e))?;

@@ -17,8 +17,9 @@
 //!   stage whose hello says `samples`), the batch is followed by `n_blocks` bytes of JSON
 //!   [`DeviceSampling`] rows, one per logits row, and the reply is the drawn token ids as little-endian
 //!   u32: the logits never cross the link.
-//! - `StageExport{layer, first_block = block}` → `StageBlock` (the block's bytes);
-//!   `StageImport{layer, first_block = block, payload = bytes}` → `StageOk`;
+//! - `StageExport{layer, n_blocks, payload = block ids}` → `StageBlock` (the blocks' bytes back to back);
+//!   `StageImport{layer, n_blocks, payload = block ids, then their bytes}` → `StageOk` (ids as
+//!   little-endian u32: a request's blocks of one layer move in one round trip);
 //!   `StageCopy{first_block = src, n_blocks = dst}` → `StageOk`. Layers are global model layers; the server
 //!   refuses one it does not own.
 //!
@@ -471,15 +472,26 @@ impl StageClient {
         block: u32,
         out: &mut [u8],
     ) -> Result<(), KvError> {
+        self.export_blocks(layer, &[block], out)
+    }
+
+    /// Copies `blocks` of one global layer of the stage's KV into `out` (their bytes back to back).
+    pub fn export_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), KvError> {
         self.guarded(|c, id| {
             let mut h = FrameHeader::control(FrameKind::StageExport, id, 0);
             h.layer = layer as u32;
-            h.first_block = block;
-            c.send(h, &[])?;
+            h.n_blocks = blocks.len() as u32;
+            c.send(h, &[bytemuck::cast_slice(blocks)])?;
             let r = c.expect(FrameKind::StageBlock)?;
             if r.payload_len != out.len() as u64 {
                 return Err(KvError::Protocol(format!(
-                    "block of {} bytes, expected {}",
+                    "{} blocks of {} bytes, expected {}",
+                    blocks.len(),
                     r.payload_len,
                     out.len()
                 )));
@@ -490,11 +502,21 @@ impl StageClient {
 
     /// Overwrites one (global layer, block) of the stage's KV.
     pub fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), KvError> {
+        self.import_blocks(layer, &[block], data)
+    }
+
+    /// Overwrites `blocks` of one global layer of the stage's KV with `data` (their bytes back to back).
+    pub fn import_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: &[u8],
+    ) -> Result<(), KvError> {
         self.guarded(|c, id| {
             let mut h = FrameHeader::control(FrameKind::StageImport, id, 0);
             h.layer = layer as u32;
-            h.first_block = block;
-            c.send(h, &[data])?;
+            h.n_blocks = blocks.len() as u32;
+            c.send(h, &[bytemuck::cast_slice(blocks), data])?;
             c.expect(FrameKind::StageOk).map(|_| ())
         })
     }
@@ -539,10 +561,20 @@ pub trait StageHandler: Send + 'static {
     ) -> Result<(), Self::Error>;
     /// Bytes of one block of the KV layout.
     fn block_bytes(&self) -> usize;
-    /// Copies one (global layer, block) out.
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), Self::Error>;
-    /// Overwrites one (global layer, block).
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), Self::Error>;
+    /// Copies `blocks` of one global layer out, back to back.
+    fn export_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), Self::Error>;
+    /// Overwrites `blocks` of one global layer from `data` (their bytes back to back).
+    fn import_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: &[u8],
+    ) -> Result<(), Self::Error>;
     /// Copies a block across the stage's layers.
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), Self::Error>;
 }
@@ -693,6 +725,7 @@ fn serve_conn<H: StageHandler>(
     let mut out: Vec<u8> = Vec::new();
     let mut ids: Vec<u32> = Vec::new();
     let mut block: Vec<u8> = Vec::new();
+    let mut block_ids: Vec<u32> = Vec::new();
     loop {
         let Some(h) = c.header()? else { return Ok(()) };
         c.stream
@@ -728,24 +761,36 @@ fn serve_conn<H: StageHandler>(
                     }
                 }
             }
-            FrameKind::StageExport => {
-                block.resize(handler.block_bytes(), 0);
-                handler
-                    .export_block(h.layer as usize, h.first_block, &mut block)
-                    .map(|()| FrameHeader::control(FrameKind::StageBlock, h.transfer_id, 0))
-            }
-            FrameKind::StageImport => {
-                if h.payload_len != handler.block_bytes() as u64 {
+            FrameKind::StageExport | FrameKind::StageImport => {
+                let n = h.n_blocks as u64;
+                let data = if h.kind == FrameKind::StageImport {
+                    n * handler.block_bytes() as u64
+                } else {
+                    0
+                };
+                if n == 0 || n * 4 > MAX_CONTROL_LEN || h.payload_len != n * 4 + data {
                     return Err(KvError::Protocol(format!(
-                        "import of {} bytes, a block is {}",
+                        "{:?} of {n} blocks in {} bytes (a block is {})",
+                        h.kind,
                         h.payload_len,
                         handler.block_bytes()
                     )));
                 }
-                c.payload(&h)?;
-                handler
-                    .import_block(h.layer as usize, h.first_block, &c.buf)
-                    .map(|()| FrameHeader::control(FrameKind::StageOk, h.transfer_id, 0))
+                block_ids.resize(n as usize, 0);
+                c.read_into(bytemuck::cast_slice_mut(&mut block_ids))?;
+                let layer = h.layer as usize;
+                if h.kind == FrameKind::StageExport {
+                    block.resize(n as usize * handler.block_bytes(), 0);
+                    handler
+                        .export_blocks(layer, &block_ids, &mut block)
+                        .map(|()| FrameHeader::control(FrameKind::StageBlock, h.transfer_id, 0))
+                } else {
+                    block.resize(data as usize, 0);
+                    c.read_into(&mut block)?;
+                    handler
+                        .import_blocks(layer, &block_ids, &block)
+                        .map(|()| FrameHeader::control(FrameKind::StageOk, h.transfer_id, 0))
+                }
             }
             FrameKind::StageCopy => handler
                 .copy_block(h.first_block, h.n_blocks)

@@ -62,10 +62,16 @@ pub trait StageModel: Send + 'static {
         let _ = (batch, hidden_in, rows, out);
         Err(StageError::NoDeviceSampling)
     }
-    /// Copies one (stage-local layer, block) of KV out (`out` is one block's bytes).
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError>;
-    /// Overwrites one (stage-local layer, block) of KV.
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), StageError>;
+    /// Copies `blocks` of one stage-local layer of KV out (`out`: their bytes back to back).
+    fn export_blocks(&self, layer: usize, blocks: &[u32], out: &mut [u8])
+        -> Result<(), StageError>;
+    /// Overwrites `blocks` of one stage-local layer of KV from `data` (their bytes back to back).
+    fn import_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: &[u8],
+    ) -> Result<(), StageError>;
     /// Copies block `src` to `dst` in every layer of the stage.
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), StageError>;
 }
@@ -149,13 +155,31 @@ impl StageModel for CpuStage {
         Ok(())
     }
 
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError> {
-        self.kv()?.export_block(layer, block, out);
+    fn export_blocks(
+        &self,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), StageError> {
+        let kv = self.kv()?;
+        let n = kv.layout().block_bytes();
+        for (&b, o) in blocks.iter().zip(out.chunks_exact_mut(n)) {
+            kv.export_block(layer, b, o);
+        }
         Ok(())
     }
 
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), StageError> {
-        self.kv_mut()?.import_block(layer, block, data);
+    fn import_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: &[u8],
+    ) -> Result<(), StageError> {
+        let kv = self.kv_mut()?;
+        let n = kv.layout().block_bytes();
+        for (&b, d) in blocks.iter().zip(data.chunks_exact(n)) {
+            kv.import_block(layer, b, d);
+        }
         Ok(())
     }
 

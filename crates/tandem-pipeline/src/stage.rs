@@ -64,8 +64,8 @@ struct Hosted {
 }
 
 impl Hosted {
-    /// The stage-local index of global `layer`, and a bounds check of `block`.
-    fn locate(&self, layer: usize, block: u32) -> Result<usize, StageError> {
+    /// The stage-local index of global `layer`, and a bounds check of `blocks`.
+    fn locate(&self, layer: usize, blocks: &[u32]) -> Result<usize, StageError> {
         let layers = &self.model.partition().layers;
         if !layers.contains(&layer) {
             return Err(StageError::ForeignLayer {
@@ -75,7 +75,7 @@ impl Hosted {
             });
         }
         let nb = self.model.pool().ok_or(StageError::Unsized)?.num_blocks;
-        if block as usize >= nb {
+        if let Some(&block) = blocks.iter().find(|&&b| b as usize >= nb) {
             return Err(StageError::BlockOutOfRange {
                 block,
                 num_blocks: nb,
@@ -145,20 +145,29 @@ impl StageHandler for Hosted {
         self.model.pool().map_or(0, |l| l.block_bytes())
     }
 
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError> {
-        let l = self.locate(layer, block)?;
-        self.model.export_block(l, block, out)
+    fn export_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), StageError> {
+        let l = self.locate(layer, blocks)?;
+        self.model.export_blocks(l, blocks, out)
     }
 
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), StageError> {
-        let l = self.locate(layer, block)?;
-        self.model.import_block(l, block, data)
+    fn import_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: &[u8],
+    ) -> Result<(), StageError> {
+        let l = self.locate(layer, blocks)?;
+        self.model.import_blocks(l, blocks, data)
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), StageError> {
         let first = self.model.partition().layers.start;
-        self.locate(first, src)?;
-        self.locate(first, dst)?;
+        self.locate(first, &[src, dst])?;
         self.model.copy_block(src, dst)
     }
 }

@@ -47,6 +47,22 @@ enum DoublerError {
     NotOnStage(usize),
 }
 
+impl Doubler {
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), DoublerError> {
+        let at = ((layer - 2) * 8 + block as usize) * 4;
+        out.copy_from_slice(self.kv.get(at..at + 4).ok_or(DoublerError::NoSuchLayer)?);
+        Ok(())
+    }
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), DoublerError> {
+        if !(2..4).contains(&layer) {
+            return Err(DoublerError::NotOnStage(layer));
+        }
+        let at = ((layer - 2) * 8 + block as usize) * 4;
+        self.kv[at..at + 4].copy_from_slice(data);
+        Ok(())
+    }
+}
+
 impl StageHandler for Doubler {
     type Error = DoublerError;
 
@@ -100,17 +116,26 @@ impl StageHandler for Doubler {
     fn block_bytes(&self) -> usize {
         4
     }
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), DoublerError> {
-        let at = ((layer - 2) * 8 + block as usize) * 4;
-        out.copy_from_slice(self.kv.get(at..at + 4).ok_or(DoublerError::NoSuchLayer)?);
+    fn export_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), DoublerError> {
+        for (&b, o) in blocks.iter().zip(out.chunks_exact_mut(4)) {
+            self.export_block(layer, b, o)?;
+        }
         Ok(())
     }
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), DoublerError> {
-        if !(2..4).contains(&layer) {
-            return Err(DoublerError::NotOnStage(layer));
+    fn import_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        data: &[u8],
+    ) -> Result<(), DoublerError> {
+        for (&b, d) in blocks.iter().zip(data.chunks_exact(4)) {
+            self.import_block(layer, b, d)?;
         }
-        let at = ((layer - 2) * 8 + block as usize) * 4;
-        self.kv[at..at + 4].copy_from_slice(data);
         Ok(())
     }
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), DoublerError> {
@@ -205,6 +230,12 @@ fn forward_and_blocks_round_trip() {
     // Plain forwards still carry hidden states after a sampled one.
     c.forward(&b, &mut buf).unwrap();
     assert_eq!(floats(&buf), [4.0, 8.0, 12.0, 16.0, 20.0, 26.0]);
+    // Runs of blocks of one layer move in one request each way.
+    c.import_blocks(2, &[1, 7, 3], &[1, 1, 1, 1, 7, 7, 7, 7, 3, 3, 3, 3])
+        .unwrap();
+    let mut three = [0u8; 12];
+    c.export_blocks(2, &[3, 1, 7], &mut three).unwrap();
+    assert_eq!(three, [3, 3, 3, 3, 1, 1, 1, 1, 7, 7, 7, 7]);
     c.import_block(3, 5, &[9, 8, 7, 6]).unwrap();
     c.copy_block(5, 6).unwrap();
     let mut out = [0u8; 4];
