@@ -176,6 +176,31 @@ fn blocks_of_a_remote_stage_export_import_and_copy() {
     assert!(got == want);
     let e = p.export_block(last + 1, 0, &mut got).unwrap_err();
     assert!(e.message.contains("beyond the model"), "{e}");
+    // Bulk: every layer of a run of blocks (one request per layer), as the unsplit model exports it,
+    // and imported back into other blocks of both stages.
+    let blocks = [0u32, 5, 0];
+    let (we, ge) = (r.export_kv(&blocks).unwrap(), p.export_kv(&blocks).unwrap());
+    assert_eq!(ge.num_layers(), m.config.num_layers);
+    let moved = [50u32, 51, 52];
+    for layer in 0..m.config.num_layers {
+        assert!(
+            ge.layer(layer).unwrap() == we.layer(layer).unwrap(),
+            "layer {layer}"
+        );
+        let mut data = p.host_pool().take(blocks.len() * bytes).unwrap();
+        data.as_mut_slice()
+            .copy_from_slice(we.layer(layer).unwrap());
+        p.import_kv(layer, &moved, data).unwrap();
+    }
+    let back = p.export_kv(&moved).unwrap();
+    for layer in 0..m.config.num_layers {
+        assert!(
+            back.layer(layer).unwrap() == we.layer(layer).unwrap(),
+            "layer {layer}"
+        );
+    }
+    let e = p.import_kv(last, &[1], p.host_pool().take(bytes + 1).unwrap());
+    assert!(e.unwrap_err().message.contains("bytes for 1 blocks"));
 }
 
 #[test]
