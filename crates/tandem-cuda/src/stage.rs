@@ -90,6 +90,12 @@ impl StageModel for CudaStage {
         self.model.as_ref().map(|m| m.kv_layout())
     }
 
+    fn max_len(&self) -> usize {
+        self.model
+            .as_ref()
+            .map_or(self.config.max_position_embeddings, |m| m.max_model_len())
+    }
+
     fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), StageError> {
         let weights = self.weights.as_ref().ok_or(StageError::Device(
             "the stage's weights are already on the GPU".into(),

@@ -140,10 +140,13 @@ impl PipelineBackend {
             cfg.micro_batches
         };
         tracing::info!(stages, micro_batches, num_blocks, "pipeline ready");
+        let mut info = BackendInfo::new(config, layout);
+        // Every stage is sized alike, so stage 0's limit is the pipeline's.
+        info.max_len = model.max_len();
         Ok(PipelineBackend {
             model,
             links,
-            info: BackendInfo::new(config, layout),
+            info,
             micro_batches,
             min_micro_batch_tokens: cfg.min_micro_batch_tokens,
             mbs: Vec::new(),

@@ -34,6 +34,10 @@ pub trait StageModel: Send + 'static {
     fn activations(&self) -> Activations;
     /// The stage's KV layout (its layers only), once the pool is sized.
     fn pool(&self) -> Option<KvLayout>;
+    /// The longest context the stage serves (a GPU's buffers may cap it below the model's).
+    fn max_len(&self) -> usize {
+        self.config().max_position_embeddings
+    }
     /// Allocates the KV pool: `num_blocks` blocks of `block_size` tokens for the stage's layers.
     fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), StageError>;
     /// Runs the stage's layers on one batch: from the tokens on the first stage (`hidden_in` None),
