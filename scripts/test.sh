@@ -95,6 +95,9 @@ nvrtc_compile() {
   TANDEM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$dir/nvidia/cu13/lib" cargo test -p tandem-cuda --release --lib compiles_for_hopper -- --nocapture
 }
 run_step "CUDA kernels compile (NVRTC, sm_90)" nvrtc_compile
+# Fuzzing (about 5 minutes, mostly the instrumented build): each libFuzzer target under fuzz/ for 10 s from
+# its seeds; longer runs and their figures are in docs/reliability.md.
+run_step "fuzz targets (10 s each)" bash scripts/fuzz.sh 10
 # The Helm chart (seconds): every profile of deploy/helm/tandem rendered by Helm's engine, validated against
 # the Kubernetes 1.31 schemas in strict mode, its wiring checked, and its ConfigMap through `serve --check-config`.
 run_step "Helm chart (tests/k8s)" env TANDEM_BIN="$root/target/release/tandem" bash scripts/k8s-check.sh

@@ -514,6 +514,40 @@ async fn api_key_guards_v1_only_and_request_id_is_echoed() {
 }
 
 #[tokio::test]
+async fn probes_need_the_key_only_when_closed() {
+    let open = router(fake_state(Arc::new(FakeBackend::new("x")), Some("sekret")));
+    for path in ["/health", "/metrics"] {
+        assert_eq!(
+            send(&open, "GET", path, None, &[]).await.status,
+            StatusCode::OK
+        );
+    }
+    let mut state = fake_state(Arc::new(FakeBackend::new("x")), Some("sekret"));
+    Arc::get_mut(&mut state)
+        .expect("sole owner")
+        .config
+        .probes_need_key = true;
+    let closed = router(state);
+    for path in ["/health", "/metrics"] {
+        assert_error(
+            &send(&closed, "GET", path, None, &[]).await,
+            StatusCode::UNAUTHORIZED,
+            None,
+        );
+        let wrong = [("authorization", "Bearer sekreT")];
+        assert_eq!(
+            send(&closed, "GET", path, None, &wrong).await.status,
+            StatusCode::UNAUTHORIZED
+        );
+        let right = [("authorization", "Bearer sekret")];
+        assert_eq!(
+            send(&closed, "GET", path, None, &right).await.status,
+            StatusCode::OK
+        );
+    }
+}
+
+#[tokio::test]
 async fn tokenize_round_trip_and_metrics() {
     let (app, _) = app("ok");
     let r = post(&app, "/tokenize", json!({"prompt": "héllo"})).await;

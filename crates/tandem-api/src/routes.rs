@@ -56,9 +56,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/detokenize", post(detokenize))
         .fallback(fallback);
     // Scrapers and probes call these every few seconds: their lines are DEBUG, so INFO shows requests.
-    let probes = Router::new()
+    let mut probes = Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics));
+    if state.config.probes_need_key {
+        probes = probes.route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    }
     traced(api, Level::INFO)
         .merge(traced(probes, Level::DEBUG))
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
@@ -88,11 +94,22 @@ async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next:
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
-        if presented != Some(key.as_str()) {
+        if !presented.is_some_and(|p| same_secret(p, key)) {
             return ApiError::unauthorized().into_response();
         }
     }
     next.run(req).await
+}
+
+/// Whether a presented key is the configured one, in time that depends on neither: both are hashed to
+/// fixed-length digests first and the digests compared without an early exit.
+fn same_secret(presented: &str, key: &str) -> bool {
+    use sha2::{Digest, Sha256};
+    let (a, b) = (Sha256::digest(presented), Sha256::digest(key));
+    a.iter()
+        .zip(b.iter())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+        == 0
 }
 
 /// Echoes the client's `x-request-id`, or mints one, on every response (and puts it on the request so

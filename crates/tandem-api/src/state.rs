@@ -23,6 +23,9 @@ pub struct ApiConfig {
     pub system_fingerprint: String,
     /// Largest request body read; a larger one is answered 413 before any of it is parsed.
     pub max_body_bytes: usize,
+    /// With `api_key` set, /health and /metrics ask for it too (they are open by default, for probes
+    /// and scrapers that carry no key).
+    pub probes_need_key: bool,
 }
 
 /// [`ApiConfig::max_body_bytes`] unless configured: room for a 128k-token prompt sent as token ids.

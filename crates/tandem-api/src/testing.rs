@@ -244,6 +244,7 @@ pub fn fake_state(backend: Arc<FakeBackend>, api_key: Option<&str>) -> Arc<AppSt
         api_key: api_key.map(str::to_owned),
         system_fingerprint: "fp_test".to_owned(),
         max_body_bytes: 1 << 20,
+        probes_need_key: false,
     };
     Arc::new(AppState::new(backend, Arc::new(ByteCodec), config).expect("metrics register"))
 }

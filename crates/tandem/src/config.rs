@@ -109,6 +109,10 @@ pub struct ServerSettings {
     /// Largest request body, e.g. 8MiB [default: 8MiB]; a larger one gets 413.
     #[arg(long)]
     pub max_body_bytes: Option<ByteSize>,
+    /// Require the API key on /health and /metrics too, for servers whose state should not be public
+    /// (needs `api_key`; probes then send it: `tandem probe --api-key`) [default: false].
+    #[arg(long, num_args = 0, default_missing_value = "true")]
+    pub probes_need_key: Option<bool>,
     /// Read timeouts and the connection limit of this listener (keys of `server:` itself).
     #[command(flatten)]
     #[serde(flatten)]
@@ -128,6 +132,17 @@ pub struct ListenSettings {
     /// Connections open at once; one more is answered 503 and closed [default: 1024].
     #[arg(long)]
     pub max_connections: Option<usize>,
+}
+
+impl ServerSettings {
+    /// Checks what parsing cannot: the listener's limits, and that closed probes have a key to open them.
+    pub fn validate(&self) -> Result<()> {
+        self.listen.validate()?;
+        if self.probes_need_key == Some(true) && self.api_key.is_none() {
+            bail!("server.probes_need_key needs server.api_key (the key /health and /metrics would ask for)");
+        }
+        Ok(())
+    }
 }
 
 impl ListenSettings {
@@ -435,7 +450,7 @@ impl Settings {
             }
         }
         let settings: Settings = overlay(&[&file, flags])?;
-        settings.server.listen.validate()?;
+        settings.server.validate()?;
         Ok(settings)
     }
 
@@ -457,6 +472,11 @@ impl Settings {
         self.server
             .max_body_bytes
             .map_or(tandem_api::DEFAULT_MAX_BODY_BYTES, |b| b.0)
+    }
+
+    /// Whether /health and /metrics ask for the API key.
+    pub fn probes_need_key(&self) -> bool {
+        self.server.probes_need_key.unwrap_or(false)
     }
 
     /// Backend the engine runs on.
@@ -490,7 +510,7 @@ pub fn resolved(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> R
             deployment.cluster_token = Some("(set)".into());
         }
     }
-    s.server.listen.validate()?;
+    s.server.validate()?;
     let limits = s.server.listen.limits();
     s.server.listen = ListenSettings {
         header_read_timeout_secs: Some(limits.header_read_timeout.as_secs_f64()),
@@ -740,6 +760,11 @@ mod tests {
         let keyed = Settings::from_yaml("server: {api_key: secret}\n").unwrap();
         let s = resolved(&Settings::default(), &CudaSection::default(), keyed).unwrap();
         assert!(!serde_yaml::to_string(&s).unwrap().contains("secret"));
+        let closed = Settings::from_yaml("server: {probes_need_key: true}\n").unwrap();
+        let err = resolved(&Settings::default(), &CudaSection::default(), closed).unwrap_err();
+        assert!(format!("{err:#}").contains("server.api_key"), "{err:#}");
+        let closed = Settings::from_yaml("server: {probes_need_key: true, api_key: k}\n").unwrap();
+        assert!(resolved(&Settings::default(), &CudaSection::default(), closed).is_ok());
         for yaml in [
             "deployment: {mode: pd, cluster_token: s3cret-token}\n",
             "deployment: {mode: colocated, cluster_token: s3cret-token}\n",

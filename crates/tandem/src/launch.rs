@@ -79,7 +79,7 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
     dep.validate()?;
     let discovery = dep.discovery.clone().unwrap_or_default();
     let settings: Settings = overlay(&[&file, flags])?;
-    settings.server.listen.validate()?;
+    settings.server.validate()?;
     let cuda = settings.cuda.merged(cuda_flags);
     let model_path = resolve_model(settings.model.as_deref())?;
     let model_path: PathBuf = std::fs::canonicalize(&model_path).unwrap_or(model_path);
@@ -162,6 +162,7 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
             loaded.identity.0.chars().take(16).collect::<String>()
         ),
         max_body_bytes: settings.max_body_bytes(),
+        probes_need_key: settings.probes_need_key(),
     };
     let state = Arc::new(AppState::new(
         Arc::new(ingress.clone()),

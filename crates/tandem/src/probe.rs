@@ -19,6 +19,9 @@ pub struct ProbeArgs {
     /// Seconds to wait for the whole answer.
     #[arg(long, default_value_t = 5.0)]
     pub timeout: f64,
+    /// Sent as `Authorization: Bearer KEY`, for a server with `probes_need_key`.
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }
 
 /// GETs `args.url` once; `Ok` when it answers 2xx in time, an error saying what happened otherwise.
@@ -36,19 +39,19 @@ pub fn run(args: &ProbeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("building the tokio runtime")?;
-    runtime.block_on(get(&args.url, timeout))
+    runtime.block_on(get(&args.url, timeout, args.api_key.as_deref()))
 }
 
-async fn get(url: &str, timeout: Duration) -> Result<()> {
+async fn get(url: &str, timeout: Duration, api_key: Option<&str>) -> Result<()> {
     let client = reqwest::Client::builder()
         .timeout(timeout)
         .build()
         .context("building the HTTP client")?;
-    let resp = client
-        .get(url)
-        .send()
-        .await
-        .with_context(|| format!("GET {url}"))?;
+    let mut request = client.get(url);
+    if let Some(key) = api_key {
+        request = request.bearer_auth(key);
+    }
+    let resp = request.send().await.with_context(|| format!("GET {url}"))?;
     let status = resp.status();
     if !status.is_success() {
         let body = resp.text().await.unwrap_or_default();
@@ -65,7 +68,8 @@ mod tests {
     use axum::routing::get as route_get;
     use axum::Router;
 
-    /// A server on a free loopback port in its own thread: /ok answers 200, /down 503, /slow after 2 s.
+    /// A server on a free loopback port in its own thread: /ok answers 200, /down 503, /slow after 2 s,
+    /// /keyed 200 only to `Bearer k1`.
     fn server() -> String {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
@@ -78,6 +82,15 @@ mod tests {
             rt.block_on(async move {
                 let app = Router::new()
                     .route("/ok", route_get(|| async { "fine" }))
+                    .route(
+                        "/keyed",
+                        route_get(|headers: axum::http::HeaderMap| async move {
+                            match headers.get("authorization").map(|v| v.as_bytes()) {
+                                Some(b"Bearer k1") => StatusCode::OK,
+                                _ => StatusCode::UNAUTHORIZED,
+                            }
+                        }),
+                    )
                     .route(
                         "/down",
                         route_get(|| async { (StatusCode::SERVICE_UNAVAILABLE, "draining") }),
@@ -97,7 +110,27 @@ mod tests {
     }
 
     fn probe(url: String, timeout: f64) -> Result<()> {
-        run(&ProbeArgs { url, timeout })
+        run(&ProbeArgs {
+            url,
+            timeout,
+            api_key: None,
+        })
+    }
+
+    #[test]
+    fn the_api_key_opens_closed_probes() {
+        let url = format!("{}/keyed", server());
+        let e = format!("{:#}", probe(url.clone(), 5.0).unwrap_err());
+        assert!(e.contains("401"), "{e}");
+        let keyed = |key: &str| {
+            run(&ProbeArgs {
+                url: url.clone(),
+                timeout: 5.0,
+                api_key: Some(key.to_owned()),
+            })
+        };
+        keyed("k1").unwrap();
+        assert!(keyed("k2").is_err());
     }
 
     #[test]

@@ -78,6 +78,7 @@ fn prepare(settings: &Settings) -> Result<Prepared> {
         api_key: settings.server.api_key.clone(),
         system_fingerprint: fingerprint,
         max_body_bytes: settings.max_body_bytes(),
+        probes_need_key: settings.probes_need_key(),
     };
     let state = Arc::new(AppState::new(
         Arc::new(engine.clone()),
