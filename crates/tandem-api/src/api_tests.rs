@@ -645,3 +645,28 @@ async fn a_body_over_the_limit_gets_413_in_the_openai_shape() {
     let r = send(&app, "POST", "/v1/chat/completions", Some(small), &[]).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
 }
+
+#[tokio::test]
+async fn cluster_lists_a_colocated_server_as_one_worker_behind_the_api_key() {
+    let backend = Arc::new(FakeBackend::new("x"));
+    let app = router(fake_state(backend, Some("sekret")));
+    let r = send(&app, "GET", "/v1/cluster", None, &[]).await;
+    assert_error(&r, StatusCode::UNAUTHORIZED, None);
+    let r = send(
+        &app,
+        "GET",
+        "/v1/cluster",
+        None,
+        &[("authorization", "Bearer sekret")],
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let v = r.json();
+    assert_eq!(v["model"], "fake");
+    assert_eq!(v["workers"].as_array().map(Vec::len), Some(1));
+    assert_eq!(v["workers"][0]["role"], "colocated");
+    assert_eq!(v["workers"][0]["kv_blocks_total"], 64);
+    assert_eq!(v["workers"][0]["healthy"], true);
+    assert_eq!(v["routing"]["remote"], 0);
+    assert_eq!(v["kv_bytes_moved"], 0);
+}

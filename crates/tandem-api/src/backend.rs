@@ -69,6 +69,10 @@ pub trait GenerateBackend: Send + Sync + 'static {
     fn extra_metrics(&self) -> String {
         String::new()
     }
+    /// The workers behind this backend for `GET /v1/cluster` (the model name is the API's to fill).
+    fn cluster(&self) -> crate::ClusterView {
+        crate::ClusterView::colocated(&self.stats())
+    }
 }
 
 impl From<EngineError> for BackendError {

@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod chat;
+pub mod cluster;
 pub mod codec;
 pub mod completions;
 pub mod error;
@@ -23,6 +24,7 @@ mod api_tests;
 mod testing;
 
 pub use backend::{BackendError, GenerateBackend, TokenStream};
+pub use cluster::{ClusterView, RoutingCounts, WorkerView};
 pub use codec::{CodecError, ModelCodec, StreamDecoder, TextCodec};
 pub use error::ApiError;
 pub use listen::{serve_router, ServeLimits};

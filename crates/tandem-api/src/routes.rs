@@ -13,6 +13,7 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tower_http::LatencyUnit;
 use tracing::Level;
 
+use crate::cluster::ClusterView;
 use crate::error::ApiError;
 use crate::protocol::{
     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
@@ -46,6 +47,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
+        .route("/v1/cluster", get(cluster))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
@@ -174,6 +176,13 @@ async fn get_model(
 ) -> Result<Json<ModelCard>, ApiError> {
     state.check_model(&id)?;
     Ok(Json(model_card(&state, &id)))
+}
+
+/// The deployment's workers, routing and KV traffic (`GET /v1/cluster`).
+async fn cluster(State(state): State<Arc<AppState>>) -> Json<ClusterView> {
+    let mut view = state.backend.cluster();
+    view.model = state.primary_model_name().to_owned();
+    Json(view)
 }
 
 fn check_optional_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {

@@ -200,6 +200,12 @@ async fn disaggregated_tokens_match_colocated_and_decode_never_prefills() {
     assert!(ingress
         .extra_metrics()
         .contains("tandem:pd_requests_total{prefill=\"remote\"} 3"));
+    let view = ingress.cluster();
+    let roles: Vec<&str> = view.workers.iter().map(|w| w.role.as_str()).collect();
+    assert_eq!(roles, ["prefill", "decode"]);
+    assert_eq!(view.workers[1].address, d.url);
+    assert_eq!(view.routing.remote, 3);
+    assert_eq!(view.kv_bytes_moved, load.kv.bytes_received);
     drained(&p).await;
     drained(&d).await;
 }

@@ -10,7 +10,7 @@ use futures::future::BoxFuture;
 use futures::StreamExt;
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
-use tandem_api::{BackendError, GenerateBackend, TokenStream};
+use tandem_api::{BackendError, ClusterView, GenerateBackend, TokenStream, WorkerView};
 use tandem_engine::{EngineStats, RequestId, SamplingParams, TokenOutput};
 use tandem_kv::PeerInfo;
 use tokio::sync::mpsc;
@@ -584,6 +584,32 @@ impl GenerateBackend for Ingress {
                 ))
             }
         })
+    }
+
+    fn cluster(&self) -> ClusterView {
+        let workers = self.inner.workers.read().clone();
+        ClusterView {
+            model: String::new(),
+            workers: workers
+                .iter()
+                .map(|w| {
+                    let load = w.load();
+                    WorkerView {
+                        healthy: w.healthy(),
+                        draining: w.draining(),
+                        pinned_blocks: load.pinned_blocks,
+                        ..WorkerView::from_stats(
+                            w.info.worker_id.clone(),
+                            w.info.role.to_string(),
+                            w.url.clone(),
+                            &load.engine,
+                        )
+                    }
+                })
+                .collect(),
+            routing: self.inner.metrics.routing(),
+            kv_bytes_moved: self.inner.metrics.transfer_bytes(),
+        }
     }
 
     fn extra_metrics(&self) -> String {

@@ -194,6 +194,21 @@ impl ClusterMetrics {
         self.requests.with_label_values(&[path.label()]).inc();
     }
 
+    /// Requests per prefill path since start, for `GET /v1/cluster`.
+    pub fn routing(&self) -> tandem_api::RoutingCounts {
+        let count = |p: PrefillPath| self.requests.with_label_values(&[p.label()]).get();
+        tandem_api::RoutingCounts {
+            remote: count(PrefillPath::Remote),
+            local: count(PrefillPath::Local),
+            fallback: count(PrefillPath::Fallback),
+        }
+    }
+
+    /// KV bytes pulled since start.
+    pub fn transfer_bytes(&self) -> u64 {
+        self.transfer_bytes.get()
+    }
+
     /// Copies the workers' last polled loads into the gauges and renders the text format.
     pub fn render<'a>(
         &self,
