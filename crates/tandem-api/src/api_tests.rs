@@ -670,3 +670,112 @@ async fn cluster_lists_a_colocated_server_as_one_worker_behind_the_api_key() {
     assert_eq!(v["routing"]["remote"], 0);
     assert_eq!(v["kv_bytes_moved"], 0);
 }
+
+fn weather_tools(choice: Value) -> Value {
+    chat_body(json!({
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}
+        }}],
+        "tool_choice": choice,
+    }))
+}
+
+const CALL: &str =
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+
+#[tokio::test]
+async fn tool_calls_come_back_with_ids_and_finish_reason() {
+    let (app, _) = app(CALL);
+    let r = post(&app, "/v1/chat/completions", weather_tools(json!("auto"))).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let v = r.json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    assert!(choice["message"]["content"].is_null(), "{v}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert!(call["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris"}));
+
+    let r = post(&app, "/v1/chat/completions", weather_tools(json!("none"))).await;
+    let v = r.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["choices"][0]["message"]["content"], CALL);
+    assert!(
+        v["choices"][0]["message"].get("tool_calls").is_none(),
+        "{v}"
+    );
+}
+
+#[tokio::test]
+async fn streamed_tool_calls_reassemble_to_the_whole_answer() {
+    let (app, _) = app(CALL);
+    let mut body = weather_tools(json!("auto"));
+    body["stream"] = json!(true);
+    let events = post(&app, "/v1/chat/completions", body).await.sse_events();
+    let (mut id, mut name, mut args, mut finish) = (None, String::new(), String::new(), None);
+    for e in &events {
+        let c = &e["choices"][0];
+        assert!(
+            c["delta"]["content"].as_str().is_none_or(str::is_empty),
+            "{e}"
+        );
+        if let Some(calls) = c["delta"]["tool_calls"].as_array() {
+            assert_eq!(calls[0]["index"], 0);
+            if let Some(i) = calls[0]["id"].as_str() {
+                assert!(id.replace(i.to_owned()).is_none(), "one id per call");
+            }
+            name.push_str(calls[0]["function"]["name"].as_str().unwrap_or(""));
+            args.push_str(calls[0]["function"]["arguments"].as_str().unwrap_or(""));
+        }
+        if !c["finish_reason"].is_null() {
+            finish = Some(c["finish_reason"].clone());
+        }
+    }
+    assert!(id.unwrap().starts_with("call_"));
+    assert_eq!(name, "get_weather");
+    assert_eq!(
+        serde_json::from_str::<Value>(&args).unwrap(),
+        json!({"city": "Paris"})
+    );
+    assert_eq!(finish, Some(json!("tool_calls")));
+}
+
+#[tokio::test]
+async fn streamed_text_passes_through_when_tools_are_offered() {
+    let (app, _) = app("Sunny, 21C.");
+    let mut body = weather_tools(json!("auto"));
+    body["stream"] = json!(true);
+    let events = post(&app, "/v1/chat/completions", body).await.sse_events();
+    let text: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, "Sunny, 21C.");
+    // Text that cannot open a call streams token by token, not held to the end.
+    assert!(events.len() > 5, "{}", events.len());
+}
+
+#[tokio::test]
+async fn bad_tools_are_openai_shaped_400s() {
+    let (app, _) = app("x");
+    for (body, param) in [
+        (
+            weather_tools(json!({"type": "function", "function": {"name": "nope"}})),
+            "tool_choice",
+        ),
+        (weather_tools(json!("sometimes")), "tool_choice"),
+        (
+            chat_body(json!({"tools": [{"type": "web_search"}]})),
+            "tools",
+        ),
+        (chat_body(json!({"tool_choice": "auto"})), "tool_choice"),
+    ] {
+        let r = post(&app, "/v1/chat/completions", body).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, Some(param));
+    }
+}

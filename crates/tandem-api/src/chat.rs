@@ -15,9 +15,18 @@ use crate::protocol::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, MessageContent, Usage,
 };
+
+/// The finish reason of a choice that ended in calls: `tool_calls` where the model stopped itself.
+fn call_finish(calls: &[ToolCall], finish: Option<&'static str>) -> Option<&'static str> {
+    match finish {
+        Some("stop") if !calls.is_empty() => Some("tool_calls"),
+        f => f,
+    }
+}
 use crate::routes::ApiJson;
 use crate::sse::{stream_choices, to_json};
 use crate::state::AppState;
+use crate::tools::{self, CallHold, ToolCall, ToolSpec};
 use crate::validate::{logprobs_count, plan, resolve_max_tokens};
 
 /// Roles a chat template can be expected to handle.
@@ -66,6 +75,7 @@ fn normalize_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> 
                 }
             };
             let mut obj = m.extra.clone();
+            tools::template_message(&mut obj);
             obj.insert("role".to_owned(), Value::from(m.role.clone()));
             obj.insert("content".to_owned(), Value::from(content));
             Ok(Value::Object(obj))
@@ -125,6 +135,12 @@ pub async fn chat_completions(
         (None, m) => (m, "max_tokens"),
     };
     let plan = plan(&req.sampling, max_tokens, max_param, logprobs)?;
+    let spec = tools::chat_spec(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )?
+    .filter(ToolSpec::parses_calls);
     let prompt = render_and_encode(
         &state,
         &req.messages,
@@ -151,6 +167,7 @@ pub async fn chat_completions(
                         delta: ChatDelta {
                             role: Some("assistant"),
                             content: Some(String::new()),
+                            tool_calls: None,
                         },
                         logprobs: None,
                         finish_reason: None,
@@ -161,27 +178,46 @@ pub async fn chat_completions(
             .collect();
         let codec = state.codec.clone();
         let step_chunk = chunk.clone();
+        let mut holds: std::collections::HashMap<usize, CallHold> = Default::default();
         let render = move |index: usize, step: crate::generate::Step| {
             let entry = chat_logprob(codec.as_ref(), &step.token);
-            if step.text.is_empty() && entry.is_none() && step.finish.is_none() {
-                return None;
+            let (mut text, mut calls) = (step.text, Vec::new());
+            if let Some(spec) = &spec {
+                let hold = holds.entry(index).or_default();
+                text = hold.push(&text);
+                if step.finish.is_some() {
+                    let (rest, found) = hold.finish(spec);
+                    text.extend(rest);
+                    calls = found;
+                }
             }
-            let logprobs = logprobs.map(|_| ChatLogprobs {
-                content: entry.into_iter().collect(),
-            });
-            let content = (!step.text.is_empty()).then_some(step.text);
-            Some(to_json(&step_chunk(
-                vec![ChatChunkChoice {
-                    index,
-                    delta: ChatDelta {
-                        role: None,
-                        content,
-                    },
-                    logprobs,
-                    finish_reason: step.finish,
-                }],
-                None,
-            )))
+            let finish = call_finish(&calls, step.finish);
+            let has_calls = !calls.is_empty();
+            let delta = |content: Option<String>, tool_calls| ChatDelta {
+                role: None,
+                content,
+                tool_calls,
+            };
+            let mut events = Vec::new();
+            if !text.is_empty() || entry.is_some() || (finish.is_some() && !has_calls) {
+                let logprobs = logprobs.map(|_| ChatLogprobs {
+                    content: entry.into_iter().collect(),
+                });
+                let content = (!text.is_empty()).then_some(text);
+                let finish_reason = if has_calls { None } else { finish };
+                events.push(delta(content, None).choice(index, logprobs, finish_reason));
+            }
+            let call_deltas = calls.into_iter().enumerate().flat_map(|(i, c)| c.deltas(i));
+            for d in call_deltas {
+                events.push(delta(None, Some(vec![d])).choice(index, None, None));
+            }
+            if has_calls {
+                events.push(ChatDelta::default().choice(index, None, finish));
+            }
+            events
+                .into_iter()
+                .map(|c| to_json(&step_chunk(vec![c], None)))
+                .collect::<Vec<_>>()
         };
         let usage = plan.include_usage.then(|| {
             let renderer: crate::sse::UsageRenderer =
@@ -209,14 +245,19 @@ pub async fn chat_completions(
                 .filter_map(|t| chat_logprob(state.codec.as_ref(), t))
                 .collect(),
         });
+        let (content, calls) = match &spec {
+            Some(spec) => spec.extract(&c.text),
+            None => (Some(c.text), Vec::new()),
+        };
         choices.push(ChatChoice {
             index,
+            finish_reason: call_finish(&calls, c.finish),
             message: AssistantMessage {
                 role: "assistant",
-                content: c.text,
+                content,
+                tool_calls: (!calls.is_empty()).then_some(calls),
             },
             logprobs,
-            finish_reason: c.finish,
         });
     }
     let usage = Usage::new(prompt.len(), completion_tokens);

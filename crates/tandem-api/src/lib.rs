@@ -16,6 +16,7 @@ pub mod routes;
 pub mod sse;
 pub mod state;
 pub mod stop;
+pub mod tools;
 pub mod validate;
 
 #[cfg(test)]

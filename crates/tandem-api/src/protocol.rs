@@ -6,6 +6,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::tools::{ToolCall, ToolCallDelta};
+
 /// `stop`: OpenAI accepts one string or a list of them.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -109,8 +111,12 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<i64>,
     /// Append the assistant header so the model answers (default true).
     pub add_generation_prompt: Option<bool>,
-    /// Tool definitions handed to the chat template.
+    /// Function tools, rendered by the chat template and called in the answer.
     pub tools: Option<Value>,
+    /// `auto`, `none`, `required` or a named function.
+    pub tool_choice: Option<Value>,
+    /// Whether several calls may come back in one answer (default true).
+    pub parallel_tool_calls: Option<bool>,
     /// Shared sampling fields.
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -223,8 +229,11 @@ pub struct CompletionLogprobs {
 pub struct AssistantMessage {
     /// Always `assistant`.
     pub role: &'static str,
-    /// The generated text.
-    pub content: String,
+    /// The generated text; null when the answer is only tool calls.
+    pub content: Option<String>,
+    /// The calls the model made, when it made any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 /// One choice of a non-streamed chat answer.
@@ -236,7 +245,7 @@ pub struct ChatChoice {
     pub message: AssistantMessage,
     /// Token logprobs when requested.
     pub logprobs: Option<ChatLogprobs>,
-    /// `stop` or `length`.
+    /// `stop`, `length` or `tool_calls`.
     pub finish_reason: Option<&'static str>,
 }
 
@@ -249,6 +258,26 @@ pub struct ChatDelta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// New parts of tool calls.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
+}
+
+impl ChatDelta {
+    /// Wraps the delta as choice `index` of a chunk.
+    pub fn choice(
+        self,
+        index: usize,
+        logprobs: Option<ChatLogprobs>,
+        finish_reason: Option<&'static str>,
+    ) -> ChatChunkChoice {
+        ChatChunkChoice {
+            index,
+            delta: self,
+            logprobs,
+            finish_reason,
+        }
+    }
 }
 
 /// One choice of a streamed chat chunk.

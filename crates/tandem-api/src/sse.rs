@@ -23,16 +23,17 @@ pub type UsageRenderer = Box<dyn FnOnce(Usage) -> String + Send>;
 ///
 /// * `runs`: each choice with its index in the answer.
 /// * `prelude`: events sent before any token (role announcements, echoed prompts).
-/// * `render`: turns a step of choice `index` into an event, or `None` to send nothing.
+/// * `render`: turns a step of choice `index` into its events (none, one, or several).
 /// * `usage`: the prompt token count and the usage-chunk renderer, when `include_usage` was asked.
-pub fn stream_choices<R>(
+pub fn stream_choices<R, E>(
     runs: Vec<(usize, ChoiceRun)>,
     prelude: Vec<String>,
     mut render: R,
     usage: Option<(usize, UsageRenderer)>,
 ) -> Response
 where
-    R: FnMut(usize, Step) -> Option<String> + Send + 'static,
+    R: FnMut(usize, Step) -> E + Send + 'static,
+    E: IntoIterator<Item = String>,
 {
     let completion_tokens = Arc::new(AtomicUsize::new(0));
     let counter = completion_tokens.clone();
@@ -51,17 +52,17 @@ where
                 match result {
                     Ok(step) => {
                         counter.fetch_add(1, Ordering::Relaxed);
-                        Some(render(index, step))
+                        Some(render(index, step).into_iter().collect::<Vec<_>>())
                     }
                     Err(e) => {
                         *failed = true;
-                        Some(Some(e.body_json()))
+                        Some(vec![e.body_json()])
                     }
                 }
             };
             ready(item)
         })
-        .filter_map(ready);
+        .flat_map(stream::iter);
     let usage_event = stream::once(async move {
         usage.map(|(prompt_tokens, render_usage)| {
             render_usage(Usage::new(
