@@ -89,9 +89,9 @@ impl From<EngineError> for BackendError {
                 max_model_len,
             },
             EngineError::EmptyPrompt => BackendError::Invalid("the prompt is empty".to_owned()),
-            e @ (EngineError::KvCacheTooSmall { .. } | EngineError::InvalidParams(_)) => {
-                BackendError::Invalid(e.to_string())
-            }
+            e @ (EngineError::KvCacheTooSmall { .. }
+            | EngineError::InvalidParams(_)
+            | EngineError::Guidance(_)) => BackendError::Invalid(e.to_string()),
             EngineError::Stopped => BackendError::Unavailable("the engine has stopped".to_owned()),
             other => BackendError::Unavailable(other.to_string()),
         }

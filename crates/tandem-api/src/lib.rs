@@ -9,6 +9,7 @@ pub mod codec;
 pub mod completions;
 pub mod error;
 pub mod generate;
+pub mod guidance;
 pub mod listen;
 pub mod metrics;
 pub mod protocol;

@@ -59,6 +59,47 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
     /// End-user id; accepted and ignored.
     pub user: Option<String>,
+    /// Constrains the output's shape (JSON, a JSON schema, or the regex / grammar extensions).
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// `response_format`: OpenAI's `text`, `json_object` and `json_schema`, plus tandem's `regex` and
+/// `grammar` (Lark) extensions.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    /// Free text: no constraint.
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid under the given schema.
+    JsonSchema {
+        /// The schema and its name.
+        json_schema: JsonSchemaFormat,
+    },
+    /// Text matching a regular expression in full (tandem extension).
+    Regex {
+        /// The expression.
+        regex: String,
+    },
+    /// Text derived from a Lark grammar's `start` rule (tandem extension).
+    Grammar {
+        /// The grammar source.
+        grammar: String,
+    },
+}
+
+/// `response_format.json_schema`: a named JSON Schema.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct JsonSchemaFormat {
+    /// Name of the format: letters, digits, `_` and `-`, at most 64 characters.
+    pub name: String,
+    /// What the format is for; accepted and not used.
+    pub description: Option<String>,
+    /// The JSON Schema; absent means any JSON value.
+    pub schema: Option<Value>,
+    /// OpenAI's strict mode; the output always follows the schema here, so this is accepted either way.
+    pub strict: Option<bool>,
 }
 
 /// One chat message: a role and text content (a string or a list of text parts).

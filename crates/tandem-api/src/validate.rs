@@ -4,6 +4,7 @@
 use tandem_engine::SamplingParams;
 
 use crate::error::ApiError;
+use crate::guidance::response_format_guidance;
 use crate::protocol::{SamplingFields, StopSpec};
 
 /// Most choices one request may ask for (OpenAI's limit).
@@ -141,6 +142,10 @@ pub fn plan(
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs,
         prompt_logprobs: None,
+        guidance: match &f.response_format {
+            Some(rf) => response_format_guidance(rf)?,
+            None => None,
+        },
     };
     Ok(GenPlan {
         n: n as usize,

@@ -59,6 +59,10 @@ pub enum EngineError {
     /// Sampling parameters out of range.
     #[error("invalid sampling parameters: {0}")]
     InvalidParams(String),
+    /// The request's output constraint cannot be honoured (a grammar that does not compile, or an
+    /// engine without guided decoding).
+    #[error("response format: {0}")]
+    Guidance(String),
     /// Configuration does not fit the backend.
     #[error("invalid engine config: {0}")]
     Config(String),

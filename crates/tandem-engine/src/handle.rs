@@ -227,6 +227,11 @@ impl EngineHandle {
                 "token id {t} outside the vocabulary"
             )));
         }
+        if req.params.guidance.is_some() {
+            return Err(EngineError::Guidance(
+                "guided decoding is not available in this engine".to_owned(),
+            ));
+        }
         let p = &req.params;
         // Written positively so that NaN fails every check.
         let ok = p.temperature >= 0.0

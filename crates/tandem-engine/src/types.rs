@@ -37,6 +37,24 @@ pub struct SamplingParams {
     /// alternatives, delivered with the first output. Such a prompt bypasses the prefix cache.
     #[serde(default)]
     pub prompt_logprobs: Option<usize>,
+    /// Constrains the output to a grammar (OpenAI `response_format`); travels with the request to a
+    /// decode worker so the constraint holds across the P/D split and failover.
+    #[serde(default)]
+    pub guidance: Option<Guidance>,
+}
+
+/// A constraint on what a request may generate: only tokens the grammar accepts are sampled.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", content = "value", rename_all = "snake_case")]
+pub enum Guidance {
+    /// Any JSON object (OpenAI `json_object`).
+    JsonObject,
+    /// A JSON value valid under this JSON Schema (OpenAI `json_schema`).
+    JsonSchema(serde_json::Value),
+    /// Text matching this regular expression in full (tandem extension).
+    Regex(String),
+    /// Text derived from this Lark grammar's `start` rule (tandem extension).
+    Lark(String),
 }
 
 impl Default for SamplingParams {
@@ -55,6 +73,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             logprobs: None,
             prompt_logprobs: None,
+            guidance: None,
         }
     }
 }

@@ -152,6 +152,18 @@ fn submit_validates_synchronously() {
         )),
         Err(EngineError::InvalidParams(_))
     ));
+    // Until the engine constrains decoding, a guided request is refused rather than answered freely.
+    assert!(matches!(
+        e.submit(EngineRequest::new(
+            1,
+            vec![1],
+            SamplingParams {
+                guidance: Some(Guidance::JsonObject),
+                ..greedy(1)
+            }
+        )),
+        Err(EngineError::Guidance(_))
+    ));
     let e2 = start(4, 2, |_| {});
     assert!(matches!(
         e2.submit(EngineRequest::new(1, vec![1; 9], greedy(1))),
