@@ -656,6 +656,21 @@ async fn a_decode_worker_unreachable_at_start_is_replaced() {
         1,
         "the dead worker was never tried"
     );
+    // The request never reached the dead worker, so its KV stayed pinned for the other to pull: nothing
+    // was recomputed, no transfer failed and no stream was counted as broken.
+    assert_eq!(
+        d2.engine.stats().prefill_tokens_computed,
+        0,
+        "decode prefilled"
+    );
+    let metrics = ingress.extra_metrics();
+    for zero in [
+        "tandem:kv_transfer_failures_total 0",
+        "tandem:decode_failures_total 0",
+        "tandem:decode_resumes_total 0",
+    ] {
+        assert!(metrics.contains(zero), "{zero}: {metrics}");
+    }
     drained(&p).await;
     drained(&d2).await;
 }

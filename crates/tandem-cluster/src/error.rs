@@ -81,6 +81,12 @@ impl ClusterError {
         }
     }
 
+    /// Whether the request never reached the worker (its connection was refused: it stopped, or was
+    /// never there), so nothing of it started there and another worker can take it unchanged.
+    pub fn never_arrived(&self) -> bool {
+        matches!(self, ClusterError::Rpc { source, .. } if source.is_connect())
+    }
+
     /// The HTTP status a worker answers this error with.
     pub fn status(&self) -> StatusCode {
         match self {

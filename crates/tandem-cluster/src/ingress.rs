@@ -257,12 +257,27 @@ impl Job {
             resume: Vec::new(),
         };
         let (mut d, mut busy) = (d, busy);
+        if !d.routable() {
+            // It began draining (or stopped answering) while the prompt was prefilled: a draining worker
+            // may stop as soon as its own streams end, so this one goes to a worker that stays.
+            if let Some(next) = self.next_decoder(std::slice::from_ref(&d.url)) {
+                busy = next.track();
+                d = next;
+            }
+        }
+        // Whether another decode worker should take the request as it is: this one's KV cache and
+        // import queue are full (the KV stays pinned on the prefill worker for another to pull), or the
+        // request never reached it (it stopped since it was chosen).
+        let elsewhere =
+            |e: &ClusterError| (req.prefilled.is_some() && e.is_busy()) || e.never_arrived();
         let resp = match self.start_decode(&d, &req).await {
-            Err(e) if req.prefilled.is_some() && e.is_busy() => {
-                // The decode worker's KV cache is full and its import queue too: the KV stays pinned
-                // on the prefill worker for another decode worker to pull; with none free the request
-                // fails as overloaded (503) rather than being recomputed where there is no room.
+            Err(e) if elsewhere(&e) => {
+                // With no other worker left the request fails with the last answer: overloaded (503)
+                // rather than recomputed where there is no room.
                 let mut tried = vec![d.url.clone()];
+                if e.never_arrived() {
+                    d.healthy.store(false, Ordering::Relaxed);
+                }
                 let mut last = e;
                 loop {
                     let Some(next) = self.next_decoder(&tried) else {
@@ -275,7 +290,12 @@ impl Job {
                             (d, busy) = (next, next_busy);
                             break Ok(resp);
                         }
-                        Err(e) if e.is_busy() => last = e,
+                        Err(e) if elsewhere(&e) => {
+                            if e.never_arrived() {
+                                next.healthy.store(false, Ordering::Relaxed);
+                            }
+                            last = e;
+                        }
                         Err(e) => {
                             (d, busy) = (next, next_busy);
                             break Err(e);
