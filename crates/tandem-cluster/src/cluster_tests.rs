@@ -562,6 +562,82 @@ async fn a_full_decode_cache_queues_imports_up_to_max_waiting_then_refuses() {
     drained(&d).await;
 }
 
+/// With the decode worker's KV committed, requests wait at the head before their prefill instead of
+/// pinning prompts whose imports would outwait half the pin's lifetime: every one completes, none is
+/// recomputed, and the prefill worker never holds more than one unpulled prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_wait_at_the_head_for_decode_kv_room_instead_of_failing_their_import() {
+    let p = worker(Role::Prefill, BLOCK).await;
+    // 10 blocks: one request (23 prompt + 12 generated tokens = 9 blocks) at a time, 0.6 s each, so
+    // the eighth would wait about 4 s for its import, past half the test workers' 5 s pin.
+    let mock = MockBackend::new(BLOCK, 10).with_step_delay(Duration::from_millis(50));
+    let config = EngineConfig {
+        block_size: BLOCK,
+        max_num_seqs: 8,
+        ..EngineConfig::default()
+    };
+    let d = worker_on(Role::Decode, Engine::start(mock, config).unwrap()).await;
+    let ingress = registered(0, &[&p, &d]).await;
+    let poller = {
+        let ingress = ingress.clone();
+        tokio::spawn(async move {
+            loop {
+                ingress.poll_once().await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    ingress.poll_once().await;
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..greedy(12)
+    };
+    let most_pinned = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let watch = {
+        let (service, most) = (Arc::clone(&p.service), Arc::clone(&most_pinned));
+        tokio::spawn(async move {
+            loop {
+                most.fetch_max(
+                    service.load().pinned_transfers,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    let runs = (0..8).map(|seed| {
+        let stream = ingress.submit(seed, prompt(seed as u32), params.clone());
+        async move { stream.expect("accepted").collect::<Vec<_>>().await }
+    });
+    for (seed, outs) in futures::future::join_all(runs)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(outs.len(), 12, "request {seed}: {:?}", outs.last());
+        assert!(outs.iter().all(Result::is_ok), "request {seed}: {outs:?}");
+    }
+    poller.abort();
+    watch.abort();
+    assert_eq!(
+        d.service.load().engine.prefill_tokens_computed,
+        0,
+        "recomputed on decode"
+    );
+    assert!(
+        most_pinned.load(std::sync::atomic::Ordering::Relaxed) <= 2,
+        "prompts piled up pinned on the prefill worker: {most_pinned:?}"
+    );
+    assert_eq!(ingress.inner.admission.waiting(), 0);
+    let metrics = ingress.extra_metrics();
+    assert!(
+        metrics.contains("tandem:kv_transfer_failures_total 0"),
+        "{metrics}"
+    );
+    drained(&p).await;
+    drained(&d).await;
+}
+
 /// The ingress refuses a request up front (503 with Retry-After, like a full engine queue) only
 /// when every decode worker last reported its waiting bound reached.
 #[test]

@@ -61,6 +61,10 @@ pub enum ClusterError {
         /// What is wrong with its value.
         message: String,
     },
+    /// The decode workers have no room for the request now (the head's admission queue is full or its
+    /// wait ran out): a 503 the client retries later.
+    #[error("overloaded: {0}")]
+    Overloaded(String),
     /// A worker answered something that does not follow the protocol.
     #[error("bad answer from {url}: {message}")]
     Protocol {
@@ -90,9 +94,8 @@ impl ClusterError {
     /// The HTTP status a worker answers this error with.
     pub fn status(&self) -> StatusCode {
         match self {
-            ClusterError::Engine(EngineError::QueueFull { .. } | EngineError::KvBusy { .. }) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ClusterError::Engine(EngineError::QueueFull { .. } | EngineError::KvBusy { .. })
+            | ClusterError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ClusterError::Engine(
                 EngineError::PromptTooLong { .. }
                 | EngineError::KvCacheTooSmall { .. }

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use futures::StreamExt;
@@ -15,6 +15,7 @@ use tandem_engine::{EngineStats, RequestId, SamplingParams, TokenOutput};
 use tandem_kv::PeerInfo;
 use tokio::sync::mpsc;
 
+use crate::admission::{Admission, Reservation};
 use crate::error::ClusterError;
 use crate::metrics::{ClusterMetrics, PrefillPath};
 use crate::prefix::block_hashes;
@@ -44,6 +45,9 @@ pub struct TimeoutConfig {
     pub poll_interval_secs: f64,
     /// How long startup waits for a worker to answer its first info request.
     pub worker_startup_secs: f64,
+    /// Longest a request waits at the head, before its prefill, for KV room on a decode worker; then
+    /// it is refused with 503.
+    pub admission_secs: f64,
 }
 
 impl Default for TimeoutConfig {
@@ -55,6 +59,7 @@ impl Default for TimeoutConfig {
             token_stall_secs: 120.0,
             poll_interval_secs: 0.5,
             worker_startup_secs: 300.0,
+            admission_secs: 300.0,
         }
     }
 }
@@ -76,6 +81,8 @@ pub(crate) struct Inner {
     pub(crate) metrics: ClusterMetrics,
     /// The cluster secret its calls carry and registrations must carry (`crate::auth`).
     pub(crate) cluster_key: Option<tandem_kv::ClusterKey>,
+    /// Requests waiting for decode KV room before their prefill.
+    pub(crate) admission: Admission,
 }
 
 /// The P/D router: a [`GenerateBackend`] over remote workers. Cheap to clone.
@@ -116,6 +123,7 @@ impl Ingress {
                 model_id,
                 metrics,
                 cluster_key,
+                admission: Admission::default(),
             }),
         })
     }
@@ -222,9 +230,19 @@ impl Job {
         let mut path = PrefillPath::Local;
         let mut prefilled = None;
         let mut pin = None;
+        let (mut d, mut busy) = (d, busy);
+        // KV room claimed on the decode worker until its decode starts (remote prefills only: a local
+        // prefill pins nothing and queues in the decode engine itself).
+        let mut reserved = None;
         if uncached >= inner.routing.local_prefill_threshold
             && !self.ingress.routable(Role::Prefill).is_empty()
         {
+            let (chosen, reservation) = self.admit(&d, &hashes).await?;
+            if !Arc::ptr_eq(&chosen, &d) {
+                busy = chosen.track();
+                d = chosen;
+            }
+            reserved = Some(reservation);
             path = PrefillPath::Fallback;
             if let Some((p, resp)) = self.remote_prefill(&hashes).await {
                 let finished = resp.first.finish.is_some();
@@ -256,7 +274,6 @@ impl Job {
             prefilled,
             resume: Vec::new(),
         };
-        let (mut d, mut busy) = (d, busy);
         if !d.routable() {
             // It began draining (or stopped answering) while the prompt was prefilled: a draining worker
             // may stop as soon as its own streams end, so this one goes to a worker that stays.
@@ -314,6 +331,8 @@ impl Job {
             }
             started => started,
         };
+        // Started (its blocks now count in the worker's own load) or failed: the claim has done its job.
+        drop(reserved);
         let resp = match resp {
             // The decode worker answered, so it has acked or aborted the pull itself.
             Ok(r) => {
@@ -397,6 +416,54 @@ impl Job {
             next.prefix.lock().insert(hashes);
             (d, _busy, resp, skip_first) = (next, next_busy, Ok(r), false);
         }
+    }
+
+    /// Waits (`crate::admission`) until `preferred` or another decode worker has KV room for the
+    /// prompt's blocks it does not cache, and claims it there.
+    async fn admit(
+        &self,
+        preferred: &Arc<WorkerEntry>,
+        hashes: &[u64],
+    ) -> Result<(Arc<WorkerEntry>, Reservation), ClusterError> {
+        let inner = &self.ingress.inner;
+        let block_size = self.ingress.block_size().max(1);
+        // The prompt's blocks plus the one its first generated token may open.
+        let blocks = (self.prompt.len() + 1).div_ceil(block_size);
+        let need = |w: &WorkerEntry| blocks.saturating_sub(w.prefix.lock().matched_blocks(hashes));
+        // As many may wait here as the decode workers would queue themselves (no bound while one
+        // reports none, like `WorkerLoad::saturated`).
+        let bounds: Vec<usize> = self
+            .ingress
+            .routable(Role::Decode)
+            .iter()
+            .map(|w| w.load().max_waiting)
+            .collect();
+        let bound = if bounds.contains(&0) {
+            usize::MAX
+        } else {
+            bounds.iter().sum()
+        };
+        let deadline = tokio::time::Instant::now() + secs(inner.timeouts.admission_secs);
+        let waited = Instant::now();
+        let admitted = inner
+            .admission
+            .admit(
+                preferred,
+                || self.ingress.routable(Role::Decode),
+                need,
+                bound,
+                deadline,
+            )
+            .await;
+        let secs_waited = waited.elapsed().as_secs_f64();
+        if secs_waited > 0.1 {
+            tracing::debug!(
+                secs = secs_waited,
+                ok = admitted.is_ok(),
+                "waited for decode KV room"
+            );
+        }
+        admitted
     }
 
     /// The least loaded routable decode worker not yet tried for this request.
@@ -641,8 +708,9 @@ impl GenerateBackend for Ingress {
                 (w, l)
             })
             .collect();
-        self.inner
-            .metrics
+        let metrics = &self.inner.metrics;
+        metrics.set_admission_waiting(self.inner.admission.waiting());
+        metrics
             .render(
                 loads
                     .iter()

@@ -37,6 +37,7 @@
 //! a mismatch refused with [`ClusterError::Refused`] naming the field) and again in every `tandem-kv`
 //! connection handshake.
 
+mod admission;
 pub mod auth;
 pub mod discovery;
 mod engine_kv;

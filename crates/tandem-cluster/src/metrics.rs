@@ -2,8 +2,8 @@
 //! appends their text to the API's /metrics.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::protocol::{Role, WorkerLoad};
@@ -53,6 +53,7 @@ pub struct ClusterMetrics {
     queue_depth: IntGaugeVec,
     running: IntGaugeVec,
     healthy: IntGaugeVec,
+    admission_waiting: IntGauge,
 }
 
 impl ClusterMetrics {
@@ -123,6 +124,11 @@ impl ClusterMetrics {
             ),
             &["worker", "role"],
         )?;
+        let admission_waiting = IntGauge::new(
+            "tandem:admission_waiting",
+            "Requests waiting at the head, before their prefill, for KV room on a decode worker.",
+        )?;
+        registry.register(Box::new(admission_waiting.clone()))?;
         registry.register(Box::new(transfer_bytes.clone()))?;
         registry.register(Box::new(transfer_blocks.clone()))?;
         registry.register(Box::new(transfer_blocks_skipped.clone()))?;
@@ -158,7 +164,13 @@ impl ClusterMetrics {
             queue_depth,
             running,
             healthy,
+            admission_waiting,
         })
+    }
+
+    /// Records how many requests wait for decode KV room now (`crate::admission`).
+    pub fn set_admission_waiting(&self, n: usize) {
+        self.admission_waiting.set(n as i64);
     }
 
     /// Records a finished KV pull: its bytes, wall time, blocks moved and prompt blocks found cached.

@@ -47,6 +47,8 @@ pub struct WorkerEntry {
     /// Load polls failed in a row: one slow answer under load is not a death.
     failed_polls: AtomicU32,
     pub(crate) in_flight: Arc<AtomicUsize>,
+    /// KV blocks this ingress admitted here for requests whose decode has not started (`crate::admission`).
+    pub(crate) pending_blocks: Arc<AtomicUsize>,
     pub(crate) load: Mutex<WorkerLoad>,
     pub(crate) prefix: Mutex<PrefixTracker>,
 }
@@ -99,6 +101,17 @@ impl WorkerEntry {
     pub(crate) fn track(&self) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight(Arc::clone(&self.in_flight))
+    }
+
+    /// Free KV blocks for new work (as last polled, less what this ingress admitted since and has not
+    /// started) and the pool's size; `None` before the worker reported its pool.
+    pub(crate) fn kv_room(&self) -> Option<(usize, usize)> {
+        let (total, used) = {
+            let l = self.load.lock();
+            (l.engine.kv_blocks_total, l.engine.kv_blocks_used)
+        };
+        let pending = self.pending_blocks.load(Ordering::Relaxed);
+        (total > 0).then(|| (total.saturating_sub(used).saturating_sub(pending), total))
     }
 
     pub(crate) fn decode_load(&self) -> DecodeLoad {
@@ -232,6 +245,7 @@ impl Ingress {
             vanished: AtomicBool::new(false),
             failed_polls: AtomicU32::new(0),
             in_flight: Arc::new(AtomicUsize::new(0)),
+            pending_blocks: Arc::new(AtomicUsize::new(0)),
             load: Mutex::new(WorkerLoad::default()),
         });
         workers.retain(|w| w.url != url);
