@@ -61,12 +61,14 @@ impl Drop for Waiting {
     }
 }
 
-/// Whether `need` blocks fit on `w` now. A worker that has not reported its pool yet, or whose whole
-/// pool is smaller than the request (its own answer names that), does not hold the request back.
+/// Whether `need` blocks fit on `w` now and nothing waits to run there (an import queues behind what
+/// waits). A worker that has not reported its pool yet, or whose whole pool is smaller than the request
+/// (its own answer names that), does not hold the request back.
 fn fits(w: &WorkerEntry, need: usize) -> bool {
     match w.kv_room() {
         None => true,
-        Some((room, total)) => need <= room || need > total,
+        Some((_, total)) if need > total => true,
+        Some((room, _)) => need <= room && w.load().engine.waiting == 0,
     }
 }
 

@@ -156,6 +156,18 @@ impl<B: Backend> Worker<B> {
         tx: mpsc::UnboundedSender<Item>,
     ) -> Result<ImportPlan, EngineError> {
         let id = req.id;
+        // An import queues behind the requests already waiting to run, a preempted sequence first of
+        // all: taking the blocks they wait for would starve them.
+        if !self.sched.waiting.is_empty() {
+            self.shared.live.lock().remove(&id);
+            return Err(EngineError::KvBusy {
+                id,
+                reason: format!(
+                    "{} requests ahead of it wait to run",
+                    self.sched.waiting.len()
+                ),
+            });
+        }
         let ext = Ext {
             rng: SeqRng::new(req.params.seed),
             params: req.params,

@@ -915,3 +915,36 @@ fn import_into_a_full_cache_is_busy_not_failed() {
     assert_eq!(plan.wait_blocking().unwrap().num_blocks, 3);
     e.shutdown();
 }
+
+/// An import queues behind a request already waiting to run: even with blocks free for the import
+/// itself, it is `KvBusy` until the waiting request runs, so imports cannot starve what waits (a
+/// preempted sequence, or an earlier admission).
+#[test]
+fn an_import_does_not_jump_ahead_of_a_waiting_request() {
+    let slow = MockBackend::new(4, 8).with_step_delay(Duration::from_millis(50));
+    let e = Engine::start(slow, cfg(4)).unwrap();
+    // 6 of the 8 blocks run; the second request (also 6 blocks) waits for them.
+    let mut running = e
+        .submit(EngineRequest::new(1, vec![1; 21], greedy(3)))
+        .unwrap();
+    running.blocking_recv().unwrap();
+    let mut waiting = e
+        .submit(EngineRequest::new(2, vec![2; 21], greedy(2)))
+        .unwrap();
+    // Two blocks are free, enough for a 5-token import, yet request 2 is ahead of it.
+    let (_s, plan) = e
+        .import_prefilled(EngineRequest::new(3, vec![3; 5], greedy(2)), 3)
+        .unwrap();
+    match plan.wait_blocking() {
+        Err(EngineError::KvBusy { id: 3, reason }) => assert!(reason.contains("ahead"), "{reason}"),
+        other => panic!("expected KvBusy, got {other:?}"),
+    }
+    while running.blocking_recv().is_some() {}
+    waiting.blocking_recv().unwrap();
+    let (_s, plan) = e
+        .import_prefilled(EngineRequest::new(4, vec![3; 5], greedy(2)), 3)
+        .unwrap();
+    assert_eq!(plan.wait_blocking().unwrap().num_blocks, 2);
+    while waiting.blocking_recv().is_some() {}
+    e.shutdown();
+}
