@@ -92,6 +92,22 @@ def test_max_output_tokens_makes_it_incomplete(rclient):
     assert r.output_text
 
 
+def test_logprobs_when_included(rclient):
+    r = create(
+        rclient,
+        input="Name a fruit.",
+        max_output_tokens=6,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    part = r.output[0].content[0]
+    assert len(part.logprobs) == r.usage.output_tokens
+    assert "".join(lp.token for lp in part.logprobs).startswith(part.text)
+    assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    # Greedy: the chosen token is the most likely one.
+    assert all(lp.top_logprobs[0].logprob == lp.logprob for lp in part.logprobs)
+
+
 def stream_events(client, **kwargs):
     kwargs.setdefault("temperature", 0)
     with client.responses.stream(model=MODEL_NAME, **kwargs) as stream:

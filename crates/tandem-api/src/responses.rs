@@ -26,25 +26,29 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 
 use crate::chat::render_and_encode;
+use crate::codec::TextCodec;
 use crate::error::ApiError;
-use crate::generate::{collect, submit_choices, ChoiceRun, Step};
+use crate::generate::{chat_logprob, collect, submit_choices, ChoiceRun, Step};
 use crate::guidance::{response_format_guidance, GuidanceError};
 use crate::protocol::{
-    ChatMessage, JsonSchemaFormat, MessageContent, ResponseFormat, SamplingFields,
+    ChatMessage, ChatTokenLogprob, JsonSchemaFormat, MessageContent, ResponseFormat, SamplingFields,
 };
 use crate::routes::ApiJson;
 use crate::sse::to_json;
 use crate::state::AppState;
 use crate::tools::{self, CallHold, ToolCall, ToolSpec};
-use crate::validate::{plan, resolve_max_tokens, GenPlan};
+use crate::validate::{logprobs_count, plan, resolve_max_tokens, GenPlan};
 
 pub use wire::*;
 
 /// Input roles a Responses message may have.
 const ROLES: &[&str] = &["user", "system", "developer", "assistant"];
 
-/// `include` items accepted because they add nothing here: there is no reasoning to encrypt.
-const HARMLESS_INCLUDES: &[&str] = &["reasoning.encrypted_content"];
+/// `include` item that turns token logprobs on.
+const INCLUDE_LOGPROBS: &str = "message.output_text.logprobs";
+
+/// `include` items served: logprobs, and encrypted reasoning, which adds nothing (there is none).
+const SERVED_INCLUDES: &[&str] = &[INCLUDE_LOGPROBS, "reasoning.encrypted_content"];
 
 /// Tool types of OpenAI's own tools, refused by name rather than as unknown.
 const BUILT_IN_TOOLS: &[&str] = &[
@@ -114,7 +118,7 @@ fn refuse_unsupported(req: &ResponsesRequest) -> Result<(), ApiError> {
         .include
         .iter()
         .flatten()
-        .find(|i| !HARMLESS_INCLUDES.contains(&i.as_str()))
+        .find(|i| !SERVED_INCLUDES.contains(&i.as_str()))
     {
         return Err(invalid(
             format!("`include` item `{item}` is not supported by this server"),
@@ -139,12 +143,6 @@ fn refuse_unsupported(req: &ResponsesRequest) -> Result<(), ApiError> {
         return Err(unsupported(
             "truncation",
             "only `disabled` is served: input that does not fit is refused, never cut",
-        ));
-    }
-    if req.top_logprobs.is_some_and(|k| k != 0) {
-        return Err(unsupported(
-            "top_logprobs",
-            "logprobs are served on /v1/chat/completions",
         ));
     }
     if let Some((name, _)) = req.unknown.iter().find(|(_, v)| !v.is_null()) {
@@ -380,6 +378,7 @@ struct Echo {
     instructions: Option<String>,
     max_output_tokens: Option<i64>,
     max_tool_calls: Option<i64>,
+    top_logprobs: Option<i64>,
     parallel_tool_calls: bool,
     temperature: f64,
     top_p: f64,
@@ -464,6 +463,7 @@ impl Echo {
             instructions: self.instructions.clone(),
             max_output_tokens: self.max_output_tokens,
             max_tool_calls: self.max_tool_calls,
+            top_logprobs: self.top_logprobs,
             model: self.model.clone(),
             output,
             parallel_tool_calls: self.parallel_tool_calls,
@@ -525,7 +525,16 @@ fn prepare(state: &AppState, req: ResponsesRequest) -> Result<Prepared, ApiError
         user: req.user.clone(),
         ..SamplingFields::default()
     };
-    let mut plan = plan(&fields, req.max_output_tokens, "max_output_tokens", None)?;
+    let top = logprobs_count(req.top_logprobs, "top_logprobs")?;
+    let include_logprobs = req.include.iter().flatten().any(|i| i == INCLUDE_LOGPROBS);
+    // Either asks for token logprobs: the include item, or alternatives per token.
+    let logprobs = (include_logprobs || top.is_some_and(|k| k > 0)).then(|| top.unwrap_or(0));
+    let mut plan = plan(
+        &fields,
+        req.max_output_tokens,
+        "max_output_tokens",
+        logprobs,
+    )?;
     plan.params.guidance = guidance;
     let echo = Echo {
         id: format!("resp_{}", uuid::Uuid::new_v4().simple()),
@@ -534,6 +543,7 @@ fn prepare(state: &AppState, req: ResponsesRequest) -> Result<Prepared, ApiError
         instructions: req.instructions,
         max_output_tokens: req.max_output_tokens,
         max_tool_calls: req.max_tool_calls,
+        top_logprobs: req.top_logprobs,
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
         temperature: req.temperature.unwrap_or(1.0),
         top_p: req.top_p.unwrap_or(1.0),
@@ -559,12 +569,12 @@ fn prepare(state: &AppState, req: ResponsesRequest) -> Result<Prepared, ApiError
     })
 }
 
-fn message_item(id: String, status: &'static str, text: Option<String>) -> OutputItem {
+fn message_item(id: String, status: &'static str, part: Option<OutputText>) -> OutputItem {
     OutputItem::Message {
         id,
         role: "assistant",
         status,
-        content: text.map(OutputText::new).into_iter().collect(),
+        content: part.into_iter().collect(),
     }
 }
 
@@ -615,7 +625,8 @@ pub async fn create_response(
         .pop()
         .ok_or_else(|| ApiError::internal("no generation was submitted"))?;
     if p.plan.stream {
-        return Ok(stream_response(run, p.spec, p.echo, prompt.len()));
+        let codec = state.codec.clone();
+        return Ok(stream_response(run, p.spec, p.echo, codec, prompt.len()));
     }
     let c = collect(run).await?;
     let (content, calls) = match &p.spec {
@@ -626,10 +637,16 @@ pub async fn create_response(
     let ending = Ending::of(c.finish);
     let mut output = Vec::new();
     if content.is_some() || calls.is_empty() {
+        let logprobs = c
+            .tokens
+            .iter()
+            .filter_map(|t| chat_logprob(state.codec.as_ref(), t))
+            .collect();
+        let part = OutputText::new(content.unwrap_or_default(), logprobs);
         output.push(message_item(
             item_id("msg"),
             ending.item_status(),
-            Some(content.unwrap_or_default()),
+            Some(part),
         ));
     }
     for call in &calls {
@@ -644,11 +661,12 @@ pub async fn create_response(
     Ok(Json(p.echo.response(Some(ending), output, Some(usage), None)).into_response())
 }
 
-/// The message item being streamed: its place in `output`, id and text so far.
+/// The message item being streamed: its place in `output`, id, and text and logprobs so far.
 struct OpenMessage {
     index: usize,
     id: String,
     text: String,
+    logprobs: Vec<ChatTokenLogprob>,
 }
 
 /// One streamed response: turns the generation's steps into OpenAI's event sequence.
@@ -665,6 +683,9 @@ struct EventWriter {
     message: Option<OpenMessage>,
     /// Finished items, in `output` order.
     done: Vec<OutputItem>,
+    codec: Arc<dyn TextCodec>,
+    /// Logprobs of tokens whose text has not been sent yet (held, or an incomplete character).
+    pending: Vec<ChatTokenLogprob>,
 }
 
 impl EventWriter {
@@ -718,13 +739,14 @@ impl EventWriter {
                 item_id: id.clone(),
                 output_index: index,
                 content_index: 0,
-                part: OutputText::new(String::new()),
+                part: OutputText::new(String::new(), Vec::new()),
             };
             out.push(self.event("response.content_part.added", part));
             self.message = Some(OpenMessage {
                 index,
                 id,
                 text: String::new(),
+                logprobs: Vec::new(),
             });
         }
         if text.is_empty() {
@@ -734,37 +756,42 @@ impl EventWriter {
             return;
         };
         m.text.push_str(&text);
+        let logprobs = std::mem::take(&mut self.pending);
+        m.logprobs.extend(logprobs.iter().cloned());
         let body = EventBody::TextDelta {
             item_id: m.id.clone(),
             output_index: m.index,
             content_index: 0,
             delta: text,
-            logprobs: Vec::new(),
+            logprobs,
         };
         out.push(self.event("response.output_text.delta", body));
     }
 
     /// Closes the message item, if one is open.
     fn close_message(&mut self, status: &'static str, out: &mut Vec<Event>) {
-        let Some(m) = self.message.take() else {
+        let Some(mut m) = self.message.take() else {
             return;
         };
+        // Tokens that added no text (the end-of-sequence token) still count in the whole list.
+        m.logprobs.append(&mut self.pending);
         let done = EventBody::TextDone {
             item_id: m.id.clone(),
             output_index: m.index,
             content_index: 0,
             text: m.text.clone(),
-            logprobs: Vec::new(),
+            logprobs: m.logprobs.clone(),
         };
         out.push(self.event("response.output_text.done", done));
+        let text = OutputText::new(m.text, m.logprobs);
         let part = EventBody::Part {
             item_id: m.id.clone(),
             output_index: m.index,
             content_index: 0,
-            part: OutputText::new(m.text.clone()),
+            part: text.clone(),
         };
         out.push(self.event("response.content_part.done", part));
-        let item = message_item(m.id, status, Some(m.text));
+        let item = message_item(m.id, status, Some(text));
         self.done.push(item.clone());
         out.push(self.event(
             "response.output_item.done",
@@ -814,6 +841,8 @@ impl EventWriter {
     /// The events of one generation step; the last step also closes the items and the response.
     fn step(&mut self, step: Step) -> Vec<Event> {
         self.output_tokens += 1;
+        self.pending
+            .extend(chat_logprob(self.codec.as_ref(), &step.token));
         let mut out = Vec::new();
         let mut text = step.text;
         let mut calls = Vec::new();
@@ -861,6 +890,7 @@ fn stream_response(
     run: ChoiceRun,
     spec: Option<ToolSpec>,
     echo: Echo,
+    codec: Arc<dyn TextCodec>,
     input_tokens: usize,
 ) -> Response {
     let mut writer = EventWriter {
@@ -873,6 +903,8 @@ fn stream_response(
         output_tokens: 0,
         message: None,
         done: Vec::new(),
+        codec,
+        pending: Vec::new(),
     };
     let opening = writer.opening();
     let steps = stream::unfold(writer, |mut w| async move {

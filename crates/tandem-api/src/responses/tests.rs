@@ -308,7 +308,7 @@ async fn unsupported_fields_are_400s_naming_the_field() {
             "reasoning",
         ),
         (json!({"input": "x", "truncation": "auto"}), "truncation"),
-        (json!({"input": "x", "top_logprobs": 3}), "top_logprobs"),
+        (json!({"input": "x", "top_logprobs": 21}), "top_logprobs"),
         (json!({"input": "x", "frobnicate": 1}), "frobnicate"),
         (
             json!({"input": "x", "tools": [{"type": "web_search"}]}),
@@ -590,4 +590,60 @@ async fn a_client_hanging_up_aborts_the_generation() {
     assert_eq!(backend.live.load(std::sync::atomic::Ordering::SeqCst), 1);
     drop(body);
     assert_eq!(backend.live.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn logprobs_come_with_the_text_when_included() {
+    let (app, backend) = app("Hi!");
+    let include = json!(["message.output_text.logprobs"]);
+    let (status, v) = create(
+        &app,
+        json!({"input": "x", "include": include, "top_logprobs": 2}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["top_logprobs"], 2);
+    let lp = v["output"][0]["content"][0]["logprobs"].as_array().unwrap();
+    assert_eq!(lp.len(), 4, "three bytes and the end token: {v}");
+    assert_eq!(lp[0]["token"], "H");
+    assert_eq!(lp[0]["logprob"], -0.25);
+    assert_eq!(lp[0]["bytes"], json!([72]));
+    assert_eq!(lp[0]["top_logprobs"].as_array().unwrap().len(), 2);
+    let (_, v) = create(&app, json!({"input": "x", "include": include})).await;
+    let lp = v["output"][0]["content"][0]["logprobs"].as_array().unwrap();
+    assert_eq!(lp.len(), 4);
+    assert!(lp[0]["top_logprobs"].as_array().unwrap().is_empty());
+    let (_, v) = create(&app, json!({"input": "x"})).await;
+    assert!(v["output"][0]["content"][0]["logprobs"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    {
+        let sent = backend.submitted.lock();
+        let asked: Vec<_> = sent.iter().map(|s| s.params.logprobs).collect();
+        assert_eq!(asked, [Some(2), Some(0), None]);
+    }
+
+    let events = stream(
+        &app,
+        json!({"input": "x", "include": include, "top_logprobs": 1}),
+    )
+    .await;
+    for e in events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+    {
+        assert_eq!(e["logprobs"].as_array().unwrap().len(), 1, "{e}");
+        assert_eq!(e["logprobs"][0]["token"], e["delta"]);
+    }
+    let done = events
+        .iter()
+        .find(|e| e["type"] == "response.output_text.done")
+        .unwrap();
+    assert_eq!(done["logprobs"].as_array().unwrap().len(), 4, "{done}");
+    let last = &events.last().unwrap()["response"];
+    assert_eq!(
+        last["output"][0]["content"][0]["logprobs"],
+        done["logprobs"]
+    );
 }

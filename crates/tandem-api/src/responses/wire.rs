@@ -8,6 +8,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::protocol::ChatTokenLogprob;
+
 /// Body of `POST /v1/responses`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ResponsesRequest {
@@ -45,7 +47,7 @@ pub struct ResponsesRequest {
     pub conversation: Option<Value>,
     /// Refused when true: a response is answered on its own connection.
     pub background: Option<bool>,
-    /// Extra output to include; only items that add nothing here are accepted.
+    /// Extra output: `message.output_text.logprobs`, and `reasoning.encrypted_content` (adds nothing).
     pub include: Option<Vec<String>>,
     /// Refused when set: the models served here do not reason.
     pub reasoning: Option<Value>,
@@ -53,7 +55,8 @@ pub struct ResponsesRequest {
     pub prompt: Option<Value>,
     /// `disabled` (the default); `auto` would need dropping input, which is refused.
     pub truncation: Option<String>,
-    /// Refused above 0: per-token logprobs are not offered on this endpoint.
+    /// Alternatives per token in [0, 20]; turns token logprobs on, like including
+    /// `message.output_text.logprobs`.
     pub top_logprobs: Option<i64>,
     /// Up to 16 string pairs, echoed back.
     pub metadata: Option<Map<String, Value>>,
@@ -158,18 +161,18 @@ pub struct OutputText {
     pub text: String,
     /// Always empty: nothing here cites sources.
     pub annotations: Vec<Value>,
-    /// Always empty: logprobs are not offered on this endpoint.
-    pub logprobs: Vec<Value>,
+    /// Every generated token's logprob, when the request included them.
+    pub logprobs: Vec<ChatTokenLogprob>,
 }
 
 impl OutputText {
-    /// A part holding `text`.
-    pub fn new(text: String) -> Self {
+    /// A part holding `text` and its tokens' logprobs.
+    pub fn new(text: String, logprobs: Vec<ChatTokenLogprob>) -> Self {
         OutputText {
             kind: "output_text",
             text,
             annotations: Vec::new(),
-            logprobs: Vec::new(),
+            logprobs,
         }
     }
 }
@@ -294,6 +297,8 @@ pub struct ResponseObject {
     pub max_output_tokens: Option<i64>,
     /// The request's call cap.
     pub max_tool_calls: Option<i64>,
+    /// The request's alternatives per token.
+    pub top_logprobs: Option<i64>,
     /// The served model name.
     pub model: String,
     /// Messages and function calls, in order.
@@ -382,8 +387,8 @@ pub enum EventBody {
         content_index: usize,
         /// New text.
         delta: String,
-        /// Always empty.
-        logprobs: Vec<Value>,
+        /// Logprobs of the tokens behind `delta`, when requested.
+        logprobs: Vec<ChatTokenLogprob>,
     },
     /// `response.output_text.done`.
     TextDone {
@@ -395,8 +400,8 @@ pub enum EventBody {
         content_index: usize,
         /// The whole text.
         text: String,
-        /// Always empty.
-        logprobs: Vec<Value>,
+        /// Logprobs of every token, when requested.
+        logprobs: Vec<ChatTokenLogprob>,
     },
     /// `response.function_call_arguments.delta`.
     ArgumentsDelta {
