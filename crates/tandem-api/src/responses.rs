@@ -66,6 +66,7 @@ const BUILT_IN_TOOLS: &[&str] = &[
     "custom",
 ];
 
+/// A 400 naming `param`.
 fn invalid(message: impl Into<String>, param: &str) -> ApiError {
     ApiError::invalid(message, Some(param))
 }
@@ -182,6 +183,7 @@ fn content_text(content: &InputContent, at: &str) -> Result<String, ApiError> {
     Ok(text)
 }
 
+/// A chat message as the template path takes it.
 fn message(role: &str, content: Option<String>, extra: Map<String, Value>) -> ChatMessage {
     ChatMessage {
         role: role.to_owned(),
@@ -408,6 +410,7 @@ impl Ending {
         }
     }
 
+    /// The response's `status`.
     fn status(self) -> &'static str {
         match self {
             Ending::Completed => "completed",
@@ -569,6 +572,7 @@ fn prepare(state: &AppState, req: ResponsesRequest) -> Result<Prepared, ApiError
     })
 }
 
+/// An assistant `message` output item with at most one text part.
 fn message_item(id: String, status: &'static str, part: Option<OutputText>) -> OutputItem {
     OutputItem::Message {
         id,
@@ -578,6 +582,7 @@ fn message_item(id: String, status: &'static str, part: Option<OutputText>) -> O
     }
 }
 
+/// A `function_call` output item for a parsed call (`arguments` empty while a stream opens it).
 fn call_item(id: String, call: &ToolCall, status: &'static str, arguments: String) -> OutputItem {
     OutputItem::FunctionCall {
         id,
@@ -588,6 +593,7 @@ fn call_item(id: String, call: &ToolCall, status: &'static str, arguments: Strin
     }
 }
 
+/// A fresh output item id (`msg_...`, `fc_...`).
 fn item_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
 }
@@ -600,7 +606,7 @@ fn capped(mut calls: Vec<ToolCall>, max_tool_calls: Option<i64>) -> Vec<ToolCall
     calls
 }
 
-/// The handler.
+/// Answers `POST /v1/responses`, as one `response` object or as a stream of events.
 pub async fn create_response(
     State(state): State<Arc<AppState>>,
     ApiJson(req): ApiJson<ResponsesRequest>,
@@ -689,6 +695,7 @@ struct EventWriter {
 }
 
 impl EventWriter {
+    /// The next SSE event: an `event:` line with the type, the JSON with its sequence number.
     fn event(&mut self, kind: &'static str, body: EventBody) -> Event {
         let event = StreamEvent {
             kind,
@@ -699,6 +706,7 @@ impl EventWriter {
         Event::default().event(kind).data(to_json(&event))
     }
 
+    /// A `response.*` event carrying the response as it stands.
     fn lifecycle(
         &mut self,
         kind: &'static str,
