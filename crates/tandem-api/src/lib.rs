@@ -13,6 +13,7 @@ pub mod guidance;
 pub mod listen;
 pub mod metrics;
 pub mod protocol;
+pub mod responses;
 pub mod routes;
 pub mod sse;
 pub mod state;

@@ -19,7 +19,7 @@ use crate::protocol::{
     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
 };
 use crate::state::AppState;
-use crate::{chat, completions};
+use crate::{chat, completions, responses};
 
 /// Header that correlates a request across client, proxy and server logs.
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -45,6 +45,11 @@ pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/responses", post(responses::create_response))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::stored_response).delete(responses::stored_response),
+        )
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/cluster", get(cluster))

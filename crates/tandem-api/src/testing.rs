@@ -120,6 +120,8 @@ pub struct FakeBackend {
     pub submitted: Mutex<Vec<Submitted>>,
     /// Delay between tokens, so a disconnect can happen mid-stream.
     pub token_delay: std::time::Duration,
+    /// When above 0, streams fail with `BackendError::Failed("boom")` after this many tokens.
+    pub fail_after: AtomicUsize,
 }
 
 impl FakeBackend {
@@ -133,6 +135,7 @@ impl FakeBackend {
             live: Arc::new(AtomicUsize::new(0)),
             submitted: Mutex::new(Vec::new()),
             token_delay: std::time::Duration::ZERO,
+            fail_after: AtomicUsize::new(0),
         }
     }
 }
@@ -196,6 +199,13 @@ impl GenerateBackend for FakeBackend {
                 break;
             }
         }
+        let mut outputs: Vec<Result<TokenOutput, BackendError>> =
+            outputs.into_iter().map(Ok).collect();
+        let fail_after = self.fail_after.load(Ordering::SeqCst);
+        if fail_after > 0 {
+            outputs.truncate(fail_after);
+            outputs.push(Err(BackendError::Failed("boom".to_owned())));
+        }
         self.live.fetch_add(1, Ordering::SeqCst);
         let guard = LiveGuard(self.live.clone());
         let delay = self.token_delay;
@@ -205,7 +215,7 @@ impl GenerateBackend for FakeBackend {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
-                it.next().map(|o| (Ok(o), (it, guard)))
+                it.next().map(|o| (o, (it, guard)))
             },
         )))
     }
