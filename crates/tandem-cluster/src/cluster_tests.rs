@@ -638,6 +638,23 @@ async fn requests_wait_at_the_head_for_decode_kv_room_instead_of_failing_their_i
     drained(&d).await;
 }
 
+/// A request the decode worker refuses itself (here: a KV cache too small for the prompt) reaches the
+/// client as its own error (400), not as a server failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_a_worker_refuses_is_the_clients_error() {
+    let d = worker_on(Role::Decode, engine_on(MockBackend::new(BLOCK, 2))).await;
+    let ingress = registered(1000, &[&d]).await;
+    let outs: Vec<_> = ingress
+        .submit(1, prompt(1), greedy(4))
+        .expect("accepted")
+        .collect()
+        .await;
+    match outs.as_slice() {
+        [Err(tandem_api::BackendError::Invalid(m))] => assert!(m.contains("KV"), "{m}"),
+        other => panic!("expected the worker's 400 as Invalid, got {other:?}"),
+    }
+}
+
 /// The ingress refuses a request up front (503 with Retry-After, like a full engine queue) only
 /// when every decode worker last reported its waiting bound reached.
 #[test]

@@ -100,7 +100,8 @@ impl ClusterError {
                 EngineError::PromptTooLong { .. }
                 | EngineError::KvCacheTooSmall { .. }
                 | EngineError::EmptyPrompt
-                | EngineError::InvalidParams(_),
+                | EngineError::InvalidParams(_)
+                | EngineError::Guidance(_),
             ) => StatusCode::BAD_REQUEST,
             ClusterError::WrongRole { .. } => StatusCode::NOT_FOUND,
             ClusterError::Refused { .. } => StatusCode::CONFLICT,

@@ -151,10 +151,15 @@ impl Job {
         let tx = self.tx.clone();
         if let Err(e) = self.route().await {
             tracing::warn!(error = %e, "P/D request failed");
-            let err = if e.is_busy() {
-                BackendError::Unavailable(e.to_string())
-            } else {
-                BackendError::Failed(e.to_string())
+            let err = match &e {
+                e if e.is_busy() => BackendError::Unavailable(e.to_string()),
+                // A worker refused the request itself (its parameters, its prompt): the client's error.
+                ClusterError::Remote {
+                    status: 400,
+                    message,
+                    ..
+                } => BackendError::Invalid(message.clone()),
+                e => BackendError::Failed(e.to_string()),
             };
             let _ = tx.send(Err(err));
         }
