@@ -89,6 +89,7 @@ function el(tag, className, text) {
 const chat = {
   history: [], // {role, content} of finished turns
   controller: null, // the AbortController of the answer streaming now
+  generation: 0, // bumped by Clear, so an answer cut short by it stays out of the new history
 };
 
 async function loadModels() {
@@ -174,6 +175,7 @@ async function send() {
   const stats = el("div", "stats", "waiting for the first token…");
   answer.box.appendChild(stats);
   chat.controller = new AbortController();
+  const generation = chat.generation;
   setStreaming(true);
 
   const started = performance.now();
@@ -226,6 +228,7 @@ async function send() {
       showStats();
       answer.box.scrollIntoView({ block: "end" });
     });
+    if (!finish) failure = "the stream ended before the answer finished";
   } catch (error) {
     if (error.name === "AbortError") {
       finish = "stopped";
@@ -240,8 +243,10 @@ async function send() {
     answer.box.classList.add("failed");
     answer.content.textContent = reply + (reply ? "\n" : "") + "Error: " + failure;
   }
-  if (reply) chat.history.push({ role: "assistant", content: reply });
-  else chat.history.pop(); // a turn without an answer is not sent again
+  if (generation === chat.generation) {
+    if (reply) chat.history.push({ role: "assistant", content: reply });
+    else chat.history.pop(); // a turn without an answer is not sent again
+  }
   input.focus();
 }
 
@@ -256,6 +261,7 @@ function setUpChat() {
   });
   $("clear").addEventListener("click", () => {
     if (chat.controller) chat.controller.abort();
+    chat.generation += 1;
     chat.history = [];
     $("messages").replaceChildren();
   });
