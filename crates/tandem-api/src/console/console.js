@@ -398,7 +398,7 @@ function renderWorkers(snapshot, rates) {
     row.append(
       el("td", "id", w.id),
       el("td", "role", w.role),
-      el("td", "address", w.address || "(this process)"),
+      el("td", "address", w.address ? w.address.replace(/^[a-z]+:\/\//, "") : "(this process)"),
       el("td", stateClass, state),
       el("td", "", w.running + " / " + w.waiting),
       kv,
