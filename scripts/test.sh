@@ -101,6 +101,19 @@ run_step "fuzz targets (10 s each)" bash scripts/fuzz.sh 10
 # The Helm chart (seconds): every profile of deploy/helm/tandem rendered by Helm's engine, validated against
 # the Kubernetes 1.31 schemas in strict mode, its wiring checked, and its ConfigMap through `serve --check-config`.
 run_step "Helm chart (tests/k8s)" env TANDEM_BIN="$root/target/release/tandem" bash scripts/k8s-check.sh
+# The console's browser tests (tests/python/test_console.py) drive Debian's chromium through
+# chromium-driver: installed here from Debian's packages when either command is missing (they fail,
+# saying how to install them, where this step could not).
+ensure_chromium() {
+  if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then
+    return 0
+  fi
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq &&
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+}
+run_step "chromium + chromium-driver (console tests)" ensure_chromium
 if [ "$build_ok" = 1 ]; then
   run_step "pytest tests/python" python_tests
 else

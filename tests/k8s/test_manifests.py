@@ -15,6 +15,7 @@ engine renders it, as `helm template` would) is checked:
   one check, saying so; any other failure fails.
 """
 
+import json
 import os
 import pathlib
 import re
@@ -449,6 +450,22 @@ def test_a_config_change_rolls_the_heads(tmp_path):
     assert m.deployment("head")["spec"]["template"]["metadata"]["annotations"]["checksum/config"] != before
 
 
+def test_the_grafana_dashboard_ships_as_a_sidecar_configmap(tmp_path):
+    """grafanaDashboard.enabled (on in the gpu-efa profile, off by default) puts deploy/grafana/tandem.json,
+    unchanged, in a ConfigMap labelled for Grafana's dashboard sidecar."""
+    name = "tandem-grafana-dashboard"
+    assert not [d for d in Manifests("cpu").all("ConfigMap") if d["metadata"]["name"] == name]
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "tandem.json").read_text())
+    cm = Manifests("gpu-efa").get("ConfigMap", name)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "tandem"}
+    assert json.loads(cm["data"]["tandem.json"]) == dashboard
+    f = values_file(tmp_path, {"grafanaDashboard": {"enabled": True, "labels": {"dashboards": "tandem"}}})
+    cm = Manifests("custom", render_with(["cpu", "-f", f])).get("ConfigMap", name)
+    assert cm["metadata"]["labels"]["dashboards"] == "tandem" and "annotations" not in cm["metadata"]
+    assert json.loads(cm["data"]["tandem.json"]) == dashboard
+
+
 def test_bad_values_are_refused_naming_them(tmp_path):
     for values, key in (
         ({"model": {"volume": {"type": "nfs"}}}, "/model/volume/type"),
@@ -456,6 +473,7 @@ def test_bad_values_are_refused_naming_them(tmp_path):
         ({"decode": {"replica": 3}}, "'replica'"),
         ({"head": {"servce": {"type": "LoadBalancer"}}}, "'servce'"),
         ({"workers": {"device": "tpu"}}, "/workers/device"),
+        ({"grafanaDashboard": {"enable": True}}, "'enable'"),
     ):
         out = subprocess.run(
             ["bash", str(RENDER), "cpu", "-f", values_file(tmp_path, values)], capture_output=True, text=True, timeout=120

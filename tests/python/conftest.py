@@ -101,6 +101,15 @@ def auth_server():
     s.stop()
 
 
+@pytest.fixture(scope="session")
+def pd_server():
+    """The embedded P/D deployment of examples/pd.yaml: a head with one prefill and one decode worker,
+    each its own process (the head's /health answers 200 once it has a decode worker)."""
+    s = Server(["--config", "examples/pd.yaml"])
+    yield s
+    s.stop()
+
+
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)

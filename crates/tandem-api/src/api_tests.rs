@@ -671,6 +671,61 @@ async fn cluster_lists_a_colocated_server_as_one_worker_behind_the_api_key() {
     assert_eq!(v["kv_bytes_moved"], 0);
 }
 
+#[tokio::test]
+async fn cluster_carries_the_api_latency_histograms() {
+    let backend = Arc::new(FakeBackend::new("hello"));
+    let app = router(fake_state(backend, None));
+    let r = post(&app, "/v1/chat/completions", chat_body(json!({}))).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let v = send(&app, "GET", "/v1/cluster", None, &[]).await.json();
+    let latency = &v["latency"];
+    assert_eq!(latency["ttft"]["count"], 1, "{v}");
+    assert_eq!(latency["e2e"]["count"], 1, "{v}");
+    assert!(latency["itl"]["count"].as_u64().unwrap() >= 1, "{v}");
+    let buckets = latency["ttft"]["buckets"].as_array().unwrap();
+    assert!(buckets.len() > 5);
+    assert_eq!(
+        buckets.last().unwrap()[1],
+        1,
+        "every observation is below the last bound"
+    );
+    // The backend's fields stay at the top level beside it.
+    assert_eq!(v["workers"][0]["role"], "colocated");
+}
+
+#[tokio::test]
+async fn console_is_served_without_the_key_while_its_data_keeps_it() {
+    let backend = Arc::new(FakeBackend::new("x"));
+    let app = router(fake_state(backend, Some("sekret")));
+    let page = send(&app, "GET", "/", None, &[]).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert_eq!(
+        page.headers[header::CONTENT_TYPE],
+        "text/html; charset=utf-8"
+    );
+    assert!(page.headers[header::CONTENT_SECURITY_POLICY]
+        .to_str()
+        .unwrap()
+        .contains("connect-src 'self'"));
+    assert!(page.body.contains("<title>tandem console</title>"));
+    for (path, kind) in [
+        (
+            crate::console::SCRIPT_PATH,
+            "text/javascript; charset=utf-8",
+        ),
+        (crate::console::STYLE_PATH, "text/css; charset=utf-8"),
+    ] {
+        let r = send(&app, "GET", path, None, &[]).await;
+        assert_eq!(r.status, StatusCode::OK, "{path}");
+        assert_eq!(r.headers[header::CONTENT_TYPE], kind);
+        assert!(!r.body.is_empty());
+    }
+    let r = send(&app, "GET", "/v1/cluster", None, &[]).await;
+    assert_error(&r, StatusCode::UNAUTHORIZED, None);
+    let r = send(&app, "GET", "/console/missing.js", None, &[]).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
 fn weather_tools(choice: Value) -> Value {
     chat_body(json!({
         "tools": [{"type": "function", "function": {

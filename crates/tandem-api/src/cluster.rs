@@ -6,6 +6,7 @@ use tandem_engine::EngineStats;
 
 /// The deployment as `GET /v1/cluster` reports it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub struct ClusterView {
     /// The served model's first name.
     pub model: String,
@@ -15,6 +16,43 @@ pub struct ClusterView {
     pub routing: RoutingCounts,
     /// KV bytes pulled from prefill to decode workers since start: cumulative, so a poller takes rates.
     pub kv_bytes_moved: u64,
+}
+
+/// The whole `GET /v1/cluster` answer: the backend's [`ClusterView`] and what the API itself measured.
+/// Kept apart from `ClusterView` because backends build that one and know nothing of the API's metrics.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct ClusterSnapshot {
+    /// Model, workers, routing and KV bytes, as the backend reports them.
+    #[serde(flatten)]
+    pub deployment: ClusterView,
+    /// The server's own latency histograms, cumulative: a poller takes means and percentiles between
+    /// two snapshots (the console's charts), as Prometheus does between two scrapes.
+    pub latency: LatencyView,
+}
+
+/// The API's latency histograms as seen by clients of this server (the head, in a P/D deployment).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct LatencyView {
+    /// Time from request arrival to its first token.
+    pub ttft: HistogramView,
+    /// Time between consecutive tokens of a request.
+    pub itl: HistogramView,
+    /// Time from request arrival to its last token; its count is the requests finished.
+    pub e2e: HistogramView,
+}
+
+/// One cumulative histogram: the numbers behind Prometheus's `_count`, `_sum` and `_bucket` series.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct HistogramView {
+    /// Observations since start.
+    pub count: u64,
+    /// Sum of the observations, in seconds.
+    pub sum: f64,
+    /// `[upper bound in seconds, observations at or below it]`, ascending; the `+Inf` bucket is `count`.
+    pub buckets: Vec<(f64, u64)>,
 }
 
 /// One worker's role, address, health and load.

@@ -7,6 +7,7 @@ pub mod chat;
 pub mod cluster;
 pub mod codec;
 pub mod completions;
+pub mod console;
 pub mod error;
 pub mod generate;
 pub mod guidance;
@@ -27,7 +28,9 @@ mod api_tests;
 mod testing;
 
 pub use backend::{BackendError, GenerateBackend, TokenStream};
-pub use cluster::{ClusterView, RoutingCounts, WorkerView};
+pub use cluster::{
+    ClusterSnapshot, ClusterView, HistogramView, LatencyView, RoutingCounts, WorkerView,
+};
 pub use codec::{CodecError, ModelCodec, StreamDecoder, TextCodec};
 pub use error::ApiError;
 pub use listen::{serve_router, ServeLimits};

@@ -4,11 +4,14 @@
 //! an [`EngineStats`] snapshot at scrape time.
 
 use parking_lot::Mutex;
+use prometheus::core::Metric;
 use prometheus::{
     Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
     TextEncoder,
 };
 use tandem_engine::EngineStats;
+
+use crate::cluster::{HistogramView, LatencyView};
 
 /// Buckets for time to first token, in seconds (a CPU model: milliseconds to tens of seconds).
 const TTFT_BUCKETS: &[f64] = &[
@@ -155,6 +158,15 @@ impl Metrics {
         self.success.with_label_values(&[finish_reason]).inc();
     }
 
+    /// The latency histograms as they stand, for `GET /v1/cluster`.
+    pub fn latency(&self) -> LatencyView {
+        LatencyView {
+            ttft: histogram_view(&self.ttft),
+            itl: histogram_view(&self.itl),
+            e2e: histogram_view(&self.e2e),
+        }
+    }
+
     /// Copies an engine snapshot into the gauges and counters and renders the Prometheus text format.
     pub fn render(&self, stats: &EngineStats) -> Result<String, MetricsError> {
         self.running.set(stats.running as i64);
@@ -200,6 +212,21 @@ impl Metrics {
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
         Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+}
+
+/// One histogram's count, sum and cumulative buckets.
+fn histogram_view(h: &Histogram) -> HistogramView {
+    let proto = h.metric();
+    let hist = proto.get_histogram();
+    HistogramView {
+        count: hist.get_sample_count(),
+        sum: hist.get_sample_sum(),
+        buckets: hist
+            .get_bucket()
+            .iter()
+            .map(|b| (b.upper_bound(), b.cumulative_count()))
+            .collect(),
     }
 }
 
@@ -257,5 +284,20 @@ mod tests {
         );
         assert!(text.contains("tandem:request_success_total{finished_reason=\"length\"} 1"));
         assert!(text.contains("tandem:request_success_total{finished_reason=\"stop\"} 0"));
+    }
+
+    #[test]
+    fn latency_view_is_cumulative_with_buckets() {
+        let m = Metrics::new().unwrap();
+        m.observe_ttft(0.03);
+        m.observe_ttft(3.0);
+        m.observe_itl(0.004);
+        let v = m.latency();
+        assert_eq!(v.ttft.count, 2);
+        assert!((v.ttft.sum - 3.03).abs() < 1e-9);
+        assert_eq!(v.ttft.buckets.len(), TTFT_BUCKETS.len());
+        let at = |le: f64| v.ttft.buckets.iter().find(|b| b.0 == le).unwrap().1;
+        assert_eq!((at(0.02), at(0.04), at(2.5), at(5.0)), (0, 1, 1, 2));
+        assert_eq!((v.itl.count, v.e2e.count), (1, 0));
     }
 }

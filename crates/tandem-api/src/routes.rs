@@ -1,5 +1,5 @@
 //! The router: routes, API-key and request-id middleware, and the small endpoints
-//! (models, tokenize, detokenize, health, metrics).
+//! (models, tokenize, detokenize, health, metrics, cluster; the console's page in `console.rs`).
 
 use std::sync::Arc;
 
@@ -13,7 +13,7 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tower_http::LatencyUnit;
 use tracing::Level;
 
-use crate::cluster::ClusterView;
+use crate::cluster::ClusterSnapshot;
 use crate::error::ApiError;
 use crate::protocol::{
     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
@@ -52,16 +52,23 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
-        .route("/v1/cluster", get(cluster))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
         ));
     let api = Router::new()
         .merge(v1)
+        .merge(crate::console::routes())
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(fallback);
+    // The console polls this every two seconds per open page: DEBUG like the probes, but always keyed.
+    let polled = Router::new()
+        .route("/v1/cluster", get(cluster))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
     // Scrapers and probes call these every few seconds: their lines are DEBUG, so INFO shows requests.
     let mut probes = Router::new()
         .route("/health", get(health))
@@ -73,6 +80,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         ));
     }
     traced(api, Level::INFO)
+        .merge(traced(polled, Level::DEBUG))
         .merge(traced(probes, Level::DEBUG))
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
         .layer(middleware::from_fn(request_id))
@@ -183,11 +191,14 @@ async fn get_model(
     Ok(Json(model_card(&state, &id)))
 }
 
-/// The deployment's workers, routing and KV traffic (`GET /v1/cluster`).
-async fn cluster(State(state): State<Arc<AppState>>) -> Json<ClusterView> {
-    let mut view = state.backend.cluster();
-    view.model = state.primary_model_name().to_owned();
-    Json(view)
+/// The deployment's workers, routing, KV traffic and latency (`GET /v1/cluster`).
+async fn cluster(State(state): State<Arc<AppState>>) -> Json<ClusterSnapshot> {
+    let mut deployment = state.backend.cluster();
+    deployment.model = state.primary_model_name().to_owned();
+    Json(ClusterSnapshot {
+        deployment,
+        latency: state.metrics.latency(),
+    })
 }
 
 fn check_optional_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {

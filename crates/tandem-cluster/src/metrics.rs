@@ -54,6 +54,10 @@ pub struct ClusterMetrics {
     running: IntGaugeVec,
     healthy: IntGaugeVec,
     admission_waiting: IntGauge,
+    worker_prompt_tokens: IntCounterVec,
+    worker_generation_tokens: IntCounterVec,
+    worker_kv_used: IntGaugeVec,
+    worker_kv_total: IntGaugeVec,
 }
 
 impl ClusterMetrics {
@@ -129,6 +133,40 @@ impl ClusterMetrics {
             "Requests waiting at the head, before their prefill, for KV room on a decode worker.",
         )?;
         registry.register(Box::new(admission_waiting.clone()))?;
+        // Per worker and role, so a dashboard can sum throughput and KV use by role: the head's
+        // unlabelled engine series cover only the decode workers.
+        let worker_prompt_tokens = IntCounterVec::new(
+            Opts::new(
+                "tandem:worker_prompt_tokens_total",
+                "Prompt tokens a worker accepted, as of the head's last load poll.",
+            ),
+            &["worker", "role"],
+        )?;
+        let worker_generation_tokens = IntCounterVec::new(
+            Opts::new(
+                "tandem:worker_generation_tokens_total",
+                "Tokens a worker generated, as of the head's last load poll.",
+            ),
+            &["worker", "role"],
+        )?;
+        let worker_kv_used = IntGaugeVec::new(
+            Opts::new(
+                "tandem:worker_kv_blocks_used",
+                "KV blocks a worker's live sequences and pins hold.",
+            ),
+            &["worker", "role"],
+        )?;
+        let worker_kv_total = IntGaugeVec::new(
+            Opts::new(
+                "tandem:worker_kv_blocks_total",
+                "KV blocks in a worker's pool.",
+            ),
+            &["worker", "role"],
+        )?;
+        registry.register(Box::new(worker_prompt_tokens.clone()))?;
+        registry.register(Box::new(worker_generation_tokens.clone()))?;
+        registry.register(Box::new(worker_kv_used.clone()))?;
+        registry.register(Box::new(worker_kv_total.clone()))?;
         registry.register(Box::new(transfer_bytes.clone()))?;
         registry.register(Box::new(transfer_blocks.clone()))?;
         registry.register(Box::new(transfer_blocks_skipped.clone()))?;
@@ -165,6 +203,10 @@ impl ClusterMetrics {
             running,
             healthy,
             admission_waiting,
+            worker_prompt_tokens,
+            worker_generation_tokens,
+            worker_kv_used,
+            worker_kv_total,
         })
     }
 
@@ -235,9 +277,24 @@ impl ClusterMetrics {
             self.pinned_blocks
                 .with_label_values(&[id])
                 .set(load.pinned_blocks as i64);
+            let labels = [id, &role.to_string()];
             self.healthy
-                .with_label_values(&[id, &role.to_string()])
+                .with_label_values(&labels)
                 .set(i64::from(healthy));
+            follow(
+                &self.worker_prompt_tokens.with_label_values(&labels),
+                load.engine.prompt_tokens_total,
+            );
+            follow(
+                &self.worker_generation_tokens.with_label_values(&labels),
+                load.engine.generation_tokens_total,
+            );
+            self.worker_kv_used
+                .with_label_values(&labels)
+                .set(load.engine.kv_blocks_used as i64);
+            self.worker_kv_total
+                .with_label_values(&labels)
+                .set(load.engine.kv_blocks_total as i64);
         }
         for role in [Role::Prefill, Role::Decode] {
             let label = role.to_string();
@@ -251,6 +308,19 @@ impl ClusterMetrics {
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
         Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+}
+
+/// Moves a counter to a worker's own cumulative total. A total below the counter means the worker
+/// restarted under the same id: the counter starts again from it, which Prometheus's `rate` reads as
+/// the counter reset it is.
+fn follow(counter: &IntCounter, total: u64) {
+    let now = counter.get();
+    if total < now {
+        counter.reset();
+        counter.inc_by(total);
+    } else {
+        counter.inc_by(total - now);
     }
 }
 
@@ -304,6 +374,41 @@ mod tests {
         assert!(
             text.contains("tandem:pd_requests_total{prefill=\"remote\"} 1"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn per_worker_counters_follow_the_polled_totals_and_restarts() {
+        let m = ClusterMetrics::new().unwrap();
+        let mut load = WorkerLoad::default();
+        load.engine.generation_tokens_total = 40;
+        load.engine.prompt_tokens_total = 7;
+        load.engine.kv_blocks_used = 3;
+        load.engine.kv_blocks_total = 64;
+        let line = |text: &str, name: &str| {
+            let key = format!("{name}{{role=\"decode\",worker=\"decode-0\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(key.as_str()).map(str::to_owned))
+                .unwrap_or_else(|| panic!("{key} missing in\n{text}"))
+        };
+        let render = |load: &WorkerLoad| {
+            m.render([("decode-0", Role::Decode, true, load)].into_iter())
+                .unwrap()
+        };
+        let text = render(&load);
+        assert_eq!(line(&text, "tandem:worker_generation_tokens_total"), "40");
+        assert_eq!(line(&text, "tandem:worker_prompt_tokens_total"), "7");
+        assert_eq!(line(&text, "tandem:worker_kv_blocks_used"), "3");
+        assert_eq!(line(&text, "tandem:worker_kv_blocks_total"), "64");
+        load.engine.generation_tokens_total = 55;
+        assert_eq!(
+            line(&render(&load), "tandem:worker_generation_tokens_total"),
+            "55"
+        );
+        load.engine.generation_tokens_total = 5;
+        assert_eq!(
+            line(&render(&load), "tandem:worker_generation_tokens_total"),
+            "5"
         );
     }
 }
