@@ -795,7 +795,14 @@ async fn forced_tool_choices_guide_the_output_and_return_calls() {
             body["stream"] = json!(stream);
             let r = post(&app, "/v1/chat/completions", body).await;
             assert_eq!(r.status, StatusCode::OK, "{}", r.body);
-            let guidance = backend.submitted.lock().last().unwrap().params.guidance.clone();
+            let guidance = backend
+                .submitted
+                .lock()
+                .last()
+                .unwrap()
+                .params
+                .guidance
+                .clone();
             let Some(tandem_engine::Guidance::JsonSchema(schema)) = guidance else {
                 panic!("{choice}: not guided: {guidance:?}");
             };
@@ -804,7 +811,10 @@ async fn forced_tool_choices_guide_the_output_and_return_calls() {
                 let (mut name, mut args, mut finish) = (String::new(), String::new(), None);
                 for e in r.sse_events() {
                     let c = &e["choices"][0];
-                    assert!(c["delta"]["content"].as_str().is_none_or(str::is_empty), "{e}");
+                    assert!(
+                        c["delta"]["content"].as_str().is_none_or(str::is_empty),
+                        "{e}"
+                    );
                     if let Some(calls) = c["delta"]["tool_calls"].as_array() {
                         name.push_str(calls[0]["function"]["name"].as_str().unwrap_or(""));
                         args.push_str(calls[0]["function"]["arguments"].as_str().unwrap_or(""));
@@ -826,7 +836,10 @@ async fn forced_tool_choices_guide_the_output_and_return_calls() {
                 )
             };
             assert_eq!(name, "get_weather", "{choice} stream={stream}");
-            assert_eq!(serde_json::from_str::<Value>(&args).unwrap(), json!({"city": "Paris"}));
+            assert_eq!(
+                serde_json::from_str::<Value>(&args).unwrap(),
+                json!({"city": "Paris"})
+            );
             assert_eq!(finish, json!("tool_calls"));
         }
     }

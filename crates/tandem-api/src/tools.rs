@@ -313,9 +313,7 @@ impl ToolSpec {
     /// `required` allows parallel calls. None when the model chooses.
     pub fn guidance(&self) -> Option<Guidance> {
         let schema = match &self.choice {
-            ToolChoice::Named(name) => {
-                call_schema(self.tools.iter().find(|t| &t.name == name)?)
-            }
+            ToolChoice::Named(name) => call_schema(self.tools.iter().find(|t| &t.name == name)?),
             ToolChoice::Required => {
                 let one = match self.tools.as_slice() {
                     [only] => call_schema(only),

@@ -526,7 +526,9 @@ fn assert_guided_valid(out: &[TokenOutput]) {
     assert!(v["name"].as_str().unwrap().chars().count() <= 8, "{text:?}");
     let tags = v["tags"].as_array().unwrap();
     assert!((1..=4).contains(&tags.len()), "{text:?}");
-    assert!(tags.iter().all(|t| ["a", "ab", "x"].contains(&t.as_str().unwrap())));
+    assert!(tags
+        .iter()
+        .all(|t| ["a", "ab", "x"].contains(&t.as_str().unwrap())));
     assert!((-5..=500).contains(&v["n"].as_i64().unwrap()), "{text:?}");
 }
 
@@ -544,6 +546,17 @@ async fn guided_output_through_prefill_and_decode_satisfies_the_schema() {
         .extra_metrics()
         .contains("tandem:pd_requests_total{prefill=\"remote\"} 3"));
     assert_eq!(d.engine.stats().prefill_tokens_computed, 0);
+    // With the model's vocabulary the ingress refuses a constraint that does not compile before
+    // routing it (a 400), rather than letting the prefill worker fail it mid-request.
+    ingress.check_guidance_with(mock_guide());
+    let bad = SamplingParams {
+        guidance: Some(tandem_engine::Guidance::Regex("(ab".into())),
+        ..guided_params(1)
+    };
+    assert!(matches!(
+        ingress.submit(1, prompt(0), bad),
+        Err(tandem_api::BackendError::Invalid(_))
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -568,7 +581,10 @@ async fn a_guided_stream_resumed_after_a_lost_decode_worker_still_satisfies_the_
     } else {
         (&d2, &d1)
     };
-    assert!(lost.service.load().in_flight > 0, "one decode worker serves");
+    assert!(
+        lost.service.load().in_flight > 0,
+        "one decode worker serves"
+    );
     lost.task.abort();
     lost.engine.shutdown();
     while let Some(out) = stream.next().await {

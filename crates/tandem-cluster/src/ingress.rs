@@ -76,6 +76,9 @@ pub(crate) struct Inner {
     pub(crate) metrics: ClusterMetrics,
     /// The cluster secret its calls carry and registrations must carry (`crate::auth`).
     pub(crate) cluster_key: Option<tandem_kv::ClusterKey>,
+    /// Checks guided requests' constraints before routing, so one that does not compile is a 400
+    /// up front instead of an error from the prefill worker mid-request.
+    pub(crate) guide: std::sync::OnceLock<Arc<tandem_engine::GuideEnv>>,
 }
 
 /// The P/D router: a [`GenerateBackend`] over remote workers. Cheap to clone.
@@ -116,8 +119,15 @@ impl Ingress {
                 model_id,
                 metrics,
                 cluster_key,
+                guide: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// Compiles every guided request's constraint with `guide` (the served model's vocabulary)
+    /// before routing it; set once, at start-up.
+    pub fn check_guidance_with(&self, guide: Arc<tandem_engine::GuideEnv>) {
+        let _ = self.inner.guide.set(guide);
     }
 }
 
@@ -490,6 +500,10 @@ impl GenerateBackend for Ingress {
     ) -> Result<TokenStream, BackendError> {
         if prompt.is_empty() {
             return Err(BackendError::Invalid("the prompt is empty".into()));
+        }
+        if let (Some(g), Some(env)) = (&params.guidance, self.inner.guide.get()) {
+            env.compile(g)
+                .map_err(|e| BackendError::Invalid(e.to_string()))?;
         }
         let decoders = self.routable(Role::Decode);
         if decoders.is_empty() {

@@ -497,10 +497,14 @@ impl<B: Backend> Worker<B> {
         let seq = &self.sched.running[idx];
         let p = &seq.ext.params;
         self.counters.generation_tokens_total += 1;
+        // A complete grammar allows only EOS next, which ends the request even under `ignore_eos`
+        // (the constraint's answer is complete). Ending on the grammar's last text token instead
+        // would make it look like a stop token, whose text callers drop.
         let grammar_done = seq.ext.guide.as_ref().is_some_and(Guide::is_stopped);
-        let finish = if (!p.ignore_eos && self.eos.contains(&token))
+        let is_eos = self.eos.contains(&token);
+        let finish = if (!p.ignore_eos && is_eos)
             || p.stop_token_ids.contains(&token)
-            || grammar_done
+            || (grammar_done && is_eos)
         {
             Some(FinishReason::Stop)
         } else if seq.output().len() >= p.max_tokens
