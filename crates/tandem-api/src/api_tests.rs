@@ -834,3 +834,73 @@ async fn bad_tools_are_openai_shaped_400s() {
         assert_error(&r, StatusCode::BAD_REQUEST, Some(param));
     }
 }
+
+#[tokio::test]
+async fn forced_tool_choices_guide_the_output_and_return_calls() {
+    let answer = r#"{"name":"get_weather","arguments":{"city":"Paris"}}"#;
+    let (app, backend) = app(answer);
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    for (choice, reply) in [
+        (named, answer.to_owned()),
+        (json!("required"), format!("[{answer}]")),
+    ] {
+        *backend.reply.lock() = reply;
+        for stream in [false, true] {
+            let mut body = weather_tools(choice.clone());
+            body["stream"] = json!(stream);
+            let r = post(&app, "/v1/chat/completions", body).await;
+            assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+            let guidance = backend
+                .submitted
+                .lock()
+                .last()
+                .unwrap()
+                .params
+                .guidance
+                .clone();
+            let Some(tandem_engine::Guidance::JsonSchema(schema)) = guidance else {
+                panic!("{choice}: not guided: {guidance:?}");
+            };
+            assert!(schema.to_string().contains("get_weather"), "{schema}");
+            let (name, args, finish) = if stream {
+                let (mut name, mut args, mut finish) = (String::new(), String::new(), None);
+                for e in r.sse_events() {
+                    let c = &e["choices"][0];
+                    assert!(
+                        c["delta"]["content"].as_str().is_none_or(str::is_empty),
+                        "{e}"
+                    );
+                    if let Some(calls) = c["delta"]["tool_calls"].as_array() {
+                        name.push_str(calls[0]["function"]["name"].as_str().unwrap_or(""));
+                        args.push_str(calls[0]["function"]["arguments"].as_str().unwrap_or(""));
+                    }
+                    if !c["finish_reason"].is_null() {
+                        finish = Some(c["finish_reason"].clone());
+                    }
+                }
+                (name, args, finish.unwrap())
+            } else {
+                let v = r.json();
+                let c = &v["choices"][0];
+                assert!(c["message"]["content"].is_null(), "{v}");
+                let call = &c["message"]["tool_calls"][0]["function"];
+                (
+                    call["name"].as_str().unwrap().to_owned(),
+                    call["arguments"].as_str().unwrap().to_owned(),
+                    c["finish_reason"].clone(),
+                )
+            };
+            assert_eq!(name, "get_weather", "{choice} stream={stream}");
+            assert_eq!(
+                serde_json::from_str::<Value>(&args).unwrap(),
+                json!({"city": "Paris"})
+            );
+            assert_eq!(finish, json!("tool_calls"));
+        }
+    }
+    // The answer is the calls, so a response format besides them is refused.
+    let mut body = weather_tools(json!("required"));
+    body["response_format"] = json!({"type": "json_object"});
+    let r = post(&app, "/v1/chat/completions", body).await;
+    assert_error(&r, StatusCode::BAD_REQUEST, Some("response_format"));
+}

@@ -134,13 +134,23 @@ pub async fn chat_completions(
         (Some(m), _) => (Some(m), "max_completion_tokens"),
         (None, m) => (m, "max_tokens"),
     };
-    let plan = plan(&req.sampling, max_tokens, max_param, logprobs)?;
+    let mut plan = plan(&req.sampling, max_tokens, max_param, logprobs)?;
     let spec = tools::chat_spec(
         req.tools.as_ref(),
         req.tool_choice.as_ref(),
         req.parallel_tool_calls,
     )?
     .filter(ToolSpec::parses_calls);
+    if let Some(guidance) = spec.as_ref().and_then(ToolSpec::guidance) {
+        if plan.params.guidance.is_some() {
+            return Err(ApiError::invalid(
+                "response_format cannot be combined with tool_choice `required` or a named function: \
+                 the answer is the calls",
+                Some("response_format"),
+            ));
+        }
+        plan.params.guidance = Some(guidance);
+    }
     let prompt = render_and_encode(
         &state,
         &req.messages,
@@ -183,7 +193,7 @@ pub async fn chat_completions(
             let entry = chat_logprob(codec.as_ref(), &step.token);
             let (mut text, mut calls) = (step.text, Vec::new());
             if let Some(spec) = &spec {
-                let hold = holds.entry(index).or_default();
+                let hold = holds.entry(index).or_insert_with(|| CallHold::new(spec));
                 text = hold.push(&text);
                 if step.finish.is_some() {
                     let (rest, found) = hold.finish(spec);

@@ -6,7 +6,8 @@
 //! and Llama 3.1's JSON object (`{"name": .., "parameters": ..}`, optionally after `<|python_tag|>`).
 
 use serde::Serialize;
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
+use tandem_engine::Guidance;
 
 use crate::error::ApiError;
 
@@ -275,19 +276,24 @@ pub fn chat_spec(
         Some(_) => return Err(bad_tools("tools must be an array")),
     };
     let choice = parse_choice(choice, &tools)?;
-    if matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
-        // Forcing a call needs generation guided by the parameter schemas; answering as `auto` would
-        // silently break the contract (a reply without a call), so it is refused until guidance exists.
-        return Err(bad_choice(
-            "tool_choice `required` or a named function needs guided decoding, which this server does not \
-             do yet; use `auto` (or omit tool_choice) and read the answer's tool_calls",
-        ));
-    }
     Ok(Some(ToolSpec {
         tools,
         choice,
         parallel: parallel.unwrap_or(true),
     }))
+}
+
+/// The JSON Schema of one call to `tool`: its name and arguments under its parameters schema.
+fn call_schema(tool: &FunctionTool) -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "name": {"const": tool.name},
+            "arguments": tool.parameters,
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": false
+    })
 }
 
 impl ToolSpec {
@@ -296,11 +302,58 @@ impl ToolSpec {
         self.choice != ToolChoice::None
     }
 
+    /// Whether the answer must be calls (`required` or a named function): then the output is
+    /// guided to them and read as nothing but calls.
+    pub fn forced(&self) -> bool {
+        matches!(self.choice, ToolChoice::Required | ToolChoice::Named(_))
+    }
+
+    /// The constraint a forced choice puts on the output: `{"name": .., "arguments": ..}` for the
+    /// named function, or for any declared one (`required`), as a non-empty array of such calls when
+    /// `required` allows parallel calls. None when the model chooses.
+    pub fn guidance(&self) -> Option<Guidance> {
+        let schema = match &self.choice {
+            ToolChoice::Named(name) => call_schema(self.tools.iter().find(|t| &t.name == name)?),
+            ToolChoice::Required => {
+                let one = match self.tools.as_slice() {
+                    [only] => call_schema(only),
+                    many => json!({"anyOf": many.iter().map(call_schema).collect::<Vec<_>>()}),
+                };
+                if self.parallel {
+                    json!({"type": "array", "items": one, "minItems": 1})
+                } else {
+                    one
+                }
+            }
+            ToolChoice::Auto | ToolChoice::None => return None,
+        };
+        Some(Guidance::JsonSchema(schema))
+    }
+
+    /// The calls of a forced answer (one call object or an array of them); text that is not calls
+    /// (a guided answer cut short by `max_tokens`) stays text.
+    fn forced_calls(&self, text: &str) -> (Option<String>, Vec<ToolCall>) {
+        let calls = match serde_json::from_str::<Value>(text) {
+            Ok(Value::Array(list)) => list.iter().map(call_of).collect::<Option<Vec<_>>>(),
+            Ok(one) => call_of(&one).map(|c| vec![c]),
+            Err(_) => None,
+        };
+        match calls {
+            Some(calls) if !calls.is_empty() => {
+                (None, calls.into_iter().map(ToolCall::new).collect())
+            }
+            _ => (Some(text.to_owned()), Vec::new()),
+        }
+    }
+
     /// Splits a finished output into its text and the calls to return (at most one without
     /// `parallel_tool_calls`); calls to undeclared functions stay text.
     pub fn extract(&self, text: &str) -> (Option<String>, Vec<ToolCall>) {
         if !self.parses_calls() {
             return (Some(text.to_owned()), Vec::new());
+        }
+        if self.forced() {
+            return self.forced_calls(text);
         }
         match parse_calls(text) {
             Some((content, calls))
@@ -432,16 +485,26 @@ pub fn template_message(obj: &mut Map<String, Value>) {
 pub struct CallHold {
     held: String,
     passing: bool,
+    /// A forced choice's answer is all calls: everything is held.
+    forced: bool,
 }
 
 impl CallHold {
+    /// A hold for `spec`'s answers.
+    pub fn new(spec: &ToolSpec) -> Self {
+        Self {
+            forced: spec.forced(),
+            ..Self::default()
+        }
+    }
+
     /// Takes the next streamed text; returns what can be sent as content now.
     pub fn push(&mut self, text: &str) -> String {
         if self.passing {
             return text.to_owned();
         }
         self.held.push_str(text);
-        if may_open_call(&self.held) {
+        if self.forced || may_open_call(&self.held) {
             return String::new();
         }
         self.passing = true;
@@ -566,12 +629,13 @@ mod tests {
             parse_choice(Some(&named), &tools).unwrap(),
             ToolChoice::Named("g".into())
         );
-        // Parsed, but refused until calls can be forced by guided decoding.
+        // A forced choice guides the output to calls of the declared functions.
         for forced in [json!("required"), named] {
-            let err = spec(forced, None).unwrap_err();
-            assert_eq!(err.param.as_deref(), Some("tool_choice"));
-            assert!(err.message.contains("guided decoding"), "{}", err.message);
+            let s = spec(forced, None).unwrap().unwrap();
+            assert!(s.forced());
+            assert!(matches!(s.guidance(), Some(Guidance::JsonSchema(_))));
         }
+        assert_eq!(spec(json!("auto"), None).unwrap().unwrap().guidance(), None);
         for bad in [
             json!("sometimes"),
             json!({"type": "function", "function": {"name": "nope"}}),

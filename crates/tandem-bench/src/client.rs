@@ -48,6 +48,8 @@ pub struct Client {
     model: String,
     api_key: Option<String>,
     timeout: Duration,
+    /// Sent as every request's `response_format` (guided decoding runs).
+    response_format: Option<Value>,
 }
 
 /// `GET /v1/models`.
@@ -111,7 +113,14 @@ impl Client {
             model,
             api_key,
             timeout,
+            response_format: None,
         })
+    }
+
+    /// Sends `format` as every request's `response_format`, to measure guided decoding.
+    pub fn with_response_format(mut self, format: Option<Value>) -> Self {
+        self.response_format = format;
+        self
     }
 
     /// The endpoint.
@@ -126,7 +135,7 @@ impl Client {
 
     /// The request body: greedy, streamed with usage, exactly `max_tokens` tokens thanks to `ignore_eos`.
     pub fn body(&self, req: &BenchRequest) -> Value {
-        json!({
+        let mut body = json!({
             "model": self.model,
             "prompt": req.prompt,
             "max_tokens": req.max_tokens,
@@ -134,7 +143,11 @@ impl Client {
             "ignore_eos": true,
             "stream": true,
             "stream_options": {"include_usage": true},
-        })
+        });
+        if let Some(f) = &self.response_format {
+            body["response_format"] = f.clone();
+        }
+        body
     }
 
     /// Sends one request and records its timings; `run_start` is the run's time zero. Never fails: a

@@ -56,6 +56,8 @@ pub struct BenchPlan {
     pub progress: bool,
     /// The command line, stored in the result file.
     pub command: String,
+    /// Sent as every request's `response_format` (guided decoding); None sends none.
+    pub response_format: Option<serde_json::Value>,
 }
 
 /// Seed offset of warm-up prompts, so they never prime the prefix cache for the measured ones.
@@ -80,7 +82,8 @@ pub async fn run_plan(
             plan.api_key.clone(),
             plan.request_timeout,
         )
-        .await?;
+        .await?
+        .with_response_format(plan.response_format.clone());
         if plan.warmup > 0 {
             let warm = plan.workload.generate(
                 builder,

@@ -7,7 +7,7 @@ use futures::StreamExt;
 use tandem_api::GenerateBackend;
 use tandem_engine::{Backend, Engine, EngineConfig, EngineHandle, SamplingParams, TokenOutput};
 use tandem_kv::KvError;
-use tandem_testkit::{greedy, MockBackend};
+use tandem_testkit::{greedy, mock_guide, mock_text, MockBackend};
 
 use crate::protocol::{PrefillRequest, Role};
 use crate::{
@@ -27,7 +27,7 @@ fn engine_on(mock: MockBackend) -> EngineHandle {
         max_num_seqs: 8,
         ..EngineConfig::default()
     };
-    Engine::start(mock, config).expect("engine starts")
+    Engine::start_guided(mock, config, Some(mock_guide())).expect("engine starts")
 }
 
 /// A worker serving on loopback; abort the task to make it vanish like a killed process.
@@ -485,6 +485,116 @@ async fn a_decode_worker_lost_mid_stream_is_replaced_without_changing_the_answer
         metrics.contains("tandem:decode_resumes_total 1"),
         "{metrics}"
     );
+    drained(other).await;
+    drained(&p).await;
+}
+
+/// A JSON schema over the mock's vocabulary and a check of a text against it.
+fn guided_params(seed: u64) -> SamplingParams {
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "tags": {"type": "array", "items": {"enum": ["a", "ab", "x"]}, "minItems": 1, "maxItems": 4},
+            "n": {"type": "integer", "minimum": -5, "maximum": 500}
+        },
+        "required": ["name", "tags", "n"],
+        "additionalProperties": false
+    });
+    SamplingParams {
+        temperature: 1.0,
+        seed: Some(seed),
+        max_tokens: 120,
+        guidance: Some(tandem_engine::Guidance::JsonSchema(schema)),
+        ..SamplingParams::default()
+    }
+}
+
+fn assert_guided_valid(out: &[TokenOutput]) {
+    let tokens: Vec<u32> = out.iter().map(|o| o.token).collect();
+    let text = mock_text(&tokens);
+    assert_eq!(
+        out.last().and_then(|o| o.finish),
+        Some(tandem_engine::FinishReason::Stop),
+        "{text:?}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["n", "name", "tags"], "{text:?}");
+    assert!(v["name"].as_str().unwrap().chars().count() <= 8, "{text:?}");
+    let tags = v["tags"].as_array().unwrap();
+    assert!((1..=4).contains(&tags.len()), "{text:?}");
+    assert!(tags
+        .iter()
+        .all(|t| ["a", "ab", "x"].contains(&t.as_str().unwrap())));
+    assert!((-5..=500).contains(&v["n"].as_i64().unwrap()), "{text:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guided_output_through_prefill_and_decode_satisfies_the_schema() {
+    let colocated = engine(BLOCK);
+    let ([_p, d], ingress) = cluster(BLOCK, [Role::Prefill, Role::Decode]).await;
+    for s in 0..3 {
+        let want = collect(&colocated, prompt(s), guided_params(70 + s as u64)).await;
+        assert_guided_valid(&want);
+        let got = collect(&ingress, prompt(s), guided_params(70 + s as u64)).await;
+        assert_eq!(got, want, "seed {}", 70 + s);
+    }
+    assert!(ingress
+        .extra_metrics()
+        .contains("tandem:pd_requests_total{prefill=\"remote\"} 3"));
+    assert_eq!(d.engine.stats().prefill_tokens_computed, 0);
+    // With the model's vocabulary the ingress refuses a constraint that does not compile before
+    // routing it (a 400), rather than letting the prefill worker fail it mid-request.
+    ingress.check_guidance_with(mock_guide());
+    let bad = SamplingParams {
+        guidance: Some(tandem_engine::Guidance::Regex("(ab".into())),
+        ..guided_params(1)
+    };
+    assert!(matches!(
+        ingress.submit(1, prompt(0), bad),
+        Err(tandem_api::BackendError::Invalid(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guided_stream_resumed_after_a_lost_decode_worker_still_satisfies_the_schema() {
+    let colocated = engine(BLOCK);
+    let slow = || MockBackend::new(BLOCK, 64).with_step_delay(Duration::from_millis(5));
+    let p = worker(Role::Prefill, BLOCK).await;
+    let d1 = worker_on(Role::Decode, engine_on(slow())).await;
+    let d2 = worker_on(Role::Decode, engine_on(slow())).await;
+    let ingress = registered(BLOCK, &[&p, &d1, &d2]).await;
+    let params = guided_params(90);
+    let want = collect(&colocated, prompt(8), params.clone()).await;
+    assert_guided_valid(&want);
+    assert!(want.len() > 10, "long enough to lose mid-stream");
+    let mut stream = ingress.submit(1, prompt(8), params).unwrap();
+    let mut got = Vec::new();
+    for _ in 0..6 {
+        got.push(stream.next().await.expect("tokens flow").unwrap());
+    }
+    let (lost, other) = if d1.service.load().in_flight > 0 {
+        (&d1, &d2)
+    } else {
+        (&d2, &d1)
+    };
+    assert!(
+        lost.service.load().in_flight > 0,
+        "one decode worker serves"
+    );
+    lost.task.abort();
+    lost.engine.shutdown();
+    while let Some(out) = stream.next().await {
+        got.push(out.expect("resumed, not failed"));
+    }
+    assert_guided_valid(&got);
+    assert_eq!(got, want, "the resumed stream continues the same tokens");
+    assert!(ingress
+        .extra_metrics()
+        .contains("tandem:decode_resumes_total 1"));
     drained(other).await;
     drained(&p).await;
 }

@@ -83,6 +83,9 @@ pub(crate) struct Inner {
     pub(crate) cluster_key: Option<tandem_kv::ClusterKey>,
     /// Requests waiting for decode KV room before their prefill.
     pub(crate) admission: Admission,
+    /// Checks guided requests' constraints before routing, so one that does not compile is a 400
+    /// up front instead of an error from the prefill worker mid-request.
+    pub(crate) guide: std::sync::OnceLock<Arc<tandem_engine::GuideEnv>>,
 }
 
 /// The P/D router: a [`GenerateBackend`] over remote workers. Cheap to clone.
@@ -124,8 +127,15 @@ impl Ingress {
                 metrics,
                 cluster_key,
                 admission: Admission::default(),
+                guide: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// Compiles every guided request's constraint with `guide` (the served model's vocabulary)
+    /// before routing it; set once, at start-up.
+    pub fn check_guidance_with(&self, guide: Arc<tandem_engine::GuideEnv>) {
+        let _ = self.inner.guide.set(guide);
     }
 }
 
@@ -582,6 +592,10 @@ impl GenerateBackend for Ingress {
     ) -> Result<TokenStream, BackendError> {
         if prompt.is_empty() {
             return Err(BackendError::Invalid("the prompt is empty".into()));
+        }
+        if let (Some(g), Some(env)) = (&params.guidance, self.inner.guide.get()) {
+            env.compile(g)
+                .map_err(|e| BackendError::Invalid(e.to_string()))?;
         }
         let decoders = self.routable(Role::Decode);
         if decoders.is_empty() {

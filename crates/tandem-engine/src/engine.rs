@@ -16,6 +16,7 @@ pub use crate::stats::EngineStats;
 
 use crate::backend::Backend;
 use crate::block_pool::BlockPool;
+use crate::guide::GuideEnv;
 use crate::handle::Shared;
 use crate::sampler::Sampler;
 use crate::scheduler::{Scheduler, SchedulerConfig};
@@ -30,10 +31,21 @@ use tandem_model::ForwardBatch;
 pub struct Engine;
 
 impl Engine {
-    /// Validates `config` against the backend and spawns the engine thread.
+    /// Validates `config` against the backend and spawns the engine thread; guided requests are
+    /// refused (no vocabulary to compile them against).
     pub fn start<B: Backend>(
         backend: B,
         config: EngineConfig,
+    ) -> Result<EngineHandle, EngineError> {
+        Self::start_guided(backend, config, None)
+    }
+
+    /// Like [`Engine::start`], constraining guided requests with `guide` (built from the model's
+    /// tokenizer, over the backend's vocabulary width).
+    pub fn start_guided<B: Backend>(
+        backend: B,
+        config: EngineConfig,
+        guide: Option<Arc<GuideEnv>>,
     ) -> Result<EngineHandle, EngineError> {
         let layout = backend.kv_layout();
         if layout.block_size != config.block_size {
@@ -68,6 +80,7 @@ impl Engine {
             pool_tokens: layout.num_blocks * layout.block_size,
             layout,
             host_pool: backend.host_pool(),
+            guide,
             thread: Mutex::new(None),
         });
         let (tx, rx) = crossbeam_channel::unbounded();
@@ -91,6 +104,7 @@ impl Engine {
             device_sampler: true,
             device_rows: Vec::new(),
             device_tokens: Vec::new(),
+            masks: Vec::new(),
             importing: HashMap::new(),
             pins: HashMap::new(),
             staging: None,

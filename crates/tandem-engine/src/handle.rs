@@ -2,6 +2,7 @@
 //! request's output stream.
 
 use crate::error::EngineError;
+use crate::guide::{Guide, GuideEnv};
 use crate::kv_host::{HostBuf, HostPool};
 use crate::kv_manager::{ExportedKv, ImportPlan};
 use crate::kv_staging::{KvStaging, StagedLayer};
@@ -46,13 +47,18 @@ pub(crate) type Item = Result<TokenOutput, EngineError>;
 
 /// What a handle asks of the engine thread.
 pub(crate) enum Command {
-    Submit(Box<EngineRequest>, mpsc::UnboundedSender<Item>),
+    Submit(
+        Box<EngineRequest>,
+        Option<Guide>,
+        mpsc::UnboundedSender<Item>,
+    ),
     Abort(RequestId),
     ReleasePin(RequestId),
     Export(RequestId, Reply<ExportedKv>),
     ImportPrefilled(
         Box<EngineRequest>,
         u32,
+        Option<Guide>,
         mpsc::UnboundedSender<Item>,
         Reply<ImportPlan>,
     ),
@@ -104,6 +110,8 @@ pub(crate) struct Shared {
     pub(crate) layout: KvLayout,
     /// The backend's host buffers, for imports filled off the engine thread.
     pub(crate) host_pool: Arc<dyn HostPool>,
+    /// Compiles guided requests' constraints; None refuses them.
+    pub(crate) guide: Option<Arc<GuideEnv>>,
     pub(crate) thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -227,11 +235,6 @@ impl EngineHandle {
                 "token id {t} outside the vocabulary"
             )));
         }
-        if req.params.guidance.is_some() {
-            return Err(EngineError::Guidance(
-                "guided decoding is not available in this engine".to_owned(),
-            ));
-        }
         let p = &req.params;
         // Written positively so that NaN fails every check.
         let ok = p.temperature >= 0.0
@@ -250,6 +253,25 @@ impl EngineHandle {
             ));
         }
         Ok(())
+    }
+
+    /// Compiles a guided request's constraint (on the caller's thread, so a bad one is refused before
+    /// anything is queued) and feeds it the tokens the request already has: a resumed request's
+    /// delivered output, or an imported request's first token.
+    fn guide(&self, req: &EngineRequest, have: &[u32]) -> Result<Option<Guide>, EngineError> {
+        let Some(guidance) = &req.params.guidance else {
+            return Ok(None);
+        };
+        let Some(env) = &self.shared.guide else {
+            return Err(EngineError::Guidance(
+                "this engine has no tokenizer vocabulary for guided decoding".to_owned(),
+            ));
+        };
+        let mut guide = env.compile(guidance)?;
+        if !have.is_empty() {
+            guide.consume(have)?;
+        }
+        Ok(Some(guide))
     }
 
     fn register(
@@ -283,8 +305,18 @@ impl EngineHandle {
 
     /// Queues a request; validation happens here, synchronously.
     pub fn submit(&self, req: EngineRequest) -> Result<RequestStream, EngineError> {
+        self.validate(&req)?;
+        let resumed: &[u32] = match &req.mode {
+            RequestMode::Resume { output } => output,
+            _ => &[],
+        };
+        let guide = self.guide(&req, resumed)?;
         let (stream, otx) = self.register(&req, true)?;
-        if self.tx.send(Command::Submit(Box::new(req), otx)).is_err() {
+        if self
+            .tx
+            .send(Command::Submit(Box::new(req), guide, otx))
+            .is_err()
+        {
             return Err(EngineError::Stopped);
         }
         Ok(stream)
@@ -325,9 +357,11 @@ impl EngineHandle {
                 "first token {first_token} outside the vocabulary"
             )));
         }
+        self.validate(&req)?;
+        let guide = self.guide(&req, &[first_token])?;
         let (stream, otx) = self.register(&req, false)?;
-        let pending =
-            self.call(|reply| Command::ImportPrefilled(Box::new(req), first_token, otx, reply));
+        let pending = self
+            .call(|reply| Command::ImportPrefilled(Box::new(req), first_token, guide, otx, reply));
         Ok((stream, pending))
     }
 

@@ -6,6 +6,7 @@
 use crate::backend::{Backend, BackendError};
 use crate::block_pool::BlockTable;
 use crate::error::EngineError;
+use crate::guide::Guide;
 use crate::handle::{ImportData, Item};
 use crate::kv_host::KvExport;
 use crate::kv_staging::KvStaging;
@@ -153,6 +154,7 @@ impl<B: Backend> Worker<B> {
         &mut self,
         req: EngineRequest,
         first_token: u32,
+        guide: Option<Guide>,
         tx: mpsc::UnboundedSender<Item>,
     ) -> Result<ImportPlan, EngineError> {
         let id = req.id;
@@ -176,6 +178,7 @@ impl<B: Backend> Worker<B> {
             queued: false,
             first_token: Some(first_token),
             prompt_logprobs: None,
+            guide,
         };
         let mut seq = Sequence::new(id, req.prompt, ext);
         // The cached prefix's KV is already here: those blocks are shared and only the rest is imported.

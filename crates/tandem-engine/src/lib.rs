@@ -10,6 +10,7 @@ pub mod block_pool;
 mod config;
 pub mod engine;
 mod error;
+pub mod guide;
 mod handle;
 pub mod kv_host;
 mod kv_manager;
@@ -26,6 +27,7 @@ pub use engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,
     RequestStream,
 };
+pub use guide::GuideEnv;
 pub use kv_host::{HostBuf, HostMem, HostPool, KvExport, ReadyExport, StagedExport, VecPool};
 pub use kv_staging::{HostStaging, KvStaging, StagedLayer, StagingKind, StagingMem, StagingSlice};
 pub use types::*;

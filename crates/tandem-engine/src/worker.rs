@@ -5,10 +5,11 @@ use crate::backend::DeviceSampling;
 use crate::backend::{Backend, BackendError};
 use crate::block_pool::BlockPool;
 use crate::error::EngineError;
+use crate::guide::{Guide, Mask};
 use crate::handle::{Command, Item, Shared};
 use crate::kv_manager::Pin;
 use crate::kv_staging::KvStaging;
-use crate::sampler::{logprobs_of, Sampled, Sampler, SeqRng};
+use crate::sampler::{argmax, logprobs_of, Sampled, Sampler, SeqRng};
 use crate::scheduler::{Scheduler, Sequence};
 use crate::stats::EngineStats;
 use crate::types::{
@@ -35,7 +36,13 @@ pub(crate) struct Ext {
     /// Requests scoring their prompt: one entry per prompt position, filled as prompt chunks run and
     /// handed out with the first token.
     pub(crate) prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
+    /// Guided requests: the grammar state after every token so far (taken out while a step computes
+    /// its mask).
+    pub(crate) guide: Option<Guide>,
 }
+
+/// A guided row's matcher and the mask computed for it, by index into the step's scheduled list.
+type MaskJob = (usize, Guide, Result<Mask, EngineError>);
 
 /// A sequence as the engine thread keeps it.
 pub(crate) type Seq = Sequence<Ext>;
@@ -64,6 +71,7 @@ fn device_samplable(p: &SamplingParams) -> bool {
         && p.presence_penalty == 0.0
         && p.logprobs.is_none()
         && p.prompt_logprobs.is_none()
+        && p.guidance.is_none()
 }
 
 /// The engine thread's state: the only owner and mutator of the backend, block pool and scheduler.
@@ -79,6 +87,8 @@ pub(crate) struct Worker<B: Backend> {
     /// This step's rows for the backend's sampler and the tokens it drew (reused buffers).
     pub(crate) device_rows: Vec<DeviceSampling>,
     pub(crate) device_tokens: Vec<u32>,
+    /// This step's allowed-token masks, by index into the scheduled list (guided rows only).
+    pub(crate) masks: Vec<Option<Result<Mask, EngineError>>>,
     /// Requests whose prompt KV is being imported, until `start_decoding` (see `kv_manager`).
     pub(crate) importing: HashMap<RequestId, Seq>,
     /// Finished prefill-only requests' KV, held for export (see `kv_manager`).
@@ -153,7 +163,7 @@ impl<B: Backend> Worker<B> {
     /// Applies one command; false means shut down.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Submit(req, tx) => {
+            Command::Submit(req, guide, tx) => {
                 self.counters.prompt_tokens_total += req.prompt.len() as u64;
                 let (mode, resumed) = match req.mode {
                     RequestMode::Resume { output } => (RequestMode::Normal, output),
@@ -169,6 +179,7 @@ impl<B: Backend> Worker<B> {
                     tx,
                     queued: true,
                     first_token: None,
+                    guide,
                 };
                 let mut seq = Sequence::new(req.id, req.prompt, ext);
                 // Like a preempted sequence: the earlier output is recomputed, then sampling goes on.
@@ -188,8 +199,8 @@ impl<B: Backend> Worker<B> {
             Command::Export(id, reply) => {
                 let _ = reply.send(self.export(id));
             }
-            Command::ImportPrefilled(req, first_token, tx, reply) => {
-                let _ = reply.send(self.import_prefilled(*req, first_token, tx));
+            Command::ImportPrefilled(req, first_token, guide, tx, reply) => {
+                let _ = reply.send(self.import_prefilled(*req, first_token, guide, tx));
             }
             Command::ImportBlock {
                 id,
@@ -268,7 +279,11 @@ impl<B: Backend> Worker<B> {
             }
         }
         self.counters.steps_total += 1;
-        let on_device = match self.forward() {
+        // Guided rows' masks are computed on other threads while the model runs.
+        let masking = self.start_masks();
+        let forwarded = self.forward();
+        self.join_masks(masking);
+        let on_device = match forwarded {
             Ok(on_device) => on_device,
             Err(e) => {
                 tracing::error!(error = %e, "forward failed; failing the step's requests");
@@ -288,6 +303,7 @@ impl<B: Backend> Worker<B> {
             }
         };
         let mut row = 0;
+        let mut failed = Vec::new();
         for k in 0..self.sched.scheduled().len() {
             let s = self.sched.scheduled()[k];
             let seq = &mut self.sched.running[s.index];
@@ -313,23 +329,110 @@ impl<B: Backend> Worker<B> {
             if !s.sample {
                 continue;
             }
+            let mask = self.masks.get_mut(k).and_then(Option::take);
             let out = if on_device {
                 Sampled {
                     token: self.device_tokens[row - 1],
                     logprobs: None,
                 }
             } else {
-                let logits = &self.logits[(row - 1) * self.vocab..row * self.vocab];
+                let logits = &mut self.logits[(row - 1) * self.vocab..row * self.vocab];
+                let mask = match mask {
+                    Some(Ok(mask)) => Some(mask),
+                    Some(Err(e)) => {
+                        failed.push((seq.id, e));
+                        continue;
+                    }
+                    // A matcher lost to a panic in the mask computation: never sample unguided.
+                    None if seq.ext.params.guidance.is_some() => {
+                        let e = EngineError::Guidance("the token mask computation failed".into());
+                        failed.push((seq.id, e));
+                        continue;
+                    }
+                    None => None,
+                };
+                let ends =
+                    |t: u32| self.eos.contains(&t) || seq.ext.params.stop_token_ids.contains(&t);
+                if let Some(mask) = &mask {
+                    mask.apply(logits, &seq.ext.params.stop_token_ids, &self.eos);
+                }
                 let (prompt, output) = seq.tokens.split_at(seq.prompt_len);
-                self.sampler
-                    .sample(logits, &seq.ext.params, prompt, output, &mut seq.ext.rng)
+                let mut out =
+                    self.sampler
+                        .sample(logits, &seq.ext.params, prompt, output, &mut seq.ext.rng);
+                if let Some(mask) = &mask {
+                    // A draw can land on a zero-probability token through float rounding; the
+                    // constraint wins over the draw.
+                    if !mask.allows(out.token) && !ends(out.token) {
+                        out.token = argmax(logits);
+                    }
+                }
+                if let Some(guide) = seq.ext.guide.as_mut() {
+                    if !ends(out.token) {
+                        if let Err(e) = guide.consume(&[out.token]) {
+                            failed.push((seq.id, e));
+                            continue;
+                        }
+                    }
+                }
+                out
             };
             seq.tokens.push(out.token);
             self.emit(s.index, out.token, out.logprobs);
         }
         self.reap();
+        for (id, e) in failed {
+            tracing::warn!(id, error = %e, "guided request failed");
+            self.fail(id, e);
+        }
         self.publish();
         true
+    }
+
+    /// Takes the matchers of this step's guided sampling rows and starts computing their masks on
+    /// the rayon pool, so they are ready when the logits are.
+    fn start_masks(&mut self) -> Option<crossbeam_channel::Receiver<Vec<MaskJob>>> {
+        let mut jobs = Vec::new();
+        for k in 0..self.sched.scheduled().len() {
+            let s = self.sched.scheduled()[k];
+            if !s.sample {
+                continue;
+            }
+            if let Some(guide) = self.sched.running[s.index].ext.guide.take() {
+                jobs.push((k, guide));
+            }
+        }
+        if jobs.is_empty() {
+            return None;
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        rayon::spawn(move || {
+            use rayon::prelude::*;
+            let done: Vec<MaskJob> = jobs
+                .into_par_iter()
+                .map(|(k, mut guide)| {
+                    let mask = guide.mask();
+                    (k, guide, mask)
+                })
+                .collect();
+            let _ = tx.send(done);
+        });
+        Some(rx)
+    }
+
+    /// Waits for the masks `start_masks` began and gives the matchers back to their sequences.
+    fn join_masks(&mut self, masking: Option<crossbeam_channel::Receiver<Vec<MaskJob>>>) {
+        self.masks.clear();
+        let Some(rx) = masking else {
+            return;
+        };
+        self.masks
+            .resize_with(self.sched.scheduled().len(), || None);
+        for (k, guide, mask) in rx.recv().unwrap_or_default() {
+            let s = self.sched.scheduled()[k];
+            self.sched.running[s.index].ext.guide = Some(guide);
+            self.masks[k] = Some(mask);
+        }
     }
 
     /// Runs the step's model pass: through the backend's own sampler when it has one and every
@@ -394,17 +497,24 @@ impl<B: Backend> Worker<B> {
         let seq = &self.sched.running[idx];
         let p = &seq.ext.params;
         self.counters.generation_tokens_total += 1;
-        let finish =
-            if (!p.ignore_eos && self.eos.contains(&token)) || p.stop_token_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else if seq.output().len() >= p.max_tokens
-                || seq.tokens.len() >= self.max_len
-                || matches!(seq.ext.mode, RequestMode::PrefillOnly { .. })
-            {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
+        // A complete grammar allows only EOS next, which ends the request even under `ignore_eos`
+        // (the constraint's answer is complete). Ending on the grammar's last text token instead
+        // would make it look like a stop token, whose text callers drop.
+        let grammar_done = seq.ext.guide.as_ref().is_some_and(Guide::is_stopped);
+        let is_eos = self.eos.contains(&token);
+        let finish = if (!p.ignore_eos && is_eos)
+            || p.stop_token_ids.contains(&token)
+            || (grammar_done && is_eos)
+        {
+            Some(FinishReason::Stop)
+        } else if seq.output().len() >= p.max_tokens
+            || seq.tokens.len() >= self.max_len
+            || matches!(seq.ext.mode, RequestMode::PrefillOnly { .. })
+        {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
         let prompt_logprobs = self.sched.running[idx].ext.prompt_logprobs.take();
         let seq = &self.sched.running[idx];
         let sent = seq

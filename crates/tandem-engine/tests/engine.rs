@@ -152,7 +152,7 @@ fn submit_validates_synchronously() {
         )),
         Err(EngineError::InvalidParams(_))
     ));
-    // Until the engine constrains decoding, a guided request is refused rather than answered freely.
+    // An engine started without a vocabulary refuses a guided request rather than answering freely.
     assert!(matches!(
         e.submit(EngineRequest::new(
             1,

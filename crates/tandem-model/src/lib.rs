@@ -27,5 +27,5 @@ pub use llama::CpuLlama;
 pub use load::{load, LoadOptions, LoadedModel};
 pub use partition::{Partition, RankShare};
 pub use template::ChatTemplate;
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{TokenPiece, Tokenizer};
 pub use weights::{LayerWeights, LlamaWeights};

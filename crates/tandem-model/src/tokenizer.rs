@@ -218,10 +218,86 @@ impl Tokenizer {
         self.eos.clone()
     }
 
+    /// Every id's bytes as the model emits them, for guided decoding's token trie: byte-level BPE
+    /// pieces mapped back through GPT-2's byte-to-character table, SentencePiece pieces with `▁` as a
+    /// space and `<0xHH>` as that byte. Special (control) tokens are flagged and carry their name.
+    pub fn token_pieces(&self) -> Vec<TokenPiece> {
+        let byte_level = matches!(self.inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
+        let unbyte = byte_level.then(gpt2_char_to_byte);
+        let specials = self.inner.get_added_tokens_decoder();
+        (0..self.vocab_size() as u32)
+            .map(|id| {
+                let Some(piece) = self.inner.id_to_token(id) else {
+                    return TokenPiece::default();
+                };
+                if specials.get(&id).is_some_and(|t| t.special) {
+                    return TokenPiece {
+                        bytes: piece.into_bytes(),
+                        special: true,
+                    };
+                }
+                let bytes = match &unbyte {
+                    Some(map) => piece
+                        .chars()
+                        .map(|c| map.get(&c).copied())
+                        .collect::<Option<Vec<u8>>>()
+                        // A piece outside the byte alphabet is an added plain-text token.
+                        .unwrap_or_else(|| piece.clone().into_bytes()),
+                    None => spm_piece_bytes(&piece),
+                };
+                TokenPiece {
+                    bytes,
+                    special: false,
+                }
+            })
+            .collect()
+    }
+
     /// The underlying `tokenizers` tokenizer, for callers that need offsets or batching.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// One vocabulary entry as raw bytes, from [`Tokenizer::token_pieces`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TokenPiece {
+    /// The bytes the token stands for (a special token's name, e.g. `<|im_end|>`).
+    pub bytes: Vec<u8>,
+    /// A control token: never text, only allowed where a grammar ends.
+    pub special: bool,
+}
+
+/// GPT-2's byte-level alphabet, reversed: printable bytes stand for themselves, the others were
+/// shifted to U+0100 onwards in byte order.
+fn gpt2_char_to_byte() -> std::collections::HashMap<char, u8> {
+    let mut map = std::collections::HashMap::with_capacity(256);
+    let mut shifted = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        let c = if printable {
+            char::from(b)
+        } else {
+            shifted += 1;
+            char::from_u32(255 + shifted).expect("U+0100..U+0143 are chars")
+        };
+        map.insert(c, b);
+    }
+    map
+}
+
+/// A SentencePiece piece's bytes: `<0xHH>` byte-fallback pieces are that byte, `▁` is a space.
+fn spm_piece_bytes(piece: &str) -> Vec<u8> {
+    if let Some(hex) = piece
+        .strip_prefix("<0x")
+        .and_then(|r| r.strip_suffix('>'))
+        .filter(|h| h.len() == 2)
+    {
+        if let Ok(b) = u8::from_str_radix(hex, 16) {
+            return vec![b];
+        }
+    }
+    piece.replace(SPM_SPACE, " ").into_bytes()
 }
 
 /// The parts of GGUF tokenizer metadata both builders need.

@@ -216,3 +216,29 @@ fn chunked_prefill_matches_one_shot_and_token_by_token() {
         max_diff(&one, &single)
     );
 }
+
+#[test]
+fn token_pieces_spell_the_text_byte_for_byte() {
+    let Some(m) = tandem_testkit::model() else {
+        return;
+    };
+    let tok = &m.tokenizer;
+    let pieces = tok.token_pieces();
+    assert_eq!(pieces.len(), tok.vocab_size());
+    let im_end = tok.token_to_id("<|im_end|>").unwrap() as usize;
+    assert!(pieces[im_end].special);
+    assert_eq!(pieces[im_end].bytes, b"<|im_end|>");
+    // Byte-level pieces map back to raw bytes: spaces, newlines, quotes and multi-byte UTF-8.
+    for text in [
+        "Hello world {\"a\": [1, 2.5e-3]}\n\tnext line",
+        "naïve café – 東京 🙂",
+    ] {
+        let ids = tok.encode(text, false).unwrap();
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| pieces[i as usize].bytes.clone())
+            .collect();
+        assert!(ids.iter().all(|&i| !pieces[i as usize].special));
+        assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    }
+}

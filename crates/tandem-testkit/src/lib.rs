@@ -9,7 +9,7 @@ mod mock;
 mod model;
 mod server;
 
-pub use mock::MockBackend;
+pub use mock::{mock_guide, mock_pieces, mock_text, MockBackend, MOCK_PIECES};
 pub use model::{default_model, model, model_path, root, DEFAULT_MODEL, DEFAULT_MODEL_NAME};
 pub use server::{free_port, health_status, healthy, json_of, signal, text, Server};
 

@@ -6,13 +6,54 @@
 //! preemption or KV-transfer bug changes the tokens (and a misplaced position is reported as an error).
 
 use std::hash::Hasher;
+use std::sync::Arc;
 use std::time::Duration;
 use tandem_engine::prefix_cache::FxHasher;
-use tandem_engine::{Backend, BackendError, BackendInfo};
-use tandem_model::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
+use tandem_engine::{Backend, BackendError, BackendInfo, GuideEnv};
+use tandem_model::{ForwardBatch, KvDtype, KvLayout, LogitsWanted, TokenPiece};
 
 const LAYERS: usize = 2;
 const HEAD_DIM: usize = 2;
+
+/// The text of the mock's 63 ordinary tokens (id = index; id 63 is EOS): the characters of JSON and of
+/// simple regexes, and a few multi-character pieces so that a constraint has to reason over tokens
+/// that span several grammar symbols, as a real BPE vocabulary makes it.
+pub const MOCK_PIECES: [&str; 63] = [
+    "{", "}", "[", "]", "\"", ":", ",", "-", ".", " ", "0", "1", "2", "3", "4", "5", "6", "7", "8",
+    "9", "a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q", "r",
+    "s", "t", "u", "v", "w", "x", "y", "z", "true", "false", "null", "{\"", "\":", ",\"", "\"}",
+    "name", "age", "ab", "12", "\"a\"", "]}", "[1", "x\"", "\n", "\\",
+];
+
+/// The mock's vocabulary as bytes (EOS as the special `</s>`), for guided decoding on the mock.
+pub fn mock_pieces() -> Vec<TokenPiece> {
+    let mut pieces: Vec<TokenPiece> = MOCK_PIECES
+        .iter()
+        .map(|p| TokenPiece {
+            bytes: p.as_bytes().to_vec(),
+            special: false,
+        })
+        .collect();
+    pieces.push(TokenPiece {
+        bytes: b"</s>".to_vec(),
+        special: true,
+    });
+    pieces
+}
+
+/// The guided-decoding environment of [`MockBackend`]'s vocabulary.
+pub fn mock_guide() -> Arc<GuideEnv> {
+    GuideEnv::new(&mock_pieces(), &[63], 64).expect("the mock vocabulary builds a token trie")
+}
+
+/// The text of mock tokens (EOS and unknown ids as nothing), to check guided output.
+pub fn mock_text(tokens: &[u32]) -> String {
+    tokens
+        .iter()
+        .filter_map(|&t| MOCK_PIECES.get(t as usize))
+        .copied()
+        .collect()
+}
 
 /// The mock model and its paged cache.
 #[derive(Debug, Clone)]

@@ -129,6 +129,10 @@ struct RunArgs {
     /// Seconds before one request counts as failed.
     #[arg(long, default_value_t = 600.0)]
     request_timeout: f64,
+    /// A `response_format` (JSON) sent with every request, to measure guided decoding, e.g.
+    /// '{"type":"json_schema","json_schema":{"name":"s","schema":{...}}}'.
+    #[arg(long, value_name = "JSON")]
+    response_format: Option<String>,
     /// Write every run (summary and per-request timings) to this JSON file.
     #[arg(long)]
     output: Option<PathBuf>,
@@ -265,6 +269,10 @@ fn run_bench(a: RunArgs) -> Result<()> {
         },
         slo,
         request_timeout: Duration::from_secs_f64(a.request_timeout),
+        response_format: match &a.response_format {
+            Some(s) => Some(serde_json::from_str(s).context("--response-format is not JSON")?),
+            None => None,
+        },
         progress: !a.no_progress,
         command: std::env::args().collect::<Vec<_>>().join(" "),
     };

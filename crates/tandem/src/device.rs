@@ -5,8 +5,8 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use tandem_cpu::CpuBackend;
-use tandem_engine::{Engine, EngineConfig, EngineHandle};
-use tandem_model::{CpuLlama, LoadedModel, Partition};
+use tandem_engine::{Backend, Engine, EngineConfig, EngineHandle, GuideEnv};
+use tandem_model::{CpuLlama, LoadedModel, Partition, TokenPiece};
 use tandem_pipeline::{CpuStage, PipelineBackend, PipelineConfig, StageModel};
 
 use crate::config::Device;
@@ -20,6 +20,7 @@ pub fn start_engine(
     device: Device,
     cuda: &CudaSection,
 ) -> Result<EngineHandle> {
+    let pieces = loaded.tokenizer.token_pieces();
     if config.pipeline_parallel_size > 1 {
         if config.tensor_parallel_size > 1 {
             bail!(
@@ -28,12 +29,12 @@ pub fn start_engine(
             );
         }
         let backend = pipeline_backend(loaded, model_path, config, device, cuda)?;
-        return Engine::start(backend, config.clone()).context("starting the engine");
+        return start_guided(backend, config, &pieces);
     }
     match device {
         Device::Cpu => {
             let backend = cpu_backend(loaded, config)?;
-            Engine::start(backend, config.clone()).context("starting the engine")
+            start_guided(backend, config, &pieces)
         }
         Device::Cuda => {
             if config.tensor_parallel_size > 1 {
@@ -43,9 +44,27 @@ pub fn start_engine(
                     config.tensor_parallel_size
                 );
             }
-            start_cuda(loaded, config, cuda)
+            start_cuda(loaded, config, cuda, &pieces)
         }
     }
+}
+
+/// Starts the engine with guided decoding over the tokenizer's vocabulary. Should the vocabulary not
+/// make a token trie, the engine still serves, refusing guided requests (400) rather than answering
+/// them unconstrained.
+fn start_guided<B: Backend>(
+    backend: B,
+    config: &EngineConfig,
+    pieces: &[TokenPiece],
+) -> Result<EngineHandle> {
+    let guide = match GuideEnv::new(pieces, backend.eos_token_ids(), backend.vocab_size()) {
+        Ok(env) => Some(env),
+        Err(e) => {
+            tracing::warn!(error = %e, "guided decoding unavailable: response_format requests will be refused");
+            None
+        }
+    };
+    Engine::start_guided(backend, config.clone(), guide).context("starting the engine")
 }
 
 /// A pipeline of `pipeline_parallel_size` stages on `device`: stage 0 here, the others at
@@ -230,6 +249,7 @@ fn start_cuda(
     loaded: LoadedModel,
     config: &EngineConfig,
     cuda: &CudaSection,
+    pieces: &[TokenPiece],
 ) -> Result<EngineHandle> {
     use tandem_cuda::{CudaBackend, CudaLlama, WeightSource};
     let limits = step_limits(config, loaded.config.max_position_embeddings);
@@ -243,7 +263,9 @@ fn start_cuda(
     )
     .context("loading the model onto the GPU")?;
     drop(loaded);
-    Engine::start(CudaBackend::new(model), config.clone()).context("starting the engine")
+    // Guided rows never go to the GPU sampler (the engine keeps them on `forward` and masks the
+    // logits on the host), so the CUDA backend needs nothing of its own for them.
+    start_guided(CudaBackend::new(model), config, pieces)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -251,6 +273,7 @@ fn start_cuda(
     _loaded: LoadedModel,
     _config: &EngineConfig,
     _cuda: &CudaSection,
+    _pieces: &[TokenPiece],
 ) -> Result<EngineHandle> {
     anyhow::bail!("--device cuda needs a binary built with `cargo build --release --features cuda`")
 }

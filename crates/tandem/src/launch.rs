@@ -153,6 +153,14 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
         Some(loaded.identity.0.clone()),
         cluster_key,
     )?;
+    match tandem_engine::GuideEnv::new(
+        &loaded.tokenizer.token_pieces(),
+        &loaded.config.eos_token_ids,
+        loaded.config.vocab_size,
+    ) {
+        Ok(env) => ingress.check_guidance_with(env),
+        Err(e) => warn!(error = %e, "guided requests are checked by the workers only"),
+    }
     let config = ApiConfig {
         served_model_names: vec![served_name.clone()],
         model_root: loaded.name.clone(),

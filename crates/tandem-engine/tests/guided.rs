@@ -1,0 +1,252 @@
+//! Guided decoding on the mock backend, whose logits are pseudo-random: whatever the model "wants",
+//! the output must satisfy the constraint, through preemption, P/D hand-over and resume.
+
+use serde_json::{json, Value};
+use std::time::Duration;
+use tandem_engine::*;
+use tandem_testkit::{mock_guide, mock_text, MockBackend};
+
+fn start(block_size: usize, num_blocks: usize) -> EngineHandle {
+    let c = EngineConfig {
+        block_size,
+        ..Default::default()
+    };
+    Engine::start_guided(
+        MockBackend::new(block_size, num_blocks),
+        c,
+        Some(mock_guide()),
+    )
+    .unwrap()
+}
+
+fn collect(s: &mut RequestStream) -> (Vec<u32>, Option<FinishReason>) {
+    let mut toks = Vec::new();
+    while let Some(o) = s.blocking_recv() {
+        toks.push(o.token);
+        if o.finish.is_some() {
+            return (toks, o.finish);
+        }
+    }
+    panic!("stream ended without a finish: {:?}", s.error());
+}
+
+fn guided(guidance: Guidance, temperature: f32, seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        seed: Some(seed),
+        max_tokens: 120,
+        guidance: Some(guidance),
+        ..Default::default()
+    }
+}
+
+fn schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["a", "ab", "x"]}, "maxItems": 3}
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": false
+    })
+}
+
+/// Panics unless `text` is a JSON document valid under [`schema`].
+fn assert_valid(text: &str) {
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    let o = v.as_object().unwrap_or_else(|| panic!("{text:?}"));
+    let mut keys: Vec<&str> = o.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["age", "name", "tags"], "{text:?}");
+    assert!(o["name"].as_str().unwrap().chars().count() <= 6, "{text:?}");
+    let age = o["age"].as_i64().unwrap_or_else(|| panic!("{text:?}"));
+    assert!((0..=120).contains(&age), "{text:?}");
+    let tags = o["tags"].as_array().unwrap();
+    assert!(tags.len() <= 3, "{text:?}");
+    for t in tags {
+        assert!(["a", "ab", "x"].contains(&t.as_str().unwrap()), "{text:?}");
+    }
+}
+
+fn run(e: &EngineHandle, id: u64, prompt: &[u32], p: &SamplingParams) -> Vec<u32> {
+    let (toks, fin) = collect(
+        &mut e
+            .submit(EngineRequest::new(id, prompt.to_vec(), p.clone()))
+            .unwrap(),
+    );
+    assert_eq!(fin, Some(FinishReason::Stop), "{:?}", mock_text(&toks));
+    toks
+}
+
+#[test]
+fn guided_output_satisfies_a_json_schema_greedy_and_sampled() {
+    let e = start(4, 256);
+    for (i, prompt) in [[1u32, 2, 3], [9, 9, 9], [40, 2, 17]].iter().enumerate() {
+        let toks = run(
+            &e,
+            i as u64,
+            prompt,
+            &guided(Guidance::JsonSchema(schema()), 0.0, 0),
+        );
+        assert_valid(&mock_text(&toks));
+        for seed in 0..4 {
+            let id = 100 + i as u64 * 10 + seed;
+            let toks = run(
+                &e,
+                id,
+                prompt,
+                &guided(Guidance::JsonSchema(schema()), 1.0, seed),
+            );
+            assert_valid(&mock_text(&toks));
+        }
+    }
+    e.shutdown();
+}
+
+#[test]
+fn guided_output_matches_a_regex_and_a_lark_grammar() {
+    let e = start(4, 256);
+    for seed in 0..6 {
+        let p = guided(Guidance::Regex("[a-z]{2,4}-[0-9]{3}".into()), 1.0, seed);
+        let text = mock_text(&run(&e, seed, &[7, 8], &p));
+        let (word, num) = text.split_once('-').unwrap_or_else(|| panic!("{text:?}"));
+        assert!((2..=4).contains(&word.len()), "{text:?}");
+        assert!(word.bytes().all(|b| b.is_ascii_lowercase()), "{text:?}");
+        assert!(
+            num.len() == 3 && num.bytes().all(|b| b.is_ascii_digit()),
+            "{text:?}"
+        );
+        let p = guided(
+            Guidance::Lark(r#"start: "yes" | "no" | "maybe""#.into()),
+            1.0,
+            seed,
+        );
+        let text = mock_text(&run(&e, 100 + seed, &[7, 8], &p));
+        assert!(["yes", "no", "maybe"].contains(&text.as_str()), "{text:?}");
+    }
+    e.shutdown();
+}
+
+#[test]
+fn constraints_that_do_not_compile_are_refused_at_submit() {
+    let e = start(4, 64);
+    let bad = [
+        Guidance::Regex("(ab".into()),
+        Guidance::Lark("start: missing_rule".into()),
+        Guidance::JsonSchema(json!({"type": "frobnicate"})),
+    ];
+    for g in bad {
+        let p = guided(g.clone(), 0.0, 0);
+        match e.submit(EngineRequest::new(1, vec![1], p)) {
+            Err(EngineError::Guidance(msg)) => assert!(!msg.is_empty()),
+            Err(other) => panic!("{g:?}: {other}"),
+            Ok(_) => panic!("{g:?} was accepted"),
+        }
+    }
+    // The refusals left nothing behind: the same id runs.
+    run(&e, 1, &[1], &guided(Guidance::JsonObject, 0.0, 0));
+    e.shutdown();
+    // An engine without a vocabulary refuses guided requests rather than answering them freely.
+    let plain = Engine::start(
+        MockBackend::new(4, 64),
+        EngineConfig {
+            block_size: 4,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        plain.submit(EngineRequest::new(
+            1,
+            vec![1],
+            guided(Guidance::JsonObject, 0.0, 0)
+        )),
+        Err(EngineError::Guidance(_))
+    ));
+    plain.shutdown();
+}
+
+#[test]
+fn guided_requests_survive_preemption() {
+    let p = guided(Guidance::JsonSchema(schema()), 1.0, 11);
+    let want = run(&start(4, 256), 1, &[3, 1, 4, 1, 5], &p);
+    // A tiny pool: three concurrent guided requests preempt one another and recompute.
+    let e = start(2, 24);
+    let mut streams: Vec<_> = (0..3)
+        .map(|id| {
+            e.submit(EngineRequest::new(id, vec![3, 1, 4, 1, 5], p.clone()))
+                .unwrap()
+        })
+        .collect();
+    for s in &mut streams {
+        let (toks, _) = collect(s);
+        assert_eq!(toks, want);
+        assert_valid(&mock_text(&toks));
+    }
+    let st = e.checked_stats().wait_blocking().unwrap();
+    assert!(st.preemptions_total > 0, "{st:?}");
+    e.shutdown();
+}
+
+#[test]
+fn guided_requests_hand_over_from_prefill_to_decode_and_resume_elsewhere() {
+    let prompt: Vec<u32> = (0..11).map(|i| (i * 7) % 60).collect();
+    let p = guided(Guidance::JsonSchema(schema()), 1.0, 5);
+    let want = run(&start(4, 256), 1, &prompt, &p);
+    assert_valid(&mock_text(&want));
+
+    // Prefill on a (its first token is guided too), decode on b.
+    let (a, b) = (start(4, 64), start(4, 64));
+    let req = EngineRequest {
+        id: 2,
+        prompt: prompt.clone(),
+        params: p.clone(),
+        mode: RequestMode::PrefillOnly {
+            pin_timeout: Duration::from_secs(60),
+        },
+    };
+    let (first, _) = collect(&mut a.submit(req).unwrap());
+    assert_eq!(first, want[..1]);
+    let kv = a.export_blocks(2).wait_blocking().unwrap();
+    let (mut stream, plan) = b
+        .import_prefilled(EngineRequest::new(2, prompt.clone(), p.clone()), first[0])
+        .unwrap();
+    let plan = plan.wait_blocking().unwrap();
+    for layer in 0..kv.layout.n_layers {
+        for blk in plan.needed() {
+            b.import_block(2, layer, blk, kv.block(layer, blk).unwrap().to_vec())
+                .wait_blocking()
+                .unwrap();
+        }
+    }
+    b.start_decoding(2).wait_blocking().unwrap();
+    a.release_pin(2);
+    assert_eq!(collect(&mut stream).0, want);
+
+    // Resumed on c after half the output was delivered: the matcher is fed that half first.
+    let c = start(4, 64);
+    let half = want.len() / 2;
+    let req = EngineRequest {
+        id: 3,
+        prompt: prompt.clone(),
+        params: p.clone(),
+        mode: RequestMode::Resume {
+            output: want[..half].to_vec(),
+        },
+    };
+    assert_eq!(collect(&mut c.submit(req).unwrap()).0, want[half..]);
+
+    // Delivered tokens the constraint could not have produced are refused, not continued.
+    let req = EngineRequest {
+        id: 4,
+        prompt,
+        params: p,
+        mode: RequestMode::Resume { output: vec![1] },
+    };
+    assert!(matches!(c.submit(req), Err(EngineError::Guidance(_))));
+    for e in [a, b, c] {
+        e.shutdown();
+    }
+}
