@@ -141,15 +141,8 @@ pub async fn chat_completions(
         req.parallel_tool_calls,
     )?
     .filter(ToolSpec::parses_calls);
-    if let Some(guidance) = spec.as_ref().and_then(ToolSpec::guidance) {
-        if plan.params.guidance.is_some() {
-            return Err(ApiError::invalid(
-                "response_format cannot be combined with tool_choice `required` or a named function: \
-                 the answer is the calls",
-                Some("response_format"),
-            ));
-        }
-        plan.params.guidance = Some(guidance);
+    if let Some(spec) = &spec {
+        spec.guide(&mut plan.params, "response_format")?;
     }
     let prompt = render_and_encode(
         &state,

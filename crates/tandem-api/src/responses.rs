@@ -539,6 +539,9 @@ fn prepare(state: &AppState, req: ResponsesRequest) -> Result<Prepared, ApiError
         logprobs,
     )?;
     plan.params.guidance = guidance;
+    if let Some(spec) = &spec {
+        spec.guide(&mut plan.params, "text.format")?;
+    }
     let echo = Echo {
         id: format!("resp_{}", uuid::Uuid::new_v4().simple()),
         created_at: chrono::Utc::now().timestamp(),

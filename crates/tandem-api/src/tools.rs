@@ -330,6 +330,30 @@ impl ToolSpec {
         Some(Guidance::JsonSchema(schema))
     }
 
+    /// Puts a forced choice's constraint on `params` (chat completions and the Responses API alike, so
+    /// neither answers a forced choice unguided); refused when `params` already carries the request's
+    /// own output format (`format_param`), since a forced answer is the calls.
+    pub fn guide(
+        &self,
+        params: &mut tandem_engine::SamplingParams,
+        format_param: &str,
+    ) -> Result<(), ApiError> {
+        let Some(guidance) = self.guidance() else {
+            return Ok(());
+        };
+        if params.guidance.is_some() {
+            return Err(ApiError::invalid(
+                format!(
+                    "{format_param} cannot be combined with tool_choice `required` or a named \
+                     function: the answer is the calls"
+                ),
+                Some(format_param),
+            ));
+        }
+        params.guidance = Some(guidance);
+        Ok(())
+    }
+
     /// The calls of a forced answer (one call object or an array of them); text that is not calls
     /// (a guided answer cut short by `max_tokens`) stays text.
     fn forced_calls(&self, text: &str) -> (Option<String>, Vec<ToolCall>) {

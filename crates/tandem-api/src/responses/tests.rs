@@ -647,3 +647,32 @@ async fn logprobs_come_with_the_text_when_included() {
         done["logprobs"]
     );
 }
+
+#[tokio::test]
+async fn a_forced_tool_choice_is_guided_to_the_call() {
+    let (app, backend) = app(r#"{"name": "get_weather", "arguments": {"city": "Rome"}}"#);
+    let named = json!({"type": "function", "name": "get_weather"});
+    let (status, v) = create(
+        &app,
+        json!({"input": "x", "tools": [weather_tool()], "tool_choice": named}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["output"][0]["type"], "function_call", "{v}");
+    assert_eq!(v["output"][0]["name"], "get_weather", "{v}");
+    assert!(
+        matches!(
+            backend.submitted.lock()[0].params.guidance,
+            Some(tandem_engine::Guidance::JsonSchema(_))
+        ),
+        "a forced call went out unguided"
+    );
+    let (status, v) = create(
+        &app,
+        json!({"input": "x", "tools": [weather_tool()], "tool_choice": "required",
+               "text": {"format": {"type": "json_object"}}}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["param"], "text.format", "{v}");
+}
