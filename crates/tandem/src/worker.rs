@@ -183,6 +183,27 @@ impl WorkerArgs {
     }
 }
 
+impl WorkerArgs {
+    /// The tag on this worker's log lines: its id and role (none when the settings do not parse, which
+    /// `run` then reports).
+    pub fn log_tag(&self) -> Option<crate::logging::ProcessTag> {
+        let settings = self.resolve().ok()?;
+        let role = settings.role?;
+        Some(crate::logging::ProcessTag {
+            name: worker_id(&settings, role),
+            role: role.to_string(),
+        })
+    }
+}
+
+/// The worker's id: the configured one, else `{role}-{pid}`.
+fn worker_id(settings: &WorkerSettings, role: Role) -> String {
+    settings
+        .worker_id
+        .clone()
+        .unwrap_or_else(|| format!("{role}-{}", std::process::id()))
+}
+
 /// How a registration the ingress did not refuse ended.
 enum Registration {
     /// The ingress added this worker (or already had it).
@@ -356,10 +377,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         settings.engine.device.unwrap_or_default(),
         &settings.cuda.merged(&args.cuda.as_section()),
     )?;
-    let worker_id = settings
-        .worker_id
-        .clone()
-        .unwrap_or_else(|| format!("{role}-{}", std::process::id()));
+    let worker_id = worker_id(&settings, role);
 
     // A TCP pull moves its layers over `streams` connections, each a task copying at memory speed: with
     // fewer runtime threads than connections they take turns (on the H200, 3.3 GB/s with 4 or 8
