@@ -21,12 +21,13 @@ use tracing_subscriber::EnvFilter;
 
 use crate::config::LogFormat;
 
-/// Which process of a deployment writes the lines: set for P/D heads and workers, whose logs interleave.
+/// Which process of a deployment writes the lines: set for P/D heads, workers and pipeline stages, whose
+/// logs interleave on one stderr.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProcessTag {
-    /// The worker's id (`prefill-0`), or `head`.
+    /// The worker's id (`prefill-0`), `head`, or a pipeline stage's `stage-N`.
     pub name: String,
-    /// `prefill`, `decode` or `head`.
+    /// `prefill`, `decode`, `head` or `stage`.
     pub role: String,
 }
 

@@ -135,7 +135,7 @@ fn hint(err: &anyhow::Error) -> Option<&'static str> {
 
 /// The hint for a client command that found nobody listening.
 const SERVER_NOT_RUNNING: &str =
-    "nothing answers there — is the server running? start it with `tandem serve`, or point --url at it";
+    "nothing answers there — is the server running? start it with `tandem serve`, or point the command at it (--url, --base-url)";
 
 /// Runs the command line.
 fn run(cli: Cli) -> Result<()> {
@@ -203,7 +203,11 @@ fn run(cli: Cli) -> Result<()> {
             cuda_tools::sample_check(args)
         }
         Command::Stage(args) => {
-            init_logging(format.unwrap_or_default(), None);
+            let tag = ProcessTag {
+                name: format!("stage-{}", args.stage),
+                role: "stage".into(),
+            };
+            init_logging(format.unwrap_or_default(), Some(tag));
             stage::run(args)
         }
         Command::Bench(args) => {
