@@ -22,8 +22,9 @@ pub const WORKER_READY_PREFIX: &str = "TANDEM_WORKER_READY ";
 /// The line a stage prints on stdout once it serves, so the worker that started it learns its address.
 pub const STAGE_READY_PREFIX: &str = "TANDEM_STAGE_READY ";
 
-/// Binds the API's port, before anything slow happens (loading a model, starting workers), so a busy
-/// port fails at once; the socket is non-blocking, ready for `tokio::net::TcpListener::from_std`.
+/// Binds an HTTP port (the API's, a worker's RPC) before anything slow happens (loading a model, starting
+/// workers), so a busy port fails at once; the socket is non-blocking, ready for
+/// `tokio::net::TcpListener::from_std`.
 pub fn bind_api(host: &str, port: u16) -> Result<std::net::TcpListener> {
     let listener = std::net::TcpListener::bind((host.trim_matches(['[', ']']), port))
         .with_context(|| format!("binding {host}:{port}"))?;

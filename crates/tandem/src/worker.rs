@@ -363,6 +363,8 @@ pub fn run(args: WorkerArgs) -> Result<()> {
     }
     settings.listen.validate()?;
     let role = settings.role.context("--role is required")?;
+    // The RPC port first, so a busy one fails before a model is fetched or loaded.
+    let listener = crate::process::bind_api(&settings.host, settings.port)?;
     let model_path = resolve_model(settings.model.as_deref())?;
     info!(path = %model_path.display(), %role, "loading model");
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: false })
@@ -412,10 +414,8 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         let service = WorkerService::start(engine.clone(), peer, config)
             .await
             .context("starting the KV side")?;
-        let bind = settings.host.trim_matches(['[', ']']);
-        let listener = tokio::net::TcpListener::bind((bind, settings.port))
-            .await
-            .with_context(|| format!("binding {}:{}", settings.host, settings.port))?;
+        let listener =
+            tokio::net::TcpListener::from_std(listener).context("the worker's listener")?;
         let url = format!("http://{advertise}:{}", listener.local_addr()?.port());
         info!(%url, worker = %worker_id, %role, kv = %service.info().kv_endpoint, "worker serving");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

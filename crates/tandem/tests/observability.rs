@@ -264,6 +264,20 @@ fn a_busy_port_fails_at_once_with_a_hint_and_no_backtrace() {
         !String::from_utf8_lossy(&out.stderr).contains("worker started"),
         "{out:?}"
     );
+
+    // So does a worker started by hand, with its RPC port.
+    let (out, _) = run_failing(&[
+        "worker",
+        "--role",
+        "decode",
+        "--model",
+        missing,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port,
+    ]);
+    assert_reported(&out, "in use", "that port is in use");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
