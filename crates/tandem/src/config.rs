@@ -496,7 +496,10 @@ const MAX_PROBLEMS: usize = 20;
 /// serde stops at the first error, so the document is parsed as a tree, deserialized with
 /// `serde_path_to_error` (which knows the path), and each offending key is taken out of the tree before
 /// the next try; the known keys come from serde's own `expected one of` list, so no second schema exists.
-pub fn parse_settings<T: DeserializeOwned>(text: &str) -> Result<T> {
+pub fn parse_settings<T: DeserializeOwned + Serialize + Default>(text: &str) -> Result<T> {
+    // Every key of every section at its default (unset fields are written as null): the known keys
+    // where serde's message lists none (a section with a flattened part, like `server:`).
+    let schema = serde_json::to_value(T::default()).unwrap_or(Value::Null);
     let mut doc: Value = serde_yaml::from_str(text)?;
     if doc.is_null() {
         // An empty file, like `{}`: every setting at its default.
@@ -526,6 +529,11 @@ pub fn parse_settings<T: DeserializeOwned>(text: &str) -> Result<T> {
                 if full.last() != Some(&key) {
                     full.push(key.clone());
                 }
+                let expected = if expected.is_empty() {
+                    keys_at(&schema, &path)
+                } else {
+                    expected
+                };
                 let suggestion = closest(&key, &expected)
                     .map(|k| format!(", did you mean `{k}`?"))
                     .unwrap_or_default();
@@ -577,6 +585,15 @@ fn closest<'a>(key: &str, known: &'a [String]) -> Option<&'a str> {
         .filter(|(score, _)| *score >= 0.8)
         .max_by(|a, b| a.0.total_cmp(&b.0))
         .map(|(_, k)| k.as_str())
+}
+
+/// The keys of the object at `path` in `schema` (none when there is no object there).
+fn keys_at(schema: &Value, path: &[String]) -> Vec<String> {
+    path.iter()
+        .try_fold(schema, |at, key| at.get(key))
+        .and_then(Value::as_object)
+        .map(|map| map.keys().cloned().collect())
+        .unwrap_or_default()
 }
 
 /// Removes the value at `path` from `doc`; false when there is no such key (or the path is empty).
@@ -820,6 +837,17 @@ mod tests {
             Settings::from_yaml("").is_ok(),
             "an empty file is all defaults"
         );
+        // `server:` has a flattened part, whose unknown-key message lists no keys: the defaults do.
+        let flat = Settings::from_yaml("server: {prot: 1, max_conections: 3}\n").unwrap_err();
+        for want in [
+            "server.prot: unknown key, did you mean `port`?",
+            "server.max_conections: unknown key, did you mean `max_connections`?",
+        ] {
+            assert!(
+                format!("{flat:#}").contains(want),
+                "{want:?} not in {flat:#}"
+            );
+        }
         let syntax = Settings::from_yaml("engine: {block_size: 3\n").unwrap_err();
         assert!(format!("{syntax:#}").contains("line"), "{syntax:#}");
     }
