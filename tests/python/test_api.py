@@ -41,6 +41,22 @@ def test_models_list_and_get(client, server):
     assert requests.get(server.url + "/health", timeout=5).status_code == 200
 
 
+def test_health_says_what_answers_and_ids_follow_requests(server):
+    r = requests.get(server.url + "/health", timeout=5)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok"
+    assert body["role"] in ("colocated", "head")
+    assert body["model"] == MODEL_NAME
+    assert r.headers["x-request-id"].startswith("req-")
+    r = requests.post(server.url + "/v1/completions", headers={"x-request-id": "py-1"},
+                      json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "stream": True}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "py-1"
+    r = requests.post(server.url + "/v1/completions", headers={"x-request-id": "x" * 129},
+                      json={"model": "nope", "prompt": "Hi"}, timeout=30)
+    assert r.status_code == 404 and r.headers["x-request-id"].startswith("req-")
+
+
 def test_tokenize_round_trip(server):
     text = "Hello, world! Ünïcödé and emoji 🌊 too."
     tok = tokenize(server, prompt=text)

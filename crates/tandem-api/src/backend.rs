@@ -65,6 +65,10 @@ pub trait GenerateBackend: Send + Sync + 'static {
     fn max_model_len(&self) -> usize;
     /// Resolves `Ok` when the backend can take requests now; /health answers 503 otherwise.
     fn health(&self) -> BoxFuture<'static, Result<(), BackendError>>;
+    /// What this process is to `/health`'s readers: `colocated` (an engine here) or `head` (a P/D router).
+    fn role(&self) -> &'static str {
+        "colocated"
+    }
     /// Extra Prometheus text appended to /metrics (a P/D router's transfer and per-role metrics).
     fn extra_metrics(&self) -> String {
         String::new()

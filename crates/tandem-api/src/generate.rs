@@ -11,6 +11,7 @@ use crate::backend::TokenStream;
 use crate::codec::{StreamDecoder, TextCodec};
 use crate::error::ApiError;
 use crate::protocol::{Answer, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs};
+use crate::request_log::{current_tally, Tally};
 use crate::state::AppState;
 use crate::stop::StopMatcher;
 use crate::validate::GenPlan;
@@ -86,6 +87,8 @@ pub struct ChoiceRun {
     ttft: Option<std::time::Duration>,
     tokens: usize,
     failed: bool,
+    /// The HTTP request's token tally (its access line's counts), when it runs under `request_log`.
+    tally: Option<Arc<Tally>>,
 }
 
 /// The OpenAI name of an engine finish reason.
@@ -115,6 +118,7 @@ impl ChoiceRun {
             ttft: None,
             tokens: 0,
             failed: false,
+            tally: current_tally(),
         }
     }
 
@@ -148,6 +152,9 @@ impl ChoiceRun {
         self.last_token_at = Some(now);
         self.ttft.get_or_insert(now - self.arrived);
         self.tokens += 1;
+        if let Some(tally) = &self.tally {
+            tally.token();
+        }
         match self.step(&out) {
             Ok(mut step) => {
                 step.prompt_logprobs = out.prompt_logprobs;
@@ -157,8 +164,8 @@ impl ChoiceRun {
                     self.state
                         .metrics
                         .observe_finished(reason, total.as_secs_f64());
-                    // The access line goes out with the headers (latency 0 for a stream): this one
-                    // carries the whole answer's figures, in the request's span.
+                    // One line per choice, in the request's span; the access line (`request_log`)
+                    // sums the choices when the body ends.
                     tracing::info!(
                         finish = reason,
                         completion_tokens = self.tokens,
@@ -338,6 +345,9 @@ pub fn submit_choices(
     max_tokens: usize,
     arrived: Instant,
 ) -> Result<Vec<ChoiceRun>, ApiError> {
+    if let Some(tally) = current_tally() {
+        tally.prompt(prompt.len());
+    }
     (0..plan.n)
         .map(|i| {
             let stream = state.backend.submit(

@@ -14,6 +14,7 @@ pub mod guidance;
 pub mod listen;
 pub mod metrics;
 pub mod protocol;
+pub mod request_log;
 pub mod responses;
 pub mod routes;
 pub mod sse;
@@ -34,6 +35,7 @@ pub use cluster::{
 pub use codec::{CodecError, ModelCodec, StreamDecoder, TextCodec};
 pub use error::ApiError;
 pub use listen::{serve_router, ServeLimits};
+pub use request_log::{current_request_id, X_REQUEST_ID};
 pub use routes::router;
 pub use state::{ApiConfig, AppState, DEFAULT_MAX_BODY_BYTES};
 

@@ -1,16 +1,14 @@
-//! The router: routes, API-key and request-id middleware, and the small endpoints
+//! The router: routes, API-key and access-log middleware (`request_log`), and the small endpoints
 //! (models, tokenize, detokenize, health, metrics, cluster; the console's page in `console.rs`).
 
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, FromRequest, Path, Request, State};
-use axum::http::{header, HeaderName, HeaderValue, StatusCode};
+use axum::http::header;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use tower_http::trace::{DefaultOnResponse, TraceLayer};
-use tower_http::LatencyUnit;
 use tracing::Level;
 
 use crate::cluster::ClusterSnapshot;
@@ -21,8 +19,7 @@ use crate::protocol::{
 use crate::state::AppState;
 use crate::{chat, completions, responses};
 
-/// Header that correlates a request across client, proxy and server logs.
-pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub use crate::request_log::X_REQUEST_ID;
 
 /// JSON body extractor whose rejections are OpenAI-shaped 400s instead of axum's plain-text 415/422.
 pub struct ApiJson<T>(pub T);
@@ -83,21 +80,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(traced(polled, Level::DEBUG))
         .merge(traced(probes, Level::DEBUG))
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
-        .layer(middleware::from_fn(request_id))
         .with_state(state)
 }
 
-/// `router` with one span per request and a line per response at `level`.
+/// `router` with a request id, a span per request and an access line at `level` when its body ends.
 fn traced<S: Clone + Send + Sync + 'static>(router: Router<S>, level: Level) -> Router<S> {
-    router.layer(
-        TraceLayer::new_for_http()
-            .make_span_with(request_span)
-            .on_response(
-                DefaultOnResponse::new()
-                    .level(level)
-                    .latency_unit(LatencyUnit::Millis),
-            ),
-    )
+    router.layer(middleware::from_fn_with_state(
+        level,
+        crate::request_log::access_log,
+    ))
 }
 
 /// Rejects /v1 requests without the configured bearer token.
@@ -125,34 +116,6 @@ fn same_secret(presented: &str, key: &str) -> bool {
         .zip(b.iter())
         .fold(0u8, |acc, (x, y)| acc | (x ^ y))
         == 0
-}
-
-/// Echoes the client's `x-request-id`, or mints one, on every response (and puts it on the request so
-/// the trace span carries it).
-async fn request_id(mut req: Request, next: Next) -> Response {
-    let id = match req.headers().get(&X_REQUEST_ID) {
-        Some(id) => id.clone(),
-        None => {
-            let minted = HeaderValue::from_str(&uuid::Uuid::new_v4().simple().to_string())
-                .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
-            req.headers_mut()
-                .insert(X_REQUEST_ID.clone(), minted.clone());
-            minted
-        }
-    };
-    let mut response = next.run(req).await;
-    response.headers_mut().insert(X_REQUEST_ID.clone(), id);
-    response
-}
-
-/// One INFO span per HTTP request, tagged with its request id.
-fn request_span(req: &Request) -> tracing::Span {
-    let id = req
-        .headers()
-        .get(&X_REQUEST_ID)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = %id)
 }
 
 async fn fallback(req: Request) -> ApiError {
@@ -263,10 +226,23 @@ async fn detokenize(
 /// How long /health waits for the backend before declaring it unhealthy.
 const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// `GET /health`'s answer while healthy: enough for a person or a probe to see what answers.
+#[derive(serde::Serialize)]
+struct Health<'a> {
+    status: &'static str,
+    role: &'static str,
+    model: &'a str,
+}
+
 /// 200 only while the backend can take requests; load balancers and the test fixture poll it.
-async fn health(State(state): State<Arc<AppState>>) -> Result<StatusCode, ApiError> {
+async fn health(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
     match tokio::time::timeout(HEALTH_TIMEOUT, state.backend.health()).await {
-        Ok(Ok(())) => Ok(StatusCode::OK),
+        Ok(Ok(())) => Ok(Json(Health {
+            status: "ok",
+            role: state.backend.role(),
+            model: state.primary_model_name(),
+        })
+        .into_response()),
         Ok(Err(e)) => Err(ApiError::from(e)),
         Err(_) => Err(ApiError::overloaded(
             "the engine did not answer the health check in time",

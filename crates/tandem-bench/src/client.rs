@@ -95,7 +95,17 @@ impl Client {
                 let list: ModelList = req
                     .send()
                     .await
-                    .and_then(|r| r.error_for_status())
+                    .map_err(|e| {
+                        if e.is_connect() {
+                            BenchError::Unreachable {
+                                url: endpoint.base_url.clone(),
+                                source: e,
+                            }
+                        } else {
+                            fail(format!("GET /v1/models: {e}"))
+                        }
+                    })?
+                    .error_for_status()
                     .map_err(|e| fail(format!("GET /v1/models: {e}")))?
                     .json()
                     .await

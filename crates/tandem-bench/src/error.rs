@@ -49,6 +49,14 @@ pub enum BenchError {
         /// What went wrong.
         message: String,
     },
+    /// Nothing answers at the endpoint (refused, unresolvable): the server is not running there.
+    #[error("endpoint {url}: nothing answers")]
+    Unreachable {
+        /// The endpoint's base URL.
+        url: String,
+        /// The connection error (kept as the source, so the command can say what to do about it).
+        source: reqwest::Error,
+    },
     /// Drawing a chart failed.
     #[error("plot {path}: {message}")]
     Plot {

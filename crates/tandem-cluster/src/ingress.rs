@@ -14,6 +14,7 @@ use tandem_api::{BackendError, ClusterView, GenerateBackend, TokenStream, Worker
 use tandem_engine::{EngineStats, RequestId, SamplingParams, TokenOutput};
 use tandem_kv::PeerInfo;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use crate::admission::{Admission, Reservation};
 use crate::error::ClusterError;
@@ -26,7 +27,7 @@ use crate::protocol::{
 use crate::registry::InFlight;
 pub use crate::registry::{WorkerEntry, WorkerStatus};
 use crate::routing::{pick_decode, pick_prefill, DecodeLoad, PrefillCandidate, RoutingConfig};
-use crate::rpc::{check_status, post_json, rpc, RemotePin};
+use crate::rpc::{check_status, post_json, rpc, with_request_id, RemotePin};
 
 /// Time limits of the ingress (YAML `timeouts:`), in seconds.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -153,6 +154,8 @@ struct Job {
     ingress: Ingress,
     prompt: Vec<u32>,
     params: SamplingParams,
+    /// The client request's id, sent to every worker that works on it.
+    request_id: Option<String>,
     tx: mpsc::UnboundedSender<Result<TokenOutput, BackendError>>,
 }
 
@@ -206,6 +209,7 @@ impl Job {
                 PATH_PREFILL,
                 &req,
                 secs(inner.timeouts.prefill_secs),
+                self.request_id.as_deref(),
             )
             .await
             {
@@ -500,11 +504,12 @@ impl Job {
         req: &DecodeRequest,
     ) -> Result<reqwest::Response, ClusterError> {
         let inner = &self.ingress.inner;
-        let send = inner
-            .http
-            .post(format!("{}{PATH_DECODE}", d.url))
-            .json(req)
-            .send();
+        let send = with_request_id(
+            inner.http.post(format!("{}{PATH_DECODE}", d.url)),
+            self.request_id.as_deref(),
+        )
+        .json(req)
+        .send();
         let resp = tokio::time::timeout(secs(inner.timeouts.decode_start_secs), send)
             .await
             .map_err(|_| ClusterError::Protocol {
@@ -625,13 +630,19 @@ impl GenerateBackend for Ingress {
             ingress: self.clone(),
             prompt,
             params,
+            request_id: tandem_api::current_request_id(),
             tx,
         };
-        let guard = AbortOnDrop(tokio::spawn(job.run()));
+        // The job runs in the HTTP request's span, so its warnings carry the request id too.
+        let guard = AbortOnDrop(tokio::spawn(job.run().instrument(tracing::Span::current())));
         Ok(Box::pin(futures::stream::poll_fn(move |cx| {
             let _keep = &guard;
             rx.poll_recv(cx)
         })))
+    }
+
+    fn role(&self) -> &'static str {
+        "head"
     }
 
     fn abort(&self, _id: RequestId) {

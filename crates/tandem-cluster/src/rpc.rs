@@ -23,21 +23,34 @@ pub(crate) async fn get_json<T: serde::de::DeserializeOwned>(
     read_json(url, resp).await
 }
 
+/// POSTs `body` as JSON; `request_id` (the client request it serves) goes as `X-Request-Id`, so the
+/// worker's log lines about it carry the same id as the head's.
 pub(crate) async fn post_json<B: Serialize, T: serde::de::DeserializeOwned>(
     http: &reqwest::Client,
     url: &str,
     path: &str,
     body: &B,
     timeout: Duration,
+    request_id: Option<&str>,
 ) -> Result<T, ClusterError> {
-    let resp = http
-        .post(format!("{url}{path}"))
+    let resp = with_request_id(http.post(format!("{url}{path}")), request_id)
         .json(body)
         .timeout(timeout)
         .send()
         .await
         .map_err(|e| rpc(url, e))?;
     read_json(url, resp).await
+}
+
+/// `builder` with the `X-Request-Id` header when there is an id to carry.
+pub(crate) fn with_request_id(
+    builder: reqwest::RequestBuilder,
+    request_id: Option<&str>,
+) -> reqwest::RequestBuilder {
+    match request_id {
+        Some(id) => builder.header(tandem_api::X_REQUEST_ID.as_str(), id),
+        None => builder,
+    }
 }
 
 pub(crate) fn rpc(url: &str, source: reqwest::Error) -> ClusterError {
@@ -93,7 +106,7 @@ impl Drop for RemotePin {
         let (http, url, transfer_id) = (self.http.clone(), self.url.clone(), self.transfer_id);
         rt.spawn(async move {
             let req = ReleaseRequest { transfer_id };
-            if let Err(e) = post_json::<_, bool>(&http, &url, PATH_RELEASE, &req, Duration::from_secs(5)).await {
+            if let Err(e) = post_json::<_, bool>(&http, &url, PATH_RELEASE, &req, Duration::from_secs(5), None).await {
                 tracing::warn!(%url, transfer_id, error = %e, "could not release a prefill pin (its timeout will)");
             }
         });

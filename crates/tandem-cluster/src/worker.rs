@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -33,13 +33,14 @@ use tandem_kv::{
     NixlAgent, NixlBackend, NixlConfig, NixlTransport, PeerInfo, Registration, ShmTransport,
     TcpConfig, TcpTransport, WireDtype, WireLayout,
 };
+use tracing::Instrument;
 
 use crate::engine_kv::{register_staging, EngineSink, EngineSource, PinnedKv};
 use crate::error::ClusterError;
 use crate::protocol::{
-    DecodeRequest, ErrorBody, PrefillRequest, PrefillResponse, ReleaseRequest, Role, StreamEvent,
-    WireToken, WorkerInfo, WorkerLoad, PATH_DECODE, PATH_HEALTH, PATH_INFO, PATH_LOAD,
-    PATH_PREFILL, PATH_RELEASE,
+    DecodeRequest, PrefillRequest, PrefillResponse, ReleaseRequest, Role, StreamEvent, WireToken,
+    WorkerInfo, WorkerLoad, PATH_DECODE, PATH_HEALTH, PATH_INFO, PATH_LOAD, PATH_PREFILL,
+    PATH_RELEASE,
 };
 
 /// How decode workers pull KV (YAML `kv_transfer.transport`).
@@ -662,26 +663,54 @@ async fn next_output(
     }
 }
 
-/// Readiness: 200 while the worker takes work, 503 once it drains.
+/// Readiness: 200 while the worker takes work, 503 once it drains; the body says which worker answers
+/// (`{"status":"ok"|"draining","role","worker","model"}`, `error` too while draining, the shape the
+/// ingress reads refusals in).
 async fn health(State(s): State<Arc<WorkerService>>) -> Response {
-    if s.is_draining() {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(ErrorBody {
-                error: "draining".into(),
-            }),
-        )
-            .into_response()
+    let draining = s.is_draining();
+    let mut body = serde_json::json!({
+        "status": if draining { "draining" } else { "ok" },
+        "role": s.config.role,
+        "worker": s.info.worker_id,
+        "model": s.info.peer.model_id,
+    });
+    if draining {
+        body["error"] = "draining".into();
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
     } else {
-        (StatusCode::OK, "ok").into_response()
+        (StatusCode::OK, Json(body)).into_response()
     }
+}
+
+/// The span of one RPC about a client request: the `X-Request-Id` the ingress sent (its own request
+/// id), so the worker's lines about it carry the id the head's lines and the client's answer carry.
+fn request_span(headers: &HeaderMap, rpc: &'static str) -> tracing::Span {
+    let id = headers
+        .get(tandem_api::X_REQUEST_ID.as_str())
+        .and_then(|v| v.to_str().ok())
+        .filter(|id| tandem_api::request_log::is_valid_request_id(id))
+        .unwrap_or("");
+    tracing::info_span!("request", rpc, request_id = %id)
 }
 
 async fn prefill(
     State(s): State<Arc<WorkerService>>,
+    headers: HeaderMap,
     Json(req): Json<PrefillRequest>,
 ) -> Result<Json<PrefillResponse>, ClusterError> {
-    s.prefill(req).await.map(Json)
+    let span = request_span(&headers, "prefill");
+    let started = Instant::now();
+    let prompt_tokens = req.prompt.len();
+    let answer = s.prefill(req).instrument(span.clone()).await;
+    span.in_scope(|| match &answer {
+        Ok(_) => tracing::info!(
+            prompt_tokens,
+            ms = started.elapsed().as_millis() as u64,
+            "prefilled"
+        ),
+        Err(e) => tracing::warn!(prompt_tokens, error = %e, "prefill failed"),
+    });
+    answer.map(Json)
 }
 
 async fn release(
@@ -695,6 +724,13 @@ async fn release(
     )
 }
 
+/// What a decode's last log line says: the tokens it streamed and how long since its RPC came.
+struct DecodeLog {
+    span: tracing::Span,
+    started: Instant,
+    tokens: usize,
+}
+
 fn ndjson(event: &StreamEvent) -> Bytes {
     let mut line =
         serde_json::to_vec(event).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes());
@@ -704,24 +740,53 @@ fn ndjson(event: &StreamEvent) -> Bytes {
 
 async fn decode(
     State(s): State<Arc<WorkerService>>,
+    headers: HeaderMap,
     Json(req): Json<DecodeRequest>,
 ) -> Result<Response, ClusterError> {
+    let span = request_span(&headers, "decode");
+    let started = Instant::now();
     let busy = InFlight::new(&s.in_flight);
-    let (first, stream) = s.start_decode(req).await?;
+    let (first, stream) = match s.start_decode(req).instrument(span.clone()).await {
+        Ok(started) => started,
+        Err(e) => {
+            span.in_scope(|| tracing::warn!(error = %e, "decode failed to start"));
+            return Err(e);
+        }
+    };
     // The body owns the engine stream: when the ingress disconnects, the body is dropped and the
-    // request aborted, which frees its blocks.
-    let tokens = futures::stream::unfold(Some((stream, busy)), |state| async move {
-        let (mut stream, busy) = state?;
+    // request aborted, which frees its blocks. Its end is logged in the request's span.
+    let log = DecodeLog {
+        span,
+        started,
+        tokens: 0,
+    };
+    let tokens = futures::stream::unfold(Some((stream, busy, log)), |state| async move {
+        let (mut stream, busy, mut log) = state?;
         match stream.recv().await {
             Some(out) => {
-                let done = out.finish.is_some();
+                log.tokens += 1;
+                let done = out.finish;
                 let line = ndjson(&StreamEvent::Token(WireToken::from(out)));
-                Some((line, (!done).then_some((stream, busy))))
+                if let Some(finish) = done {
+                    log.span.in_scope(|| {
+                        tracing::info!(
+                            tokens = log.tokens,
+                            ?finish,
+                            ms = log.started.elapsed().as_millis() as u64,
+                            "decoded"
+                        )
+                    });
+                    return Some((line, None));
+                }
+                Some((line, Some((stream, busy, log))))
             }
             None => {
                 let err = stream.take_error().map_or_else(
                     || "the engine ended the request".to_owned(),
                     |e| e.to_string(),
+                );
+                log.span.in_scope(
+                    || tracing::warn!(tokens = log.tokens, error = %err, "decode failed"),
                 );
                 Some((ndjson(&StreamEvent::Error(err)), None))
             }

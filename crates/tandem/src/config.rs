@@ -420,9 +420,10 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// Parses a YAML document; unknown keys are errors that name the key.
+    /// Parses a YAML document; every unknown key and bad value is reported at once, by its full path
+    /// (`parse_settings`).
     pub fn from_yaml(text: &str) -> Result<Self> {
-        Ok(serde_yaml::from_str(text)?)
+        parse_settings(text)
     }
 
     /// Reads and parses a YAML file.
@@ -482,6 +483,141 @@ impl Settings {
     /// Backend the engine runs on.
     pub fn device(&self) -> Device {
         self.engine.device.unwrap_or_default()
+    }
+}
+
+/// Most problems one parse reports; past them the file is likely not a tandem config at all.
+const MAX_PROBLEMS: usize = 20;
+
+/// Parses a YAML settings document, reporting every problem at once rather than the first: each unknown
+/// key by its full path with the closest known key at that place (`server.prot: unknown key, did you
+/// mean `port`?`), each bad value by its full path. Syntax errors keep serde_yaml's line and column.
+///
+/// serde stops at the first error, so the document is parsed as a tree, deserialized with
+/// `serde_path_to_error` (which knows the path), and each offending key is taken out of the tree before
+/// the next try; the known keys come from serde's own `expected one of` list, so no second schema exists.
+pub fn parse_settings<T: DeserializeOwned + Serialize + Default>(text: &str) -> Result<T> {
+    // Every key of every section at its default (unset fields are written as null): the known keys
+    // where serde's message lists none (a section with a flattened part, like `server:`).
+    let schema = serde_json::to_value(T::default()).unwrap_or(Value::Null);
+    let mut doc: Value = serde_yaml::from_str(text)?;
+    if doc.is_null() {
+        // An empty file, like `{}`: every setting at its default.
+        doc = Value::Object(serde_json::Map::new());
+    }
+    let mut problems = Vec::new();
+    loop {
+        let err = match serde_path_to_error::deserialize::<_, T>(&doc) {
+            Ok(settings) if problems.is_empty() => return Ok(settings),
+            Ok(_) => break,
+            Err(err) => err,
+        };
+        let path: Vec<String> = err
+            .path()
+            .iter()
+            .filter_map(|segment| match segment {
+                serde_path_to_error::Segment::Map { key } => Some(key.clone()),
+                serde_path_to_error::Segment::Seq { index } => Some(index.to_string()),
+                _ => None,
+            })
+            .collect();
+        let message = err.inner().to_string();
+        let removed = match unknown_field(&message) {
+            Some((key, expected)) => {
+                // serde_path_to_error's path ends at the unknown key itself.
+                let mut full = path.clone();
+                if full.last() != Some(&key) {
+                    full.push(key.clone());
+                }
+                let expected = if expected.is_empty() {
+                    keys_at(&schema, &path)
+                } else {
+                    expected
+                };
+                let suggestion = closest(&key, &expected)
+                    .map(|k| format!(", did you mean `{k}`?"))
+                    .unwrap_or_default();
+                problems.push(format!("{}: unknown key{suggestion}", full.join(".")));
+                remove_key(&mut doc, &full)
+            }
+            None => {
+                let at = if path.is_empty() {
+                    "(top level)".to_owned()
+                } else {
+                    path.join(".")
+                };
+                problems.push(format!("{at}: {message}"));
+                remove_key(&mut doc, &path)
+            }
+        };
+        // An error the tree cannot be freed of (inside a flattened section, or at the top) ends the search.
+        if !removed || problems.len() >= MAX_PROBLEMS {
+            break;
+        }
+    }
+    let count = problems.len();
+    bail!(
+        "{count} problem{} in the settings:\n  {}",
+        if count == 1 { "" } else { "s" },
+        problems.join("\n  ")
+    )
+}
+
+/// The key and the allowed keys of serde's unknown-field error (`unknown field `x`, expected one of
+/// `a`, `b``, `expected `a``, or `there are no fields`).
+fn unknown_field(message: &str) -> Option<(String, Vec<String>)> {
+    let rest = message.strip_prefix("unknown field `")?;
+    let (key, rest) = rest.split_once('`')?;
+    let expected = rest
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect();
+    Some((key.to_owned(), expected))
+}
+
+/// The known key `key` was most likely meant to be, when one is close enough to suggest.
+fn closest<'a>(key: &str, known: &'a [String]) -> Option<&'a str> {
+    known
+        .iter()
+        .map(|k| (strsim::jaro_winkler(key, k), k))
+        .filter(|(score, _)| *score >= 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k.as_str())
+}
+
+/// The keys of the object at `path` in `schema` (none when there is no object there).
+fn keys_at(schema: &Value, path: &[String]) -> Vec<String> {
+    path.iter()
+        .try_fold(schema, |at, key| at.get(key))
+        .and_then(Value::as_object)
+        .map(|map| map.keys().cloned().collect())
+        .unwrap_or_default()
+}
+
+/// Removes the value at `path` from `doc`; false when there is no such key (or the path is empty).
+fn remove_key(doc: &mut Value, path: &[String]) -> bool {
+    let Some((last, parents)) = path.split_last() else {
+        return false;
+    };
+    let mut at = doc;
+    for key in parents {
+        at = match at {
+            Value::Object(map) => match map.get_mut(key) {
+                Some(next) => next,
+                None => return false,
+            },
+            Value::Array(items) => match key.parse::<usize>().ok().and_then(|i| items.get_mut(i)) {
+                Some(next) => next,
+                None => return false,
+            },
+            _ => return false,
+        };
+    }
+    match at {
+        Value::Object(map) => map.remove(last).is_some(),
+        _ => false,
     }
 }
 
@@ -668,6 +804,52 @@ mod tests {
         assert!(format!("{err:#}").contains("blok_size"), "{err:#}");
         let err = Settings::from_yaml("modle: x\n").unwrap_err();
         assert!(format!("{err:#}").contains("modle"), "{err:#}");
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once_by_its_path_with_suggestions() {
+        let err = Settings::from_yaml(
+            "modle: x\nengine: {blok_size: 3, max_num_seqs: lots, threads: 2}\nfrobnicate: 1\n\
+             deployment: {mode: pd, kv_transfer: {transprt: tcp}, routing: {prefill_load_bound: -1}}\n",
+        )
+        .unwrap_err();
+        let text = format!("{err:#}");
+        for want in [
+            "6 problems in the settings",
+            "modle: unknown key, did you mean `model`?",
+            "engine.blok_size: unknown key, did you mean `block_size`?",
+            "engine.max_num_seqs: invalid type: string \"lots\"",
+            "deployment.kv_transfer.transprt: unknown key, did you mean `transport`?",
+            "deployment.routing.prefill_load_bound: invalid value",
+        ] {
+            assert!(text.contains(want), "{want:?} not in:\n{text}");
+        }
+        assert!(
+            text.contains("frobnicate: unknown key\n") || text.ends_with("frobnicate: unknown key"),
+            "no suggestion when nothing is close:\n{text}"
+        );
+        let one = Settings::from_yaml("engine: {block_size: 0x}\n").unwrap_err();
+        assert!(
+            format!("{one:#}").starts_with("1 problem in the settings:\n  engine.block_size: "),
+            "{one:#}"
+        );
+        assert!(
+            Settings::from_yaml("").is_ok(),
+            "an empty file is all defaults"
+        );
+        // `server:` has a flattened part, whose unknown-key message lists no keys: the defaults do.
+        let flat = Settings::from_yaml("server: {prot: 1, max_conections: 3}\n").unwrap_err();
+        for want in [
+            "server.prot: unknown key, did you mean `port`?",
+            "server.max_conections: unknown key, did you mean `max_connections`?",
+        ] {
+            assert!(
+                format!("{flat:#}").contains(want),
+                "{want:?} not in {flat:#}"
+            );
+        }
+        let syntax = Settings::from_yaml("engine: {block_size: 3\n").unwrap_err();
+        assert!(format!("{syntax:#}").contains("line"), "{syntax:#}");
     }
 
     #[test]

@@ -81,6 +81,8 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
     let settings: Settings = overlay(&[&file, flags])?;
     settings.server.validate()?;
     let cuda = settings.cuda.merged(cuda_flags);
+    // First, so a busy port fails before a model is fetched or a worker started.
+    let listener = crate::process::bind_api(&settings.host(), settings.port())?;
     let model_path = resolve_model(settings.model.as_deref())?;
     let model_path: PathBuf = std::fs::canonicalize(&model_path).unwrap_or(model_path);
     let exe = std::env::current_exe().context("locating the tandem binary")?;
@@ -177,8 +179,6 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
         Arc::new(codec),
         config,
     )?);
-    let (host, port) = (settings.host(), settings.port());
-
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("tandem-ingress")
@@ -195,10 +195,10 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
             ingress.discover_once(&discovery, &DnsResolver).await;
             tokio::spawn(ingress.clone().discover_forever(discovery.clone(), Arc::new(DnsResolver)));
         }
-        let listener = tokio::net::TcpListener::bind((host.as_str(), port))
-            .await
-            .with_context(|| format!("binding {host}:{port}"))?;
-        info!(address = %listener.local_addr()?, model = %served_name, workers = urls.len(), "serving the OpenAI API (prefill/decode disaggregated)");
+        let listener = tokio::net::TcpListener::from_std(listener).context("the API's listener")?;
+        let address = listener.local_addr()?;
+        info!(%address, model = %served_name, workers = urls.len(), "serving the OpenAI API (prefill/decode disaggregated)");
+        crate::process::print_serving(address, &served_name, settings.server.api_key.is_some());
         let app = tandem_api::router(state).merge(ingress.routes());
         tandem_api::serve_router(listener, app, settings.server.listen.limits(), shutdown_signal()).await.context("HTTP server")
     });

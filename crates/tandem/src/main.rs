@@ -9,6 +9,7 @@ mod cuda_settings;
 mod cuda_tools;
 mod device;
 mod launch;
+mod logging;
 mod probe;
 mod process;
 mod serve;
@@ -16,18 +17,21 @@ mod stage;
 mod token;
 mod worker;
 
+use std::process::ExitCode;
+
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use tracing_subscriber::EnvFilter;
 
 use crate::config::{LogFormat, ServeArgs};
+use crate::logging::ProcessTag;
 
 /// tandem: LLM serving on CPU with an OpenAI-compatible API.
 #[derive(Parser, Debug)]
 #[command(name = "tandem", version, about)]
 struct Cli {
-    /// Log format: readable text or one JSON object per line (overrides the config file).
-    #[arg(long, global = true, value_enum)]
+    /// Log format: readable text or one JSON object per line (overrides the config file's `log_format`;
+    /// a P/D head passes its format to the workers it starts through this variable).
+    #[arg(long, global = true, value_enum, env = LOG_FORMAT_ENV)]
     log_format: Option<LogFormat>,
     #[command(subcommand)]
     command: Command,
@@ -65,28 +69,77 @@ enum Command {
     CudaSampleCheck(cuda_tools::CudaSampleCheckArgs),
 }
 
-/// Installs the global tracing subscriber; RUST_LOG refines the default `info` level.
-fn init_logging(format: LogFormat) {
-    init_logging_at(format, "info");
+/// The environment variable behind `--log-format`.
+const LOG_FORMAT_ENV: &str = "TANDEM_LOG_FORMAT";
+
+/// Installs the global tracing subscriber (`logging::init`) at `info` unless RUST_LOG says otherwise,
+/// and exports the format so every process this one starts (P/D workers, pipeline stages) logs alike.
+fn init_logging(format: LogFormat, tag: Option<ProcessTag>) {
+    init_logging_at(format, "info", tag);
 }
 
-/// Installs the global tracing subscriber with `default_level` unless RUST_LOG says otherwise.
-fn init_logging_at(format: LogFormat, default_level: &str) {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
-    // Colour codes only for a person's terminal: redirected logs (files, containers, journald) stay plain.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
+/// `init_logging` with another default level.
+fn init_logging_at(format: LogFormat, default_level: &str, tag: Option<ProcessTag>) {
+    let value = match format {
+        LogFormat::Text => "text",
+        LogFormat::Json => "json",
+    };
+    // Still one thread here: the environment is process-wide (as `token::export` does).
+    std::env::set_var(LOG_FORMAT_ENV, value);
+    logging::set_format(format);
+    logging::init(format, default_level, tag);
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // `{:#}` is the whole chain on one line; anyhow's own report (main returning `Err`) would
+            // add a backtrace under RUST_BACKTRACE=1, which is noise for a busy port or a typo.
+            let hint = hint(&err);
+            if logging::format() == LogFormat::Json {
+                // A JSON log stays JSON to its last line.
+                tracing::error!(error = %format!("{err:#}"), hint, "tandem stopped");
+            } else {
+                eprintln!("error: {err:#}");
+                if let Some(hint) = hint {
+                    eprintln!("hint: {hint}");
+                }
+            }
+            ExitCode::FAILURE
+        }
     }
 }
 
-fn main() -> Result<()> {
-    let cli = Cli::parse();
+/// What to do about an ordinary user error, recognised by its cause.
+fn hint(err: &anyhow::Error) -> Option<&'static str> {
+    for cause in err.chain() {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            match io.kind() {
+                std::io::ErrorKind::AddrInUse => {
+                    return Some("that port is in use — another tandem? stop it, or pick another port with --port (server.port)")
+                }
+                std::io::ErrorKind::ConnectionRefused => return Some(SERVER_NOT_RUNNING),
+                _ => {}
+            }
+        }
+        if cause
+            .downcast_ref::<reqwest::Error>()
+            .is_some_and(reqwest::Error::is_connect)
+        {
+            return Some(SERVER_NOT_RUNNING);
+        }
+    }
+    None
+}
+
+/// The hint for a client command that found nobody listening.
+const SERVER_NOT_RUNNING: &str =
+    "nothing answers there — is the server running? start it with `tandem serve`, or point the command at it (--url, --base-url)";
+
+/// Runs the command line.
+fn run(cli: Cli) -> Result<()> {
+    let format = cli.log_format;
     match cli.command {
         Command::Serve(args) => {
             if let Some(path) = &args.check_config {
@@ -108,49 +161,57 @@ fn main() -> Result<()> {
                 .as_ref()
                 .is_some_and(|d| d.mode == config::DeploymentMode::Pd)
             {
-                init_logging(cli.log_format.or(file.log_format).unwrap_or_default());
+                let head = ProcessTag {
+                    name: "head".into(),
+                    role: "head".into(),
+                };
+                init_logging(format.or(file.log_format).unwrap_or_default(), Some(head));
                 return launch::run(&args.settings, &args.cuda.as_section(), file);
             }
             let mut settings = config::Settings::colocated(&args.settings, file)?;
             settings.cuda = settings.cuda.merged(&args.cuda.as_section());
-            init_logging(cli.log_format.or(settings.log_format).unwrap_or_default());
+            init_logging(format.or(settings.log_format).unwrap_or_default(), None);
             serve::run(settings)
         }
         Command::Worker(args) => {
-            init_logging(cli.log_format.unwrap_or_default());
+            init_logging(format.unwrap_or_default(), args.log_tag());
             worker::run(*args)
         }
         Command::Chat(args) => {
             // In-process serving would interleave its info logs with the conversation.
             let level = if args.local { "warn" } else { "info" };
-            init_logging_at(cli.log_format.unwrap_or_default(), level);
+            init_logging_at(format.unwrap_or_default(), level, None);
             chat::run(args)
         }
         Command::BenchEngine(args) => {
-            init_logging(cli.log_format.unwrap_or_default());
+            init_logging(format.unwrap_or_default(), None);
             bench_engine::run(args)
         }
         #[cfg(feature = "cuda")]
         Command::CudaCheck(args) => {
-            init_logging(cli.log_format.unwrap_or_default());
+            init_logging(format.unwrap_or_default(), None);
             cuda_tools::check(args)
         }
         #[cfg(feature = "cuda")]
         Command::CudaBench(args) => {
-            init_logging(cli.log_format.unwrap_or_default());
+            init_logging(format.unwrap_or_default(), None);
             cuda_tools::bench(args)
         }
         #[cfg(feature = "cuda")]
         Command::CudaSampleCheck(args) => {
-            init_logging(cli.log_format.unwrap_or_default());
+            init_logging(format.unwrap_or_default(), None);
             cuda_tools::sample_check(args)
         }
         Command::Stage(args) => {
-            init_logging(cli.log_format.unwrap_or_default());
+            let tag = ProcessTag {
+                name: format!("stage-{}", args.stage),
+                role: "stage".into(),
+            };
+            init_logging(format.unwrap_or_default(), Some(tag));
             stage::run(args)
         }
         Command::Bench(args) => {
-            init_logging_at(cli.log_format.unwrap_or_default(), "warn");
+            init_logging_at(format.unwrap_or_default(), "warn", None);
             bench::run(args)
         }
         Command::Probe(args) => probe::run(&args),

@@ -1,5 +1,6 @@
-//! Process helpers shared by the commands: finding the model, the ready lines children print, starting and
-//! watching child processes (workers, pipeline stages), exiting with the parent, and the shutdown signal.
+//! Process helpers shared by the commands: finding the model, the API's listening socket and the line
+//! that says where it serves, the ready lines children print, starting and watching child processes
+//! (workers, pipeline stages), exiting with the parent, and the shutdown signal.
 //!
 //! Children learn they are orphaned through their stdin (a pipe from the parent): when it closes they
 //! exit, so no child outlives a killed parent.
@@ -20,6 +21,49 @@ pub const WORKER_READY_PREFIX: &str = "TANDEM_WORKER_READY ";
 
 /// The line a stage prints on stdout once it serves, so the worker that started it learns its address.
 pub const STAGE_READY_PREFIX: &str = "TANDEM_STAGE_READY ";
+
+/// Binds an HTTP port (the API's, a worker's RPC) before anything slow happens (loading a model, starting
+/// workers), so a busy port fails at once; the socket is non-blocking, ready for
+/// `tokio::net::TcpListener::from_std`.
+pub fn bind_api(host: &str, port: u16) -> Result<std::net::TcpListener> {
+    let listener = std::net::TcpListener::bind((host.trim_matches(['[', ']']), port))
+        .with_context(|| format!("binding {host}:{port}"))?;
+    listener
+        .set_nonblocking(true)
+        .context("making the listener non-blocking")?;
+    Ok(listener)
+}
+
+/// Where a person reaches a server listening on `addr`: a wildcard address is reached over loopback.
+pub fn local_url(addr: std::net::SocketAddr) -> String {
+    let ip = match addr.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+        ip => ip,
+    };
+    format!("http://{}", std::net::SocketAddr::new(ip, addr.port()))
+}
+
+/// Tells the person who started `tandem serve` where it serves and what to paste to try it (stdout, and
+/// only with text logs: JSON log streams are read by machines, and the log line has the address).
+pub fn print_serving(addr: std::net::SocketAddr, model: &str, api_key: bool) {
+    if crate::logging::format() != crate::config::LogFormat::Text {
+        return;
+    }
+    let url = local_url(addr);
+    let exe = std::env::current_exe().map_or_else(|_| "tandem".into(), |p| p.display().to_string());
+    let auth = if api_key {
+        " -H \"authorization: Bearer $TANDEM_API_KEY\""
+    } else {
+        ""
+    };
+    println!(
+        "\ntandem serves {model} at {url} (Ctrl-C stops it). Try:\n\n  \
+         curl -s {url}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n    \
+         -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'\n\n  \
+         {exe} chat --url {url}\n"
+    );
+}
 
 /// Where the default model fetch script lives, relative to the repository root.
 const FETCH_SCRIPT: &str = "scripts/fetch-model.sh";

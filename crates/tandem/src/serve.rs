@@ -104,17 +104,18 @@ fn http_runtime() -> Result<tokio::runtime::Runtime> {
 
 /// Runs the server with the merged settings.
 pub fn run(settings: Settings) -> Result<()> {
+    // First, so a busy port fails before a model is fetched or loaded.
+    let listener = crate::process::bind_api(&settings.host(), settings.port())?;
     let Prepared {
         engine,
         state,
         served_name,
     } = prepare(&settings)?;
     let result = http_runtime()?.block_on(async {
-        let (host, port) = (settings.host(), settings.port());
-        let listener = tokio::net::TcpListener::bind((host.as_str(), port))
-            .await
-            .with_context(|| format!("binding {host}:{port}"))?;
-        info!(address = %listener.local_addr()?, model = %served_name, "serving the OpenAI API");
+        let listener = tokio::net::TcpListener::from_std(listener).context("the API's listener")?;
+        let address = listener.local_addr()?;
+        info!(%address, model = %served_name, "serving the OpenAI API");
+        crate::process::print_serving(address, &served_name, settings.server.api_key.is_some());
         tandem_api::serve(
             listener,
             state,

@@ -183,6 +183,27 @@ impl WorkerArgs {
     }
 }
 
+impl WorkerArgs {
+    /// The tag on this worker's log lines: its id and role (none when the settings do not parse, which
+    /// `run` then reports).
+    pub fn log_tag(&self) -> Option<crate::logging::ProcessTag> {
+        let settings = self.resolve().ok()?;
+        let role = settings.role?;
+        Some(crate::logging::ProcessTag {
+            name: worker_id(&settings, role),
+            role: role.to_string(),
+        })
+    }
+}
+
+/// The worker's id: the configured one, else `{role}-{pid}`.
+fn worker_id(settings: &WorkerSettings, role: Role) -> String {
+    settings
+        .worker_id
+        .clone()
+        .unwrap_or_else(|| format!("{role}-{}", std::process::id()))
+}
+
 /// How a registration the ingress did not refuse ended.
 enum Registration {
     /// The ingress added this worker (or already had it).
@@ -342,6 +363,8 @@ pub fn run(args: WorkerArgs) -> Result<()> {
     }
     settings.listen.validate()?;
     let role = settings.role.context("--role is required")?;
+    // The RPC port first, so a busy one fails before a model is fetched or loaded.
+    let listener = crate::process::bind_api(&settings.host, settings.port)?;
     let model_path = resolve_model(settings.model.as_deref())?;
     info!(path = %model_path.display(), %role, "loading model");
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: false })
@@ -356,10 +379,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         settings.engine.device.unwrap_or_default(),
         &settings.cuda.merged(&args.cuda.as_section()),
     )?;
-    let worker_id = settings
-        .worker_id
-        .clone()
-        .unwrap_or_else(|| format!("{role}-{}", std::process::id()));
+    let worker_id = worker_id(&settings, role);
 
     // A TCP pull moves its layers over `streams` connections, each a task copying at memory speed: with
     // fewer runtime threads than connections they take turns (on the H200, 3.3 GB/s with 4 or 8
@@ -394,10 +414,8 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         let service = WorkerService::start(engine.clone(), peer, config)
             .await
             .context("starting the KV side")?;
-        let bind = settings.host.trim_matches(['[', ']']);
-        let listener = tokio::net::TcpListener::bind((bind, settings.port))
-            .await
-            .with_context(|| format!("binding {}:{}", settings.host, settings.port))?;
+        let listener =
+            tokio::net::TcpListener::from_std(listener).context("the worker's listener")?;
         let url = format!("http://{advertise}:{}", listener.local_addr()?.port());
         info!(%url, worker = %worker_id, %role, kv = %service.info().kv_endpoint, "worker serving");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
