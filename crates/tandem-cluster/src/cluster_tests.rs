@@ -441,36 +441,46 @@ async fn seeded_sampling_through_prefill_and_decode_matches_colocated() {
     assert_eq!(d.engine.stats().prefill_tokens_computed, 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_worker_lost_mid_stream_is_replaced_without_changing_the_answer() {
-    let colocated = engine(BLOCK);
+/// Streams `prompt(8)` with `params` through a prefill worker and two slow decode workers, kills the
+/// decode worker serving it after six tokens (like a crash: its engine fails its requests and it stops
+/// answering), and returns every token the client got, the ingress, the prefill worker and the
+/// surviving decode worker.
+async fn lose_a_decode_worker_mid_stream(
+    params: SamplingParams,
+) -> (Vec<TokenOutput>, Ingress, TestWorker, TestWorker) {
     let slow = || MockBackend::new(BLOCK, 64).with_step_delay(Duration::from_millis(5));
     let p = worker(Role::Prefill, BLOCK).await;
     let d1 = worker_on(Role::Decode, engine_on(slow())).await;
     let d2 = worker_on(Role::Decode, engine_on(slow())).await;
     let ingress = registered(BLOCK, &[&p, &d1, &d2]).await;
-    let params = seeded(60, 9);
-    let want = collect(&colocated, prompt(8), params.clone()).await;
     let mut stream = ingress.submit(1, prompt(8), params).unwrap();
     let mut got = Vec::new();
     for _ in 0..6 {
         got.push(stream.next().await.expect("tokens flow").unwrap());
     }
     let (lost, other) = if d1.service.load().in_flight > 0 {
-        (&d1, &d2)
+        (d1, d2)
     } else {
-        (&d2, &d1)
+        (d2, d1)
     };
     assert!(
         lost.service.load().in_flight > 0,
         "one decode worker serves"
     );
-    // Like a crash: the engine fails its requests and the worker stops answering.
     lost.task.abort();
     lost.engine.shutdown();
     while let Some(out) = stream.next().await {
         got.push(out.expect("resumed, not failed"));
     }
+    drop(stream);
+    (got, ingress, p, other)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_lost_mid_stream_is_replaced_without_changing_the_answer() {
+    let params = seeded(60, 9);
+    let want = collect(&engine(BLOCK), prompt(8), params.clone()).await;
+    let (got, ingress, p, other) = lose_a_decode_worker_mid_stream(params).await;
     assert_eq!(got, want, "the resumed stream continues the same tokens");
     assert!(
         other.engine.stats().prefill_tokens_computed > 0,
@@ -485,7 +495,7 @@ async fn a_decode_worker_lost_mid_stream_is_replaced_without_changing_the_answer
         metrics.contains("tandem:decode_resumes_total 1"),
         "{metrics}"
     );
-    drained(other).await;
+    drained(&other).await;
     drained(&p).await;
 }
 
@@ -561,41 +571,17 @@ async fn guided_output_through_prefill_and_decode_satisfies_the_schema() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guided_stream_resumed_after_a_lost_decode_worker_still_satisfies_the_schema() {
-    let colocated = engine(BLOCK);
-    let slow = || MockBackend::new(BLOCK, 64).with_step_delay(Duration::from_millis(5));
-    let p = worker(Role::Prefill, BLOCK).await;
-    let d1 = worker_on(Role::Decode, engine_on(slow())).await;
-    let d2 = worker_on(Role::Decode, engine_on(slow())).await;
-    let ingress = registered(BLOCK, &[&p, &d1, &d2]).await;
     let params = guided_params(90);
-    let want = collect(&colocated, prompt(8), params.clone()).await;
+    let want = collect(&engine(BLOCK), prompt(8), params.clone()).await;
     assert_guided_valid(&want);
     assert!(want.len() > 10, "long enough to lose mid-stream");
-    let mut stream = ingress.submit(1, prompt(8), params).unwrap();
-    let mut got = Vec::new();
-    for _ in 0..6 {
-        got.push(stream.next().await.expect("tokens flow").unwrap());
-    }
-    let (lost, other) = if d1.service.load().in_flight > 0 {
-        (&d1, &d2)
-    } else {
-        (&d2, &d1)
-    };
-    assert!(
-        lost.service.load().in_flight > 0,
-        "one decode worker serves"
-    );
-    lost.task.abort();
-    lost.engine.shutdown();
-    while let Some(out) = stream.next().await {
-        got.push(out.expect("resumed, not failed"));
-    }
+    let (got, ingress, p, other) = lose_a_decode_worker_mid_stream(params).await;
     assert_guided_valid(&got);
     assert_eq!(got, want, "the resumed stream continues the same tokens");
     assert!(ingress
         .extra_metrics()
         .contains("tandem:decode_resumes_total 1"));
-    drained(other).await;
+    drained(&other).await;
     drained(&p).await;
 }
 
