@@ -19,10 +19,13 @@ def test_chat_local_answers_like_the_server(client):
     if os.environ.get("TANDEM_MODEL"):
         args += ["--model-path", os.environ["TANDEM_MODEL"]]
     done = subprocess.run(
-        args, cwd=ROOT, input=f"{question}\n/exit\n", capture_output=True, text=True, timeout=300
+        args, cwd=ROOT, input=f"{question}\n/reset\n/exit\n", capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
     assert "in this process" in done.stderr
+    # Piped lines are echoed after the prompt, and /reset says what it did.
+    assert f"> {question}\n" in done.stderr, done.stderr
+    assert "> /reset\n(conversation forgotten" in done.stderr, done.stderr
     assert done.stdout.strip() == expected.strip()
 
 

@@ -179,17 +179,26 @@ pub fn run(mut args: ChatArgs) -> Result<()> {
         None => format!("at {}", client.args.url),
     };
     eprintln!("chatting with {model} {place} (/reset, /exit)");
+    // Piped input is not echoed by a terminal: echo it after the prompt so the transcript reads as typed.
+    let piped = !std::io::IsTerminal::is_terminal(&std::io::stdin());
     let mut lines = std::io::stdin().lines();
     loop {
         eprint!("> ");
         let Some(line) = lines.next().transpose()? else {
+            if piped {
+                eprintln!();
+            }
             break;
         };
+        if piped {
+            eprintln!("{line}");
+        }
         match line.trim() {
             "" => continue,
             "/exit" | "/quit" => break,
             "/reset" => {
                 messages = system.clone();
+                eprintln!("(conversation forgotten; the system prompt stays)");
                 continue;
             }
             text => messages.push(json!({"role": "user", "content": text})),

@@ -183,16 +183,16 @@ impl ListenSettings {
 #[derive(Clone, Debug, Default, Args, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct EngineSettings {
-    /// Tokens per KV block.
+    /// Tokens per KV block (default 16).
     #[arg(long)]
     pub block_size: Option<usize>,
-    /// Memory for the KV cache, e.g. 1GiB, 512MiB or a byte count.
+    /// Memory for the KV cache, e.g. 1GiB, 512MiB or a byte count (default 1GiB).
     #[arg(long)]
     pub kv_cache_memory: Option<ByteSize>,
-    /// Running sequences per step.
+    /// Running sequences per step (default 64).
     #[arg(long)]
     pub max_num_seqs: Option<usize>,
-    /// Token budget per step.
+    /// Token budget per step (default 512).
     #[arg(long)]
     pub max_num_batched_tokens: Option<usize>,
     /// Split long prompts over several steps (flag `--no-chunked-prefill` sets false).
@@ -214,7 +214,7 @@ pub struct EngineSettings {
     /// Context length cap (default: the model's).
     #[arg(long)]
     pub max_model_len: Option<usize>,
-    /// Waiting requests beyond which new ones get 503.
+    /// Waiting requests beyond which new ones get 503 (default 1024).
     #[arg(long)]
     pub max_waiting: Option<usize>,
     /// Compute threads (0 = all cores).
@@ -426,10 +426,17 @@ impl Settings {
         parse_settings(text)
     }
 
-    /// Reads and parses a YAML file.
+    /// Reads and parses a YAML file; one with no setting at all (empty, or only comments) is refused,
+    /// since serving every default from a file named on purpose is almost always a wrong path.
     pub fn load(path: &Path) -> Result<Self> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        if serde_yaml::from_str::<serde_yaml::Value>(&text).is_ok_and(|v| v.is_null()) {
+            bail!(
+                "config file {} holds no settings; name a config with settings, or leave --config out to serve the defaults",
+                path.display()
+            );
+        }
         Self::from_yaml(&text).with_context(|| format!("in config file {}", path.display()))
     }
 
@@ -835,8 +842,14 @@ mod tests {
         );
         assert!(
             Settings::from_yaml("").is_ok(),
-            "an empty file is all defaults"
+            "empty YAML is all defaults"
         );
+        // A config file named on purpose that holds nothing (`--config /dev/null`) is refused.
+        let empty = std::env::temp_dir().join(format!("tandem-empty-{}.yaml", std::process::id()));
+        std::fs::write(&empty, "# only a comment\n").unwrap();
+        let err = Settings::load(&empty).map_err(|e| format!("{e:#}"));
+        std::fs::remove_file(&empty).unwrap();
+        assert!(err.unwrap_err().contains("holds no settings"));
         // `server:` has a flattened part, whose unknown-key message lists no keys: the defaults do.
         let flat = Settings::from_yaml("server: {prot: 1, max_conections: 3}\n").unwrap_err();
         for want in [

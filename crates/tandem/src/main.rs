@@ -137,6 +137,14 @@ fn hint(err: &anyhow::Error) -> Option<&'static str> {
 const SERVER_NOT_RUNNING: &str =
     "nothing answers there — is the server running? start it with `tandem serve`, or point the command at it (--url, --base-url)";
 
+/// Says which config file the settings came from (or that none was given), once logging is up.
+fn log_config(path: Option<&std::path::Path>) {
+    match path {
+        Some(path) => tracing::info!(config = %path.display(), "config file loaded"),
+        None => tracing::info!("no config file: defaults and flags"),
+    }
+}
+
 /// Runs the command line.
 fn run(cli: Cli) -> Result<()> {
     let format = cli.log_format;
@@ -166,11 +174,13 @@ fn run(cli: Cli) -> Result<()> {
                     role: "head".into(),
                 };
                 init_logging(format.or(file.log_format).unwrap_or_default(), Some(head));
+                log_config(args.config.as_deref());
                 return launch::run(&args.settings, &args.cuda.as_section(), file);
             }
             let mut settings = config::Settings::colocated(&args.settings, file)?;
             settings.cuda = settings.cuda.merged(&args.cuda.as_section());
             init_logging(format.or(settings.log_format).unwrap_or_default(), None);
+            log_config(args.config.as_deref());
             serve::run(settings)
         }
         Command::Worker(args) => {
@@ -253,5 +263,26 @@ mod tests {
                 .is_err(),
             "--check-config takes the file itself"
         );
+    }
+
+    /// `tandem serve --help` states the engine's defaults, and what it states is what the engine uses.
+    #[test]
+    fn serve_help_states_the_engine_defaults() {
+        let d = tandem_engine::EngineConfig::default();
+        let mut cmd = Cli::command();
+        let help = cmd
+            .find_subcommand_mut("serve")
+            .expect("serve")
+            .render_long_help()
+            .to_string();
+        for want in [
+            format!("(default {})", d.block_size),
+            format!("(default {}GiB)", d.kv_cache_bytes >> 30),
+            format!("(default {})", d.max_num_seqs),
+            format!("(default {})", d.max_num_batched_tokens),
+            format!("(default {})", d.max_waiting),
+        ] {
+            assert!(help.contains(&want), "`serve --help` lacks {want}:\n{help}");
+        }
     }
 }
