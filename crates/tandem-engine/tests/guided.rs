@@ -172,8 +172,17 @@ fn constraints_that_do_not_compile_are_refused_at_submit() {
 fn guided_requests_survive_preemption() {
     let p = guided(Guidance::JsonSchema(schema()), 1.0, 11);
     let want = run(&start(4, 256), 1, &[3, 1, 4, 1, 5], &p);
-    // A tiny pool: three concurrent guided requests preempt one another and recompute.
-    let e = start(2, 24);
+    // A tiny pool: three concurrent guided requests preempt one another and recompute. Steps are slow
+    // enough that all three are queued before the first finishes, however the threads are scheduled.
+    let e = Engine::start_guided(
+        MockBackend::new(2, 24).with_step_delay(std::time::Duration::from_millis(10)),
+        EngineConfig {
+            block_size: 2,
+            ..Default::default()
+        },
+        Some(mock_guide()),
+    )
+    .unwrap();
     let mut streams: Vec<_> = (0..3)
         .map(|id| {
             e.submit(EngineRequest::new(id, vec![3, 1, 4, 1, 5], p.clone()))

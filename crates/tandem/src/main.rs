@@ -52,8 +52,7 @@ enum Command {
     Bench(bench::BenchArgs),
     /// GET a URL (default: this host's /health) and exit 0 on a 2xx answer, 1 otherwise: the images' health check.
     Probe(probe::ProbeArgs),
-    /// Hosts one later pipeline stage for a worker (started by workers with pipeline_parallel_size > 1).
-    #[command(hide = true)]
+    /// Host one later pipeline stage (a worker with pipeline_parallel_size > 1 starts its own; run it on another host for `pipeline_stages`).
     Stage(stage::StageArgs),
     /// Write the CUDA (or CPU) backend's logits for given prompts as JSON (device checks).
     #[cfg(feature = "cuda")]
