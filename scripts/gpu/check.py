@@ -10,7 +10,8 @@ on the GPU in bf16 and in fp32 (the same bf16 weights, upcast). Checks:
     larger than HF bf16's own (plus a small margin); fast vs reference attention kernels; CUDA vs CPU,
   * greedy tokens: tandem's argmax at every teacher-forced step against HF bf16's greedy tokens,
   * the real engine: `tandem serve --device cuda` + a greedy /v1/completions request follows tandem's
-    own argmax (and HF's tokens until the first near-tie).
+    own argmax (and HF's tokens until the first near-tie); regex-guided requests, masked on the
+    device, draw only tokens the regex allows.
 Writes check.json under --out and exits non-zero when a check fails.
 """
 import argparse
@@ -27,6 +28,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 PROMPT_LENS = [1, 7, 64, 65, 150, 300]
+# The guided serve check's constraint: tokens t1..t4xx only, over the word-level vocabulary below.
+GUIDED_REGEX = "(t[1-4][0-9]{0,2})+"
 DECODE_STEPS = 16
 VOCAB = 1024
 
@@ -155,7 +158,11 @@ def serve_check(bin_, work, prompt, n, log_path):
         text = complete(temperature=0)
         # Seeded draws through the engine's on-device sampler: the same seed twice, then another.
         drawn = [complete(temperature=0.8, top_p=0.9, seed=seed) for seed in (11, 11, 12)]
-        return [int(x) for x in re.findall(r"t(\d+)", text)], text, drawn
+        # Guided rows masked on the device: only tokens t1.. t4xx (a proper subset of the vocabulary),
+        # greedy and drawn.
+        fmt = {"type": "regex", "regex": GUIDED_REGEX}
+        guided = [complete(temperature=t, seed=seed, response_format=fmt) for t, seed in ((0, 0), (0.8, 5), (1.5, 6))]
+        return [int(x) for x in re.findall(r"t(\d+)", text)], text, drawn, guided
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -250,7 +257,10 @@ def main():
     try:
         i = 3
         p = ps[i]
-        toks, text, drawn = serve_check(a.bin, a.work, p, DECODE_STEPS, os.path.join(a.out, "serve.log"))
+        toks, text, drawn, guided = serve_check(a.bin, a.work, p, DECODE_STEPS, os.path.join(a.out, "serve.log"))
+        ids = [[int(x) for x in re.findall(r"t(\d+)", g)] for g in guided]
+        report["checks"]["engine_serve_guided_device_mask"] = {
+            "texts": guided, "pass": all(len(t) == DECODE_STEPS and all(str(i)[0] in "1234" for i in t) for t in ids)}
         report["checks"]["engine_serve_seeded_sampling"] = {
             "texts": drawn, "pass": drawn[0] == drawn[1] and drawn[0] != drawn[2]
             and len(re.findall(r"t(\d+)", drawn[0])) == DECODE_STEPS}

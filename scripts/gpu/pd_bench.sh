@@ -7,11 +7,18 @@
 #   bursty              8 req/s of 256/256 plus 16 x 4,096-token prompts every 5 s
 #   leak (only when named)  1,000 requests of 1,024 tokens, every tenth abandoned mid-flight: every worker's
 #                       blocks, pins, staging and GPU memory back where they were (scripts/gpu/pd_leak.py)
+#   guided (only when named)  colocated decode throughput of regex-guided requests (masked on the GPU) against
+#                       unguided ones, 256/256 at concurrency 1 and 64 (issue 17's batch-64 target)
+#   load (a modifier)   the suites run only c64 and bursty (the two targets one GPU shared by two processes misses)
+# MPS=1 runs everything under an NVIDIA MPS control daemon started for the run (and stopped after it), so
+# that the two P/D processes share the GPU's SMs at once instead of taking turns in time slices.
+# PREFILL_SM=N (with MPS=1) holds the prefill worker to N% of the SMs (deployment.prefill.mps_thread_percentage).
 # Results: $OUT/pd_bench.jsonl (one `tandem bench --output` row per run, tagged) and $OUT/pd_summary.md;
 # with TRANSPORT=nixl or auto also $OUT/kv_rates.txt: the rate of every large pull, from the workers' debug lines
 # (NIXL: first layer announced to last READ done; tcp: the whole pull).
 # Usage: OUT=dir TANDEM_BIN=path MODEL_DIR=dir MAKE_MODEL=path/make_model.py [TRANSPORT=shm|tcp|nixl|auto \
-#          NIXL_LIB=unpacked-wheel-or-subset TCP_STREAMS=n] scripts/gpu/pd_bench.sh [colocated] [tcp] [pd] [leak] [quick]
+#          NIXL_LIB=unpacked-wheel-or-subset TCP_STREAMS=n MPS=1 PREFILL_SM=n] scripts/gpu/pd_bench.sh [colocated] [tcp] [pd] [leak]
+#          [guided] [quick|load]
 # (MAKE_MODEL: the workplace's shared gpu/make_model.py, needed only when MODEL_DIR has no model yet;
 # NIXL_LIB: what scripts/gpu/nixl_subset.sh copies out of the nixl-cu13 wheel.)
 set -uo pipefail
@@ -85,6 +92,12 @@ PY
 
 run_suite() { # mode
   local m="$1"
+  if [[ "$what" == *" load "* ]]; then
+    bench "$m-c64" --input-len 1024 --output-len 128 --num-prompts 256 --max-concurrency 64 --warmup 8
+    bench "$m-bursty" --workload bursty --input-len 256 --output-len 256 --request-rate 8 --num-prompts 120 \
+      --burst-input-len 4096 --burst-output-len 16 --burst-size 16 --burst-interval 5
+    return
+  fi
   greedy "$m"
   bench "$m-ttft-1k" --input-len 1024 --output-len 128 --num-prompts 12 --max-concurrency 1 --warmup 2
   bench "$m-ttft-4k" --input-len 4096 --output-len 128 --num-prompts 8 --max-concurrency 1 --warmup 1
@@ -113,9 +126,39 @@ stop() { kill "$(cat "$work/$1.pid")" 2>/dev/null; sleep 3; pkill -f "tandem (se
 pd_yaml() { # kv_transfer keys: 1P1D, both workers on GPU 0 with half the colocated KV each
   printf '%s\n' "engine: {device: cuda, kv_cache_memory: 24GiB, max_num_seqs: 256, max_waiting: 4096}" \
     "deployment:" "  mode: pd" "  kv_transfer: {$1}"
+  [ -n "${PREFILL_SM:-}" ] && printf '%s\n' "  prefill: {mps_thread_percentage: $PREFILL_SM}"
+  true
 }
 
 : >"$OUT/pd_bench.jsonl"
+if [ "${MPS:-0}" = 1 ]; then
+  # The daemon's pipe and log directories are the run's own; every process started below inherits them.
+  export CUDA_MPS_PIPE_DIRECTORY=$work/mps-pipe CUDA_MPS_LOG_DIRECTORY=$work/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    echo "== MPS control daemon started"
+    trap 'echo quit | nvidia-cuda-mps-control; echo "== MPS control daemon stopped"' EXIT
+  else
+    echo "MPS control daemon did not start; running without it"
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+fi
+if [[ "$what" == *" guided "* ]]; then
+  echo "== colocated: regex-guided against unguided decode (masks applied on the GPU)"
+  # make_model.py's word-level vocabulary has no JSON punctuation; this constraint allows the words that
+  # start with a-m (about half the vocabulary) and never completes, so every request makes 256 tokens.
+  fmt='{"type":"regex","regex":"( [a-m][a-z]*)+"}'
+  if serve guided "engine: {device: cuda, kv_cache_memory: 48GiB, max_num_seqs: 256, max_waiting: 4096}"; then
+    for c in 1 64; do
+      n=$((c == 1 ? 8 : 256))
+      bench "unguided-c$c" --input-len 256 --output-len 256 --num-prompts $n --max-concurrency $c --warmup 2
+      bench "guided-c$c" --input-len 256 --output-len 256 --num-prompts $n --max-concurrency $c --warmup 2 \
+        --response-format "$fmt"
+    done
+  fi
+  grep -iE "error|warn" "$OUT/serve-guided.log" | tail -5
+  stop guided
+fi
 if [[ "$what" == *" colocated "* ]]; then
   echo "== colocated"
   serve colocated "engine: {device: cuda, kv_cache_memory: 48GiB, max_num_seqs: 256, max_waiting: 4096}" &&

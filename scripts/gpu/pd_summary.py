@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Turns pd_bench.sh's pd_bench.jsonl into the colocated-vs-1P1D table of issue 14's targets."""
+"""Turns pd_bench.sh's pd_bench.jsonl into the colocated-vs-1P1D table of issue 14's targets, and the
+guided-vs-unguided table of its `guided` part when it ran."""
 import json
 import sys
 
@@ -41,3 +42,11 @@ for name, kind, path, target in [
     c, p = get("colocated-" + kind, *path), get("pd-" + kind, *path)
     lines.append(f"| {name} | {fmt(c)} | {fmt(p)} | {ratio(p, c)} | {target} |")
 print("\n".join(lines))
+
+if any(label.startswith("guided-") for label in rows):
+    print()
+    print("| concurrency | unguided output tok/s | guided output tok/s | guided / unguided | failed (guided) |")
+    print("|---|---|---|---|---|")
+    for c in (1, 64):
+        u, g = get(f"unguided-c{c}", "output_throughput"), get(f"guided-c{c}", "output_throughput")
+        print(f"| {c} | {fmt(u)} | {fmt(g)} | {ratio(g, u)} | {fmt(get(f'guided-c{c}', 'failed'))} |")

@@ -442,6 +442,19 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* __re
     if (threadIdx.x == 0) out[blockIdx.x] = idx < vocab ? idx : imax;
 }
 
+// Guided decoding: a row whose mask index is not negative keeps only the tokens its mask allows (bit
+// t % 32 of word t / 32), the others become -inf before the token choice. One block per row.
+extern "C" __global__ void mask_rows(float* __restrict__ logits, int vocab, const u32* __restrict__ bits, int words,
+                                     const int* __restrict__ row_mask) {
+    const int m = row_mask[blockIdx.x];
+    if (m < 0) return;
+    float* row = logits + (u64)blockIdx.x * vocab;
+    const u32* w = bits + (u64)m * words;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        if (!((w[i >> 5] >> (i & 31)) & 1u)) row[i] = NEG_INF;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Attention. Sequences are described by small device arrays filled by the host planner:
 //   seq_qrow  first row of the sequence's new tokens in the batch

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use tandem_engine::{
     Backend, BackendError, BackendInfo, DeviceSampling, HostBuf, HostPool, KvExport, KvStaging,
-    StagedLayer, StagingSlice,
+    MaskSource, StagedLayer, StagingSlice,
 };
 use tandem_model::ForwardBatch;
 
@@ -68,6 +68,21 @@ impl Backend for CudaBackend {
         self.rows.extend(rows.iter().map(SampleRow::from));
         self.model
             .forward_sampled(batch, &self.rows, out)
+            .map_err(|e| BackendError::new(e.to_string()))?;
+        Ok(true)
+    }
+
+    fn forward_sampled_masked(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[DeviceSampling],
+        masks: &mut dyn MaskSource,
+        out: &mut Vec<u32>,
+    ) -> Result<bool, BackendError> {
+        self.rows.clear();
+        self.rows.extend(rows.iter().map(SampleRow::from));
+        self.model
+            .forward_sampled_masked(batch, &self.rows, masks, out)
             .map_err(|e| BackendError::new(e.to_string()))?;
         Ok(true)
     }

@@ -35,7 +35,7 @@ pub fn decode_partition(n_decode: usize, small: usize) -> usize {
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 15] = [
+pub const KERNEL_NAMES: [&str; 16] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -45,6 +45,7 @@ pub const KERNEL_NAMES: [&str; 15] = [
     "rope_kv_write",
     "argmax_rows",
     "sample_rows",
+    "mask_rows",
     "attn_simple",
     "attn_prefill",
     "attn_decode",

@@ -41,6 +41,36 @@ pub struct DeviceSampling {
     pub seed: u64,
 }
 
+/// The allowed-token masks of one step's logits rows, packed for a backend that applies them where
+/// the logits are (guided decoding on a GPU): bit `t % 32` of word `t / 32` of a row's mask allows
+/// token `t`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DeviceMasks {
+    /// Words per mask: the logits width rounded up to whole words.
+    pub words: usize,
+    /// The guided rows' masks back to back, in logits-row order.
+    pub bits: Vec<u32>,
+    /// Per logits row, the index of its mask in `bits` (in masks), or -1 for an unguided row
+    /// (`i32` as the device reads it).
+    pub row_mask: Vec<i32>,
+}
+
+impl DeviceMasks {
+    /// The mask of logits row `row`, if it has one.
+    pub fn row(&self, row: usize) -> Option<&[u32]> {
+        let m = usize::try_from(*self.row_mask.get(row)?).ok()?;
+        self.bits.get(m * self.words..(m + 1) * self.words)
+    }
+}
+
+/// Hands a backend the masks of the step it runs once they are computed. The backend asks after
+/// queueing the step's model work, so the masks are computed on the host while the device runs.
+pub trait MaskSource {
+    /// Blocks until every guided row's mask is ready. A row whose mask could not be computed has
+    /// none (the engine fails that request and discards the row's draw).
+    fn wait(&mut self) -> Result<&DeviceMasks, BackendError>;
+}
+
 /// The fixed facts about a backend's model and cache that the engine reads, kept in one place so that
 /// backends answer [`Backend`]'s accessors from it instead of each repeating them.
 #[derive(Clone, Debug, PartialEq)]
@@ -175,6 +205,20 @@ pub trait Backend: Send + 'static {
         out: &mut Vec<u32>,
     ) -> Result<bool, BackendError> {
         let _ = (batch, rows, out);
+        Ok(false)
+    }
+    /// [`Backend::forward_sampled`] for a step with guided rows: once the step's model work is
+    /// queued the backend takes the masks from `masks` and draws only allowed tokens. A backend
+    /// that cannot apply masks returns `Ok(false)` before doing anything (the default), and the
+    /// engine runs the step through `forward` and the host sampler.
+    fn forward_sampled_masked(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[DeviceSampling],
+        masks: &mut dyn MaskSource,
+        out: &mut Vec<u32>,
+    ) -> Result<bool, BackendError> {
+        let _ = (batch, rows, masks, out);
         Ok(false)
     }
 }

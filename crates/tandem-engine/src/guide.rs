@@ -214,4 +214,27 @@ impl Mask {
             logits[t] = l;
         }
     }
+
+    /// Writes the tokens [`Mask::apply`] leaves finite as bits into `out` (bit `t % 32` of word
+    /// `t / 32`; `out.len() * 32` covers the logits row), for a backend that masks on its device.
+    pub fn pack(&self, out: &mut [u32], extra: &[u32], eos: &[u32]) {
+        let src = self.vob.as_slice();
+        let full_words = self.vocab / 32;
+        for (w, o) in out.iter_mut().enumerate() {
+            let bits = src.get(w).copied().unwrap_or(0);
+            *o = match w.cmp(&full_words) {
+                std::cmp::Ordering::Less => bits,
+                // The word holding the vocabulary's end keeps only tokens below it.
+                std::cmp::Ordering::Equal => bits & ((1u32 << (self.vocab % 32)) - 1),
+                std::cmp::Ordering::Greater => 0,
+            };
+        }
+        if eos.iter().any(|&t| self.allows(t)) {
+            for &t in extra {
+                if let Some(o) = out.get_mut(t as usize / 32) {
+                    *o |= 1 << (t % 32);
+                }
+            }
+        }
+    }
 }

@@ -19,10 +19,11 @@ pub mod prefix_cache;
 pub mod sampler;
 pub mod scheduler;
 mod stats;
+mod step_masks;
 pub mod types;
 mod worker;
 
-pub use backend::{Backend, BackendError, BackendInfo, DeviceSampling};
+pub use backend::{Backend, BackendError, BackendInfo, DeviceMasks, DeviceSampling, MaskSource};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,
     RequestStream,

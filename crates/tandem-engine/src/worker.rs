@@ -1,8 +1,7 @@
 //! The engine thread's loop: applies commands, runs scheduled steps through the backend, samples, emits
 //! tokens and publishes stats.
 
-use crate::backend::DeviceSampling;
-use crate::backend::{Backend, BackendError};
+use crate::backend::{Backend, BackendError, DeviceMasks, DeviceSampling};
 use crate::block_pool::BlockPool;
 use crate::error::EngineError;
 use crate::guide::{Guide, Mask};
@@ -12,6 +11,7 @@ use crate::kv_staging::KvStaging;
 use crate::sampler::{argmax, logprobs_of, Sampled, Sampler, SeqRng};
 use crate::scheduler::{Scheduler, Sequence};
 use crate::stats::EngineStats;
+use crate::step_masks::{DevicePacking, StepMasking};
 use crate::types::{
     FinishReason, RequestId, RequestMode, SamplingParams, TokenLogprobs, TokenOutput,
 };
@@ -41,9 +41,6 @@ pub(crate) struct Ext {
     pub(crate) guide: Option<Guide>,
 }
 
-/// A guided row's matcher and the mask computed for it, by index into the step's scheduled list.
-type MaskJob = (usize, Guide, Result<Mask, EngineError>);
-
 /// A sequence as the engine thread keeps it.
 pub(crate) type Seq = Sequence<Ext>;
 
@@ -71,7 +68,6 @@ fn device_samplable(p: &SamplingParams) -> bool {
         && p.presence_penalty == 0.0
         && p.logprobs.is_none()
         && p.prompt_logprobs.is_none()
-        && p.guidance.is_none()
 }
 
 /// The engine thread's state: the only owner and mutator of the backend, block pool and scheduler.
@@ -87,6 +83,12 @@ pub(crate) struct Worker<B: Backend> {
     /// This step's rows for the backend's sampler and the tokens it drew (reused buffers).
     pub(crate) device_rows: Vec<DeviceSampling>,
     pub(crate) device_tokens: Vec<u32>,
+    /// Whether to offer guided steps to the backend's own sampler (cleared when it declines once).
+    pub(crate) device_masks: bool,
+    /// This step's guided rows for the backend's sampler: (scheduled index, logits row).
+    pub(crate) device_guided: Vec<(usize, usize)>,
+    /// This step's masks packed for the backend's sampler (reused buffer).
+    pub(crate) packed_masks: DeviceMasks,
     /// This step's allowed-token masks, by index into the scheduled list (guided rows only).
     pub(crate) masks: Vec<Option<Result<Mask, EngineError>>>,
     /// Requests whose prompt KV is being imported, until `start_decoding` (see `kv_manager`).
@@ -280,8 +282,8 @@ impl<B: Backend> Worker<B> {
         }
         self.counters.steps_total += 1;
         // Guided rows' masks are computed on other threads while the model runs.
-        let masking = self.start_masks();
-        let forwarded = self.forward();
+        let mut masking = self.start_masks();
+        let forwarded = self.forward(masking.as_mut());
         self.join_masks(masking);
         let on_device = match forwarded {
             Ok(on_device) => on_device,
@@ -329,30 +331,41 @@ impl<B: Backend> Worker<B> {
             if !s.sample {
                 continue;
             }
-            let mask = self.masks.get_mut(k).and_then(Option::take);
+            let mask = match self.masks.get_mut(k).and_then(Option::take) {
+                Some(Ok(mask)) => Some(mask),
+                Some(Err(e)) => {
+                    failed.push((seq.id, e));
+                    continue;
+                }
+                // A matcher lost to a panic in the mask computation: never sample unguided.
+                None if seq.ext.params.guidance.is_some() => {
+                    let e = EngineError::Guidance("the token mask computation failed".into());
+                    failed.push((seq.id, e));
+                    continue;
+                }
+                None => None,
+            };
+            let ends = |t: u32| self.eos.contains(&t) || seq.ext.params.stop_token_ids.contains(&t);
             let out = if on_device {
+                let token = self.device_tokens[row - 1];
+                // The device applied the mask; a token outside it is a backend fault, and the
+                // request fails rather than leave its constraint.
+                if mask
+                    .as_ref()
+                    .is_some_and(|m| !m.allows(token) && !ends(token))
+                {
+                    let e = EngineError::Guidance(format!(
+                        "the device sampler drew token {token}, which the constraint does not allow"
+                    ));
+                    failed.push((seq.id, e));
+                    continue;
+                }
                 Sampled {
-                    token: self.device_tokens[row - 1],
+                    token,
                     logprobs: None,
                 }
             } else {
                 let logits = &mut self.logits[(row - 1) * self.vocab..row * self.vocab];
-                let mask = match mask {
-                    Some(Ok(mask)) => Some(mask),
-                    Some(Err(e)) => {
-                        failed.push((seq.id, e));
-                        continue;
-                    }
-                    // A matcher lost to a panic in the mask computation: never sample unguided.
-                    None if seq.ext.params.guidance.is_some() => {
-                        let e = EngineError::Guidance("the token mask computation failed".into());
-                        failed.push((seq.id, e));
-                        continue;
-                    }
-                    None => None,
-                };
-                let ends =
-                    |t: u32| self.eos.contains(&t) || seq.ext.params.stop_token_ids.contains(&t);
                 if let Some(mask) = &mask {
                     mask.apply(logits, &seq.ext.params.stop_token_ids, &self.eos);
                 }
@@ -367,16 +380,16 @@ impl<B: Backend> Worker<B> {
                         out.token = argmax(logits);
                     }
                 }
-                if let Some(guide) = seq.ext.guide.as_mut() {
-                    if !ends(out.token) {
-                        if let Err(e) = guide.consume(&[out.token]) {
-                            failed.push((seq.id, e));
-                            continue;
-                        }
-                    }
-                }
                 out
             };
+            if let Some(guide) = seq.ext.guide.as_mut() {
+                if !ends(out.token) {
+                    if let Err(e) = guide.consume(&[out.token]) {
+                        failed.push((seq.id, e));
+                        continue;
+                    }
+                }
+            }
             seq.tokens.push(out.token);
             self.emit(s.index, out.token, out.logprobs);
         }
@@ -391,7 +404,7 @@ impl<B: Backend> Worker<B> {
 
     /// Takes the matchers of this step's guided sampling rows and starts computing their masks on
     /// the rayon pool, so they are ready when the logits are.
-    fn start_masks(&mut self) -> Option<crossbeam_channel::Receiver<Vec<MaskJob>>> {
+    fn start_masks(&mut self) -> Option<StepMasking> {
         let mut jobs = Vec::new();
         for k in 0..self.sched.scheduled().len() {
             let s = self.sched.scheduled()[k];
@@ -402,33 +415,19 @@ impl<B: Backend> Worker<B> {
                 jobs.push((k, guide));
             }
         }
-        if jobs.is_empty() {
-            return None;
-        }
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        rayon::spawn(move || {
-            use rayon::prelude::*;
-            let done: Vec<MaskJob> = jobs
-                .into_par_iter()
-                .map(|(k, mut guide)| {
-                    let mask = guide.mask();
-                    (k, guide, mask)
-                })
-                .collect();
-            let _ = tx.send(done);
-        });
-        Some(rx)
+        (!jobs.is_empty()).then(|| StepMasking::start(jobs))
     }
 
-    /// Waits for the masks `start_masks` began and gives the matchers back to their sequences.
-    fn join_masks(&mut self, masking: Option<crossbeam_channel::Receiver<Vec<MaskJob>>>) {
+    /// Waits for the masks `start_masks` began (unless the backend already did) and gives the
+    /// matchers back to their sequences.
+    fn join_masks(&mut self, masking: Option<StepMasking>) {
         self.masks.clear();
-        let Some(rx) = masking else {
+        let Some(masking) = masking else {
             return;
         };
         self.masks
             .resize_with(self.sched.scheduled().len(), || None);
-        for (k, guide, mask) in rx.recv().unwrap_or_default() {
+        for (k, guide, mask) in masking.into_results() {
             let s = self.sched.scheduled()[k];
             self.sched.running[s.index].ext.guide = Some(guide);
             self.masks[k] = Some(mask);
@@ -439,17 +438,46 @@ impl<B: Backend> Worker<B> {
     /// logits row is a draw it can make (no penalties, logprobs or prompt scoring), so the logits
     /// stay where they are (`Ok(true)`, tokens in `device_tokens`); else `forward`, with the logits
     /// in `logits` for the host sampler (`Ok(false)`).
-    fn forward(&mut self) -> Result<bool, BackendError> {
-        if self.device_sampler && self.fill_device_rows() {
-            let drawn = self.backend.forward_sampled(
-                &self.batch,
-                &self.device_rows,
-                &mut self.device_tokens,
-            )?;
+    /// A step with guided rows (`masking`) goes to the backend's sampler only if it applies masks.
+    fn forward(&mut self, masking: Option<&mut StepMasking>) -> Result<bool, BackendError> {
+        let offer = match masking {
+            Some(_) => self.device_sampler && self.device_masks,
+            None => self.device_sampler,
+        };
+        if offer && self.fill_device_rows() {
+            let drawn = match masking {
+                Some(masking) => {
+                    let mut packing = DevicePacking {
+                        masking,
+                        guided: &self.device_guided,
+                        sched: &self.sched,
+                        eos: &self.eos,
+                        vocab: self.vocab,
+                        rows: self.device_rows.len(),
+                        out: &mut self.packed_masks,
+                    };
+                    let drawn = self.backend.forward_sampled_masked(
+                        &self.batch,
+                        &self.device_rows,
+                        &mut packing,
+                        &mut self.device_tokens,
+                    )?;
+                    self.device_masks &= drawn;
+                    drawn
+                }
+                None => {
+                    let drawn = self.backend.forward_sampled(
+                        &self.batch,
+                        &self.device_rows,
+                        &mut self.device_tokens,
+                    )?;
+                    self.device_sampler &= drawn;
+                    drawn
+                }
+            };
             if drawn {
                 return Ok(true);
             }
-            self.device_sampler = false;
         }
         self.backend.forward(&self.batch, &mut self.logits)?;
         Ok(false)
@@ -459,6 +487,7 @@ impl<B: Backend> Worker<B> {
     /// host sampler.
     fn fill_device_rows(&mut self) -> bool {
         self.device_rows.clear();
+        self.device_guided.clear();
         for k in 0..self.sched.scheduled().len() {
             let s = self.sched.scheduled()[k];
             let rows = match self.batch.seqs[k].logits {
@@ -475,6 +504,9 @@ impl<B: Backend> Worker<B> {
                 return false;
             }
             let index = seq.tokens.len() - seq.prompt_len;
+            if p.guidance.is_some() {
+                self.device_guided.push((k, self.device_rows.len()));
+            }
             self.device_rows.push(DeviceSampling {
                 temperature: p.temperature,
                 top_k: p.top_k.min(u32::MAX as usize) as u32,

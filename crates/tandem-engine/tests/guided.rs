@@ -259,3 +259,219 @@ fn guided_requests_hand_over_from_prefill_to_decode_and_resume_elsewhere() {
         e.shutdown();
     }
 }
+
+/// A backend that draws where its logits are, as the CUDA backend does: the mock model's logits
+/// limited to the engine's packed masks, then greedy or a seeded pick. With `honour_masks` off it
+/// stands for a faulty device that ignores them.
+struct MaskingMock {
+    inner: MockBackend,
+    logits: Vec<f32>,
+    honour_masks: bool,
+    masked_steps: usize,
+    host_steps: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    device_guided_rows: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl MaskingMock {
+    /// One token per row: the allowed token of highest logit (plus seeded noise when sampling).
+    fn draw(&self, rows: &[DeviceSampling], masks: Option<&DeviceMasks>, out: &mut Vec<u32>) {
+        let v = self.inner.vocab_size();
+        out.clear();
+        for (i, (r, row)) in rows.iter().zip(self.logits.chunks(v)).enumerate() {
+            let mask = masks.and_then(|m| m.row(i)).filter(|_| self.honour_masks);
+            let allowed = |t: usize| mask.is_none_or(|bits| bits[t / 32] >> (t % 32) & 1 == 1);
+            let noise = |t: usize| {
+                let h = (r.seed ^ (t as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(31);
+                if r.temperature == 0.0 {
+                    0.0
+                } else {
+                    (h >> 40) as f32 / (1u64 << 24) as f32 * 8.0
+                }
+            };
+            let best = (0..v)
+                .filter(|&t| allowed(t))
+                .max_by(|&a, &b| (row[a] + noise(a)).total_cmp(&(row[b] + noise(b))))
+                .expect("a mask allows some token");
+            out.push(best as u32);
+        }
+    }
+}
+
+impl Backend for MaskingMock {
+    fn info(&self) -> &tandem_engine::BackendInfo {
+        self.inner.info()
+    }
+    fn forward(
+        &mut self,
+        batch: &tandem_model::ForwardBatch,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.host_steps
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.forward(batch, logits)
+    }
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
+        self.inner.export_block(layer, block, out)
+    }
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
+        self.inner.import_block(layer, block, data)
+    }
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
+        self.inner.copy_block(src, dst)
+    }
+    fn forward_sampled(
+        &mut self,
+        batch: &tandem_model::ForwardBatch,
+        rows: &[DeviceSampling],
+        out: &mut Vec<u32>,
+    ) -> Result<bool, BackendError> {
+        self.inner.forward(batch, &mut self.logits)?;
+        self.draw(rows, None, out);
+        Ok(true)
+    }
+    fn forward_sampled_masked(
+        &mut self,
+        batch: &tandem_model::ForwardBatch,
+        rows: &[DeviceSampling],
+        masks: &mut dyn MaskSource,
+        out: &mut Vec<u32>,
+    ) -> Result<bool, BackendError> {
+        self.inner.forward(batch, &mut self.logits)?;
+        let masks = masks.wait()?.clone();
+        assert_eq!(masks.row_mask.len(), rows.len(), "one entry per logits row");
+        self.masked_steps += 1;
+        let guided = masks.row_mask.iter().filter(|&&m| m >= 0).count();
+        self.device_guided_rows
+            .fetch_add(guided, std::sync::atomic::Ordering::Relaxed);
+        self.draw(rows, Some(&masks), out);
+        Ok(true)
+    }
+}
+
+type Counter = std::sync::Arc<std::sync::atomic::AtomicUsize>;
+
+fn start_masking(honour_masks: bool) -> (EngineHandle, Counter, Counter) {
+    let host = Counter::default();
+    let guided_rows = Counter::default();
+    let backend = MaskingMock {
+        inner: MockBackend::new(4, 256),
+        logits: Vec::new(),
+        honour_masks,
+        masked_steps: 0,
+        host_steps: host.clone(),
+        device_guided_rows: guided_rows.clone(),
+    };
+    let c = EngineConfig {
+        block_size: 4,
+        ..Default::default()
+    };
+    let e = Engine::start_guided(backend, c, Some(mock_guide())).unwrap();
+    (e, host, guided_rows)
+}
+
+#[test]
+fn guided_rows_are_masked_by_a_device_sampler_and_never_reach_the_host() {
+    let (e, host, guided_rows) = start_masking(true);
+    // Concurrent guided and unguided requests share steps.
+    let mut streams = Vec::new();
+    for seed in 0..4u64 {
+        for (k, t) in [0.0, 1.0].into_iter().enumerate() {
+            let id = seed * 10 + k as u64;
+            let p = guided(Guidance::JsonSchema(schema()), t, seed);
+            streams.push((
+                true,
+                e.submit(EngineRequest::new(id, vec![1, 2, 3], p)).unwrap(),
+            ));
+        }
+        let free = SamplingParams {
+            max_tokens: 20,
+            temperature: 1.0,
+            seed: Some(seed),
+            ..Default::default()
+        };
+        let s = e
+            .submit(EngineRequest::new(100 + seed, vec![5, 6], free))
+            .unwrap();
+        streams.push((false, s));
+    }
+    for (is_guided, s) in &mut streams {
+        let (toks, fin) = collect(s);
+        if *is_guided {
+            assert_eq!(fin, Some(FinishReason::Stop));
+            assert_valid(&mock_text(&toks));
+        }
+    }
+    let p = guided(Guidance::Regex("[a-z]{2,4}-[0-9]{3}".into()), 1.0, 3);
+    let text = mock_text(&run(&e, 200, &[7, 8], &p));
+    assert!(text.contains('-'), "{text:?}");
+    e.shutdown();
+    assert_eq!(
+        host.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "no step went to the host sampler"
+    );
+    assert!(guided_rows.load(std::sync::atomic::Ordering::Relaxed) > 0);
+}
+
+#[test]
+fn a_device_draw_outside_the_constraint_fails_the_request_instead_of_leaving_it() {
+    let (e, _, _) = start_masking(false);
+    for seed in 0..4u64 {
+        let p = guided(Guidance::JsonSchema(schema()), 1.0, seed);
+        let mut s = e
+            .submit(EngineRequest::new(seed, vec![1, 2, 3], p))
+            .unwrap();
+        let mut toks = Vec::new();
+        while let Some(o) = s.blocking_recv() {
+            toks.push(o.token);
+        }
+        match s.error() {
+            Some(EngineError::Guidance(msg)) => {
+                assert!(msg.contains("does not allow"), "{msg}")
+            }
+            other => panic!("{:?} ended with {other:?}", mock_text(&toks)),
+        }
+        // What was delivered before the fault is still inside the constraint: a prefix of JSON.
+        assert!(mock_text(&toks).is_empty() || mock_text(&toks).starts_with('{'));
+    }
+    e.shutdown();
+}
+
+#[test]
+fn packed_masks_allow_exactly_the_tokens_the_host_mask_leaves_finite() {
+    let env = mock_guide();
+    let mut guide = env.compile(&Guidance::JsonSchema(schema())).unwrap();
+    let eos = [63u32];
+    for (step, stop) in [(0, vec![]), (1, vec![5u32, 70]), (2, vec![9])] {
+        if step > 0 {
+            // Advance along a valid document: the first allowed token each time.
+            let m = guide.mask().unwrap();
+            let t = (0..64).find(|&t| m.allows(t)).unwrap();
+            guide.consume(&[t]).unwrap();
+        }
+        let mask = guide.mask().unwrap();
+        for width in [64usize, 70, 96] {
+            let mut logits = vec![0.0f32; width];
+            mask.apply(&mut logits, &stop, &eos);
+            let mut bits = vec![0u32; width.div_ceil(32)];
+            mask.pack(&mut bits, &stop, &eos);
+            for (t, l) in logits.iter().enumerate() {
+                let packed = bits[t / 32] >> (t % 32) & 1 == 1;
+                assert_eq!(
+                    packed,
+                    l.is_finite(),
+                    "token {t} of {width}, stops {stop:?}"
+                );
+            }
+        }
+    }
+    // Once the grammar can end, stop tokens are allowed alongside EOS.
+    let mut done = env.compile(&Guidance::Regex("a".into())).unwrap();
+    let a = (0..64).find(|&t| mock_text(&[t]) == "a").unwrap();
+    done.consume(&[a]).unwrap();
+    let mask = done.mask().unwrap();
+    let mut bits = vec![0u32; 2];
+    mask.pack(&mut bits, &[7], &eos);
+    assert_eq!(bits[0] >> 7 & 1, 1);
+    assert_eq!(bits[1] >> 31 & 1, 1, "EOS");
+}

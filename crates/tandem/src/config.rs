@@ -323,6 +323,10 @@ pub struct RoleSettings {
     pub replicas: Option<usize>,
     /// Engine knobs of these workers.
     pub engine: Option<EngineSettings>,
+    /// Percent of the GPU's SMs each of these workers may use when the GPU runs an NVIDIA MPS server
+    /// (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` in their environment; without MPS it has no effect): on a GPU
+    /// that prefill and decode workers share, prefill held below 100 leaves decode SMs of its own.
+    pub mps_thread_percentage: Option<u32>,
 }
 
 /// `deployment:` section, shaped for the P/D work (YAML only).
@@ -369,6 +373,13 @@ impl DeploymentSettings {
             discovery
                 .validate()
                 .map_err(|e| anyhow::anyhow!("deployment.{e}"))?;
+        }
+        for (role, section) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            if let Some(p) = section.as_ref().and_then(|r| r.mps_thread_percentage) {
+                if !(1..=100).contains(&p) {
+                    bail!("deployment.{role}.mps_thread_percentage is {p}: give a percent from 1 to 100");
+                }
+            }
         }
         Ok(())
     }
@@ -980,6 +991,30 @@ mod tests {
         .unwrap();
         let err = resolved(&Settings::default(), &CudaSection::default(), both).unwrap_err();
         assert!(format!("{err:#}").contains("cluster_token_file"), "{err:#}");
+    }
+
+    #[test]
+    fn an_mps_share_outside_1_to_100_is_refused_naming_its_key() {
+        for (p, ok) in [(0, false), (1, true), (100, true), (101, false)] {
+            let yaml =
+                format!("deployment: {{mode: pd, prefill: {{mps_thread_percentage: {p}}}}}\n");
+            let r = resolved(
+                &Settings::default(),
+                &CudaSection::default(),
+                Settings::from_yaml(&yaml).unwrap(),
+            );
+            match r {
+                Ok(_) => assert!(ok, "{p} accepted"),
+                Err(e) => {
+                    assert!(!ok, "{p}: {e:#}");
+                    let msg = format!("{e:#}");
+                    assert!(
+                        msg.contains("deployment.prefill.mps_thread_percentage"),
+                        "{msg}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

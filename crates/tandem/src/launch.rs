@@ -49,23 +49,33 @@ fn worker_settings(
     }
 }
 
-/// Starts one worker, its settings passed whole as one JSON argument, and returns its name with a
-/// receiver for its RPC URL (sent once it serves).
+/// The command line of one worker: its settings whole as one JSON argument, and its role's share of
+/// an MPS-run GPU in its environment.
+fn worker_command(exe: &Path, settings: &WorkerSettings, role: &RoleSettings) -> Result<Command> {
+    let doc = serde_json::to_string(settings).context("writing the worker's settings")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("worker")
+        .arg("--settings-json")
+        .arg(doc)
+        .arg("--exit-with-stdin");
+    if let Some(p) = role.mps_thread_percentage {
+        cmd.env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", p.to_string());
+    }
+    Ok(cmd)
+}
+
+/// Starts one worker and returns its name with a receiver for its RPC URL (sent once it serves).
 fn spawn_worker(
     children: &mut Children,
     exe: &Path,
     settings: &WorkerSettings,
+    role: &RoleSettings,
 ) -> Result<(String, mpsc::Receiver<String>)> {
     let name = settings.worker_id.clone().unwrap_or_default();
-    let doc = serde_json::to_string(settings).context("writing the worker's settings")?;
     let (pid, rx) = children
         .spawn(
             &name,
-            Command::new(exe)
-                .arg("worker")
-                .arg("--settings-json")
-                .arg(doc)
-                .arg("--exit-with-stdin"),
+            &mut worker_command(exe, settings, role)?,
             WORKER_READY_PREFIX,
         )
         .with_context(|| format!("starting worker {name}"))?;
@@ -115,7 +125,7 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
             let mut worker = worker_settings(&model_path, role, i, engine.clone(), &dep);
             worker.cuda = cuda.clone();
             worker.listen = settings.server.listen.clone();
-            pending.push(spawn_worker(&mut children, &exe, &worker)?);
+            pending.push(spawn_worker(&mut children, &exe, &worker, section)?);
         }
     }
 
@@ -230,6 +240,30 @@ mod tests {
         .worker
         .resolve()
         .unwrap()
+    }
+
+    #[test]
+    fn a_roles_mps_share_reaches_only_its_workers_environment() {
+        let dep = DeploymentSettings::default();
+        let doc = worker_settings(
+            Path::new("m.gguf"),
+            Role::Prefill,
+            0,
+            EngineSettings::default(),
+            &dep,
+        );
+        let env = |role: &RoleSettings| {
+            let cmd = worker_command(Path::new("tandem"), &doc, role).unwrap();
+            cmd.get_envs()
+                .find(|(k, _)| *k == "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+                .and_then(|(_, v)| v.map(|v| v.to_string_lossy().into_owned()))
+        };
+        let held = RoleSettings {
+            mps_thread_percentage: Some(40),
+            ..RoleSettings::default()
+        };
+        assert_eq!(env(&held).as_deref(), Some("40"));
+        assert_eq!(env(&RoleSettings::default()), None);
     }
 
     #[test]

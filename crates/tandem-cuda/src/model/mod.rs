@@ -78,6 +78,10 @@ struct Acts {
     argmax: DeviceBuf,
     /// Per-row draw parameters of `sample_rows` (`SAMPLE_ROW_WORDS` u32 per row).
     sample_params: DeviceBuf,
+    /// Guided rows' allowed-token masks for `mask_rows` (a vocabulary's bits per row), and per
+    /// logits row the index of its mask or -1.
+    mask_bits: DeviceBuf,
+    mask_rows: DeviceBuf,
     part_m: DeviceBuf,
     part_l: DeviceBuf,
     part_o: DeviceBuf,
@@ -119,6 +123,7 @@ pub struct CudaLlama {
     /// so a step allocates nothing).
     pick_ids: Vec<i32>,
     pick_words: Vec<u32>,
+    pick_mask_rows: Vec<i32>,
     /// Page-locked staging of a pipeline stage's residual stream, in or out (`max_tokens` rows);
     /// only on an instance that does not hold the whole model.
     hidden_pinned: Option<PinnedBuf>,
@@ -340,6 +345,8 @@ impl CudaLlama {
             logits: bufsz(rows * v, 4)?,
             argmax: bufsz(rows, 4)?,
             sample_params: bufsz(rows * SAMPLE_ROW_WORDS, 4)?,
+            mask_bits: bufsz(rows * v.div_ceil(32), 4)?,
+            mask_rows: bufsz(rows, 4)?,
             part_m: bufsz(part_slots, 4)?,
             part_l: bufsz(part_slots, 4)?,
             part_o: bufsz(part_slots * c.head_dim, 4)?,
@@ -417,6 +424,7 @@ impl CudaLlama {
             staging,
             pick_ids: Vec::new(),
             pick_words: Vec::new(),
+            pick_mask_rows: Vec::new(),
             hidden_pinned,
             stage_logits: Vec::new(),
             kv_staging,

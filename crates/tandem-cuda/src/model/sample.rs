@@ -2,6 +2,7 @@
 //! leave the GPU.
 
 use cudarc::driver::{result as drv_result, LaunchConfig, PushKernelArg};
+use tandem_engine::{DeviceMasks, MaskSource};
 use tandem_model::ForwardBatch;
 
 use super::launch::KernelArg;
@@ -53,15 +54,31 @@ impl SampleRow {
     }
 }
 
+/// The masks of a guided step, once the engine has them (None for an unguided step).
+fn wait_masks(masks: Option<&mut dyn MaskSource>) -> Result<Option<&DeviceMasks>, CudaError> {
+    match masks {
+        Some(m) => m
+            .wait()
+            .map(Some)
+            .map_err(|e| CudaError::Batch(format!("token masks: {e}"))),
+        None => Ok(None),
+    }
+}
+
 impl CudaLlama {
     /// Queues the choice of the tokens of logits rows `start..start + n` (in `acts.logits` from
-    /// row 0) into `acts.argmax`: argmax, or the draws of `sample[start..start + n]`.
+    /// row 0) into `acts.argmax`: argmax, or the draws of `sample[start..start + n]` among the
+    /// tokens `masks` allows.
     pub(super) fn enqueue_pick(
         &mut self,
         start: usize,
         n: usize,
         sample: Option<&[SampleRow]>,
+        masks: Option<&DeviceMasks>,
     ) -> Result<(), CudaError> {
+        if let Some(masks) = masks {
+            self.enqueue_mask(start, n, masks)?;
+        }
         let Some(sample) = sample else {
             return self.enqueue_argmax(n);
         };
@@ -93,6 +110,72 @@ impl CudaLlama {
         Ok(())
     }
 
+    /// Queues `mask_rows` over logits rows `start..start + n`: the guided rows' masks (contiguous
+    /// in `masks.bits`, rows being in order) and the rows' indices into them go up first.
+    fn enqueue_mask(
+        &mut self,
+        start: usize,
+        n: usize,
+        masks: &DeviceMasks,
+    ) -> Result<(), CudaError> {
+        let rows = masks.row_mask.get(start..start + n).ok_or_else(|| {
+            CudaError::Batch(format!(
+                "token masks for {} rows, the step has {}",
+                masks.row_mask.len(),
+                start + n
+            ))
+        })?;
+        let mut guided = rows.iter().copied().filter(|&m| m >= 0);
+        let Some(first) = guided.next() else {
+            return Ok(());
+        };
+        let last = guided.max().unwrap_or(first);
+        let words = masks.words;
+        let v = self.config.vocab_size;
+        let bits = masks
+            .bits
+            .get(first as usize * words..(last as usize + 1) * words);
+        let Some(bits) = bits.filter(|_| words == v.div_ceil(32)) else {
+            return Err(CudaError::Batch(format!(
+                "token masks of {words} words per row for a vocabulary of {v}"
+            )));
+        };
+        let mut idx = std::mem::take(&mut self.pick_mask_rows);
+        idx.clear();
+        idx.extend(rows.iter().map(|&m| if m < 0 { -1 } else { m - first }));
+        // SAFETY: mask_rows holds a chunk's rows and mask_bits a chunk's masks (n rows at most,
+        // hence at most n masks); the pageable host slices are staged before the calls return.
+        let copied = unsafe {
+            drv_result::memcpy_htod_async(
+                self.acts.mask_rows.ptr,
+                &idx[..],
+                self.stream.cu_stream(),
+            )
+            .and_then(|()| {
+                drv_result::memcpy_htod_async(
+                    self.acts.mask_bits.ptr,
+                    bits,
+                    self.stream.cu_stream(),
+                )
+            })
+        };
+        self.pick_mask_rows = idx;
+        copied?;
+        let a = &self.acts;
+        launch!(
+            &self.stream,
+            self.funcs.mask_rows,
+            (n as u32, 1, 1),
+            (256, 1, 1),
+            a.logits.ptr,
+            v as i32,
+            a.mask_bits.ptr,
+            words as i32,
+            a.mask_rows.ptr
+        );
+        Ok(())
+    }
+
     pub(super) fn enqueue_argmax(&self, n: usize) -> Result<(), CudaError> {
         let a = &self.acts;
         launch_pdl!(
@@ -114,7 +197,7 @@ impl CudaLlama {
         batch: &ForwardBatch,
         out: &mut Vec<u32>,
     ) -> Result<(), CudaError> {
-        self.forward_pick(batch, None, None, out)
+        self.forward_pick(batch, None, None, None, out)
     }
 
     /// Runs one step and draws each logits row's token on the GPU under `rows` (one per logits
@@ -132,7 +215,27 @@ impl CudaLlama {
                 batch.logits_rows()
             )));
         }
-        self.forward_pick(batch, None, Some(rows), out)
+        self.forward_pick(batch, None, Some(rows), None, out)
+    }
+
+    /// [`Self::forward_sampled`] with guided rows: once the step's work is queued, `masks` hands over
+    /// the allowed tokens of each guided row (computed on the host meanwhile), and each is drawn
+    /// among them.
+    pub fn forward_sampled_masked(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[SampleRow],
+        masks: &mut dyn MaskSource,
+        out: &mut Vec<u32>,
+    ) -> Result<(), CudaError> {
+        if rows.len() != batch.logits_rows() {
+            return Err(CudaError::Batch(format!(
+                "{} sampling rows for {} logits rows",
+                rows.len(),
+                batch.logits_rows()
+            )));
+        }
+        self.forward_pick(batch, None, Some(rows), Some(masks), out)
     }
 
     /// [`Self::forward_sampled`] on the last stage of a pipeline: `hidden` is the previous stage's
@@ -152,16 +255,17 @@ impl CudaLlama {
                 self.layers()
             )));
         }
-        self.forward_pick(batch, hidden, Some(rows), out)
+        self.forward_pick(batch, hidden, Some(rows), None, out)
     }
 
     /// One step (from `hidden` on a later pipeline stage), then argmax (`sample` None) or the draws
-    /// of `sample` over each logits row.
+    /// of `sample` over each logits row, among the tokens `masks` allows.
     pub(super) fn forward_pick(
         &mut self,
         batch: &ForwardBatch,
         hidden: Option<&[u8]>,
         sample: Option<&[SampleRow]>,
+        masks: Option<&mut dyn MaskSource>,
         out: &mut Vec<u32>,
     ) -> Result<(), CudaError> {
         self.ctx.bind_to_thread()?;
@@ -176,35 +280,39 @@ impl CudaLlama {
         let mut ids = std::mem::take(&mut self.pick_ids);
         ids.clear();
         ids.resize(rows, 0);
-        let picked = self.pick_into(graph, rows, sample, &mut ids, t0);
+        let picked = self.pick_into(graph, rows, sample, masks, &mut ids, t0);
         out.extend(ids.iter().map(|&i| i as u32));
         self.pick_ids = ids;
         picked
     }
 
     /// The device work of `forward_pick` after planning: the body (through graph `graph` when
-    /// non-zero), then the head and the choice of each logits row, chunk by chunk, into `ids`.
+    /// non-zero), then the head and the choice of each logits row, chunk by chunk, into `ids`. The
+    /// masks are waited for once the body is queued, so the host computes them while it runs.
     pub(super) fn pick_into(
         &mut self,
         graph: usize,
         rows: usize,
         sample: Option<&[SampleRow]>,
+        masks: Option<&mut dyn MaskSource>,
         ids: &mut [i32],
         t0: std::time::Instant,
     ) -> Result<(), CudaError> {
         if graph > 0 {
             self.run_graph(graph)?;
-            self.enqueue_pick(0, rows, sample)?;
+            let masks = wait_masks(masks)?;
+            self.enqueue_pick(0, rows, sample, masks)?;
             self.copy_i32(ids, 0)?;
         } else {
             self.enqueue_body(self.plan.num_tokens(), false)?;
             self.last_enqueue = t0.elapsed();
+            let masks = wait_masks(masks)?;
             let chunk = self.opts.logits_chunk_rows.max(1);
             let mut start = 0;
             while start < rows {
                 let n = chunk.min(rows - start);
                 self.enqueue_head(start, n)?;
-                self.enqueue_pick(start, n, sample)?;
+                self.enqueue_pick(start, n, sample, masks)?;
                 self.copy_i32(&mut ids[start..start + n], 0)?;
                 start += n;
             }
@@ -236,7 +344,7 @@ impl CudaLlama {
         unsafe {
             drv_result::memcpy_htod_async(self.acts.logits.ptr, logits, self.stream.cu_stream())
         }?;
-        self.enqueue_pick(0, n, Some(rows))?;
+        self.enqueue_pick(0, n, Some(rows), None)?;
         let mut ids = std::mem::take(&mut self.pick_ids);
         ids.clear();
         ids.resize(n, 0);
