@@ -7,5 +7,6 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/fetch-model.sh
-cargo build --release -p tandem
+# The whole workspace, as scripts/test.sh builds it, so the tests reuse this build.
+cargo build --release --workspace
 exec target/release/tandem serve --config "${TANDEM_CONFIG:-examples/pd.yaml}" "$@"

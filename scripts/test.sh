@@ -61,6 +61,9 @@ total_start=$SECONDS
 run_step "fetch model" bash scripts/fetch-model.sh
 run_step "cargo fmt --check" cargo fmt --all --check
 build_ok=0
+# The same build as scripts/serve.sh's (release, the whole workspace, default features), so a machine that
+# served first builds nothing here, and the test build below reuses it (the workspace's dependencies ask
+# for the features the tests' dependencies would add: crates/tandem/Cargo.toml's getrandom).
 run_step "cargo build --release" cargo build --workspace --release && build_ok=1
 # NIXL for the `nixl` KV transport tests (tandem-kv's tests/nixl.rs): the nixl-cu13 wheel (its C API, UCX
 # and plugins), unpacked under .cache/; they skip, saying why, when TANDEM_TEST_NIXL_LIB is unset.
@@ -92,7 +95,8 @@ nvrtc_compile() {
       python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$dir" 'nvidia-cuda-nvrtc==13.0.*' &&
       python3 -m zipfile -e "$dir"/nvidia_cuda_nvrtc-*.whl "$dir" || return 1
   fi
-  TANDEM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$dir/nvidia/cu13/lib" cargo test -p tandem-cuda --release --lib compiles_for_hopper -- --nocapture
+  # --workspace (not -p tandem-cuda): the same features as the test step's build, so nothing recompiles.
+  TANDEM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$dir/nvidia/cu13/lib" cargo test --workspace --release --lib compiles_for_hopper -- --nocapture
 }
 run_step "CUDA kernels compile (NVRTC, sm_90)" nvrtc_compile
 # Fuzzing (about 5 minutes, mostly the instrumented build): each libFuzzer target under fuzz/ for 10 s from

@@ -4,7 +4,7 @@
 //! an [`EngineStats`] snapshot at scrape time.
 
 use parking_lot::Mutex;
-use prometheus::core::Metric;
+use prometheus::core::{Collector, Metric};
 use prometheus::{
     Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
     TextEncoder,
@@ -211,6 +211,27 @@ impl Metrics {
         }
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
+        Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+
+    /// Like [`Self::render`], only the engine's gauges and counters: for a P/D worker, whose requests'
+    /// latencies are the head's to observe (its histograms would stay empty).
+    pub fn render_engine(&self, stats: &EngineStats) -> Result<String, MetricsError> {
+        self.render(stats)?;
+        let latency = [
+            self.ttft.desc(),
+            self.itl.desc(),
+            self.e2e.desc(),
+            self.success.desc(),
+        ];
+        let families: Vec<_> = self
+            .registry
+            .gather()
+            .into_iter()
+            .filter(|f| !latency.iter().flatten().any(|d| d.fq_name == f.name()))
+            .collect();
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(&families, &mut buf)?;
         Ok(String::from_utf8_lossy(&buf).into_owned())
     }
 }

@@ -311,9 +311,22 @@ mod tests {
         let (status, id, _) = send(&app, get("/v1/nothing", Some("x"))).await;
         assert_eq!((status, id.as_str()), (404, "x"));
         backend.stopped.store(true, Ordering::SeqCst);
-        let (status, id, _) = send(&app, get("/health", None)).await;
+        let (status, id, body) = send(&app, get("/health", None)).await;
         assert_eq!(status, 503, "unhealthy keeps its status");
         assert!(id.starts_with("req-"));
+        let health: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(health["status"], "unavailable", "{health}");
+        assert_eq!(health["role"], "colocated", "{health}");
+        assert_eq!(health["model"], "fake", "{health}");
+        assert!(
+            health["error"].as_str().is_some_and(|e| !e.is_empty()),
+            "the body says why: {health}"
+        );
+        assert_eq!(
+            health.as_object().map(|o| o.len()),
+            Some(4),
+            "not the OpenAI error shape: {health}"
+        );
     }
 
     #[tokio::test]

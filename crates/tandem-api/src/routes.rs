@@ -226,29 +226,46 @@ async fn detokenize(
 /// How long /health waits for the backend before declaring it unhealthy.
 const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// `GET /health`'s answer while healthy: enough for a person or a probe to see what answers.
+/// `GET /health`'s answer, ready or not: enough for a person or a probe to see what answers and, when it
+/// is not ready, why (the same small shape as a P/D worker's `/health`).
 #[derive(serde::Serialize)]
 struct Health<'a> {
     status: &'static str,
     role: &'static str,
     model: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
 }
 
-/// 200 only while the backend can take requests; load balancers and the test fixture poll it.
-async fn health(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
-    match tokio::time::timeout(HEALTH_TIMEOUT, state.backend.health()).await {
-        Ok(Ok(())) => Ok(Json(Health {
-            status: "ok",
-            role: state.backend.role(),
-            model: state.primary_model_name(),
-        })
-        .into_response()),
-        Ok(Err(e)) => Err(ApiError::from(e)),
-        Err(_) => Err(ApiError::overloaded(
+/// 200 only while the backend can take requests (load balancers and the test fixture poll it); otherwise
+/// the error's status (503 while not ready) with `status: "unavailable"` and the reason in `error`.
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let not_ready = match tokio::time::timeout(HEALTH_TIMEOUT, state.backend.health()).await {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(ApiError::from(e)),
+        Err(_) => Some(ApiError::overloaded(
             "the engine did not answer the health check in time",
             5,
         )),
+    };
+    let mut body = Health {
+        status: "ok",
+        role: state.backend.role(),
+        model: state.primary_model_name(),
+        error: None,
+    };
+    let Some(e) = not_ready else {
+        return Json(body).into_response();
+    };
+    body.status = "unavailable";
+    body.error = Some(e.message);
+    let mut response = (e.status, Json(body)).into_response();
+    if let Some(secs) = e.retry_after {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from(secs));
     }
+    response
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {

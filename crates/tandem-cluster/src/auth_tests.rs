@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::json;
 use tandem_testkit::greedy;
 
-use crate::cluster_tests::{collect, engine, prompt, worker_keyed, BLOCK};
+use crate::cluster_tests::{collect, engine, prompt, worker_keyed, worker_with, BLOCK};
 use crate::protocol::{
     Role, PATH_DECODE, PATH_INFO, PATH_LOAD, PATH_PREFILL, PATH_REGISTER, PATH_RELEASE,
 };
@@ -55,6 +55,8 @@ async fn strangers_are_refused_and_token_holders_serve_end_to_end() {
             }
             let health = http.get(format!("{}/health", w.url)).send().await.unwrap();
             assert_eq!(health.status(), 200, "/health stays open for probes");
+            let metrics = http.get(format!("{}/metrics", w.url)).send().await.unwrap();
+            assert_eq!(metrics.status(), 200, "/metrics is open by default");
         }
     }
     let load = p.service.load();
@@ -79,6 +81,50 @@ async fn strangers_are_refused_and_token_holders_serve_end_to_end() {
     assert!(
         d.service.load().kv.bytes_received > 0,
         "KV moved over the challenged connection"
+    );
+    // Each worker's /metrics: its engine's counters and the KV it moved, from its own side.
+    let scrape = |url: String| {
+        let http = http.clone();
+        async move {
+            let r = http.get(format!("{url}/metrics")).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.text().await.unwrap()
+        }
+    };
+    let value = |text: &str, series: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+    };
+    let (pt, dt) = (scrape(p.url.clone()).await, scrape(d.url.clone()).await);
+    assert!(value(&pt, "tandem:prompt_tokens_total") > 0.0, "{pt}");
+    assert!(value(&pt, "tandem:kv_transfer_bytes_total{role=\"prefill\"}") > 0.0);
+    assert!(value(&dt, "tandem:kv_transfer_bytes_total{role=\"decode\"}") > 0.0);
+    assert!(value(&dt, "tandem:generation_tokens_total") >= 5.0, "{dt}");
+    assert_eq!(value(&dt, "tandem:worker_draining{role=\"decode\"}"), 0.0);
+    assert!(value(&dt, "tandem:kv_blocks_total") > 0.0);
+    assert!(
+        !dt.contains("tandem:time_to_first_token_seconds"),
+        "latency is the head's to observe:\n{dt}"
+    );
+    // Closed: /metrics asks for the token like the other control routes.
+    let closed = worker_with(Role::Decode, engine(BLOCK), key("cluster-secret"), true).await;
+    let url = format!("{}/metrics", closed.url);
+    assert_eq!(http.get(&url).send().await.unwrap().status(), 401);
+    let ok = http
+        .get(&url)
+        .bearer_auth("cluster-secret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    assert_eq!(
+        http.get(format!("{}/health", closed.url))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
     );
 
     // The head's own registration and listing need the token as well.

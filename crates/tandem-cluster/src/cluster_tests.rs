@@ -52,6 +52,16 @@ pub(crate) async fn worker_keyed(
     engine: EngineHandle,
     key: Option<crate::ClusterKey>,
 ) -> TestWorker {
+    worker_with(role, engine, key, false).await
+}
+
+/// [`worker_keyed`], with `/metrics` behind the token when `metrics_need_token`.
+pub(crate) async fn worker_with(
+    role: Role,
+    engine: EngineHandle,
+    key: Option<crate::ClusterKey>,
+    metrics_need_token: bool,
+) -> TestWorker {
     let peer = crate::peer_info(&engine, "mock".into(), 2);
     let config = WorkerConfig {
         worker_id: format!("{role}-test"),
@@ -65,6 +75,7 @@ pub(crate) async fn worker_keyed(
         max_num_seqs: 8,
         gpu: false,
         cluster_key: key,
+        metrics_need_token,
     };
     let service = WorkerService::start(engine.clone(), peer, config)
         .await

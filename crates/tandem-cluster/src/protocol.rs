@@ -20,6 +20,8 @@ pub const PATH_RELEASE: &str = "/v1/worker/release";
 pub const PATH_REGISTER: &str = "/v1/cluster/workers";
 /// `GET` on a worker: readiness for orchestrators (200 while it takes work, 503 once it drains).
 pub const PATH_HEALTH: &str = "/health";
+/// `GET` on a worker: its own Prometheus metrics (engine, KV transfer, pins), for a scraper per worker.
+pub const PATH_METRICS: &str = "/metrics";
 
 /// What a worker does in a disaggregated deployment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -39,8 +39,8 @@ use crate::engine_kv::{register_staging, EngineSink, EngineSource, PinnedKv};
 use crate::error::ClusterError;
 use crate::protocol::{
     DecodeRequest, PrefillRequest, PrefillResponse, ReleaseRequest, Role, StreamEvent, WireToken,
-    WorkerInfo, WorkerLoad, PATH_DECODE, PATH_HEALTH, PATH_INFO, PATH_LOAD, PATH_PREFILL,
-    PATH_RELEASE,
+    WorkerInfo, WorkerLoad, PATH_DECODE, PATH_HEALTH, PATH_INFO, PATH_LOAD, PATH_METRICS,
+    PATH_PREFILL, PATH_RELEASE,
 };
 
 /// How decode workers pull KV (YAML `kv_transfer.transport`).
@@ -172,6 +172,8 @@ pub struct WorkerConfig {
     pub gpu: bool,
     /// The cluster secret callers and KV peers must prove (`crate::auth`); `None` leaves the ports open.
     pub cluster_key: Option<tandem_kv::ClusterKey>,
+    /// `/metrics` asks for the cluster token too (with one set); by default it is open, like `/health`.
+    pub metrics_need_token: bool,
 }
 
 /// Builds the handshake record of an engine: the model identity plus its KV shape.
@@ -283,6 +285,8 @@ pub struct WorkerService {
     /// a self-registered worker notices its ingress is gone (restarted) and registers again.
     polls: AtomicU64,
     last_poll: Mutex<Instant>,
+    /// The engine's Prometheus gauges and counters, served on `/metrics`.
+    metrics: tandem_api::metrics::Metrics,
 }
 
 impl WorkerService {
@@ -291,6 +295,17 @@ impl WorkerService {
         engine: EngineHandle,
         peer: PeerInfo,
         config: WorkerConfig,
+    ) -> Result<Arc<Self>, ClusterError> {
+        Self::start_bound(engine, peer, config, None).await
+    }
+
+    /// Like [`Self::start`]; a prefill worker serves KV on `kv_listener` (non-blocking, bound before the
+    /// model loaded, so a busy port failed at once) when given, else binds `config.kv_listen` now.
+    pub async fn start_bound(
+        engine: EngineHandle,
+        peer: PeerInfo,
+        config: WorkerConfig,
+        kv_listener: Option<std::net::TcpListener>,
     ) -> Result<Arc<Self>, ClusterError> {
         let source = Arc::new(EngineSource {
             engine: engine.clone(),
@@ -314,7 +329,10 @@ impl WorkerService {
                     staged = register_staging(&engine, &agent, config.kv.staging_mib).await?;
                     server.enable_nixl(agent)?;
                 }
-                let listener = server.listen(&config.kv_listen).await?;
+                let listener = match kv_listener {
+                    Some(bound) => server.listen_on(bound)?,
+                    None => server.listen(&config.kv_listen).await?,
+                };
                 (Some(server), Some(listener), None)
             }
             Role::Decode => {
@@ -358,7 +376,12 @@ impl WorkerService {
             pid: std::process::id(),
             instance: rand::random::<u64>() | 1,
         };
+        let metrics = tandem_api::metrics::Metrics::new().map_err(|e| ClusterError::Protocol {
+            url: String::new(),
+            message: e.to_string(),
+        })?;
         Ok(Arc::new(WorkerService {
+            metrics,
             engine,
             info,
             config,
@@ -464,9 +487,69 @@ impl WorkerService {
         }
     }
 
-    /// The worker's HTTP routes: all but `/health` need the cluster token when one is set.
+    /// The worker's Prometheus text: the engine's gauges and counters (`tandem:num_requests_running`,
+    /// `tandem:kv_blocks_used`, ... as a colocated server has them) and the worker's own: requests in
+    /// flight, pinned KV blocks, KV bytes moved and failed transfers, draining.
+    pub fn metrics_text(&self) -> Result<String, ClusterError> {
+        let mut text = self
+            .metrics
+            .render_engine(&self.engine.stats())
+            .map_err(|e| ClusterError::Protocol {
+                url: String::new(),
+                message: e.to_string(),
+            })?;
+        let load = self.load();
+        let (bytes, failures) = match self.config.role {
+            Role::Prefill => (load.kv.bytes_sent, load.kv.serve_errors),
+            Role::Decode => (load.kv.bytes_received, load.kv.pulls_failed),
+        };
+        let role = self.config.role;
+        for (name, kind, help, value) in [
+            (
+                "tandem:worker_requests_in_flight",
+                "gauge",
+                "Requests this worker is serving (prefills, decodes).",
+                load.in_flight as u64,
+            ),
+            (
+                "tandem:kv_pinned_blocks",
+                "gauge",
+                "KV blocks pinned for a decode worker to pull.",
+                load.pinned_blocks as u64,
+            ),
+            (
+                "tandem:kv_transfer_bytes_total",
+                "counter",
+                "KV bytes this worker sent (prefill) or received (decode).",
+                bytes,
+            ),
+            (
+                "tandem:kv_transfer_failures_total",
+                "counter",
+                "KV transfers that failed: served with an error (prefill), pulls that failed (decode).",
+                failures,
+            ),
+            (
+                "tandem:worker_draining",
+                "gauge",
+                "1 while the worker drains (SIGTERM): no new work.",
+                u64::from(load.draining),
+            ),
+        ] {
+            use std::fmt::Write;
+            let _ = write!(
+                text,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{role=\"{role}\"}} {value}\n"
+            );
+        }
+        Ok(text)
+    }
+
+    /// The worker's HTTP routes: all but `/health` (and `/metrics`, unless `metrics_need_token`) need
+    /// the cluster token when one is set.
     pub fn router(self: Arc<Self>) -> Router {
         let key = self.config.cluster_key.clone();
+        let closed_metrics = self.config.metrics_need_token;
         let calls = Router::new()
             .route(
                 PATH_INFO,
@@ -479,7 +562,13 @@ impl WorkerService {
             .route(PATH_PREFILL, post(prefill))
             .route(PATH_DECODE, post(decode))
             .route(PATH_RELEASE, post(release));
+        let (calls, open) = if closed_metrics {
+            (calls.route(PATH_METRICS, get(metrics)), Router::new())
+        } else {
+            (calls, Router::new().route(PATH_METRICS, get(metrics)))
+        };
         crate::auth::require_token(calls, key)
+            .merge(open)
             .route(PATH_HEALTH, get(health))
             .with_state(self)
     }
@@ -679,6 +768,21 @@ async fn health(State(s): State<Arc<WorkerService>>) -> Response {
         (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
     } else {
         (StatusCode::OK, Json(body)).into_response()
+    }
+}
+
+/// `GET /metrics`: the worker's Prometheus text ([`WorkerService::metrics_text`]).
+async fn metrics(State(s): State<Arc<WorkerService>>) -> Response {
+    match s.metrics_text() {
+        Ok(text) => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
     }
 }
 

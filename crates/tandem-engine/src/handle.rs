@@ -45,12 +45,15 @@ pub(crate) type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 /// One entry of a request's output stream.
 pub(crate) type Item = Result<TokenOutput, EngineError>;
 
-/// What a handle asks of the engine thread.
+/// What a handle asks of the engine thread. A request's commands carry the caller's span (`Span::current()`
+/// at `submit` or `import_prefilled`: the API's or a worker RPC's `request` span, with its `request_id`), which
+/// the engine thread enters for every line it logs about that request.
 pub(crate) enum Command {
     Submit(
         Box<EngineRequest>,
         Option<Guide>,
         mpsc::UnboundedSender<Item>,
+        tracing::Span,
     ),
     Abort(RequestId),
     ReleasePin(RequestId),
@@ -60,6 +63,7 @@ pub(crate) enum Command {
         u32,
         Option<Guide>,
         mpsc::UnboundedSender<Item>,
+        tracing::Span,
         Reply<ImportPlan>,
     ),
     ImportBlock {
@@ -303,7 +307,8 @@ impl EngineHandle {
         Ok((stream, otx))
     }
 
-    /// Queues a request; validation happens here, synchronously.
+    /// Queues a request; validation happens here, synchronously. The engine thread logs about it inside
+    /// the caller's current span, so its lines carry the caller's request id.
     pub fn submit(&self, req: EngineRequest) -> Result<RequestStream, EngineError> {
         self.validate(&req)?;
         let resumed: &[u32] = match &req.mode {
@@ -314,7 +319,12 @@ impl EngineHandle {
         let (stream, otx) = self.register(&req, true)?;
         if self
             .tx
-            .send(Command::Submit(Box::new(req), guide, otx))
+            .send(Command::Submit(
+                Box::new(req),
+                guide,
+                otx,
+                tracing::Span::current(),
+            ))
             .is_err()
         {
             return Err(EngineError::Stopped);
@@ -360,8 +370,10 @@ impl EngineHandle {
         self.validate(&req)?;
         let guide = self.guide(&req, &[first_token])?;
         let (stream, otx) = self.register(&req, false)?;
-        let pending = self
-            .call(|reply| Command::ImportPrefilled(Box::new(req), first_token, guide, otx, reply));
+        let span = tracing::Span::current();
+        let pending = self.call(|reply| {
+            Command::ImportPrefilled(Box::new(req), first_token, guide, otx, span, reply)
+        });
         Ok((stream, pending))
     }
 

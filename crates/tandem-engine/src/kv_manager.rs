@@ -93,6 +93,8 @@ pub(crate) struct Pin {
     pub(crate) num_tokens: usize,
     pub(crate) first_token: u32,
     pub(crate) deadline: Instant,
+    /// The prefill request's span, for the lines logged about its pin and export.
+    pub(crate) span: tracing::Span,
 }
 
 impl<B: Backend> Worker<B> {
@@ -115,7 +117,11 @@ impl<B: Backend> Worker<B> {
             .map(|(&id, _)| id)
             .collect();
         for id in expired {
-            tracing::debug!(id, "prefill pin expired");
+            if let Some(pin) = self.pins.get(&id) {
+                pin.span.in_scope(|| {
+                    tracing::debug!(id, "prefill pin expired: its KV blocks are freed")
+                });
+            }
             self.release_pin(id);
         }
     }
@@ -130,9 +136,17 @@ impl<B: Backend> Worker<B> {
         // buffers. Enqueued, not waited for: readers wait per layer (`ExportedKv::layer`).
         let bytes = layout.n_layers * blocks.len() * layout.block_bytes();
         let slice = self.staging.as_ref().and_then(|s| s.take(bytes));
+        let _in = pin.span.clone().entered();
         if self.staging.is_some() && slice.is_none() {
             tracing::debug!(id, bytes, "KV staging full: exporting through host memory");
         }
+        tracing::debug!(
+            id,
+            blocks = blocks.len(),
+            bytes,
+            staged = slice.is_some(),
+            "KV export started"
+        );
         let data = match slice {
             Some(slice) => self.backend.export_kv_staged(&blocks, slice),
             None => self.backend.export_kv(&blocks),
@@ -156,8 +170,10 @@ impl<B: Backend> Worker<B> {
         first_token: u32,
         guide: Option<Guide>,
         tx: mpsc::UnboundedSender<Item>,
+        span: tracing::Span,
     ) -> Result<ImportPlan, EngineError> {
         let id = req.id;
+        let _in = span.clone().entered();
         // An import queues behind the requests already waiting to run, a preempted sequence first of
         // all: taking the blocks they wait for would starve them.
         if !self.sched.waiting.is_empty() {
@@ -179,6 +195,7 @@ impl<B: Backend> Worker<B> {
             first_token: Some(first_token),
             prompt_logprobs: None,
             guide,
+            span,
         };
         let mut seq = Sequence::new(id, req.prompt, ext);
         // The cached prefix's KV is already here: those blocks are shared and only the rest is imported.
@@ -199,6 +216,12 @@ impl<B: Backend> Worker<B> {
         self.counters.prompt_tokens_total += seq.prompt_len as u64;
         self.counters.import_blocks_cached += plan.cached as u64;
         self.counters.import_blocks_needed += plan.needed().len() as u64;
+        tracing::debug!(
+            id,
+            blocks = plan.num_blocks,
+            cached = plan.cached,
+            "KV import planned: the uncached blocks are reserved"
+        );
         self.importing.insert(id, seq);
         Ok(plan)
     }
@@ -313,6 +336,9 @@ impl<B: Backend> Worker<B> {
             .take()
             .expect("importing sequences carry their first token");
         seq.tokens.push(token);
+        seq.ext
+            .span
+            .in_scope(|| tracing::debug!(id, "KV imported: decoding starts"));
         self.sched.add_running(seq);
         let idx = self.sched.running.len() - 1;
         self.emit(idx, token, None);

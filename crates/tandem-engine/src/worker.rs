@@ -39,6 +39,8 @@ pub(crate) struct Ext {
     /// Guided requests: the grammar state after every token so far (taken out while a step computes
     /// its mask).
     pub(crate) guide: Option<Guide>,
+    /// The submitter's span, entered for every line logged about this request (its `request_id`).
+    pub(crate) span: tracing::Span,
 }
 
 /// A sequence as the engine thread keeps it.
@@ -165,7 +167,7 @@ impl<B: Backend> Worker<B> {
     /// Applies one command; false means shut down.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Submit(req, guide, tx) => {
+            Command::Submit(req, guide, tx, span) => {
                 self.counters.prompt_tokens_total += req.prompt.len() as u64;
                 let (mode, resumed) = match req.mode {
                     RequestMode::Resume { output } => (RequestMode::Normal, output),
@@ -182,8 +184,17 @@ impl<B: Backend> Worker<B> {
                     queued: true,
                     first_token: None,
                     guide,
+                    span,
                 };
                 let mut seq = Sequence::new(req.id, req.prompt, ext);
+                seq.ext.span.in_scope(|| {
+                    tracing::debug!(
+                        id = seq.id,
+                        prompt_tokens = seq.prompt_len,
+                        resumed_tokens = resumed.len(),
+                        "request queued"
+                    );
+                });
                 // Like a preempted sequence: the earlier output is recomputed, then sampling goes on.
                 seq.tokens.extend_from_slice(&resumed);
                 seq.score_prompt = score_prompt;
@@ -201,8 +212,8 @@ impl<B: Backend> Worker<B> {
             Command::Export(id, reply) => {
                 let _ = reply.send(self.export(id));
             }
-            Command::ImportPrefilled(req, first_token, guide, tx, reply) => {
-                let _ = reply.send(self.import_prefilled(*req, first_token, guide, tx));
+            Command::ImportPrefilled(req, first_token, guide, tx, span, reply) => {
+                let _ = reply.send(self.import_prefilled(*req, first_token, guide, tx, span));
             }
             Command::ImportBlock {
                 id,
@@ -246,6 +257,9 @@ impl<B: Backend> Worker<B> {
 
     fn fail(&mut self, id: RequestId, err: EngineError) {
         if let Some(mut seq) = self.sched.remove(id).or_else(|| self.importing.remove(&id)) {
+            seq.ext
+                .span
+                .in_scope(|| tracing::debug!(id, error = %err, "request failed"));
             let _ = seq.ext.tx.send(Err(err));
             self.drop_seq(&mut seq);
             self.counters.requests_finished_total += 1;
@@ -256,6 +270,17 @@ impl<B: Backend> Worker<B> {
     fn step(&mut self) -> bool {
         self.sched.schedule(&mut self.pool, &mut self.batch);
         self.counters.preemptions_total += self.sched.preempted().len() as u64;
+        for &id in self.sched.preempted() {
+            if let Some(seq) = self.sched.waiting.iter().find(|s| s.id == id) {
+                seq.ext.span.in_scope(|| {
+                    tracing::debug!(
+                        id,
+                        tokens = seq.tokens.len(),
+                        "preempted: its KV blocks are freed and it will be recomputed"
+                    );
+                });
+            }
+        }
         let capacity = self.pool.num_blocks() * self.pool.block_size();
         for id in self.sched.out_of_room().to_vec() {
             self.fail(
@@ -275,6 +300,13 @@ impl<B: Backend> Worker<B> {
             if seq.ext.queued {
                 seq.ext.queued = false;
                 self.shared.queued.fetch_sub(1, Ordering::AcqRel);
+                seq.ext.span.in_scope(|| {
+                    tracing::debug!(
+                        id = seq.id,
+                        cached_tokens = seq.num_computed,
+                        "request scheduled"
+                    );
+                });
             }
             if s.len > 1 || seq.num_computed < seq.prompt_len {
                 self.counters.prefill_tokens_computed += s.len as u64;
@@ -395,7 +427,11 @@ impl<B: Backend> Worker<B> {
         }
         self.reap();
         for (id, e) in failed {
-            tracing::warn!(id, error = %e, "guided request failed");
+            if let Some(seq) = self.sched.running.iter().find(|s| s.id == id) {
+                seq.ext
+                    .span
+                    .in_scope(|| tracing::warn!(id, error = %e, "guided request failed"));
+            }
             self.fail(id, e);
         }
         self.publish();
@@ -575,6 +611,14 @@ impl<B: Backend> Worker<B> {
         while let Some(idx) = self.finished.pop() {
             let mut seq = self.sched.running.remove(idx);
             self.counters.requests_finished_total += 1;
+            seq.ext.span.in_scope(|| {
+                tracing::debug!(
+                    id = seq.id,
+                    prompt_tokens = seq.prompt_len,
+                    output_tokens = seq.output().len(),
+                    "request finished on the engine"
+                );
+            });
             if let RequestMode::PrefillOnly { pin_timeout } = seq.ext.mode {
                 // The KV stays for export even if the client is gone; its Abort (if any) or the
                 // deadline frees it.
@@ -584,6 +628,7 @@ impl<B: Backend> Worker<B> {
                     num_tokens: seq.prompt_len,
                     first_token: seq.tokens[seq.prompt_len],
                     deadline: Instant::now() + pin_timeout,
+                    span: seq.ext.span.clone(),
                 };
                 self.pins.insert(seq.id, pin);
                 continue;

@@ -196,6 +196,19 @@ impl KvServer {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(KvError::io("binding the KV listener"))?;
+        self.serve(listener)
+    }
+
+    /// Like [`Self::listen`], on a non-blocking listener bound earlier: a worker binds its KV port before
+    /// it loads its model, so a busy port fails at once. Must be called inside a tokio runtime.
+    pub fn listen_on(&self, listener: std::net::TcpListener) -> Result<KvListener, KvError> {
+        let listener =
+            TcpListener::from_std(listener).map_err(KvError::io("adopting the KV listener"))?;
+        self.serve(listener)
+    }
+
+    /// Starts accepting pulls on `listener` and reaping expired pins.
+    fn serve(&self, listener: TcpListener) -> Result<KvListener, KvError> {
         let local = listener
             .local_addr()
             .map_err(KvError::io("reading the KV listener address"))?;

@@ -92,22 +92,34 @@ impl Server {
     /// 300 s) until it answers `/health`; panics with its log when it exits first. `bin` is the `tandem`
     /// binary (`env!("CARGO_BIN_EXE_tandem")` in the binary's tests).
     pub fn start<S: AsRef<OsStr>>(bin: &str, args: &[S], log: &Path) -> Server {
-        Self::spawn(bin, args, log, None, free_port(), healthy)
+        Self::spawn(bin, args, &[], log, None, free_port(), healthy)
     }
 
     /// Like [`Server::with_config`] on `port`, but returns as soon as `/health` answers at all: a P/D
     /// head waiting for its workers (to register, or to be discovered) answers 503 until one is there.
     pub fn starting(bin: &str, yaml: &str, port: u16) -> Server {
-        Self::with_config_on(bin, yaml, port, |url| health_status(url).is_some())
+        Self::with_config_on(bin, yaml, &[], port, |url| health_status(url).is_some())
     }
 
     /// Starts `BIN serve --config <yaml written to a scratch directory>` like [`Server::start`]; the
     /// directory (config and log) goes when the server does.
     pub fn with_config(bin: &str, yaml: &str) -> Server {
-        Self::with_config_on(bin, yaml, free_port(), healthy)
+        Self::with_config_on(bin, yaml, &[], free_port(), healthy)
     }
 
-    fn with_config_on(bin: &str, yaml: &str, port: u16, ready: fn(&str) -> bool) -> Server {
+    /// Like [`Server::with_config`], with environment variables set for the server and the processes it
+    /// starts (e.g. `RUST_LOG` for a test that reads debug lines).
+    pub fn with_config_env(bin: &str, yaml: &str, env: &[(&str, &str)]) -> Server {
+        Self::with_config_on(bin, yaml, env, free_port(), healthy)
+    }
+
+    fn with_config_on(
+        bin: &str,
+        yaml: &str,
+        env: &[(&str, &str)],
+        port: u16,
+        ready: fn(&str) -> bool,
+    ) -> Server {
         let dir = std::env::temp_dir().join(format!(
             "tandem-test-{}-{}",
             std::process::id(),
@@ -120,6 +132,7 @@ impl Server {
         Self::spawn(
             bin,
             &[OsStr::new("--config"), config.as_os_str()],
+            env,
             &log,
             Some(TempDir(dir)),
             port,
@@ -130,6 +143,7 @@ impl Server {
     fn spawn<S: AsRef<OsStr>>(
         bin: &str,
         args: &[S],
+        env: &[(&str, &str)],
         log: &Path,
         dir: Option<TempDir>,
         port: u16,
@@ -139,6 +153,7 @@ impl Server {
             .arg("serve")
             .args(args)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(log).unwrap())

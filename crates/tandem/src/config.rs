@@ -509,7 +509,8 @@ const MAX_PROBLEMS: usize = 20;
 
 /// Parses a YAML settings document, reporting every problem at once rather than the first: each unknown
 /// key by its full path with the closest known key at that place (`server.prot: unknown key, did you
-/// mean `port`?`), each bad value by its full path. Syntax errors keep serde_yaml's line and column.
+/// mean `port`?`), each bad value by its full path; each with its line and column in `text` (`line 2,
+/// column 3: engine.blok_size: ...`). Syntax errors keep serde_yaml's line and column.
 ///
 /// serde stops at the first error, so the document is parsed as a tree, deserialized with
 /// `serde_path_to_error` (which knows the path), and each offending key is taken out of the tree before
@@ -555,14 +556,15 @@ pub fn parse_settings<T: DeserializeOwned + Serialize + Default>(text: &str) -> 
                 let suggestion = closest(&key, &expected)
                     .map(|k| format!(", did you mean `{k}`?"))
                     .unwrap_or_default();
-                problems.push(format!("{}: unknown key{suggestion}", full.join(".")));
+                let at = located(text, &full, Node::Key);
+                problems.push(format!("{at}{}: unknown key{suggestion}", full.join(".")));
                 remove_key(&mut doc, &full)
             }
             None => {
                 let at = if path.is_empty() {
                     "(top level)".to_owned()
                 } else {
-                    path.join(".")
+                    format!("{}{}", located(text, &path, Node::Value), path.join("."))
                 };
                 problems.push(format!("{at}: {message}"));
                 remove_key(&mut doc, &path)
@@ -579,6 +581,200 @@ pub fn parse_settings<T: DeserializeOwned + Serialize + Default>(text: &str) -> 
         if count == 1 { "" } else { "s" },
         problems.join("\n  ")
     )
+}
+
+/// Which node of a key path [`locate`] finds: the last key itself, or the value it holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Node {
+    Key,
+    Value,
+}
+
+/// `line L, column C: ` for the node at `path` in the YAML `text` (1-based), or nothing when it is not
+/// found there (a key that only a flattened section or an alias produced).
+fn located(text: &str, path: &[String], node: Node) -> String {
+    locate(text, path, node)
+        .map(|(line, column)| format!("line {line}, column {column}: "))
+        .unwrap_or_default()
+}
+
+/// The error message [`Locate`] stops the walk with when it reaches its node.
+const FOUND: &str = "tandem-config-node-found";
+
+/// The line and column of the node at `path` in the YAML `text`. serde_yaml's trees keep no positions, but
+/// an error raised while one of its nodes is visited is stamped with that node's, so a walk down the path
+/// that fails on arrival reads the position off the error.
+fn locate(text: &str, path: &[String], node: Node) -> Option<(usize, usize)> {
+    use serde::de::DeserializeSeed;
+    let err = Locate { path, node }
+        .deserialize(serde_yaml::Deserializer::from_str(text))
+        .err()?;
+    if !err.to_string().contains(FOUND) {
+        return None;
+    }
+    let at = err.location()?;
+    Some((at.line(), at.column()))
+}
+
+/// One step of [`locate`]'s walk: the rest of the path below the node being visited.
+struct Locate<'a> {
+    path: &'a [String],
+    node: Node,
+}
+
+impl Locate<'_> {
+    /// What visiting a node gives: the stop when the path ends here, else nothing (not found below a scalar).
+    fn arrive<E: serde::de::Error>(&self) -> std::result::Result<(), E> {
+        if self.path.is_empty() {
+            Err(E::custom(FOUND))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Locate<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Locate<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any YAML node")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<(), A::Error> {
+        self.arrive()?;
+        let (key, rest) = self.path.split_first().expect("arrive checked the path");
+        let stop_at_key = rest.is_empty() && self.node == Node::Key;
+        while let Some(hit) = map.next_key_seed(KeyIs {
+            key,
+            stop: stop_at_key,
+        })? {
+            if hit {
+                return map.next_value_seed(Locate {
+                    path: rest,
+                    node: self.node,
+                });
+            }
+            map.next_value::<serde::de::IgnoredAny>()?;
+        }
+        Ok(())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+        self,
+        mut seq: A,
+    ) -> std::result::Result<(), A::Error> {
+        self.arrive()?;
+        let (index, rest) = self.path.split_first().expect("arrive checked the path");
+        let Ok(index) = index.parse::<usize>() else {
+            return Ok(());
+        };
+        for _ in 0..index {
+            if seq.next_element::<serde::de::IgnoredAny>()?.is_none() {
+                return Ok(());
+            }
+        }
+        seq.next_element_seed(Locate {
+            path: rest,
+            node: self.node,
+        })?;
+        Ok(())
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> std::result::Result<(), E> {
+        self.arrive()
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> std::result::Result<(), E> {
+        self.arrive()
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> std::result::Result<(), E> {
+        self.arrive()
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> std::result::Result<(), E> {
+        self.arrive()
+    }
+
+    fn visit_str<E: serde::de::Error>(self, _: &str) -> std::result::Result<(), E> {
+        self.arrive()
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> std::result::Result<(), E> {
+        self.arrive()
+    }
+
+    fn visit_none<E: serde::de::Error>(self) -> std::result::Result<(), E> {
+        self.arrive()
+    }
+}
+
+/// A mapping key compared with one key of [`locate`]'s path: whether it is that key, or the stop when the
+/// walk ends at this key.
+struct KeyIs<'a> {
+    key: &'a str,
+    stop: bool,
+}
+
+impl KeyIs<'_> {
+    /// Compares a key's text with the wanted one.
+    fn check<E: serde::de::Error>(&self, text: &str) -> std::result::Result<bool, E> {
+        match (text == self.key, self.stop) {
+            (true, true) => Err(E::custom(FOUND)),
+            (hit, _) => Ok(hit),
+        }
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for KeyIs<'_> {
+    type Value = bool;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<bool, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for KeyIs<'_> {
+    type Value = bool;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a mapping key")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<bool, E> {
+        self.check(v)
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> std::result::Result<bool, E> {
+        self.check(&v.to_string())
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> std::result::Result<bool, E> {
+        self.check(&v.to_string())
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> std::result::Result<bool, E> {
+        self.check(&v.to_string())
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> std::result::Result<bool, E> {
+        self.check(&v.to_string())
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> std::result::Result<bool, E> {
+        self.check("null")
+    }
 }
 
 /// The key and the allowed keys of serde's unknown-field error (`unknown field `x`, expected one of
@@ -848,7 +1044,9 @@ mod tests {
         );
         let one = Settings::from_yaml("engine: {block_size: 0x}\n").unwrap_err();
         assert!(
-            format!("{one:#}").starts_with("1 problem in the settings:\n  engine.block_size: "),
+            format!("{one:#}").starts_with(
+                "1 problem in the settings:\n  line 1, column 22: engine.block_size: "
+            ),
             "{one:#}"
         );
         assert!(
@@ -874,6 +1072,48 @@ mod tests {
         }
         let syntax = Settings::from_yaml("engine: {block_size: 3\n").unwrap_err();
         assert!(format!("{syntax:#}").contains("line"), "{syntax:#}");
+    }
+
+    #[test]
+    fn every_problem_names_its_line_and_column() {
+        let text = "# a tandem config\n\
+                    model: models/x.gguf\n\
+                    engine:\n  \
+                      block_size: 16\n  \
+                      blok_size: 3\n  \
+                      max_num_seqs: lots\n\
+                    server: {port: 8000, prot: 1}\n\
+                    deployment:\n  \
+                      mode: pd\n  \
+                      prefill:\n    \
+                        engine: {threads: many}\n\
+                    modle: y\n";
+        let err = format!("{:#}", Settings::from_yaml(text).unwrap_err());
+        for want in [
+            "line 5, column 3: engine.blok_size: unknown key, did you mean `block_size`?",
+            "line 6, column 17: engine.max_num_seqs: invalid type: string \"lots\"",
+            "line 7, column 22: server.prot: unknown key, did you mean `port`?",
+            "line 11, column 23: deployment.prefill.engine.threads: invalid type",
+            "line 12, column 1: modle: unknown key, did you mean `model`?",
+        ] {
+            assert!(err.contains(want), "{want:?} not in:\n{err}");
+        }
+        assert_eq!(
+            locate(text, &["engine".into(), "block_size".into()], Node::Key),
+            Some((4, 3))
+        );
+        assert_eq!(
+            locate(text, &["engine".into(), "absent".into()], Node::Key),
+            None
+        );
+        assert_eq!(
+            locate(
+                "a: [x, {b: 1}]\n",
+                &["a".into(), "1".into(), "b".into()],
+                Node::Value
+            ),
+            Some((1, 12))
+        );
     }
 
     #[test]

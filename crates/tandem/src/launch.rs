@@ -42,6 +42,7 @@ fn worker_settings(
         register: None,
         cluster_token_file: None,
         drain_grace_secs: crate::worker::DEFAULT_DRAIN_GRACE_SECS,
+        metrics_need_token: false,
         listen: ListenSettings::default(),
         kv_transfer: dep.kv_transfer.clone().unwrap_or_default(),
         engine,
@@ -125,6 +126,7 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
             let mut worker = worker_settings(&model_path, role, i, engine.clone(), &dep);
             worker.cuda = cuda.clone();
             worker.listen = settings.server.listen.clone();
+            worker.metrics_need_token = settings.probes_need_key();
             pending.push(spawn_worker(&mut children, &exe, &worker, section)?);
         }
     }

@@ -25,10 +25,20 @@ use crate::config::LogFormat;
 /// logs interleave on one stderr.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProcessTag {
-    /// The worker's id (`prefill-0`), `head`, or a pipeline stage's `stage-N`.
+    /// The worker's id (`prefill-0`), `head`, or a pipeline stage's `stage-N` (`decode-0/stage-N` when a
+    /// tagged worker started it).
     pub name: String,
     /// `prefill`, `decode`, `head` or `stage`.
     pub role: String,
+}
+
+/// This process's tag name (`decode-0`, `head`), once `init` installed a tagged subscriber.
+static TAG_NAME: OnceLock<String> = OnceLock::new();
+
+/// The name this process's lines are tagged with, if any: the pipeline stages a worker starts put it
+/// before their own (`[decode-0/stage-1]`).
+pub fn process_name() -> Option<&'static str> {
+    TAG_NAME.get().map(String::as_str)
 }
 
 /// The format this process logs in, once `set_format` has been called.
@@ -46,6 +56,9 @@ pub fn format() -> LogFormat {
 
 /// Installs the global subscriber on stderr: `default_level` unless RUST_LOG says otherwise.
 pub fn init(format: LogFormat, default_level: &str, tag: Option<ProcessTag>) {
+    if let Some(tag) = &tag {
+        let _ = TAG_NAME.set(tag.name.clone());
+    }
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     // Colour codes only for a person's terminal: redirected logs (files, containers, journald) stay plain.

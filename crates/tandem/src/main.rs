@@ -213,7 +213,10 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Stage(args) => {
             let tag = ProcessTag {
-                name: format!("stage-{}", args.stage),
+                name: match &args.parent {
+                    Some(parent) => format!("{parent}/stage-{}", args.stage),
+                    None => format!("stage-{}", args.stage),
+                },
                 role: "stage".into(),
             };
             init_logging(format.unwrap_or_default(), Some(tag));

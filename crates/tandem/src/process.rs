@@ -270,6 +270,10 @@ pub fn spawn_local_stages(
             ])
             .args(["--device", &launch.device.to_string()])
             .arg("--exit-with-stdin");
+        let parent = crate::logging::process_name();
+        if let Some(parent) = parent {
+            cmd.args(["--parent", parent]);
+        }
         if launch.device == crate::config::Device::Cuda {
             let l = &launch.limits;
             cmd.args(launch.cuda.stage_flags(launch.devices[stage]))
@@ -279,7 +283,11 @@ pub fn spawn_local_stages(
                 cmd.args(["--max-model-len", &n.to_string()]);
             }
         }
-        let (_, rx) = procs.spawn(&format!("stage-{stage}"), &mut cmd, STAGE_READY_PREFIX)?;
+        let name = match parent {
+            Some(parent) => format!("{parent}/stage-{stage}"),
+            None => format!("stage-{stage}"),
+        };
+        let (_, rx) = procs.spawn(&name, &mut cmd, STAGE_READY_PREFIX)?;
         ready.push((stage, rx));
     }
     let mut addrs = Vec::new();

@@ -56,6 +56,9 @@ pub struct StageArgs {
     /// Exit when stdin closes (set by a launching worker, so stages never outlive it).
     #[arg(long, hide = true)]
     pub exit_with_stdin: bool,
+    /// The tag of the process that started this stage (`decode-0`), so its lines read `[decode-0/stage-1]`.
+    #[arg(long, hide = true)]
+    pub parent: Option<String>,
 }
 
 /// Runs the stage server until killed.

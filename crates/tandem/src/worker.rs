@@ -71,6 +71,11 @@ pub struct WorkerSettings {
     #[arg(long, default_value_t = DEFAULT_DRAIN_GRACE_SECS)]
     #[serde(default = "default_drain_grace_secs")]
     pub drain_grace_secs: f64,
+    /// Ask for the cluster token on `/metrics` too (from the launcher: the head's `server.probes_need_key`);
+    /// by default it is open, like `/health`.
+    #[arg(long)]
+    #[serde(default)]
+    pub metrics_need_token: bool,
     /// Read timeouts and connection limit of the RPC listener (from the launcher: the head's `server:` ones).
     #[command(flatten)]
     #[serde(default)]
@@ -363,8 +368,16 @@ pub fn run(args: WorkerArgs) -> Result<()> {
     }
     settings.listen.validate()?;
     let role = settings.role.context("--role is required")?;
-    // The RPC port first, so a busy one fails before a model is fetched or loaded.
+    // The RPC port first (and a prefill worker's KV port), so a busy one fails before a model is fetched
+    // or loaded.
     let listener = crate::process::bind_api(&settings.host, settings.port)?;
+    let kv_listener = match role {
+        Role::Prefill => Some(
+            crate::process::bind_api(&settings.host, settings.kv_port)
+                .context("the KV port (--kv-port)")?,
+        ),
+        Role::Decode => None,
+    };
     let model_path = resolve_model(settings.model.as_deref())?;
     info!(path = %model_path.display(), %role, "loading model");
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: false })
@@ -409,9 +422,10 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             max_num_seqs: engine_config.max_num_seqs,
             gpu: settings.engine.device.unwrap_or_default() != crate::config::Device::Cpu,
             cluster_key: crate::token::key(),
+            metrics_need_token: settings.metrics_need_token,
         };
         let peer = peer_info(&engine, model_id, n_heads);
-        let service = WorkerService::start(engine.clone(), peer, config)
+        let service = WorkerService::start_bound(engine.clone(), peer, config, kv_listener)
             .await
             .context("starting the KV side")?;
         let listener =

@@ -324,6 +324,21 @@ async fn dns_discovery_follows_a_worker_that_appears_and_goes() {
         free_port(),
     );
     assert_eq!(health_status(&head.url), Some(503), "no decode worker yet");
+    let not_ready = head
+        .http
+        .get(format!("{}/health", head.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(not_ready.status(), 503);
+    let body: Value = not_ready.json().await.unwrap();
+    assert_eq!(body["status"], "unavailable", "{body}");
+    assert_eq!(body["role"], "head", "{body}");
+    assert_eq!(body["model"], DEFAULT_MODEL_NAME, "{body}");
+    assert!(
+        body["error"].as_str().is_some_and(|e| e.contains("decode")),
+        "it says why: {body}"
+    );
     for round in 0..2 {
         let mut w = Worker::start("decode", "127.0.0.1", port, &[]);
         until(&head, 30, "the worker at the name is discovered", |l| {

@@ -77,7 +77,12 @@ async fn one_request_is_followed_through_the_head_and_both_workers() {
         return;
     }
     let _turn = SERIAL.lock().await;
-    let pd = Server::with_config(BIN, &pd_yaml(""));
+    // The engine thread's lines about a request are at DEBUG.
+    let pd = Server::with_config_env(
+        BIN,
+        &pd_yaml(""),
+        &[("RUST_LOG", "tandem_engine=debug,info")],
+    );
 
     let (status, echoed, _) = complete(&pd, Some("abc"), false).await;
     assert_eq!((status, echoed.as_str()), (200, "abc"));
@@ -89,7 +94,19 @@ async fn one_request_is_followed_through_the_head_and_both_workers() {
         tagged("[head] ", "finished processing request")
             && tagged("[prefill-0] ", "prefilled")
             && tagged("[decode-0] ", "decoded")
+            // The engine threads' lines carry it too, through the span the RPC submitted in.
+            && tagged("[prefill-0] ", "tandem_engine::worker: request scheduled")
+            && tagged("[prefill-0] ", "tandem_engine::kv_manager: KV export started")
+            && tagged("[decode-0] ", "tandem_engine::kv_manager: KV import planned")
+            && tagged("[decode-0] ", "tandem_engine::kv_manager: KV imported: decoding starts")
+            && tagged("[decode-0] ", "tandem_engine::worker: request finished on the engine")
     });
+    assert!(
+        log.lines()
+            .filter(|l| l.contains("tandem_engine::") && l.contains(" id="))
+            .all(|l| l.contains("request_id=")),
+        "every engine line about a request names its request id:\n{log}"
+    );
     let access = log
         .lines()
         .find(|l| l.contains("request_id=abc") && l.contains("finished processing request"))
@@ -278,6 +295,21 @@ fn a_busy_port_fails_at_once_with_a_hint_and_no_backtrace() {
         &port,
     ]);
     assert_reported(&out, "in use", "that port is in use");
+
+    // And a prefill worker its KV port.
+    let (out, took) = run_failing(&[
+        "worker",
+        "--role",
+        "prefill",
+        "--model",
+        missing,
+        "--host",
+        "127.0.0.1",
+        "--kv-port",
+        &port,
+    ]);
+    assert_reported(&out, "the KV port (--kv-port)", "that port is in use");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -317,9 +349,9 @@ fn config_mistakes_are_reported_all_at_once() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     for want in [
         "3 problems in the settings",
-        "engine.blok_size: unknown key, did you mean `block_size`?",
-        "engine.max_num_seqs: invalid type",
-        "log_fromat: unknown key, did you mean `log_format`?",
+        "line 1, column 10: engine.blok_size: unknown key, did you mean `block_size`?",
+        "line 1, column 39: engine.max_num_seqs: invalid type",
+        "line 3, column 1: log_fromat: unknown key, did you mean `log_format`?",
     ] {
         assert!(stderr.contains(want), "{want:?} not in:\n{stderr}");
     }

@@ -127,6 +127,12 @@ fn pipeline_parallel_2_answers_like_pipeline_parallel_1() {
         2,
         "both workers pipelined:\n{log}"
     );
+    for stage in ["[prefill-0/stage-1] ", "[decode-0/stage-1] "] {
+        assert!(
+            log.lines().any(|l| l.starts_with(stage)),
+            "a stage's lines name the worker that started it ({stage}):\n{log}"
+        );
+    }
     drop(pd);
     let _ = std::fs::remove_dir_all(&dir);
 }
