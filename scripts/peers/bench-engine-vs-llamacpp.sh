@@ -7,6 +7,8 @@
 #                   (scripts/peers/build-llama-server.sh; minutes on 2 cores), pp512 and tg128, 3 repetitions;
 #   LLAMACPP=python through llama-cpp-python itself (scripts/peers/llamacpp-venv.sh builds it once; 10–40 min),
 #                   measured by scripts/peers/llamacpp-speed.py the way `tandem bench-engine` measures.
+# Same instruction set on both sides of an AVX-512 machine: LLAMACPP_ISA=avx2 (llama-bench built for AVX2+FMA+F16C
+# only, see build-llama-server.sh) with TANDEM_KERNELS=avx2.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 threads="${2:-$(nproc)}"
@@ -18,6 +20,7 @@ case "$mode" in
   bench)
     bash scripts/peers/build-llama-server.sh >/dev/null
     build="$root/.cache/llama.cpp/build"
+    [ "${LLAMACPP_ISA:-native}" = avx2 ] && build="$root/.cache/llama.cpp-avx2/build"
     bench_bin="$build/bin/llama-bench"
     [ -x "$bench_bin" ] || cmake_bin="$(command -v cmake || echo "$root/.venv-buildtools/bin/cmake")"
     [ -x "$bench_bin" ] || PATH="$root/.venv-buildtools/bin:$PATH" "$cmake_bin" --build "$build" --target llama-bench -j "$(nproc)" >/dev/null
@@ -25,7 +28,7 @@ case "$mode" in
   python) bash scripts/peers/llamacpp-venv.sh ;;
   *) echo "LLAMACPP must be bench or python" >&2; exit 2 ;;
 esac
-echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); load: $(cut -d' ' -f1-3 /proc/loadavg); llama.cpp ISA: ${LLAMACPP_ISA:-native}"
 tandem_json="$("$tandem_bin" bench-engine "$model" --threads "$threads" --json 2>/dev/null)"
 if [ "$mode" = bench ]; then
   # --repack 0: llama.cpp's repacked AMX path segfaults in ggml_backend_amx_mul_mat on the AMX-capable

@@ -2,10 +2,22 @@
 # Build llama.cpp's `llama-server` (the baseline for benchmarks) into .cache/llama.cpp/ from the llama.cpp
 # sources vendored in the llama-cpp-python sdist, i.e. the same llama.cpp as the reference fixtures.
 # Idempotent: exits at once when the binary is already there. Prints the binary's path last.
+# LLAMACPP_ISA=avx2 builds for AVX2+FMA+F16C only (no AVX-512, no AMX), into .cache/llama.cpp-avx2/, so it
+# can be compared with tandem capped at TANDEM_KERNELS=avx2 on any x86 machine; the default is -DGGML_NATIVE=ON.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-dest="$root/.cache/llama.cpp"
+isa="${LLAMACPP_ISA:-native}"
+case "$isa" in
+  native) dest="$root/.cache/llama.cpp"; isa_flags=(-DGGML_NATIVE=ON) ;;
+  avx2)
+    dest="$root/.cache/llama.cpp-avx2"
+    isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+      -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF
+      -DGGML_AMX_INT8=OFF)
+    ;;
+  *) echo "LLAMACPP_ISA must be native or avx2" >&2; exit 2 ;;
+esac
 bin="$dest/bin/llama-server"
 if [ -x "$bin" ]; then
   echo "$bin"
@@ -29,7 +41,7 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 start=$SECONDS
 "$cmake_bin" -S "$src/vendor/llama.cpp" -B "$dest/build" "${generator[@]}" \
-  -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+  -DCMAKE_BUILD_TYPE=Release "${isa_flags[@]}" -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
   -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$dest/bin" >"$dest.cmake.log" 2>&1 || { cat "$dest.cmake.log"; exit 1; }

@@ -121,7 +121,7 @@ pub(crate) fn paged_attention_with(
         let q0 = qc * Q_CHUNK;
         let q1 = (q0 + Q_CHUNK).min(s.n_q);
         #[cfg(target_arch = "x86_64")]
-        if level >= Isa::Avx512 && crate::simd::attn512::supports(p, q1 - q0) {
+        if level >= Isa::Avx2 && crate::simd::attn512::supports(p, q1 - q0) {
             let r0 = s.q_row + q0;
             let chunk = crate::simd::attn512::QueryChunk {
                 q: q[r0 * row + head * p.head_dim..].as_ptr(),
@@ -131,17 +131,16 @@ pub(crate) fn paged_attention_with(
                 n: q1 - q0,
                 first_pos: s.ctx_len - s.n_q + q0,
             };
-            // SAFETY: Avx512 is only chosen on CPUs that have it; `supports` checked the shape; the asserts
-            // above checked the rows, the block table's length and its block ids.
+            let kvh = head / (p.n_heads / p.n_kv_heads);
+            // SAFETY: each level is only chosen on CPUs that have it; `supports` checked the shape; the
+            // asserts above checked the rows, the block table's length and its block ids.
             SCORES.with(|buf| unsafe {
-                crate::simd::attn512::attend_chunk(
-                    p,
-                    &chunk,
-                    kv_layer,
-                    s.blocks,
-                    head / (p.n_heads / p.n_kv_heads),
-                    &mut buf.borrow_mut(),
-                )
+                let buf = &mut buf.borrow_mut();
+                if level >= Isa::Avx512 {
+                    crate::simd::attn512::attend_chunk(p, &chunk, kv_layer, s.blocks, kvh, buf)
+                } else {
+                    crate::simd::attn256::attend_chunk(p, &chunk, kv_layer, s.blocks, kvh, buf)
+                }
             });
             return;
         }

@@ -6,6 +6,7 @@ use std::arch::x86_64::*;
 use crate::matmul::RangeKernel;
 use crate::quant::DType;
 
+pub(crate) mod attn256;
 pub(crate) mod attn512;
 mod qmatmul;
 mod qmatmul512;

@@ -428,7 +428,42 @@ mod tests {
     use crate::dispatch::{cpu_isa, Isa};
     use crate::matmul::tests::{quantized_matrix, rand_vec, ALL};
     use crate::matmul::{matmul_with, MatmulScratch};
+    use crate::quant::DType;
     use crate::threads::ThreadPool;
+
+    /// The AVX2 kernels of the 32-element formats give the portable dot product's bits (both follow
+    /// llama.cpp's order) for every tile shape and tail: groups of 4 activation rows and single rows,
+    /// odd weight-row counts, one and many blocks.
+    #[test]
+    fn avx2_q32_kernels_equal_portable_bitwise() {
+        if cpu_isa() < Isa::Avx2 {
+            return;
+        }
+        let pool = ThreadPool::new(2);
+        for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            for &(rows, cols, m) in &[
+                (13, 256, 1),
+                (9, 128, 13),
+                (20, 96, 8),
+                (7, 64, 37),
+                (64, 576, 70),
+                (3, 32, 12),
+                (33, 1536, 19),
+            ] {
+                let w = quantized_matrix(dt, rows, cols, 31);
+                let x = rand_vec(m * cols, 32);
+                let mut scratch = MatmulScratch::default();
+                let (mut a, mut b) = (vec![f32::NAN; m * rows], vec![f32::NAN; m * rows]);
+                matmul_with(&pool, &w, &x, m, &mut a, &mut scratch, Isa::Avx2);
+                matmul_with(&pool, &w, &x, m, &mut b, &mut scratch, Isa::Portable);
+                let (a, b): (Vec<u32>, Vec<u32>) = (
+                    a.iter().map(|v| v.to_bits()).collect(),
+                    b.iter().map(|v| v.to_bits()).collect(),
+                );
+                assert_eq!(a, b, "{dt:?} {rows}x{cols} m={m}");
+            }
+        }
+    }
 
     /// Every SIMD kernel the CPU supports against the portable one, over shapes that hit every tile and
     /// tail path (odd block counts, row and activation-row remainders).

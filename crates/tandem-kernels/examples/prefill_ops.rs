@@ -1,0 +1,164 @@
+//! Times one layer's kernels of a prefill on the default model's shapes (SmolLM2-135M: hidden 576, 9 query
+//! and 3 KV heads of 64, ffn 1536; Q4_1 weights) by category — quantized matmuls (activation quantization
+//! included), activation quantization alone, attention — so the share of each in a prefill can be read
+//! without a profiler, and kernel changes can be A/B timed in isolation.
+//!
+//! `TANDEM_KERNELS=avx2 cargo run --release -p tandem-kernels --example prefill_ops -- [TOKENS] [REPS] [THREADS]`
+//! (defaults 512, 20, 2). Prints the minimum over the repetitions of each category (ms per layer; with one
+//! thread, CPU time of the calling thread, steadier on a loaded machine) and a hash of all outputs so that
+//! two builds can be checked for bit-identical results.
+
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_kernels::{
+    matmul, matmul_fused, paged_attention, quantize_row, write_kv, AttnParams, AttnSeq, DType,
+    MatmulScratch, Matrix, ThreadPool, WeightBytes,
+};
+
+/// Deterministic values in [-1, 1) (an LCG: no dependency, the same in every build).
+fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn matrix(rows: usize, cols: usize, seed: u64) -> Matrix {
+    let w = rand_vec(rows * cols, seed);
+    let mut bytes = Vec::new();
+    for r in w.chunks_exact(cols) {
+        quantize_row(DType::Q4_1, r, &mut bytes);
+    }
+    Matrix::new(DType::Q4_1, rows, cols, WeightBytes::Owned(Arc::new(bytes))).expect("sizes")
+}
+
+/// `struct timespec` of 64-bit Linux.
+#[repr(C)]
+struct Timespec {
+    sec: i64,
+    nsec: i64,
+}
+
+extern "C" {
+    fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
+}
+
+/// Nanoseconds of CPU time this thread has used (`CLOCK_THREAD_CPUTIME_ID`), on 64-bit Linux: on a machine
+/// shared with other work, single-threaded CPU time is a steadier measure than wall time.
+fn thread_cpu_ns() -> Option<u64> {
+    if !cfg!(all(target_os = "linux", target_pointer_width = "64")) {
+        return None;
+    }
+    let mut t = Timespec { sec: 0, nsec: 0 };
+    // SAFETY: `t` is a valid timespec; clock 3 is CLOCK_THREAD_CPUTIME_ID on Linux.
+    (unsafe { clock_gettime(3, &mut t) } == 0).then(|| t.sec as u64 * 1_000_000_000 + t.nsec as u64)
+}
+
+/// Minimum time of `reps` runs of `f`, in ms: this thread's CPU time with one thread (the pool then runs
+/// everything inline), else wall time.
+fn best(reps: usize, cpu: bool, mut f: impl FnMut()) -> f64 {
+    (0..reps)
+        .map(|_| {
+            let (t0, c0) = (Instant::now(), thread_cpu_ns());
+            f();
+            match (cpu, c0, thread_cpu_ns()) {
+                (true, Some(a), Some(b)) => (b - a) as f64 / 1e6,
+                _ => t0.elapsed().as_secs_f64() * 1e3,
+            }
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("number"))
+        .collect();
+    let arg = |i: usize, d: usize| args.get(i).copied().unwrap_or(d);
+    let (m, reps, threads) = (arg(0, 512), arg(1, 20), arg(2, 2));
+    let pool = ThreadPool::new(threads);
+    let cpu = threads == 1;
+    let (h, f, hd, nh, nkv) = (576, 1536, 64, 9, 3);
+    let (wq, wk, wv, wo) = (
+        matrix(nh * hd, h, 1),
+        matrix(nkv * hd, h, 2),
+        matrix(nkv * hd, h, 3),
+        matrix(h, nh * hd, 4),
+    );
+    let (wg, wu, wd) = (matrix(f, h, 5), matrix(f, h, 6), matrix(h, f, 7));
+    let x = rand_vec(m * h, 8);
+    let xf = rand_vec(m * f, 9);
+    let mut s = MatmulScratch::default();
+    let (mut q, mut k, mut v) = (
+        vec![0f32; m * nh * hd],
+        vec![0f32; m * nkv * hd],
+        vec![0f32; m * nkv * hd],
+    );
+    let (mut o, mut g, mut u) = (vec![0f32; m * h], vec![0f32; m * f], vec![0f32; m * f]);
+    let qkv = best(reps, cpu, || {
+        matmul_fused(
+            &pool,
+            [&wq, &wk, &wv],
+            &x,
+            m,
+            [&mut q, &mut k, &mut v],
+            &mut s,
+        )
+    });
+    let proj = best(reps, cpu, || matmul(&pool, &wo, &x, m, &mut o, &mut s));
+    let gate_up = best(reps, cpu, || {
+        matmul_fused(&pool, [&wg, &wu], &x, m, [&mut g, &mut u], &mut s)
+    });
+    let down = best(reps, cpu, || matmul(&pool, &wd, &xf, m, &mut o, &mut s));
+    // Activation quantization alone: a matmul with a single weight row is almost all quantization.
+    let one = matrix(8, f, 10);
+    let mut o1 = vec![0f32; m * 8];
+    let quant = best(reps, cpu, || matmul(&pool, &one, &xf, m, &mut o1, &mut s));
+
+    let p = AttnParams {
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        block_size: 16,
+        scale: 0.125,
+        window: None,
+    };
+    let n_blocks = m.div_ceil(p.block_size);
+    let mut kv = vec![0f32; n_blocks * 2 * nkv * p.block_size * hd];
+    let table: Vec<u32> = (0..n_blocks as u32).collect();
+    let kvw = rand_vec(m * 2 * nkv * hd, 11);
+    for pos in 0..m {
+        let r = &kvw[pos * 2 * nkv * hd..(pos + 1) * 2 * nkv * hd];
+        write_kv(&p, &mut kv, &table, pos, &r[..nkv * hd], &r[nkv * hd..]);
+    }
+    let qa = rand_vec(m * nh * hd, 12);
+    let mut att = vec![0f32; m * nh * hd];
+    let seq = [AttnSeq {
+        q_row: 0,
+        n_q: m,
+        ctx_len: m,
+        blocks: &table,
+    }];
+    let attn = best(reps, cpu, || {
+        paged_attention(&pool, &p, &qa, &kv, &seq, &mut att)
+    });
+
+    let mut hash = std::collections::hash_map::DefaultHasher::new();
+    for out in [&q, &k, &v, &o, &g, &u, &o1, &att] {
+        out.iter().for_each(|x| x.to_bits().hash(&mut hash));
+    }
+    let mm = qkv + proj + gate_up + down;
+    println!(
+        "kernels {:?}, m={m}, {threads} threads, {} ms per layer (min of {reps}): qkv {qkv:.3} wo {proj:.3} \
+         gate/up {gate_up:.3} down {down:.3} = matmuls {mm:.3} (act. quantization of one 1536-wide \
+         input ≈ {quant:.3}); attention {attn:.3}; hash {:016x}",
+        tandem_kernels::isa(),
+        if cpu { "CPU" } else { "wall" },
+        hash.finish()
+    );
+}

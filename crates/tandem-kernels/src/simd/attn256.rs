@@ -1,0 +1,297 @@
+//! AVX2 paged attention over 16-token blocks for chunks of consecutive queries of one head (prefill) and
+//! for single queries (decode): the 256-bit form of `attn512`.
+//!
+//! It computes exactly what `attention::attend_one` (llama.cpp's CPU attention order) computes for each
+//! query, bit for bit, only faster: a chunk's queries share each K block, transposed once into
+//! `[head_dim][16]`, so a query's 16 scores are broadcast FMAs into two registers whose lanes are the
+//! block's keys; every score still goes through the 32 partial sums and the reduction tree of llama.cpp's
+//! `ggml_vec_dot_f32`. A single query dots each key instead (`simd::dot_f32`). The value sums then run per
+//! query and per 8 dimensions with the 8 accumulators (position mod 8) in registers over the whole
+//! context, in `attend_one`'s position order, instead of a load and a store of an accumulator per
+//! position and dimension.
+
+use std::arch::x86_64::*;
+
+use super::attn512::QueryChunk;
+use crate::attention::AttnParams;
+
+const BLOCK: usize = 16;
+const MAX_HEAD_DIM: usize = 256;
+const MAX_QUERIES: usize = super::attn512::MAX_QUERIES;
+
+/// Causal (optionally windowed) attention of the chunk's queries over kv head `kvh` of the sequence with
+/// block table `blocks`; `scores` is grow-only scratch.
+///
+/// # Safety
+/// The CPU must have AVX2+FMA; `attn512::supports(p, c.n)` must hold; `c`'s pointers must cover `c.n`
+/// rows; `blocks` must cover positions up to the last query's and lie inside `kv`.
+// Indexes run over the chunk's queries in several arrays at once.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn attend_chunk(
+    p: &AttnParams,
+    c: &QueryChunk,
+    kv: &[f32],
+    blocks: &[u32],
+    kvh: usize,
+    scores: &mut Vec<f32>,
+) {
+    let hd = p.head_dim;
+    let nkv = p.n_kv_heads;
+    let window_start = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let last = c.first_pos + c.n - 1;
+    let first_block = window_start(c.first_pos) / BLOCK;
+    let base = first_block * BLOCK;
+    // Query i's scores of positions base.. are row i; masked and unused entries hold -inf.
+    let row_len = (last / BLOCK + 1) * BLOCK - base;
+    scores.clear();
+    scores.resize(c.n * row_len, f32::NEG_INFINITY);
+    // Per-query running maxima, lane-wise (max is exact, so reducing once at the end changes nothing).
+    let mut m = [_mm256_set1_ps(f32::NEG_INFINITY); MAX_QUERIES];
+    let mut kt = [0f32; MAX_HEAD_DIM * BLOCK];
+    let scale = _mm256_set1_ps(p.scale);
+    let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
+    let lane_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let lane_hi = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+    for (bi, &b) in blocks
+        .iter()
+        .enumerate()
+        .take(last / BLOCK + 1)
+        .skip(first_block)
+    {
+        let bpos = bi * BLOCK;
+        let kb = kv.as_ptr().add(((b as usize * 2) * nkv + kvh) * BLOCK * hd);
+        // A chunk transposes every slot once for all its queries, also those past the last query (stale
+        // or zero): their scores are replaced by -inf below, whatever they hold.
+        if c.n > 1 {
+            for d0 in (0..hd).step_by(8) {
+                for j0 in [0, 8] {
+                    transpose8(
+                        kb.add(j0 * hd + d0),
+                        hd,
+                        kt.as_mut_ptr().add(d0 * BLOCK + j0),
+                    );
+                }
+            }
+        }
+        for i in 0..c.n {
+            let pos = c.first_pos + i;
+            let lo = window_start(pos);
+            if bpos > pos || bpos + BLOCK <= lo {
+                continue;
+            }
+            let (j0, j1) = (lo.saturating_sub(bpos), (pos + 1 - bpos).min(BLOCK));
+            let qi = c.q.add(i * c.stride);
+            let (s_lo, s_hi) = if c.n > 1 {
+                scores16(qi, &kt, hd)
+            } else {
+                let mut one = [0f32; BLOCK];
+                for (j, o) in one.iter_mut().enumerate().take(j1).skip(j0) {
+                    *o = super::dot_f32(
+                        std::slice::from_raw_parts(qi, hd),
+                        std::slice::from_raw_parts(kb.add(j * hd), hd),
+                    );
+                }
+                (
+                    _mm256_loadu_ps(one.as_ptr()),
+                    _mm256_loadu_ps(one.as_ptr().add(8)),
+                )
+            };
+            // Lanes j0..j1 are the query's positions in this block; the rest are masked to -inf.
+            let (v0, v1) = (
+                _mm256_set1_epi32(j0 as i32 - 1),
+                _mm256_set1_epi32(j1 as i32),
+            );
+            let keep = |lanes: __m256i| {
+                _mm256_castsi256_ps(_mm256_and_si256(
+                    _mm256_cmpgt_epi32(lanes, v0),
+                    _mm256_cmpgt_epi32(v1, lanes),
+                ))
+            };
+            let s_lo = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(s_lo, scale), keep(lane_lo));
+            let s_hi = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(s_hi, scale), keep(lane_hi));
+            let dst = scores.as_mut_ptr().add(i * row_len + bpos - base);
+            _mm256_storeu_ps(dst, s_lo);
+            _mm256_storeu_ps(dst.add(8), s_hi);
+            m[i] = _mm256_max_ps(m[i], _mm256_max_ps(s_lo, s_hi));
+        }
+    }
+    for i in 0..c.n {
+        let mi = super::hmax(m[i]);
+        let pos = c.first_pos + i;
+        let row = &mut scores[i * row_len..(i + 1) * row_len];
+        // Whole chunks of 8 from `base` (a multiple of 8) through the query's own position; the chunks
+        // before the window are all -inf and add exactly 0 to the sum.
+        let used = (pos + 1).next_multiple_of(8) - base;
+        let inv = (1.0 / super::softmax_numerators(&mut row[..used], mi)) as f32;
+        // The value weights `numerator · inv`, the same f32 product `attend_one` forms per position.
+        let vi = _mm256_set1_ps(inv);
+        for k in (0..used).step_by(8) {
+            let w = row.as_mut_ptr().add(k);
+            _mm256_storeu_ps(w, _mm256_mul_ps(_mm256_loadu_ps(w), vi));
+        }
+        let lo = window_start(pos);
+        for d0 in (0..hd).step_by(8) {
+            values8(
+                row,
+                base,
+                lo,
+                pos,
+                kv,
+                blocks,
+                nkv,
+                kvh,
+                hd,
+                d0,
+                c.out.add(i * c.stride + d0),
+            );
+        }
+    }
+}
+
+/// `out[0..8]` of one query: value dimensions `d0..d0 + 8` summed over positions `lo..=pos` with the
+/// weights `w[p - base]`, in 8 accumulators by position mod 8 (fused multiply-adds in position order),
+/// reduced like llamafile's `hsum` — `attend_one`'s order.
+// Constant-count index loops keep the 8 accumulators in registers.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn values8(
+    w: &[f32],
+    base: usize,
+    lo: usize,
+    pos: usize,
+    kv: &[f32],
+    blocks: &[u32],
+    nkv: usize,
+    kvh: usize,
+    hd: usize,
+    d0: usize,
+    out: *mut f32,
+) {
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let mut g = lo / 8 * 8;
+    while g <= pos {
+        let b = *blocks.get_unchecked(g / BLOCK) as usize;
+        let vg = kv
+            .as_ptr()
+            .add(((b * 2 + 1) * nkv + kvh) * BLOCK * hd + d0 + (g % BLOCK) * hd);
+        let wg = w.as_ptr().add(g - base);
+        let (r0, r1) = (lo.saturating_sub(g), (pos + 1 - g).min(8));
+        if r0 == 0 && r1 == 8 {
+            for r in 0..8 {
+                let wv = _mm256_broadcast_ss(&*wg.add(r));
+                acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vg.add(r * hd)), acc[r]);
+            }
+        } else {
+            for r in 0..8 {
+                if r >= r0 && r < r1 {
+                    let wv = _mm256_broadcast_ss(&*wg.add(r));
+                    acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vg.add(r * hd)), acc[r]);
+                }
+            }
+        }
+        g += 8;
+    }
+    let y = _mm256_add_ps(
+        _mm256_add_ps(_mm256_add_ps(acc[4], acc[0]), _mm256_add_ps(acc[6], acc[2])),
+        _mm256_add_ps(_mm256_add_ps(acc[5], acc[1]), _mm256_add_ps(acc[7], acc[3])),
+    );
+    _mm256_storeu_ps(out, y);
+}
+
+/// `out[t·BLOCK + j] = src[j·stride + t]` for an 8 × 8 tile (t, j < 8): 8 keys' 8 dimensions to 8 rows of
+/// one dimension each, by in-register shuffles.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn transpose8(src: *const f32, stride: usize, out: *mut f32) {
+    let mut r = [_mm256_setzero_ps(); 8];
+    for j in 0..8 {
+        r[j] = _mm256_loadu_ps(src.add(j * stride));
+    }
+    // Pairs of rows interleaved: t[2p] = [a0 b0 a1 b1 | a4 b4 a5 b5], t[2p + 1] = [a2 b2 a3 b3 | a6 b6 a7 b7].
+    let mut t = [_mm256_setzero_ps(); 8];
+    for p in 0..4 {
+        t[2 * p] = _mm256_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+        t[2 * p + 1] = _mm256_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+    }
+    // u[4g + k]: dimension k of rows 4g..4g + 4 in the lower half, dimension k + 4 in the upper.
+    let mut u = [_mm256_setzero_ps(); 8];
+    for g in 0..2 {
+        let b = 4 * g;
+        u[b] = _mm256_shuffle_ps::<0x44>(t[b], t[b + 2]);
+        u[b + 1] = _mm256_shuffle_ps::<0xEE>(t[b], t[b + 2]);
+        u[b + 2] = _mm256_shuffle_ps::<0x44>(t[b + 1], t[b + 3]);
+        u[b + 3] = _mm256_shuffle_ps::<0xEE>(t[b + 1], t[b + 3]);
+    }
+    for k in 0..4 {
+        let (a, b) = (u[k], u[4 + k]);
+        _mm256_storeu_ps(out.add(k * BLOCK), _mm256_permute2f128_ps::<0x20>(a, b));
+        _mm256_storeu_ps(
+            out.add((k + 4) * BLOCK),
+            _mm256_permute2f128_ps::<0x31>(a, b),
+        );
+    }
+}
+
+/// 16 keys' scores (unscaled, keys 0..8 and 8..16) for one query from the transposed block `kt`
+/// (`[d][16]`), each as llama.cpp's AVX2 `ggml_vec_dot_f32` forms it: partial sum `k` (0..32) adds
+/// `q[32s + k] · key[32s + k]` over the steps `s` by fused multiply-adds from 0, then
+/// `x_l = (P_l + P_16+l) + (P_8+l + P_24+l)`, `t_l = x_l + x_l+4` and `(t_0 + t_1) + (t_2 + t_3)` (see
+/// `simd::dot_f32`).
+// Plain index loops (no closures) so that every intrinsic sits in the inlined body of a target-feature
+// function.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn scores16(q: *const f32, kt: &[f32], hd: usize) -> (__m256, __m256) {
+    let mut res = [_mm256_setzero_ps(); 2];
+    for h in 0..2 {
+        let mut t = [_mm256_setzero_ps(); 4];
+        for l in 0..8 {
+            let mut pk = [_mm256_setzero_ps(); 4];
+            for j in 0..4 {
+                let k = 8 * j + l;
+                let mut s = 0;
+                while s < hd {
+                    let d = s + k;
+                    pk[j] = _mm256_fmadd_ps(
+                        _mm256_broadcast_ss(&*q.add(d)),
+                        _mm256_loadu_ps(kt.as_ptr().add(d * BLOCK + 8 * h)),
+                        pk[j],
+                    );
+                    s += 32;
+                }
+            }
+            let x = _mm256_add_ps(_mm256_add_ps(pk[0], pk[2]), _mm256_add_ps(pk[1], pk[3]));
+            // t_l = x_l + x_l+4, in that operand order.
+            t[l % 4] = if l < 4 { x } else { _mm256_add_ps(t[l % 4], x) };
+        }
+        res[h] = _mm256_add_ps(_mm256_add_ps(t[0], t[1]), _mm256_add_ps(t[2], t[3]));
+    }
+    (res[0], res[1])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transpose8_transposes() {
+        if !crate::dispatch::cpu_has_avx2() {
+            return;
+        }
+        let stride = 40;
+        let src: Vec<f32> = (0..8 * stride).map(|i| i as f32).collect();
+        let mut out = vec![0f32; 8 * BLOCK];
+        unsafe { transpose8_test(src.as_ptr(), stride, out.as_mut_ptr()) };
+        for t in 0..8 {
+            for j in 0..8 {
+                assert_eq!(out[t * BLOCK + j], src[j * stride + t], "t {t} j {j}");
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn transpose8_test(src: *const f32, stride: usize, out: *mut f32) {
+        transpose8(src, stride, out)
+    }
+}
