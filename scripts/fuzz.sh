@@ -12,7 +12,7 @@ secs="${1:-10}"
 shift || true
 command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz@0.13.2
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(api_request chat_template kv_frames worker_rpc)
+[ ${#targets[@]} -gt 0 ] || targets=(api_request chat_template kv_frames worker_rpc stage_link nixl_bodies)
 cargo fuzz build -O --sanitizer none
 for t in "${targets[@]}"; do
   mkdir -p "corpus/$t" "seeds/$t"

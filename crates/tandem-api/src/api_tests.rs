@@ -476,7 +476,7 @@ async fn unknown_model_is_404_and_queue_full_is_503() {
 }
 
 #[tokio::test]
-async fn api_key_guards_v1_only_and_request_id_is_echoed() {
+async fn api_key_guards_v1_and_request_id_is_echoed() {
     let backend = Arc::new(FakeBackend::new("x"));
     let app = router(fake_state(backend, Some("sekret")));
     let r = send(&app, "GET", "/v1/models", None, &[]).await;
@@ -511,6 +511,41 @@ async fn api_key_guards_v1_only_and_request_id_is_echoed() {
     let r = send(&app, "GET", "/health", None, &[]).await;
     assert_eq!(r.status, StatusCode::OK);
     assert!(!r.headers["x-request-id"].is_empty());
+}
+
+/// Tokenizing reveals the served model's vocabulary and costs the server work: with `api_key` set,
+/// /tokenize and /detokenize need it like /v1 (they were open before).
+#[tokio::test]
+async fn tokenize_and_detokenize_need_the_api_key() {
+    let app = router(fake_state(Arc::new(FakeBackend::new("x")), Some("sekret")));
+    for (path, body) in [
+        ("/tokenize", r#"{"prompt": "hi"}"#),
+        ("/detokenize", r#"{"tokens": [104, 105]}"#),
+    ] {
+        assert_error(
+            &send(&app, "POST", path, Some(body), &[]).await,
+            StatusCode::UNAUTHORIZED,
+            None,
+        );
+        let wrong = [("authorization", "Bearer sekreT")];
+        assert_error(
+            &send(&app, "POST", path, Some(body), &wrong).await,
+            StatusCode::UNAUTHORIZED,
+            None,
+        );
+        let right = [("authorization", "Bearer sekret")];
+        let r = send(&app, "POST", path, Some(body), &right).await;
+        assert_eq!(r.status, StatusCode::OK, "{path}: {}", r.body);
+    }
+    let r = send(
+        &app,
+        "POST",
+        "/detokenize",
+        Some(r#"{"tokens": [104, 105]}"#),
+        &[("authorization", "Bearer sekret")],
+    )
+    .await;
+    assert_eq!(r.json()["prompt"], "hi");
 }
 
 #[tokio::test]

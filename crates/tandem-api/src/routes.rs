@@ -39,7 +39,7 @@ where
 
 /// Builds the whole HTTP surface over one state.
 pub fn router(state: Arc<AppState>) -> Router {
-    let v1 = Router::new()
+    let keyed = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/responses", post(responses::create_response))
@@ -49,15 +49,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
         ));
     let api = Router::new()
-        .merge(v1)
+        .merge(keyed)
         .merge(crate::console::routes())
-        .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize))
         .fallback(fallback);
     // The console polls this every two seconds per open page: DEBUG like the probes, but always keyed.
     let polled = Router::new()
@@ -91,7 +91,7 @@ fn traced<S: Clone + Send + Sync + 'static>(router: Router<S>, level: Level) -> 
     ))
 }
 
-/// Rejects /v1 requests without the configured bearer token.
+/// Rejects API requests (/v1, /tokenize, /detokenize) without the configured bearer token.
 async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.config.api_key {
         let presented = req

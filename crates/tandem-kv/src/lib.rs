@@ -61,6 +61,8 @@
 pub mod auth;
 pub mod bench;
 mod error;
+#[cfg(fuzzing)]
+pub mod fuzzing;
 pub mod mem;
 mod metrics;
 pub mod nixl;

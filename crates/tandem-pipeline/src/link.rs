@@ -114,6 +114,20 @@ impl StageHello {
         check_field("block_size", &l.block_size, &r.block_size)?;
         check_field("num_blocks", &l.num_blocks, &r.num_blocks)
     }
+
+    /// Refuses a forward whose hidden states are not `tokens` rows of this stage's width, or whose
+    /// batch has more tokens than the KV pool has slots: the server sizes its receive buffer from the
+    /// frame, so an unchecked length from the wire would be an allocation of any size.
+    pub fn check_hidden(&self, tokens: usize, hidden_len: u64) -> Result<(), KvError> {
+        let want = tokens as u64 * self.hidden_size as u64 * self.activations.bytes() as u64;
+        if tokens > self.num_blocks.saturating_mul(self.block_size) || hidden_len != want {
+            return Err(KvError::Protocol(format!(
+                "{hidden_len} bytes of hidden states for {tokens} tokens (want {want}; the pool holds {} tokens)",
+                self.num_blocks.saturating_mul(self.block_size)
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Deadlines of a stage link: how long connecting, and each read or write, may take.
@@ -738,17 +752,24 @@ fn serve_conn<H: StageHandler>(
                     || rows_len > MAX_CONTROL_LEN
                     || meta_len + rows_len > h.payload_len
                 {
-                    return Err(KvError::Protocol(format!(
-                        "batch metadata of {meta_len} + {rows_len} bytes in a {}-byte frame",
-                        h.payload_len
-                    )));
+                    return refuse(
+                        &mut c,
+                        KvError::Protocol(format!(
+                            "batch metadata of {meta_len} + {rows_len} bytes in a {}-byte frame",
+                            h.payload_len
+                        )),
+                    );
                 }
                 let batch: ForwardBatch = c.json_part(meta_len, "batch")?;
                 let rows: Option<Vec<DeviceSampling>> = match rows_len {
                     0 => None,
                     n => Some(c.json_part(n, "sampling rows")?),
                 };
-                c.bytes_payload(h.payload_len - meta_len - rows_len, &mut hidden)?;
+                let hidden_len = h.payload_len - meta_len - rows_len;
+                if let Err(e) = mine.check_hidden(batch.tokens.len(), hidden_len) {
+                    return refuse(&mut c, e);
+                }
+                c.bytes_payload(hidden_len, &mut hidden)?;
                 let mut reply = FrameHeader::control(FrameKind::StageReply, h.transfer_id, 0);
                 match rows {
                     None => handler.forward(&batch, &hidden, &mut out).map(|()| reply),
@@ -768,13 +789,21 @@ fn serve_conn<H: StageHandler>(
                 } else {
                     0
                 };
-                if n == 0 || n * 4 > MAX_CONTROL_LEN || h.payload_len != n * 4 + data {
-                    return Err(KvError::Protocol(format!(
-                        "{:?} of {n} blocks in {} bytes (a block is {})",
-                        h.kind,
-                        h.payload_len,
-                        handler.block_bytes()
-                    )));
+                if n == 0
+                    || n * 4 > MAX_CONTROL_LEN
+                    || n > mine.num_blocks as u64
+                    || h.payload_len != n * 4 + data
+                {
+                    return refuse(
+                        &mut c,
+                        KvError::Protocol(format!(
+                            "{:?} of {n} blocks (the pool has {}) in {} bytes (a block is {})",
+                            h.kind,
+                            mine.num_blocks,
+                            h.payload_len,
+                            handler.block_bytes()
+                        )),
+                    );
                 }
                 block_ids.resize(n as usize, 0);
                 c.read_into(bytemuck::cast_slice_mut(&mut block_ids))?;

@@ -1,6 +1,7 @@
 //! Test support for tandem's crates (a dev-dependency only, never published): the default model with one
-//! rule for when it is missing, the mock backend, greedy sampling, free ports, health polling and a
-//! `tandem serve` child process killed on drop with HTTP helpers that assert on its answers.
+//! rule for when it is missing, the mock backend, greedy sampling, free ports, health polling, a
+//! `tandem serve` child process killed on drop with HTTP helpers that assert on its answers, and a
+//! `tandem worker` started by hand.
 //!
 //! It depends only on `tandem-model` and `tandem-engine`, so every crate above them may use it in its unit
 //! tests without a dependency cycle; the engine itself uses it from its integration tests only.
@@ -8,10 +9,12 @@
 mod mock;
 mod model;
 mod server;
+mod worker;
 
 pub use mock::{mock_guide, mock_pieces, mock_text, MockBackend, MOCK_PIECES};
 pub use model::{default_model, model, model_path, root, DEFAULT_MODEL, DEFAULT_MODEL_NAME};
 pub use server::{free_port, health_status, healthy, json_of, signal, text, Server};
+pub use worker::Worker;
 
 use serde_json::Value;
 use tandem_engine::SamplingParams;

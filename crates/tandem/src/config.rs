@@ -103,7 +103,7 @@ pub struct ServerSettings {
     /// Port to listen on [default: 8000].
     #[arg(long)]
     pub port: Option<u16>,
-    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    /// Require `Authorization: Bearer KEY` on /v1 routes, /tokenize and /detokenize.
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Largest request body, e.g. 8MiB [default: 8MiB]; a larger one gets 413.

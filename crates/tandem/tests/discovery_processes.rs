@@ -3,16 +3,15 @@
 //! started with `--register` coming back to a restarted head. Workers are started by hand here (as on
 //! other hosts), so the tests see their exit status. Without the default model the process tests skip.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tandem_cluster::{Role, WorkerLoad, WorkerStatus};
 use tandem_testkit::{
-    default_model, free_port, health_status, model_path, signal, text, Server, DEFAULT_MODEL_NAME,
-    PROMPTS,
+    default_model, free_port, health_status, model_path, signal, text, Server, Worker,
+    DEFAULT_MODEL_NAME, PROMPTS,
 };
 
 /// The `tandem` binary cargo built for these tests.
@@ -37,82 +36,6 @@ fn head_yaml(discovery: &str) -> String {
          routing: {{local_prefill_threshold: 16}}\n  timeouts: {{poll_interval_secs: 0.2}}\n",
         default_model().display()
     )
-}
-
-/// A `tandem worker` started by hand, killed on drop unless it already exited.
-struct Worker {
-    child: Child,
-    url: String,
-    log: PathBuf,
-    _stdout: BufReader<ChildStdout>,
-}
-
-impl Worker {
-    /// Starts a worker of `role` bound to `host:port` with `extra` flags and waits for its ready line.
-    fn start(role: &str, host: &str, port: u16, extra: &[&str]) -> Worker {
-        let log = std::env::temp_dir().join(format!(
-            "tandem-worker-{}-{}.log",
-            std::process::id(),
-            free_port()
-        ));
-        let mut child = Command::new(BIN)
-            .args(["worker", "--role", role, "--host", host])
-            .args(["--port", &port.to_string()])
-            .arg("--model")
-            .arg(default_model())
-            .args(["--block-size", "16", "--kv-cache-memory", "64MiB"])
-            .args(["--threads", "1", "--max-num-seqs", "8"])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("tandem worker starts");
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        let url = loop {
-            line.clear();
-            let n = stdout.read_line(&mut line).unwrap();
-            assert!(
-                n > 0,
-                "the worker exited before serving:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-            if let Some(url) = line.trim().strip_prefix("TANDEM_WORKER_READY ") {
-                break url.to_owned();
-            }
-        };
-        Worker {
-            child,
-            url,
-            log,
-            _stdout: stdout,
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits up to `within` for the process to exit; its status.
-    fn exited(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        None
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
-    }
 }
 
 async fn workers(head: &Server) -> Vec<WorkerStatus> {
@@ -228,8 +151,8 @@ async fn sigterm_drains_a_decode_worker_mid_stream_and_it_exits_0() {
     let Some(_turn) = turn().await else { return };
     let head = Server::starting(BIN, &head_yaml("{mode: static}"), free_port());
     let mut pair = [
-        Worker::start("decode", "127.0.0.1", 0, &["--register", &head.url]),
-        Worker::start("decode", "127.0.0.1", 0, &["--register", &head.url]),
+        Worker::start(BIN, "decode", "127.0.0.1", 0, &["--register", &head.url]),
+        Worker::start(BIN, "decode", "127.0.0.1", 0, &["--register", &head.url]),
     ];
     until(&head, 30, "both decode workers registered", |l| {
         decoders(l).len() == 2
@@ -340,7 +263,7 @@ async fn dns_discovery_follows_a_worker_that_appears_and_goes() {
         "it says why: {body}"
     );
     for round in 0..2 {
-        let mut w = Worker::start("decode", "127.0.0.1", port, &[]);
+        let mut w = Worker::start(BIN, "decode", "127.0.0.1", port, &[]);
         until(&head, 30, "the worker at the name is discovered", |l| {
             decoders(l) == [w.url.as_str()]
         })
@@ -382,7 +305,7 @@ async fn a_restarted_head_gets_its_registered_worker_back() {
     let port = free_port();
     let yaml = head_yaml("{mode: static}");
     let head = Server::starting(BIN, &yaml, port);
-    let w = Worker::start("decode", "127.0.0.1", 0, &["--register", &head.url]);
+    let w = Worker::start(BIN, "decode", "127.0.0.1", 0, &["--register", &head.url]);
     until(&head, 30, "registered", |l| decoders(l) == [w.url.as_str()]).await;
     head.complete(PROMPTS[0], 4).await;
     drop(head);

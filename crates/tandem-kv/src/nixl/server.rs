@@ -125,7 +125,7 @@ pub(crate) async fn send_nixl(
 
 /// Each layer's selected blocks within a staged export (`n_layers` layers of `n_total` blocks each, back
 /// to back): one region per layer, so the selection must be one run of blocks.
-fn staged_layers(
+pub(crate) fn staged_layers(
     export: &MemRegion,
     selection: &BlockSelection,
     n_layers: usize,

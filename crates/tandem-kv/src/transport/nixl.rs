@@ -304,13 +304,14 @@ fn runs(blocks: &BlockSelection, bb: usize) -> Vec<(usize, usize, usize)> {
 }
 
 /// Refuses an announcement that does not describe one region of `layer_bytes` per layer.
-fn check_open(
+pub(crate) fn check_open(
     open: &NixlOpen,
     n_layers: usize,
     n_blocks: usize,
     layer_bytes: usize,
 ) -> Result<(), KvError> {
     if open.n_blocks as usize != n_blocks
+        || open.layers.is_empty()
         || open.layers.len() != n_layers
         || open.layers.iter().any(|r| r.len != layer_bytes as u64)
     {
@@ -370,6 +371,8 @@ mod tests {
         assert!(check_open(&open(2, 200), 3, 2, 200).is_err());
         assert!(check_open(&open(3, 100), 3, 2, 200).is_err());
         assert!(check_open(&open(3, 200), 3, 1, 200).is_err());
+        // No layer: nothing to READ, and the receiver reads the first region's memory kind.
+        assert!(check_open(&open(0, 200), 0, 2, 200).is_err());
     }
 
     #[test]

@@ -302,3 +302,46 @@ fn a_dead_or_silent_server_is_an_error_not_a_hang() {
     assert!(matches!(e, KvError::Timeout { .. }), "{e}");
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
 }
+
+/// A peer that claims more bytes than any batch of the pool could need (hidden states for a tiny batch,
+/// more blocks than the pool) is refused from the header, before the server sizes a buffer for it: the
+/// lengths come from the wire and must not become an allocation of any size.
+#[test]
+fn lengths_beyond_the_batch_or_the_pool_are_refused_before_any_allocation() {
+    use std::io::{Read, Write};
+    let s = server();
+    // Size the pool (8 blocks of 4) with a well-behaved client first.
+    drop(StageClient::connect(s.addr(), &hello(), StageTimeouts::default(), None).unwrap());
+    let mut b = ForwardBatch::default();
+    b.push(&[1, 2], 0, vec![0], tandem_model::LogitsWanted::Last);
+    let meta = serde_json::to_vec(&b).unwrap();
+    let mut forward = FrameHeader::control(FrameKind::StageForward, 1, 0);
+    forward.layer = meta.len() as u32;
+    forward.payload_len = meta.len() as u64 + (1 << 28);
+    let mut export = FrameHeader::control(FrameKind::StageExport, 1, 0);
+    export.layer = 2;
+    export.n_blocks = 9;
+    export.payload_len = 9 * 4;
+    for (frame, body, says) in [
+        (forward, meta.clone(), "hidden states for 2 tokens"),
+        (export, vec![0u8; 9 * 4], "of 9 blocks (the pool has 8)"),
+    ] {
+        let mut raw = TcpStream::connect(s.addr()).unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let hello = serde_json::to_vec(&hello()).unwrap();
+        raw.write_all(&FrameHeader::control(FrameKind::StageHello, 0, hello.len()).encode())
+            .unwrap();
+        raw.write_all(&hello).unwrap();
+        raw.write_all(&frame.encode()).unwrap();
+        raw.write_all(&body).unwrap();
+        let mut answer = Vec::new();
+        let _ = raw.read_to_end(&mut answer);
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.contains(says), "{says:?} not in the answer {text:?}");
+    }
+    // The server still serves.
+    let mut c = StageClient::connect(s.addr(), &hello(), StageTimeouts::default(), None).unwrap();
+    let mut buf = bytes(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    c.forward(&b, &mut buf).unwrap();
+    s.shutdown();
+}
