@@ -9,6 +9,8 @@
 #                       blocks, pins, staging and GPU memory back where they were (scripts/gpu/pd_leak.py)
 #   guided (only when named)  colocated decode throughput of regex-guided requests (masked on the GPU) against
 #                       unguided ones, 256/256 at concurrency 1 and 64 (issue 17's batch-64 target)
+#   pdhand (only when named)  1P1D with the workers started by hand and registering, PREFILL_ENV in the prefill
+#                       worker's environment only (e.g. CUDA_MPS_CLIENT_PRIORITY=1 under MPS=1)
 #   load (a modifier)   the suites run only c64 and bursty (the two targets one GPU shared by two processes misses)
 # MPS=1 runs everything under an NVIDIA MPS control daemon started for the run (and stopped after it), so
 # that the two P/D processes share the GPU's SMs at once instead of taking turns in time slices.
@@ -177,6 +179,30 @@ if [[ "$what" == *" pd "* ]]; then
   curl -s http://127.0.0.1:8000/metrics | grep -E "^tandem:kv_transfer" >"$OUT/pd_metrics.txt"
   grep -iE "error|warn" "$OUT/serve-pd.log" | tail -5
   stop pd
+fi
+if [[ "$what" == *" pdhand "* ]]; then
+  # As on two hosts: a head with no workers of its own, and the two workers started here with --register,
+  # so each has an environment of its own: PREFILL_ENV (e.g. CUDA_MPS_CLIENT_PRIORITY=1) goes to prefill only.
+  echo "== 1P1D over $TRANSPORT, workers started by hand; prefill environment: ${PREFILL_ENV:-(none)}"
+  printf '%s\n%s\n%s\n' "$common" "$(pd_yaml "transport: $TRANSPORT$nixl_opt, staging_mib: 8192")" \
+    "  prefill: {replicas: 0}" >"$work/pdhand.yaml"
+  sed -i 's/^  prefill: {replicas: 0}$/  prefill: {replicas: 0}\n  decode: {replicas: 0}/' "$work/pdhand.yaml"
+  "$BIN" serve --config "$work/pdhand.yaml" >"$OUT/serve-pdhand.log" 2>&1 &
+  echo $! >"$work/pdhand.pid"
+  sleep 2
+  hand_worker() { # role env...
+    local role="$1"
+    shift
+    env "$@" "$BIN" worker --role "$role" --model "$MODEL_DIR" --device cuda --host 127.0.0.1 --port 0 \
+      --kv-cache-memory 24GiB --max-num-seqs 256 --max-waiting 4096 --transport "$TRANSPORT" \
+      ${NIXL_LIB:+--nixl-library "$NIXL_LIB"} --staging-mib 8192 --register http://127.0.0.1:8000 \
+      >"$OUT/worker-$role.log" 2>&1 &
+  }
+  # shellcheck disable=SC2086
+  hand_worker prefill ${PREFILL_ENV:-}
+  hand_worker decode
+  if wait_ready http://127.0.0.1:8000 240; then run_suite pdhand; else echo "pdhand did not start"; tail -5 "$OUT"/worker-*.log; fi
+  stop pdhand
 fi
 if [[ "$what" == *" leak "* ]]; then
   echo "== 1P1D over $TRANSPORT: 1,000 requests, a tenth abandoned mid-flight, nothing leaked"
