@@ -8,5 +8,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/fetch-model.sh
 # The whole workspace, as scripts/test.sh builds it, so the tests reuse this build.
+if [ ! -x target/release/tandem ]; then
+  echo "Building tandem (release, the whole workspace): the first build takes several minutes (about 8 on 2 cores)." >&2
+fi
 cargo build --release --workspace
 exec target/release/tandem serve --config "${TANDEM_CONFIG:-examples/pd.yaml}" "$@"
