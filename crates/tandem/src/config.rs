@@ -139,7 +139,10 @@ impl ServerSettings {
     pub fn validate(&self) -> Result<()> {
         self.listen.validate()?;
         if self.probes_need_key == Some(true) && self.api_key.is_none() {
-            bail!("server.probes_need_key needs server.api_key (the key /health and /metrics would ask for)");
+            return Err(bad_value(
+                "server.probes_need_key",
+                "needs server.api_key (the key /health and /metrics would ask for)",
+            ));
         }
         Ok(())
     }
@@ -167,12 +170,15 @@ impl ListenSettings {
         ] {
             if let Some(v) = v {
                 if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
-                    bail!("server.{key} must be a number of seconds in (0, 86400], not {v}");
+                    return Err(bad_value(
+                        format!("server.{key}"),
+                        format!("must be a number of seconds in (0, 86400], not {v}"),
+                    ));
                 }
             }
         }
         if self.max_connections == Some(0) {
-            bail!("server.max_connections must be at least 1");
+            return Err(bad_value("server.max_connections", "must be at least 1"));
         }
         Ok(())
     }
@@ -367,17 +373,26 @@ impl DeploymentSettings {
     /// Checks what parsing cannot (discovery names, intervals), naming the key of a bad value.
     pub fn validate(&self) -> Result<()> {
         if self.cluster_token.is_some() && self.cluster_token_file.is_some() {
-            bail!("set deployment.cluster_token or deployment.cluster_token_file, not both");
+            return Err(bad_value(
+                "deployment.cluster_token_file",
+                "and deployment.cluster_token are both set: set one",
+            ));
         }
         if let Some(discovery) = &self.discovery {
-            discovery
-                .validate()
-                .map_err(|e| anyhow::anyhow!("deployment.{e}"))?;
+            discovery.validate().map_err(|e| match e {
+                tandem_cluster::ClusterError::BadConfig { key, message } => {
+                    bad_value(format!("deployment.{key}"), format!("is wrong: {message}"))
+                }
+                other => anyhow::anyhow!("deployment.{other}"),
+            })?;
         }
         for (role, section) in [("prefill", &self.prefill), ("decode", &self.decode)] {
             if let Some(p) = section.as_ref().and_then(|r| r.mps_thread_percentage) {
                 if !(1..=100).contains(&p) {
-                    bail!("deployment.{role}.mps_thread_percentage is {p}: give a percent from 1 to 100");
+                    return Err(bad_value(
+                        format!("deployment.{role}.mps_thread_percentage"),
+                        format!("is {p}: give a percent from 1 to 100"),
+                    ));
                 }
             }
         }
@@ -448,7 +463,18 @@ impl Settings {
                 path.display()
             );
         }
-        Self::from_yaml(&text).with_context(|| format!("in config file {}", path.display()))
+        let settings = Self::from_yaml(&text)
+            .and_then(|s| {
+                // The checks `resolved` makes again after the flags, here so a bad value gets its line.
+                s.server.validate()?;
+                if let Some(d) = &s.deployment {
+                    d.validate()?;
+                }
+                Ok(s)
+            })
+            .map_err(|e| with_line(&text, e))
+            .with_context(|| format!("in config file {}", path.display()))?;
+        Ok(settings)
     }
 
     /// The settings of one colocated engine: the file, then the flags over it (a `pd` deployment is the
@@ -581,6 +607,45 @@ pub fn parse_settings<T: DeserializeOwned + Serialize + Default>(text: &str) -> 
         if count == 1 { "" } else { "s" },
         problems.join("\n  ")
     )
+}
+
+/// A value parsing accepted and a check refused, by the full path of its key, so that a config file's
+/// error can say where the key stands (`Settings::load`).
+#[derive(Debug)]
+pub struct BadValue {
+    /// The full key path, e.g. `server.max_connections`.
+    pub key: String,
+    /// What is wrong, continuing the sentence after the key.
+    pub message: String,
+}
+
+impl std::fmt::Display for BadValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.key, self.message)
+    }
+}
+
+impl std::error::Error for BadValue {}
+
+/// A [`BadValue`] error.
+fn bad_value(key: impl Into<String>, message: impl Into<String>) -> anyhow::Error {
+    BadValue {
+        key: key.into(),
+        message: message.into(),
+    }
+    .into()
+}
+
+/// `e` with the line and column of its key in `text` in front, when it is a [`BadValue`] found there.
+fn with_line(text: &str, e: anyhow::Error) -> anyhow::Error {
+    let Some(bad) = e.downcast_ref::<BadValue>() else {
+        return e;
+    };
+    let path: Vec<String> = bad.key.split('.').map(str::to_owned).collect();
+    match located(text, &path, Node::Value) {
+        at if at.is_empty() => e,
+        at => anyhow::anyhow!("{at}{bad}"),
+    }
 }
 
 /// Which node of a key path [`locate`] finds: the last key itself, or the value it holds.
@@ -1231,6 +1296,33 @@ mod tests {
         .unwrap();
         let err = resolved(&Settings::default(), &CudaSection::default(), both).unwrap_err();
         assert!(format!("{err:#}").contains("cluster_token_file"), "{err:#}");
+    }
+
+    #[test]
+    fn a_value_a_check_refuses_names_its_line_in_the_file() {
+        let dir = std::env::temp_dir().join(format!("tandem-config-lines-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cases = [
+            (
+                "server:\n  port: 9000\n  max_connections: 0\n",
+                "line 3, column 20: server.max_connections must be at least 1",
+            ),
+            (
+                "deployment:\n  mode: pd\n  decode:\n    replicas: 1\n    mps_thread_percentage: 250\n",
+                "line 5, column 28: deployment.decode.mps_thread_percentage is 250",
+            ),
+            (
+                "deployment:\n  mode: pd\n  discovery: {mode: dns, decode: \"d:1\", interval_secs: -1}\n",
+                "line 3, column 56: deployment.discovery.interval_secs is wrong",
+            ),
+        ];
+        for (i, (yaml, want)) in cases.into_iter().enumerate() {
+            let path = dir.join(format!("c{i}.yaml"));
+            std::fs::write(&path, yaml).unwrap();
+            let err = format!("{:#}", Settings::load(&path).unwrap_err());
+            assert!(err.contains(want), "{err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
