@@ -468,11 +468,12 @@ async fn unknown_model_is_404_and_queue_full_is_503() {
         StatusCode::OK
     );
     backend.stopped.store(true, Ordering::SeqCst);
-    assert_error(
-        &send(&app, "GET", "/health", None, &[]).await,
-        StatusCode::SERVICE_UNAVAILABLE,
-        None,
-    );
+    // Not ready: the /health body's own shape, saying why.
+    let r = send(&app, "GET", "/health", None, &[]).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["status"], "unavailable", "{v}");
+    assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
 }
 
 #[tokio::test]

@@ -81,9 +81,43 @@ where
 }
 
 /// JSON of a response object; our types always serialize, so a failure is a bug worth surfacing loudly.
+/// U+0085, U+2028 and U+2029 are escaped: JSON allows them raw in strings, but clients that split an
+/// event stream the way Python's `str.splitlines` does (httpx's `iter_lines`) break a line at them and
+/// then read half an event.
 pub fn to_json<T: serde::Serialize>(value: &T) -> String {
-    serde_json::to_string(value).unwrap_or_else(|e| {
+    let json = serde_json::to_string(value).unwrap_or_else(|e| {
         tracing::error!(error = %e, "failed to serialize a response chunk");
         String::from("{}")
-    })
+    });
+    if !json.contains(['\u{85}', '\u{2028}', '\u{2029}']) {
+        return json;
+    }
+    // Outside strings JSON is ASCII, so these characters stand inside strings, where an escape is equal.
+    let mut out = String::with_capacity(json.len() + 16);
+    for c in json.chars() {
+        match c {
+            '\u{85}' | '\u{2028}' | '\u{2029}' => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn line_separators_inside_strings_are_escaped_and_the_value_is_unchanged() {
+        let v = serde_json::json!({"text": "a\u{85}b\u{2028}c\u{2029}d\ne", "n": 1});
+        let json = to_json(&v);
+        assert_eq!(json.lines().count(), 1, "{json}");
+        assert!(!json.contains(['\u{85}', '\u{2028}', '\u{2029}']), "{json}");
+        assert!(
+            json.contains("\\u0085") && json.contains("\\u2028"),
+            "{json}"
+        );
+        let back: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, v);
+    }
 }
