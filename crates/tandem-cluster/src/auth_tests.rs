@@ -23,7 +23,14 @@ fn ingress(key: Option<ClusterKey>) -> Ingress {
         local_prefill_threshold: BLOCK,
         ..RoutingConfig::default()
     };
-    Ingress::new(routing, TimeoutConfig::default(), Some("mock".into()), key).unwrap()
+    Ingress::new(
+        routing,
+        TimeoutConfig::default(),
+        Some("mock".into()),
+        key,
+        tandem_api::ServeLimits::default().header_read_timeout,
+    )
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

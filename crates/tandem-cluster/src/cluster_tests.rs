@@ -113,7 +113,14 @@ pub(crate) fn ingress(threshold: usize) -> Ingress {
         local_prefill_threshold: threshold,
         ..RoutingConfig::default()
     };
-    Ingress::new(routing, TimeoutConfig::default(), Some("mock".into()), None).unwrap()
+    Ingress::new(
+        routing,
+        TimeoutConfig::default(),
+        Some("mock".into()),
+        None,
+        tandem_api::ServeLimits::default().header_read_timeout,
+    )
+    .unwrap()
 }
 
 /// An ingress (local-prefill threshold `threshold`) with `workers` registered, in order.
@@ -907,4 +914,45 @@ async fn another_process_at_a_known_address_gets_no_work_before_its_handshake() 
     ingress.poll_once().await;
     assert!(ingress.routable(Role::Decode).is_empty());
     task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_never_meet_a_connection_the_worker_is_closing_for_idleness() {
+    // A worker listener that closes connections idle for 60 ms, and requests sent at about that idle
+    // age: with the client's default 90 s pool idle timeout about one in eight failed.
+    let idle_close = Duration::from_millis(60);
+    let limits = tandem_api::ServeLimits {
+        header_read_timeout: idle_close,
+        ..tandem_api::ServeLimits::default()
+    };
+    let router = axum::Router::new().route("/x", axum::routing::post(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/x", listener.local_addr().unwrap());
+    tokio::spawn(tandem_api::serve_router(
+        listener,
+        router,
+        limits,
+        std::future::pending(),
+    ));
+    let ingress = Ingress::new(
+        RoutingConfig::default(),
+        TimeoutConfig::default(),
+        Some("mock".into()),
+        None,
+        idle_close,
+    )
+    .unwrap();
+    let mut failed = Vec::new();
+    for i in 0..150u64 {
+        if let Err(e) = ingress.inner.http.post(&url).body("a").send().await {
+            failed.push(format!("{e:?}"));
+        }
+        tokio::time::sleep(Duration::from_micros(57_000 + (i % 7) * 1_000)).await;
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of 150 failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
 }

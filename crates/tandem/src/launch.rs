@@ -166,6 +166,7 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
         timeouts,
         Some(loaded.identity.0.clone()),
         cluster_key,
+        settings.server.listen.limits().header_read_timeout,
     )?;
     match tandem_engine::GuideEnv::new(
         &loaded.tokenizer.token_pieces(),
