@@ -333,6 +333,9 @@ pub struct RoleSettings {
     /// (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` in their environment; without MPS it has no effect): on a GPU
     /// that prefill and decode workers share, prefill held below 100 leaves decode SMs of its own.
     pub mps_thread_percentage: Option<u32>,
+    /// The GPU ordinal of each of these workers, one per replica (`[1]`: decode on GPU 1 while prefill
+    /// keeps GPU 0); unset, every worker of the role runs on `cuda.device`.
+    pub cuda_devices: Option<Vec<usize>>,
 }
 
 /// `deployment:` section, shaped for the P/D work (YAML only).
@@ -393,6 +396,20 @@ impl DeploymentSettings {
                         format!("deployment.{role}.mps_thread_percentage"),
                         format!("is {p}: give a percent from 1 to 100"),
                     ));
+                }
+            }
+            if let Some(role_settings) = section {
+                if let Some(devices) = &role_settings.cuda_devices {
+                    let replicas = role_settings.replicas.unwrap_or(1);
+                    if devices.len() != replicas {
+                        return Err(bad_value(
+                            format!("deployment.{role}.cuda_devices"),
+                            format!(
+                                "lists {} GPUs for {replicas} replicas: give one ordinal per replica",
+                                devices.len()
+                            ),
+                        ));
+                    }
                 }
             }
         }

@@ -9,14 +9,14 @@ use std::process::Command;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use tandem_api::{ApiConfig, AppState};
 use tandem_cluster::{DiscoveryMode, DnsResolver, Ingress, Role};
 use tandem_model::LoadOptions;
 use tracing::{info, warn};
 
 use crate::config::{
-    overlay, DeploymentSettings, EngineSettings, ListenSettings, RoleSettings, Settings,
+    overlay, DeploymentSettings, Device, EngineSettings, ListenSettings, RoleSettings, Settings,
 };
 use crate::cuda_settings::CudaSection;
 use crate::process::{resolve_model, shutdown_signal, Children, WORKER_READY_PREFIX};
@@ -48,6 +48,25 @@ fn worker_settings(
         engine,
         cuda: CudaSection::default(),
     }
+}
+
+/// GPU ordinals for a role whose workers run on the CPU are a mistake to say, not to ignore.
+fn check_placement(role: Role, section: &RoleSettings, engine: &EngineSettings) -> Result<()> {
+    if section.cuda_devices.is_some() && engine.device != Some(Device::Cuda) {
+        bail!(
+            "deployment.{role}.cuda_devices is set but these workers run on the CPU: set engine.device: cuda"
+        );
+    }
+    Ok(())
+}
+
+/// Worker `index`'s CUDA settings: the deployment's, on its role's `cuda_devices[index]` when listed.
+fn replica_cuda(cuda: &CudaSection, role: &RoleSettings, index: usize) -> CudaSection {
+    let mut own = cuda.clone();
+    if let Some(&ordinal) = role.cuda_devices.as_ref().and_then(|d| d.get(index)) {
+        own.device = Some(ordinal);
+    }
+    own
 }
 
 /// The command line of one worker: its settings whole as one JSON argument, and its role's share of
@@ -122,9 +141,10 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
                 .unwrap_or(&EngineSettings::default()),
             &flags.engine,
         ])?;
+        check_placement(role, section, &engine)?;
         for i in 0..replicas {
             let mut worker = worker_settings(&model_path, role, i, engine.clone(), &dep);
-            worker.cuda = cuda.clone();
+            worker.cuda = replica_cuda(&cuda, section, i);
             worker.listen = settings.server.listen.clone();
             worker.metrics_need_token = settings.probes_need_key();
             pending.push(spawn_worker(&mut children, &exe, &worker, section)?);
@@ -267,6 +287,48 @@ mod tests {
         };
         assert_eq!(env(&held).as_deref(), Some("40"));
         assert_eq!(env(&RoleSettings::default()), None);
+    }
+
+    #[test]
+    fn each_replica_reaches_its_listed_gpu_and_unlisted_roles_keep_the_deployments() {
+        let dep = DeploymentSettings::default();
+        let cuda = CudaSection {
+            device: Some(0),
+            pipeline_devices: Some(vec![2, 3]),
+            ..CudaSection::default()
+        };
+        let decode = RoleSettings {
+            replicas: Some(2),
+            cuda_devices: Some(vec![1, 4]),
+            ..RoleSettings::default()
+        };
+        let seen = |role: &RoleSettings, i: usize| {
+            let mut doc = worker_settings(
+                Path::new("m.gguf"),
+                Role::Decode,
+                i,
+                EngineSettings::default(),
+                &dep,
+            );
+            doc.cuda = replica_cuda(&cuda, role, i);
+            as_worker_sees_it(&doc).cuda
+        };
+        assert_eq!(seen(&decode, 0).device, Some(1));
+        assert_eq!(seen(&decode, 1).device, Some(4));
+        assert_eq!(seen(&decode, 1).pipeline_devices, Some(vec![2, 3]));
+        assert_eq!(seen(&RoleSettings::default(), 1).device, Some(0));
+
+        let on = |device| EngineSettings {
+            device,
+            ..EngineSettings::default()
+        };
+        assert!(check_placement(Role::Decode, &decode, &on(Some(Device::Cuda))).is_ok());
+        let err = check_placement(Role::Decode, &decode, &on(None)).unwrap_err();
+        assert!(
+            err.to_string().contains("deployment.decode.cuda_devices"),
+            "{err}"
+        );
+        assert!(check_placement(Role::Decode, &RoleSettings::default(), &on(None)).is_ok());
     }
 
     #[test]

@@ -362,6 +362,33 @@ fn an_mps_share_outside_1_to_100_is_refused_naming_its_key() {
 }
 
 #[test]
+fn cuda_devices_name_one_gpu_per_replica() {
+    for (yaml, ok) in [
+        ("{replicas: 2, cuda_devices: [1, 2]}", true),
+        ("{cuda_devices: [1]}", true),
+        ("{cuda_devices: [0, 1]}", false),
+        ("{replicas: 3, cuda_devices: [1, 2]}", false),
+        ("{replicas: 0, cuda_devices: [1]}", false),
+    ] {
+        let doc = format!("deployment: {{mode: pd, decode: {yaml}}}\n");
+        let r = resolved(
+            &Settings::default(),
+            &CudaSection::default(),
+            Settings::from_yaml(&doc).unwrap(),
+        );
+        match r {
+            Ok(_) => assert!(ok, "{yaml} accepted"),
+            Err(e) => {
+                let msg = format!("{e:#}");
+                assert!(!ok, "{yaml}: {msg}");
+                assert!(msg.contains("deployment.decode.cuda_devices"), "{msg}");
+                assert!(msg.contains("one ordinal per replica"), "{msg}");
+            }
+        }
+    }
+}
+
+#[test]
 fn listener_limits_are_server_keys_and_flags_checked_and_resolved() {
     let file = Settings::from_yaml(
         "server: {port: 9000, header_read_timeout_secs: 2, max_connections: 64}\n",
