@@ -15,6 +15,7 @@
 # MPS=1 runs everything under an NVIDIA MPS control daemon started for the run (and stopped after it), so
 # that the two P/D processes share the GPU's SMs at once instead of taking turns in time slices.
 # PREFILL_SM=N (with MPS=1) holds the prefill worker to N% of the SMs (deployment.prefill.mps_thread_percentage).
+# DECODE_GPU=N puts the 1P1D decode worker on GPU N (deployment.decode.cuda_devices), prefill staying on GPU 0.
 # Results: $OUT/pd_bench.jsonl (one `tandem bench --output` row per run, tagged) and $OUT/pd_summary.md;
 # with TRANSPORT=nixl or auto also $OUT/kv_rates.txt: the rate of every large pull, from the workers' debug lines
 # (NIXL: first layer announced to last READ done; tcp: the whole pull).
@@ -129,6 +130,7 @@ pd_yaml() { # kv_transfer keys: 1P1D, both workers on GPU 0 with half the coloca
   printf '%s\n' "engine: {device: cuda, kv_cache_memory: 24GiB, max_num_seqs: 256, max_waiting: 4096}" \
     "deployment:" "  mode: pd" "  kv_transfer: {$1}"
   [ -n "${PREFILL_SM:-}" ] && printf '%s\n' "  prefill: {mps_thread_percentage: $PREFILL_SM}"
+  [ -n "${DECODE_GPU:-}" ] && printf '%s\n' "  decode: {cuda_devices: [$DECODE_GPU]}"
   true
 }
 
