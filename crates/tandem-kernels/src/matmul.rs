@@ -267,15 +267,17 @@ fn uses_q4_1_pairs(dt: DType, level: Isa) -> bool {
 
 /// Fills `dxt`/`sxt`, the block-major copies of the activation scales of `m` rows of `nb` blocks.
 fn transpose_scales(s: &mut MatmulScratch, m: usize, nb: usize) {
-    let n = m * nb + 4;
+    let n = m * nb;
     for v in [&mut s.dxt, &mut s.sxt] {
-        v.clear();
-        v.resize(n, 0.0);
+        v.resize(n + 4, 0.0);
+        v[n..].fill(0.0);
     }
-    for t in 0..m {
-        for b in 0..nb {
-            s.dxt[b * m + t] = s.dx[t * nb + b];
-            s.sxt[b * m + t] = s.sx[t * nb + b];
+    // Block-outer: the writes run sequentially; the strided reads stay within a few cached lines per row.
+    for b in 0..nb {
+        let (dxt, sxt) = (&mut s.dxt[b * m..][..m], &mut s.sxt[b * m..][..m]);
+        for t in 0..m {
+            dxt[t] = s.dx[t * nb + b];
+            sxt[t] = s.sx[t * nb + b];
         }
     }
 }
