@@ -159,13 +159,10 @@ pub(crate) fn pack_q4_1_pairs(bytes: &[u8], rows: usize, cols: usize) -> Vec<u8>
         for (b, blk) in row.chunks_exact(20).enumerate() {
             let dst = &mut out[(pair * nbp + b / 2) * Q4_1_PAIR_BYTES..][..Q4_1_PAIR_BYTES];
             let shift = 4 * (b % 2);
-            for k in 0..32 {
-                let q = if k < 16 {
-                    blk[4 + k] & 0x0F
-                } else {
-                    blk[4 + k - 16] >> 4
-                };
-                dst[32 * half + k] |= q << shift;
+            let (lo, hi) = dst[32 * half..32 * half + 32].split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&blk[4..20]) {
+                *l |= (q & 0x0F) << shift;
+                *h |= (q >> 4) << shift;
             }
             // Scales: f16 slot (4 · row-in-pair + 2 · is-min + block-in-pair).
             for (j, src) in [0usize, 2].into_iter().enumerate() {
