@@ -1,12 +1,14 @@
 //! Times one layer's kernels of a prefill on the default model's shapes (SmolLM2-135M: hidden 576, 9 query
 //! and 3 KV heads of 64, ffn 1536; Q4_1 weights) by category — quantized matmuls (activation quantization
 //! included), activation quantization alone, attention — so the share of each in a prefill can be read
-//! without a profiler, and kernel changes can be A/B timed in isolation.
+//! without a profiler, and kernel changes can be A/B timed in isolation; also the Q8_0 output head for one row
+//! (a decode step's largest matmul).
 //!
-//! `TANDEM_KERNELS=avx2 cargo run --release -p tandem-kernels --example prefill_ops -- [TOKENS] [REPS] [THREADS]`
-//! (defaults 512, 20, 2). Prints the minimum over the repetitions of each category (ms per layer; with one
-//! thread, CPU time of the calling thread, steadier on a loaded machine) and a hash of all outputs so that
-//! two builds can be checked for bit-identical results.
+//! `TANDEM_KERNELS=avx2 cargo run --release -p tandem-kernels --example prefill_ops -- [TOKENS] [REPS] [THREADS]
+//! [DECODE_LAYERS]` (defaults 512, 20, 2, 0). Prints the minimum over the repetitions of each category (ms
+//! per layer; with one thread, CPU time of the calling thread, steadier on a loaded machine) and a hash of all
+//! outputs so that two builds can be checked for bit-identical results. DECODE_LAYERS > 0 adds a decode step's
+//! matmuls over that many distinct layers and the head (one row, weights streamed from memory; the model has 30).
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -29,12 +31,16 @@ fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
 }
 
 fn matrix(rows: usize, cols: usize, seed: u64) -> Matrix {
+    matrix_of(DType::Q4_1, rows, cols, seed)
+}
+
+fn matrix_of(dt: DType, rows: usize, cols: usize, seed: u64) -> Matrix {
     let w = rand_vec(rows * cols, seed);
     let mut bytes = Vec::new();
     for r in w.chunks_exact(cols) {
-        quantize_row(DType::Q4_1, r, &mut bytes);
+        quantize_row(dt, r, &mut bytes);
     }
-    Matrix::new(DType::Q4_1, rows, cols, WeightBytes::Owned(Arc::new(bytes))).expect("sizes")
+    Matrix::new(dt, rows, cols, WeightBytes::Owned(Arc::new(bytes))).expect("sizes")
 }
 
 /// `struct timespec` of 64-bit Linux.
@@ -148,17 +154,59 @@ fn main() {
         paged_attention(&pool, &p, &qa, &kv, &seq, &mut att)
     });
 
+    // The output head (Q8_0, tied to the 49152-token embedding) for one row: the logits of a prefill's
+    // last token or of a decode step.
+    let head_w = matrix_of(DType::Q8_0, 49152, h, 13);
+    let mut logits = vec![0f32; 49152];
+    let head = best(reps, cpu, || {
+        matmul(&pool, &head_w, &x[..h], 1, &mut logits, &mut s)
+    });
+
+    // A whole decode step's matmuls with weights that do not stay in cache: `LAYERS` distinct layers (the
+    // model has 30) then the head, one activation row, the way a single-stream decode streams its weights.
+    let layers = arg(3, 0);
+    let step = (layers > 0).then(|| {
+        let ws: Vec<[Matrix; 7]> = (0..layers as u64)
+            .map(|l| {
+                let sd = 100 + 7 * l;
+                [
+                    matrix(nh * hd, h, sd),
+                    matrix(nkv * hd, h, sd + 1),
+                    matrix(nkv * hd, h, sd + 2),
+                    matrix(h, nh * hd, sd + 3),
+                    matrix(f, h, sd + 4),
+                    matrix(f, h, sd + 5),
+                    matrix(h, f, sd + 6),
+                ]
+            })
+            .collect();
+        best(reps, cpu, || {
+            for [wq, wk, wv, wo, wg, wu, wd] in &ws {
+                let (q, k, v) = (&mut q[..nh * hd], &mut k[..nkv * hd], &mut v[..nkv * hd]);
+                matmul_fused(&pool, [wq, wk, wv], &x[..h], 1, [q, k, v], &mut s);
+                matmul(&pool, wo, &x[..h], 1, &mut o[..h], &mut s);
+                let (g, u) = (&mut g[..f], &mut u[..f]);
+                matmul_fused(&pool, [wg, wu], &x[..h], 1, [g, u], &mut s);
+                matmul(&pool, wd, &xf[..f], 1, &mut o[..h], &mut s);
+            }
+            matmul(&pool, &head_w, &x[..h], 1, &mut logits, &mut s);
+        })
+    });
+
     let mut hash = std::collections::hash_map::DefaultHasher::new();
-    for out in [&q, &k, &v, &o, &g, &u, &o1, &att] {
+    for out in [&q, &k, &v, &o, &g, &u, &o1, &att, &logits] {
         out.iter().for_each(|x| x.to_bits().hash(&mut hash));
     }
     let mm = qkv + proj + gate_up + down;
     println!(
         "kernels {:?}, m={m}, {threads} threads, {} ms per layer (min of {reps}): qkv {qkv:.3} wo {proj:.3} \
          gate/up {gate_up:.3} down {down:.3} = matmuls {mm:.3} (act. quantization of one 1536-wide \
-         input ≈ {quant:.3}); attention {attn:.3}; hash {:016x}",
+         input ≈ {quant:.3}); attention {attn:.3}; head (1 row) {head:.3}; hash {:016x}",
         tandem_kernels::isa(),
         if cpu { "CPU" } else { "wall" },
         hash.finish()
     );
+    if let Some(step) = step {
+        println!("decode step, {layers} layers + head, weights not cached: {step:.3} ms");
+    }
 }

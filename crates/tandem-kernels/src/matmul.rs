@@ -20,6 +20,8 @@ pub struct MatmulScratch {
     dx: Vec<f32>,
     sx: Vec<f32>,
     bsums: Vec<i16>,
+    dxt: Vec<f32>,
+    sxt: Vec<f32>,
 }
 
 /// Quantized activations of `m` rows, borrowed from the scratch; the row stride is implied by `cols`.
@@ -33,6 +35,11 @@ pub(crate) struct QuantActs<'a> {
     pub sx: &'a [f32],
     /// Q8_K style only: sum of quants per 16 elements, `m * cols / 16`.
     pub bsums: &'a [i16],
+    /// AVX2 Q4_1 kernel only: `dx` block-major (`[b * m + t]`) so the scales of consecutive activation
+    /// rows of a block are one load; 4 zeros of padding at the end.
+    pub dxt: &'a [f32],
+    /// AVX2 Q4_1 kernel only: `sx` block-major like `dxt`.
+    pub sxt: &'a [f32],
 }
 
 /// Shared pointer to the output so tasks can write disjoint parts of it.
@@ -55,6 +62,8 @@ pub(crate) struct Job<'a> {
     pub w: &'a Matrix,
     pub x: &'a [f32],
     pub acts: QuantActs<'a>,
+    /// The weight's repacked bytes where the kernel reads those (`Matrix::q4_1_pairs`), else empty.
+    pub pairs: &'a [u8],
     pub out: OutPtr,
 }
 
@@ -195,17 +204,24 @@ fn matmul_parts_with<const N: usize>(
         return;
     }
     prepare_acts(pool, ws[0].dtype(), x, m, cols, scratch, simd);
+    let pairs = uses_q4_1_pairs(ws[0].dtype(), level);
+    if pairs {
+        transpose_scales(scratch, m, cols / 32);
+    }
     let acts = QuantActs {
         qx: &scratch.qx,
         dx: &scratch.dx,
         sx: &scratch.sx,
         bsums: &scratch.bsums,
+        dxt: &scratch.dxt,
+        sxt: &scratch.sxt,
     };
     let mut outs = outs;
     let jobs: [Job; N] = std::array::from_fn(|p| Job {
         w: ws[p],
         x,
         acts,
+        pairs: if pairs { ws[p].q4_1_pairs() } else { &[] },
         out: OutPtr(outs[p].as_mut_ptr()),
     });
     let kernels: [RangeKernel; N] = std::array::from_fn(|p| select_kernel(ws[p].dtype(), level));
@@ -242,6 +258,28 @@ fn matmul_parts_with<const N: usize>(
         kernels[p](&jobs[p], r, ms);
     };
     pool.run(total, &run_task);
+}
+
+/// Whether `dt` at `level` runs the AVX2 kernel of repacked Q4_1 weights ([`crate::quant::pack_q4_1_pairs`]).
+fn uses_q4_1_pairs(dt: DType, level: Isa) -> bool {
+    cfg!(target_arch = "x86_64") && dt == DType::Q4_1 && level == Isa::Avx2
+}
+
+/// Fills `dxt`/`sxt`, the block-major copies of the activation scales of `m` rows of `nb` blocks.
+fn transpose_scales(s: &mut MatmulScratch, m: usize, nb: usize) {
+    let n = m * nb;
+    for v in [&mut s.dxt, &mut s.sxt] {
+        v.resize(n + 4, 0.0);
+        v[n..].fill(0.0);
+    }
+    // Block-outer: the writes run sequentially; the strided reads stay within a few cached lines per row.
+    for b in 0..nb {
+        let (dxt, sxt) = (&mut s.dxt[b * m..][..m], &mut s.sxt[b * m..][..m]);
+        for t in 0..m {
+            dxt[t] = s.dx[t * nb + b];
+            sxt[t] = s.sx[t * nb + b];
+        }
+    }
 }
 
 fn prepare_acts(
@@ -353,6 +391,9 @@ fn select_kernel(dt: DType, level: Isa) -> RangeKernel {
             if let Some(k) = crate::simd::matmul_kernel_avx512(dt) {
                 return k;
             }
+        }
+        if uses_q4_1_pairs(dt, level) {
+            return crate::simd::matmul_kernel_q4_1_pairs();
         }
         if level >= Isa::Avx2 {
             if let Some(k) = crate::simd::matmul_kernel(dt) {

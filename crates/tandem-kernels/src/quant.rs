@@ -8,7 +8,7 @@
 //! - Q6_K `{u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}`: 16 groups of 16 with an i8 scale each.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use half::{bf16, f16};
 
@@ -122,6 +122,56 @@ pub struct Matrix {
     rows: usize,
     cols: usize,
     data: WeightBytes,
+    /// The AVX2 kernel's repacked copy of Q4_1 weights ([`pack_q4_1_pairs`]), built at most once and
+    /// shared by clones.
+    pairs: PairsCache,
+}
+
+/// Lazily built repacked weight bytes; its `Debug` prints the size only.
+#[derive(Clone, Default)]
+struct PairsCache(Arc<OnceLock<Vec<u8>>>);
+
+impl std::fmt::Debug for PairsCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.get() {
+            Some(v) => write!(f, "PairsCache({} bytes)", v.len()),
+            None => write!(f, "PairsCache(empty)"),
+        }
+    }
+}
+
+/// Bytes of one row pair × block pair of the [`pack_q4_1_pairs`] layout: 2 × 32 nibble bytes + 8 f16 scales.
+pub(crate) const Q4_1_PAIR_BYTES: usize = 80;
+
+/// Repacks Q4_1 rows for the AVX2 kernel, same size as the GGML layout: rows go in pairs (an odd last row
+/// gets a zero partner) and blocks in pairs (an odd last block a zero partner); per row pair, per block pair
+/// (A, B) 80 bytes: for each of the two rows 32 bytes whose byte k holds element k of block A in its low
+/// nibble and element k of block B in its high nibble (one 256-bit load and one mask give a whole block in
+/// element order, where the GGML layout needs a shift, two masks and a lane insert), then the f16 scales
+/// `d0A d0B m0A m0B d1A d1B m1A m1B` (one conversion gives row 0's in the low 128-bit lane, row 1's in the
+/// high). The quants and scales are the GGML ones, so the dot products are unchanged bit for bit.
+pub(crate) fn pack_q4_1_pairs(bytes: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let nb = cols / 32;
+    let (nbp, rb) = (nb.div_ceil(2), nb * 20);
+    let mut out = vec![0u8; rows.div_ceil(2) * nbp * Q4_1_PAIR_BYTES];
+    for (r, row) in bytes.chunks_exact(rb).enumerate().take(rows) {
+        let (pair, half) = (r / 2, r % 2);
+        for (b, blk) in row.chunks_exact(20).enumerate() {
+            let dst = &mut out[(pair * nbp + b / 2) * Q4_1_PAIR_BYTES..][..Q4_1_PAIR_BYTES];
+            let shift = 4 * (b % 2);
+            let (lo, hi) = dst[32 * half..32 * half + 32].split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&blk[4..20]) {
+                *l |= (q & 0x0F) << shift;
+                *h |= (q >> 4) << shift;
+            }
+            // Scales: f16 slot (4 · row-in-pair + 2 · is-min + block-in-pair).
+            for (j, src) in [0usize, 2].into_iter().enumerate() {
+                let at = 64 + 2 * (4 * half + 2 * j + b % 2);
+                dst[at..at + 2].copy_from_slice(&blk[src..src + 2]);
+            }
+        }
+    }
+    out
 }
 
 impl Matrix {
@@ -150,12 +200,26 @@ impl Matrix {
                 got,
             });
         }
-        Ok(Matrix {
+        let m = Matrix {
             dtype,
             rows,
             cols,
             data,
-        })
+            pairs: PairsCache::default(),
+        };
+        // Repack at load time, not in the first forward pass, when the AVX2 kernel will read it.
+        if dtype == DType::Q4_1 && crate::dispatch::isa() == crate::dispatch::Isa::Avx2 {
+            m.q4_1_pairs();
+        }
+        Ok(m)
+    }
+
+    /// The [`pack_q4_1_pairs`] copy of a Q4_1 weight, built on first use (AVX2 kernel only).
+    pub(crate) fn q4_1_pairs(&self) -> &[u8] {
+        debug_assert_eq!(self.dtype, DType::Q4_1);
+        self.pairs
+            .0
+            .get_or_init(|| pack_q4_1_pairs(self.bytes(), self.rows, self.cols))
     }
 
     /// Builds an F32 weight from row-major floats (tests, converted checkpoints).
@@ -171,6 +235,7 @@ impl Matrix {
             rows,
             cols,
             data: WeightBytes::Owned(Arc::new(bytes)),
+            pairs: PairsCache::default(),
         }
     }
 
@@ -220,6 +285,7 @@ impl Matrix {
                 owner,
                 range: base + range.start * rb..base + range.end * rb,
             },
+            pairs: PairsCache::default(),
         }
     }
 
@@ -531,6 +597,44 @@ mod tests {
     pub(crate) fn random_vec(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    /// The AVX2 repacked Q4_1 layout holds every quant and scale of the GGML rows where its kernel reads
+    /// them (odd row and block counts included: their padding partners stay zero), so each element
+    /// decodes from it to the GGML decoder's bits.
+    #[test]
+    fn q4_1_pairs_layout_holds_every_quant_and_scale() {
+        for &(rows, cols) in &[(1, 32), (7, 96), (6, 64), (13, 576)] {
+            let w = crate::matmul::tests::quantized_matrix(DType::Q4_1, rows, cols, 5);
+            let packed = pack_q4_1_pairs(w.bytes(), rows, cols);
+            let nbp = (cols / 32).div_ceil(2);
+            assert_eq!(packed.len(), rows.div_ceil(2) * nbp * Q4_1_PAIR_BYTES);
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                w.dequantize_row(r, &mut row);
+                for (k, &v) in row.iter().enumerate() {
+                    let (b, e) = (k / 32, k % 32);
+                    let at = ((r / 2) * nbp + b / 2) * Q4_1_PAIR_BYTES;
+                    let blk = &packed[at..at + Q4_1_PAIR_BYTES];
+                    let q = (blk[32 * (r % 2) + e] >> (4 * (b % 2))) & 0x0F;
+                    let scale = |j: usize| f16_at(&blk[64 + 2 * (4 * (r % 2) + 2 * j + b % 2)..]);
+                    let (d, m) = (scale(0), scale(1));
+                    assert_eq!(
+                        (q as f32 * d + m).to_bits(),
+                        v.to_bits(),
+                        "{rows}x{cols} [{r}][{k}]"
+                    );
+                }
+            }
+            // Padding: the zero partner row of an odd count, the zero partner block of an odd count.
+            if rows % 2 == 1 {
+                let last = (rows / 2) * nbp * Q4_1_PAIR_BYTES;
+                for q in 0..nbp {
+                    let blk = &packed[last + q * Q4_1_PAIR_BYTES..][..Q4_1_PAIR_BYTES];
+                    assert!(blk[32..64].iter().chain(&blk[72..80]).all(|&b| b == 0));
+                }
+            }
+        }
     }
 
     /// Row slices decode to exactly the corresponding rows of the whole matrix, in every format.

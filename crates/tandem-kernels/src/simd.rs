@@ -30,6 +30,11 @@ pub(crate) fn matmul_kernel(dt: DType) -> Option<RangeKernel> {
     qmatmul::kernel(dt)
 }
 
+/// The AVX2 Q4_1 kernel over the repacked layout of `Matrix::q4_1_pairs` (the job's `pairs`).
+pub(crate) fn matmul_kernel_q4_1_pairs() -> RangeKernel {
+    qmatmul::run_q4_1_pairs
+}
+
 /// The AVX-512 VNNI matmul kernel for `dt`, if one exists; callers must have checked `Isa::Avx512`.
 pub(crate) fn matmul_kernel_avx512(dt: DType) -> Option<RangeKernel> {
     qmatmul512::kernel(dt)

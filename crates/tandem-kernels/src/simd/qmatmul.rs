@@ -14,7 +14,7 @@ use std::ops::Range;
 
 use super::{q32_block_bytes, Q4_0, Q4_1, Q8_0};
 use crate::matmul::{Job, RangeKernel};
-use crate::quant::{f16_at, scale_min_k4, DType};
+use crate::quant::{f16_at, scale_min_k4, DType, Q4_1_PAIR_BYTES};
 
 /// K-quant format tags.
 const Q4K: u8 = 3;
@@ -199,6 +199,176 @@ unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(
     for r in 0..RW {
         for t in 0..MT {
             *out.add(t * out_stride + r) = super::hsum(acc[r][t]) + acc_off[r][t];
+        }
+    }
+}
+
+/// The Q4_1 kernel over the repacked layout of `Matrix::q4_1_pairs` (`job.pairs`): the same per-block
+/// operations and order as [`tile_q32`] (hence llama.cpp's bits), with the block unpack down to one mask
+/// (or shift and mask) per row and block, and the scale products `d_w·d_x` and offset chains `Σ m·s` of a
+/// tile computed 8 (weight row, activation row) pairs per instruction: the activation scales come
+/// block-major (`acts.dxt`, `acts.sxt`) so 4 rows' are one broadcast load.
+pub(crate) fn run_q4_1_pairs(job: &Job, rows: Range<usize>, ms: Range<usize>) {
+    // SAFETY: this kernel is only selected when the CPU has AVX2+FMA+F16C; shapes were checked by matmul,
+    // `job.pairs` is the weight's repacked copy and `acts.dxt`/`acts.sxt` were filled for this input.
+    unsafe { run_q4_1_pairs_impl(job, rows, ms) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_q4_1_pairs_impl(job: &Job, rows: Range<usize>, ms: Range<usize>) {
+    let w = job.w;
+    let (cols, total) = (w.cols(), w.rows());
+    let nb = cols / 32;
+    let pair_bytes = nb.div_ceil(2) * Q4_1_PAIR_BYTES;
+    let a = &job.acts;
+    // Activation rows of the input: `dxt` holds `m * nb` scales and 4 of padding.
+    let m = (a.dxt.len() - 4) / nb;
+    debug_assert!(
+        rows.start.is_multiple_of(2),
+        "row tasks start on a row pair"
+    );
+    debug_assert_eq!(job.pairs.len(), total.div_ceil(2) * pair_bytes);
+    let wp = job.pairs.as_ptr();
+    let args = |i: usize, j: usize| PairTile {
+        w: wp.add(i / 2 * pair_bytes),
+        pair_bytes,
+        nb,
+        m,
+        qx: a.qx.as_ptr().add(j * cols),
+        dxt: a.dxt.as_ptr().add(j),
+        sxt: a.sxt.as_ptr().add(j),
+        cols,
+        out: job.out.0.add(j * total + i),
+        out_stride: total,
+        valid: rows.end - i,
+    };
+    let mut j = ms.start;
+    while j + 4 <= ms.end {
+        for i in rows.clone().step_by(2) {
+            tile_q4_1_pairs::<1, 4>(&args(i, j));
+        }
+        j += 4;
+    }
+    while j < ms.end {
+        let mut i = rows.start;
+        while i + 4 <= rows.end {
+            tile_q4_1_pairs::<2, 1>(&args(i, j));
+            i += 4;
+        }
+        while i < rows.end {
+            tile_q4_1_pairs::<1, 1>(&args(i, j));
+            i += 2;
+        }
+        j += 1;
+    }
+}
+
+/// Where a [`tile_q4_1_pairs`] reads and writes.
+struct PairTile {
+    /// First row pair of the tile in the repacked weight.
+    w: *const u8,
+    /// Bytes of one row pair.
+    pair_bytes: usize,
+    /// Blocks per row.
+    nb: usize,
+    /// Activation rows of the input (the block stride of `dxt`, `sxt`).
+    m: usize,
+    /// First activation row's quants.
+    qx: *const i8,
+    /// First activation row's block-0 scale in the block-major scales (`sxt` likewise).
+    dxt: *const f32,
+    sxt: *const f32,
+    /// Elements per row (the stride of `qx`).
+    cols: usize,
+    /// out[first activation row][first weight row].
+    out: *mut f32,
+    out_stride: usize,
+    /// Weight rows from the tile's first to the end of the task (an odd total leaves a padding row).
+    valid: usize,
+}
+
+/// out[t][r] for `P` row pairs × `MT` activation rows of the repacked Q4_1 layout.
+#[inline(always)]
+unsafe fn tile_q4_1_pairs<const P: usize, const MT: usize>(t: &PairTile) {
+    let mut acc = [[[_mm256_setzero_ps(); MT]; 2]; P];
+    let mut off = [_mm256_setzero_ps(); P];
+    for q in 0..t.nb.div_ceil(2) {
+        if MT == 1 {
+            // m = 1 (decode) streams every weight byte once and is bound by memory latency: ask for the
+            // pairs two tiles ahead now (a prefetch past the end is harmless, hence `wrapping_add`).
+            for p in 0..P {
+                let ahead =
+                    t.w.wrapping_add((p + 2 * P) * t.pair_bytes + q * Q4_1_PAIR_BYTES);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast::<i8>());
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast::<i8>());
+            }
+        }
+        block_q4_1_pairs::<P, MT, 0>(t, q, &mut acc, &mut off);
+        if 2 * q + 1 < t.nb {
+            block_q4_1_pairs::<P, MT, 1>(t, q, &mut acc, &mut off);
+        }
+    }
+    for p in 0..P {
+        let mut offs = [0f32; 8];
+        _mm256_storeu_ps(offs.as_mut_ptr(), off[p]);
+        for r in 0..2 {
+            if 2 * p + r >= t.valid {
+                continue;
+            }
+            for (i, a) in acc[p][r].iter().enumerate() {
+                *t.out.add(i * t.out_stride + 2 * p + r) = super::hsum(*a) + offs[4 * r + i];
+            }
+        }
+    }
+}
+
+/// Block `2q + H` of a [`tile_q4_1_pairs`].
+#[inline(always)]
+unsafe fn block_q4_1_pairs<const P: usize, const MT: usize, const H: usize>(
+    t: &PairTile,
+    q: usize,
+    acc: &mut [[[__m256; MT]; 2]; P],
+    off: &mut [__m256; P],
+) {
+    let b = 2 * q + H;
+    let ones = _mm256_set1_epi16(1);
+    let m4 = _mm256_set1_epi8(0x0F);
+    // [d_x or s_x of activation rows 0..4] in both 128-bit lanes.
+    let dx = _mm256_broadcast_ps(&_mm_loadu_ps(t.dxt.add(b * t.m)));
+    let sx = _mm256_broadcast_ps(&_mm_loadu_ps(t.sxt.add(b * t.m)));
+    let mut wq = [[_mm256_setzero_si256(); 2]; P];
+    // Lane 4·r + i: d_w(row r)·d_x(activation row i), llama.cpp's per-block scale product.
+    let mut prod = [[0f32; 8]; P];
+    for p in 0..P {
+        let base = t.w.add(p * t.pair_bytes + q * Q4_1_PAIR_BYTES);
+        // [d0A d0B m0A m0B | d1A d1B m1A m1B]: row 0's scales in the low lane, row 1's in the high.
+        let sc = _mm256_cvtph_ps(_mm_loadu_si128(base.add(64).cast()));
+        let (dw, mw) = if H == 0 {
+            (_mm256_permute_ps::<0x00>(sc), _mm256_permute_ps::<0xAA>(sc))
+        } else {
+            (_mm256_permute_ps::<0x55>(sc), _mm256_permute_ps::<0xFF>(sc))
+        };
+        _mm256_storeu_ps(prod[p].as_mut_ptr(), _mm256_mul_ps(dw, dx));
+        // llama.cpp's `summs += m·s` (a fused multiply-add) for the 8 (row, activation row) pairs at once.
+        off[p] = _mm256_fmadd_ps(mw, sx, off[p]);
+        for (r, v) in wq[p].iter_mut().enumerate() {
+            let raw = _mm256_loadu_si256(base.add(32 * r).cast());
+            *v = if H == 0 {
+                _mm256_and_si256(raw, m4)
+            } else {
+                _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4)
+            };
+        }
+    }
+    for i in 0..MT {
+        let xv = _mm256_loadu_si256(t.qx.add(i * t.cols + 32 * b).cast());
+        for p in 0..P {
+            for r in 0..2 {
+                let dot =
+                    _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wq[p][r], xv), ones));
+                let d = _mm256_broadcast_ss(&prod[p][4 * r + i]);
+                acc[p][r][i] = _mm256_fmadd_ps(dot, d, acc[p][r][i]);
+            }
         }
     }
 }
@@ -431,9 +601,9 @@ mod tests {
     use crate::quant::DType;
     use crate::threads::ThreadPool;
 
-    /// The AVX2 kernels of the 32-element formats give the portable dot product's bits (both follow
-    /// llama.cpp's order) for every tile shape and tail: groups of 4 activation rows and single rows,
-    /// odd weight-row counts, one and many blocks.
+    /// The AVX2 kernels of the 32-element formats (Q4_1's on the repacked layout) give the portable dot
+    /// product's bits (both follow llama.cpp's order) for every tile shape and tail: groups of 4
+    /// activation rows and single rows, odd weight-row and block counts, one and many blocks.
     #[test]
     fn avx2_q32_kernels_equal_portable_bitwise() {
         if cpu_isa() < Isa::Avx2 {
