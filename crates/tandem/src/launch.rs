@@ -167,6 +167,7 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
         Some(loaded.identity.0.clone()),
         cluster_key,
     )?;
+    ingress.assume_max_model_len(loaded.config.max_position_embeddings);
     match tandem_engine::GuideEnv::new(
         &loaded.tokenizer.token_pieces(),
         &loaded.config.eos_token_ids,
