@@ -15,7 +15,9 @@ use libfuzzer_sys::fuzz_target;
 use tandem_kv::wire::{FrameHeader, FrameKind};
 use tandem_model::Partition;
 use tandem_pipeline::link::{StageClient, StageHello};
-use tandem_pipeline::{serve_stage, Activations, CpuStage, StageServer, StageTimeouts};
+use tandem_pipeline::{
+    serve_stage, Activations, CpuStage, StageServer, StageServing, StageTimeouts,
+};
 
 /// The served stage and the hello frame (header and body) of a client that matches it.
 struct Served {
@@ -35,6 +37,7 @@ fn served() -> &'static Served {
             layer_start: part.layers.start,
             layer_end: part.layers.end,
             hidden_size: m.config.hidden_size,
+            vocab_size: m.config.vocab_size,
             activations: Activations::F32,
             block_size: 4,
             num_blocks: 64,
@@ -48,8 +51,18 @@ fn served() -> &'static Served {
             1,
             2,
             listener,
-            Duration::from_secs(1),
-            None,
+            StageServing {
+                io: Duration::from_secs(1),
+                // The whole model's KV at the client's 64 blocks of 4 tokens, f32.
+                kv_cache_bytes: 64
+                    * 4
+                    * m.config.num_layers
+                    * 2
+                    * m.config.num_kv_heads
+                    * m.config.head_dim
+                    * 4,
+                key: None,
+            },
         )
         .expect("stage server");
         drop(

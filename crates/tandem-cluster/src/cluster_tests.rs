@@ -956,3 +956,25 @@ async fn requests_never_meet_a_connection_the_worker_is_closing_for_idleness() {
         failed.first()
     );
 }
+
+/// A head whose workers have not registered yet (started first, or restarted) assumes the served
+/// model's context length: with none assumed the API checks prompts against a context of 0 and refuses
+/// every request with a 400 no client retries, where the answer is the 503 of a head with no decode
+/// worker. A registered worker's own limit replaces the assumption.
+#[tokio::test]
+async fn a_head_without_workers_assumes_the_model_context_instead_of_zero() {
+    let ingress = ingress(0);
+    assert_eq!(ingress.max_model_len(), 0, "nothing assumed yet");
+    ingress.assume_max_model_len(1 << 20);
+    assert_eq!(ingress.max_model_len(), 1 << 20);
+    match ingress.submit(1, vec![1, 2, 3], greedy(4)) {
+        Err(tandem_api::BackendError::Unavailable(m)) => {
+            assert!(m.contains("no decode worker"), "{m}")
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("accepted with no worker"),
+    }
+    let d = worker(Role::Decode, BLOCK).await;
+    ingress.register(&d.url).await.unwrap();
+    assert_eq!(ingress.max_model_len(), d.engine.max_model_len());
+}

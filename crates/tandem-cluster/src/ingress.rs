@@ -87,6 +87,8 @@ pub(crate) struct Inner {
     /// Checks guided requests' constraints before routing, so one that does not compile is a 400
     /// up front instead of an error from the prefill worker mid-request.
     pub(crate) guide: std::sync::OnceLock<Arc<tandem_engine::GuideEnv>>,
+    /// The context length to assume while no worker is registered ([`Ingress::assume_max_model_len`]).
+    pub(crate) model_len: std::sync::OnceLock<usize>,
 }
 
 /// The P/D router: a [`GenerateBackend`] over remote workers. Cheap to clone.
@@ -137,6 +139,7 @@ impl Ingress {
                 cluster_key,
                 admission: Admission::default(),
                 guide: std::sync::OnceLock::new(),
+                model_len: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -145,6 +148,14 @@ impl Ingress {
     /// before routing it; set once, at start-up.
     pub fn check_guidance_with(&self, guide: Arc<tandem_engine::GuideEnv>) {
         let _ = self.inner.guide.set(guide);
+    }
+
+    /// The served model's context length, assumed while no worker is registered (a head started before
+    /// its workers, or restarted): without it the API would check prompts against a context of 0 and
+    /// refuse every request with a 400 instead of the 503 "no decode worker" a client retries. Set
+    /// once, at start-up; registered workers' own limits replace it.
+    pub fn assume_max_model_len(&self, len: usize) {
+        let _ = self.inner.model_len.set(len);
     }
 }
 
@@ -695,7 +706,7 @@ impl GenerateBackend for Ingress {
             .iter()
             .map(|w| w.info.max_model_len)
             .min()
-            .unwrap_or(0)
+            .unwrap_or_else(|| self.inner.model_len.get().copied().unwrap_or(0))
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), BackendError>> {

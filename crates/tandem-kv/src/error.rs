@@ -40,6 +40,19 @@ pub enum KvError {
     /// The peer sent bytes that do not follow the wire format.
     #[error("protocol violation: {0}")]
     Protocol(String),
+    /// A peer's reply states a length other than the request implies (a stage's forward reply, a block
+    /// export); refused before anything is allocated, so no peer sizes the reader's buffers.
+    #[error("{peer} answered a {what} of {stated} bytes, expected {expected}")]
+    ReplyLength {
+        /// The peer that sent the reply.
+        peer: std::net::SocketAddr,
+        /// What the reply was for.
+        what: &'static str,
+        /// The length the reply's header states.
+        stated: u64,
+        /// The length the request implies.
+        expected: u64,
+    },
     /// The transfer id is not (or no longer) pinned on the serving worker: released, timed out or never registered.
     #[error("unknown or released transfer {0}")]
     UnknownTransfer(u64),

@@ -12,7 +12,7 @@ use tandem_cpu::CpuBackend;
 use tandem_engine::Backend;
 use tandem_model::{CpuLlama, ForwardBatch, LogitsWanted, Partition};
 use tandem_pipeline::{
-    serve_stage, CpuStage, PipelineBackend, PipelineConfig, StageModel, StageTimeouts,
+    serve_stage, CpuStage, PipelineBackend, PipelineConfig, StageModel, StageServing, StageTimeouts,
 };
 
 const BLOCK: usize = 16;
@@ -94,8 +94,11 @@ fn main() {
         1,
         2,
         l,
-        Duration::from_secs(60),
-        None,
+        StageServing {
+            io: Duration::from_secs(60),
+            kv_cache_bytes: budget,
+            key: None,
+        },
     )
     .unwrap();
     let cfg = PipelineConfig {

@@ -48,7 +48,7 @@ use tandem_model::{ModelError, ModelIdentity, Partition};
 pub use backend::PipelineBackend;
 pub use link::{Activations, StageServer, StageTimeouts};
 pub use model::{CpuStage, StageModel};
-pub use stage::{serve_stage, StageError};
+pub use stage::{serve_stage, StageError, StageServing};
 
 use link::StageHello;
 
@@ -117,6 +117,7 @@ pub(crate) fn hello(
         layer_start: part.layers.start,
         layer_end: part.layers.end,
         hidden_size: model.config().hidden_size,
+        vocab_size: model.config().vocab_size,
         activations: model.activations(),
         block_size,
         num_blocks,

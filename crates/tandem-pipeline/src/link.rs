@@ -8,7 +8,7 @@
 //!   stage it expects (index, count, layer range), the hidden size and the KV pool shape (block size,
 //!   number of blocks); the server compares them with its own and refuses a difference with an `Error`
 //!   frame naming the field ([`KvError::Mismatch`]). A server whose KV pool is not sized yet adopts the
-//!   client's block size and block count.
+//!   client's block size and block count, within its own KV budget (a bigger pool is refused).
 //! - `StageForward` → `StageReply`: the header's `transfer_id` is the request number (echoed in the reply),
 //!   `layer` the length of the JSON [`ForwardBatch`] that starts the payload, and the rest of the payload
 //!   the raw hidden states (tokens × hidden, little-endian, in the stages' [`Activations`] type: f32 on
@@ -28,7 +28,9 @@
 //! a client without the secret is refused, and a client with one refuses a server that does not ask.
 //!
 //! Every read and write is bounded by [`StageTimeouts`]; a closed or silent peer becomes a typed error,
-//! never a hang. A client whose connection failed stays failed ([`StageClient`] docs say why).
+//! never a hang. Every length is bounded before a buffer is sized from it: the server checks a request's
+//! against its pool and the batch, the client a reply's against what it asked for
+//! ([`KvError::ReplyLength`]). A client whose connection failed stays failed ([`StageClient`] docs say why).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -89,6 +91,10 @@ pub struct StageHello {
     pub layer_end: usize,
     /// Width of one hidden-state row.
     pub hidden_size: usize,
+    /// Width of one logits row: a last stage's forward reply is this many f32 per logits row, which the
+    /// client checks before reading it.
+    #[serde(default)]
+    pub vocab_size: usize,
     /// Element type of the hidden states (a CPU stage and a GPU stage do not mix).
     pub activations: Activations,
     /// Tokens per KV block (the engine's block pool is shared by all stages).
@@ -110,6 +116,7 @@ impl StageHello {
         check_field("layer_start", &l.layer_start, &r.layer_start)?;
         check_field("layer_end", &l.layer_end, &r.layer_end)?;
         check_field("hidden_size", &l.hidden_size, &r.hidden_size)?;
+        check_field("vocab_size", &l.vocab_size, &r.vocab_size)?;
         check_field("activations", &l.activations, &r.activations)?;
         check_field("block_size", &l.block_size, &r.block_size)?;
         check_field("num_blocks", &l.num_blocks, &r.num_blocks)
@@ -127,6 +134,23 @@ impl StageHello {
             )));
         }
         Ok(())
+    }
+
+    /// Whether this is the pipeline's last stage (its forward reply is logits rows, not hidden states).
+    pub fn is_last(&self) -> bool {
+        self.stage + 1 == self.stages
+    }
+
+    /// Bytes of this stage's reply to a forward of `batch`: the next stage's hidden states (tokens ×
+    /// hidden × element size), or from the last stage f32 logits rows (logits rows × vocab × 4). Computed
+    /// in u128 so no batch overflows it; a length beyond u64 is no reply any server could send.
+    pub fn forward_reply_len(&self, batch: &ForwardBatch) -> u64 {
+        let n = if self.is_last() {
+            batch.logits_rows() as u128 * self.vocab_size as u128 * 4
+        } else {
+            batch.tokens.len() as u128 * self.hidden_size as u128 * self.activations.bytes() as u128
+        };
+        u64::try_from(n).unwrap_or(u64::MAX)
     }
 }
 
@@ -379,6 +403,8 @@ pub struct StageClient {
     next_id: u64,
     peer: SocketAddr,
     failed: Option<String>,
+    /// The hello this client sent: what it asked for, so it knows every reply's length before reading it.
+    local: StageHello,
     /// The server's hello reply.
     remote: StageHello,
 }
@@ -415,6 +441,7 @@ impl StageClient {
             next_id: 1,
             peer,
             failed: None,
+            local: hello.clone(),
             remote,
         })
     }
@@ -431,7 +458,7 @@ impl StageClient {
 
     fn guarded<T>(
         &mut self,
-        f: impl FnOnce(&mut Conn, u64) -> Result<T, KvError>,
+        f: impl FnOnce(&mut Conn, u64, &Expect) -> Result<T, KvError>,
     ) -> Result<T, KvError> {
         if let Some(why) = &self.failed {
             return Err(KvError::Remote(format!(
@@ -441,7 +468,11 @@ impl StageClient {
         }
         let id = self.next_id;
         self.next_id += 1;
-        let r = f(&mut self.conn, id);
+        let expect = Expect {
+            peer: self.peer,
+            hello: &self.local,
+        };
+        let r = f(&mut self.conn, id, &expect);
         if let Err(e) = &r {
             self.failed = Some(e.to_string());
             let _ = self.conn.stream.shutdown(Shutdown::Both);
@@ -452,8 +483,9 @@ impl StageClient {
     /// Sends `batch` with its hidden states `buf` (tokens × hidden) and replaces `buf` with the reply:
     /// the next stage's hidden states, or the batch's f32 logits rows from the last stage.
     pub fn forward(&mut self, batch: &ForwardBatch, buf: &mut Vec<u8>) -> Result<(), KvError> {
-        self.guarded(|c, id| {
+        self.guarded(|c, id, expect| {
             let len = c.request(id, batch, None, buf)?;
+            expect.len("forward reply", len, expect.hello.forward_reply_len(batch))?;
             c.bytes_payload(len, buf)
         })
     }
@@ -467,14 +499,11 @@ impl StageClient {
         buf: &[u8],
         ids: &mut Vec<u32>,
     ) -> Result<(), KvError> {
-        self.guarded(|c, id| {
+        self.guarded(|c, id, expect| {
             let len = c.request(id, batch, Some(rows), buf)?;
-            if !len.is_multiple_of(4) {
-                return Err(KvError::Protocol(format!(
-                    "token payload of {len} bytes is not a whole number of ids"
-                )));
-            }
-            ids.resize(len as usize / 4, 0);
+            // One drawn token id (u32) per sampling row.
+            expect.len("sampled reply", len, rows.len() as u64 * 4)?;
+            ids.resize(rows.len(), 0);
             c.read_into(bytemuck::cast_slice_mut(ids))
         })
     }
@@ -496,20 +525,13 @@ impl StageClient {
         blocks: &[u32],
         out: &mut [u8],
     ) -> Result<(), KvError> {
-        self.guarded(|c, id| {
+        self.guarded(|c, id, expect| {
             let mut h = FrameHeader::control(FrameKind::StageExport, id, 0);
             h.layer = layer as u32;
             h.n_blocks = blocks.len() as u32;
             c.send(h, &[bytemuck::cast_slice(blocks)])?;
             let r = c.expect(FrameKind::StageBlock)?;
-            if r.payload_len != out.len() as u64 {
-                return Err(KvError::Protocol(format!(
-                    "{} blocks of {} bytes, expected {}",
-                    blocks.len(),
-                    r.payload_len,
-                    out.len()
-                )));
-            }
+            expect.len("block export", r.payload_len, out.len() as u64)?;
             c.read_into(out)
         })
     }
@@ -526,7 +548,7 @@ impl StageClient {
         blocks: &[u32],
         data: &[u8],
     ) -> Result<(), KvError> {
-        self.guarded(|c, id| {
+        self.guarded(|c, id, _| {
             let mut h = FrameHeader::control(FrameKind::StageImport, id, 0);
             h.layer = layer as u32;
             h.n_blocks = blocks.len() as u32;
@@ -537,13 +559,35 @@ impl StageClient {
 
     /// Copies block `src` to `dst` in every layer of the stage.
     pub fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), KvError> {
-        self.guarded(|c, id| {
+        self.guarded(|c, id, _| {
             let mut h = FrameHeader::control(FrameKind::StageCopy, id, 0);
             h.first_block = src;
             h.n_blocks = dst;
             c.send(h, &[])?;
             c.expect(FrameKind::StageOk).map(|_| ())
         })
+    }
+}
+
+/// What a client's request implies about its reply, for [`StageClient::guarded`]'s operations.
+struct Expect<'a> {
+    peer: SocketAddr,
+    hello: &'a StageHello,
+}
+
+impl Expect<'_> {
+    /// Refuses a reply whose header states `stated` bytes where the request implies `expected`, before
+    /// any buffer is sized from it: even an authenticated server could otherwise ask for any allocation.
+    fn len(&self, what: &'static str, stated: u64, expected: u64) -> Result<(), KvError> {
+        if stated != expected {
+            return Err(KvError::ReplyLength {
+                peer: self.peer,
+                what,
+                stated,
+                expected,
+            });
+        }
+        Ok(())
     }
 }
 

@@ -4,8 +4,10 @@
 use std::net::TcpListener;
 use std::time::Duration;
 
+use tandem_kv::ClusterKey;
+
 use tandem_engine::DeviceSampling;
-use tandem_model::{ForwardBatch, ModelError, ModelIdentity, Partition};
+use tandem_model::{ForwardBatch, KvLayout, ModelError, ModelIdentity, Partition};
 
 use crate::link::{StageHandler, StageHello, StageServer};
 use crate::model::StageModel;
@@ -25,6 +27,24 @@ pub enum StageError {
         block_size: usize,
         /// Blocks asked for.
         num_blocks: usize,
+    },
+    /// The worker asked for a bigger pool than the stage's KV budget allows; a client's hello must not
+    /// size the stage's memory past what its operator configured.
+    #[error(
+        "a KV pool of {num_blocks} blocks of {block_size} tokens needs {needs} bytes of the whole model's KV, \
+         more than this stage's budget of {budget} (raise `tandem stage --kv-cache-memory` to the worker's \
+         engine.kv_cache_memory)"
+    )]
+    PoolTooLarge {
+        /// Tokens per block asked for.
+        block_size: usize,
+        /// Blocks asked for.
+        num_blocks: usize,
+        /// Bytes such a pool takes across all layers (what the worker's budget must have held; u128::MAX
+        /// when even that overflows).
+        needs: u128,
+        /// The stage's budget of the whole model's KV, in bytes.
+        budget: usize,
     },
     /// The layer belongs to another stage.
     #[error("layer {layer} is not on stage {stage} (layers {layers:?})")]
@@ -61,6 +81,8 @@ struct Hosted {
     model_id: ModelIdentity,
     stage: usize,
     stages: usize,
+    /// The whole model's KV budget in bytes: the largest pool a worker may size here.
+    kv_cache_bytes: usize,
 }
 
 impl Hosted {
@@ -109,6 +131,22 @@ impl StageHandler for Hosted {
             return Err(StageError::EmptyPool {
                 block_size,
                 num_blocks,
+            });
+        }
+        // Measured against the whole model's KV, as the worker's budget sized its pool
+        // (`KvLayout::for_budget`), so a stage given its worker's budget accepts exactly that pool;
+        // saturating in u128, since two usizes from the wire and the bytes per token overflow even that.
+        let per_token = KvLayout::for_budget(self.model.config(), 1, 0, self.model.kv_dtype())
+            .bytes_per_token();
+        let needs = (num_blocks as u128)
+            .saturating_mul(block_size as u128)
+            .saturating_mul(per_token as u128);
+        if needs > self.kv_cache_bytes as u128 {
+            return Err(StageError::PoolTooLarge {
+                block_size,
+                num_blocks,
+                needs,
+                budget: self.kv_cache_bytes,
             });
         }
         self.model.size_pool(block_size, num_blocks)?;
@@ -172,17 +210,28 @@ impl StageHandler for Hosted {
     }
 }
 
+/// How a stage server serves its link: set by its operator, never by the worker that connects.
+#[derive(Clone)]
+pub struct StageServing {
+    /// Bounds each frame read or write after a request's first frame.
+    pub io: Duration,
+    /// The whole model's KV budget in bytes, as the worker's `kv_cache_bytes`: the largest pool a
+    /// worker's hello may size here (the stage allocates its layers' share of it).
+    pub kv_cache_bytes: usize,
+    /// The cluster secret a worker must prove, if any.
+    pub key: Option<ClusterKey>,
+}
+
 /// Hosts stage `stage` (≥ 1) of `stages` on `listener`: serves `model` (that stage's layers, on any
-/// device) to its worker's link until shut down (only a worker proving `key`, when set). The KV pool is
-/// sized by the first worker that connects.
+/// device) to its worker's link until shut down (only a worker proving `serving.key`, when set). The KV
+/// pool is sized by the first worker that connects, within `serving.kv_cache_bytes`.
 pub fn serve_stage(
     model: Box<dyn StageModel>,
     identity: &ModelIdentity,
     stage: usize,
     stages: usize,
     listener: TcpListener,
-    io: Duration,
-    key: Option<tandem_kv::ClusterKey>,
+    serving: StageServing,
 ) -> Result<StageServer, PipelineError> {
     if stage == 0 {
         return Err(PipelineError::Config(
@@ -203,12 +252,15 @@ pub fn serve_stage(
         model_id: identity.clone(),
         stage,
         stages,
+        kv_cache_bytes: serving.kv_cache_bytes,
     };
     let server =
-        StageServer::start(listener, handler, io, key).map_err(|source| PipelineError::Link {
-            stage,
-            addr: "listener".into(),
-            source,
+        StageServer::start(listener, handler, serving.io, serving.key).map_err(|source| {
+            PipelineError::Link {
+                stage,
+                addr: "listener".into(),
+                source,
+            }
         })?;
     tracing::info!(stage, stages, ?layers, addr = %server.addr(), "pipeline stage serving");
     Ok(server)

@@ -17,6 +17,15 @@ fn budget(m: &LoadedModel) -> usize {
     BLOCKS * c.num_layers * 2 * c.num_kv_heads * BLOCK * c.head_dim * 4
 }
 
+/// A stage server's settings for the test pipelines: `io`, no secret, and exactly their KV budget.
+fn serving(m: &LoadedModel, io: Duration) -> StageServing {
+    StageServing {
+        io,
+        kv_cache_bytes: budget(m),
+        key: None,
+    }
+}
+
 /// Stage `stage` of `stages` of the test model on the CPU, one kernel thread.
 fn cpu_stage(m: &LoadedModel, stage: usize, stages: usize) -> Box<dyn StageModel> {
     let part = tandem_model::Partition::stage(&m.config, stage, stages).unwrap();
@@ -33,8 +42,7 @@ fn servers(m: &LoadedModel, stages: usize) -> Vec<StageServer> {
                 s,
                 stages,
                 l,
-                Duration::from_secs(30),
-                None,
+                serving(m, Duration::from_secs(30)),
             )
             .unwrap()
         })
@@ -239,8 +247,7 @@ fn a_mismatched_stage_is_refused_naming_the_field() {
         1,
         3,
         l,
-        Duration::from_secs(5),
-        None,
+        serving(m, Duration::from_secs(5)),
     )
     .unwrap();
     let cfg = PipelineConfig {
@@ -265,4 +272,46 @@ fn a_mismatched_stage_is_refused_naming_the_field() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("`model_id`"), "{e}");
+}
+
+/// The stage server sizes its KV pool from the first worker's hello, so that hello must not ask for
+/// more than the stage's own budget (`StageServing::kv_cache_bytes`, the whole model's KV as the
+/// worker's): a bigger pool (one block more than the budget, 1,000 times it, and one whose byte count
+/// overflows usize) is refused with an `Error` frame naming the budget before anything is allocated, and
+/// the server stays unsized for a worker that fits. The old server allocated whatever the first client
+/// asked for.
+#[test]
+fn a_pool_beyond_the_stage_budget_is_refused_before_it_is_allocated() {
+    let Some(m) = model() else { return };
+    let srv = servers(m, 2).pop().unwrap();
+    let part = tandem_model::Partition::stage(&m.config, 1, 2).unwrap();
+    let stage1 = cpu_stage(m, 1, 2);
+    let asking = |blocks: usize, block_size: usize| {
+        let h = hello(&*stage1, &m.identity, &part, (1, 2), (block_size, blocks));
+        link::StageClient::connect(srv.addr(), &h, StageTimeouts::default(), None)
+    };
+    for (blocks, block_size) in [
+        (BLOCKS + 1, BLOCK),
+        (BLOCKS * 1000, BLOCK),
+        (usize::MAX / 2, usize::MAX / 2),
+    ] {
+        let e = asking(blocks, block_size).err().unwrap().to_string();
+        assert!(
+            e.contains(&format!("more than this stage's budget of {}", budget(m))),
+            "{e}"
+        );
+    }
+    // Exactly the budget fits (the worker's own sizing of it), and sizes the pool.
+    let addrs = [srv.addr().to_string()];
+    let cfg = PipelineConfig {
+        micro_batches: 0,
+        min_micro_batch_tokens: 1,
+        block_size: BLOCK,
+        kv_cache_bytes: budget(m),
+        timeouts: StageTimeouts::default(),
+        cluster_key: None,
+    };
+    drop(PipelineBackend::connect(cpu_stage(m, 0, 2), &m.identity, &addrs, &cfg).unwrap());
+    let sized = asking(BLOCKS, BLOCK).unwrap();
+    assert_eq!(sized.remote().num_blocks, BLOCKS);
 }

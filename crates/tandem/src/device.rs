@@ -91,6 +91,7 @@ pub fn pipeline_backend(
             cuda,
             devices: &devices,
             limits,
+            kv_cache_bytes: config.kv_cache_bytes,
         };
         let (a, p) = crate::process::spawn_local_stages(model_path, n, &launch)?;
         (a, Some(p))

@@ -188,6 +188,7 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
         cluster_key,
         settings.server.listen.limits().header_read_timeout,
     )?;
+    ingress.assume_max_model_len(loaded.config.max_position_embeddings);
     match tandem_engine::GuideEnv::new(
         &loaded.tokenizer.token_pieces(),
         &loaded.config.eos_token_ids,

@@ -239,6 +239,8 @@ pub struct StageLaunch<'a> {
     pub devices: &'a [usize],
     /// The worker's step limits, which size a CUDA stage's buffers.
     pub limits: crate::device::StepLimits,
+    /// The worker's KV budget (the whole model's), the largest pool its stages accept.
+    pub kv_cache_bytes: usize,
 }
 
 /// Starts stages 1..`stages` of `model` as `tandem stage` child processes on loopback and returns their
@@ -269,6 +271,7 @@ pub fn spawn_local_stages(
                 &launch.threads.to_string(),
             ])
             .args(["--device", &launch.device.to_string()])
+            .args(["--kv-cache-memory", &launch.kv_cache_bytes.to_string()])
             .arg("--exit-with-stdin");
         let parent = crate::logging::process_name();
         if let Some(parent) = parent {

@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use tandem_model::LoadOptions;
 
-use crate::config::Device;
+use crate::config::{ByteSize, Device};
 use crate::cuda_settings::CudaArgs;
 use crate::device::{stage_model, StepLimits};
 use crate::process::{exit_when_parent_goes, resolve_model, STAGE_READY_PREFIX};
@@ -35,6 +35,10 @@ pub struct StageArgs {
     /// Kernel threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// The whole model's KV budget the stage accepts, as its worker's `engine.kv_cache_memory` ("1GiB",
+    /// "512MiB"): a worker asking for a bigger pool is refused, so no client sizes this process's memory.
+    #[arg(long, default_value = "1GiB")]
+    pub kv_cache_memory: ByteSize,
     /// Seconds any one read or write of a request may take.
     #[arg(long, default_value_t = 60.0)]
     pub io_timeout: f64,
@@ -94,8 +98,11 @@ pub fn run(args: StageArgs) -> Result<()> {
         args.stage,
         args.stages,
         listener,
-        Duration::from_secs_f64(args.io_timeout),
-        crate::token::key(),
+        tandem_pipeline::StageServing {
+            io: Duration::from_secs_f64(args.io_timeout),
+            kv_cache_bytes: args.kv_cache_memory.0,
+            key: crate::token::key(),
+        },
     )?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "{STAGE_READY_PREFIX}{}", server.addr())?;

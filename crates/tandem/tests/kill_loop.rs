@@ -8,12 +8,16 @@
 //!
 //! How many requests complete, fail or are resumed depends on timing and is printed, not asserted. The
 //! size is set by `TANDEM_KILL_LOOP_ROUNDS` (kills, alternating prefill and decode; default 6) and
-//! `TANDEM_KILL_LOOP_CLIENTS` (concurrent streaming clients; default 4). Without the default model the
-//! test skips.
+//! `TANDEM_KILL_LOOP_CLIENTS` (concurrent streaming clients; default 4).
+//!
+//! The second test kills the head itself under load and starts it again on the same port: the workers
+//! must drop the dead head's requests at once, register with the new one and end idle
+//! (`TANDEM_HEAD_KILL_CLIENTS`, default 3). The tests run one at a time. Without the default model they
+//! skip.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -64,10 +68,17 @@ enum Outcome {
     Unclean(String),
 }
 
-/// One streaming completion of a long prompt (remote prefill), read to its end.
-async fn one_request(http: &reqwest::Client, url: &str, n: usize) -> Outcome {
+/// One streaming completion of a long prompt (remote prefill) of `max_tokens` tokens, read to its end;
+/// each token event adds one to `received`.
+async fn one_request(
+    http: &reqwest::Client,
+    url: &str,
+    n: usize,
+    max_tokens: usize,
+    received: &AtomicUsize,
+) -> Outcome {
     let prompt = format!("{} (request {n})", PROMPTS[n % PROMPTS.len()]);
-    let body = json!({"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 16 + n % 32,
+    let body = json!({"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
                       "temperature": 0, "ignore_eos": true, "stream": true});
     let resp = match http
         .post(format!("{url}/v1/completions"))
@@ -116,8 +127,11 @@ async fn one_request(http: &reqwest::Client, url: &str, n: usize) -> Outcome {
             };
             if let Some(m) = v["error"]["message"].as_str() {
                 error = Some(m.to_owned());
-            } else if !v["choices"][0]["finish_reason"].is_null() {
-                finished = true;
+            } else {
+                received.fetch_add(1, Ordering::Relaxed);
+                if !v["choices"][0]["finish_reason"].is_null() {
+                    finished = true;
+                }
             }
         }
     }
@@ -130,36 +144,44 @@ async fn one_request(http: &reqwest::Client, url: &str, n: usize) -> Outcome {
     }
 }
 
-/// A client sending one streaming request after another until `stop`, each under [`REQUEST_DEADLINE`].
+/// A client sending one streaming request (16–47 tokens) after another until `stop`, each under
+/// `deadline`; each outcome comes with when its request was sent.
 async fn client(
     http: reqwest::Client,
     url: String,
     id: usize,
     stop: Arc<AtomicBool>,
-) -> Vec<Outcome> {
+    deadline: Duration,
+) -> Vec<(Instant, Outcome)> {
     let mut outcomes = Vec::new();
     let mut n = id * 1000;
+    let received = AtomicUsize::new(0);
     while !stop.load(Ordering::SeqCst) {
-        let outcome = tokio::time::timeout(REQUEST_DEADLINE, one_request(&http, &url, n))
+        let sent = Instant::now();
+        let request = one_request(&http, &url, n, 16 + n % 32, &received);
+        let outcome = tokio::time::timeout(deadline, request)
             .await
-            .unwrap_or_else(|_| Outcome::Unclean(format!("hung past {REQUEST_DEADLINE:?}")));
-        if matches!(outcome, Outcome::Refused(..)) {
-            // A refusal comes at once; do not spin while the head has no worker of a role.
+            .unwrap_or_else(|_| Outcome::Unclean(format!("{HUNG} {deadline:?}")));
+        if !matches!(outcome, Outcome::Completed | Outcome::Failed(_)) {
+            // A refusal (or, with the head down, a refused connection) comes at once; do not spin.
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        outcomes.push(outcome);
+        outcomes.push((sent, outcome));
         n += 1;
     }
     outcomes
 }
 
+/// How an [`Outcome::Unclean`] of a request that outlived its deadline starts.
+const HUNG: &str = "hung past";
+
 async fn workers(head: &Server) -> Vec<WorkerStatus> {
     head.get_json("/v1/cluster/workers").await
 }
 
-async fn load(head: &Server, worker_url: &str) -> Option<WorkerLoad> {
-    let r = head
-        .http
+/// The worker's load, asked of the worker itself (so also while no head runs).
+async fn load(http: &reqwest::Client, worker_url: &str) -> Option<WorkerLoad> {
+    let r = http
         .get(format!("{worker_url}/v1/worker/load"))
         .send()
         .await
@@ -170,15 +192,17 @@ async fn load(head: &Server, worker_url: &str) -> Option<WorkerLoad> {
 /// Starts a worker of `role` registering with `head`, off the runtime (it waits for the model to load),
 /// and waits until the head lists it healthy.
 async fn start_worker(head: &Server, role: Role) -> Worker {
+    start_worker_with(head, role, &[]).await
+}
+
+/// [`start_worker`] with `extra` worker flags.
+async fn start_worker_with(head: &Server, role: Role, extra: &[&'static str]) -> Worker {
     let url = head.url.clone();
+    let extra = extra.to_vec();
     let worker = tokio::task::spawn_blocking(move || {
-        Worker::start(
-            BIN,
-            &role.to_string(),
-            "127.0.0.1",
-            0,
-            &["--register", &url],
-        )
+        let mut flags = vec!["--register", &url];
+        flags.extend(extra);
+        Worker::start(BIN, &role.to_string(), "127.0.0.1", 0, &flags)
     })
     .await
     .expect("worker start");
@@ -205,7 +229,7 @@ async fn start_worker(head: &Server, role: Role) -> Worker {
 async fn until_busy(head: &Server, url: &str, role: Role, within: Duration) {
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
-        if let Some(l) = load(head, url).await {
+        if let Some(l) = load(&head.http, url).await {
             let busy = match role {
                 Role::Prefill => l.in_flight > 0,
                 _ => l.engine.running > 0,
@@ -225,8 +249,27 @@ fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkill_loop_under_streaming_load_ends_every_request_cleanly() {
+/// Runs one test's body on a runtime of its own, one test at a time: each starts a head and workers,
+/// and two sets at once would starve each other of the CPU.
+fn serial<F: std::future::Future>(body: F) -> F::Output {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _turn = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("test runtime")
+        .block_on(body)
+}
+
+#[test]
+fn sigkill_loop_under_streaming_load_ends_every_request_cleanly() {
+    serial(kill_loop());
+}
+
+async fn kill_loop() {
     if model_path().is_none() {
         return;
     }
@@ -251,6 +294,7 @@ async fn sigkill_loop_under_streaming_load_ends_every_request_cleanly() {
                 head.url.clone(),
                 id,
                 stop.clone(),
+                REQUEST_DEADLINE,
             ))
         })
         .collect();
@@ -278,7 +322,7 @@ async fn sigkill_loop_under_streaming_load_ends_every_request_cleanly() {
     stop.store(true, Ordering::SeqCst);
     let mut outcomes = Vec::new();
     for t in tasks {
-        outcomes.extend(t.await.expect("client task"));
+        outcomes.extend(t.await.expect("client task").into_iter().map(|(_, o)| o));
     }
     let elapsed = started.elapsed();
 
@@ -320,33 +364,247 @@ async fn sigkill_loop_under_streaming_load_ends_every_request_cleanly() {
 
     // The live workers are listed healthy and end idle: nothing running, waiting, in flight or pinned.
     let live: Vec<&Worker> = prefill.iter().chain(&decode).collect();
-    let deadline = Instant::now() + Duration::from_secs(30);
+    until_idle(&head, &live, Duration::from_secs(30), "after the loop").await;
+}
+
+/// Whether a worker's load shows no work at all: nothing running, waiting, in flight, pinned or waiting
+/// to import, no KV block in use.
+fn idle(l: &WorkerLoad) -> bool {
+    l.engine.running == 0
+        && l.engine.waiting == 0
+        && l.in_flight == 0
+        && l.pinned_blocks == 0
+        && l.imports_waiting == 0
+        && l.engine.kv_blocks_used == 0
+}
+
+/// Waits (up to `within`) until `head` lists every one of `live` healthy and each is [`idle`]; panics
+/// naming the busy ones (`when` says at what point of the test).
+async fn until_idle(head: &Server, live: &[&Worker], within: Duration, when: &str) {
+    let deadline = Instant::now() + within;
     loop {
-        let listed = workers(&head).await;
+        let listed = workers(head).await;
         let mut busy = Vec::new();
-        for w in &live {
+        for w in live {
             let healthy = listed.iter().any(|s| s.url == w.url && s.healthy);
-            let l = load(&head, &w.url).await;
-            let idle = l.as_ref().is_some_and(|l| {
-                l.engine.running == 0
-                    && l.engine.waiting == 0
-                    && l.in_flight == 0
-                    && l.pinned_blocks == 0
-                    && l.imports_waiting == 0
-                    && l.engine.kv_blocks_used == 0
-            });
-            if !(healthy && idle) {
+            let l = load(&head.http, &w.url).await;
+            if !(healthy && l.as_ref().is_some_and(idle)) {
                 busy.push((w.url.clone(), healthy, l));
             }
         }
         if busy.is_empty() {
-            break;
+            return;
         }
         assert!(
             Instant::now() < deadline,
-            "workers not idle after the loop: {busy:#?}\n{}",
+            "workers not idle {when}: {busy:#?}\n{}",
             head.log()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Tokens of the head-kill test's long stream: with a few hundred still to come when the head dies, a
+/// decode worker that kept generating for a request nobody reads would show it in its token count.
+const LONG_TOKENS: usize = 800;
+
+/// Longest one request of the head-kill test may take: past its bounds on a request that waits for
+/// workers to register with a restarted head (admission), so only a real hang reaches it.
+const HEAD_KILL_DEADLINE: Duration = Duration::from_secs(90);
+
+/// How soon after the head dies its workers must have dropped its requests: they see its connections
+/// close at once; the bound leaves room for a starved machine.
+const FREED_WITHIN: Duration = Duration::from_secs(10);
+
+#[test]
+fn sigkill_of_the_head_under_streaming_load_frees_its_requests_and_a_restarted_head_takes_over() {
+    serial(head_kill());
+}
+
+/// The head (`tandem serve`, P/D, workers registering) is killed with SIGKILL while clients stream and
+/// one long stream decodes, then started again on the same port. Every request ends (complete, refused,
+/// or cut by the kill; none hangs); the workers drop the dead head's requests at once (nothing running,
+/// waiting or in flight within [`FREED_WITHIN`], and the decode worker does not generate the rest of the
+/// long stream for nobody); they register again with the new head, requests complete there, and both
+/// end idle. Pins of prefills nobody will pull go at the workers' pin timeout (10 s here).
+async fn head_kill() {
+    if model_path().is_none() {
+        return;
+    }
+    let clients = setting("TANDEM_HEAD_KILL_CLIENTS", 3);
+    let port = free_port();
+    let head = Server::starting(BIN, &head_yaml(), port);
+    let (http, url) = (head.http.clone(), head.url.clone());
+    let pin = ["--pin-timeout", "10"];
+    let prefill = start_worker_with(&head, Role::Prefill, &pin).await;
+    let decode = start_worker_with(&head, Role::Decode, &pin).await;
+
+    let started = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..clients)
+        .map(|id| {
+            let (http, url, stop) = (http.clone(), url.clone(), stop.clone());
+            tokio::spawn(client(http, url, id, stop, HEAD_KILL_DEADLINE))
+        })
+        .collect();
+    let received = Arc::new(AtomicUsize::new(0));
+    let long = tokio::spawn({
+        let (http, url, received) = (http.clone(), url.clone(), received.clone());
+        async move {
+            let request = one_request(&http, &url, 7, LONG_TOKENS, &received);
+            tokio::time::timeout(HEAD_KILL_DEADLINE, request)
+                .await
+                .unwrap_or_else(|_| Outcome::Unclean(format!("{HUNG} {HEAD_KILL_DEADLINE:?}")))
+        }
+    });
+    // Kill once the long stream decodes (its first token comes from the prefill worker).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while received.load(Ordering::Relaxed) < 8 {
+        assert!(
+            Instant::now() < deadline,
+            "the long stream never started:\n{}",
+            head.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let generated = |l: Option<WorkerLoad>| l.map_or(0, |l| l.engine.generation_tokens_total);
+    let generated_before = generated(load(&http, &decode.url).await);
+    let long_before = received.load(Ordering::Relaxed);
+    signal(head.child.id(), "-KILL");
+    let killed = Instant::now();
+    eprintln!(
+        "killed the head at {:.1} s, the long stream at {long_before} of {LONG_TOKENS} tokens",
+        started.elapsed().as_secs_f64()
+    );
+    let old_log = head.log();
+    drop(head);
+
+    // The workers drop the dead head's requests as its connections close.
+    let freed = loop {
+        let loads = [
+            load(&http, &prefill.url).await,
+            load(&http, &decode.url).await,
+        ];
+        let dropped = loads.iter().all(|l| {
+            l.as_ref().is_some_and(|l| {
+                l.engine.running == 0
+                    && l.engine.waiting == 0
+                    && l.in_flight == 0
+                    && l.imports_waiting == 0
+            })
+        });
+        if dropped {
+            break killed.elapsed();
+        }
+        assert!(
+            killed.elapsed() < FREED_WITHIN,
+            "the workers still work for the dead head after {FREED_WITHIN:?}: {loads:#?}\n{}\n{}",
+            decode.log(),
+            old_log
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let long_left = LONG_TOKENS - long_before;
+    let generated_after =
+        generated(load(&http, &decode.url).await).saturating_sub(generated_before);
+    eprintln!(
+        "the workers dropped the dead head's requests {:.2} s after the kill; the decode worker generated \
+         {generated_after} tokens after it (the long stream alone had {long_left} to go)",
+        freed.as_secs_f64()
+    );
+    assert!(
+        generated_after < long_left as u64,
+        "the decode worker generated {generated_after} tokens after the head died: it finished the \
+         long stream ({long_left} to go) for nobody"
+    );
+
+    // A new head on the same port: the workers register again (unpolled for 10 s) and serve it.
+    let head = Server::starting(BIN, &head_yaml(), port);
+    let restarted = killed.elapsed();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let listed = workers(&head).await;
+        let back = [&prefill, &decode]
+            .iter()
+            .all(|w| listed.iter().any(|s| s.url == w.url && s.healthy));
+        if back {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the workers never registered with the new head: {listed:#?}\n{}\n{}",
+            prefill.log(),
+            head.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let registered = Instant::now();
+    let back_after = killed.elapsed();
+    let fresh = AtomicUsize::new(0);
+    for n in 0..3 {
+        let request = one_request(&head.http, &head.url, 500 + n, 16, &fresh);
+        match tokio::time::timeout(HEAD_KILL_DEADLINE, request).await {
+            Ok(Outcome::Completed) => {}
+            other => panic!("a request to the new head: {other:?}\n{}", head.log()),
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    let long = long.await.expect("long stream task");
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.extend(t.await.expect("client task"));
+    }
+
+    let (mut completed, mut cut, mut failed, mut refused, mut no_head) = (0, 0, 0, 0, 0);
+    let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
+    let mut wrong = Vec::new();
+    for (sent, o) in &outcomes {
+        match o {
+            Outcome::Completed => completed += 1,
+            Outcome::Failed(m) => {
+                failed += 1;
+                *reasons.entry(format!("error event: {m}")).or_default() += 1;
+            }
+            // A valid request is never the client's fault, whether workers are registered or not.
+            Outcome::Refused(400, m) => wrong.push(format!("400: {m}")),
+            Outcome::Refused(status, m) => {
+                refused += 1;
+                *reasons.entry(format!("{status}: {m}")).or_default() += 1;
+            }
+            Outcome::Unclean(m) if m.starts_with(HUNG) => wrong.push(m.clone()),
+            // Sent to the dead head, or while no head listened: cut, or no answer at all.
+            Outcome::Unclean(m) if *sent < registered => {
+                if m.starts_with("the head did not answer") {
+                    no_head += 1;
+                } else {
+                    cut += 1;
+                }
+            }
+            Outcome::Unclean(m) => wrong.push(format!("after the workers were back: {m}")),
+        }
+    }
+    eprintln!(
+        "head kill: {clients} clients, {} requests: {completed} completed, {cut} cut by the kill, \
+         {no_head} found no head, {refused} refused, {failed} ended with an error event; head back after \
+         {:.1} s, workers registered after {:.1} s; the long stream: {long:?}",
+        outcomes.len(),
+        restarted.as_secs_f64(),
+        back_after.as_secs_f64()
+    );
+    for (reason, n) in &reasons {
+        eprintln!("  {n} x {reason}");
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}\n{}", head.log());
+    assert!(
+        !matches!(long, Outcome::Completed)
+            && !matches!(&long, Outcome::Unclean(m) if m.starts_with(HUNG)),
+        "the long stream through the killed head: {long:?}"
+    );
+    until_idle(
+        &head,
+        &[&prefill, &decode],
+        Duration::from_secs(30),
+        "after the head's restart",
+    )
+    .await;
 }

@@ -17,10 +17,11 @@ fn hello() -> StageHello {
     StageHello {
         model_id: "m".into(),
         stage: 1,
-        stages: 2,
+        stages: 3,
         layer_start: 2,
         layer_end: 4,
         hidden_size: 3,
+        vocab_size: 5,
         activations: Activations::F32,
         block_size: 4,
         num_blocks: 8,
@@ -344,4 +345,108 @@ fn lengths_beyond_the_batch_or_the_pool_are_refused_before_any_allocation() {
     let mut buf = bytes(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
     c.forward(&b, &mut buf).unwrap();
     s.shutdown();
+}
+
+/// A server that handshakes (echoing the client's hello) and answers each connection's one request
+/// with a header stating the next of `lengths` as its payload length, then closes: a faulty or hostile
+/// stage server, authenticated or not.
+fn lying_server(lengths: Vec<u64>) -> (SocketAddr, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        for stated in lengths {
+            let (s, _) = l.accept().unwrap();
+            let mut c = Conn::new(s, Duration::from_secs(5)).unwrap();
+            let h = c.expect(FrameKind::StageHello).unwrap();
+            let hello: StageHello = c.json(&h).unwrap();
+            c.send_json(FrameKind::StageHelloReply, &hello).unwrap();
+            let Ok(Some(h)) = c.header() else { continue };
+            let kind = match h.kind {
+                FrameKind::StageExport => FrameKind::StageBlock,
+                _ => FrameKind::StageReply,
+            };
+            let mut reply = FrameHeader::control(kind, h.transfer_id, 0);
+            reply.payload_len = stated;
+            // Only the header: a client that believed it would wait for bytes that never come.
+            let _ = c.stream.write_all(&reply.encode());
+            let mut rest = Vec::new();
+            let _ = c.stream.read_to_end(&mut rest);
+        }
+    });
+    (addr, t)
+}
+
+/// A stage client knows the length of every reply from its request (tokens × hidden × element size
+/// from a middle stage, logits rows × vocab × 4 from the last, one u32 per sampling row, the blocks it
+/// exported), so a reply stating another length is refused from its header with an error naming the
+/// server, before any buffer is sized from it: the old client resized its buffer to whatever the
+/// header said (up to 1 TiB here) and then waited for the bytes.
+#[test]
+fn replies_of_another_length_than_asked_are_refused_before_any_allocation() {
+    let mut two = ForwardBatch::default();
+    two.push(&[1, 2], 0, vec![0], tandem_model::LogitsWanted::Last);
+    let row = DeviceSampling {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: 0,
+    };
+    let mut last = hello();
+    last.stage = 2;
+    // Each case: the hello, the request, the length the client expects, the length the server states.
+    type Request = Box<dyn Fn(&mut StageClient) -> Result<(), KvError>>;
+    let forward =
+        |b: ForwardBatch| -> Request { Box::new(move |c| c.forward(&b, &mut bytes(&[0.0; 6]))) };
+    let cases: Vec<(StageHello, Request, &str, u64, u64)> = vec![
+        // A middle stage: 2 tokens × 3 wide × 4 bytes.
+        (hello(), forward(two.clone()), "forward reply", 24, 28),
+        (hello(), forward(two.clone()), "forward reply", 24, 1 << 40),
+        // The last stage: 1 logits row × 5 vocab × 4 bytes.
+        (last.clone(), forward(two.clone()), "forward reply", 20, 24),
+        (
+            last.clone(),
+            forward(two.clone()),
+            "forward reply",
+            20,
+            1 << 40,
+        ),
+        (
+            last.clone(),
+            Box::new(move |c| c.forward_sampled(&two, &[row], &bytes(&[0.0; 6]), &mut Vec::new())),
+            "sampled reply",
+            4,
+            1 << 40,
+        ),
+        (
+            hello(),
+            Box::new(|c| c.export_blocks(2, &[1, 2], &mut [0u8; 8])),
+            "block export",
+            8,
+            1 << 40,
+        ),
+    ];
+    let (addr, server) = lying_server(cases.iter().map(|c| c.4).collect());
+    for (h, request, what, expected, stated) in cases {
+        // Short deadlines, so the old client fails this test in seconds (it waited for the bytes).
+        let to = StageTimeouts {
+            connect: Duration::from_secs(2),
+            io: Duration::from_secs(3),
+        };
+        let mut c = StageClient::connect(addr, &h, to, None).unwrap();
+        let t = std::time::Instant::now();
+        let r = request(&mut c);
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        match r {
+            Err(KvError::ReplyLength {
+                peer,
+                what: w,
+                stated: s,
+                expected: e,
+            }) => assert_eq!((peer, w, s, e), (addr, what, stated, expected)),
+            Err(e) => panic!("{what} stating {stated} bytes: {e}"),
+            Ok(()) => panic!("{what} stating {stated} bytes accepted"),
+        }
+    }
+    server.join().unwrap();
 }
