@@ -261,7 +261,7 @@ fn matmul_parts_with<const N: usize>(
 }
 
 /// Whether `dt` at `level` runs the AVX2 kernel of repacked Q4_1 weights ([`crate::quant::pack_q4_1_pairs`]).
-fn uses_q4_1_pairs(dt: DType, level: Isa) -> bool {
+pub(crate) fn uses_q4_1_pairs(dt: DType, level: Isa) -> bool {
     cfg!(target_arch = "x86_64") && dt == DType::Q4_1 && level == Isa::Avx2
 }
 

@@ -208,7 +208,7 @@ impl Matrix {
             pairs: PairsCache::default(),
         };
         // Repack at load time, not in the first forward pass, when the AVX2 kernel will read it.
-        if dtype == DType::Q4_1 && crate::dispatch::isa() == crate::dispatch::Isa::Avx2 {
+        if crate::matmul::uses_q4_1_pairs(dtype, crate::dispatch::isa()) {
             m.q4_1_pairs();
         }
         Ok(m)
