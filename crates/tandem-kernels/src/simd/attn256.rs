@@ -5,10 +5,13 @@
 //! query, bit for bit, only faster: a chunk's queries share each K block, transposed once into
 //! `[head_dim][16]`, so a query's 16 scores are broadcast FMAs into two registers whose lanes are the
 //! block's keys; every score still goes through the 32 partial sums and the reduction tree of llama.cpp's
-//! `ggml_vec_dot_f32`. A single query dots each key instead (`simd::dot_f32`). The value sums then run per
-//! query and per 8 dimensions with the 8 accumulators (position mod 8) in registers over the whole
-//! context, in `attend_one`'s position order, instead of a load and a store of an accumulator per
-//! position and dimension.
+//! `ggml_vec_dot_f32`. A single query dots each key instead (`simd::dot_f32`). The value sums keep
+//! `attend_one`'s 8 accumulators (position mod 8) per dimension in registers over the whole context. A
+//! chunk transposes the V blocks too, into `[head_dim][position]`, so that one register holds 8
+//! consecutive positions of one dimension — exactly the 8 accumulators' lanes: a query's weights of 8
+//! positions are one load shared by 8 dimensions, and 8 dimensions' values over the whole context (16
+//! KiB at 512 positions) stay in L1 while every query of the chunk sums them. A single query sums from
+//! the cache's own layout, 8 dimensions at a time.
 
 use std::arch::x86_64::*;
 
@@ -44,8 +47,15 @@ pub(crate) unsafe fn attend_chunk(
     let base = first_block * BLOCK;
     // Query i's scores of positions base.. are row i; masked and unused entries hold -inf.
     let row_len = (last / BLOCK + 1) * BLOCK - base;
-    scores.clear();
-    scores.resize(c.n * row_len, f32::NEG_INFINITY);
+    // For a chunk, V transposed goes first: dimension d's values of positions base.. are row d of `vt`.
+    // Every entry of it is written before it is read, so only the scores are reset.
+    let vt_len = if c.n > 1 { hd * row_len } else { 0 };
+    let need = vt_len + c.n * row_len;
+    if scores.len() < need {
+        scores.resize(need, 0.0);
+    }
+    let (vt, scores) = scores[..need].split_at_mut(vt_len);
+    scores.fill(f32::NEG_INFINITY);
     // Per-query running maxima, lane-wise (max is exact, so reducing once at the end changes nothing).
     let mut m = [_mm256_set1_ps(f32::NEG_INFINITY); MAX_QUERIES];
     let mut kt = [0f32; MAX_HEAD_DIM * BLOCK];
@@ -64,12 +74,20 @@ pub(crate) unsafe fn attend_chunk(
         // A chunk transposes every slot once for all its queries, also those past the last query (stale
         // or zero): their scores are replaced by -inf below, whatever they hold.
         if c.n > 1 {
+            let vb = kb.add(nkv * BLOCK * hd);
             for d0 in (0..hd).step_by(8) {
                 for j0 in [0, 8] {
                     transpose8(
                         kb.add(j0 * hd + d0),
                         hd,
                         kt.as_mut_ptr().add(d0 * BLOCK + j0),
+                        BLOCK,
+                    );
+                    transpose8(
+                        vb.add(j0 * hd + d0),
+                        hd,
+                        vt.as_mut_ptr().add(d0 * row_len + bpos - base + j0),
+                        row_len,
                     );
                 }
             }
@@ -83,7 +101,12 @@ pub(crate) unsafe fn attend_chunk(
             let (j0, j1) = (lo.saturating_sub(bpos), (pos + 1 - bpos).min(BLOCK));
             let qi = c.q.add(i * c.stride);
             let (s_lo, s_hi) = if c.n > 1 {
-                scores16(qi, &kt, hd)
+                // The usual heads get loops of constant length, fully unrolled.
+                match hd {
+                    64 => scores16(qi, &kt, 64),
+                    128 => scores16(qi, &kt, 128),
+                    _ => scores16(qi, &kt, hd),
+                }
             } else {
                 let mut one = [0f32; BLOCK];
                 for (j, o) in one.iter_mut().enumerate().take(j1).skip(j0) {
@@ -130,23 +153,91 @@ pub(crate) unsafe fn attend_chunk(
             let w = row.as_mut_ptr().add(k);
             _mm256_storeu_ps(w, _mm256_mul_ps(_mm256_loadu_ps(w), vi));
         }
-        let lo = window_start(pos);
-        for d0 in (0..hd).step_by(8) {
-            values8(
-                row,
-                base,
-                lo,
-                pos,
-                kv,
-                blocks,
-                nkv,
-                kvh,
-                hd,
-                d0,
-                c.out.add(i * c.stride + d0),
-            );
+        if c.n == 1 {
+            let lo = window_start(pos);
+            for d0 in (0..hd).step_by(8) {
+                values8(
+                    row,
+                    base,
+                    lo,
+                    pos,
+                    kv,
+                    blocks,
+                    nkv,
+                    kvh,
+                    hd,
+                    d0,
+                    c.out.add(i * c.stride + d0),
+                );
+            }
         }
     }
+    if c.n > 1 {
+        // Dimensions outer, queries inner: 8 rows of `vt` serve every query of the chunk from L1.
+        for d0 in (0..hd).step_by(8) {
+            for i in 0..c.n {
+                let pos = c.first_pos + i;
+                values8_t(
+                    &scores[i * row_len..(i + 1) * row_len],
+                    base,
+                    window_start(pos),
+                    pos,
+                    vt.as_ptr().add(d0 * row_len),
+                    row_len,
+                    c.out.add(i * c.stride + d0),
+                );
+            }
+        }
+    }
+}
+
+/// `values8`'s sums from the transposed values: `vt` is row `d0` of `[head_dim][position]`, row k
+/// (`k < 8`) at `vt + k·row_len`, position `p` at column `p - base`. Register k holds dimension d0 + k's
+/// 8 accumulators, lane r the positions ≡ r (mod 8) — the same fused multiply-adds in the same order;
+/// lanes outside `lo..=pos` keep their accumulator (a blend, as `values8` skips them).
+// Constant-count index loops keep the 8 accumulators in registers.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn values8_t(
+    w: &[f32],
+    base: usize,
+    lo: usize,
+    pos: usize,
+    vt: *const f32,
+    row_len: usize,
+    out: *mut f32,
+) {
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let mut g = lo / 8 * 8;
+    while g <= pos {
+        let off = g - base;
+        let wv = _mm256_loadu_ps(w.as_ptr().add(off));
+        let (r0, r1) = (lo.saturating_sub(g), (pos + 1 - g).min(8));
+        if r0 == 0 && r1 == 8 {
+            for k in 0..8 {
+                let v = _mm256_loadu_ps(vt.add(k * row_len + off));
+                acc[k] = _mm256_fmadd_ps(wv, v, acc[k]);
+            }
+        } else {
+            let keep = _mm256_castsi256_ps(_mm256_and_si256(
+                _mm256_cmpgt_epi32(lanes, _mm256_set1_epi32(r0 as i32 - 1)),
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(r1 as i32), lanes),
+            ));
+            for k in 0..8 {
+                let v = _mm256_loadu_ps(vt.add(k * row_len + off));
+                acc[k] = _mm256_blendv_ps(acc[k], _mm256_fmadd_ps(wv, v, acc[k]), keep);
+            }
+        }
+        g += 8;
+    }
+    // Lane r of register k to register r, lane k: then `values8`'s reduction, 8 dimensions at once.
+    let a = transpose8_regs(acc);
+    let y = _mm256_add_ps(
+        _mm256_add_ps(_mm256_add_ps(a[4], a[0]), _mm256_add_ps(a[6], a[2])),
+        _mm256_add_ps(_mm256_add_ps(a[5], a[1]), _mm256_add_ps(a[7], a[3])),
+    );
+    _mm256_storeu_ps(out, y);
 }
 
 /// `out[0..8]` of one query: value dimensions `d0..d0 + 8` summed over positions `lo..=pos` with the
@@ -199,22 +290,31 @@ unsafe fn values8(
     _mm256_storeu_ps(out, y);
 }
 
-/// `out[t·BLOCK + j] = src[j·stride + t]` for an 8 × 8 tile (t, j < 8): 8 keys' 8 dimensions to 8 rows of
-/// one dimension each, by in-register shuffles.
+/// `out[t·out_stride + j] = src[j·stride + t]` for an 8 × 8 tile (t, j < 8): 8 rows' 8 columns to 8 rows
+/// of one column each.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn transpose8(src: *const f32, stride: usize, out: *mut f32) {
+unsafe fn transpose8(src: *const f32, stride: usize, out: *mut f32, out_stride: usize) {
     let mut r = [_mm256_setzero_ps(); 8];
     for j in 0..8 {
         r[j] = _mm256_loadu_ps(src.add(j * stride));
     }
+    let t = transpose8_regs(r);
+    for k in 0..8 {
+        _mm256_storeu_ps(out.add(k * out_stride), t[k]);
+    }
+}
+
+/// Lane t of register j to register t, lane j (an 8 × 8 transpose by in-register shuffles).
+#[inline(always)]
+unsafe fn transpose8_regs(r: [__m256; 8]) -> [__m256; 8] {
     // Pairs of rows interleaved: t[2p] = [a0 b0 a1 b1 | a4 b4 a5 b5], t[2p + 1] = [a2 b2 a3 b3 | a6 b6 a7 b7].
     let mut t = [_mm256_setzero_ps(); 8];
     for p in 0..4 {
         t[2 * p] = _mm256_unpacklo_ps(r[2 * p], r[2 * p + 1]);
         t[2 * p + 1] = _mm256_unpackhi_ps(r[2 * p], r[2 * p + 1]);
     }
-    // u[4g + k]: dimension k of rows 4g..4g + 4 in the lower half, dimension k + 4 in the upper.
+    // u[4g + k]: column k of rows 4g..4g + 4 in the lower half, column k + 4 in the upper.
     let mut u = [_mm256_setzero_ps(); 8];
     for g in 0..2 {
         let b = 4 * g;
@@ -223,14 +323,13 @@ unsafe fn transpose8(src: *const f32, stride: usize, out: *mut f32) {
         u[b + 2] = _mm256_shuffle_ps::<0x44>(t[b + 1], t[b + 3]);
         u[b + 3] = _mm256_shuffle_ps::<0xEE>(t[b + 1], t[b + 3]);
     }
+    let mut o = [_mm256_setzero_ps(); 8];
     for k in 0..4 {
         let (a, b) = (u[k], u[4 + k]);
-        _mm256_storeu_ps(out.add(k * BLOCK), _mm256_permute2f128_ps::<0x20>(a, b));
-        _mm256_storeu_ps(
-            out.add((k + 4) * BLOCK),
-            _mm256_permute2f128_ps::<0x31>(a, b),
-        );
+        o[k] = _mm256_permute2f128_ps::<0x20>(a, b);
+        o[k + 4] = _mm256_permute2f128_ps::<0x31>(a, b);
     }
+    o
 }
 
 /// 16 keys' scores (unscaled, keys 0..8 and 8..16) for one query from the transposed block `kt`
@@ -292,6 +391,6 @@ mod tests {
 
     #[target_feature(enable = "avx2")]
     unsafe fn transpose8_test(src: *const f32, stride: usize, out: *mut f32) {
-        transpose8(src, stride, out)
+        transpose8(src, stride, out, BLOCK)
     }
 }
