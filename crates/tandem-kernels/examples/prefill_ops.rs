@@ -5,10 +5,12 @@
 //! (a decode step's largest matmul).
 //!
 //! `TANDEM_KERNELS=avx2 cargo run --release -p tandem-kernels --example prefill_ops -- [TOKENS] [REPS] [THREADS]
-//! [DECODE_LAYERS]` (defaults 512, 20, 2, 0). Prints the minimum over the repetitions of each category (ms
+//! [DECODE_LAYERS] [DECODE_SEQS]` (defaults 512, 20, 2, 0, 0). Prints the minimum over the repetitions of each category (ms
 //! per layer; with one thread, CPU time of the calling thread, steadier on a loaded machine) and a hash of all
 //! outputs so that two builds can be checked for bit-identical results. DECODE_LAYERS > 0 adds a decode step's
 //! matmuls over that many distinct layers and the head (one row, weights streamed from memory; the model has 30).
+//! DECODE_SEQS > 0 adds a decode step's attention: that many sequences of TOKENS tokens, one query each, over
+//! 30 layers' KV buffers (reported per layer).
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -193,8 +195,39 @@ fn main() {
         })
     });
 
+    // Decode attention: `SEQS` sequences of m tokens each, one query row each, over 30 layers' distinct KV
+    // buffers, the sequences' blocks interleaved: a decode step reads every layer's KV from memory.
+    let seqs = arg(4, 0);
+    let mut dec_att = vec![0f32; seqs * nh * hd];
+    let decode_attn = (seqs > 0).then(|| {
+        let per_seq = m.div_ceil(p.block_size);
+        let block = 2 * nkv * p.block_size * hd;
+        let layers: Vec<Vec<f32>> = (0..30)
+            .map(|l| rand_vec(seqs * per_seq * block, 200 + l))
+            .collect();
+        let tables: Vec<Vec<u32>> = (0..seqs)
+            .map(|s| (0..per_seq).map(|b| (b * seqs + s) as u32).collect())
+            .collect();
+        let batch: Vec<AttnSeq> = tables
+            .iter()
+            .enumerate()
+            .map(|(i, t)| AttnSeq {
+                q_row: i,
+                n_q: 1,
+                ctx_len: m,
+                blocks: t,
+            })
+            .collect();
+        let qd = rand_vec(seqs * nh * hd, 13);
+        best(reps, cpu, || {
+            for kv in &layers {
+                paged_attention(&pool, &p, &qd, kv, &batch, &mut dec_att);
+            }
+        }) / 30.0
+    });
+
     let mut hash = std::collections::hash_map::DefaultHasher::new();
-    for out in [&q, &k, &v, &o, &g, &u, &o1, &att, &logits] {
+    for out in [&q, &k, &v, &o, &g, &u, &o1, &att, &logits, &dec_att] {
         out.iter().for_each(|x| x.to_bits().hash(&mut hash));
     }
     let mm = qkv + proj + gate_up + down;
@@ -208,5 +241,8 @@ fn main() {
     );
     if let Some(step) = step {
         println!("decode step, {layers} layers + head, weights not cached: {step:.3} ms");
+    }
+    if let Some(t) = decode_attn {
+        println!("decode attention, {seqs} sequences at context {m}, KV not cached: {t:.3} ms per layer");
     }
 }
