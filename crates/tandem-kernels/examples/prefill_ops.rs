@@ -243,6 +243,8 @@ fn main() {
         println!("decode step, {layers} layers + head, weights not cached: {step:.3} ms");
     }
     if let Some(t) = decode_attn {
-        println!("decode attention, {seqs} sequences at context {m}, KV not cached: {t:.3} ms per layer");
+        println!(
+            "decode attention, {seqs} sequences at context {m}, KV not cached: {t:.3} ms per layer"
+        );
     }
 }

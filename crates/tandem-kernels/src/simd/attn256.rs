@@ -5,13 +5,14 @@
 //! query, bit for bit, only faster: a chunk's queries share each K block, transposed once into
 //! `[head_dim][16]`, so a query's 16 scores are broadcast FMAs into two registers whose lanes are the
 //! block's keys; every score still goes through the 32 partial sums and the reduction tree of llama.cpp's
-//! `ggml_vec_dot_f32`. A single query dots each key instead (`simd::dot_f32`). The value sums keep
+//! `ggml_vec_dot_f32`. A single query dots 8 keys at a time from the cache's own layout instead, their
+//! last reductions in one register (`scores8_rows`). The value sums keep
 //! `attend_one`'s 8 accumulators (position mod 8) per dimension in registers over the whole context. A
 //! chunk transposes the V blocks too, into `[head_dim][position]`, so that one register holds 8
 //! consecutive positions of one dimension — exactly the 8 accumulators' lanes: a query's weights of 8
 //! positions are one load shared by 8 dimensions, and 8 dimensions' values over the whole context (16
 //! KiB at 512 positions) stay in L1 while every query of the chunk sums them. A single query sums from
-//! the cache's own layout, 8 dimensions at a time.
+//! the cache's own layout, 8 dimensions at a time over tiles of 64 positions (`values_tiled`).
 
 use std::arch::x86_64::*;
 
@@ -108,17 +109,19 @@ pub(crate) unsafe fn attend_chunk(
                     _ => scores16(qi, &kt, hd),
                 }
             } else {
-                let mut one = [0f32; BLOCK];
-                for (j, o) in one.iter_mut().enumerate().take(j1).skip(j0) {
-                    *o = super::dot_f32(
-                        std::slice::from_raw_parts(qi, hd),
-                        std::slice::from_raw_parts(kb.add(j * hd), hd),
-                    );
-                }
-                (
-                    _mm256_loadu_ps(one.as_ptr()),
-                    _mm256_loadu_ps(one.as_ptr().add(8)),
-                )
+                // Keys of a half with no position of the query's are not dotted (their lanes are masked).
+                let half = |h: usize| j0 < 8 * h + 8 && j1 > 8 * h;
+                let lo_keys = if half(0) {
+                    scores8_rows(qi, kb, hd)
+                } else {
+                    neg_inf
+                };
+                let hi_keys = if half(1) {
+                    scores8_rows(qi, kb.add(8 * hd), hd)
+                } else {
+                    neg_inf
+                };
+                (lo_keys, hi_keys)
             };
             // Lanes j0..j1 are the query's positions in this block; the rest are masked to -inf.
             let (v0, v1) = (
@@ -154,22 +157,21 @@ pub(crate) unsafe fn attend_chunk(
             _mm256_storeu_ps(w, _mm256_mul_ps(_mm256_loadu_ps(w), vi));
         }
         if c.n == 1 {
-            let lo = window_start(pos);
-            for d0 in (0..hd).step_by(8) {
-                values8(
-                    row,
-                    base,
-                    lo,
-                    pos,
-                    kv,
-                    blocks,
-                    nkv,
-                    kvh,
-                    hd,
-                    d0,
-                    c.out.add(i * c.stride + d0),
-                );
-            }
+            let src = ValueSource {
+                kv,
+                blocks,
+                nkv,
+                kvh,
+                hd,
+            };
+            values_tiled(
+                row,
+                base,
+                window_start(pos),
+                pos,
+                &src,
+                c.out.add(i * c.stride),
+            );
         }
     }
     if c.n > 1 {
@@ -240,54 +242,135 @@ unsafe fn values8_t(
     _mm256_storeu_ps(out, y);
 }
 
-/// `out[0..8]` of one query: value dimensions `d0..d0 + 8` summed over positions `lo..=pos` with the
-/// weights `w[p - base]`, in 8 accumulators by position mod 8 (fused multiply-adds in position order),
-/// reduced like llamafile's `hsum` — `attend_one`'s order.
+/// Where a single query's values are: kv head `kvh` of the blocks of `blocks` in the layer buffer `kv`.
+struct ValueSource<'a> {
+    kv: &'a [f32],
+    blocks: &'a [u32],
+    nkv: usize,
+    kvh: usize,
+    hd: usize,
+}
+
+/// Positions per tile of `values_tiled`: their values (16 KiB for 64-wide heads) stay in L1 while every
+/// 8 dimensions are summed over them.
+const TILE: usize = 64;
+
+/// `out[0..hd]` of one query: every value dimension summed over positions `lo..=pos` with the weights
+/// `w[p - base]`, per dimension in 8 accumulators by position mod 8 (fused multiply-adds in position
+/// order), reduced like llamafile's `hsum` — `attend_one`'s order. The 8 accumulators of 8 dimensions are
+/// one register each, so the context is walked in tiles and, per tile, once per 8 dimensions: each
+/// position's values are read from memory once, not once per 8 dimensions.
 // Constant-count index loops keep the 8 accumulators in registers.
-#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn values8(
+unsafe fn values_tiled(
     w: &[f32],
     base: usize,
     lo: usize,
     pos: usize,
-    kv: &[f32],
-    blocks: &[u32],
-    nkv: usize,
-    kvh: usize,
-    hd: usize,
-    d0: usize,
+    src: &ValueSource,
     out: *mut f32,
 ) {
-    let mut acc = [_mm256_setzero_ps(); 8];
-    let mut g = lo / 8 * 8;
-    while g <= pos {
-        let b = *blocks.get_unchecked(g / BLOCK) as usize;
-        let vg = kv
-            .as_ptr()
-            .add(((b * 2 + 1) * nkv + kvh) * BLOCK * hd + d0 + (g % BLOCK) * hd);
-        let wg = w.as_ptr().add(g - base);
-        let (r0, r1) = (lo.saturating_sub(g), (pos + 1 - g).min(8));
-        if r0 == 0 && r1 == 8 {
-            for r in 0..8 {
-                let wv = _mm256_broadcast_ss(&*wg.add(r));
-                acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vg.add(r * hd)), acc[r]);
-            }
-        } else {
-            for r in 0..8 {
-                if r >= r0 && r < r1 {
-                    let wv = _mm256_broadcast_ss(&*wg.add(r));
-                    acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vg.add(r * hd)), acc[r]);
+    let hd = src.hd;
+    // Accumulator r of dimensions d0..d0 + 8 at acc[d0 + r].
+    let mut acc = [_mm256_setzero_ps(); MAX_HEAD_DIM];
+    let mut t0 = lo / 8 * 8;
+    while t0 <= pos {
+        let t1 = (t0 + TILE).min(pos + 1);
+        for d0 in (0..hd).step_by(8) {
+            let mut a = [_mm256_setzero_ps(); 8];
+            a.copy_from_slice(&acc[d0..d0 + 8]);
+            let mut g = t0;
+            while g < t1 {
+                let b = *src.blocks.get_unchecked(g / BLOCK) as usize;
+                let vg = src
+                    .kv
+                    .as_ptr()
+                    .add(((b * 2 + 1) * src.nkv + src.kvh) * BLOCK * hd + d0 + (g % BLOCK) * hd);
+                let wg = w.as_ptr().add(g - base);
+                let (r0, r1) = (lo.saturating_sub(g), (pos + 1 - g).min(8));
+                if r0 == 0 && r1 == 8 {
+                    for r in 0..8 {
+                        let wv = _mm256_broadcast_ss(&*wg.add(r));
+                        a[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vg.add(r * hd)), a[r]);
+                    }
+                } else {
+                    for r in 0..8 {
+                        if r >= r0 && r < r1 {
+                            let wv = _mm256_broadcast_ss(&*wg.add(r));
+                            a[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vg.add(r * hd)), a[r]);
+                        }
+                    }
                 }
+                g += 8;
             }
+            acc[d0..d0 + 8].copy_from_slice(&a);
         }
-        g += 8;
+        t0 += TILE;
     }
-    let y = _mm256_add_ps(
-        _mm256_add_ps(_mm256_add_ps(acc[4], acc[0]), _mm256_add_ps(acc[6], acc[2])),
-        _mm256_add_ps(_mm256_add_ps(acc[5], acc[1]), _mm256_add_ps(acc[7], acc[3])),
-    );
-    _mm256_storeu_ps(out, y);
+    for d0 in (0..hd).step_by(8) {
+        let a = &acc[d0..d0 + 8];
+        let y = _mm256_add_ps(
+            _mm256_add_ps(_mm256_add_ps(a[4], a[0]), _mm256_add_ps(a[6], a[2])),
+            _mm256_add_ps(_mm256_add_ps(a[5], a[1]), _mm256_add_ps(a[7], a[3])),
+        );
+        _mm256_storeu_ps(out.add(d0), y);
+    }
+}
+
+/// Scores (unscaled) of one query against the 8 keys at `k`, `k + hd`, …: lane j is key j's
+/// `ggml_vec_dot_f32` (see `simd::dot_f32`), the last reductions of 8 keys done together — `t_l = x_l +
+/// x_l+4` of keys j and j + 4 in one register, then two `hadd`s give `(t_0 + t_1) + (t_2 + t_3)` of each
+/// key in key order.
+#[inline(always)]
+unsafe fn scores8_rows(q: *const f32, k: *const f32, hd: usize) -> __m256 {
+    // The usual heads get loops of constant length, fully unrolled.
+    match hd {
+        64 => scores8_rows_n(q, k, 64),
+        128 => scores8_rows_n(q, k, 128),
+        _ => scores8_rows_n(q, k, hd),
+    }
+}
+
+// Index loops (no iterators) keep every intrinsic in the inlined body of a target-feature function.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn scores8_rows_n(q: *const f32, k: *const f32, hd: usize) -> __m256 {
+    let mut u = [_mm256_setzero_ps(); 4];
+    for j in 0..4 {
+        let (a, b) = (
+            dot_x(q, k.add(j * hd), hd),
+            dot_x(q, k.add((j + 4) * hd), hd),
+        );
+        u[j] = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(a, b),
+            _mm256_permute2f128_ps::<0x31>(a, b),
+        );
+    }
+    _mm256_hadd_ps(_mm256_hadd_ps(u[0], u[1]), _mm256_hadd_ps(u[2], u[3]))
+}
+
+/// `x_l = (P_l + P_16+l) + (P_8+l + P_24+l)` of `ggml_vec_dot_f32` for one key: partial sum `P_k` adds
+/// `q[32s + k] · key[32s + k]` over the steps `s` by fused multiply-adds from 0.
+// Plain index loops (no closures) so that every intrinsic sits in the inlined body of a target-feature
+// function.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn dot_x(q: *const f32, key: *const f32, hd: usize) -> __m256 {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut s = 0;
+    while s < hd {
+        for j in 0..4 {
+            let o = s + 8 * j;
+            acc[j] = _mm256_fmadd_ps(
+                _mm256_loadu_ps(q.add(o)),
+                _mm256_loadu_ps(key.add(o)),
+                acc[j],
+            );
+        }
+        s += 32;
+    }
+    _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]))
 }
 
 /// `out[t·out_stride + j] = src[j·stride + t]` for an 8 × 8 tile (t, j < 8): 8 rows' 8 columns to 8 rows
