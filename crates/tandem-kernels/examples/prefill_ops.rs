@@ -2,7 +2,7 @@
 //! and 3 KV heads of 64, ffn 1536; Q4_1 weights) by category — quantized matmuls (activation quantization
 //! included), activation quantization alone, attention — so the share of each in a prefill can be read
 //! without a profiler, and kernel changes can be A/B timed in isolation; also the Q8_0 output head for one row
-//! (a decode step's largest matmul).
+//! (a decode step's largest matmul) and for 16 (a batched decode step's).
 //!
 //! `TANDEM_KERNELS=avx2 cargo run --release -p tandem-kernels --example prefill_ops -- [TOKENS] [REPS] [THREADS]
 //! [DECODE_LAYERS] [DECODE_SEQS]` (defaults 512, 20, 2, 0, 0). Prints the minimum over the repetitions of each category (ms
@@ -163,6 +163,12 @@ fn main() {
     let head = best(reps, cpu, || {
         matmul(&pool, &head_w, &x[..h], 1, &mut logits, &mut s)
     });
+    // And for 16 rows: a batched decode step's logits (the first 16 rows of the input, or fewer).
+    let hm = m.min(16);
+    let mut logits16 = vec![0f32; 49152 * hm];
+    let head16 = best(reps, cpu, || {
+        matmul(&pool, &head_w, &x[..hm * h], hm, &mut logits16, &mut s)
+    });
 
     // A whole decode step's matmuls with weights that do not stay in cache: `LAYERS` distinct layers (the
     // model has 30) then the head, one activation row, the way a single-stream decode streams its weights.
@@ -227,14 +233,16 @@ fn main() {
     });
 
     let mut hash = std::collections::hash_map::DefaultHasher::new();
-    for out in [&q, &k, &v, &o, &g, &u, &o1, &att, &logits, &dec_att] {
+    for out in [
+        &q, &k, &v, &o, &g, &u, &o1, &att, &logits, &logits16, &dec_att,
+    ] {
         out.iter().for_each(|x| x.to_bits().hash(&mut hash));
     }
     let mm = qkv + proj + gate_up + down;
     println!(
         "kernels {:?}, m={m}, {threads} threads, {} ms per layer (min of {reps}): qkv {qkv:.3} wo {proj:.3} \
          gate/up {gate_up:.3} down {down:.3} = matmuls {mm:.3} (act. quantization of one 1536-wide \
-         input ≈ {quant:.3}); attention {attn:.3}; head (1 row) {head:.3}; hash {:016x}",
+         input ≈ {quant:.3}); attention {attn:.3}; head (1 row) {head:.3}, ({hm} rows) {head16:.3}; hash {:016x}",
         tandem_kernels::isa(),
         if cpu { "CPU" } else { "wall" },
         hash.finish()

@@ -35,10 +35,11 @@ pub(crate) struct QuantActs<'a> {
     pub sx: &'a [f32],
     /// Q8_K style only: sum of quants per 16 elements, `m * cols / 16`.
     pub bsums: &'a [i16],
-    /// AVX2 Q4_1 kernel only: `dx` block-major (`[b * m + t]`) so the scales of consecutive activation
-    /// rows of a block are one load; 4 zeros of padding at the end.
+    /// AVX2 kernels of the 32-element formats only (`uses_block_major_scales`; empty otherwise): `dx`
+    /// block-major (`[b * m + t]`) so the scales of consecutive activation rows of a block are one load;
+    /// 4 zeros of padding at the end.
     pub dxt: &'a [f32],
-    /// AVX2 Q4_1 kernel only: `sx` block-major like `dxt`.
+    /// Filled with `dxt`: `sx` block-major like it (read by the Q4_1 kernel).
     pub sxt: &'a [f32],
 }
 
@@ -205,8 +206,11 @@ fn matmul_parts_with<const N: usize>(
     }
     prepare_acts(pool, ws[0].dtype(), x, m, cols, scratch, simd);
     let pairs = uses_q4_1_pairs(ws[0].dtype(), level);
-    if pairs {
+    if uses_block_major_scales(ws[0].dtype(), level) {
         transpose_scales(scratch, m, cols / 32);
+    } else {
+        scratch.dxt.clear();
+        scratch.sxt.clear();
     }
     let acts = QuantActs {
         qx: &scratch.qx,
@@ -263,6 +267,15 @@ fn matmul_parts_with<const N: usize>(
 /// Whether `dt` at `level` runs the AVX2 kernel of repacked Q4_1 weights ([`crate::quant::pack_q4_1_pairs`]).
 pub(crate) fn uses_q4_1_pairs(dt: DType, level: Isa) -> bool {
     cfg!(target_arch = "x86_64") && dt == DType::Q4_1 && level == Isa::Avx2
+}
+
+/// Whether the AVX2 kernel for `dt` reads the activation scales block-major (`dxt`, `sxt`): the repacked
+/// Q4_1 kernel, and the Q4_0/Q8_0 kernel's tiles of 4 activation rows (8 scale products in one multiply).
+pub(crate) fn uses_block_major_scales(dt: DType, level: Isa) -> bool {
+    uses_q4_1_pairs(dt, level)
+        || (cfg!(target_arch = "x86_64")
+            && matches!(dt, DType::Q4_0 | DType::Q8_0)
+            && level == Isa::Avx2)
 }
 
 /// Fills `dxt`/`sxt`, the block-major copies of the activation scales of `m` rows of `nb` blocks.

@@ -52,43 +52,65 @@ unsafe fn run_q32_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<u
     let nb = cols / 32;
     let a = &job.acts;
     let wp = w.bytes().as_ptr();
-    let args = |i: usize, j: usize| {
-        (
-            wp.add(i * rb),
-            a.qx.as_ptr().add(j * cols),
-            a.dx.as_ptr().add(j * nb),
-            a.sx.as_ptr().add(j * nb),
-            job.out.0.add(j * total + i),
-        )
+    // Activation rows of the input when the block-major scales were filled (`matmul::uses_block_major_scales`).
+    let m = a.dxt.len().saturating_sub(4) / nb;
+    let args = |i: usize, j: usize| Q32Tile {
+        w: wp.add(i * rb),
+        rb,
+        nb,
+        qx: a.qx.as_ptr().add(j * cols),
+        dx: a.dx.as_ptr().add(j * nb),
+        sx: a.sx.as_ptr().add(j * nb),
+        dxt: a.dxt.as_ptr().wrapping_add(j),
+        m,
+        cols,
+        out: job.out.0.add(j * total + i),
+        out_stride: total,
     };
     let mut j = ms.start;
     while j + 4 <= ms.end {
         let mut i = rows.start;
         while i + 2 <= rows.end {
-            let (w0, q, d, s, o) = args(i, j);
-            tile_q32::<2, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_q32::<2, 4, FMT>(&args(i, j));
             i += 2;
         }
         if i < rows.end {
-            let (w0, q, d, s, o) = args(i, j);
-            tile_q32::<1, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_q32::<1, 4, FMT>(&args(i, j));
         }
         j += 4;
     }
     while j < ms.end {
         let mut i = rows.start;
         while i + 4 <= rows.end {
-            let (w0, q, d, s, o) = args(i, j);
-            tile_q32::<4, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_q32::<4, 1, FMT>(&args(i, j));
             i += 4;
         }
         while i < rows.end {
-            let (w0, q, d, s, o) = args(i, j);
-            tile_q32::<1, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_q32::<1, 1, FMT>(&args(i, j));
             i += 1;
         }
         j += 1;
     }
+}
+
+/// Where a [`tile_q32`] reads and writes.
+struct Q32Tile {
+    /// First weight row of the tile (row stride `rb` bytes, `nb` blocks).
+    w: *const u8,
+    rb: usize,
+    nb: usize,
+    /// First activation row's quants (row stride `cols`), scales and sums (row-major, `nb` a row).
+    qx: *const i8,
+    dx: *const f32,
+    sx: *const f32,
+    /// First activation row's block-0 scale in the block-major scales (block stride `m`, the input's
+    /// activation rows); only read by the 4-row tiles of the signed formats, for which they are filled.
+    dxt: *const f32,
+    m: usize,
+    cols: usize,
+    /// out[first activation row][first weight row].
+    out: *mut f32,
+    out_stride: usize,
 }
 
 /// Unpacked weight block: 32 quants as bytes (unsigned for Q4_1, signed for Q8_0 and for Q4_0, whose
@@ -132,24 +154,17 @@ unsafe fn load_block<const FMT: u8>(p: *const u8) -> (__m256i, __m256, f32) {
     }
 }
 
-/// out[j][i] for RW weight rows starting at `w` (stride `rb`) and MT activation rows starting at `qx`.
-#[allow(clippy::too_many_arguments)]
+/// out[j][i] for RW weight rows × MT activation rows.
 #[inline(always)]
-unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(
-    w: *const u8,
-    rb: usize,
-    nb: usize,
-    qx: *const i8,
-    dx: *const f32,
-    sx: *const f32,
-    cols: usize,
-    out: *mut f32,
-    out_stride: usize,
-) {
+unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(t: &Q32Tile) {
+    let (w, rb, nb, qx, cols) = (t.w, t.rb, t.nb, t.qx, t.cols);
     let bb = q32_block_bytes(FMT);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); MT]; RW];
     let mut acc_off = [[0f32; MT]; RW];
+    // Signed formats, 4 activation rows: the tile's scale products d_w·d_x are formed 8 at a time.
+    let vector_scales = FMT != Q4_1 && MT == 4 && RW <= 2;
+    debug_assert!(!vector_scales || t.m > 0, "block-major scales not filled");
     for b in 0..nb {
         let mut wq = [_mm256_setzero_si256(); RW];
         let mut wd = [_mm256_setzero_ps(); RW];
@@ -170,35 +185,51 @@ unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(
             wd[r] = d;
             wo[r] = o;
         }
-        for t in 0..MT {
-            let xv = _mm256_loadu_si256(qx.add(t * cols + 32 * b).cast());
-            let xd = _mm256_broadcast_ss(&*dx.add(t * nb + b));
+        // |w| once per weight block (llama.cpp's `sign(x, x)`), for every activation row.
+        let mut aw = [_mm256_setzero_si256(); RW];
+        if FMT != Q4_1 {
+            for r in 0..RW {
+                aw[r] = _mm256_sign_epi8(wq[r], wq[r]);
+            }
+        }
+        // Lane 4·r + i: d_w(row r)·d_x(activation row i), the same f32 product llama.cpp forms per block.
+        let mut prod = [0f32; 8];
+        if vector_scales {
+            let dx = _mm256_broadcast_ps(&_mm_loadu_ps(t.dxt.add(b * t.m)));
+            let dw = _mm256_insertf128_ps::<1>(wd[0], _mm256_castps256_ps128(wd[RW - 1]));
+            _mm256_storeu_ps(prod.as_mut_ptr(), _mm256_mul_ps(dw, dx));
+        }
+        for i in 0..MT {
+            let xv = _mm256_loadu_si256(qx.add(i * cols + 32 * b).cast());
+            let xd = _mm256_broadcast_ss(&*t.dx.add(i * nb + b));
             let xs = if FMT == Q4_1 {
-                *sx.add(t * nb + b)
+                *t.sx.add(i * nb + b)
             } else {
                 0.0
             };
             for r in 0..RW {
-                let prod = if FMT != Q4_1 {
-                    _mm256_maddubs_epi16(
-                        _mm256_sign_epi8(wq[r], wq[r]),
-                        _mm256_sign_epi8(xv, wq[r]),
-                    )
+                let prod_q = if FMT != Q4_1 {
+                    _mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, wq[r]))
                 } else {
                     _mm256_maddubs_epi16(wq[r], xv)
                 };
-                let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-                acc[r][t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(wd[r], xd), acc[r][t]);
+                let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod_q, ones));
+                let d = if vector_scales {
+                    _mm256_broadcast_ss(&prod[4 * r + i])
+                } else {
+                    _mm256_mul_ps(wd[r], xd)
+                };
+                acc[r][i] = _mm256_fmadd_ps(dot, d, acc[r][i]);
                 if FMT == Q4_1 {
                     // llama.cpp's `summs += m·s`, which its compiler contracts to a fused multiply-add.
-                    acc_off[r][t] = wo[r].mul_add(xs, acc_off[r][t]);
+                    acc_off[r][i] = wo[r].mul_add(xs, acc_off[r][i]);
                 }
             }
         }
     }
     for r in 0..RW {
-        for t in 0..MT {
-            *out.add(t * out_stride + r) = super::hsum(acc[r][t]) + acc_off[r][t];
+        for i in 0..MT {
+            *t.out.add(i * t.out_stride + r) = super::hsum(acc[r][i]) + acc_off[r][i];
         }
     }
 }
