@@ -71,6 +71,21 @@ impl std::str::FromStr for ByteSize {
     }
 }
 
+/// The largest binary unit that divides the count exactly ("1GiB", "1536MiB", "4096"), so it parses back
+/// to the same count: clap shows defaults this way.
+impl std::fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
+        match units
+            .iter()
+            .find(|(shift, _)| self.0 > 0 && self.0 % (1usize << shift) == 0)
+        {
+            Some((shift, unit)) => write!(f, "{}{unit}", self.0 >> shift),
+            None => write!(f, "{}", self.0),
+        }
+    }
+}
+
 /// Written as the byte count, which reads back exactly.
 impl Serialize for ByteSize {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {

@@ -37,7 +37,7 @@ pub struct StageArgs {
     pub threads: usize,
     /// The whole model's KV budget the stage accepts, as its worker's `engine.kv_cache_memory` ("1GiB",
     /// "512MiB"): a worker asking for a bigger pool is refused, so no client sizes this process's memory.
-    #[arg(long, default_value = "1GiB")]
+    #[arg(long, default_value_t = ByteSize(tandem_engine::EngineConfig::default().kv_cache_bytes))]
     pub kv_cache_memory: ByteSize,
     /// Seconds any one read or write of a request may take.
     #[arg(long, default_value_t = 60.0)]

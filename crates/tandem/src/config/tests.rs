@@ -14,6 +14,23 @@ fn byte_sizes_parse_units() {
     assert!("0".parse::<ByteSize>().is_err());
 }
 
+/// Shown sizes (clap's defaults) use the largest exact binary unit and parse back to the same count.
+#[test]
+fn byte_sizes_display_in_exact_units_and_read_back() {
+    for (bytes, shown) in [
+        (1usize << 30, "1GiB"),
+        (1536 << 20, "1536MiB"),
+        (3 << 40, "3TiB"),
+        (1536, "1536"),
+        (3072, "3KiB"),
+        (4097, "4097"),
+        (2_000_000_000, "1953125KiB"),
+    ] {
+        assert_eq!(ByteSize(bytes).to_string(), shown);
+        assert_eq!(shown.parse::<ByteSize>().unwrap().0, bytes);
+    }
+}
+
 #[test]
 fn full_document_parses_and_flags_override() {
     let file = Settings::from_yaml(
