@@ -78,7 +78,7 @@ impl std::fmt::Display for ByteSize {
         let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
         match units
             .iter()
-            .find(|(shift, _)| self.0 > 0 && self.0 % (1usize << shift) == 0)
+            .find(|(shift, _)| self.0 > 0 && self.0.is_multiple_of(1usize << shift))
         {
             Some((shift, unit)) => write!(f, "{}{unit}", self.0 >> shift),
             None => write!(f, "{}", self.0),
