@@ -6,6 +6,51 @@ use std::arch::x86_64::*;
 use crate::matmul::RangeKernel;
 use crate::quant::DType;
 
+/// Where one tile of a 32-element-format kernel (AVX2 or AVX-512) reads and writes: weight rows from `w`
+/// (stride `rb` bytes, `nb` blocks a row) × activation rows from `qx` (stride `cols`).
+struct Q32Tile {
+    w: *const u8,
+    rb: usize,
+    nb: usize,
+    /// The first activation row's quants, and its scales and sums (row-major, `nb` a row).
+    qx: *const i8,
+    dx: *const f32,
+    sx: *const f32,
+    /// The first activation row's block-0 scale in the block-major scales (block stride `m`, the input's
+    /// activation rows; `m` is 0 when they were not filled, see `matmul::uses_block_major_scales`).
+    dxt: *const f32,
+    m: usize,
+    cols: usize,
+    /// out[first activation row][first weight row].
+    out: *mut f32,
+    out_stride: usize,
+}
+
+impl Q32Tile {
+    /// The tile of `job` whose first weight row is `i` and first activation row `j`.
+    ///
+    /// # Safety
+    /// `i` and `j` must lie inside the job's weight and activation rows.
+    #[inline(always)]
+    unsafe fn at(job: &crate::matmul::Job, i: usize, j: usize) -> Self {
+        let w = job.w;
+        let (cols, rb, nb, a) = (w.cols(), w.row_bytes(), w.cols() / 32, &job.acts);
+        Q32Tile {
+            w: w.bytes().as_ptr().add(i * rb),
+            rb,
+            nb,
+            qx: a.qx.as_ptr().add(j * cols),
+            dx: a.dx.as_ptr().add(j * nb),
+            sx: a.sx.as_ptr().add(j * nb),
+            dxt: a.dxt.as_ptr().wrapping_add(j),
+            m: a.dxt.len().saturating_sub(4) / nb,
+            cols,
+            out: job.out.0.add(j * w.rows() + i),
+            out_stride: w.rows(),
+        }
+    }
+}
+
 pub(crate) mod attn256;
 pub(crate) mod attn512;
 mod qmatmul;

@@ -12,7 +12,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{q32_block_bytes, Q4_0, Q4_1, Q8_0};
+use super::{q32_block_bytes, Q32Tile, Q4_0, Q4_1, Q8_0};
 use crate::matmul::{Job, RangeKernel};
 use crate::quant::{f16_at, scale_min_k4, DType, Q4_1_PAIR_BYTES};
 
@@ -46,27 +46,7 @@ fn run_q32<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run_q32_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
-    let w = job.w;
-    let (cols, total) = (w.cols(), w.rows());
-    let rb = w.row_bytes();
-    let nb = cols / 32;
-    let a = &job.acts;
-    let wp = w.bytes().as_ptr();
-    // Activation rows of the input when the block-major scales were filled (`matmul::uses_block_major_scales`).
-    let m = a.dxt.len().saturating_sub(4) / nb;
-    let args = |i: usize, j: usize| Q32Tile {
-        w: wp.add(i * rb),
-        rb,
-        nb,
-        qx: a.qx.as_ptr().add(j * cols),
-        dx: a.dx.as_ptr().add(j * nb),
-        sx: a.sx.as_ptr().add(j * nb),
-        dxt: a.dxt.as_ptr().wrapping_add(j),
-        m,
-        cols,
-        out: job.out.0.add(j * total + i),
-        out_stride: total,
-    };
+    let args = |i: usize, j: usize| Q32Tile::at(job, i, j);
     let mut j = ms.start;
     while j + 4 <= ms.end {
         let mut i = rows.start;
@@ -91,26 +71,6 @@ unsafe fn run_q32_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<u
         }
         j += 1;
     }
-}
-
-/// Where a [`tile_q32`] reads and writes.
-struct Q32Tile {
-    /// First weight row of the tile (row stride `rb` bytes, `nb` blocks).
-    w: *const u8,
-    rb: usize,
-    nb: usize,
-    /// First activation row's quants (row stride `cols`), scales and sums (row-major, `nb` a row).
-    qx: *const i8,
-    dx: *const f32,
-    sx: *const f32,
-    /// First activation row's block-0 scale in the block-major scales (block stride `m`, the input's
-    /// activation rows); only read by the 4-row tiles of the signed formats, for which they are filled.
-    dxt: *const f32,
-    m: usize,
-    cols: usize,
-    /// out[first activation row][first weight row].
-    out: *mut f32,
-    out_stride: usize,
 }
 
 /// Unpacked weight block: 32 quants as bytes (unsigned for Q4_1, signed for Q8_0 and for Q4_0, whose

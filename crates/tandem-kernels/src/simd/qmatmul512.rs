@@ -18,7 +18,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{q32_block_bytes, Q4_0, Q4_1, Q8_0};
+use super::{q32_block_bytes, Q32Tile, Q4_0, Q4_1, Q8_0};
 use crate::matmul::{Job, RangeKernel};
 use crate::quant::DType;
 
@@ -40,23 +40,7 @@ fn run<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn run_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
-    let w = job.w;
-    let (cols, total) = (w.cols(), w.rows());
-    let rb = w.row_bytes();
-    let nb = cols / 32;
-    let a = &job.acts;
-    let wp = w.bytes().as_ptr();
-    let t = |i: usize, j: usize| Tile {
-        w: wp.add(i * rb),
-        rb,
-        nb,
-        qx: a.qx.as_ptr().add(j * cols),
-        dx: a.dx.as_ptr().add(j * nb),
-        sx: a.sx.as_ptr().add(j * nb),
-        cols,
-        out: job.out.0.add(j * total + i),
-        out_stride: total,
-    };
+    let t = |i: usize, j: usize| Q32Tile::at(job, i, j);
     let mut j = ms.start;
     while j + 8 <= ms.end {
         let mut i = rows.start;
@@ -93,19 +77,6 @@ unsafe fn run_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize
         }
         j += 1;
     }
-}
-
-/// Where one tile reads and writes: `RW` weight rows from `w` (stride `rb`) × `MT` activation rows from `qx`.
-struct Tile {
-    w: *const u8,
-    rb: usize,
-    nb: usize,
-    qx: *const i8,
-    dx: *const f32,
-    sx: *const f32,
-    cols: usize,
-    out: *mut f32,
-    out_stride: usize,
 }
 
 /// Block `b` of two weight rows at `p0` and `p1` (only `p0` when `two` is false; the upper half is then
@@ -175,7 +146,7 @@ unsafe fn load_rows<const FMT: u8>(
 // Indexes run over weight row pairs and activation rows of several arrays at once.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn tile<const RP: usize, const MT: usize, const FMT: u8>(t: &Tile, n: usize) {
+unsafe fn tile<const RP: usize, const MT: usize, const FMT: u8>(t: &Q32Tile, n: usize) {
     let bb = q32_block_bytes(FMT);
     let mut acc = [[_mm512_setzero_ps(); MT]; RP];
     // Q4_1's Σ m·s: every lane of a half holds the same chain.
