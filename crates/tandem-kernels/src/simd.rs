@@ -253,17 +253,8 @@ pub(crate) unsafe fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
-    let (pa, pb) = (a.as_ptr(), b.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut i = 0;
-    while i + 32 <= n {
-        for (j, s) in acc.iter_mut().enumerate() {
-            let o = i + 8 * j;
-            *s = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *s);
-        }
-        i += 32;
-    }
-    let x = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+    let mut i = n / 32 * 32;
+    let x = dot_f32_lanes(a.as_ptr(), b.as_ptr(), i);
     let t0 = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     let t1 = _mm_hadd_ps(t0, t0);
     let mut s = _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
@@ -272,6 +263,26 @@ pub(crate) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         i += 1;
     }
     s
+}
+
+/// `dot_f32`'s 8 lanes before its last reductions, over the first `n` (a multiple of 32) elements:
+/// partial sum `P_k` adds `a[32s + k] · b[32s + k]` over the steps `s` by fused multiply-adds from 0, and
+/// lane l is `(P_l + P_16+l) + (P_8+l + P_24+l)`.
+// Plain index loops (no closures) so that every intrinsic sits in the inlined body of a target-feature
+// function.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+pub(crate) unsafe fn dot_f32_lanes(a: *const f32, b: *const f32, n: usize) -> __m256 {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i < n {
+        for j in 0..4 {
+            let o = i + 8 * j;
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(o)), _mm256_loadu_ps(b.add(o)), acc[j]);
+        }
+        i += 32;
+    }
+    _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]))
 }
 
 /// Softmax numerators over whole chunks of 8 (`x.len()` a multiple of 8; -inf entries give 0):

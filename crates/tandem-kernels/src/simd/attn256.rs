@@ -193,10 +193,10 @@ pub(crate) unsafe fn attend_chunk(
     }
 }
 
-/// `values8`'s sums from the transposed values: `vt` is row `d0` of `[head_dim][position]`, row k
+/// `values_tiled`'s sums from the transposed values: `vt` is row `d0` of `[head_dim][position]`, row k
 /// (`k < 8`) at `vt + k·row_len`, position `p` at column `p - base`. Register k holds dimension d0 + k's
 /// 8 accumulators, lane r the positions ≡ r (mod 8) — the same fused multiply-adds in the same order;
-/// lanes outside `lo..=pos` keep their accumulator (a blend, as `values8` skips them).
+/// lanes outside `lo..=pos` keep their accumulator (a blend, as `values_tiled` skips them).
 // Constant-count index loops keep the 8 accumulators in registers.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -233,13 +233,8 @@ unsafe fn values8_t(
         }
         g += 8;
     }
-    // Lane r of register k to register r, lane k: then `values8`'s reduction, 8 dimensions at once.
-    let a = transpose8_regs(acc);
-    let y = _mm256_add_ps(
-        _mm256_add_ps(_mm256_add_ps(a[4], a[0]), _mm256_add_ps(a[6], a[2])),
-        _mm256_add_ps(_mm256_add_ps(a[5], a[1]), _mm256_add_ps(a[7], a[3])),
-    );
-    _mm256_storeu_ps(out, y);
+    // Lane r of register k to register r, lane k: then `values_tiled`'s reduction, 8 dimensions at once.
+    _mm256_storeu_ps(out, hsum_tree(&transpose8_regs(acc)));
 }
 
 /// Where a single query's values are: kv head `kvh` of the blocks of `blocks` in the layer buffer `kv`.
@@ -309,17 +304,21 @@ unsafe fn values_tiled(
         t0 += TILE;
     }
     for d0 in (0..hd).step_by(8) {
-        let a = &acc[d0..d0 + 8];
-        let y = _mm256_add_ps(
-            _mm256_add_ps(_mm256_add_ps(a[4], a[0]), _mm256_add_ps(a[6], a[2])),
-            _mm256_add_ps(_mm256_add_ps(a[5], a[1]), _mm256_add_ps(a[7], a[3])),
-        );
-        _mm256_storeu_ps(out.add(d0), y);
+        _mm256_storeu_ps(out.add(d0), hsum_tree(&acc[d0..d0 + 8]));
     }
 }
 
+/// llamafile's `hsum` of 8 accumulators, lane by lane: `((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))`.
+#[inline(always)]
+unsafe fn hsum_tree(a: &[__m256]) -> __m256 {
+    _mm256_add_ps(
+        _mm256_add_ps(_mm256_add_ps(a[4], a[0]), _mm256_add_ps(a[6], a[2])),
+        _mm256_add_ps(_mm256_add_ps(a[5], a[1]), _mm256_add_ps(a[7], a[3])),
+    )
+}
+
 /// Scores (unscaled) of one query against the 8 keys at `k`, `k + hd`, …: lane j is key j's
-/// `ggml_vec_dot_f32` (see `simd::dot_f32`), the last reductions of 8 keys done together — `t_l = x_l +
+/// `ggml_vec_dot_f32` (`simd::dot_f32`, whose lanes `simd::dot_f32_lanes` gives), the last reductions of 8 keys done together — `t_l = x_l +
 /// x_l+4` of keys j and j + 4 in one register, then two `hadd`s give `(t_0 + t_1) + (t_2 + t_3)` of each
 /// key in key order.
 #[inline(always)]
@@ -339,8 +338,8 @@ unsafe fn scores8_rows_n(q: *const f32, k: *const f32, hd: usize) -> __m256 {
     let mut u = [_mm256_setzero_ps(); 4];
     for j in 0..4 {
         let (a, b) = (
-            dot_x(q, k.add(j * hd), hd),
-            dot_x(q, k.add((j + 4) * hd), hd),
+            super::dot_f32_lanes(q, k.add(j * hd), hd),
+            super::dot_f32_lanes(q, k.add((j + 4) * hd), hd),
         );
         u[j] = _mm256_add_ps(
             _mm256_permute2f128_ps::<0x20>(a, b),
@@ -348,29 +347,6 @@ unsafe fn scores8_rows_n(q: *const f32, k: *const f32, hd: usize) -> __m256 {
         );
     }
     _mm256_hadd_ps(_mm256_hadd_ps(u[0], u[1]), _mm256_hadd_ps(u[2], u[3]))
-}
-
-/// `x_l = (P_l + P_16+l) + (P_8+l + P_24+l)` of `ggml_vec_dot_f32` for one key: partial sum `P_k` adds
-/// `q[32s + k] · key[32s + k]` over the steps `s` by fused multiply-adds from 0.
-// Plain index loops (no closures) so that every intrinsic sits in the inlined body of a target-feature
-// function.
-#[allow(clippy::needless_range_loop)]
-#[inline(always)]
-unsafe fn dot_x(q: *const f32, key: *const f32, hd: usize) -> __m256 {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut s = 0;
-    while s < hd {
-        for j in 0..4 {
-            let o = s + 8 * j;
-            acc[j] = _mm256_fmadd_ps(
-                _mm256_loadu_ps(q.add(o)),
-                _mm256_loadu_ps(key.add(o)),
-                acc[j],
-            );
-        }
-        s += 32;
-    }
-    _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]))
 }
 
 /// `out[t·out_stride + j] = src[j·stride + t]` for an 8 × 8 tile (t, j < 8): 8 rows' 8 columns to 8 rows
