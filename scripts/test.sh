@@ -95,8 +95,8 @@ nvrtc_compile() {
       python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$dir" 'nvidia-cuda-nvrtc==13.0.*' &&
       python3 -m zipfile -e "$dir"/nvidia_cuda_nvrtc-*.whl "$dir" || return 1
   fi
-  # --workspace (not -p tandem-cuda): the same features as the test step's build, so nothing recompiles.
-  TANDEM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$dir/nvidia/cu13/lib" cargo test --workspace --release --lib compiles_for_hopper -- --nocapture
+  # --workspace (not -p tandem-cuda; the test is tandem-cuda/tests/nvrtc.rs): the same features as the test step's build, so nothing recompiles.
+  TANDEM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$dir/nvidia/cu13/lib" cargo test --workspace --release --test nvrtc compiles_for_hopper -- --nocapture
 }
 run_step "CUDA kernels compile (NVRTC, sm_90)" nvrtc_compile
 # Fuzzing (about 5 minutes, mostly the instrumented build): each libFuzzer target under fuzz/ for 10 s from

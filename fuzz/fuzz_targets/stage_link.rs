@@ -54,7 +54,7 @@ fn served() -> &'static Served {
             StageServing {
                 io: Duration::from_secs(1),
                 // The whole model's KV at the client's 64 blocks of 4 tokens, f32.
-                kv_cache_bytes: 64
+                kv_cache_memory: 64
                     * 4
                     * m.config.num_layers
                     * 2

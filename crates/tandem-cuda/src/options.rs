@@ -19,8 +19,8 @@ pub struct CudaOptions {
     pub device: usize,
     /// Tokens per KV block.
     pub block_size: usize,
-    /// Bytes of KV cache across all layers.
-    pub kv_cache_bytes: usize,
+    /// Bytes of KV cache across all layers (the engine's `kv_cache_memory`).
+    pub kv_cache_memory: usize,
     /// Most tokens in one step (the activation buffers are sized for it).
     pub max_tokens: usize,
     /// Most sequences in one step.
@@ -58,17 +58,20 @@ pub struct CudaOptions {
     /// without layer 0 takes hidden states instead of tokens; one without the last layer returns
     /// hidden states instead of logits.
     pub layers: Option<std::ops::Range<usize>>,
-    /// Blocks of the KV pool (`None`: what `kv_cache_bytes` holds for the whole model): a pipeline's
+    /// Blocks of the KV pool (`None`: what `kv_cache_memory` holds for the whole model): a pipeline's
     /// stages all size their pools to the worker's block count.
     pub num_blocks: Option<usize>,
 }
 
+/// The kernel settings at their defaults; the block size and KV budget are the engine's defaults
+/// (`tandem_engine::EngineConfig`), which the caller replaces with its engine's.
 impl Default for CudaOptions {
     fn default() -> Self {
+        let engine = tandem_engine::EngineConfig::default();
         Self {
             device: 0,
-            block_size: 16,
-            kv_cache_bytes: 4 << 30,
+            block_size: engine.block_size,
+            kv_cache_memory: engine.kv_cache_memory,
             max_tokens: 2048,
             max_seqs: 256,
             max_model_len: None,

@@ -6,8 +6,9 @@
 pub struct EngineConfig {
     /// Tokens per KV block.
     pub block_size: usize,
-    /// Bytes of KV cache across all layers (the backend is sized from it).
-    pub kv_cache_bytes: usize,
+    /// Bytes of KV cache across all layers (the backend is sized from it): the setting
+    /// `engine.kv_cache_memory`, whose default is this type's, the one default every backend takes.
+    pub kv_cache_memory: usize,
     /// Running sequences per step.
     pub max_num_seqs: usize,
     /// Token budget per step.
@@ -36,7 +37,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             block_size: 16,
-            kv_cache_bytes: 1 << 30,
+            kv_cache_memory: 1 << 30,
             max_num_seqs: 64,
             max_num_batched_tokens: 512,
             enable_chunked_prefill: true,

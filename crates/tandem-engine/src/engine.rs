@@ -56,7 +56,7 @@ impl Engine {
         }
         if layout.num_blocks == 0 {
             return Err(EngineError::Config(
-                "KV cache holds no block; raise kv_cache_bytes".into(),
+                "KV cache holds no block; raise engine.kv_cache_memory".into(),
             ));
         }
         if config.max_num_seqs == 0 || config.max_num_batched_tokens == 0 {

@@ -83,6 +83,10 @@ fn best(reps: usize, cpu: bool, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
+    // The library reads no environment: this program gives it the cap, as the `tandem` binary does.
+    if let Ok(cap) = std::env::var("TANDEM_KERNELS") {
+        tandem_kernels::set_isa_cap(cap.parse().expect("TANDEM_KERNELS"));
+    }
     let args: Vec<usize> = std::env::args()
         .skip(1)
         .map(|a| a.parse().expect("number"))

@@ -13,22 +13,39 @@ pub enum Isa {
     Avx512,
 }
 
-/// The level the kernels run at: the best the CPU supports, capped by `TANDEM_KERNELS`
-/// (`portable`, `avx2` or `avx512`). Decided once per process so every call of a kernel takes the same path.
+/// The cap on the level set by [`set_isa_cap`] (the `tandem` binary's `--kernels` flag), or, once the
+/// first kernel has asked for the level, the cap it ran under.
+static CAP: OnceLock<Isa> = OnceLock::new();
+
+/// Caps the level the kernels run at (`portable` and `avx2` are for comparisons and benchmarks). Call it
+/// once at start, before any kernel runs: it returns false, changing nothing, when the level is already
+/// fixed (a cap set before, or a kernel already ran), so every call of a kernel takes the same path.
+pub fn set_isa_cap(cap: Isa) -> bool {
+    CAP.set(cap).is_ok()
+}
+
+/// The level the kernels run at: the best the CPU supports, capped by [`set_isa_cap`]. Decided once per
+/// process so every call of a kernel takes the same path.
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        let cap = match std::env::var("TANDEM_KERNELS")
-            .unwrap_or_default()
-            .to_ascii_lowercase()
-            .as_str()
-        {
-            "portable" => Isa::Portable,
-            "avx2" => Isa::Avx2,
-            _ => Isa::Avx512,
-        };
-        cpu_isa().min(cap)
-    })
+    *ISA.get_or_init(|| cpu_isa().min(*CAP.get_or_init(|| Isa::Avx512)))
+}
+
+impl std::str::FromStr for Isa {
+    type Err = String;
+
+    /// `portable`, `avx2` or `avx512`, in any case: the spelling of the `--kernels` flag and of
+    /// `TANDEM_KERNELS`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "portable" => Ok(Isa::Portable),
+            "avx2" => Ok(Isa::Avx2),
+            "avx512" => Ok(Isa::Avx512),
+            other => Err(format!(
+                "unknown kernel level `{other}`: portable, avx2 or avx512"
+            )),
+        }
+    }
 }
 
 /// Whether the AVX2+FMA+F16C kernels (or better) are used.

@@ -2,8 +2,8 @@
 //! thread pool that drives them.
 //!
 //! Every hot kernel has a portable scalar version (the reference, always compiled) and an AVX2+FMA+F16C
-//! version picked at runtime; the quantized matmul also has an AVX-512 VNNI version. `TANDEM_KERNELS=portable`
-//! (or `avx2`) caps the level.
+//! version picked at runtime; the quantized matmul also has an AVX-512 VNNI version. [`set_isa_cap`]
+//! caps the level (the `tandem` binary's `--kernels portable|avx2`, or `TANDEM_KERNELS`).
 
 pub mod attention;
 pub mod matmul;
@@ -17,7 +17,7 @@ mod dispatch;
 mod simd;
 
 pub use attention::{paged_attention, write_kv, AttnParams, AttnSeq};
-pub use dispatch::{isa, simd_enabled, Isa};
+pub use dispatch::{isa, set_isa_cap, simd_enabled, Isa};
 pub use matmul::{matmul, matmul_fused, MatmulScratch};
 pub use ops::{add_inplace, rms_norm, silu_mul, softmax_inplace};
 pub use quant::{dequantize, quantize_row, DType, Matrix, WeightBytes};

@@ -39,6 +39,13 @@ async fn main() -> Result<(), tandem_kv::KvError> {
         library: Some(lib.into()),
         ..NixlConfig::default()
     });
+    if let Some(dir) = nixl
+        .as_ref()
+        .and_then(|c| tandem_kv::NixlEnv::for_config(c).plugin_dir)
+    {
+        // The library sets no environment; this program is its binary. No runtime thread reads it.
+        std::env::set_var(tandem_kv::NixlEnv::PLUGIN_DIR, dir);
+    }
     let transports = transports.chain(nixl.is_some().then_some(BenchTransport::Nixl));
     println!(
         "{:<58} {:<10} {:>12} {:>10} {:>8}",

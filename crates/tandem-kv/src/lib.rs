@@ -78,7 +78,9 @@ pub mod wire;
 pub use auth::ClusterKey;
 pub use error::KvError;
 pub use metrics::{KvMetrics, KvMetricsSnapshot, ReleaseReason};
-pub use nixl::{MemKind, MemRegion, NixlAgent, NixlBackend, NixlConfig, NixlError, Registration};
+pub use nixl::{
+    MemKind, MemRegion, NixlAgent, NixlBackend, NixlConfig, NixlEnv, NixlError, Registration,
+};
 pub use peer::{check_field, PeerInfo, WireDtype, WireLayout};
 pub use selection::BlockSelection;
 pub use server::{default_shm_dir, KvListener, KvServer, KvServerConfig};

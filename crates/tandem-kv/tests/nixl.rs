@@ -35,12 +35,21 @@ fn nixl_lib() -> Option<PathBuf> {
     }
 }
 
+/// The agents' settings; the first call also sets the plugin directory they need in the environment,
+/// as the `tandem` binary does at start (the library sets none).
 fn config(lib: PathBuf) -> NixlConfig {
-    NixlConfig {
+    let config = NixlConfig {
         library: Some(lib),
         pool_granule: 1 << 20,
         ..NixlConfig::default()
-    }
+    };
+    static ENV: std::sync::Once = std::sync::Once::new();
+    ENV.call_once(|| {
+        if let Some(dir) = tandem_kv::NixlEnv::for_config(&config).plugin_dir {
+            std::env::set_var(tandem_kv::NixlEnv::PLUGIN_DIR, dir);
+        }
+    });
+    config
 }
 
 fn info() -> PeerInfo {

@@ -96,7 +96,7 @@ fn main() {
         l,
         StageServing {
             io: Duration::from_secs(60),
-            kv_cache_bytes: budget,
+            kv_cache_memory: budget,
             key: None,
         },
     )
@@ -105,7 +105,7 @@ fn main() {
         micro_batches: mbs,
         min_micro_batch_tokens: arg(5, 1),
         block_size: BLOCK,
-        kv_cache_bytes: budget,
+        kv_cache_memory: budget,
         timeouts: StageTimeouts::default(),
         cluster_key: None,
     };

@@ -104,8 +104,12 @@ impl PipelineBackend {
                 model.partition().layers
             )));
         }
-        let layout =
-            KvLayout::for_budget(config, cfg.block_size, cfg.kv_cache_bytes, model.kv_dtype());
+        let layout = KvLayout::for_budget(
+            config,
+            cfg.block_size,
+            cfg.kv_cache_memory,
+            model.kv_dtype(),
+        );
         let num_blocks = layout.num_blocks;
         model.size_pool(cfg.block_size, num_blocks)?;
         let mut links = Vec::with_capacity(stages - 1);

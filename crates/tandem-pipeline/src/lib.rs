@@ -30,7 +30,7 @@
 //! row of the kernels is computed the same whatever the batch around it, and attention reads only its own
 //! sequence's blocks, so pipelined logits equal the whole model's bit for bit.
 //!
-//! The KV budget (`kv_cache_bytes`) is the whole model's, as without pipelining, so a pipelined worker has
+//! The KV budget (`kv_cache_memory`) is the whole model's, as without pipelining, so a pipelined worker has
 //! the same number of blocks as an unsplit one; each stage allocates only its layers' share of it.
 //!
 //! Modules by job: `backend` (the first stage, [`PipelineBackend`]), `stage` (a later stage's model
@@ -94,7 +94,7 @@ pub struct PipelineConfig {
     /// Tokens per KV block.
     pub block_size: usize,
     /// KV budget of the whole model, across all stages.
-    pub kv_cache_bytes: usize,
+    pub kv_cache_memory: usize,
     /// Deadlines of every stage link.
     pub timeouts: StageTimeouts,
     /// The cluster secret to prove to every stage server (which must then ask for it).

@@ -82,7 +82,7 @@ struct Hosted {
     stage: usize,
     stages: usize,
     /// The whole model's KV budget in bytes: the largest pool a worker may size here.
-    kv_cache_bytes: usize,
+    kv_cache_memory: usize,
 }
 
 impl Hosted {
@@ -141,12 +141,12 @@ impl StageHandler for Hosted {
         let needs = (num_blocks as u128)
             .saturating_mul(block_size as u128)
             .saturating_mul(per_token as u128);
-        if needs > self.kv_cache_bytes as u128 {
+        if needs > self.kv_cache_memory as u128 {
             return Err(StageError::PoolTooLarge {
                 block_size,
                 num_blocks,
                 needs,
-                budget: self.kv_cache_bytes,
+                budget: self.kv_cache_memory,
             });
         }
         self.model.size_pool(block_size, num_blocks)?;
@@ -215,16 +215,16 @@ impl StageHandler for Hosted {
 pub struct StageServing {
     /// Bounds each frame read or write after a request's first frame.
     pub io: Duration,
-    /// The whole model's KV budget in bytes, as the worker's `kv_cache_bytes`: the largest pool a
+    /// The whole model's KV budget in bytes, as the worker's `kv_cache_memory`: the largest pool a
     /// worker's hello may size here (the stage allocates its layers' share of it).
-    pub kv_cache_bytes: usize,
+    pub kv_cache_memory: usize,
     /// The cluster secret a worker must prove, if any.
     pub key: Option<ClusterKey>,
 }
 
 /// Hosts stage `stage` (≥ 1) of `stages` on `listener`: serves `model` (that stage's layers, on any
 /// device) to its worker's link until shut down (only a worker proving `serving.key`, when set). The KV
-/// pool is sized by the first worker that connects, within `serving.kv_cache_bytes`.
+/// pool is sized by the first worker that connects, within `serving.kv_cache_memory`.
 pub fn serve_stage(
     model: Box<dyn StageModel>,
     identity: &ModelIdentity,
@@ -252,7 +252,7 @@ pub fn serve_stage(
         model_id: identity.clone(),
         stage,
         stages,
-        kv_cache_bytes: serving.kv_cache_bytes,
+        kv_cache_memory: serving.kv_cache_memory,
     };
     let server =
         StageServer::start(listener, handler, serving.io, serving.key).map_err(|source| {

@@ -21,7 +21,7 @@ fn budget(m: &LoadedModel) -> usize {
 fn serving(m: &LoadedModel, io: Duration) -> StageServing {
     StageServing {
         io,
-        kv_cache_bytes: budget(m),
+        kv_cache_memory: budget(m),
         key: None,
     }
 }
@@ -55,7 +55,7 @@ fn pipeline(m: &LoadedModel, servers: &[StageServer], micro_batches: usize) -> P
         micro_batches,
         min_micro_batch_tokens: 1,
         block_size: BLOCK,
-        kv_cache_bytes: budget(m),
+        kv_cache_memory: budget(m),
         timeouts: StageTimeouts {
             connect: Duration::from_secs(2),
             io: Duration::from_secs(30),
@@ -254,7 +254,7 @@ fn a_mismatched_stage_is_refused_naming_the_field() {
         micro_batches: 0,
         min_micro_batch_tokens: 1,
         block_size: BLOCK,
-        kv_cache_bytes: budget(m),
+        kv_cache_memory: budget(m),
         timeouts: StageTimeouts::default(),
         cluster_key: None,
     };
@@ -275,7 +275,7 @@ fn a_mismatched_stage_is_refused_naming_the_field() {
 }
 
 /// The stage server sizes its KV pool from the first worker's hello, so that hello must not ask for
-/// more than the stage's own budget (`StageServing::kv_cache_bytes`, the whole model's KV as the
+/// more than the stage's own budget (`StageServing::kv_cache_memory`, the whole model's KV as the
 /// worker's): a bigger pool (one block more than the budget, 1,000 times it, and one whose byte count
 /// overflows usize) is refused with an `Error` frame naming the budget before anything is allocated, and
 /// the server stays unsized for a worker that fits. The old server allocated whatever the first client
@@ -307,7 +307,7 @@ fn a_pool_beyond_the_stage_budget_is_refused_before_it_is_allocated() {
         micro_batches: 0,
         min_micro_batch_tokens: 1,
         block_size: BLOCK,
-        kv_cache_bytes: budget(m),
+        kv_cache_memory: budget(m),
         timeouts: StageTimeouts::default(),
         cluster_key: None,
     };

@@ -28,7 +28,7 @@ pub struct ChatArgs {
     pub engine: EngineSettings,
     /// With --local and --device cuda: CUDA backend flags, as for `tandem serve`.
     #[command(flatten)]
-    pub cuda: crate::cuda_settings::CudaArgs,
+    pub cuda: crate::cuda_settings::CudaSettings,
     /// Model name (default: the server's first model).
     #[arg(long)]
     pub model: Option<String>,
@@ -225,11 +225,10 @@ fn local_settings(args: &ChatArgs) -> Result<Settings> {
     let flags = Settings {
         model: args.model_path.clone(),
         engine: args.engine.clone(),
+        cuda: args.cuda.clone(),
         ..Settings::default()
     };
-    let mut settings = Settings::colocated(&flags, Settings::default())?;
-    settings.cuda = settings.cuda.merged(&args.cuda.as_section());
-    Ok(settings)
+    Settings::colocated(&flags, Settings::default())
 }
 
 #[cfg(test)]

@@ -1,13 +1,15 @@
-//! The CUDA backend's settings: the `cuda:` section of the YAML file and the `--cuda-*` flags.
+//! The CUDA backend's settings: one type, [`CudaSettings`], that is both the `cuda:` section of the YAML
+//! file and the `--cuda-*` flags (each flag sets the same key), and the one conversion to
+//! `tandem_cuda::CudaOptions` ([`CudaSettings::options`]).
 //!
 //! The section parses and validates in every binary (a config file is portable between CPU and CUDA
-//! builds); only binaries built with the `cuda` feature turn it into `tandem_cuda::CudaOptions`. The
-//! settings an operator sets (device ordinal, attention kernels, graphs, GEMV) are YAML keys and visible
-//! flags; the GEMV tuning knobs that only the GPU scripts sweep (`scripts/gpu/run.sh`) are hidden flags
-//! and not YAML keys.
+//! builds); only binaries built with the `cuda` feature turn it into options. The settings an operator
+//! sets (device ordinal, attention kernels, graphs, GEMV) are YAML keys and visible flags; the GEMV tuning
+//! knobs that only the GPU scripts sweep (`scripts/gpu/run.sh`) are hidden flags of each process
+//! ([`CudaTuning`]), not YAML keys, and do not travel to the processes a launcher starts.
 
 use clap::{Args, ValueEnum};
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize};
 
 /// Most rows the small-batch GEMV kernels take (`tandem_cuda::kernels::GEMV_MAX_ROWS`).
 const GEMV_MAX_ROWS: usize = 8;
@@ -40,41 +42,83 @@ impl std::fmt::Display for CudaAttention {
     }
 }
 
-/// `cuda:` section (and, merged with the flags, the resolved settings): unset keys keep the backend's
-/// defaults. The tuning fields are skipped by serde, so in a file they are unknown keys.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+/// `cuda:` section, and the `--cuda-*` flags of every command that can run the CUDA backend: unset keys
+/// keep the backend's defaults. Layers (the file, then the flags) merge with `crate::config::overlay`;
+/// the tuning knobs come from this process's flags only.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Args, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct CudaSection {
-    /// CUDA device ordinal.
+pub struct CudaSettings {
+    /// CUDA device ordinal (--device cuda).
+    #[arg(id = "cuda_device", long = "cuda-device")]
     pub device: Option<usize>,
-    /// Device ordinal of each pipeline stage a worker starts, stage 0 first (unset: all on `device`).
+    /// CUDA device ordinal of each pipeline stage, stage 0 first, as 0,1,... (unset: all on --cuda-device).
+    #[arg(
+        id = "cuda_pipeline_devices",
+        long = "cuda-pipeline-devices",
+        value_delimiter = ','
+    )]
     pub pipeline_devices: Option<Vec<usize>>,
-    /// Attention kernels.
+    /// CUDA attention kernels: fast, or the simple reference kernel (on-device checks).
+    #[arg(id = "cuda_attention", long = "cuda-attention", value_enum)]
     pub attention: Option<CudaAttention>,
-    /// Capture CUDA graphs for decode-only steps.
+    /// Capture CUDA graphs for decode-only steps (flag `--no-cuda-graphs` sets false).
+    #[arg(
+        id = "cuda_graphs",
+        long = "no-cuda-graphs",
+        num_args = 0,
+        default_missing_value = "false",
+        help = "Run CUDA decode steps without captured graphs (one launch per kernel; profiling)"
+    )]
     pub graphs: Option<bool>,
-    /// Our GEMV kernels for steps of few rows (false: cuBLAS for every projection).
+    /// Our GEMV kernels for steps of few rows (flag `--no-cuda-gemv` sets false: cuBLAS for every projection).
+    #[arg(
+        id = "cuda_gemv",
+        long = "no-cuda-gemv",
+        num_args = 0,
+        default_missing_value = "false",
+        help = "Run every CUDA projection on cuBLAS instead of our small-batch GEMV kernels"
+    )]
     pub gemv: Option<bool>,
-    /// Most rows (tokens of a step) our GEMV kernels take, 0 to 8.
+    /// Most rows (tokens of a step) the CUDA GEMV kernels take, 0 to 8 [default: 1].
+    #[arg(id = "cuda_gemv_max_rows", long = "cuda-gemv-max-rows", value_parser = parse_gemv_max_rows)]
     #[serde(default, deserialize_with = "gemv_max_rows")]
     pub gemv_max_rows: Option<usize>,
-    /// Programmatic dependent launch (hidden flag only).
+    /// The A/B tuning knobs (hidden flags only).
+    #[command(flatten)]
     #[serde(skip)]
+    pub tuning: CudaTuning,
+}
+
+/// The CUDA knobs only A/B timings set: hidden flags of the process they are given to, never YAML keys.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Args)]
+pub struct CudaTuning {
+    /// Programmatic dependent launch of the kernels that support it (A/B timings).
+    #[arg(
+        long = "cuda-pdl",
+        hide = true,
+        num_args = 0,
+        default_missing_value = "true"
+    )]
     pub pdl: Option<bool>,
-    /// Keys per decode-attention partition of small batches, 1 to 64 (hidden flag only).
-    #[serde(skip)]
+    /// Keys per decode-attention partition of small batches, 1 to 64 (A/B timings).
+    #[arg(long = "cuda-decode-partition-small", hide = true, value_parser = parse_decode_partition)]
     pub decode_partition_small: Option<usize>,
-    /// Warps a small-batch GEMV launch aims for through split-K (hidden flag only).
-    #[serde(skip)]
+    /// Warps a small-batch GEMV launch aims for through split-K (A/B timings).
+    #[arg(long = "cuda-gemv-target-warps", hide = true, value_parser = parse_positive("gemv_target_warps"))]
     pub gemv_target_warps: Option<usize>,
-    /// 16-byte chunks per row a GEMV lane loads per step (`GV_U`; hidden flag only).
-    #[serde(skip)]
+    /// 16-byte chunks per row a GEMV lane loads per step, compiled in (`GV_U`; A/B timings).
+    #[arg(long = "cuda-gemv-unroll", hide = true, value_parser = parse_positive("gemv_unroll"))]
     pub gemv_unroll: Option<usize>,
-    /// Blocks per multiprocessor the GEMV kernels must fit (`GV_MINB`; hidden flag only).
-    #[serde(skip)]
+    /// Blocks per multiprocessor the GEMV kernels must fit, compiled in (`GV_MINB`; A/B timings).
+    #[arg(long = "cuda-gemv-min-blocks", hide = true, value_parser = parse_positive("gemv_min_blocks"))]
     pub gemv_min_blocks: Option<usize>,
-    /// Persistent GEMV launches (hidden flag only).
-    #[serde(skip)]
+    /// Persistent GEMV launches: a grid of the blocks the GPU holds at once (A/B timings).
+    #[arg(
+        long = "cuda-gemv-persistent",
+        hide = true,
+        num_args = 0,
+        default_missing_value = "true"
+    )]
     pub gemv_persistent: Option<bool>,
 }
 
@@ -115,94 +159,7 @@ fn parse_positive(key: &'static str) -> impl Fn(&str) -> Result<usize, String> +
     move |s| ranged(s, key, 1, usize::MAX)
 }
 
-/// The `--cuda-*` flags of every command that can run the CUDA backend; each overrides the same
-/// `cuda:` key.
-#[derive(Clone, Debug, Default, Args)]
-pub struct CudaArgs {
-    /// CUDA device ordinal (--device cuda).
-    #[arg(long)]
-    pub cuda_device: Option<usize>,
-    /// CUDA device ordinal of each pipeline stage, stage 0 first, as 0,1,... (unset: all on --cuda-device).
-    #[arg(long, value_delimiter = ',')]
-    pub cuda_pipeline_devices: Option<Vec<usize>>,
-    /// CUDA attention kernels: fast, or the simple reference kernel (on-device checks).
-    #[arg(long, value_enum)]
-    pub cuda_attention: Option<CudaAttention>,
-    /// Run CUDA decode steps without captured graphs (one launch per kernel; profiling).
-    #[arg(long)]
-    pub no_cuda_graphs: bool,
-    /// Run every CUDA projection on cuBLAS instead of our small-batch GEMV kernels.
-    #[arg(long)]
-    pub no_cuda_gemv: bool,
-    /// Most rows (tokens of a step) the CUDA GEMV kernels take, 0 to 8 [default: 1].
-    #[arg(long, value_parser = parse_gemv_max_rows)]
-    pub cuda_gemv_max_rows: Option<usize>,
-    /// Programmatic dependent launch of the kernels that support it (A/B timings).
-    #[arg(long, hide = true)]
-    pub cuda_pdl: bool,
-    /// Keys per decode-attention partition of small batches, 1 to 64 (A/B timings).
-    #[arg(long, hide = true, value_parser = parse_decode_partition)]
-    pub cuda_decode_partition_small: Option<usize>,
-    /// Warps a small-batch GEMV launch aims for through split-K (A/B timings).
-    #[arg(long, hide = true, value_parser = parse_positive("gemv_target_warps"))]
-    pub cuda_gemv_target_warps: Option<usize>,
-    /// 16-byte chunks per row a GEMV lane loads per step, compiled in (A/B timings).
-    #[arg(long, hide = true, value_parser = parse_positive("gemv_unroll"))]
-    pub cuda_gemv_unroll: Option<usize>,
-    /// Blocks per multiprocessor the GEMV kernels must fit, compiled in (A/B timings).
-    #[arg(long, hide = true, value_parser = parse_positive("gemv_min_blocks"))]
-    pub cuda_gemv_min_blocks: Option<usize>,
-    /// Persistent GEMV launches: a grid of the blocks the GPU holds at once (A/B timings).
-    #[arg(long, hide = true)]
-    pub cuda_gemv_persistent: bool,
-}
-
-impl CudaArgs {
-    /// The flags as a `cuda:` section (unset flags stay unset), so they merge like the file's keys.
-    pub fn as_section(&self) -> CudaSection {
-        CudaSection {
-            device: self.cuda_device,
-            pipeline_devices: self.cuda_pipeline_devices.clone(),
-            attention: self.cuda_attention,
-            graphs: self.no_cuda_graphs.then_some(false),
-            gemv: self.no_cuda_gemv.then_some(false),
-            gemv_max_rows: self.cuda_gemv_max_rows,
-            pdl: self.cuda_pdl.then_some(true),
-            decode_partition_small: self.cuda_decode_partition_small,
-            gemv_target_warps: self.cuda_gemv_target_warps,
-            gemv_unroll: self.cuda_gemv_unroll,
-            gemv_min_blocks: self.cuda_gemv_min_blocks,
-            gemv_persistent: self.cuda_gemv_persistent.then_some(true),
-        }
-    }
-}
-
-impl CudaSection {
-    /// These settings with every key `over` sets replacing ours (the file, then the flags).
-    pub fn merged(&self, over: &CudaSection) -> CudaSection {
-        let mut m = self.clone();
-        if over.pipeline_devices.is_some() {
-            m.pipeline_devices.clone_from(&over.pipeline_devices);
-        }
-        macro_rules! take {
-            ($($f:ident),*) => { $( if over.$f.is_some() { m.$f = over.$f; } )* };
-        }
-        take!(
-            device,
-            attention,
-            graphs,
-            gemv,
-            gemv_max_rows,
-            pdl,
-            decode_partition_small,
-            gemv_target_warps,
-            gemv_unroll,
-            gemv_min_blocks,
-            gemv_persistent
-        );
-        m
-    }
-
+impl CudaSettings {
     /// The device ordinal of each of `stages` pipeline stages: `pipeline_devices`, else `device` (0)
     /// for all.
     pub fn stage_devices(&self, stages: usize) -> Result<Vec<usize>, String> {
@@ -216,66 +173,33 @@ impl CudaSection {
         }
     }
 
-    /// The flags that give a stage process these settings on GPU `device` (`tandem stage`).
-    pub fn stage_flags(&self, device: usize) -> Vec<String> {
-        let mut f = vec!["--cuda-device".to_string(), device.to_string()];
-        if let Some(a) = self.attention {
-            f.extend(["--cuda-attention".to_string(), a.to_string()]);
-        }
-        if self.graphs == Some(false) {
-            f.push("--no-cuda-graphs".into());
-        }
-        if self.gemv == Some(false) {
-            f.push("--no-cuda-gemv".into());
-        }
-        if let Some(n) = self.gemv_max_rows {
-            f.extend(["--cuda-gemv-max-rows".to_string(), n.to_string()]);
-        }
-        f
-    }
-
     /// `base` (the sizes the caller derived from the engine settings) with every key set here applied.
     #[cfg(feature = "cuda")]
     pub fn options(&self, base: tandem_cuda::CudaOptions) -> tandem_cuda::CudaOptions {
-        let mut o = base;
-        o.kernel_cache_dir = kernel_cache_dir();
-        if let Some(v) = self.device {
-            o.device = v;
+        let t = &self.tuning;
+        tandem_cuda::CudaOptions {
+            kernel_cache_dir: kernel_cache_dir(),
+            device: self.device.unwrap_or(base.device),
+            attn: match self.attention {
+                Some(CudaAttention::Fast) => tandem_cuda::AttnMode::Fast,
+                Some(CudaAttention::Simple) => tandem_cuda::AttnMode::Simple,
+                None => base.attn,
+            },
+            graphs: self.graphs.unwrap_or(base.graphs),
+            gemv: self.gemv.unwrap_or(base.gemv),
+            gemv_max_rows: self.gemv_max_rows.unwrap_or(base.gemv_max_rows),
+            pdl: t.pdl.unwrap_or(base.pdl),
+            decode_partition_small: t
+                .decode_partition_small
+                .unwrap_or(base.decode_partition_small),
+            gemv_target_warps: t.gemv_target_warps.unwrap_or(base.gemv_target_warps),
+            gemv_tuning: tandem_cuda::kernels::GemvTuning {
+                unroll: t.gemv_unroll.unwrap_or(base.gemv_tuning.unroll),
+                min_blocks: t.gemv_min_blocks.unwrap_or(base.gemv_tuning.min_blocks),
+            },
+            gemv_persistent: t.gemv_persistent.unwrap_or(base.gemv_persistent),
+            ..base
         }
-        if let Some(v) = self.attention {
-            o.attn = match v {
-                CudaAttention::Fast => tandem_cuda::AttnMode::Fast,
-                CudaAttention::Simple => tandem_cuda::AttnMode::Simple,
-            };
-        }
-        if let Some(v) = self.graphs {
-            o.graphs = v;
-        }
-        if let Some(v) = self.gemv {
-            o.gemv = v;
-        }
-        if let Some(v) = self.gemv_max_rows {
-            o.gemv_max_rows = v;
-        }
-        if let Some(v) = self.pdl {
-            o.pdl = v;
-        }
-        if let Some(v) = self.decode_partition_small {
-            o.decode_partition_small = v;
-        }
-        if let Some(v) = self.gemv_target_warps {
-            o.gemv_target_warps = v;
-        }
-        if let Some(v) = self.gemv_unroll {
-            o.gemv_tuning.unroll = v;
-        }
-        if let Some(v) = self.gemv_min_blocks {
-            o.gemv_tuning.min_blocks = v;
-        }
-        if let Some(v) = self.gemv_persistent {
-            o.gemv_persistent = v;
-        }
-        o
     }
 }
 
@@ -292,39 +216,48 @@ fn kernel_cache_dir() -> Option<std::path::PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Settings as FileConfig;
+    use crate::config::{overlay, Settings as FileConfig};
 
     #[derive(clap::Parser)]
     struct Flags {
         #[command(flatten)]
-        cuda: CudaArgs,
+        cuda: CudaSettings,
     }
 
-    fn flags(args: &[&str]) -> Result<CudaSection, clap::Error> {
+    fn flags(args: &[&str]) -> Result<CudaSettings, clap::Error> {
         let argv = std::iter::once("tandem").chain(args.iter().copied());
-        Ok(<Flags as clap::Parser>::try_parse_from(argv)?
-            .cuda
-            .as_section())
+        Ok(<Flags as clap::Parser>::try_parse_from(argv)?.cuda)
     }
 
     #[test]
-    fn the_cuda_section_parses_typed() {
+    fn the_cuda_section_parses_typed_from_the_file_and_the_flags_alike() {
         let file = FileConfig::from_yaml(
             "cuda: {device: 1, attention: simple, graphs: false, gemv: false, gemv_max_rows: 8}\n",
         )
         .unwrap();
-        assert_eq!(
-            file.cuda,
-            CudaSection {
-                device: Some(1),
-                attention: Some(CudaAttention::Simple),
-                graphs: Some(false),
-                gemv: Some(false),
-                gemv_max_rows: Some(8),
-                ..CudaSection::default()
-            }
-        );
-        assert_eq!(FileConfig::default().cuda, CudaSection::default());
+        let want = CudaSettings {
+            device: Some(1),
+            attention: Some(CudaAttention::Simple),
+            graphs: Some(false),
+            gemv: Some(false),
+            gemv_max_rows: Some(8),
+            ..CudaSettings::default()
+        };
+        assert_eq!(file.cuda, want);
+        let cli = flags(&[
+            "--cuda-device",
+            "1",
+            "--cuda-attention",
+            "simple",
+            "--no-cuda-graphs",
+            "--no-cuda-gemv",
+            "--cuda-gemv-max-rows",
+            "8",
+        ])
+        .unwrap();
+        assert_eq!(cli, want);
+        assert_eq!(FileConfig::default().cuda, CudaSettings::default());
+        assert_eq!(flags(&[]).unwrap(), CudaSettings::default());
     }
 
     #[test]
@@ -355,14 +288,14 @@ mod tests {
 
     #[test]
     fn unknown_and_tuning_keys_are_errors_in_the_file() {
-        for key in ["gemv_rows", "pdl", "gemv_persistent"] {
+        for key in ["gemv_rows", "pdl", "gemv_persistent", "tuning"] {
             let err = FileConfig::from_yaml(&format!("cuda: {{{key}: 1}}\n")).unwrap_err();
             assert!(format!("{err:#}").contains(key), "{err:#}");
         }
     }
 
     #[test]
-    fn flags_override_the_file_and_travel_to_workers() {
+    fn flags_override_the_file_and_the_section_travels_without_the_tuning() {
         let file = FileConfig::from_yaml("cuda: {device: 1, gemv_max_rows: 2}\n").unwrap();
         let cli = flags(&[
             "--cuda-gemv-max-rows",
@@ -371,23 +304,22 @@ mod tests {
             "--cuda-pdl",
         ])
         .unwrap();
-        let merged = file.cuda.merged(&cli);
+        let merged: CudaSettings = overlay(&[&file.cuda, &cli]).unwrap();
         assert_eq!(merged.device, Some(1));
         assert_eq!(merged.gemv_max_rows, Some(4));
         assert_eq!(merged.graphs, Some(false));
-        assert_eq!(merged.pdl, Some(true));
-        // Workers get the section in their JSON settings document: every file key travels; the
-        // hidden tuning flags are per process (given to the worker's own command line).
-        let doc = serde_json::to_string(&merged).unwrap();
-        let travelled: CudaSection = serde_json::from_str(&doc).unwrap();
+        assert_eq!(cli.tuning.pdl, Some(true));
+        // Children get the section in their JSON settings document: every file key travels; the
+        // hidden tuning flags are per process (given to a process's own command line).
+        let doc = serde_json::to_string(&cli).unwrap();
+        let travelled: CudaSettings = serde_json::from_str(&doc).unwrap();
         assert_eq!(
             travelled,
-            CudaSection {
-                pdl: None,
-                ..merged
+            CudaSettings {
+                tuning: CudaTuning::default(),
+                ..cli
             }
         );
-        assert_eq!(flags(&[]).unwrap(), CudaSection::default());
     }
 
     #[test]
@@ -406,25 +338,8 @@ mod tests {
         );
         let cli = flags(&["--cuda-pipeline-devices", "3,4"]).unwrap();
         assert_eq!(cli.stage_devices(2).unwrap(), [3, 4]);
-        assert_eq!(file.cuda.merged(&cli).stage_devices(2).unwrap(), [3, 4]);
-        // A stage process's flags give it the worker's settings on its own device.
-        let worker = flags(&[
-            "--cuda-attention",
-            "simple",
-            "--no-cuda-graphs",
-            "--cuda-gemv-max-rows",
-            "2",
-        ])
-        .unwrap();
-        let f = worker.stage_flags(5);
-        let refs: Vec<&str> = f.iter().map(String::as_str).collect();
-        assert_eq!(
-            flags(&refs).unwrap(),
-            CudaSection {
-                device: Some(5),
-                ..worker
-            }
-        );
+        let merged: CudaSettings = overlay(&[&file.cuda, &cli]).unwrap();
+        assert_eq!(merged.stage_devices(2).unwrap(), [3, 4]);
     }
 
     /// With nothing set, the backend runs with its defaults: what it ran with when no `TANDEM_CUDA_*`
@@ -432,7 +347,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn defaults_equal_the_old_environment_defaults() {
-        let o = CudaSection::default().options(tandem_cuda::CudaOptions::default());
+        let o = CudaSettings::default().options(tandem_cuda::CudaOptions::default());
         assert_eq!(o.attn, tandem_cuda::AttnMode::Fast);
         assert!(o.graphs && o.gemv && !o.pdl && !o.gemv_persistent);
         assert_eq!(o.device, 0);
@@ -440,6 +355,12 @@ mod tests {
         assert_eq!(o.decode_partition_small, 64);
         assert_eq!(o.gemv_target_warps, 2048);
         assert_eq!((o.gemv_tuning.unroll, o.gemv_tuning.min_blocks), (2, 2));
+        let engine = tandem_engine::EngineConfig::default();
+        assert_eq!(
+            (o.block_size, o.kv_cache_memory),
+            (engine.block_size, engine.kv_cache_memory),
+            "the KV defaults are the engine's, not a second set"
+        );
         let all = flags(&[
             "--cuda-attention",
             "simple",

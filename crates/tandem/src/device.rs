@@ -9,8 +9,8 @@ use tandem_engine::{Backend, Engine, EngineConfig, EngineHandle, GuideEnv};
 use tandem_model::{CpuLlama, LoadedModel, Partition, TokenPiece};
 use tandem_pipeline::{CpuStage, PipelineBackend, PipelineConfig, StageModel};
 
-use crate::config::Device;
-use crate::cuda_settings::CudaSection;
+use crate::config::{Device, EngineSettings};
+use crate::cuda_settings::CudaSettings;
 
 /// Moves the loaded model onto `device` and starts an engine thread over it.
 pub fn start_engine(
@@ -18,7 +18,7 @@ pub fn start_engine(
     model_path: &Path,
     config: &EngineConfig,
     device: Device,
-    cuda: &CudaSection,
+    cuda: &CudaSettings,
 ) -> Result<EngineHandle> {
     let pieces = loaded.tokenizer.token_pieces();
     if config.pipeline_parallel_size > 1 {
@@ -77,7 +77,7 @@ pub fn pipeline_backend(
     model_path: &Path,
     config: &EngineConfig,
     device: Device,
-    cuda: &CudaSection,
+    cuda: &CudaSettings,
 ) -> Result<PipelineBackend> {
     let n = config.pipeline_parallel_size;
     let total = tandem_kernels::resolve_threads(config.threads);
@@ -86,12 +86,12 @@ pub fn pipeline_backend(
     let limits = step_limits(config, loaded.config.max_position_embeddings);
     let (addrs, procs) = if config.pipeline_stages.is_empty() {
         let launch = crate::process::StageLaunch {
-            threads: per_stage,
-            device,
+            engine: EngineSettings {
+                threads: Some(per_stage),
+                ..EngineSettings::of(config, device)
+            },
             cuda,
             devices: &devices,
-            limits,
-            kv_cache_bytes: config.kv_cache_bytes,
         };
         let (a, p) = crate::process::spawn_local_stages(model_path, n, &launch)?;
         (a, Some(p))
@@ -108,7 +108,7 @@ pub fn pipeline_backend(
         micro_batches: micro_batches(config, device, &devices),
         min_micro_batch_tokens: tandem_pipeline::DEFAULT_MIN_MICRO_BATCH_TOKENS,
         block_size: config.block_size,
-        kv_cache_bytes: config.kv_cache_bytes,
+        kv_cache_memory: config.kv_cache_memory,
         timeouts: Default::default(),
         cluster_key: crate::token::key(),
     };
@@ -139,6 +139,7 @@ fn micro_batches(config: &EngineConfig, device: Device, devices: &[usize]) -> us
 
 /// What a CUDA step holds at most: tokens, sequences, and the context (`None`: the model's).
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA backend only
 pub struct StepLimits {
     /// Most tokens in one step.
     pub max_tokens: usize,
@@ -169,7 +170,7 @@ pub fn stage_model(
     part: Partition,
     device: Device,
     threads: usize,
-    cuda: &CudaSection,
+    cuda: &CudaSettings,
     cuda_device: usize,
     limits: StepLimits,
 ) -> Result<Box<dyn StageModel>> {
@@ -188,7 +189,7 @@ pub fn stage_model(
 fn cuda_stage(
     loaded: LoadedModel,
     part: Partition,
-    cuda: &CudaSection,
+    cuda: &CudaSettings,
     cuda_device: usize,
     limits: StepLimits,
 ) -> Result<Box<dyn StageModel>> {
@@ -206,7 +207,7 @@ fn cuda_stage(
 fn cuda_stage(
     _loaded: LoadedModel,
     _part: Partition,
-    _cuda: &CudaSection,
+    _cuda: &CudaSettings,
     _cuda_device: usize,
     _limits: StepLimits,
 ) -> Result<Box<dyn StageModel>> {
@@ -215,7 +216,7 @@ fn cuda_stage(
 
 /// The CUDA options of `cuda` over buffers sized for `limits`.
 #[cfg(feature = "cuda")]
-fn cuda_options(cuda: &CudaSection, limits: StepLimits) -> tandem_cuda::CudaOptions {
+fn cuda_options(cuda: &CudaSettings, limits: StepLimits) -> tandem_cuda::CudaOptions {
     cuda.options(tandem_cuda::CudaOptions {
         max_tokens: limits.max_tokens,
         max_seqs: limits.max_seqs,
@@ -231,7 +232,7 @@ pub fn cpu_backend(loaded: LoadedModel, config: &EngineConfig) -> Result<CpuBack
         return Ok(CpuBackend::new(
             model,
             config.block_size,
-            config.kv_cache_bytes,
+            config.kv_cache_memory,
         ));
     }
     CpuBackend::tensor_parallel(
@@ -240,7 +241,7 @@ pub fn cpu_backend(loaded: LoadedModel, config: &EngineConfig) -> Result<CpuBack
         config.tensor_parallel_size,
         config.threads,
         config.block_size,
-        config.kv_cache_bytes,
+        config.kv_cache_memory,
     )
     .context("splitting the model over tensor-parallel ranks")
 }
@@ -249,14 +250,14 @@ pub fn cpu_backend(loaded: LoadedModel, config: &EngineConfig) -> Result<CpuBack
 fn start_cuda(
     loaded: LoadedModel,
     config: &EngineConfig,
-    cuda: &CudaSection,
+    cuda: &CudaSettings,
     pieces: &[TokenPiece],
 ) -> Result<EngineHandle> {
     use tandem_cuda::{CudaBackend, CudaLlama, WeightSource};
     let limits = step_limits(config, loaded.config.max_position_embeddings);
     let mut opts = cuda_options(cuda, limits);
     opts.block_size = config.block_size;
-    opts.kv_cache_bytes = config.kv_cache_bytes;
+    opts.kv_cache_memory = config.kv_cache_memory;
     let model = CudaLlama::new(
         loaded.config.clone(),
         WeightSource::Host(&loaded.weights),
@@ -273,7 +274,7 @@ fn start_cuda(
 fn start_cuda(
     _loaded: LoadedModel,
     _config: &EngineConfig,
-    _cuda: &CudaSection,
+    _cuda: &CudaSettings,
     _pieces: &[TokenPiece],
 ) -> Result<EngineHandle> {
     anyhow::bail!("--device cuda needs a binary built with `cargo build --release --features cuda`")

@@ -18,7 +18,7 @@ use tracing::{info, warn};
 use crate::config::{
     overlay, DeploymentSettings, Device, EngineSettings, ListenSettings, RoleSettings, Settings,
 };
-use crate::cuda_settings::CudaSection;
+use crate::cuda_settings::CudaSettings;
 use crate::process::{resolve_model, shutdown_signal, Children, WORKER_READY_PREFIX};
 use crate::worker::WorkerSettings;
 
@@ -46,7 +46,7 @@ fn worker_settings(
         listen: ListenSettings::default(),
         kv_transfer: dep.kv_transfer.clone().unwrap_or_default(),
         engine,
-        cuda: CudaSection::default(),
+        cuda: CudaSettings::default(),
     }
 }
 
@@ -61,7 +61,7 @@ fn check_placement(role: Role, section: &RoleSettings, engine: &EngineSettings) 
 }
 
 /// Worker `index`'s CUDA settings: the deployment's, on its role's `cuda_devices[index]` when listed.
-fn replica_cuda(cuda: &CudaSection, role: &RoleSettings, index: usize) -> CudaSection {
+fn replica_cuda(cuda: &CudaSettings, role: &RoleSettings, index: usize) -> CudaSettings {
     let mut own = cuda.clone();
     if let Some(&ordinal) = role.cuda_devices.as_ref().and_then(|d| d.get(index)) {
         own.device = Some(ordinal);
@@ -104,13 +104,13 @@ fn spawn_worker(
 }
 
 /// Runs the disaggregated deployment described by `file` (whose `deployment.mode` is `pd`).
-pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result<()> {
+pub fn run(flags: &Settings, file: Settings) -> Result<()> {
     let dep = file.deployment.clone().unwrap_or_default();
     dep.validate()?;
     let discovery = dep.discovery.clone().unwrap_or_default();
-    let settings: Settings = overlay(&[&file, flags])?;
+    let settings = Settings::layered(&file, flags)?;
     settings.server.validate()?;
-    let cuda = settings.cuda.merged(cuda_flags);
+    let cuda = &settings.cuda;
     // First, so a busy port fails before a model is fetched or a worker started.
     let listener = crate::process::bind_api(&settings.host(), settings.port())?;
     let model_path = resolve_model(settings.model.as_deref())?;
@@ -144,7 +144,7 @@ pub fn run(flags: &Settings, cuda_flags: &CudaSection, file: Settings) -> Result
         check_placement(role, section, &engine)?;
         for i in 0..replicas {
             let mut worker = worker_settings(&model_path, role, i, engine.clone(), &dep);
-            worker.cuda = replica_cuda(&cuda, section, i);
+            worker.cuda = replica_cuda(cuda, section, i);
             worker.listen = settings.server.listen.clone();
             worker.metrics_need_token = settings.probes_need_key();
             pending.push(spawn_worker(&mut children, &exe, &worker, section)?);
@@ -293,10 +293,10 @@ mod tests {
     #[test]
     fn each_replica_reaches_its_listed_gpu_and_unlisted_roles_keep_the_deployments() {
         let dep = DeploymentSettings::default();
-        let cuda = CudaSection {
+        let cuda = CudaSettings {
             device: Some(0),
             pipeline_devices: Some(vec![2, 3]),
-            ..CudaSection::default()
+            ..CudaSettings::default()
         };
         let decode = RoleSettings {
             replicas: Some(2),

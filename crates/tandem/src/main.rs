@@ -33,6 +33,10 @@ struct Cli {
     /// a P/D head passes its format to the workers it starts through this variable).
     #[arg(long, global = true, value_enum, env = LOG_FORMAT_ENV)]
     log_format: Option<LogFormat>,
+    /// Cap the CPU kernels' instruction set: portable, avx2 or avx512 [default: the best the CPU has]
+    /// (A/B comparisons, benchmarks against builds of one level; the processes this one starts inherit it).
+    #[arg(long, global = true, env = KERNELS_ENV, value_parser = parse_isa)]
+    kernels: Option<tandem_kernels::Isa>,
     #[command(subcommand)]
     command: Command,
 }
@@ -70,6 +74,26 @@ enum Command {
 
 /// The environment variable behind `--log-format`.
 const LOG_FORMAT_ENV: &str = "TANDEM_LOG_FORMAT";
+
+/// The environment variable behind `--kernels`.
+const KERNELS_ENV: &str = "TANDEM_KERNELS";
+
+/// A `--kernels` value.
+fn parse_isa(s: &str) -> Result<tandem_kernels::Isa, String> {
+    s.parse()
+}
+
+/// Caps the CPU kernels at `cap` for this process and the ones it starts (one thread here still: the
+/// environment is process-wide).
+fn cap_kernels(cap: tandem_kernels::Isa) {
+    tandem_kernels::set_isa_cap(cap);
+    let name = match cap {
+        tandem_kernels::Isa::Portable => "portable",
+        tandem_kernels::Isa::Avx2 => "avx2",
+        tandem_kernels::Isa::Avx512 => "avx512",
+    };
+    std::env::set_var(KERNELS_ENV, name);
+}
 
 /// Installs the global tracing subscriber (`logging::init`) at `info` unless RUST_LOG says otherwise,
 /// and exports the format so every process this one starts (P/D workers, pipeline stages) logs alike.
@@ -147,11 +171,14 @@ fn log_config(path: Option<&std::path::Path>) {
 /// Runs the command line.
 fn run(cli: Cli) -> Result<()> {
     let format = cli.log_format;
+    if let Some(cap) = cli.kernels {
+        cap_kernels(cap);
+    }
     match cli.command {
         Command::Serve(args) => {
             if let Some(path) = &args.check_config {
                 let file = config::Settings::load(path)?;
-                let settings = config::resolved(&args.settings, &args.cuda.as_section(), file)
+                let settings = config::resolved(&args.settings, file)
                     .with_context(|| format!("in config file {}", path.display()))?;
                 print!("{}", serde_yaml::to_string(&settings)?);
                 return Ok(());
@@ -174,10 +201,9 @@ fn run(cli: Cli) -> Result<()> {
                 };
                 init_logging(format.or(file.log_format).unwrap_or_default(), Some(head));
                 log_config(args.config.as_deref());
-                return launch::run(&args.settings, &args.cuda.as_section(), file);
+                return launch::run(&args.settings, file);
             }
-            let mut settings = config::Settings::colocated(&args.settings, file)?;
-            settings.cuda = settings.cuda.merged(&args.cuda.as_section());
+            let settings = config::Settings::colocated(&args.settings, file)?;
             init_logging(format.or(settings.log_format).unwrap_or_default(), None);
             log_config(args.config.as_deref());
             serve::run(settings)
@@ -212,14 +238,7 @@ fn run(cli: Cli) -> Result<()> {
             cuda_tools::sample_check(args)
         }
         Command::Stage(args) => {
-            let tag = ProcessTag {
-                name: match &args.parent {
-                    Some(parent) => format!("{parent}/stage-{}", args.stage),
-                    None => format!("stage-{}", args.stage),
-                },
-                role: "stage".into(),
-            };
-            init_logging(format.unwrap_or_default(), Some(tag));
+            init_logging(format.unwrap_or_default(), Some(args.log_tag()));
             stage::run(args)
         }
         Command::Bench(args) => {
@@ -279,7 +298,7 @@ mod tests {
             .to_string();
         for want in [
             format!("(default {})", d.block_size),
-            format!("(default {}GiB)", d.kv_cache_bytes >> 30),
+            format!("(default {}GiB)", d.kv_cache_memory >> 30),
             format!("(default {})", d.max_num_seqs),
             format!("(default {})", d.max_num_batched_tokens),
             format!("(default {})", d.max_waiting),

@@ -226,25 +226,45 @@ impl Drop for Children {
     }
 }
 
-/// How a worker starts its local stage processes: their kernel threads (CPU), device, and on CUDA
-/// each stage's ordinal, the worker's `cuda:` settings and its step limits.
+/// What a worker's local stage processes are given: its engine and CUDA settings as it resolved them,
+/// each stage on its own GPU.
 pub struct StageLaunch<'a> {
-    /// Kernel threads of each CPU stage.
-    pub threads: usize,
-    /// Where the stages compute.
-    pub device: crate::config::Device,
+    /// The worker's engine settings (every key set, `threads` each stage's share of the cores): the KV
+    /// budget a stage accepts and the step limits that size a CUDA stage's buffers.
+    pub engine: crate::config::EngineSettings,
     /// The worker's CUDA settings (kernels, graphs) for the stages.
-    pub cuda: &'a crate::cuda_settings::CudaSection,
+    pub cuda: &'a crate::cuda_settings::CudaSettings,
     /// Device ordinal of every stage, stage 0 first.
     pub devices: &'a [usize],
-    /// The worker's step limits, which size a CUDA stage's buffers.
-    pub limits: crate::device::StepLimits,
-    /// The worker's KV budget (the whole model's), the largest pool its stages accept.
-    pub kv_cache_bytes: usize,
 }
 
-/// Starts stages 1..`stages` of `model` as `tandem stage` child processes on loopback and returns their
-/// addresses with the processes.
+impl StageLaunch<'_> {
+    /// The settings of stage `stage` of `stages` of `model`, listening on a free loopback port.
+    pub fn settings(
+        &self,
+        model: &Path,
+        stage: usize,
+        stages: usize,
+    ) -> crate::stage::StageSettings {
+        crate::stage::StageSettings {
+            model: Some(model.to_path_buf()),
+            stage: Some(stage),
+            stages: Some(stages),
+            listen: "127.0.0.1:0".into(),
+            engine: self.engine.clone(),
+            cuda: crate::cuda_settings::CudaSettings {
+                device: Some(self.devices[stage]),
+                pipeline_devices: None,
+                ..self.cuda.clone()
+            },
+            ..crate::stage::StageSettings::default()
+        }
+    }
+}
+
+/// Starts stages 1..`stages` of `model` as `tandem stage` child processes on loopback, each given its
+/// settings whole as one JSON document (`--settings-json`), and returns their addresses with the
+/// processes.
 pub fn spawn_local_stages(
     model: &Path,
     stages: usize,
@@ -254,37 +274,15 @@ pub fn spawn_local_stages(
     let mut procs = Children::default();
     let mut ready = Vec::new();
     for stage in 1..stages {
+        let doc = serde_json::to_string(&launch.settings(model, stage, stages))
+            .context("writing the stage's settings")?;
         let mut cmd = Command::new(&exe);
         cmd.arg("stage")
-            .arg("--model")
-            .arg(model)
-            .args([
-                "--stage",
-                &stage.to_string(),
-                "--stages",
-                &stages.to_string(),
-            ])
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--threads",
-                &launch.threads.to_string(),
-            ])
-            .args(["--device", &launch.device.to_string()])
-            .args(["--kv-cache-memory", &launch.kv_cache_bytes.to_string()])
+            .args(["--settings-json", &doc])
             .arg("--exit-with-stdin");
         let parent = crate::logging::process_name();
         if let Some(parent) = parent {
             cmd.args(["--parent", parent]);
-        }
-        if launch.device == crate::config::Device::Cuda {
-            let l = &launch.limits;
-            cmd.args(launch.cuda.stage_flags(launch.devices[stage]))
-                .args(["--max-tokens", &l.max_tokens.to_string()])
-                .args(["--max-seqs", &l.max_seqs.to_string()]);
-            if let Some(n) = l.max_model_len {
-                cmd.args(["--max-model-len", &n.to_string()]);
-            }
         }
         let name = match parent {
             Some(parent) => format!("{parent}/stage-{stage}"),

@@ -68,7 +68,7 @@ fn prepare(settings: &Settings) -> Result<Prepared> {
         device = %settings.device(),
         max_model_len = engine.max_model_len(),
         block_size = engine_config.block_size,
-        kv_cache_bytes = engine_config.kv_cache_bytes,
+        kv_cache_memory = engine_config.kv_cache_memory,
         "engine started"
     );
 

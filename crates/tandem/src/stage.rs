@@ -1,7 +1,10 @@
 //! `tandem stage`: hosts one later pipeline stage (layers of stage `I` of `N`) for one worker, on the CPU
-//! or with `--device cuda` on GPU `--cuda-device` (a worker starts its stages on this host with
-//! `crate::process::spawn_local_stages`, passing its device, CUDA settings and step limits). With `TANDEM_CLUSTER_TOKEN`
-//! set (a worker's stages inherit it) only a worker proving the token is served.
+//! or with `--device cuda` on GPU `--cuda-device`. A worker starts its stages on this host with
+//! `crate::process::spawn_local_stages`, handing each its settings as one JSON document
+//! (`--settings-json`: the worker's `engine:` and `cuda:` sections as it resolved them); by hand, the
+//! same settings are flags (`--kv-cache-memory`, `--max-num-seqs`, `--cuda-device`, ...), which should
+//! be the worker's. With `TANDEM_CLUSTER_TOKEN` set (a worker's stages inherit it) only a worker
+//! proving the token is served.
 
 use std::io::Write;
 use std::net::TcpListener;
@@ -10,53 +13,69 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use serde::{Deserialize, Serialize};
 use tandem_model::LoadOptions;
 
-use crate::config::{ByteSize, Device};
-use crate::cuda_settings::CudaArgs;
-use crate::device::{stage_model, StepLimits};
+use crate::config::EngineSettings;
+use crate::cuda_settings::CudaSettings;
+use crate::device::{stage_model, step_limits};
 use crate::process::{exit_when_parent_goes, resolve_model, STAGE_READY_PREFIX};
 
-/// Flags of `tandem stage`.
-#[derive(Clone, Debug, Args)]
-pub struct StageArgs {
+/// Everything one stage runs with: the flags of a stage started by hand, or the one JSON document
+/// (`--settings-json`) a worker hands each stage it starts.
+#[derive(Clone, Debug, Args, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StageSettings {
     /// GGUF file or HF folder (default: models/SmolLM2-135M-Instruct.Q4_1.gguf).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Index of the stage to host (1 or later; stage 0 runs inside the worker).
-    #[arg(long)]
-    pub stage: usize,
+    #[arg(long, required_unless_present = "settings_json")]
+    pub stage: Option<usize>,
     /// Pipeline stages in all (the worker's pipeline_parallel_size).
-    #[arg(long)]
-    pub stages: usize,
+    #[arg(long, required_unless_present = "settings_json")]
+    pub stages: Option<usize>,
     /// Address to listen on (port 0 = any free port; the chosen one is printed).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: String,
-    /// Kernel threads (0 = all cores).
-    #[arg(long, default_value_t = 0)]
-    pub threads: usize,
-    /// The whole model's KV budget the stage accepts, as its worker's `engine.kv_cache_memory` ("1GiB",
-    /// "512MiB"): a worker asking for a bigger pool is refused, so no client sizes this process's memory.
-    #[arg(long, default_value_t = ByteSize(tandem_engine::EngineConfig::default().kv_cache_bytes))]
-    pub kv_cache_memory: ByteSize,
     /// Seconds any one read or write of a request may take.
     #[arg(long, default_value_t = 60.0)]
     pub io_timeout: f64,
-    /// Backend of this stage: cpu, or cuda in binaries built with the `cuda` feature.
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    pub device: Device,
+    /// The worker's engine settings: `kv_cache_memory` is the whole model's KV budget the stage accepts
+    /// (a worker asking for a bigger pool is refused, so no client sizes this process's memory); the step
+    /// limits (`max_num_batched_tokens`, `max_num_seqs`, `max_model_len`, chunked prefill) size a CUDA
+    /// stage's buffers; `threads` and `device` are this stage's own.
+    #[command(flatten)]
+    pub engine: EngineSettings,
     /// CUDA settings of this stage (`--cuda-device` picks its GPU).
     #[command(flatten)]
-    pub cuda: CudaArgs,
-    /// Most tokens in one step (--device cuda: sizes its buffers; a worker passes its own).
-    #[arg(long, default_value_t = 2048)]
-    pub max_tokens: usize,
-    /// Most sequences in one step (--device cuda).
-    #[arg(long, default_value_t = 256)]
-    pub max_seqs: usize,
-    /// Longest context (--device cuda; unset: the model's).
-    #[arg(long)]
-    pub max_model_len: Option<usize>,
+    pub cuda: CudaSettings,
+}
+
+impl Default for StageSettings {
+    fn default() -> Self {
+        StageSettings {
+            model: None,
+            stage: None,
+            stages: None,
+            listen: "127.0.0.1:0".into(),
+            io_timeout: 60.0,
+            engine: EngineSettings::default(),
+            cuda: CudaSettings::default(),
+        }
+    }
+}
+
+/// Flags of `tandem stage`.
+#[derive(Clone, Debug, Args)]
+pub struct StageArgs {
+    /// The whole settings as one JSON document (how a worker starts its stages); no settings flag may
+    /// come with it.
+    #[arg(long, hide = true, conflicts_with_all = WITH_FLAGS)]
+    pub settings_json: Option<String>,
+    /// The settings given as flags.
+    #[command(flatten)]
+    pub settings: StageSettings,
     /// Exit when stdin closes (set by a launching worker, so stages never outlive it).
     #[arg(long, hide = true)]
     pub exit_with_stdin: bool,
@@ -65,42 +84,87 @@ pub struct StageArgs {
     pub parent: Option<String>,
 }
 
+/// What `--settings-json` conflicts with: every settings flag (the engine section by its group, the
+/// visible CUDA flags by their ids; the hidden tuning flags may come with it, as they are this process's).
+const WITH_FLAGS: [&str; 11] = [
+    "model",
+    "stage",
+    "stages",
+    "listen",
+    "io_timeout",
+    "EngineSettings",
+    "cuda_device",
+    "cuda_pipeline_devices",
+    "cuda_attention",
+    "cuda_graphs",
+    "cuda_gemv",
+];
+
+impl StageArgs {
+    /// The settings this stage runs with: the worker's document, or the flags.
+    pub fn resolve(&self) -> Result<StageSettings> {
+        let Some(doc) = &self.settings_json else {
+            return Ok(self.settings.clone());
+        };
+        let mut settings: StageSettings =
+            serde_json::from_str(doc).context("parsing --settings-json")?;
+        settings.cuda.tuning = self.settings.cuda.tuning.clone();
+        Ok(settings)
+    }
+
+    /// The tag on this stage's log lines (`decode-0/stage-1`).
+    pub fn log_tag(&self) -> crate::logging::ProcessTag {
+        let stage = self
+            .resolve()
+            .ok()
+            .and_then(|s| s.stage)
+            .map_or_else(|| "?".to_owned(), |i| i.to_string());
+        crate::logging::ProcessTag {
+            name: match &self.parent {
+                Some(parent) => format!("{parent}/stage-{stage}"),
+                None => format!("stage-{stage}"),
+            },
+            role: "stage".into(),
+        }
+    }
+}
+
 /// Runs the stage server until killed.
 pub fn run(args: StageArgs) -> Result<()> {
+    let settings = args.resolve()?;
     if args.exit_with_stdin {
         exit_when_parent_goes("the worker")?;
     }
-    let model_path = resolve_model(args.model.as_deref())?;
+    crate::worker::log_settings("stage", &settings.engine, &settings.cuda);
+    let stage = settings.stage.context("--stage is required")?;
+    let stages = settings.stages.context("--stages is required")?;
+    let model_path = resolve_model(settings.model.as_deref())?;
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: false })
         .with_context(|| format!("loading {}", model_path.display()))?;
-    let listener =
-        TcpListener::bind(&args.listen).with_context(|| format!("binding {}", args.listen))?;
+    let listener = TcpListener::bind(&settings.listen)
+        .with_context(|| format!("binding {}", settings.listen))?;
     let identity = loaded.identity.clone();
-    let part = tandem_model::Partition::stage(&loaded.config, args.stage, args.stages)?;
-    let cuda = args.cuda.as_section();
-    let limits = StepLimits {
-        max_tokens: args.max_tokens,
-        max_seqs: args.max_seqs,
-        max_model_len: args.max_model_len,
-    };
+    let part = tandem_model::Partition::stage(&loaded.config, stage, stages)?;
+    let engine = settings.engine.engine_config();
+    let limits = step_limits(&engine, loaded.config.max_position_embeddings);
     let model = stage_model(
         loaded,
         part,
-        args.device,
-        args.threads,
-        &cuda,
-        cuda.device.unwrap_or(0),
+        settings.engine.device.unwrap_or_default(),
+        engine.threads,
+        &settings.cuda,
+        settings.cuda.device.unwrap_or(0),
         limits,
     )?;
     let server = tandem_pipeline::serve_stage(
         model,
         &identity,
-        args.stage,
-        args.stages,
+        stage,
+        stages,
         listener,
         tandem_pipeline::StageServing {
-            io: Duration::from_secs_f64(args.io_timeout),
-            kv_cache_bytes: args.kv_cache_memory.0,
+            io: Duration::from_secs_f64(settings.io_timeout),
+            kv_cache_memory: engine.kv_cache_memory,
             key: crate::token::key(),
         },
     )?;

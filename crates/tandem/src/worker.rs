@@ -87,9 +87,9 @@ pub struct WorkerSettings {
     #[command(flatten)]
     pub engine: EngineSettings,
     /// CUDA backend settings (from the launcher's `cuda:` section; by hand, the `--cuda-*` flags).
-    #[arg(skip)]
+    #[command(flatten)]
     #[serde(default)]
-    pub cuda: crate::cuda_settings::CudaSection,
+    pub cuda: crate::cuda_settings::CudaSettings,
 }
 
 /// The drain grace period when none is given (Kubernetes' default termination grace is 30 s as well).
@@ -130,8 +130,16 @@ pub struct KvTransferFlags {
     pub staging_mib: usize,
 }
 
-/// What `--settings-json` conflicts with: every settings flag (the flattened sections by their group).
-const WITH_FLAGS: [&str; 13] = [
+/// What `--settings-json` conflicts with: every settings flag (the flattened sections by their group,
+/// the visible CUDA flags by their ids (`CudaSettings`' `cuda_*`); the hidden tuning flags may come
+/// with it, as they are this process's own).
+const WITH_FLAGS: [&str; 19] = [
+    "cuda_device",
+    "cuda_pipeline_devices",
+    "cuda_attention",
+    "cuda_graphs",
+    "cuda_gemv",
+    "cuda_gemv_max_rows",
     "role",
     "model",
     "worker_id",
@@ -160,9 +168,6 @@ pub struct WorkerArgs {
     /// KV transfer flags.
     #[command(flatten)]
     pub kv: KvTransferFlags,
-    /// CUDA backend flags, merged over the settings' `cuda` section.
-    #[command(flatten)]
-    pub cuda: crate::cuda_settings::CudaArgs,
     /// Exit when stdin closes: set by `tandem serve`, whose death closes the pipe.
     #[arg(long, hide = true)]
     pub exit_with_stdin: bool,
@@ -172,7 +177,10 @@ impl WorkerArgs {
     /// The settings this worker runs with: the launcher's document, or the flags.
     pub fn resolve(&self) -> Result<WorkerSettings> {
         if let Some(doc) = &self.settings_json {
-            return serde_json::from_str(doc).context("parsing --settings-json");
+            let mut settings: WorkerSettings =
+                serde_json::from_str(doc).context("parsing --settings-json")?;
+            settings.cuda.tuning = self.settings.cuda.tuning.clone();
+            return Ok(settings);
         }
         let mut settings = self.settings.clone();
         settings.kv_transfer = KvTransferConfig {
@@ -356,9 +364,56 @@ fn source_toward(target: SocketAddr) -> Option<IpAddr> {
     (!ip.is_unspecified()).then_some(ip)
 }
 
+/// Sets what NIXL and UCX read from the environment when this worker may use NIXL (`transport: nixl`,
+/// or `auto` on a GPU worker): the library sets none, and here no other thread runs yet. UCX's CUDA-IPC
+/// switch goes only to hosts with NVIDIA devices (elsewhere UCX warns about it), never over a value the
+/// user set.
+fn set_nixl_env(kv: &KvTransferConfig, gpu: bool) {
+    let nixl = match kv.transport {
+        TransportKind::Nixl => true,
+        TransportKind::Auto => gpu,
+        _ => false,
+    };
+    if !nixl {
+        return;
+    }
+    let env = tandem_kv::NixlEnv::for_config(&tandem_kv::NixlConfig {
+        library: kv.nixl_library.clone(),
+        backend: kv.nixl_backend,
+        ..tandem_kv::NixlConfig::default()
+    });
+    if let Some(dir) = &env.plugin_dir {
+        info!(dir = %dir.display(), "setting {}", tandem_kv::NixlEnv::PLUGIN_DIR);
+        std::env::set_var(tandem_kv::NixlEnv::PLUGIN_DIR, dir);
+    }
+    let (key, value) = tandem_kv::NixlEnv::UCX_CUDA_IPC_GET_ZCOPY;
+    let gpu_host = std::path::Path::new("/dev/nvidiactl").exists();
+    if env.ucx_cuda_ipc_get_zcopy && gpu_host && std::env::var_os(key).is_none() {
+        info!("setting {key}={value} (UCX's CUDA-IPC reads; without it they go over TCP)");
+        std::env::set_var(key, value);
+    }
+}
+
+/// Logs the engine and CUDA settings a process runs with, as it received them (from its launcher's
+/// document or its flags): what an operator checks first when a child behaves unlike its config.
+pub fn log_settings(
+    what: &str,
+    engine: &EngineSettings,
+    cuda: &crate::cuda_settings::CudaSettings,
+) {
+    info!(
+        engine = %serde_json::to_string(engine).unwrap_or_default(),
+        cuda = %serde_json::to_string(cuda).unwrap_or_default(),
+        "{what} settings"
+    );
+}
+
 /// Runs the worker until a signal.
 pub fn run(args: WorkerArgs) -> Result<()> {
     let settings = args.resolve()?;
+    let gpu = settings.engine.device.unwrap_or_default() != crate::config::Device::Cpu;
+    set_nixl_env(&settings.kv_transfer, gpu);
+    log_settings("worker", &settings.engine, &settings.cuda);
     if let Some(file) = &settings.cluster_token_file {
         // Before any thread starts: the environment is process-wide.
         crate::token::export(crate::token::resolve(None, Some(file))?.as_deref());
@@ -390,7 +445,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         &model_path,
         &engine_config,
         settings.engine.device.unwrap_or_default(),
-        &settings.cuda.merged(&args.cuda.as_section()),
+        &settings.cuda,
     )?;
     let worker_id = worker_id(&settings, role);
 

@@ -301,7 +301,7 @@ impl CudaLlama {
 
         // KV cache: one extra block at the end is the scratch target of padded graph rows.
         let mut layout =
-            KvLayout::for_budget(c, opts.block_size, opts.kv_cache_bytes, KvDtype::Bf16);
+            KvLayout::for_budget(c, opts.block_size, opts.kv_cache_memory, KvDtype::Bf16);
         layout.num_blocks = opts.num_blocks.unwrap_or(layout.num_blocks);
         // Only this instance's layers hold KV here.
         layout.n_layers = range.len();
@@ -309,7 +309,7 @@ impl CudaLlama {
         if num_blocks == 0 {
             return Err(CudaError::Unsupported(format!(
                 "a KV budget of {} bytes holds no block",
-                opts.kv_cache_bytes
+                opts.kv_cache_memory
             )));
         }
         let kv_buf = DeviceBuf::new(

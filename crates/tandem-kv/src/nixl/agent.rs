@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 
 use super::ffi::{self, Api};
 use super::pool::{MemKind, MemRegion, PoolLease, RegisteredPool};
-use super::{plugin_dir, plugin_path, prepare_env, resolve_library, NixlConfig, NixlError};
+use super::{plugin_dir, plugin_path, resolve_library, NixlConfig, NixlError};
 use crate::KvError;
 
 /// Turns a C API status into a result naming the call.
@@ -267,7 +267,8 @@ pub struct NixlAgent {
 impl NixlAgent {
     /// Loads the C API per `config`, creates an agent named `name` plus a unique suffix (two agents of a
     /// process, or of two restarts, never share a name), and its backend. Fails naming the library path,
-    /// the missing symbol or the missing plugin.
+    /// the missing symbol or the missing plugin. The process environment should hold what
+    /// [`super::NixlEnv::for_config`] asks for (the binary sets it before any thread starts).
     pub fn new(name: &str, config: &NixlConfig) -> Result<NixlAgent, KvError> {
         let path = resolve_library(config.library.as_deref());
         let plugins = plugin_dir(&path);
@@ -286,7 +287,6 @@ impl NixlAgent {
         if unsafe { (api.nixl_capi_is_stub)() } {
             return Err(NixlError::Stub(path).into());
         }
-        prepare_env(plugins.as_deref(), config.cuda_ipc_get_zcopy);
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let nonce = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -7,7 +7,6 @@
 //! on our TCP control connection (see [`crate::transport`] and the `NixlPull` frames in [`crate::wire`]).
 
 use std::path::{Path, PathBuf};
-use std::sync::Once;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -125,9 +124,7 @@ pub struct NixlConfig {
     pub pool_granule: usize,
     /// Bytes of idle registered buffers kept for reuse; beyond it the oldest are deregistered and freed.
     pub pool_cache_bytes: usize,
-    /// Set `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` in the process before the first agent is created (when not set
-    /// already, and only on a host with NVIDIA devices, where UCX uses it): without it UCX emulates
-    /// CUDA-IPC READs over TCP on hosts without NVLink (~0.4 GB/s instead of ~1,700 on an H200).
+    /// Ask for UCX's CUDA-IPC READs in the process environment ([`NixlEnv::ucx_cuda_ipc_get_zcopy`]).
     pub cuda_ipc_get_zcopy: bool,
     /// Pause of NIXL's progress thread between polls, in µs: 0 spins a core, which on a small, loaded host
     /// starves the copies themselves (1 GiB DRAM READ on 2 busy cores: 0.3 GB/s at 0, 1.9 GB/s at 100).
@@ -185,26 +182,34 @@ pub fn plugin_path(dir: &Path, backend: NixlBackend) -> PathBuf {
     dir.join(format!("libplugin_{}.so", backend.plugin_name()))
 }
 
-/// Sets the process environment NIXL and UCX read at agent / backend creation, once per process: the
-/// plugin directory derived from our `nixl_library` setting (`NIXL_PLUGIN_DIR`), and UCX's CUDA-IPC
-/// READ switch when asked. Done before the first agent exists, as NIXL's plugin manager is a process-wide
-/// singleton that reads its directory once.
-fn prepare_env(plugins: Option<&Path>, cuda_ipc_get_zcopy: bool) {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        if let Some(dir) = plugins {
-            tracing::debug!(dir = %dir.display(), "NIXL_PLUGIN_DIR");
-            std::env::set_var("NIXL_PLUGIN_DIR", dir);
+/// The process environment NIXL and UCX read at agent and backend creation that a worker's settings
+/// decide. The library changes no process state: the binary sets these in `main`, before any thread
+/// starts (NIXL's plugin manager is a process-wide singleton that reads its directory once).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NixlEnv {
+    /// `NIXL_PLUGIN_DIR`: the plugin directory beside the C API of the `nixl_library` setting.
+    pub plugin_dir: Option<PathBuf>,
+    /// Whether UCX's CUDA-IPC READs are wanted (`UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`): without them UCX
+    /// emulates CUDA-IPC READs over TCP on hosts without NVLink (~0.4 GB/s instead of ~1,700 on an H200).
+    /// UCX warns about the variable where no CUDA transport loads, so the binary sets it on GPU hosts only,
+    /// and never over a value the user set.
+    pub ucx_cuda_ipc_get_zcopy: bool,
+}
+
+impl NixlEnv {
+    /// The variable that turns UCX's CUDA-IPC READs on, and its value.
+    pub const UCX_CUDA_IPC_GET_ZCOPY: (&'static str, &'static str) =
+        ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y");
+    /// The variable NIXL finds its backend plugins by.
+    pub const PLUGIN_DIR: &'static str = "NIXL_PLUGIN_DIR";
+
+    /// What an agent built with `config` needs of the process environment.
+    pub fn for_config(config: &NixlConfig) -> NixlEnv {
+        NixlEnv {
+            plugin_dir: plugin_dir(&resolve_library(config.library.as_deref())),
+            ucx_cuda_ipc_get_zcopy: config.cuda_ipc_get_zcopy,
         }
-        // UCX warns about the variable where no CUDA transport loads, so only GPU hosts get it.
-        let gpu_host = Path::new("/dev/nvidiactl").exists();
-        if cuda_ipc_get_zcopy
-            && gpu_host
-            && std::env::var_os("UCX_CUDA_IPC_ENABLE_GET_ZCOPY").is_none()
-        {
-            std::env::set_var("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y");
-        }
-    });
+    }
 }
 
 /// The warning to log when a transfer ran far below `floor_gbps`, naming the likely cause; `None` when it
@@ -303,5 +308,20 @@ mod tests {
         assert!(w.contains("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y"), "{w}");
         let w = slow_transfer_warning(512 << 20, s, MemKind::Dram, 1.0).unwrap();
         assert!(w.contains("UCX_TLS"), "{w}");
+    }
+
+    #[test]
+    fn the_environment_an_agent_needs_follows_its_settings() {
+        let env = NixlEnv::for_config(&NixlConfig {
+            library: Some("/opt/nixl/lib/libnixl_capi.so".into()),
+            ..NixlConfig::default()
+        });
+        assert_eq!(env.plugin_dir, Some(PathBuf::from("/opt/nixl/lib/plugins")));
+        assert!(env.ucx_cuda_ipc_get_zcopy);
+        let env = NixlEnv::for_config(&NixlConfig {
+            cuda_ipc_get_zcopy: false,
+            ..NixlConfig::default()
+        });
+        assert_eq!(env, NixlEnv::default(), "the bare name has no folder");
     }
 }

@@ -1,6 +1,8 @@
 //! Unit tests of `config`: YAML and flag parsing, merging, validation and the errors it names.
 
+use super::parse::{locate, Node};
 use super::*;
+use tandem_engine::EngineConfig;
 
 #[test]
 fn byte_sizes_parse_units() {
@@ -58,7 +60,7 @@ fn full_document_parses_and_flags_override() {
     assert_eq!(s.server.api_key.as_deref(), Some("k"));
     let engine = s.engine.engine_config();
     assert_eq!(engine.block_size, 32);
-    assert_eq!(engine.kv_cache_bytes, 256 << 20);
+    assert_eq!(engine.kv_cache_memory, 256 << 20);
     assert_eq!(engine.max_num_seqs, 4);
     assert!(!engine.enable_prefix_caching);
 }
@@ -249,7 +251,7 @@ fn discovery_parses_is_checked_naming_the_key_and_resolves() {
          mode: dns\n    prefill: \"prefill:8100\"\n    decode: \"decode:8100\"\n    interval_secs: 3\n",
     )
     .unwrap();
-    let s = resolved(&Settings::default(), &CudaSection::default(), file).unwrap();
+    let s = resolved(&Settings::default(), file).unwrap();
     let d = s.deployment.as_ref().unwrap();
     let discovery = d.discovery.clone().unwrap();
     assert_eq!(discovery.mode, tandem_cluster::DiscoveryMode::Dns);
@@ -263,12 +265,7 @@ fn discovery_parses_is_checked_naming_the_key_and_resolves() {
     );
     // What --check-config prints reads back to the same settings.
     let printed = serde_yaml::to_string(&s).unwrap();
-    let again = resolved(
-        &Settings::default(),
-        &CudaSection::default(),
-        Settings::from_yaml(&printed).unwrap(),
-    )
-    .unwrap();
+    let again = resolved(&Settings::default(), Settings::from_yaml(&printed).unwrap()).unwrap();
     assert_eq!(serde_yaml::to_string(&again).unwrap(), printed);
 
     for (yaml, key) in [
@@ -287,7 +284,7 @@ fn discovery_parses_is_checked_naming_the_key_and_resolves() {
         ),
     ] {
         let file = Settings::from_yaml(&format!("deployment: {{mode: pd, {yaml}}}\n")).unwrap();
-        let err = resolved(&Settings::default(), &CudaSection::default(), file).unwrap_err();
+        let err = resolved(&Settings::default(), file).unwrap_err();
         assert!(format!("{err:#}").contains(key), "{yaml}: {err:#}");
     }
     let err =
@@ -299,23 +296,18 @@ fn discovery_parses_is_checked_naming_the_key_and_resolves() {
     let colocated = Settings::from_yaml("deployment: {discovery: {mode: dns}}\n").unwrap();
     assert!(Settings::colocated(&Settings::default(), colocated).is_err());
     let keyed = Settings::from_yaml("server: {api_key: secret}\n").unwrap();
-    let s = resolved(&Settings::default(), &CudaSection::default(), keyed).unwrap();
+    let s = resolved(&Settings::default(), keyed).unwrap();
     assert!(!serde_yaml::to_string(&s).unwrap().contains("secret"));
     let closed = Settings::from_yaml("server: {probes_need_key: true}\n").unwrap();
-    let err = resolved(&Settings::default(), &CudaSection::default(), closed).unwrap_err();
+    let err = resolved(&Settings::default(), closed).unwrap_err();
     assert!(format!("{err:#}").contains("server.api_key"), "{err:#}");
     let closed = Settings::from_yaml("server: {probes_need_key: true, api_key: k}\n").unwrap();
-    assert!(resolved(&Settings::default(), &CudaSection::default(), closed).is_ok());
+    assert!(resolved(&Settings::default(), closed).is_ok());
     for yaml in [
         "deployment: {mode: pd, cluster_token: s3cret-token}\n",
         "deployment: {mode: colocated, cluster_token: s3cret-token}\n",
     ] {
-        let s = resolved(
-            &Settings::default(),
-            &CudaSection::default(),
-            Settings::from_yaml(yaml).unwrap(),
-        )
-        .unwrap();
+        let s = resolved(&Settings::default(), Settings::from_yaml(yaml).unwrap()).unwrap();
         let printed = serde_yaml::to_string(&s).unwrap();
         assert!(!printed.contains("s3cret"), "{printed}");
         assert!(printed.contains("cluster_token: (set)"), "{printed}");
@@ -324,7 +316,7 @@ fn discovery_parses_is_checked_naming_the_key_and_resolves() {
         "deployment: {mode: pd, cluster_token: a, cluster_token_file: /run/secrets/t}\n",
     )
     .unwrap();
-    let err = resolved(&Settings::default(), &CudaSection::default(), both).unwrap_err();
+    let err = resolved(&Settings::default(), both).unwrap_err();
     assert!(format!("{err:#}").contains("cluster_token_file"), "{err:#}");
 }
 
@@ -359,11 +351,7 @@ fn a_value_a_check_refuses_names_its_line_in_the_file() {
 fn an_mps_share_outside_1_to_100_is_refused_naming_its_key() {
     for (p, ok) in [(0, false), (1, true), (100, true), (101, false)] {
         let yaml = format!("deployment: {{mode: pd, prefill: {{mps_thread_percentage: {p}}}}}\n");
-        let r = resolved(
-            &Settings::default(),
-            &CudaSection::default(),
-            Settings::from_yaml(&yaml).unwrap(),
-        );
+        let r = resolved(&Settings::default(), Settings::from_yaml(&yaml).unwrap());
         match r {
             Ok(_) => assert!(ok, "{p} accepted"),
             Err(e) => {
@@ -388,11 +376,7 @@ fn cuda_devices_name_one_gpu_per_replica() {
         ("{replicas: 0, cuda_devices: [1]}", false),
     ] {
         let doc = format!("deployment: {{mode: pd, decode: {yaml}}}\n");
-        let r = resolved(
-            &Settings::default(),
-            &CudaSection::default(),
-            Settings::from_yaml(&doc).unwrap(),
-        );
+        let r = resolved(&Settings::default(), Settings::from_yaml(&doc).unwrap());
         match r {
             Ok(_) => assert!(ok, "{yaml} accepted"),
             Err(e) => {
@@ -447,14 +431,9 @@ fn listener_limits_are_server_keys_and_flags_checked_and_resolved() {
         let file = Settings::from_yaml(&format!("server: {{{yaml}}}\n")).unwrap();
         let err = Settings::colocated(&Settings::default(), file.clone()).unwrap_err();
         assert!(format!("{err:#}").contains(key), "{yaml}: {err:#}");
-        assert!(resolved(&Settings::default(), &CudaSection::default(), file).is_err());
+        assert!(resolved(&Settings::default(), file).is_err());
     }
-    let printed = resolved(
-        &Settings::default(),
-        &CudaSection::default(),
-        Settings::default(),
-    )
-    .unwrap();
+    let printed = resolved(&Settings::default(), Settings::default()).unwrap();
     let text = serde_yaml::to_string(&printed).unwrap();
     for key in [
         "header_read_timeout_secs: 10",
@@ -485,8 +464,7 @@ fn every_shipped_example_parses() {
     }
     for name in &names {
         let file = Settings::load(&dir.join(name)).unwrap();
-        resolved(&Settings::default(), &CudaSection::default(), file.clone())
-            .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        resolved(&Settings::default(), file.clone()).unwrap_or_else(|e| panic!("{name}: {e:#}"));
         let mode = file.deployment.as_ref().map(|d| d.mode).unwrap_or_default();
         assert_eq!(mode == DeploymentMode::Pd, name.starts_with("pd"), "{name}");
     }
@@ -523,8 +501,43 @@ fn flags_fill_the_same_fields_as_the_file_and_win() {
     assert_eq!((s.host(), s.port()), ("h".to_owned(), 9000));
     let e = s.engine.engine_config();
     assert!(!e.enable_chunked_prefill && !e.enable_prefix_caching);
-    assert_eq!((e.threads, e.kv_cache_bytes), (3, 1 << 30));
+    assert_eq!((e.threads, e.kv_cache_memory), (3, 1 << 30));
     assert_eq!(e.pipeline_stages, ["a:1", "b:2"]);
     // An absent flag leaves the file's value: `--no-prefix-caching` is no `enable_prefix_caching: true`.
     assert_eq!(cli.engine.enable_prefix_caching, None);
+}
+
+/// Every key of `engine:` but `device` is an `EngineConfig` field of the same name, so the serde mapping
+/// of `engine_config` drops none, and a launcher's `EngineSettings::of` gives a child the same engine.
+#[test]
+fn every_engine_key_reaches_the_engine() {
+    let set: EngineSettings = serde_yaml::from_str(
+        "{block_size: 32, kv_cache_memory: 48MiB, max_num_seqs: 3, max_num_batched_tokens: 100, \
+         enable_chunked_prefill: false, enable_prefix_caching: false, max_model_len: 99, max_waiting: 7, \
+         threads: 5, tensor_parallel_size: 2, pipeline_parallel_size: 4, pipeline_micro_batches: 6, \
+         pipeline_stages: ['a:1'], device: cpu}",
+    )
+    .unwrap();
+    let keys = serde_json::to_value(&set).unwrap();
+    let keys = keys.as_object().unwrap();
+    assert!(
+        keys.values().all(|v| !v.is_null()),
+        "every key set: {keys:?}"
+    );
+    let engine = set.engine_config();
+    let fields = serde_json::to_value(&engine).unwrap();
+    for (key, value) in keys.iter().filter(|(k, _)| *k != "device") {
+        assert_eq!(fields.get(key), Some(value), "engine.{key}");
+    }
+    assert_eq!(engine.kv_cache_memory, 48 << 20);
+    let back = EngineSettings::of(&engine, Device::Cpu);
+    assert_eq!(
+        serde_json::to_value(&back).unwrap(),
+        serde_json::to_value(&set).unwrap()
+    );
+    let defaults = EngineSettings::default().engine_config();
+    assert_eq!(
+        serde_json::to_value(&defaults).unwrap(),
+        serde_json::to_value(EngineConfig::default()).unwrap()
+    );
 }

@@ -11,7 +11,7 @@ use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
 use tandem_model::{ForwardBatch, LogitsWanted, ModelConfig};
 
 use super::io_err;
-use crate::cuda_settings::{CudaArgs, CudaSection};
+use crate::cuda_settings::CudaSettings;
 
 /// Options of `tandem cuda-bench`.
 #[derive(Args, Debug)]
@@ -39,7 +39,7 @@ pub struct CudaBenchArgs {
     pub out: Option<PathBuf>,
     /// CUDA backend flags (A/B timings of the tuning knobs, graphs off for profiling).
     #[command(flatten)]
-    pub cuda: CudaArgs,
+    pub cuda: CudaSettings,
 }
 
 /// Runs `cuda-bench` on the 8B shape with `args.layers` layers.
@@ -56,7 +56,7 @@ pub fn run(args: CudaBenchArgs) -> Result<()> {
             peak_bandwidth: args.peak_gbps * 1e9,
             out: args.out,
         },
-        &args.cuda.as_section(),
+        &args.cuda,
     )
 }
 
@@ -138,7 +138,7 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// Measures decode at each batch size (graphs on, greedy on the GPU; plus logits to the host, and
 /// graphs off) and prefill of one long prompt.
-fn run_bench(args: &BenchArgs, cuda: &CudaSection) -> Result<()> {
+fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
     let c = args.config.clone();
     let bs = 16;
     let max_b = args.batches.iter().copied().max().unwrap_or(1);
@@ -149,7 +149,7 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSection) -> Result<()> {
     let block_bytes = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * 2;
     let opts = cuda.options(CudaOptions {
         block_size: bs,
-        kv_cache_bytes: num_blocks * block_bytes,
+        kv_cache_memory: num_blocks * block_bytes,
         max_tokens: max_prefill.max(max_b),
         max_seqs: max_b,
         max_model_len: Some(c.max_position_embeddings),

@@ -11,7 +11,7 @@ use tandem_engine::sampler::argmax;
 use tandem_model::{CpuLlama, ForwardBatch, KvCache, LoadOptions, LogitsWanted};
 
 use super::io_err;
-use crate::cuda_settings::CudaArgs;
+use crate::cuda_settings::CudaSettings;
 
 /// Options of `tandem cuda-check`.
 #[derive(Args, Debug)]
@@ -34,7 +34,7 @@ pub struct CudaCheckArgs {
     pub cpu: bool,
     /// CUDA backend flags (e.g. the reference attention kernel).
     #[command(flatten)]
-    pub cuda: CudaArgs,
+    pub cuda: CudaSettings,
 }
 
 /// One prompt's results.
@@ -123,9 +123,9 @@ pub fn run(args: &CudaCheckArgs) -> Result<()> {
     } else {
         let c = &loaded.config;
         let bytes = num_blocks * c.num_layers * 2 * c.num_kv_heads * block_size * c.head_dim * 2;
-        let opts = args.cuda.as_section().options(CudaOptions {
+        let opts = args.cuda.options(CudaOptions {
             block_size,
-            kv_cache_bytes: bytes,
+            kv_cache_memory: bytes,
             max_tokens: total_tokens.max(prompts.len().next_power_of_two()).max(1),
             // A power of two so that the decode steps also run through captured graphs.
             max_seqs: prompts.len().max(1).next_power_of_two(),
@@ -231,7 +231,7 @@ mod tests {
             decode_steps: steps,
             out: out.clone(),
             cpu: true,
-            cuda: CudaArgs::default(),
+            cuda: CudaSettings::default(),
         })
         .unwrap();
         serde_json::from_str(&std::fs::read_to_string(out).unwrap()).unwrap()

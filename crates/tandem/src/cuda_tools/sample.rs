@@ -97,7 +97,7 @@ pub fn run(out: &Path, rounds: usize) -> Result<()> {
     c.num_kv_heads = 1;
     let rows = 256;
     let opts = CudaOptions {
-        kv_cache_bytes: 64 << 20,
+        kv_cache_memory: 64 << 20,
         max_tokens: rows,
         max_seqs: rows,
         max_model_len: Some(1024),

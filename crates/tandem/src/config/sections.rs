@@ -1,0 +1,291 @@
+//! The sections of the settings document (`server:`, `engine:`, `deployment:`) and the checks parsing
+//! cannot make, each naming the key of a bad value.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use tandem_engine::EngineConfig;
+
+use super::parse::bad_value;
+use super::{overlay_onto, ByteSize, DeploymentMode, Device};
+
+/// `server:` section, and the flags of `tandem serve` that override it.
+#[derive(Clone, Debug, Default, Args, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerSettings {
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on [default: 8000].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Require `Authorization: Bearer KEY` on /v1 routes, /tokenize and /detokenize.
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Largest request body, e.g. 8MiB [default: 8MiB]; a larger one gets 413.
+    #[arg(long)]
+    pub max_body_bytes: Option<ByteSize>,
+    /// Require the API key on /health and /metrics too, for servers whose state should not be public
+    /// (needs `api_key`; probes then send it: `tandem probe --api-key`) [default: false].
+    #[arg(long, num_args = 0, default_missing_value = "true")]
+    pub probes_need_key: Option<bool>,
+    /// Read timeouts and the connection limit of this listener (keys of `server:` itself).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub listen: ListenSettings,
+}
+
+/// The limits of one HTTP listener against slow or numerous clients: keys of the `server:` section, and
+/// of a worker's settings for its RPC listener (the launcher hands its workers the head's).
+#[derive(Clone, Debug, Default, PartialEq, Args, Deserialize, Serialize)]
+pub struct ListenSettings {
+    /// Seconds a connection has to send a complete request header (also the keep-alive idle limit) [default: 10].
+    #[arg(long)]
+    pub header_read_timeout_secs: Option<f64>,
+    /// Seconds a request has, after its header, to send its whole body; else 408 [default: 30].
+    #[arg(long)]
+    pub body_read_timeout_secs: Option<f64>,
+    /// Connections open at once; one more is answered 503 and closed [default: 1024].
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+}
+
+impl ServerSettings {
+    /// Checks what parsing cannot: the listener's limits, and that closed probes have a key to open them.
+    pub fn validate(&self) -> Result<()> {
+        self.listen.validate()?;
+        if self.probes_need_key == Some(true) && self.api_key.is_none() {
+            return Err(bad_value(
+                "server.probes_need_key",
+                "needs server.api_key (the key /health and /metrics would ask for)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl ListenSettings {
+    /// The limits these settings give, defaults where unset.
+    pub fn limits(&self) -> tandem_api::ServeLimits {
+        let default = tandem_api::ServeLimits::default();
+        let secs = |v: Option<f64>, d: std::time::Duration| {
+            v.map_or(d, std::time::Duration::from_secs_f64)
+        };
+        tandem_api::ServeLimits {
+            header_read_timeout: secs(self.header_read_timeout_secs, default.header_read_timeout),
+            body_read_timeout: secs(self.body_read_timeout_secs, default.body_read_timeout),
+            max_connections: self.max_connections.unwrap_or(default.max_connections),
+        }
+    }
+
+    /// Checks the values parsing cannot (positive, finite), naming the key of a bad one.
+    pub fn validate(&self) -> Result<()> {
+        for (key, v) in [
+            ("header_read_timeout_secs", self.header_read_timeout_secs),
+            ("body_read_timeout_secs", self.body_read_timeout_secs),
+        ] {
+            if let Some(v) = v {
+                if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
+                    return Err(bad_value(
+                        format!("server.{key}"),
+                        format!("must be a number of seconds in (0, 86400], not {v}"),
+                    ));
+                }
+            }
+        }
+        if self.max_connections == Some(0) {
+            return Err(bad_value("server.max_connections", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// `engine:` section (and a role's `engine:`), and the engine flags shared by `tandem serve`, `tandem
+/// chat --local` and `tandem worker`: all optional, unset ones keep engine defaults.
+#[derive(Clone, Debug, Default, Args, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSettings {
+    /// Tokens per KV block (default 16).
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Memory for the KV cache, e.g. 1GiB, 512MiB or a byte count (default 1GiB).
+    #[arg(long)]
+    pub kv_cache_memory: Option<ByteSize>,
+    /// Running sequences per step (default 64).
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Token budget per step (default 512).
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Split long prompts over several steps (flag `--no-chunked-prefill` sets false).
+    #[arg(
+        long = "no-chunked-prefill",
+        num_args = 0,
+        default_missing_value = "false",
+        help = "Prefill whole prompts in one step"
+    )]
+    pub enable_chunked_prefill: Option<bool>,
+    /// Reuse KV of shared prompt prefixes (flag `--no-prefix-caching` sets false).
+    #[arg(
+        long = "no-prefix-caching",
+        num_args = 0,
+        default_missing_value = "false",
+        help = "Do not reuse KV of shared prompt prefixes"
+    )]
+    pub enable_prefix_caching: Option<bool>,
+    /// Context length cap (default: the model's).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Waiting requests beyond which new ones get 503 (default 1024).
+    #[arg(long)]
+    pub max_waiting: Option<usize>,
+    /// Compute threads (0 = all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Tensor-parallel ranks splitting every layer's heads and MLP columns (CPU: threads of one process).
+    #[arg(long)]
+    pub tensor_parallel_size: Option<usize>,
+    /// Pipeline stages splitting the layers; stages 1.. run as `tandem stage` processes.
+    #[arg(long)]
+    pub pipeline_parallel_size: Option<usize>,
+    /// Micro-batches per step of a pipelined engine (0 = one per stage).
+    #[arg(long)]
+    pub pipeline_micro_batches: Option<usize>,
+    /// Running stage servers 1.. as host:port,host:port (multi-host); unset = start them on this host.
+    #[arg(long, value_delimiter = ',')]
+    pub pipeline_stages: Option<Vec<String>>,
+    /// Backend: cpu, or cuda in binaries built with the `cuda` feature.
+    #[arg(long, value_enum)]
+    pub device: Option<Device>,
+}
+
+impl EngineSettings {
+    /// Engine defaults with these settings applied. The keys of this section are `EngineConfig`'s
+    /// fields (`device` aside, which picks the backend), so the mapping is serde's: the defaults as a
+    /// document, this section's set keys over them (`tests::every_engine_key_reaches_the_engine` keeps
+    /// the names in step).
+    pub fn engine_config(&self) -> EngineConfig {
+        overlay_onto(&EngineConfig::default(), self)
+            .expect("every engine key is an EngineConfig field of the same type")
+    }
+
+    /// The settings that give `config` (every key set), on `device`: how a launcher hands the engine
+    /// it resolved to a process it starts.
+    pub fn of(config: &EngineConfig, device: Device) -> EngineSettings {
+        let mut settings: EngineSettings = overlay_onto(&EngineSettings::default(), config)
+            .expect("every EngineConfig field is an engine key of the same type");
+        settings.device = Some(device);
+        settings
+    }
+}
+
+/// One worker role of a P/D deployment.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoleSettings {
+    /// Number of workers of this role.
+    pub replicas: Option<usize>,
+    /// Engine knobs of these workers.
+    pub engine: Option<EngineSettings>,
+    /// Percent of the GPU's SMs each of these workers may use when the GPU runs an NVIDIA MPS server
+    /// (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` in their environment; without MPS it has no effect): on a GPU
+    /// that prefill and decode workers share, prefill held below 100 leaves decode SMs of its own.
+    pub mps_thread_percentage: Option<u32>,
+    /// The GPU ordinal of each of these workers, one per replica (`[1]`: decode on GPU 1 while prefill
+    /// keeps GPU 0); unset, every worker of the role runs on `cuda.device`.
+    pub cuda_devices: Option<Vec<usize>>,
+}
+
+/// `deployment:` section, shaped for the P/D work (YAML only).
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeploymentSettings {
+    /// `colocated` or `pd`.
+    #[serde(default)]
+    pub mode: DeploymentMode,
+    /// Prefill workers.
+    pub prefill: Option<RoleSettings>,
+    /// Decode workers.
+    pub decode: Option<RoleSettings>,
+    /// KV transfer settings.
+    pub kv_transfer: Option<tandem_cluster::KvTransferConfig>,
+    /// Routing policy knobs.
+    pub routing: Option<tandem_cluster::RoutingConfig>,
+    /// Ingress time limits.
+    pub timeouts: Option<tandem_cluster::TimeoutConfig>,
+    /// How workers started elsewhere are found: `static` (they register themselves) or `dns` (a name per role).
+    pub discovery: Option<tandem_cluster::DiscoveryConfig>,
+    /// The cluster secret workers, KV peers and stages must prove (else `TANDEM_CLUSTER_TOKEN`); unset
+    /// everywhere, the worker, KV and stage ports answer anyone who reaches them.
+    pub cluster_token: Option<String>,
+    /// A file holding the cluster secret (a mounted secret), instead of `cluster_token`.
+    pub cluster_token_file: Option<PathBuf>,
+}
+
+impl DeploymentSettings {
+    /// The cluster token this deployment's config gives (value, file, else the environment).
+    pub fn cluster_token(&self) -> Result<Option<String>> {
+        crate::token::resolve(
+            self.cluster_token.as_deref(),
+            self.cluster_token_file.as_deref(),
+        )
+    }
+
+    /// Checks what parsing cannot (discovery names, intervals), naming the key of a bad value.
+    pub fn validate(&self) -> Result<()> {
+        if self.cluster_token.is_some() && self.cluster_token_file.is_some() {
+            return Err(bad_value(
+                "deployment.cluster_token_file",
+                "and deployment.cluster_token are both set: set one",
+            ));
+        }
+        if let Some(discovery) = &self.discovery {
+            discovery.validate().map_err(|e| match e {
+                tandem_cluster::ClusterError::BadConfig { key, message } => {
+                    bad_value(format!("deployment.{key}"), format!("is wrong: {message}"))
+                }
+                other => anyhow::anyhow!("deployment.{other}"),
+            })?;
+        }
+        for (role, section) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            if let Some(p) = section.as_ref().and_then(|r| r.mps_thread_percentage) {
+                if !(1..=100).contains(&p) {
+                    return Err(bad_value(
+                        format!("deployment.{role}.mps_thread_percentage"),
+                        format!("is {p}: give a percent from 1 to 100"),
+                    ));
+                }
+            }
+            if let Some(role_settings) = section {
+                if let Some(devices) = &role_settings.cuda_devices {
+                    let replicas = role_settings.replicas.unwrap_or(1);
+                    if devices.len() != replicas {
+                        return Err(bad_value(
+                            format!("deployment.{role}.cuda_devices"),
+                            format!(
+                                "lists {} GPUs for {replicas} replicas: give one ordinal per replica",
+                                devices.len()
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every section and replica count set, to its default where the file left it out.
+    pub(super) fn fill_defaults(&mut self) {
+        for role in [&mut self.prefill, &mut self.decode] {
+            role.get_or_insert_with(RoleSettings::default)
+                .replicas
+                .get_or_insert(1);
+        }
+        self.kv_transfer.get_or_insert_with(Default::default);
+        self.routing.get_or_insert_with(Default::default);
+        self.timeouts.get_or_insert_with(Default::default);
+        self.discovery.get_or_insert_with(Default::default);
+    }
+}
