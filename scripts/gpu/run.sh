@@ -10,9 +10,13 @@
 #   ncu_summary.txt      per-kernel GPU time of one batch-1 decode step and one 4k prefill (ncu)
 #   sweep.jsonl          `sweep`: cuda-bench rows of each $SWEEP entry, tagged with its label
 #   ncu_detail.txt       `detail`: ncu's full section set for a few decode and prefill kernel launches
+# and, in the log only, `conformance`: the Backend contract on the CUDA backend (tandem-cuda's
+# tests/conformance.rs, a test executable built elsewhere with
+# `cargo test --release -p tandem-cuda --test conformance --no-run` and given as $CONFORMANCE_BIN,
+# default out/conformance).
 # (The device tool returns at most 8 files: keep it to these plus the caller's log.)
 # The tandem binary is built elsewhere (`cargo build --release --features cuda`, stripped) and given as
-# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [sample] [bench] [profile] | all
+# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [profile] | all
 # (TANDEM_ONLY=1 skips the HF peer in bench; `pick` checks $CANDIDATES and benches the first that passes.)
 # `sweep` (only when named) runs `cuda-bench $SWEEP_ARGS` once per entry of $SWEEP, a space-separated
 # list of label:FLAG,FLAG entries (A/B timings of the hidden --cuda-* tuning flags, e.g. --cuda-pdl or
@@ -67,6 +71,16 @@ if [[ "$what" == *" pick "* ]]; then  # only when named: "all" checks $BIN alone
     i=$((i + 1))
   done
   if [ -n "$picked" ]; then BIN="$picked"; echo "picked $BIN"; else status=1; fi
+fi
+if want conformance; then
+  echo "== the Backend contract on the CUDA backend"
+  conf="${CONFORMANCE_BIN:-$root/out/conformance}"
+  if [ -x "$conf" ]; then
+    timeout 300 "$conf" --nocapture --test-threads 1 || status=1
+  else
+    echo "FAIL $conf is missing: cargo test --release -p tandem-cuda --test conformance --no-run, then copy the executable it names"
+    status=1
+  fi
 fi
 if want sample; then
   echo "== on-device sampler against the host sampler's distribution"

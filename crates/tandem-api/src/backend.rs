@@ -151,7 +151,7 @@ mod tests {
     use super::*;
     use futures::StreamExt;
     use tandem_engine::{Engine, EngineConfig, FinishReason};
-    use tandem_testkit::{greedy, MockBackend};
+    use tandem_testkit::MockBackend;
 
     fn engine() -> EngineHandle {
         let config = EngineConfig {
@@ -178,11 +178,12 @@ mod tests {
     async fn engine_handle_streams_to_the_finish() {
         let e = engine();
         GenerateBackend::health(&e).await.expect("healthy");
-        let outs: Vec<TokenOutput> = GenerateBackend::submit(&e, 1, vec![1, 2, 3], greedy(5))
-            .unwrap()
-            .map(|o| o.expect("no failure"))
-            .collect()
-            .await;
+        let outs: Vec<TokenOutput> =
+            GenerateBackend::submit(&e, 1, vec![1, 2, 3], SamplingParams::greedy(5))
+                .unwrap()
+                .map(|o| o.expect("no failure"))
+                .collect()
+                .await;
         assert_eq!(outs.len(), 5);
         assert!(outs[..4].iter().all(|o| o.finish.is_none()));
         assert_eq!(outs[4].finish, Some(FinishReason::Length));
@@ -197,7 +198,9 @@ mod tests {
     #[tokio::test]
     async fn dropping_the_stream_aborts_and_frees_blocks() {
         let e = engine();
-        let mut stream = GenerateBackend::submit(&e, 7, (1..40).collect(), greedy(3000)).unwrap();
+        let mut stream =
+            GenerateBackend::submit(&e, 7, (1..40).collect(), SamplingParams::greedy(3000))
+                .unwrap();
         assert!(stream.next().await.is_some());
         drop(stream);
         let stats = drained(&e).await;
@@ -214,7 +217,7 @@ mod tests {
         let e =
             Engine::start(MockBackend::new(16, 64).fail_at_step(2), config).expect("engine starts");
         let outs: Vec<Result<TokenOutput, BackendError>> =
-            GenerateBackend::submit(&e, 1, vec![1, 2, 3], greedy(5))
+            GenerateBackend::submit(&e, 1, vec![1, 2, 3], SamplingParams::greedy(5))
                 .unwrap()
                 .collect()
                 .await;
@@ -237,12 +240,13 @@ mod tests {
         };
         let e = Engine::start(MockBackend::new(16, 64).with_max_len(100), config)
             .expect("engine starts");
-        let too_long = GenerateBackend::submit(&e, 2, vec![1; 200], greedy(1)).err();
+        let too_long =
+            GenerateBackend::submit(&e, 2, vec![1; 200], SamplingParams::greedy(1)).err();
         assert!(
             matches!(too_long, Some(BackendError::PromptTooLong { .. })),
             "{too_long:?}"
         );
-        let empty = GenerateBackend::submit(&e, 3, Vec::new(), greedy(1)).err();
+        let empty = GenerateBackend::submit(&e, 3, Vec::new(), SamplingParams::greedy(1)).err();
         assert!(matches!(empty, Some(BackendError::Invalid(_))), "{empty:?}");
         e.shutdown();
     }

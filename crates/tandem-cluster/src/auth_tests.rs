@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use tandem_testkit::greedy;
+use tandem_engine::SamplingParams;
 
 use crate::cluster_tests::{collect, engine, prompt, worker_keyed, worker_with, BLOCK};
 use crate::protocol::{
@@ -38,7 +38,7 @@ async fn strangers_are_refused_and_token_holders_serve_end_to_end() {
     let p = worker_keyed(Role::Prefill, engine(BLOCK), key("cluster-secret")).await;
     let d = worker_keyed(Role::Decode, engine(BLOCK), key("cluster-secret")).await;
     let http = reqwest::Client::new();
-    let prefill = json!({"prompt": prompt(0), "params": greedy(4)});
+    let prefill = json!({"prompt": prompt(0), "params": SamplingParams::greedy(4)});
     for token in [None, Some("Bearer guess"), Some("cluster-secret")] {
         for w in [&p, &d] {
             let with = |r: reqwest::RequestBuilder| match token {
@@ -83,8 +83,11 @@ async fn strangers_are_refused_and_token_holders_serve_end_to_end() {
     member.register(&p.url).await.unwrap();
     member.register(&d.url).await.unwrap();
     let colocated = engine(BLOCK);
-    let want = collect(&colocated, prompt(3), greedy(6)).await;
-    assert_eq!(collect(&member, prompt(3), greedy(6)).await, want);
+    let want = collect(&colocated, prompt(3), SamplingParams::greedy(6)).await;
+    assert_eq!(
+        collect(&member, prompt(3), SamplingParams::greedy(6)).await,
+        want
+    );
     assert!(
         d.service.load().kv.bytes_received > 0,
         "KV moved over the challenged connection"

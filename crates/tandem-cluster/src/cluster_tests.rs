@@ -7,7 +7,7 @@ use futures::StreamExt;
 use tandem_api::GenerateBackend;
 use tandem_engine::{Backend, Engine, EngineConfig, EngineHandle, SamplingParams, TokenOutput};
 use tandem_kv::KvError;
-use tandem_testkit::{greedy, mock_guide, mock_text, MockBackend};
+use tandem_testkit::{mock_guide, mock_text, MockBackend};
 
 use crate::protocol::{PrefillRequest, Role};
 use crate::{
@@ -203,8 +203,8 @@ async fn disaggregated_tokens_match_colocated_and_decode_never_prefills() {
     let colocated = engine(BLOCK);
     let ([p, d], ingress) = cluster(BLOCK, [Role::Prefill, Role::Decode]).await;
     for seed in 0..3 {
-        let want = collect(&colocated, prompt(seed), greedy(9)).await;
-        let got = collect(&ingress, prompt(seed), greedy(9)).await;
+        let want = collect(&colocated, prompt(seed), SamplingParams::greedy(9)).await;
+        let got = collect(&ingress, prompt(seed), SamplingParams::greedy(9)).await;
         assert_eq!(got, want, "seed {seed}");
     }
     let load = d.service.load();
@@ -232,8 +232,11 @@ async fn disaggregated_tokens_match_colocated_and_decode_never_prefills() {
 async fn short_uncached_prompts_are_prefilled_on_the_decode_worker() {
     let colocated = engine(BLOCK);
     let ([p, d], ingress) = cluster(100, [Role::Prefill, Role::Decode]).await;
-    let want = collect(&colocated, prompt(1), greedy(5)).await;
-    assert_eq!(collect(&ingress, prompt(1), greedy(5)).await, want);
+    let want = collect(&colocated, prompt(1), SamplingParams::greedy(5)).await;
+    assert_eq!(
+        collect(&ingress, prompt(1), SamplingParams::greedy(5)).await,
+        want
+    );
     assert_eq!(
         p.engine.stats().prompt_tokens_total,
         0,
@@ -249,21 +252,21 @@ async fn short_uncached_prompts_are_prefilled_on_the_decode_worker() {
 async fn a_dead_prefill_worker_falls_back_to_the_next_then_to_decode() {
     let colocated = engine(BLOCK);
     let ([p1, p2, d], ingress) = cluster(BLOCK, [Role::Prefill, Role::Prefill, Role::Decode]).await;
-    let want = collect(&colocated, prompt(2), greedy(6)).await;
+    let want = collect(&colocated, prompt(2), SamplingParams::greedy(6)).await;
     // Stop accepting and fail everything in flight, like a crashed process (pooled connections survive
     // the listener task, so the engine is stopped too).
     p1.task.abort();
     p1.engine.shutdown();
     assert_eq!(
-        collect(&ingress, prompt(2), greedy(6)).await,
+        collect(&ingress, prompt(2), SamplingParams::greedy(6)).await,
         want,
         "retried on the other prefill worker"
     );
     p2.task.abort();
     p2.engine.shutdown();
     assert_eq!(
-        collect(&ingress, prompt(3), greedy(6)).await,
-        collect(&colocated, prompt(3), greedy(6)).await
+        collect(&ingress, prompt(3), SamplingParams::greedy(6)).await,
+        collect(&colocated, prompt(3), SamplingParams::greedy(6)).await
     );
     assert!(ingress
         .extra_metrics()
@@ -274,7 +277,9 @@ async fn a_dead_prefill_worker_falls_back_to_the_next_then_to_decode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_stream_frees_both_sides_and_unpulled_pins_are_released() {
     let ([p, d], ingress) = cluster(BLOCK, [Role::Prefill, Role::Decode]).await;
-    let mut stream = ingress.submit(1, prompt(4), greedy(3000)).unwrap();
+    let mut stream = ingress
+        .submit(1, prompt(4), SamplingParams::greedy(3000))
+        .unwrap();
     for _ in 0..3 {
         stream.next().await.expect("tokens flow").unwrap();
     }
@@ -287,7 +292,7 @@ async fn dropping_the_stream_frees_both_sides_and_unpulled_pins_are_released() {
     );
 
     // A prefill nobody pulls (the client vanished before decode) is released on request.
-    let handle = pinned_prefill(&p, prompt(5), greedy(4)).await;
+    let handle = pinned_prefill(&p, prompt(5), SamplingParams::greedy(4)).await;
     assert!(p.service.load().pinned_blocks > 0);
     assert!(release(&p, handle.transfer_id).await);
     drained(&p).await;
@@ -323,9 +328,12 @@ async fn prompts_sharing_a_prefix_go_to_the_prefill_worker_that_cached_it() {
         .copied()
         .chain((0..9).map(|i| (i * 5 + 1) % 60))
         .collect();
-    collect(&ingress, base.clone(), greedy(3)).await;
-    let want = collect(&colocated, extended.clone(), greedy(3)).await;
-    assert_eq!(collect(&ingress, extended.clone(), greedy(3)).await, want);
+    collect(&ingress, base.clone(), SamplingParams::greedy(3)).await;
+    let want = collect(&colocated, extended.clone(), SamplingParams::greedy(3)).await;
+    assert_eq!(
+        collect(&ingress, extended.clone(), SamplingParams::greedy(3)).await,
+        want
+    );
     let (a, b) = (p1.engine.stats(), p2.engine.stats());
     let expected = (base.len() + extended.len()) as u64;
     assert!(
@@ -356,8 +364,11 @@ async fn the_decode_worker_pulls_only_blocks_its_prefix_cache_lacks() {
         .collect();
     for (prompt, pulled, skipped) in [(&a, 5u64, 0u64), (&b, 3, 4)] {
         let before = d.service.load().kv;
-        let want = collect(&colocated, prompt.clone(), greedy(7)).await;
-        assert_eq!(collect(&ingress, prompt.clone(), greedy(7)).await, want);
+        let want = collect(&colocated, prompt.clone(), SamplingParams::greedy(7)).await;
+        assert_eq!(
+            collect(&ingress, prompt.clone(), SamplingParams::greedy(7)).await,
+            want
+        );
         let after = d.service.load().kv;
         assert_eq!(
             after.bytes_received - before.bytes_received,
@@ -384,7 +395,7 @@ async fn the_decode_worker_pulls_only_blocks_its_prefix_cache_lacks() {
     // Every block of the prompt cached on the decode side: nothing moves, but the pull still acks and
     // the prefill worker's pin is released.
     let acked = p.service.load().kv.released_ack;
-    let params = greedy(5);
+    let params = SamplingParams::greedy(5);
     let resp = p
         .service
         .prefill(PrefillRequest {
@@ -642,7 +653,7 @@ async fn a_full_decode_cache_queues_imports_up_to_max_waiting_then_refuses() {
     let ingress = registered(0, &[&p, &d]).await;
     let params = SamplingParams {
         ignore_eos: true,
-        ..greedy(12)
+        ..SamplingParams::greedy(12)
     };
     let runs = (0..6).map(|seed| {
         let stream = ingress.submit(seed, prompt(seed as u32), params.clone());
@@ -704,7 +715,7 @@ async fn requests_wait_at_the_head_for_decode_kv_room_instead_of_failing_their_i
     ingress.poll_once().await;
     let params = SamplingParams {
         ignore_eos: true,
-        ..greedy(12)
+        ..SamplingParams::greedy(12)
     };
     let most_pinned = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let watch = {
@@ -759,7 +770,7 @@ async fn a_request_a_worker_refuses_is_the_clients_error() {
     let d = worker_on(Role::Decode, engine_on(MockBackend::new(BLOCK, 2))).await;
     let ingress = registered(1000, &[&d]).await;
     let outs: Vec<_> = ingress
-        .submit(1, prompt(1), greedy(4))
+        .submit(1, prompt(1), SamplingParams::greedy(4))
         .expect("accepted")
         .collect()
         .await;
@@ -791,7 +802,7 @@ async fn a_draining_worker_gets_no_new_work_and_its_drain_waits_for_its_pin() {
     // Registering again (a worker that re-registers) keeps the one entry.
     ingress.register(&d.url).await.unwrap();
     assert_eq!(ingress.workers().len(), 2);
-    let pinned = pinned_prefill(&p, prompt(0), greedy(5)).await;
+    let pinned = pinned_prefill(&p, prompt(0), SamplingParams::greedy(5)).await;
     let http = reqwest::Client::new();
     let health = |url: String| {
         let http = http.clone();
@@ -819,7 +830,7 @@ async fn a_draining_worker_gets_no_new_work_and_its_drain_waits_for_its_pin() {
         .iter()
         .any(|w| w.url == p.url && w.draining));
     let before = p.service.load().engine.prompt_tokens_total;
-    collect(&ingress, prompt(1), greedy(4)).await;
+    collect(&ingress, prompt(1), SamplingParams::greedy(4)).await;
     assert_eq!(
         p.service.load().engine.prompt_tokens_total,
         before,
@@ -848,9 +859,9 @@ async fn a_decode_worker_unreachable_at_start_is_replaced() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     // Routing picks either decode worker at random: go on until the dead one was tried (and marked down).
     for seed in 0..40 {
-        let want = collect(&colocated, prompt(seed), greedy(6)).await;
+        let want = collect(&colocated, prompt(seed), SamplingParams::greedy(6)).await;
         assert_eq!(
-            collect(&ingress, prompt(seed), greedy(6)).await,
+            collect(&ingress, prompt(seed), SamplingParams::greedy(6)).await,
             want,
             "seed {seed}"
         );
@@ -967,7 +978,7 @@ async fn a_head_without_workers_assumes_the_model_context_instead_of_zero() {
     assert_eq!(ingress.max_model_len(), 0, "nothing assumed yet");
     ingress.assume_max_model_len(1 << 20);
     assert_eq!(ingress.max_model_len(), 1 << 20);
-    match ingress.submit(1, vec![1, 2, 3], greedy(4)) {
+    match ingress.submit(1, vec![1, 2, 3], SamplingParams::greedy(4)) {
         Err(tandem_api::BackendError::Unavailable(m)) => {
             assert!(m.contains("no decode worker"), "{m}")
         }

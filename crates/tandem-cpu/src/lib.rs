@@ -112,6 +112,21 @@ impl CpuBackend {
         self.ranks.len()
     }
 
+    /// Refuses a (layer, block) outside the cache or a buffer that is not one block, on which the KV
+    /// cache would panic.
+    fn check_block(&self, layer: usize, block: u32, len: usize) -> Result<(), BackendError> {
+        let l = &self.info.layout;
+        if layer < l.n_layers && (block as usize) < l.num_blocks && len == l.block_bytes() {
+            return Ok(());
+        }
+        Err(BackendError::new(format!(
+            "KV block {block} of layer {layer} with {len} bytes: the cache holds {} blocks of {} bytes in {} layers",
+            l.num_blocks,
+            l.block_bytes(),
+            l.n_layers
+        )))
+    }
+
     /// Byte range of rank `r`'s K (part 0) or V (part 1) heads inside one canonical block.
     fn part_range(&self, r: usize, part: usize) -> std::ops::Range<usize> {
         let l = &self.info.layout;
@@ -182,6 +197,7 @@ impl Backend for CpuBackend {
     }
 
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
+        self.check_block(layer, block, out.len())?;
         if self.ranks.len() == 1 {
             self.ranks[0].kv.export_block(layer, block, out);
             return Ok(());
@@ -201,6 +217,7 @@ impl Backend for CpuBackend {
     }
 
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
+        self.check_block(layer, block, data.len())?;
         if self.ranks.len() == 1 {
             self.ranks[0].kv.import_block(layer, block, data);
             return Ok(());
@@ -220,6 +237,9 @@ impl Backend for CpuBackend {
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
+        let bytes = self.info.layout.block_bytes();
+        self.check_block(0, src, bytes)?;
+        self.check_block(0, dst, bytes)?;
         for rank in &mut self.ranks {
             rank.kv.copy_block(src, dst);
         }

@@ -2,12 +2,13 @@
 //! the public API only.
 
 use proptest::prelude::*;
+use std::sync::Arc;
 use std::time::Duration;
 use tandem_engine::bench::{run_engine_bench, BenchOptions};
 use tandem_engine::sampler::logprobs_of;
 use tandem_engine::*;
 use tandem_model::{ForwardBatch, LogitsWanted};
-use tandem_testkit::{greedy, MockBackend};
+use tandem_testkit::{MockBackend, MockCounts};
 
 fn cfg(block_size: usize) -> EngineConfig {
     EngineConfig {
@@ -59,14 +60,18 @@ fn assert_no_leak(e: &EngineHandle) -> EngineStats {
 fn generates_until_max_tokens_and_frees_blocks() {
     let e = start(4, 64, |_| {});
     let mut s = e
-        .submit(EngineRequest::new(7, vec![1, 2, 3, 4, 5], greedy(6)))
+        .submit(EngineRequest::new(
+            7,
+            vec![1, 2, 3, 4, 5],
+            SamplingParams::greedy(6),
+        ))
         .unwrap();
     assert_eq!(s.id(), 7);
     let (toks, fin) = collect(&mut s);
     assert_eq!(toks.len(), 6);
     assert_eq!(fin, Some(FinishReason::Length));
     assert!(s.blocking_recv().is_none(), "nothing after the finish");
-    assert_eq!(toks, alone(&[1, 2, 3, 4, 5], &greedy(6)));
+    assert_eq!(toks, alone(&[1, 2, 3, 4, 5], &SamplingParams::greedy(6)));
     let st = assert_no_leak(&e);
     assert_eq!(st.generation_tokens_total, 6);
     assert_eq!(st.prompt_tokens_total, 5);
@@ -78,14 +83,14 @@ fn generates_until_max_tokens_and_frees_blocks() {
 
 #[test]
 fn stop_tokens_eos_and_context_length_end_requests() {
-    let reference = alone(&[9, 9, 9], &greedy(20));
+    let reference = alone(&[9, 9, 9], &SamplingParams::greedy(20));
     let e = start(4, 64, |c| c.max_model_len = Some(10));
     // A stop token id ends generation on its first occurrence, and is reported.
     let stop = reference[3];
     let first = reference.iter().position(|&t| t == stop).unwrap();
     let p = SamplingParams {
         stop_token_ids: vec![stop],
-        ..greedy(20)
+        ..SamplingParams::greedy(20)
     };
     let (toks, fin) = collect(&mut e.submit(EngineRequest::new(1, vec![9, 9, 9], p)).unwrap());
     assert_eq!(
@@ -95,7 +100,11 @@ fn stop_tokens_eos_and_context_length_end_requests() {
     // The context length (10) caps prompt + output.
     let (toks, fin) = collect(
         &mut e
-            .submit(EngineRequest::new(2, vec![9, 9, 9], greedy(20)))
+            .submit(EngineRequest::new(
+                2,
+                vec![9, 9, 9],
+                SamplingParams::greedy(20),
+            ))
             .unwrap(),
     );
     assert_eq!((toks.len(), fin), (7, Some(FinishReason::Length)));
@@ -105,13 +114,13 @@ fn stop_tokens_eos_and_context_length_end_requests() {
     // EOS (63 on the mock) stops unless ignore_eos: find a prompt whose greedy output contains it.
     let prompt = (0..200u32)
         .map(|i| vec![i % 60, i / 60 + 1])
-        .find(|p| alone(p, &greedy(30)).contains(&63))
+        .find(|p| alone(p, &SamplingParams::greedy(30)).contains(&63))
         .expect("some prompt reaches EOS");
-    let full = alone(&prompt, &greedy(30));
+    let full = alone(&prompt, &SamplingParams::greedy(30));
     let e = start(4, 64, |_| {});
     let p = SamplingParams {
         ignore_eos: false,
-        ..greedy(30)
+        ..SamplingParams::greedy(30)
     };
     let (toks, fin) = collect(&mut e.submit(EngineRequest::new(1, prompt, p)).unwrap());
     assert_eq!(fin, Some(FinishReason::Stop));
@@ -126,11 +135,15 @@ fn submit_validates_synchronously() {
         c.max_model_len = Some(20);
     });
     assert!(matches!(
-        e.submit(EngineRequest::new(1, vec![], greedy(1))),
+        e.submit(EngineRequest::new(1, vec![], SamplingParams::greedy(1))),
         Err(EngineError::EmptyPrompt)
     ));
     assert!(matches!(
-        e.submit(EngineRequest::new(1, vec![1; 20], greedy(1))),
+        e.submit(EngineRequest::new(
+            1,
+            vec![1; 20],
+            SamplingParams::greedy(1)
+        )),
         Err(EngineError::PromptTooLong {
             prompt: 20,
             max_tokens: 1,
@@ -138,7 +151,7 @@ fn submit_validates_synchronously() {
         })
     ));
     assert!(matches!(
-        e.submit(EngineRequest::new(1, vec![100], greedy(1))),
+        e.submit(EngineRequest::new(1, vec![100], SamplingParams::greedy(1))),
         Err(EngineError::InvalidParams(_))
     ));
     assert!(matches!(
@@ -147,7 +160,7 @@ fn submit_validates_synchronously() {
             vec![1],
             SamplingParams {
                 top_p: 0.0,
-                ..greedy(1)
+                ..SamplingParams::greedy(1)
             }
         )),
         Err(EngineError::InvalidParams(_))
@@ -159,26 +172,28 @@ fn submit_validates_synchronously() {
             vec![1],
             SamplingParams {
                 guidance: Some(Guidance::JsonObject),
-                ..greedy(1)
+                ..SamplingParams::greedy(1)
             }
         )),
         Err(EngineError::Guidance(_))
     ));
     let e2 = start(4, 2, |_| {});
     assert!(matches!(
-        e2.submit(EngineRequest::new(1, vec![1; 9], greedy(1))),
+        e2.submit(EngineRequest::new(1, vec![1; 9], SamplingParams::greedy(1))),
         Err(EngineError::KvCacheTooSmall { .. })
     ));
     e2.shutdown();
-    let s1 = e.submit(EngineRequest::new(1, vec![1], greedy(1))).unwrap();
+    let s1 = e
+        .submit(EngineRequest::new(1, vec![1], SamplingParams::greedy(1)))
+        .unwrap();
     assert!(matches!(
-        e.submit(EngineRequest::new(1, vec![1], greedy(1))),
+        e.submit(EngineRequest::new(1, vec![1], SamplingParams::greedy(1))),
         Err(EngineError::DuplicateId(1))
     ));
     drop(s1);
     e.shutdown();
     assert!(matches!(
-        e.submit(EngineRequest::new(5, vec![1], greedy(1))),
+        e.submit(EngineRequest::new(5, vec![1], SamplingParams::greedy(1))),
         Err(EngineError::Stopped)
     ));
 }
@@ -199,7 +214,11 @@ fn queue_full_when_too_many_wait() {
     let mut streams = Vec::new();
     let mut full = false;
     for id in 0..50 {
-        match e.submit(EngineRequest::new(id, vec![1; 8], greedy(200))) {
+        match e.submit(EngineRequest::new(
+            id,
+            vec![1; 8],
+            SamplingParams::greedy(200),
+        )) {
             Ok(s) => streams.push(s),
             Err(EngineError::QueueFull { waiting }) => {
                 assert!(waiting >= 2);
@@ -227,7 +246,11 @@ fn abort_and_dropped_stream_free_blocks_at_once() {
     )
     .unwrap();
     let mut s = e
-        .submit(EngineRequest::new(1, vec![1, 2, 3], greedy(10_000)))
+        .submit(EngineRequest::new(
+            1,
+            vec![1, 2, 3],
+            SamplingParams::greedy(10_000),
+        ))
         .unwrap();
     for _ in 0..3 {
         assert!(s.blocking_recv().unwrap().finish.is_none());
@@ -237,7 +260,11 @@ fn abort_and_dropped_stream_free_blocks_at_once() {
     let st = assert_no_leak(&e);
     assert_eq!(st.kv_blocks_cached, 0);
     let mut s = e
-        .submit(EngineRequest::new(2, vec![1, 2, 3], greedy(10_000)))
+        .submit(EngineRequest::new(
+            2,
+            vec![1, 2, 3],
+            SamplingParams::greedy(10_000),
+        ))
         .unwrap();
     s.blocking_recv().unwrap();
     e.abort(2);
@@ -245,7 +272,9 @@ fn abort_and_dropped_stream_free_blocks_at_once() {
     assert!(s.error().is_none(), "abort is not an error");
     assert_no_leak(&e);
     // The id is free again.
-    let mut s = e.submit(EngineRequest::new(2, vec![1], greedy(2))).unwrap();
+    let mut s = e
+        .submit(EngineRequest::new(2, vec![1], SamplingParams::greedy(2)))
+        .unwrap();
     assert_eq!(collect(&mut s).0.len(), 2);
     e.shutdown();
 }
@@ -254,7 +283,11 @@ fn abort_and_dropped_stream_free_blocks_at_once() {
 fn backend_error_fails_the_step_and_engine_keeps_serving() {
     let e = Engine::start(MockBackend::new(4, 64).fail_at_step(2), cfg(4)).unwrap();
     let mut s = e
-        .submit(EngineRequest::new(1, vec![1, 2], greedy(10)))
+        .submit(EngineRequest::new(
+            1,
+            vec![1, 2],
+            SamplingParams::greedy(10),
+        ))
         .unwrap();
     let (toks, fin) = collect(&mut s);
     assert_eq!((toks.len(), fin), (2, None));
@@ -262,7 +295,7 @@ fn backend_error_fails_the_step_and_engine_keeps_serving() {
     assert_no_leak(&e);
     let (toks, fin) = collect(
         &mut e
-            .submit(EngineRequest::new(2, vec![1, 2], greedy(3)))
+            .submit(EngineRequest::new(2, vec![1, 2], SamplingParams::greedy(3)))
             .unwrap(),
     );
     assert_eq!((toks.len(), fin), (3, Some(FinishReason::Length)));
@@ -277,7 +310,11 @@ fn shutdown_closes_live_streams() {
     )
     .unwrap();
     let mut s = e
-        .submit(EngineRequest::new(1, vec![1, 2], greedy(1_000_000)))
+        .submit(EngineRequest::new(
+            1,
+            vec![1, 2],
+            SamplingParams::greedy(1_000_000),
+        ))
         .unwrap();
     s.blocking_recv().unwrap();
     e.shutdown();
@@ -289,11 +326,15 @@ fn shutdown_closes_live_streams() {
 fn prefix_cache_hits_are_counted_in_tokens_and_preserve_outputs() {
     let e = start(4, 64, |_| {});
     let prompt: Vec<u32> = (0..13).collect();
-    let want = alone(&prompt, &greedy(5));
+    let want = alone(&prompt, &SamplingParams::greedy(5));
     assert_eq!(
         collect(
             &mut e
-                .submit(EngineRequest::new(1, prompt.clone(), greedy(5)))
+                .submit(EngineRequest::new(
+                    1,
+                    prompt.clone(),
+                    SamplingParams::greedy(5)
+                ))
                 .unwrap()
         )
         .0,
@@ -302,7 +343,11 @@ fn prefix_cache_hits_are_counted_in_tokens_and_preserve_outputs() {
     assert_eq!(
         collect(
             &mut e
-                .submit(EngineRequest::new(2, prompt.clone(), greedy(5)))
+                .submit(EngineRequest::new(
+                    2,
+                    prompt.clone(),
+                    SamplingParams::greedy(5)
+                ))
                 .unwrap()
         )
         .0,
@@ -346,7 +391,7 @@ fn logprobs_are_reported_when_asked() {
     let e = start(4, 64, |_| {});
     let p = SamplingParams {
         logprobs: Some(3),
-        ..greedy(2)
+        ..SamplingParams::greedy(2)
     };
     let mut s = e.submit(EngineRequest::new(1, vec![1, 2], p)).unwrap();
     let o = s.blocking_recv().unwrap();
@@ -426,8 +471,8 @@ fn imports_share_the_decode_side_prefix_cache_and_import_only_the_rest() {
         .chain([7, 8, 9, 10, 11, 12, 13])
         .collect();
     // Nothing cached yet: all 4 blocks (3 full + 1 partial) are imported.
-    let (out, plan) = transfer_planned(&a, &b, 1, &p1, &greedy(6));
-    assert_eq!(out, alone(&p1, &greedy(6)));
+    let (out, plan) = transfer_planned(&a, &b, 1, &p1, &SamplingParams::greedy(6));
+    assert_eq!(out, alone(&p1, &SamplingParams::greedy(6)));
     assert_eq!(
         plan,
         ImportPlan {
@@ -437,8 +482,8 @@ fn imports_share_the_decode_side_prefix_cache_and_import_only_the_rest() {
     );
     assert_no_leak(&b);
     // The shared 12-token head is 3 full blocks in b's cache: only blocks 3 and 4 are imported.
-    let (out, plan) = transfer_planned(&a, &b, 2, &p2, &greedy(6));
-    assert_eq!(out, alone(&p2, &greedy(6)));
+    let (out, plan) = transfer_planned(&a, &b, 2, &p2, &SamplingParams::greedy(6));
+    assert_eq!(out, alone(&p2, &SamplingParams::greedy(6)));
     assert_eq!(
         plan,
         ImportPlan {
@@ -448,8 +493,8 @@ fn imports_share_the_decode_side_prefix_cache_and_import_only_the_rest() {
     );
     assert_eq!(plan.needed(), 3..5);
     // A prompt of exactly the cached head: every block is cached, nothing is imported.
-    let (out, plan) = transfer_planned(&a, &b, 3, &head, &greedy(6));
-    assert_eq!(out, alone(&head, &greedy(6)));
+    let (out, plan) = transfer_planned(&a, &b, 3, &head, &SamplingParams::greedy(6));
+    assert_eq!(out, alone(&head, &SamplingParams::greedy(6)));
     assert_eq!(
         plan,
         ImportPlan {
@@ -469,7 +514,10 @@ fn imports_share_the_decode_side_prefix_cache_and_import_only_the_rest() {
 
     // While an import holds shared blocks, the accounting explains them and they cannot be overwritten.
     let (s, plan) = b
-        .import_prefilled(EngineRequest::new(9, p2.clone(), greedy(3)), 1)
+        .import_prefilled(
+            EngineRequest::new(9, p2.clone(), SamplingParams::greedy(3)),
+            1,
+        )
         .unwrap();
     let plan = plan.wait_blocking().unwrap();
     assert_eq!(
@@ -497,8 +545,11 @@ fn prefill_export_import_decode_matches_colocated_run() {
     let a = start(4, 64, |c| c.max_num_batched_tokens = 5);
     let b = start(4, 64, |_| {});
     let prompt: Vec<u32> = (0..11).map(|i| (i * 7) % 60).collect();
-    let want = alone(&prompt, &greedy(12));
-    assert_eq!(transfer(&a, &b, 1, &prompt, &greedy(12)), want);
+    let want = alone(&prompt, &SamplingParams::greedy(12));
+    assert_eq!(
+        transfer(&a, &b, 1, &prompt, &SamplingParams::greedy(12)),
+        want
+    );
     let sb = assert_no_leak(&b);
     assert_eq!(
         sb.prefill_tokens_computed, 0,
@@ -510,7 +561,7 @@ fn prefill_export_import_decode_matches_colocated_run() {
     let p = SamplingParams {
         temperature: 1.0,
         seed: Some(5),
-        ..greedy(8)
+        ..SamplingParams::greedy(8)
     };
     let want = alone(&prompt, &p);
     assert_eq!(transfer(&a, &b, 2, &prompt, &p), want);
@@ -524,13 +575,13 @@ fn pins_expire_and_bad_imports_are_refused() {
     let req = EngineRequest {
         id: 1,
         prompt: vec![1; 9],
-        params: greedy(4),
+        params: SamplingParams::greedy(4),
         mode: prefill_only(Duration::from_millis(50)),
     };
     collect(&mut a.submit(req).unwrap());
     assert_eq!(a.checked_stats().wait_blocking().unwrap().kv_blocks_used, 3);
     assert!(matches!(
-        a.submit(EngineRequest::new(1, vec![1], greedy(1))),
+        a.submit(EngineRequest::new(1, vec![1], SamplingParams::greedy(1))),
         Err(EngineError::DuplicateId(1))
     ));
     std::thread::sleep(Duration::from_millis(120));
@@ -541,7 +592,10 @@ fn pins_expire_and_bad_imports_are_refused() {
     ));
 
     let (s, plan) = a
-        .import_prefilled(EngineRequest::new(2, vec![1; 9], greedy(4)), 3)
+        .import_prefilled(
+            EngineRequest::new(2, vec![1; 9], SamplingParams::greedy(4)),
+            3,
+        )
         .unwrap();
     assert_eq!(plan.wait_blocking().unwrap().num_blocks, 3);
     assert!(a
@@ -597,12 +651,12 @@ proptest! {
         let mut streams: Vec<_> = cases
             .iter()
             .enumerate()
-            .map(|(i, c)| e.submit(EngineRequest::new(i as u64, c.prompt.clone(), greedy(c.max_tokens))).unwrap())
+            .map(|(i, c)| e.submit(EngineRequest::new(i as u64, c.prompt.clone(), SamplingParams::greedy(c.max_tokens))).unwrap())
             .collect();
         for (c, s) in cases.iter().zip(&mut streams) {
             let (toks, fin) = collect(s);
             prop_assert_eq!(fin, Some(FinishReason::Length), "{:?}", s.error());
-            prop_assert_eq!(toks, alone(&c.prompt, &greedy(c.max_tokens)));
+            prop_assert_eq!(toks, alone(&c.prompt, &SamplingParams::greedy(c.max_tokens)));
         }
         assert_no_leak(&e);
         e.shutdown();
@@ -626,7 +680,7 @@ fn prompt_logprobs_score_every_prompt_token_chunked_and_past_the_prefix_cache() 
     let e = start(4, 64, |c| c.max_num_batched_tokens = 8);
     let params = SamplingParams {
         prompt_logprobs: Some(2),
-        ..greedy(3)
+        ..SamplingParams::greedy(3)
     };
     // The second request finds the whole prompt cached and must still score every position.
     for id in 1..=2 {
@@ -640,7 +694,7 @@ fn prompt_logprobs_score_every_prompt_token_chunked_and_past_the_prefix_cache() 
             assert!(o.prompt_logprobs.is_none(), "only the first output scores");
             toks.push(o.token);
         }
-        assert_eq!(toks, alone(&prompt, &greedy(3)));
+        assert_eq!(toks, alone(&prompt, &SamplingParams::greedy(3)));
     }
     let st = assert_no_leak(&e);
     assert_eq!(st.prefill_tokens_computed, 2 * prompt.len() as u64);
@@ -653,10 +707,10 @@ fn a_resumed_request_continues_exactly_where_the_lost_one_stopped() {
         temperature: 0.9,
         seed: Some(11),
         frequency_penalty: 0.5,
-        ..greedy(14)
+        ..SamplingParams::greedy(14)
     };
     let e = start(4, 64, |c| c.max_num_batched_tokens = 6);
-    for (id, params) in [(1, greedy(14)), (2, seeded)] {
+    for (id, params) in [(1, SamplingParams::greedy(14)), (2, seeded)] {
         let full = alone(&prompt, &params);
         assert_eq!(full.len(), 14);
         // Another worker delivered the first 5 tokens, then died: only the remaining 9 come out, the
@@ -679,7 +733,7 @@ fn a_resumed_request_continues_exactly_where_the_lost_one_stopped() {
     let resume = |output: Vec<u32>, max_tokens| EngineRequest {
         id: 9,
         prompt: prompt.clone(),
-        params: greedy(max_tokens),
+        params: SamplingParams::greedy(max_tokens),
         mode: RequestMode::Resume { output },
     };
     assert!(matches!(
@@ -698,77 +752,12 @@ fn a_resumed_request_continues_exactly_where_the_lost_one_stopped() {
     e.shutdown();
 }
 
-/// A backend with its own sampler: the mock model, greedy rows by argmax of its logits and other
-/// rows by a pure function of the draw's seed; counts which path each step took.
-struct DeviceSamplingMock {
-    inner: MockBackend,
-    logits: Vec<f32>,
-    device_steps: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    host_steps: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl Backend for DeviceSamplingMock {
-    fn info(&self) -> &tandem_engine::BackendInfo {
-        self.inner.info()
-    }
-    fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        self.host_steps
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.inner.forward(batch, logits)
-    }
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
-        self.inner.export_block(layer, block, out)
-    }
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
-        self.inner.import_block(layer, block, data)
-    }
-    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
-        self.inner.copy_block(src, dst)
-    }
-    fn forward_sampled(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
-        self.device_steps
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.inner.forward(batch, &mut self.logits)?;
-        let v = self.inner.vocab_size();
-        assert_eq!(rows.len() * v, self.logits.len(), "one row per logits row");
-        out.clear();
-        for (r, row) in rows.iter().zip(self.logits.chunks(v)) {
-            out.push(if r.temperature == 0.0 {
-                crate::sampler::argmax(row)
-            } else {
-                (r.seed % v as u64) as u32
-            });
-        }
-        Ok(true)
-    }
-}
-
-fn start_device(
-    block_size: usize,
-    num_blocks: usize,
-) -> (
-    EngineHandle,
-    std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    std::sync::Arc<std::sync::atomic::AtomicUsize>,
-) {
-    let device = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let host = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let backend = DeviceSamplingMock {
-        inner: MockBackend::new(block_size, num_blocks),
-        logits: Vec::new(),
-        device_steps: device.clone(),
-        host_steps: host.clone(),
-    };
-    (
-        Engine::start(backend, cfg(block_size)).unwrap(),
-        device,
-        host,
-    )
+/// An engine on the mock with its own sampler (greedy rows by argmax of its logits, other rows by a pure
+/// function of the draw's seed), and the mock's counts of which path each step took.
+fn start_device(block_size: usize, num_blocks: usize) -> (EngineHandle, Arc<MockCounts>) {
+    let backend = MockBackend::new(block_size, num_blocks).with_device_sampling();
+    let counts = backend.counts();
+    (Engine::start(backend, cfg(block_size)).unwrap(), counts)
 }
 
 #[test]
@@ -776,10 +765,15 @@ fn a_backend_sampler_draws_plain_rows_and_the_host_keeps_penalties_and_logprobs(
     use std::sync::atomic::Ordering::Relaxed;
     let prompt = [3, 1, 4, 1, 5];
     // Greedy through the backend's sampler gives the host sampler's tokens.
-    let want = alone(&prompt, &greedy(6));
-    let (e, device, host) = start_device(4, 64);
+    let want = alone(&prompt, &SamplingParams::greedy(6));
+    let (e, counts) = start_device(4, 64);
+    let (device, host) = (&counts.device_steps, &counts.host_steps);
     let mut s = e
-        .submit(EngineRequest::new(1, prompt.to_vec(), greedy(6)))
+        .submit(EngineRequest::new(
+            1,
+            prompt.to_vec(),
+            SamplingParams::greedy(6),
+        ))
         .unwrap();
     assert_eq!(collect(&mut s).0, want);
     assert_eq!(host.load(Relaxed), 0);
@@ -788,15 +782,15 @@ fn a_backend_sampler_draws_plain_rows_and_the_host_keeps_penalties_and_logprobs(
     for (id, p) in [
         SamplingParams {
             logprobs: Some(2),
-            ..greedy(3)
+            ..SamplingParams::greedy(3)
         },
         SamplingParams {
             repetition_penalty: 1.3,
-            ..greedy(3)
+            ..SamplingParams::greedy(3)
         },
         SamplingParams {
             frequency_penalty: 0.5,
-            ..greedy(3)
+            ..SamplingParams::greedy(3)
         },
     ]
     .into_iter()
@@ -836,12 +830,17 @@ fn backend_draws_are_seeded_per_request_and_output_index() {
         ..Default::default()
     };
     let run = |p: &SamplingParams| {
-        let (e, device, _) = start_device(4, 64);
+        let (e, counts) = start_device(4, 64);
         let mut s = e
             .submit(EngineRequest::new(1, vec![2, 7], p.clone()))
             .unwrap();
         let toks = collect(&mut s).0;
-        assert!(device.load(std::sync::atomic::Ordering::Relaxed) >= 12);
+        assert!(
+            counts
+                .device_steps
+                .load(std::sync::atomic::Ordering::Relaxed)
+                >= 12
+        );
         e.shutdown();
         toks
     };
@@ -898,11 +897,18 @@ fn import_into_a_full_cache_is_busy_not_failed() {
     let e = Engine::start(slow, cfg(4)).unwrap();
     // A 29-token prompt holds all 8 blocks of 4 tokens from its first token on.
     let mut busy = e
-        .submit(EngineRequest::new(1, vec![1; 29], greedy(3)))
+        .submit(EngineRequest::new(
+            1,
+            vec![1; 29],
+            SamplingParams::greedy(3),
+        ))
         .unwrap();
     busy.blocking_recv().unwrap();
     let (_s, plan) = e
-        .import_prefilled(EngineRequest::new(2, vec![2; 12], greedy(2)), 3)
+        .import_prefilled(
+            EngineRequest::new(2, vec![2; 12], SamplingParams::greedy(2)),
+            3,
+        )
         .unwrap();
     match plan.wait_blocking() {
         Err(EngineError::KvBusy { id: 2, .. }) => {}
@@ -910,7 +916,10 @@ fn import_into_a_full_cache_is_busy_not_failed() {
     }
     while busy.blocking_recv().is_some() {}
     let (_s, plan) = e
-        .import_prefilled(EngineRequest::new(3, vec![2; 12], greedy(2)), 3)
+        .import_prefilled(
+            EngineRequest::new(3, vec![2; 12], SamplingParams::greedy(2)),
+            3,
+        )
         .unwrap();
     assert_eq!(plan.wait_blocking().unwrap().num_blocks, 3);
     e.shutdown();
@@ -925,15 +934,26 @@ fn an_import_does_not_jump_ahead_of_a_waiting_request() {
     let e = Engine::start(slow, cfg(4)).unwrap();
     // 6 of the 8 blocks run; the second request (also 6 blocks) waits for them.
     let mut running = e
-        .submit(EngineRequest::new(1, vec![1; 21], greedy(3)))
+        .submit(EngineRequest::new(
+            1,
+            vec![1; 21],
+            SamplingParams::greedy(3),
+        ))
         .unwrap();
     running.blocking_recv().unwrap();
     let mut waiting = e
-        .submit(EngineRequest::new(2, vec![2; 21], greedy(2)))
+        .submit(EngineRequest::new(
+            2,
+            vec![2; 21],
+            SamplingParams::greedy(2),
+        ))
         .unwrap();
     // Two blocks are free, enough for a 5-token import, yet request 2 is ahead of it.
     let (_s, plan) = e
-        .import_prefilled(EngineRequest::new(3, vec![3; 5], greedy(2)), 3)
+        .import_prefilled(
+            EngineRequest::new(3, vec![3; 5], SamplingParams::greedy(2)),
+            3,
+        )
         .unwrap();
     match plan.wait_blocking() {
         Err(EngineError::KvBusy { id: 3, reason }) => assert!(reason.contains("ahead"), "{reason}"),
@@ -942,7 +962,10 @@ fn an_import_does_not_jump_ahead_of_a_waiting_request() {
     while running.blocking_recv().is_some() {}
     waiting.blocking_recv().unwrap();
     let (_s, plan) = e
-        .import_prefilled(EngineRequest::new(4, vec![3; 5], greedy(2)), 3)
+        .import_prefilled(
+            EngineRequest::new(4, vec![3; 5], SamplingParams::greedy(2)),
+            3,
+        )
         .unwrap();
     assert_eq!(plan.wait_blocking().unwrap().num_blocks, 2);
     while waiting.blocking_recv().is_some() {}

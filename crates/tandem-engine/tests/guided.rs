@@ -2,9 +2,10 @@
 //! the output must satisfy the constraint, through preemption, P/D hand-over and resume.
 
 use serde_json::{json, Value};
+use std::sync::Arc;
 use std::time::Duration;
 use tandem_engine::*;
-use tandem_testkit::{mock_guide, mock_text, MockBackend};
+use tandem_testkit::{mock_guide, mock_text, MockBackend, MockCounts};
 
 fn start(block_size: usize, num_blocks: usize) -> EngineHandle {
     let c = EngineConfig {
@@ -260,118 +261,27 @@ fn guided_requests_hand_over_from_prefill_to_decode_and_resume_elsewhere() {
     }
 }
 
-/// A backend that draws where its logits are, as the CUDA backend does: the mock model's logits
-/// limited to the engine's packed masks, then greedy or a seeded pick. With `honour_masks` off it
-/// stands for a faulty device that ignores them.
-struct MaskingMock {
-    inner: MockBackend,
-    logits: Vec<f32>,
-    honour_masks: bool,
-    masked_steps: usize,
-    host_steps: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    device_guided_rows: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl MaskingMock {
-    /// One token per row: the allowed token of highest logit (plus seeded noise when sampling).
-    fn draw(&self, rows: &[DeviceSampling], masks: Option<&DeviceMasks>, out: &mut Vec<u32>) {
-        let v = self.inner.vocab_size();
-        out.clear();
-        for (i, (r, row)) in rows.iter().zip(self.logits.chunks(v)).enumerate() {
-            let mask = masks.and_then(|m| m.row(i)).filter(|_| self.honour_masks);
-            let allowed = |t: usize| mask.is_none_or(|bits| bits[t / 32] >> (t % 32) & 1 == 1);
-            let noise = |t: usize| {
-                let h = (r.seed ^ (t as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(31);
-                if r.temperature == 0.0 {
-                    0.0
-                } else {
-                    (h >> 40) as f32 / (1u64 << 24) as f32 * 8.0
-                }
-            };
-            let best = (0..v)
-                .filter(|&t| allowed(t))
-                .max_by(|&a, &b| (row[a] + noise(a)).total_cmp(&(row[b] + noise(b))))
-                .expect("a mask allows some token");
-            out.push(best as u32);
-        }
-    }
-}
-
-impl Backend for MaskingMock {
-    fn info(&self) -> &tandem_engine::BackendInfo {
-        self.inner.info()
-    }
-    fn forward(
-        &mut self,
-        batch: &tandem_model::ForwardBatch,
-        logits: &mut Vec<f32>,
-    ) -> Result<(), BackendError> {
-        self.host_steps
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.inner.forward(batch, logits)
-    }
-    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
-        self.inner.export_block(layer, block, out)
-    }
-    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
-        self.inner.import_block(layer, block, data)
-    }
-    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
-        self.inner.copy_block(src, dst)
-    }
-    fn forward_sampled(
-        &mut self,
-        batch: &tandem_model::ForwardBatch,
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
-        self.inner.forward(batch, &mut self.logits)?;
-        self.draw(rows, None, out);
-        Ok(true)
-    }
-    fn forward_sampled_masked(
-        &mut self,
-        batch: &tandem_model::ForwardBatch,
-        rows: &[DeviceSampling],
-        masks: &mut dyn MaskSource,
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
-        self.inner.forward(batch, &mut self.logits)?;
-        let masks = masks.wait()?.clone();
-        assert_eq!(masks.row_mask.len(), rows.len(), "one entry per logits row");
-        self.masked_steps += 1;
-        let guided = masks.row_mask.iter().filter(|&&m| m >= 0).count();
-        self.device_guided_rows
-            .fetch_add(guided, std::sync::atomic::Ordering::Relaxed);
-        self.draw(rows, Some(&masks), out);
-        Ok(true)
-    }
-}
-
-type Counter = std::sync::Arc<std::sync::atomic::AtomicUsize>;
-
-fn start_masking(honour_masks: bool) -> (EngineHandle, Counter, Counter) {
-    let host = Counter::default();
-    let guided_rows = Counter::default();
-    let backend = MaskingMock {
-        inner: MockBackend::new(4, 256),
-        logits: Vec::new(),
-        honour_masks,
-        masked_steps: 0,
-        host_steps: host.clone(),
-        device_guided_rows: guided_rows.clone(),
+/// A guided engine on the mock with its own sampler, as the CUDA backend has: it draws only tokens the
+/// engine's packed masks allow, or with `honour_masks` off stands for a faulty device that ignores them.
+fn start_masking(honour_masks: bool) -> (EngineHandle, Arc<MockCounts>) {
+    let backend = MockBackend::new(4, 256);
+    let backend = if honour_masks {
+        backend.with_device_sampling()
+    } else {
+        backend.with_device_sampling_ignoring_masks()
     };
+    let counts = backend.counts();
     let c = EngineConfig {
         block_size: 4,
         ..Default::default()
     };
     let e = Engine::start_guided(backend, c, Some(mock_guide())).unwrap();
-    (e, host, guided_rows)
+    (e, counts)
 }
 
 #[test]
 fn guided_rows_are_masked_by_a_device_sampler_and_never_reach_the_host() {
-    let (e, host, guided_rows) = start_masking(true);
+    let (e, counts) = start_masking(true);
     // Concurrent guided and unguided requests share steps.
     let mut streams = Vec::new();
     for seed in 0..4u64 {
@@ -406,16 +316,21 @@ fn guided_rows_are_masked_by_a_device_sampler_and_never_reach_the_host() {
     assert!(text.contains('-'), "{text:?}");
     e.shutdown();
     assert_eq!(
-        host.load(std::sync::atomic::Ordering::Relaxed),
+        counts.host_steps.load(std::sync::atomic::Ordering::Relaxed),
         0,
         "no step went to the host sampler"
     );
-    assert!(guided_rows.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    assert!(
+        counts
+            .device_guided_rows
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
 }
 
 #[test]
 fn a_device_draw_outside_the_constraint_fails_the_request_instead_of_leaving_it() {
-    let (e, _, _) = start_masking(false);
+    let (e, _) = start_masking(false);
     for seed in 0..4u64 {
         let p = guided(Guidance::JsonSchema(schema()), 1.0, seed);
         let mut s = e

@@ -23,6 +23,7 @@
 //!
 //! Needs models/SmolLM2-135M-Instruct.Q4_1.gguf (scripts/fetch-model.sh); without it the tests skip.
 
+use tandem_engine::sampler::argmax;
 use tandem_model::{CpuLlama, ForwardBatch, KvCache, LoadedModel, LogitsWanted};
 use tandem_testkit::root;
 
@@ -144,16 +145,6 @@ fn log_softmax(logits: &[f32]) -> Vec<f64> {
         .sum::<f64>()
         .ln();
     logits.iter().map(|&x| x as f64 - lse).collect()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// KL(p || q) over full distributions given as log-probabilities.

@@ -2,6 +2,7 @@
 //! scripts/fetch-model.sh): configuration, GGUF-built tokenizer against Python `tokenizers`, chat
 //! template, greedy generation, and chunked-prefill consistency.
 
+use tandem_engine::sampler::argmax;
 use tandem_model::{
     load, ChatTemplate, CpuLlama, ForwardBatch, IncrementalDecoder, KvCache, LoadOptions,
     LoadedModel, LogitsWanted,
@@ -71,8 +72,8 @@ fn gguf_tokenizer_matches_python_tokenizers() {
     assert_eq!(m.tokenizer.encode("<|im_start|>", false).unwrap(), vec![1]);
 }
 
-/// Greedy generation of up to `max` tokens after `prompt`, decoding incrementally.
-fn greedy(model: &mut CpuLlama, m: &LoadedModel, prompt: &[u32], max: usize) -> String {
+/// The greedy continuation of `prompt`, up to `max` tokens or EOS, decoded incrementally.
+fn generate_greedy(model: &mut CpuLlama, m: &LoadedModel, prompt: &[u32], max: usize) -> String {
     let layout = model.kv_layout(16, 64);
     let mut kv = KvCache::new(layout);
     let blocks: Vec<u32> = (0..64).rev().collect();
@@ -83,12 +84,7 @@ fn greedy(model: &mut CpuLlama, m: &LoadedModel, prompt: &[u32], max: usize) -> 
     let mut text = String::new();
     for pos in prompt.len()..prompt.len() + max {
         model.forward(&batch, &mut kv, &mut logits).unwrap();
-        let next = logits
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .map(|(i, _)| i as u32)
-            .unwrap();
+        let next = argmax(&logits);
         if m.config.eos_token_ids.contains(&next) {
             break;
         }
@@ -132,7 +128,10 @@ fn answers_the_capital_of_france_like_llama_cpp() {
         .unwrap();
     let ids = m.tokenizer.encode(&prompt, false).unwrap();
     let mut model = new_model(m);
-    eprintln!("greedy answer: {:?}", greedy(&mut model, m, &ids, 24));
+    eprintln!(
+        "greedy answer: {:?}",
+        generate_greedy(&mut model, m, &ids, 24)
+    );
 
     let want = m.tokenizer.encode(LLAMA_CPP_FRANCE_ANSWER, false).unwrap();
     let mut kv = KvCache::new(model.kv_layout(16, 64));

@@ -315,3 +315,21 @@ fn a_pool_beyond_the_stage_budget_is_refused_before_it_is_allocated() {
     let sized = asking(BLOCKS, BLOCK).unwrap();
     assert_eq!(sized.remote().num_blocks, BLOCKS);
 }
+
+/// The `Backend` contract (tandem_testkit::conformance) on a pipeline of three CPU stages, two of them
+/// stage servers: bit-exact like the whole model, so at tolerance 0. Each backend gets stage servers
+/// of its own (a server's KV pool belongs to the worker connected to it).
+#[test]
+fn a_cpu_pipeline_conforms() {
+    let Some(m) = model() else { return };
+    let mut kept = Vec::new();
+    tandem_testkit::conformance::run(
+        || {
+            let srv = servers(m, 3);
+            let p = pipeline(m, &srv, 2);
+            kept.push(srv);
+            p
+        },
+        0.0,
+    );
+}

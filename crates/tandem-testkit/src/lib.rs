@@ -1,23 +1,23 @@
 //! Test support for tandem's crates (a dev-dependency only, never published): the default model with one
-//! rule for when it is missing, the mock backend, greedy sampling, free ports, health polling, a
-//! `tandem serve` child process killed on drop with HTTP helpers that assert on its answers, and a
-//! `tandem worker` started by hand.
+//! rule for when it is missing, the mock backend, the checks of the `Backend` contract that every
+//! backend runs, greedy request bodies, free ports, health polling, a `tandem serve` child process
+//! killed on drop with HTTP helpers that assert on its answers, and a `tandem worker` started by hand.
 //!
 //! It depends only on `tandem-model` and `tandem-engine`, so every crate above them may use it in its unit
 //! tests without a dependency cycle; the engine itself uses it from its integration tests only.
 
+pub mod conformance;
 mod mock;
 mod model;
 mod server;
 mod worker;
 
-pub use mock::{mock_guide, mock_pieces, mock_text, MockBackend, MOCK_PIECES};
+pub use mock::{mock_guide, mock_pieces, mock_text, MockBackend, MockCounts, MOCK_PIECES};
 pub use model::{default_model, model, model_path, root, DEFAULT_MODEL, DEFAULT_MODEL_NAME};
-pub use server::{free_port, health_status, healthy, json_of, signal, text, Server};
+pub use server::{free_port, greedy_body, health_status, healthy, json_of, signal, text, Server};
 pub use worker::Worker;
 
 use serde_json::Value;
-use tandem_engine::SamplingParams;
 use tandem_model::Tokenizer;
 
 /// Three long prose prompts (several KV blocks each) whose greedy answers the multi-process tests compare
@@ -30,11 +30,6 @@ pub const PROMPTS: &[&str] = &[
     "In computer science, a hash table is a data structure that implements an associative array, which \
      maps keys to values. A hash table uses a hash function to compute an index into an array of",
 ];
-
-/// Greedy sampling of exactly `max_tokens` tokens (EOS ignored), the deterministic request of most tests.
-pub fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams::greedy(max_tokens)
-}
 
 /// Checks one tokenizer fixture case (`{"text": ..., "ids": [...]}`, as the fixture scripts write them):
 /// `tok` encodes the text without special tokens to exactly the ids and decodes those back to

@@ -6,10 +6,13 @@
 //! preemption or KV-transfer bug changes the tokens (and a misplaced position is reported as an error).
 
 use std::hash::Hasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tandem_engine::prefix_cache::FxHasher;
-use tandem_engine::{Backend, BackendError, BackendInfo, GuideEnv};
+use tandem_engine::{
+    Backend, BackendError, BackendInfo, DeviceMasks, DeviceSampling, GuideEnv, MaskSource,
+};
 use tandem_model::{ForwardBatch, KvDtype, KvLayout, LogitsWanted, TokenPiece};
 
 const LAYERS: usize = 2;
@@ -63,6 +66,33 @@ pub struct MockBackend {
     fail_at_step: Option<u64>,
     step_delay: Duration,
     steps: u64,
+    /// How the mock draws tokens itself; `None`: it has no sampler and the engine samples on the host.
+    device: Option<DeviceDraw>,
+    /// The logits of a step the mock samples itself, reused.
+    sampled: Vec<f32>,
+    /// Shared with clones and with the test that handed the mock to an engine.
+    counts: Arc<MockCounts>,
+}
+
+/// How a [`MockBackend`] with its own sampler (as a GPU backend has) treats the engine's masks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DeviceDraw {
+    /// Draws only tokens the step's masks allow, as a correct device does.
+    Masked,
+    /// Draws as if no row had a mask: a faulty device, for tests of the engine's check of its draws.
+    IgnoringMasks,
+}
+
+/// What the engine asked of a [`MockBackend`], counted where the test can read it after the engine took
+/// the mock (see [`MockBackend::counts`]).
+#[derive(Debug, Default)]
+pub struct MockCounts {
+    /// Steps run through `forward`, whose logits the engine's host sampler reads.
+    pub host_steps: AtomicUsize,
+    /// Steps whose tokens the mock drew itself (`forward_sampled` and `forward_sampled_masked`).
+    pub device_steps: AtomicUsize,
+    /// Logits rows that came with a mask in the steps the mock drew itself.
+    pub device_guided_rows: AtomicUsize,
 }
 
 impl MockBackend {
@@ -87,6 +117,9 @@ impl MockBackend {
             fail_at_step: None,
             step_delay: Duration::ZERO,
             steps: 0,
+            device: None,
+            sampled: Vec::new(),
+            counts: Arc::default(),
         }
     }
 
@@ -108,20 +141,36 @@ impl MockBackend {
         self
     }
 
+    /// Gives the mock a sampler of its own, as a GPU backend has: `forward_sampled` draws greedy rows
+    /// by argmax of the mock's logits (so they equal the host sampler's) and other rows by a pure
+    /// function of the draw's seed (so a token shows which seed the engine passed), and
+    /// `forward_sampled_masked` draws only tokens the masks allow.
+    pub fn with_device_sampling(mut self) -> Self {
+        self.device = Some(DeviceDraw::Masked);
+        self
+    }
+
+    /// Like [`MockBackend::with_device_sampling`], but draws as if no row had a mask: a faulty device,
+    /// for tests that the engine checks a device's draws against the constraint.
+    pub fn with_device_sampling_ignoring_masks(mut self) -> Self {
+        self.device = Some(DeviceDraw::IgnoringMasks);
+        self
+    }
+
+    /// The counters of what the engine asked of this mock (shared with its clones).
+    pub fn counts(&self) -> Arc<MockCounts> {
+        self.counts.clone()
+    }
+
     fn slot(&self, block: u32, slot: usize, v: bool) -> usize {
         let bs = self.info.layout.block_size;
         block as usize * self.info.layout.block_elems()
             + usize::from(v) * bs * HEAD_DIM
             + slot * HEAD_DIM
     }
-}
 
-impl Backend for MockBackend {
-    fn info(&self) -> &BackendInfo {
-        &self.info
-    }
-
-    fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+    /// One model step: writes the batch's K/V and computes its logits rows.
+    fn step(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
         let step = self.steps;
         self.steps += 1;
         if self.fail_at_step == Some(step) {
@@ -195,7 +244,105 @@ impl Backend for MockBackend {
         Ok(())
     }
 
+    /// The mock sampler's tokens, one per row of the last sampled step's logits (see
+    /// [`MockBackend::with_device_sampling`]).
+    fn draw(&self, rows: &[DeviceSampling], masks: Option<&DeviceMasks>, out: &mut Vec<u32>) {
+        let v = self.info.vocab;
+        assert_eq!(rows.len() * v, self.sampled.len(), "one row per logits row");
+        out.clear();
+        for (i, (r, row)) in rows.iter().zip(self.sampled.chunks(v)).enumerate() {
+            let mask = masks
+                .and_then(|m| m.row(i))
+                .filter(|_| self.device == Some(DeviceDraw::Masked));
+            let allowed = |t: &usize| mask.is_none_or(|bits| bits[t / 32] >> (t % 32) & 1 == 1);
+            let score = |t: usize| {
+                if r.temperature == 0.0 {
+                    row[t]
+                } else {
+                    let h =
+                        (r.seed ^ (t as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(31);
+                    (h >> 40) as f32
+                }
+            };
+            // The first allowed token of highest score, as the host sampler's argmax breaks ties.
+            let best = (0..v)
+                .filter(allowed)
+                .reduce(|b, t| if score(t) > score(b) { t } else { b })
+                .expect("a mask allows some token");
+            out.push(best as u32);
+        }
+    }
+
+    /// Refuses a (layer, block) outside the cache or a buffer that is not one block.
+    fn check_block(&self, layer: usize, block: u32, len: usize) -> Result<(), BackendError> {
+        let l = &self.info.layout;
+        if layer >= l.n_layers || block as usize >= l.num_blocks || len != l.block_bytes() {
+            return Err(BackendError::new(format!(
+                "layer {layer} block {block} with {len} bytes: the cache has {} layers of {} blocks of {} bytes",
+                l.n_layers,
+                l.num_blocks,
+                l.block_bytes()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Backend for MockBackend {
+    fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
+        self.counts.host_steps.fetch_add(1, Ordering::Relaxed);
+        self.step(batch, logits)
+    }
+
+    fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[DeviceSampling],
+        out: &mut Vec<u32>,
+    ) -> Result<bool, BackendError> {
+        if self.device.is_none() {
+            return Ok(false);
+        }
+        self.counts.device_steps.fetch_add(1, Ordering::Relaxed);
+        let mut logits = std::mem::take(&mut self.sampled);
+        let stepped = self.step(batch, &mut logits);
+        self.sampled = logits;
+        stepped?;
+        self.draw(rows, None, out);
+        Ok(true)
+    }
+
+    fn forward_sampled_masked(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &[DeviceSampling],
+        masks: &mut dyn MaskSource,
+        out: &mut Vec<u32>,
+    ) -> Result<bool, BackendError> {
+        if self.device.is_none() {
+            return Ok(false);
+        }
+        self.counts.device_steps.fetch_add(1, Ordering::Relaxed);
+        let mut logits = std::mem::take(&mut self.sampled);
+        let stepped = self.step(batch, &mut logits);
+        self.sampled = logits;
+        stepped?;
+        let masks = masks.wait()?;
+        assert_eq!(masks.row_mask.len(), rows.len(), "one entry per logits row");
+        let guided = masks.row_mask.iter().filter(|&&m| m >= 0).count();
+        self.counts
+            .device_guided_rows
+            .fetch_add(guided, Ordering::Relaxed);
+        self.draw(rows, Some(masks), out);
+        Ok(true)
+    }
+
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
+        self.check_block(layer, block, out.len())?;
         let n = self.info.layout.block_elems();
         let src = &self.kv[layer][block as usize * n..(block as usize + 1) * n];
         for (o, v) in out.chunks_exact_mut(4).zip(src) {
@@ -205,6 +352,7 @@ impl Backend for MockBackend {
     }
 
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
+        self.check_block(layer, block, data.len())?;
         let n = self.info.layout.block_elems();
         let dst = &mut self.kv[layer][block as usize * n..(block as usize + 1) * n];
         for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
@@ -214,6 +362,9 @@ impl Backend for MockBackend {
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
+        let bytes = self.info.layout.block_bytes();
+        self.check_block(0, src, bytes)?;
+        self.check_block(0, dst, bytes)?;
         let n = self.info.layout.block_elems();
         for layer in &mut self.kv {
             layer.copy_within(src as usize * n..(src as usize + 1) * n, dst as usize * n);
@@ -225,10 +376,6 @@ impl Backend for MockBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn greedy(logits: &[f32]) -> u32 {
-        tandem_engine::sampler::argmax(logits)
-    }
 
     #[test]
     fn logits_depend_on_cache_contents_not_block_ids() {
@@ -251,7 +398,7 @@ mod tests {
         b.push(&[4, 6, 7], 0, vec![2, 4], LogitsWanted::Last);
         a.forward(&b, &mut lb).unwrap();
         assert_ne!(la, lb);
-        assert!(greedy(&la) < 64);
+        assert!(tandem_engine::sampler::argmax(&la) < 64);
     }
 
     #[test]

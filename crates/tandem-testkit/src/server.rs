@@ -50,6 +50,12 @@ pub fn signal(pid: u32, signal: &str) {
     assert!(status.success());
 }
 
+/// The body of a greedy completion of exactly `max_tokens` tokens (EOS ignored), the deterministic HTTP
+/// request that tests compare between deployments.
+pub fn greedy_body(prompt: &str, max_tokens: usize) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
+}
+
 /// The text of a completion's first choice.
 pub fn text(v: &Value) -> String {
     v["choices"][0]["text"]

@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tandem_cluster::protocol::{PrefillRequest, PrefillResponse, ReleaseRequest, WorkerInfo};
 use tandem_cluster::Role;
+use tandem_engine::SamplingParams;
 use tandem_kv::mem::MemSink;
 use tandem_kv::{ClusterKey, KvClient, TcpConfig, TcpTransport};
-use tandem_testkit::{default_model, greedy, model_path, Server};
+use tandem_testkit::{default_model, model_path, Server};
 
 /// The `tandem` binary cargo built for these tests.
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -107,7 +108,7 @@ async fn strangers_are_refused_and_the_deployment_with_the_token_serves() {
     let (prefill, decode) = (url_of(Role::Prefill), url_of(Role::Decode));
     let request = PrefillRequest {
         prompt: (1..40).collect(),
-        params: greedy(4),
+        params: SamplingParams::greedy(4),
     };
 
     // A stranger, without a token or with a wrong one, gets 401 from every control route.

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tandem_testkit::{model_path, signal, text, Server, PROMPTS};
+use tandem_testkit::{greedy_body, model_path, signal, text, Server, PROMPTS};
 
 /// The `tandem` binary cargo built for these tests.
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -32,14 +32,9 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
         .block_on(f)
 }
 
-/// A greedy completion of `max_tokens` tokens, EOS ignored.
-fn greedy(prompt: &str, max_tokens: usize) -> Value {
-    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
-}
-
 /// One greedy completion of `max_tokens` tokens: its HTTP status and body.
 fn complete(server: &Server, prompt: &str, max_tokens: usize) -> (reqwest::StatusCode, Value) {
-    block_on(server.post_completion(greedy(prompt, max_tokens)))
+    block_on(server.post_completion(greedy_body(prompt, max_tokens)))
 }
 
 /// The greedy completions of `PROMPTS`, all sent at once so the engine batches (and micro-batches) them.
@@ -47,7 +42,7 @@ fn answers(server: &Server) -> Vec<String> {
     block_on(async {
         let calls = PROMPTS
             .iter()
-            .map(|p| async { text(&server.complete_with(greedy(p, 12)).await) });
+            .map(|p| async { text(&server.complete_with(greedy_body(p, 12)).await) });
         futures::future::join_all(calls).await
     })
 }

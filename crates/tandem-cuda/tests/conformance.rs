@@ -1,0 +1,64 @@
+//! The `Backend` contract (tandem_testkit::conformance) on the CUDA backend. It needs an NVIDIA GPU and
+//! CUDA's run-time libraries, so it skips with a message where the driver is absent; on the GPU
+//! machine `scripts/gpu/run.sh conformance` runs it (built here with
+//! `cargo test --release -p tandem-cuda --test conformance --no-run`).
+//!
+//! The model is a small Llama of SmolLM2-135M's width with random bf16 weights made on the device, so
+//! the test needs no model file there.
+
+use tandem_cuda::{CudaBackend, CudaLlama, CudaOptions, WeightSource};
+use tandem_kernels::{RopeScaling, RopeStyle};
+use tandem_model::ModelConfig;
+use tandem_testkit::conformance::{self, MIN_BLOCKS};
+
+/// Largest logit difference between differently shaped steps over the same tokens: bf16 activations
+/// round differently when cuBLAS picks another kernel for another number of rows.
+const TOLERANCE: f32 = 0.05;
+
+/// SmolLM2-135M's shape, cut to four layers.
+fn config() -> ModelConfig {
+    ModelConfig {
+        architecture: "llama".into(),
+        hidden_size: 576,
+        intermediate_size: 1536,
+        num_layers: 4,
+        num_heads: 9,
+        num_kv_heads: 3,
+        head_dim: 64,
+        vocab_size: 49152,
+        max_position_embeddings: 2048,
+        rms_norm_eps: 1e-5,
+        rope_theta: 100000.0,
+        rope_scaling: RopeScaling::None,
+        rope_style: RopeStyle::Neox,
+        tie_word_embeddings: true,
+        attention_bias: false,
+        bos_token_id: None,
+        eos_token_ids: vec![2],
+        sliding_window: None,
+    }
+}
+
+#[test]
+fn the_cuda_backend_conforms() {
+    if !tandem_cuda::driver_available() {
+        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
+        return;
+    }
+    let opts = CudaOptions {
+        block_size: 16,
+        num_blocks: Some(MIN_BLOCKS),
+        max_tokens: 256,
+        max_seqs: 8,
+        max_model_len: Some(512),
+        ..CudaOptions::default()
+    };
+    conformance::run(
+        || {
+            let model = CudaLlama::new(config(), WeightSource::Random { seed: 7 }, opts.clone())
+                .expect("the CUDA model loads");
+            CudaBackend::new(model)
+        },
+        TOLERANCE,
+    );
+}
