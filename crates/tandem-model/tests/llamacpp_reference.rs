@@ -130,10 +130,22 @@ fn reference() -> Reference {
 }
 
 fn model(loaded: &LoadedModel, vocab: usize, max_tokens: usize) -> (CpuLlama, KvCache) {
+    cap_kernels();
     assert_eq!(loaded.config.vocab_size, vocab);
     let model = CpuLlama::new(loaded.config.clone(), loaded.weights.clone(), 2);
     let kv = KvCache::new(model.kv_layout(BLOCK_SIZE, max_tokens.div_ceil(BLOCK_SIZE)));
     (model, kv)
+}
+
+/// `TANDEM_KERNELS=avx2` (or `portable`) holds this test's kernels to that level, as the binary's
+/// `--kernels` flag does, so each SIMD level can be compared with llama.cpp on one machine.
+fn cap_kernels() {
+    if let Ok(level) = std::env::var("TANDEM_KERNELS") {
+        let cap = level
+            .parse()
+            .expect("TANDEM_KERNELS: portable, avx2 or avx512");
+        tandem_kernels::set_isa_cap(cap);
+    }
 }
 
 /// Log-softmax in f64 (KL sums thousands of tiny terms).
