@@ -4,6 +4,10 @@
 //! position are a hash of every K entry of the sequence read back through the block table. So the
 //! next token depends on the whole prefix exactly as stored in the cache: a paging, prefix-cache,
 //! preemption or KV-transfer bug changes the tokens (and a misplaced position is reported as an error).
+//!
+//! Options make it stand for other backends: a sampler of its own that applies the engine's masks (or,
+//! faulty, ignores them), slow steps, an injected failure; [`MockCounts`] tell a test which path the
+//! engine took.
 
 use std::hash::Hasher;
 use std::sync::atomic::{AtomicUsize, Ordering};

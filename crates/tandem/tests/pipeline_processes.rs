@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use tandem_testkit::{greedy_body, model_path, signal, text, Server, PROMPTS};
 
 /// The `tandem` binary cargo built for these tests.
