@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 use tandem_engine::EngineStats;
+use tandem_telemetry::LatencyView;
 
 /// The deployment as `GET /v1/cluster` reports it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -29,30 +30,6 @@ pub struct ClusterSnapshot {
     /// The server's own latency histograms, cumulative: a poller takes means and percentiles between
     /// two snapshots (the console's charts), as Prometheus does between two scrapes.
     pub latency: LatencyView,
-}
-
-/// The API's latency histograms as seen by clients of this server (the head, in a P/D deployment).
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
-pub struct LatencyView {
-    /// Time from request arrival to its first token.
-    pub ttft: HistogramView,
-    /// Time between consecutive tokens of a request.
-    pub itl: HistogramView,
-    /// Time from request arrival to its last token; its count is the requests finished.
-    pub e2e: HistogramView,
-}
-
-/// One cumulative histogram: the numbers behind Prometheus's `_count`, `_sum` and `_bucket` series.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
-pub struct HistogramView {
-    /// Observations since start.
-    pub count: u64,
-    /// Sum of the observations, in seconds.
-    pub sum: f64,
-    /// `[upper bound in seconds, observations at or below it]`, ascending; the `+Inf` bucket is `count`.
-    pub buckets: Vec<(f64, u64)>,
 }
 
 /// One worker's role, address, health and load.

@@ -1,5 +1,5 @@
 //! tandem's OpenAI-compatible HTTP API: request validation, chat templating, stop strings, SSE
-//! streaming, Prometheus metrics, all over a [`GenerateBackend`] so the same surface can front the
+//! streaming, Prometheus metrics (the registry is `tandem-telemetry`'s), all over a [`GenerateBackend`] so the same surface can front the
 //! local engine or remote prefill/decode workers.
 
 pub mod backend;
@@ -12,7 +12,6 @@ pub mod error;
 pub mod generate;
 pub mod guidance;
 pub mod listen;
-pub mod metrics;
 pub mod protocol;
 pub mod request_log;
 pub mod responses;
@@ -29,13 +28,11 @@ mod api_tests;
 mod testing;
 
 pub use backend::{BackendError, GenerateBackend, TokenStream};
-pub use cluster::{
-    ClusterSnapshot, ClusterView, HistogramView, LatencyView, RoutingCounts, WorkerView,
-};
+pub use cluster::{ClusterSnapshot, ClusterView, RoutingCounts, WorkerView};
 pub use codec::{CodecError, ModelCodec, StreamDecoder, TextCodec};
 pub use error::ApiError;
 pub use listen::{serve_router, ServeLimits};
-pub use request_log::{current_request_id, X_REQUEST_ID};
+pub use request_log::current_request_id;
 pub use routes::router;
 pub use state::{ApiConfig, AppState, DEFAULT_MAX_BODY_BYTES};
 

@@ -5,7 +5,8 @@
 //!
 //! The id and the token tally reach code that cannot see the HTTP request (a backend's `submit`, the
 //! choice runs in `generate`) through a task-local set around the handler: the P/D ingress reads the id
-//! there to hand it to the workers in its RPCs, so the `GenerateBackend` trait stays as it is.
+//! there to hand it to the workers in its RPCs, so the `GenerateBackend` trait stays as it is. What an
+//! acceptable id is, and minting one, are `tandem_telemetry::request_id`'s (the workers check ids too).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,36 +16,12 @@ use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
 use http_body::{Body as HttpBody, Frame, SizeHint};
+use tandem_telemetry::{request_id_from, X_REQUEST_ID};
 use tracing::{Instrument, Level, Span};
-
-/// Header that correlates a request across client, proxy, head and worker logs.
-pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
-
-/// Longest client-given request id kept; a longer one is replaced by a minted id.
-pub const MAX_REQUEST_ID_LEN: usize = 128;
-
-/// Whether a client-given id can go into logs and headers as it is: 1 to 128 printable ASCII
-/// characters without spaces (so a text log line still splits on whitespace).
-pub fn is_valid_request_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= MAX_REQUEST_ID_LEN && id.bytes().all(|b| b.is_ascii_graphic())
-}
-
-/// A fresh request id, `req-` and 32 hex digits of a random UUID.
-pub fn new_request_id() -> String {
-    format!("req-{}", uuid::Uuid::new_v4().simple())
-}
-
-/// The id a request goes by: the header's when it is a valid id, else a minted one.
-pub fn request_id_from(header: Option<&HeaderValue>) -> String {
-    header
-        .and_then(|v| v.to_str().ok())
-        .filter(|id| is_valid_request_id(id))
-        .map_or_else(new_request_id, str::to_owned)
-}
 
 /// Token counts of one HTTP request, summed over its choices, for its access line.
 #[derive(Debug, Default)]
@@ -226,28 +203,6 @@ impl Drop for LoggedBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn client_ids_are_kept_only_when_printable_and_short() {
-        assert!(is_valid_request_id("abc"));
-        assert!(is_valid_request_id("0af7651916cd43dd8448eb211c80319c"));
-        assert!(is_valid_request_id(&"x".repeat(MAX_REQUEST_ID_LEN)));
-        assert!(!is_valid_request_id(""));
-        assert!(!is_valid_request_id(&"x".repeat(MAX_REQUEST_ID_LEN + 1)));
-        assert!(!is_valid_request_id("two words"));
-        assert!(!is_valid_request_id("tab\there"));
-        assert!(!is_valid_request_id("naïve"));
-        let kept = HeaderValue::from_static("abc-1");
-        assert_eq!(request_id_from(Some(&kept)), "abc-1");
-        let spaced = HeaderValue::from_static("a b");
-        let opaque = HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap();
-        for replaced in [None, Some(&spaced), Some(&opaque)] {
-            let id = request_id_from(replaced);
-            assert!(id.starts_with("req-") && id.len() == 36, "{id}");
-            assert!(is_valid_request_id(&id));
-        }
-        assert_ne!(new_request_id(), new_request_id());
-    }
 
     /// Sends `req` to `app`: the answer's status, `x-request-id` and body.
     async fn send(app: &axum::Router, req: Request) -> (u16, String, String) {

@@ -19,8 +19,6 @@ use crate::protocol::{
 use crate::state::AppState;
 use crate::{chat, completions, responses};
 
-pub use crate::request_log::X_REQUEST_ID;
-
 /// JSON body extractor whose rejections are OpenAI-shaped 400s instead of axum's plain-text 415/422.
 pub struct ApiJson<T>(pub T);
 

@@ -8,7 +8,7 @@ use tandem_engine::RequestId;
 use crate::backend::GenerateBackend;
 use crate::codec::TextCodec;
 use crate::error::ApiError;
-use crate::metrics::{Metrics, MetricsError};
+use tandem_telemetry::{Metrics, MetricsError};
 
 /// Settings of the HTTP surface that do not belong to the engine.
 #[derive(Debug, Clone)]

@@ -48,7 +48,7 @@ pub(crate) fn with_request_id(
     request_id: Option<&str>,
 ) -> reqwest::RequestBuilder {
     match request_id {
-        Some(id) => builder.header(tandem_api::X_REQUEST_ID.as_str(), id),
+        Some(id) => builder.header(tandem_telemetry::X_REQUEST_ID.as_str(), id),
         None => builder,
     }
 }

@@ -9,195 +9,35 @@
 //! Drain ([`WorkerService::drain`], on SIGTERM): `/health` answers 503 and the load says `draining`, so
 //! orchestrators and the ingress send nothing new; requests in flight finish and pins are pulled or
 //! released within the grace period, then the caller stops the server.
+//!
+//! Modules by job: `config` (the worker's and the deployment's KV transfer settings), `http` (routes
+//! and handlers); this file is the service: start-up, drain, load, prefill and decode.
+
+mod config;
+mod http;
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
-use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
-use futures::StreamExt;
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 use tandem_engine::{
     EngineError, EngineHandle, EngineRequest, FinishReason, KvStaging, RequestMode, RequestStream,
 };
 use tandem_kv::{
-    BlockSelection, KvClient, KvError, KvListener, KvServer, KvServerConfig, KvSink, KvSource,
-    NixlAgent, NixlBackend, NixlConfig, NixlTransport, PeerInfo, Registration, ShmTransport,
-    TcpConfig, TcpTransport, WireDtype, WireLayout,
+    BlockSelection, KvClient, KvListener, KvServer, KvServerConfig, KvSink, KvSource,
+    NixlTransport, PeerInfo, Registration, ShmTransport, TcpConfig, TcpTransport,
 };
-use tracing::Instrument;
 
 use crate::engine_kv::{register_staging, EngineSink, EngineSource, PinnedKv};
 use crate::error::ClusterError;
 use crate::protocol::{
-    DecodeRequest, PrefillRequest, PrefillResponse, ReleaseRequest, Role, StreamEvent, WireToken,
-    WorkerInfo, WorkerLoad, PATH_DECODE, PATH_HEALTH, PATH_INFO, PATH_LOAD, PATH_METRICS,
-    PATH_PREFILL, PATH_RELEASE,
+    DecodeRequest, PrefillRequest, PrefillResponse, Role, StreamEvent, WireToken, WorkerInfo,
+    WorkerLoad,
 };
 
-/// How decode workers pull KV (YAML `kv_transfer.transport`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TransportKind {
-    /// NIXL on GPU workers where the library loads (device-to-device READs), TCP otherwise — decided
-    /// by each worker at start-up and logged; a NIXL decode worker pulls over TCP from a prefill
-    /// worker without NIXL (`TransferHandle::nixl`), so workers deciding differently still agree.
-    #[default]
-    Auto,
-    /// TCP, several connections per pull: works across hosts.
-    Tcp,
-    /// Shared-memory file plus a TCP control connection: same host only, fewer copies through the kernel.
-    Shm,
-    /// NIXL (loaded at run time) moves the bytes by one-sided READs from the prefill worker's registered
-    /// memory; handshake, pins and acks stay on a TCP control connection. Every worker of the deployment
-    /// needs the library (`nixl_library`); a worker that cannot load it fails at start-up naming why.
-    Nixl,
-}
-
-impl std::str::FromStr for TransportKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "auto" => Ok(TransportKind::Auto),
-            "tcp" => Ok(TransportKind::Tcp),
-            "shm" => Ok(TransportKind::Shm),
-            "nixl" => Ok(TransportKind::Nixl),
-            other => Err(format!(
-                "unknown KV transport `{other}` (expected auto, tcp, shm or nixl)"
-            )),
-        }
-    }
-}
-
-/// KV transfer settings shared by every worker of a deployment (YAML `kv_transfer:`).
-#[derive(Clone, Debug, Deserialize, Serialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct KvTransferConfig {
-    /// Data plane used by decode workers.
-    pub transport: TransportKind,
-    /// Parallel TCP connections per pull.
-    pub streams: usize,
-    /// Seconds a prefill worker keeps KV pinned without an ack.
-    pub pin_timeout_secs: f64,
-    /// Seconds bound on every KV socket read or write.
-    pub io_timeout_secs: f64,
-    /// CRC32 every data frame.
-    pub checksum: bool,
-    /// NIXL backend plugin (`transport: nixl`): ucx, or libfabric (AWS EFA).
-    pub nixl_backend: NixlBackend,
-    /// `libnixl_capi.so`, its directory, or an unpacked `nixl-cu13` wheel (`transport: nixl`); unset: the
-    /// system loader's search path.
-    pub nixl_library: Option<std::path::PathBuf>,
-    /// MiB of staging memory (`transport: nixl`), allocated where the KV lives (GPU memory on CUDA workers)
-    /// and registered once: prefill exports into it and decode READs into it, so KV moves GPU to GPU with
-    /// no host copy. A transfer that finds it full goes through registered host buffers instead. 0: none.
-    pub staging_mib: usize,
-}
-
-impl Default for KvTransferConfig {
-    fn default() -> Self {
-        KvTransferConfig {
-            transport: TransportKind::Auto,
-            streams: 4,
-            pin_timeout_secs: 30.0,
-            io_timeout_secs: 10.0,
-            checksum: false,
-            nixl_backend: NixlBackend::Ucx,
-            nixl_library: None,
-            staging_mib: 1024,
-        }
-    }
-}
-
-impl KvTransferConfig {
-    fn pin_timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.pin_timeout_secs.max(0.001))
-    }
-
-    /// The NIXL agent of a worker of a `transport: nixl` deployment (both roles have one).
-    /// This worker's NIXL agent: required with `transport: nixl` (a load failure is an error naming
-    /// what is missing), tried on GPU workers with `auto` (a failure logs why and means TCP).
-    fn nixl_agent(&self, worker_id: &str, gpu: bool) -> Result<Option<NixlAgent>, KvError> {
-        let config = NixlConfig {
-            library: self.nixl_library.clone(),
-            backend: self.nixl_backend,
-            ..NixlConfig::default()
-        };
-        match self.transport {
-            TransportKind::Nixl => NixlAgent::new(worker_id, &config).map(Some),
-            TransportKind::Auto if gpu => match NixlAgent::new(worker_id, &config) {
-                Ok(agent) => {
-                    tracing::info!("KV transfer: NIXL (transport: auto on a GPU worker)");
-                    Ok(Some(agent))
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "KV transfer: TCP (transport: auto could not load NIXL; set nixl_library)");
-                    Ok(None)
-                }
-            },
-            _ => Ok(None),
-        }
-    }
-
-    fn io_timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.io_timeout_secs.max(0.001))
-    }
-}
-
-/// Settings of one worker process.
-#[derive(Clone, Debug)]
-pub struct WorkerConfig {
-    /// Unique name in the deployment.
-    pub worker_id: String,
-    /// Prefill or decode.
-    pub role: Role,
-    /// Address the KV server binds (prefill workers), e.g. `127.0.0.1:0`.
-    pub kv_listen: String,
-    /// Host decode workers should dial for KV when `kv_listen` binds a wildcard (e.g. `0.0.0.0`).
-    pub kv_advertise_host: Option<String>,
-    /// KV transfer settings.
-    pub kv: KvTransferConfig,
-    /// The engine's batch size, reported to the router.
-    pub max_num_seqs: usize,
-    /// The engine runs on a GPU: `transport: auto` then tries NIXL.
-    pub gpu: bool,
-    /// The cluster secret callers and KV peers must prove (`crate::auth`); `None` leaves the ports open.
-    pub cluster_key: Option<tandem_kv::ClusterKey>,
-    /// `/metrics` asks for the cluster token too (with one set); by default it is open, like `/health`.
-    pub metrics_need_token: bool,
-}
-
-/// Builds the handshake record of an engine: the model identity plus its KV shape.
-///
-/// The query head count is not part of the engine's layout, so the caller passes it from the model config.
-pub fn peer_info(engine: &EngineHandle, model_id: String, n_heads: usize) -> PeerInfo {
-    let l = engine.kv_layout();
-    let dtype = if l.dtype.size() == 2 {
-        WireDtype::Bf16
-    } else {
-        WireDtype::F32
-    };
-    PeerInfo {
-        model_id,
-        layout: WireLayout {
-            n_layers: l.n_layers,
-            n_heads,
-            n_kv_heads: l.n_kv_heads,
-            head_dim: l.head_dim,
-            block_size: l.block_size,
-            dtype,
-        },
-    }
-}
+pub use config::{peer_info, KvTransferConfig, TransportKind, WorkerConfig};
 
 /// How often a decode whose import found the KV cache full tries again.
 const IMPORT_RETRY: Duration = Duration::from_millis(20);
@@ -286,7 +126,7 @@ pub struct WorkerService {
     polls: AtomicU64,
     last_poll: Mutex<Instant>,
     /// The engine's Prometheus gauges and counters, served on `/metrics`.
-    metrics: tandem_api::metrics::Metrics,
+    metrics: tandem_telemetry::Metrics,
 }
 
 impl WorkerService {
@@ -376,7 +216,7 @@ impl WorkerService {
             pid: std::process::id(),
             instance: rand::random::<u64>() | 1,
         };
-        let metrics = tandem_api::metrics::Metrics::new().map_err(|e| ClusterError::Protocol {
+        let metrics = tandem_telemetry::Metrics::new().map_err(|e| ClusterError::Protocol {
             url: String::new(),
             message: e.to_string(),
         })?;
@@ -485,92 +325,6 @@ impl WorkerService {
             draining: self.is_draining(),
             instance: self.info.instance,
         }
-    }
-
-    /// The worker's Prometheus text: the engine's gauges and counters (`tandem:num_requests_running`,
-    /// `tandem:kv_blocks_used`, ... as a colocated server has them) and the worker's own: requests in
-    /// flight, pinned KV blocks, KV bytes moved and failed transfers, draining.
-    pub fn metrics_text(&self) -> Result<String, ClusterError> {
-        let mut text = self
-            .metrics
-            .render_engine(&self.engine.stats())
-            .map_err(|e| ClusterError::Protocol {
-                url: String::new(),
-                message: e.to_string(),
-            })?;
-        let load = self.load();
-        let (bytes, failures) = match self.config.role {
-            Role::Prefill => (load.kv.bytes_sent, load.kv.serve_errors),
-            Role::Decode => (load.kv.bytes_received, load.kv.pulls_failed),
-        };
-        let role = self.config.role;
-        for (name, kind, help, value) in [
-            (
-                "tandem:worker_requests_in_flight",
-                "gauge",
-                "Requests this worker is serving (prefills, decodes).",
-                load.in_flight as u64,
-            ),
-            (
-                "tandem:kv_pinned_blocks",
-                "gauge",
-                "KV blocks pinned for a decode worker to pull.",
-                load.pinned_blocks as u64,
-            ),
-            (
-                "tandem:kv_transfer_bytes_total",
-                "counter",
-                "KV bytes this worker sent (prefill) or received (decode).",
-                bytes,
-            ),
-            (
-                "tandem:kv_transfer_failures_total",
-                "counter",
-                "KV transfers that failed: served with an error (prefill), pulls that failed (decode).",
-                failures,
-            ),
-            (
-                "tandem:worker_draining",
-                "gauge",
-                "1 while the worker drains (SIGTERM): no new work.",
-                u64::from(load.draining),
-            ),
-        ] {
-            use std::fmt::Write;
-            let _ = write!(
-                text,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{role=\"{role}\"}} {value}\n"
-            );
-        }
-        Ok(text)
-    }
-
-    /// The worker's HTTP routes: all but `/health` (and `/metrics`, unless `metrics_need_token`) need
-    /// the cluster token when one is set.
-    pub fn router(self: Arc<Self>) -> Router {
-        let key = self.config.cluster_key.clone();
-        let closed_metrics = self.config.metrics_need_token;
-        let calls = Router::new()
-            .route(
-                PATH_INFO,
-                get(|State(s): State<Arc<Self>>| async move { Json(s.info.clone()) }),
-            )
-            .route(
-                PATH_LOAD,
-                get(|State(s): State<Arc<Self>>| async move { Json(s.polled()) }),
-            )
-            .route(PATH_PREFILL, post(prefill))
-            .route(PATH_DECODE, post(decode))
-            .route(PATH_RELEASE, post(release));
-        let (calls, open) = if closed_metrics {
-            (calls.route(PATH_METRICS, get(metrics)), Router::new())
-        } else {
-            (calls, Router::new().route(PATH_METRICS, get(metrics)))
-        };
-        crate::auth::require_token(calls, key)
-            .merge(open)
-            .route(PATH_HEALTH, get(health))
-            .with_state(self)
     }
 
     fn next_id(&self) -> u64 {
@@ -750,158 +504,4 @@ async fn next_output(
         Some(out) => Ok(out),
         None => Err(stream.take_error().unwrap_or(EngineError::Stopped).into()),
     }
-}
-
-/// Readiness: 200 while the worker takes work, 503 once it drains; the body says which worker answers
-/// (`{"status":"ok"|"draining","role","worker","model"}`, `error` too while draining, the shape the
-/// ingress reads refusals in).
-async fn health(State(s): State<Arc<WorkerService>>) -> Response {
-    let draining = s.is_draining();
-    let mut body = serde_json::json!({
-        "status": if draining { "draining" } else { "ok" },
-        "role": s.config.role,
-        "worker": s.info.worker_id,
-        "model": s.info.peer.model_id,
-    });
-    if draining {
-        body["error"] = "draining".into();
-        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
-    } else {
-        (StatusCode::OK, Json(body)).into_response()
-    }
-}
-
-/// `GET /metrics`: the worker's Prometheus text ([`WorkerService::metrics_text`]).
-async fn metrics(State(s): State<Arc<WorkerService>>) -> Response {
-    match s.metrics_text() {
-        Ok(text) => (
-            [(
-                axum::http::header::CONTENT_TYPE,
-                "text/plain; version=0.0.4; charset=utf-8",
-            )],
-            text,
-        )
-            .into_response(),
-        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
-    }
-}
-
-/// The span of one RPC about a client request: the `X-Request-Id` the ingress sent (its own request
-/// id), so the worker's lines about it carry the id the head's lines and the client's answer carry.
-fn request_span(headers: &HeaderMap, rpc: &'static str) -> tracing::Span {
-    let id = headers
-        .get(tandem_api::X_REQUEST_ID.as_str())
-        .and_then(|v| v.to_str().ok())
-        .filter(|id| tandem_api::request_log::is_valid_request_id(id))
-        .unwrap_or("");
-    tracing::info_span!("request", rpc, request_id = %id)
-}
-
-async fn prefill(
-    State(s): State<Arc<WorkerService>>,
-    headers: HeaderMap,
-    Json(req): Json<PrefillRequest>,
-) -> Result<Json<PrefillResponse>, ClusterError> {
-    let span = request_span(&headers, "prefill");
-    let started = Instant::now();
-    let prompt_tokens = req.prompt.len();
-    let answer = s.prefill(req).instrument(span.clone()).await;
-    span.in_scope(|| match &answer {
-        Ok(_) => tracing::info!(
-            prompt_tokens,
-            ms = started.elapsed().as_millis() as u64,
-            "prefilled"
-        ),
-        Err(e) => tracing::warn!(prompt_tokens, error = %e, "prefill failed"),
-    });
-    answer.map(Json)
-}
-
-async fn release(
-    State(s): State<Arc<WorkerService>>,
-    Json(req): Json<ReleaseRequest>,
-) -> Json<bool> {
-    Json(
-        s.kv_server
-            .as_ref()
-            .is_some_and(|srv| srv.abort(req.transfer_id)),
-    )
-}
-
-/// What a decode's last log line says: the tokens it streamed and how long since its RPC came.
-struct DecodeLog {
-    span: tracing::Span,
-    started: Instant,
-    tokens: usize,
-}
-
-fn ndjson(event: &StreamEvent) -> Bytes {
-    let mut line =
-        serde_json::to_vec(event).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes());
-    line.push(b'\n');
-    Bytes::from(line)
-}
-
-async fn decode(
-    State(s): State<Arc<WorkerService>>,
-    headers: HeaderMap,
-    Json(req): Json<DecodeRequest>,
-) -> Result<Response, ClusterError> {
-    let span = request_span(&headers, "decode");
-    let started = Instant::now();
-    let busy = InFlight::new(&s.in_flight);
-    let (first, stream) = match s.start_decode(req).instrument(span.clone()).await {
-        Ok(started) => started,
-        Err(e) => {
-            span.in_scope(|| tracing::warn!(error = %e, "decode failed to start"));
-            return Err(e);
-        }
-    };
-    // The body owns the engine stream: when the ingress disconnects, the body is dropped and the
-    // request aborted, which frees its blocks. Its end is logged in the request's span.
-    let log = DecodeLog {
-        span,
-        started,
-        tokens: 0,
-    };
-    let tokens = futures::stream::unfold(Some((stream, busy, log)), |state| async move {
-        let (mut stream, busy, mut log) = state?;
-        match stream.recv().await {
-            Some(out) => {
-                log.tokens += 1;
-                let done = out.finish;
-                let line = ndjson(&StreamEvent::Token(WireToken::from(out)));
-                if let Some(finish) = done {
-                    log.span.in_scope(|| {
-                        tracing::info!(
-                            tokens = log.tokens,
-                            ?finish,
-                            ms = log.started.elapsed().as_millis() as u64,
-                            "decoded"
-                        )
-                    });
-                    return Some((line, None));
-                }
-                Some((line, Some((stream, busy, log))))
-            }
-            None => {
-                let err = stream.take_error().map_or_else(
-                    || "the engine ended the request".to_owned(),
-                    |e| e.to_string(),
-                );
-                log.span.in_scope(
-                    || tracing::warn!(tokens = log.tokens, error = %err, "decode failed"),
-                );
-                Some((ndjson(&StreamEvent::Error(err)), None))
-            }
-        }
-    });
-    let body = futures::stream::iter(first.as_ref().map(ndjson))
-        .chain(tokens)
-        .map(Ok::<_, Infallible>);
-    Ok((
-        [(header::CONTENT_TYPE, "application/x-ndjson")],
-        Body::from_stream(body),
-    )
-        .into_response())
 }

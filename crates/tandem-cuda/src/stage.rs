@@ -1,9 +1,8 @@
-//! [`CudaStage`]: a pipeline stage's layers on one GPU behind the pipeline's `StageModel` seam, so the
+//! [`CudaStage`]: a pipeline stage's layers on one GPU behind the engine's [`StageModel`] seam, so the
 //! pipeline backend and the stage server run it as they run the CPU model.
 
-use tandem_engine::DeviceSampling;
+use tandem_engine::{Activations, DeviceSampling, SizedPool, StageError, StageModel};
 use tandem_model::{ForwardBatch, KvDtype, KvLayout, LlamaWeights, ModelConfig, Partition};
-use tandem_pipeline::{Activations, StageError, StageModel};
 
 use crate::error::CudaError;
 use crate::model::{CudaLlama, SampleRow, WeightSource};
@@ -17,7 +16,7 @@ pub struct CudaStage {
     /// Host weights until the model is on the GPU.
     weights: Option<LlamaWeights>,
     opts: CudaOptions,
-    model: Option<CudaLlama>,
+    model: SizedPool<CudaLlama>,
     rows: Vec<SampleRow>,
 }
 
@@ -55,17 +54,9 @@ impl CudaStage {
             part,
             weights: Some(weights),
             opts,
-            model: None,
+            model: SizedPool::empty(),
             rows: Vec::new(),
         })
-    }
-
-    fn model(&self) -> Result<&CudaLlama, StageError> {
-        self.model.as_ref().ok_or(StageError::Unsized)
-    }
-
-    fn model_mut(&mut self) -> Result<&mut CudaLlama, StageError> {
-        self.model.as_mut().ok_or(StageError::Unsized)
     }
 }
 
@@ -108,7 +99,7 @@ impl StageModel for CudaStage {
         };
         let model = CudaLlama::new(self.config.clone(), WeightSource::Host(weights), opts)
             .map_err(device)?;
-        self.model = Some(model);
+        self.model.set(model);
         self.weights = None;
         Ok(())
     }
@@ -119,7 +110,8 @@ impl StageModel for CudaStage {
         hidden_in: Option<&[u8]>,
         out: &mut Vec<u8>,
     ) -> Result<(), StageError> {
-        self.model_mut()?
+        self.model
+            .get_mut()?
             .forward_stage(batch, hidden_in, out)
             .map_err(device)
     }
@@ -138,7 +130,7 @@ impl StageModel for CudaStage {
         let mut sample = std::mem::take(&mut self.rows);
         sample.clear();
         sample.extend(rows.iter().map(SampleRow::from));
-        let r = self.model_mut().and_then(|m| {
+        let r = self.model.get_mut().and_then(|m| {
             m.forward_stage_sampled(batch, hidden_in, &sample, out)
                 .map_err(device)
         });
@@ -146,18 +138,18 @@ impl StageModel for CudaStage {
         r
     }
 
-    fn export_blocks(
-        &self,
-        layer: usize,
-        blocks: &[u32],
-        out: &mut [u8],
-    ) -> Result<(), StageError> {
-        let m = self.model()?;
-        let n = m.kv_layout().block_bytes();
-        for (&b, o) in blocks.iter().zip(out.chunks_exact_mut(n)) {
-            m.export_block(layer, b, o).map_err(device)?;
-        }
-        Ok(())
+    fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError> {
+        self.model
+            .get()?
+            .export_block(layer, block, out)
+            .map_err(device)
+    }
+
+    fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), StageError> {
+        self.model
+            .get_mut()?
+            .import_block(layer, block, data)
+            .map_err(device)
     }
 
     /// One bulk scatter through a page-locked buffer (the P/D import path), ordered before the next
@@ -168,7 +160,7 @@ impl StageModel for CudaStage {
         blocks: &[u32],
         data: &[u8],
     ) -> Result<(), StageError> {
-        let m = self.model_mut()?;
+        let m = self.model.get_mut()?;
         let mut buf = m
             .host_pool()
             .take(data.len())
@@ -179,6 +171,6 @@ impl StageModel for CudaStage {
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), StageError> {
-        self.model_mut()?.copy_block(src, dst).map_err(device)
+        self.model.get_mut()?.copy_block(src, dst).map_err(device)
     }
 }

@@ -18,6 +18,7 @@ pub mod kv_staging;
 pub mod prefix_cache;
 pub mod sampler;
 pub mod scheduler;
+pub mod stage;
 mod stats;
 mod step_masks;
 pub mod types;
@@ -31,4 +32,5 @@ pub use engine::{
 pub use guide::GuideEnv;
 pub use kv_host::{HostBuf, HostMem, HostPool, KvExport, ReadyExport, StagedExport, VecPool};
 pub use kv_staging::{HostStaging, KvStaging, StagedLayer, StagingKind, StagingMem, StagingSlice};
+pub use stage::{Activations, SizedPool, StageError, StageModel};
 pub use types::*;

@@ -9,10 +9,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use tandem_cpu::CpuBackend;
-use tandem_engine::Backend;
+use tandem_engine::{Backend, StageModel};
 use tandem_model::{CpuLlama, ForwardBatch, LogitsWanted, Partition};
 use tandem_pipeline::{
-    serve_stage, CpuStage, PipelineBackend, PipelineConfig, StageModel, StageServing, StageTimeouts,
+    serve_stage, CpuStage, PipelineBackend, PipelineConfig, StageServing, StageTimeouts,
 };
 
 const BLOCK: usize = 16;

@@ -5,15 +5,15 @@ use std::sync::mpsc;
 use std::sync::Mutex;
 
 use tandem_engine::{
-    Backend, BackendError, BackendInfo, DeviceSampling, HostBuf, KvExport, ReadyExport,
-    StagedExport, StagedLayer, StagingSlice,
+    Backend, BackendError, BackendInfo, DeviceSampling, HostBuf, KvExport, ReadyExport, StageError,
+    StageModel, StagedExport, StagedLayer, StagingSlice,
 };
 use tandem_kv::KvError;
 use tandem_model::{ForwardBatch, KvLayout, ModelIdentity, Partition};
 
 use crate::link::StageClient;
-use crate::model::{extend_f32, StageModel};
-use crate::{hello, PipelineConfig, PipelineError, StageError};
+use crate::model::extend_f32;
+use crate::{hello, PipelineConfig, PipelineError};
 
 /// A micro-batch on its way through the stages: its index, its hidden states (f32 logits rows once
 /// back from a last stage that returns logits) and its drawn tokens (from one that samples).

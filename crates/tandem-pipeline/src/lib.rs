@@ -1,7 +1,7 @@
 //! Pipeline parallelism: the model's layers cut into contiguous stages ([`Partition::stage`]), the
 //! first stage inside the worker's engine thread and every later stage in a stage server process
-//! ([`serve_stage`], `tandem stage`), possibly on another host. Each stage computes through a
-//! [`StageModel`]: the CPU model ([`CpuStage`]) or a GPU's (`tandem_cuda::CudaStage`, each stage on
+//! ([`serve_stage`], `tandem stage`), possibly on another host. Each stage computes through the engine's
+//! [`StageModel`] seam (`tandem_engine::stage`): the CPU model ([`CpuStage`]) or a GPU's (`tandem_cuda::CudaStage`, each stage on
 //! the device ordinal it is given); stages on different devices do not mix, since the KV dtype sets
 //! the pool.
 //!
@@ -10,7 +10,7 @@
 //! same block ids for its own layers), and block export/import/copy are routed to the stage that owns
 //! the layer, so KV leaves a pipelined worker in the canonical layout.
 //!
-//! Hidden states cross the links in the stages' own element type ([`Activations`]: f32 on CPU, the
+//! Hidden states cross the links in the stages' own element type ([`tandem_engine::Activations`]: f32 on CPU, the
 //! bf16 residual stream on GPUs), so nothing is converted or rounded on the way. When the last
 //! stage draws tokens on its device ([`StageModel::samples_on_device`]), the backend's
 //! `forward_sampled` sends the sampling rows along and only token ids come back, never logits rows.
@@ -42,13 +42,14 @@ pub mod link;
 mod model;
 mod stage;
 
+use tandem_engine::{StageError, StageModel};
 use tandem_kv::KvError;
 use tandem_model::{ModelError, ModelIdentity, Partition};
 
 pub use backend::PipelineBackend;
-pub use link::{Activations, StageServer, StageTimeouts};
-pub use model::{CpuStage, StageModel};
-pub use stage::{serve_stage, StageError, StageServing};
+pub use link::{StageServer, StageTimeouts};
+pub use model::CpuStage;
+pub use stage::{serve_stage, StageServing};
 
 use link::StageHello;
 

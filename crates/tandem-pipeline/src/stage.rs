@@ -6,74 +6,11 @@ use std::time::Duration;
 
 use tandem_kv::ClusterKey;
 
-use tandem_engine::DeviceSampling;
-use tandem_model::{ForwardBatch, KvLayout, ModelError, ModelIdentity, Partition};
+use tandem_engine::{DeviceSampling, StageError, StageModel};
+use tandem_model::{ForwardBatch, KvLayout, ModelIdentity, Partition};
 
 use crate::link::{StageHandler, StageHello, StageServer};
-use crate::model::StageModel;
 use crate::{hello, PipelineError};
-
-/// Why a stage refused or failed one request of its link; its message reaches the worker in the link's
-/// `Error` frame.
-#[derive(Debug, thiserror::Error)]
-pub enum StageError {
-    /// A block or forward request reached the stage before any worker sized its pool.
-    #[error("the stage's KV pool is not sized")]
-    Unsized,
-    /// The worker asked for a pool with no blocks or blocks of no tokens.
-    #[error("a KV pool of {num_blocks} blocks of {block_size} tokens")]
-    EmptyPool {
-        /// Tokens per block asked for.
-        block_size: usize,
-        /// Blocks asked for.
-        num_blocks: usize,
-    },
-    /// The worker asked for a bigger pool than the stage's KV budget allows; a client's hello must not
-    /// size the stage's memory past what its operator configured.
-    #[error(
-        "a KV pool of {num_blocks} blocks of {block_size} tokens needs {needs} bytes of the whole model's KV, \
-         more than this stage's budget of {budget} (raise `tandem stage --kv-cache-memory` to the worker's \
-         engine.kv_cache_memory)"
-    )]
-    PoolTooLarge {
-        /// Tokens per block asked for.
-        block_size: usize,
-        /// Blocks asked for.
-        num_blocks: usize,
-        /// Bytes such a pool takes across all layers (what the worker's budget must have held; u128::MAX
-        /// when even that overflows).
-        needs: u128,
-        /// The stage's budget of the whole model's KV, in bytes.
-        budget: usize,
-    },
-    /// The layer belongs to another stage.
-    #[error("layer {layer} is not on stage {stage} (layers {layers:?})")]
-    ForeignLayer {
-        /// The global layer asked for.
-        layer: usize,
-        /// This stage's index.
-        stage: usize,
-        /// This stage's global layers.
-        layers: std::ops::Range<usize>,
-    },
-    /// The block id is beyond the pool.
-    #[error("block {block} beyond the pool of {num_blocks}")]
-    BlockOutOfRange {
-        /// The block asked for.
-        block: u32,
-        /// Blocks in the pool.
-        num_blocks: usize,
-    },
-    /// The stage's layers failed on the batch.
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    /// The stage's device failed (a GPU's driver, kernels or memory).
-    #[error("stage device: {0}")]
-    Device(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// Token draws were asked of a stage that returns logits (not the last, or not on a GPU).
-    #[error("this stage does not draw tokens on its device")]
-    NoDeviceSampling,
-}
 
 /// One later stage's model, answering its link's requests.
 struct Hosted {

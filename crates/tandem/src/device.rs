@@ -5,9 +5,9 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use tandem_cpu::CpuBackend;
-use tandem_engine::{Backend, Engine, EngineConfig, EngineHandle, GuideEnv};
+use tandem_engine::{Backend, Engine, EngineConfig, EngineHandle, GuideEnv, StageModel};
 use tandem_model::{CpuLlama, LoadedModel, Partition, TokenPiece};
-use tandem_pipeline::{CpuStage, PipelineBackend, PipelineConfig, StageModel};
+use tandem_pipeline::{CpuStage, PipelineBackend, PipelineConfig};
 
 use crate::config::{Device, EngineSettings};
 use crate::cuda_settings::CudaSettings;

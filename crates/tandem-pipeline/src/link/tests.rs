@@ -1,6 +1,8 @@
 //! The stage link against a toy handler: round trips, the handshake's checks, the cluster secret,
 //! and failures that must be errors, not hangs.
 
+use std::net::{SocketAddr, TcpListener};
+
 use super::*;
 
 fn bytes(v: &[f32]) -> Vec<u8> {

@@ -9,9 +9,8 @@ use prometheus::{
     Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
     TextEncoder,
 };
+use serde::{Deserialize, Serialize};
 use tandem_engine::EngineStats;
-
-use crate::cluster::{HistogramView, LatencyView};
 
 /// Buckets for time to first token, in seconds (a CPU model: milliseconds to tens of seconds).
 const TTFT_BUCKETS: &[f64] = &[
@@ -34,7 +33,7 @@ pub const FINISH_REASONS: &[&str] = &["stop", "length", "abort"];
 /// Errors while building or encoding metrics; only possible through programming mistakes (bad names).
 pub type MetricsError = prometheus::Error;
 
-/// All metrics of one server.
+/// All metrics of one server: the engine's gauges and counters, and the latencies its requests saw.
 pub struct Metrics {
     registry: Registry,
     running: IntGauge,
@@ -158,7 +157,7 @@ impl Metrics {
         self.success.with_label_values(&[finish_reason]).inc();
     }
 
-    /// The latency histograms as they stand, for `GET /v1/cluster`.
+    /// The latency histograms as they stand, for the API's `GET /v1/cluster`.
     pub fn latency(&self) -> LatencyView {
         LatencyView {
             ttft: histogram_view(&self.ttft),
@@ -234,6 +233,30 @@ impl Metrics {
         TextEncoder::new().encode(&families, &mut buf)?;
         Ok(String::from_utf8_lossy(&buf).into_owned())
     }
+}
+
+/// The API's latency histograms as seen by clients of this server (the head, in a P/D deployment).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct LatencyView {
+    /// Time from request arrival to its first token.
+    pub ttft: HistogramView,
+    /// Time between consecutive tokens of a request.
+    pub itl: HistogramView,
+    /// Time from request arrival to its last token; its count is the requests finished.
+    pub e2e: HistogramView,
+}
+
+/// One cumulative histogram: the numbers behind Prometheus's `_count`, `_sum` and `_bucket` series.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct HistogramView {
+    /// Observations since start.
+    pub count: u64,
+    /// Sum of the observations, in seconds.
+    pub sum: f64,
+    /// `[upper bound in seconds, observations at or below it]`, ascending; the `+Inf` bucket is `count`.
+    pub buckets: Vec<(f64, u64)>,
 }
 
 /// One histogram's count, sum and cumulative buckets.
