@@ -482,7 +482,8 @@ impl WorkerService {
             staging_free_bytes: self.staged.as_ref().map_or(0, |(_, s)| s.free_bytes()),
             imports_waiting: self.imports_waiting.load(Ordering::Relaxed),
             max_waiting: self.engine.max_waiting(),
-            draining: self.is_draining(),
+            // An engine that lost its device or a stage takes no work either: the ingress routes away.
+            draining: self.is_draining() || self.engine.health().is_err(),
             instance: self.info.instance,
         }
     }
@@ -752,18 +753,27 @@ async fn next_output(
     }
 }
 
-/// Readiness: 200 while the worker takes work, 503 once it drains; the body says which worker answers
-/// (`{"status":"ok"|"draining","role","worker","model"}`, `error` too while draining, the shape the
-/// ingress reads refusals in).
+/// Readiness: 200 while the worker takes work, 503 once it drains or its engine stopped (a lost device
+/// or stage); the body says which worker answers (`{"status":"ok"|"draining"|"unavailable","role",
+/// "worker","model"}`, `error` too when refusing, the shape the ingress reads refusals in).
 async fn health(State(s): State<Arc<WorkerService>>) -> Response {
     let draining = s.is_draining();
+    let engine = s.engine.health();
+    let status = match (&engine, draining) {
+        (Err(_), _) => "unavailable",
+        (Ok(()), true) => "draining",
+        (Ok(()), false) => "ok",
+    };
     let mut body = serde_json::json!({
-        "status": if draining { "draining" } else { "ok" },
+        "status": status,
         "role": s.config.role,
         "worker": s.info.worker_id,
         "model": s.info.peer.model_id,
     });
-    if draining {
+    if let Err(e) = engine {
+        body["error"] = e.to_string().into();
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+    } else if draining {
         body["error"] = "draining".into();
         (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
     } else {

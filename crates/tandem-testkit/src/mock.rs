@@ -6,10 +6,11 @@
 //! preemption or KV-transfer bug changes the tokens (and a misplaced position is reported as an error).
 
 use std::hash::Hasher;
+use std::ops::{Bound, RangeBounds};
 use std::sync::Arc;
 use std::time::Duration;
 use tandem_engine::prefix_cache::FxHasher;
-use tandem_engine::{Backend, BackendError, BackendInfo, GuideEnv};
+use tandem_engine::{Backend, BackendError, BackendErrorKind, BackendInfo, GuideEnv};
 use tandem_model::{ForwardBatch, KvDtype, KvLayout, LogitsWanted, TokenPiece};
 
 const LAYERS: usize = 2;
@@ -60,7 +61,8 @@ pub fn mock_text(tokens: &[u32]) -> String {
 pub struct MockBackend {
     info: BackendInfo,
     kv: Vec<Vec<f32>>,
-    fail_at_step: Option<u64>,
+    /// Forward calls `steps.0..steps.1` (0-based) fail with an error of this kind.
+    fail: Option<(BackendErrorKind, (u64, u64))>,
     step_delay: Duration,
     steps: u64,
 }
@@ -84,7 +86,7 @@ impl MockBackend {
                 eos: vec![63],
             },
             kv: vec![vec![0.0; layout.block_elems() * num_blocks]; LAYERS],
-            fail_at_step: None,
+            fail: None,
             step_delay: Duration::ZERO,
             steps: 0,
         }
@@ -96,9 +98,27 @@ impl MockBackend {
         self
     }
 
-    /// Makes the `step`-th forward call (0-based) fail, to test error handling.
-    pub fn fail_at_step(mut self, step: u64) -> Self {
-        self.fail_at_step = Some(step);
+    /// Makes the `step`-th forward call (0-based) fail as the fault of the step's first request, to
+    /// test error handling (`fail_steps(step..=step, BackendErrorKind::Request)`).
+    pub fn fail_at_step(self, step: u64) -> Self {
+        self.fail_steps(step..=step, BackendErrorKind::Request)
+    }
+
+    /// Makes the forward calls numbered `steps` (0-based; `2..` fails every call from the third on)
+    /// fail with an error of `kind`, to test the engine's reaction to it. A `Request` failure names
+    /// the step's first sequence as the one at fault.
+    pub fn fail_steps(mut self, steps: impl RangeBounds<u64>, kind: BackendErrorKind) -> Self {
+        let start = match steps.start_bound() {
+            Bound::Included(&s) => s,
+            Bound::Excluded(&s) => s + 1,
+            Bound::Unbounded => 0,
+        };
+        let end = match steps.end_bound() {
+            Bound::Included(&e) => e + 1,
+            Bound::Excluded(&e) => e,
+            Bound::Unbounded => u64::MAX,
+        };
+        self.fail = Some((kind, (start, end)));
         self
     }
 
@@ -124,10 +144,14 @@ impl Backend for MockBackend {
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
         let step = self.steps;
         self.steps += 1;
-        if self.fail_at_step == Some(step) {
-            return Err(BackendError::new(format!(
-                "injected failure at step {step}"
-            )));
+        if let Some((kind, (from, to))) = self.fail {
+            if (from..to).contains(&step) {
+                let message = format!("injected failure at step {step}");
+                return Err(match kind {
+                    BackendErrorKind::Request => BackendError::request(message, vec![0]),
+                    kind => BackendError::new(kind, message),
+                });
+            }
         }
         if !self.step_delay.is_zero() {
             std::thread::sleep(self.step_delay);
@@ -136,7 +160,7 @@ impl Backend for MockBackend {
         for c in &batch.seqs {
             let end = c.pos + c.tokens.len();
             if c.blocks.len() * bs < end {
-                return Err(BackendError::new(format!(
+                return Err(BackendError::fatal(format!(
                     "block table of {} blocks cannot hold {end} tokens",
                     c.blocks.len()
                 )));
@@ -145,7 +169,7 @@ impl Backend for MockBackend {
                 let p = c.pos + k;
                 let block = c.blocks[p / bs];
                 if block as usize >= self.info.layout.num_blocks {
-                    return Err(BackendError::new(format!("block {block} out of range")));
+                    return Err(BackendError::fatal(format!("block {block} out of range")));
                 }
                 for l in 0..LAYERS {
                     let i = self.slot(block, p % bs, false);
@@ -176,7 +200,7 @@ impl Backend for MockBackend {
                         if k1 != p as f32
                             || k0 - l as f32 != self.kv[l][self.slot(block, p % bs, true)] / 2.0
                         {
-                            return Err(BackendError::new(format!(
+                            return Err(BackendError::fatal(format!(
                                 "KV of position {p} is corrupt (found position {k1})"
                             )));
                         }
