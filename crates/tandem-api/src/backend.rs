@@ -6,13 +6,16 @@ use std::pin::Pin;
 use futures::future::BoxFuture;
 use futures::Stream;
 use tandem_engine::{
-    EngineError, EngineHandle, EngineRequest, EngineStats, RequestId, SamplingParams, TokenOutput,
+    BackendErrorKind, EngineError, EngineHandle, EngineRequest, EngineStats, RequestId,
+    SamplingParams, TokenOutput,
 };
 
 /// Per-request token outputs; dropping the stream must abort the request and free its KV blocks.
 pub type TokenStream = Pin<Box<dyn Stream<Item = Result<TokenOutput, BackendError>> + Send>>;
 
-/// Why a backend refused a request, in terms the API maps onto HTTP statuses.
+/// Why a backend refused a request, in terms the API maps onto HTTP statuses. (Not the engine's
+/// `tandem_engine::BackendError`, the model backend's failure: this is the API's view of whatever
+/// generates tokens, into which that one maps by its kind.)
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum BackendError {
     /// Too many requests are waiting; the client should retry later (HTTP 503).
@@ -39,11 +42,17 @@ pub enum BackendError {
     /// The request itself is unacceptable (HTTP 400).
     #[error("{0}")]
     Invalid(String),
-    /// The backend cannot serve anything now (engine stopped, worker unreachable; HTTP 500/503).
+    /// The backend cannot serve anything now (engine stopped, its device or a pipeline stage lost,
+    /// worker unreachable; HTTP 503).
     #[error("{0}")]
     Unavailable(String),
-    /// A started generation failed (a model step, a lost worker or pipeline stage); the last item of a
-    /// stream, so the client learns why its answer ended (HTTP 500 or an error event).
+    /// The model step kept failing for a passing reason (device memory) after the engine ran it
+    /// again; the client should retry soon (HTTP 503 with Retry-After).
+    #[error("{0}")]
+    Transient(String),
+    /// A started generation failed on the server's side (a backend fault, a failure the engine could
+    /// not classify); the last item of a stream, so the client learns why its answer ended (HTTP 500
+    /// or an error event).
     #[error("generation failed: {0}")]
     Failed(String),
 }
@@ -97,8 +106,30 @@ impl From<EngineError> for BackendError {
             | EngineError::InvalidParams(_)
             | EngineError::Guidance(_)) => BackendError::Invalid(e.to_string()),
             EngineError::Stopped => BackendError::Unavailable("the engine has stopped".to_owned()),
+            EngineError::Backend(e) => backend_failure(e.kind(), e.to_string()),
             other => BackendError::Unavailable(other.to_string()),
         }
+    }
+}
+
+/// The API's view of a model backend failure of `kind`: the request's fault is the client's error, a
+/// lost worker or a shortage that outlasted the engine's retries is a 503 to retry (elsewhere), and a
+/// fault is the server's error.
+fn backend_failure(kind: BackendErrorKind, message: String) -> BackendError {
+    match kind {
+        BackendErrorKind::Request => BackendError::Invalid(message),
+        BackendErrorKind::WorkerLost => BackendError::Unavailable(message),
+        BackendErrorKind::Retryable => BackendError::Transient(message),
+        BackendErrorKind::Fatal => BackendError::Failed(message),
+    }
+}
+
+/// Why a started generation ended without a finish: a backend failure by its kind, anything else
+/// (a constraint that failed mid-answer, the engine stopping) as a failure of the server.
+fn stream_failure(err: EngineError) -> BackendError {
+    match err {
+        EngineError::Backend(e) => backend_failure(e.kind(), e.to_string()),
+        other => BackendError::Failed(other.to_string()),
     }
 }
 
@@ -120,7 +151,7 @@ impl GenerateBackend for EngineHandle {
                     None => {
                         let err = s.take_error()?;
                         tracing::warn!(request = s.id(), error = %err, "engine failed a request");
-                        Some((Err(BackendError::Failed(err.to_string())), None))
+                        Some((Err(stream_failure(err)), None))
                     }
                 }
             },
@@ -140,7 +171,11 @@ impl GenerateBackend for EngineHandle {
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), BackendError>> {
-        // A round trip through the engine thread: proves it is alive and its block accounting sound.
+        // A lost device or stage says so at once; else a round trip through the engine thread proves
+        // it is alive and its block accounting sound.
+        if let Err(e) = EngineHandle::health(self) {
+            return Box::pin(std::future::ready(Err(BackendError::from(e))));
+        }
         let pending = self.checked_stats();
         Box::pin(async move { pending.wait().await.map(|_| ()).map_err(BackendError::from) })
     }
@@ -222,13 +257,64 @@ mod tests {
                 .collect()
                 .await;
         let last = outs.last().expect("at least the error");
+        // The mock's failure is the request's fault: the client's error.
         match last {
-            Err(BackendError::Failed(m)) => {
+            Err(BackendError::Invalid(m)) => {
                 assert!(m.contains("injected failure at step 2"), "{m}")
             }
             other => panic!("expected the step's error last, got {other:?}"),
         }
         assert!(outs[..outs.len() - 1].iter().all(Result::is_ok));
+        e.shutdown();
+    }
+
+    /// The last item of a stream whose steps fail from the third on with `kind`, and the engine.
+    async fn failed_with(
+        kind: BackendErrorKind,
+    ) -> (Result<TokenOutput, BackendError>, EngineHandle) {
+        let config = EngineConfig {
+            block_size: 16,
+            ..EngineConfig::default()
+        };
+        let mock = MockBackend::new(16, 64).fail_steps(2.., kind);
+        let e = Engine::start(mock, config).expect("engine starts");
+        let outs: Vec<Result<TokenOutput, BackendError>> =
+            GenerateBackend::submit(&e, 1, vec![1, 2, 3], SamplingParams::greedy(5))
+                .unwrap()
+                .collect()
+                .await;
+        (outs.into_iter().last().expect("at least the error"), e)
+    }
+
+    #[tokio::test]
+    async fn each_kind_of_backend_failure_reaches_the_api_as_its_own_error() {
+        let (last, e) = failed_with(BackendErrorKind::Retryable).await;
+        assert!(matches!(last, Err(BackendError::Transient(_))), "{last:?}");
+        GenerateBackend::health(&e)
+            .await
+            .expect("a shortage leaves the engine healthy");
+        e.shutdown();
+
+        let (last, e) = failed_with(BackendErrorKind::WorkerLost).await;
+        assert!(
+            matches!(last, Err(BackendError::Unavailable(_))),
+            "{last:?}"
+        );
+        let health = GenerateBackend::health(&e).await;
+        assert!(
+            matches!(health, Err(BackendError::Unavailable(_))),
+            "{health:?}"
+        );
+        let refused = GenerateBackend::submit(&e, 2, vec![1], SamplingParams::greedy(1)).err();
+        assert!(
+            matches!(refused, Some(BackendError::Unavailable(_))),
+            "{refused:?}"
+        );
+        e.shutdown();
+
+        let (last, e) = failed_with(BackendErrorKind::Fatal).await;
+        assert!(matches!(last, Err(BackendError::Failed(_))), "{last:?}");
+        assert!(GenerateBackend::health(&e).await.is_err());
         e.shutdown();
     }
 

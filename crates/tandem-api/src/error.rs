@@ -203,6 +203,11 @@ impl From<crate::backend::BackendError> for ApiError {
                 e.code = Some("backend_unavailable");
                 e
             }
+            BackendError::Transient(_) => {
+                let mut e = ApiError::overloaded(err.to_string(), 1);
+                e.code = Some("backend_retry");
+                e
+            }
             BackendError::Failed(_) => ApiError::internal(err.to_string()),
         }
     }
@@ -224,6 +229,31 @@ mod tests {
         assert_eq!(v["error"]["type"], "server_overloaded");
         assert!(v["error"]["param"].is_null());
         assert_eq!(v["error"]["code"], "queue_full");
+    }
+
+    #[test]
+    fn backend_failures_map_to_their_statuses() {
+        use crate::backend::BackendError;
+        let status = |e: BackendError| {
+            let a = ApiError::from(e);
+            (a.status, a.retry_after)
+        };
+        assert_eq!(
+            status(BackendError::Invalid("bad input".into())),
+            (StatusCode::BAD_REQUEST, None)
+        );
+        assert_eq!(
+            status(BackendError::Unavailable("stage lost".into())),
+            (StatusCode::SERVICE_UNAVAILABLE, Some(5))
+        );
+        assert_eq!(
+            status(BackendError::Transient("out of memory".into())),
+            (StatusCode::SERVICE_UNAVAILABLE, Some(1))
+        );
+        assert_eq!(
+            status(BackendError::Failed("fault".into())),
+            (StatusCode::INTERNAL_SERVER_ERROR, None)
+        );
     }
 
     #[test]

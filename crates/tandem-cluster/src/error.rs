@@ -3,7 +3,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use tandem_engine::EngineError;
+use tandem_engine::{BackendErrorKind, EngineError};
 use tandem_kv::KvError;
 
 use crate::protocol::ErrorBody;
@@ -103,6 +103,15 @@ impl ClusterError {
                 | EngineError::InvalidParams(_)
                 | EngineError::Guidance(_),
             ) => StatusCode::BAD_REQUEST,
+            // A model backend failure by its kind: the request's fault, a lost device or stage or a
+            // shortage that outlasted the engine's retries (retry elsewhere), or a fault.
+            ClusterError::Engine(EngineError::Backend(e)) => match e.kind() {
+                BackendErrorKind::Request => StatusCode::BAD_REQUEST,
+                BackendErrorKind::WorkerLost | BackendErrorKind::Retryable => {
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+                BackendErrorKind::Fatal => StatusCode::INTERNAL_SERVER_ERROR,
+            },
             ClusterError::WrongRole { .. } => StatusCode::NOT_FOUND,
             ClusterError::Refused { .. } => StatusCode::CONFLICT,
             ClusterError::Kv(_)

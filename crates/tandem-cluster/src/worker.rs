@@ -322,7 +322,8 @@ impl WorkerService {
             staging_free_bytes: self.staged.as_ref().map_or(0, |(_, s)| s.free_bytes()),
             imports_waiting: self.imports_waiting.load(Ordering::Relaxed),
             max_waiting: self.engine.max_waiting(),
-            draining: self.is_draining(),
+            // An engine that lost its device or a stage takes no work either: the ingress routes away.
+            draining: self.is_draining() || self.engine.health().is_err(),
             instance: self.info.instance,
         }
     }

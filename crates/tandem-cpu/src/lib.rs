@@ -5,7 +5,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use tandem_engine::{Backend, BackendError, BackendInfo};
+use tandem_engine::{Backend, BackendError, BackendErrorKind, BackendInfo};
 use tandem_model::{
     CpuLlama, ForwardBatch, GroupBreaker, KvCache, KvDtype, KvLayout, LlamaWeights, ModelConfig,
     ModelError, Partition, ThreadCollective,
@@ -119,7 +119,7 @@ impl CpuBackend {
         if layer < l.n_layers && (block as usize) < l.num_blocks && len == l.block_bytes() {
             return Ok(());
         }
-        Err(BackendError::new(format!(
+        Err(BackendError::fatal(format!(
             "KV block {block} of layer {layer} with {len} bytes: the cache holds {} blocks of {} bytes in {} layers",
             l.num_blocks,
             l.block_bytes(),
@@ -146,12 +146,14 @@ fn rank_step(rank: &mut Rank, batch: &ForwardBatch) -> Result<(), BackendError> 
         breaker,
     } = rank;
     match catch_unwind(AssertUnwindSafe(|| model.forward(batch, kv, logits))) {
-        Ok(r) => r.map_err(|e| BackendError::new(e.to_string())),
+        // The engine validated the batch: a model that refuses it disagrees with the engine (a bug).
+        Ok(r) => r.map_err(|e| BackendError::caused(BackendErrorKind::Fatal, "CPU model", e)),
+        // The rank's group is broken for good: no later step can run on these ranks.
         Err(_) => {
             if let Some(b) = breaker {
                 b.break_group();
             }
-            Err(BackendError::new(format!(
+            Err(BackendError::worker_lost(format!(
                 "tensor-parallel rank {} failed (panicked)",
                 model.partition().tp_rank
             )))
@@ -183,7 +185,7 @@ impl Backend for CpuBackend {
                 .into_iter()
                 .map(|h| {
                     h.join()
-                        .unwrap_or_else(|_| Err(BackendError::new("rank thread died")))
+                        .unwrap_or_else(|_| Err(BackendError::worker_lost("rank thread died")))
                 })
                 .collect();
             std::iter::once(mine)

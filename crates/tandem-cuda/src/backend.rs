@@ -55,7 +55,7 @@ impl Backend for CudaBackend {
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
         self.model
             .forward(batch, logits)
-            .map_err(|e| BackendError::new(e.to_string()))
+            .map_err(BackendError::from)
     }
 
     fn forward_sampled(
@@ -68,7 +68,7 @@ impl Backend for CudaBackend {
         self.rows.extend(rows.iter().map(SampleRow::from));
         self.model
             .forward_sampled(batch, &self.rows, out)
-            .map_err(|e| BackendError::new(e.to_string()))?;
+            .map_err(BackendError::from)?;
         Ok(true)
     }
 
@@ -83,22 +83,22 @@ impl Backend for CudaBackend {
         self.rows.extend(rows.iter().map(SampleRow::from));
         self.model
             .forward_sampled_masked(batch, &self.rows, masks, out)
-            .map_err(|e| BackendError::new(e.to_string()))?;
+            .map_err(BackendError::from)?;
         Ok(true)
     }
 
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
         self.model.export_block(layer, block, out).map_err(|e| {
-            BackendError::new(format!(
-                "CUDA KV export of layer {layer} block {block}: {e}"
+            e.into_transfer(format_args!(
+                "CUDA KV export of layer {layer} block {block}"
             ))
         })
     }
 
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
         self.model.import_block(layer, block, data).map_err(|e| {
-            BackendError::new(format!(
-                "CUDA KV import of layer {layer} block {block}: {e}"
+            e.into_transfer(format_args!(
+                "CUDA KV import of layer {layer} block {block}"
             ))
         })
     }
@@ -108,9 +108,9 @@ impl Backend for CudaBackend {
     }
 
     fn export_kv(&mut self, blocks: &[u32]) -> Result<Box<dyn KvExport>, BackendError> {
-        self.model.export_kv(blocks).map_err(|e| {
-            BackendError::new(format!("CUDA KV export of {} blocks: {e}", blocks.len()))
-        })
+        self.model
+            .export_kv(blocks)
+            .map_err(|e| e.into_transfer(format_args!("CUDA KV export of {} blocks", blocks.len())))
     }
 
     fn import_kv(
@@ -120,8 +120,8 @@ impl Backend for CudaBackend {
         data: HostBuf,
     ) -> Result<(), BackendError> {
         self.model.import_kv(layer, blocks, data).map_err(|e| {
-            BackendError::new(format!(
-                "CUDA KV import of layer {layer} ({} blocks): {e}",
+            e.into_transfer(format_args!(
+                "CUDA KV import of layer {layer} ({} blocks)",
                 blocks.len()
             ))
         })
@@ -130,7 +130,7 @@ impl Backend for CudaBackend {
     fn kv_staging(&mut self, bytes: usize) -> Result<Arc<KvStaging>, BackendError> {
         self.model
             .kv_staging(bytes)
-            .map_err(|e| BackendError::new(format!("CUDA KV staging of {bytes} bytes: {e}")))
+            .map_err(|e| e.into_backend(format_args!("CUDA KV staging of {bytes} bytes")))
     }
 
     fn export_kv_staged(
@@ -139,8 +139,8 @@ impl Backend for CudaBackend {
         dest: StagingSlice,
     ) -> Result<Box<dyn KvExport>, BackendError> {
         self.model.export_kv_staged(blocks, dest).map_err(|e| {
-            BackendError::new(format!(
-                "CUDA staged KV export of {} blocks: {e}",
+            e.into_transfer(format_args!(
+                "CUDA staged KV export of {} blocks",
                 blocks.len()
             ))
         })
@@ -155,8 +155,8 @@ impl Backend for CudaBackend {
         self.model
             .import_kv_staged(layer, blocks, src)
             .map_err(|e| {
-                BackendError::new(format!(
-                    "CUDA staged KV import of layer {layer} ({} blocks): {e}",
+                e.into_transfer(format_args!(
+                    "CUDA staged KV import of layer {layer} ({} blocks)",
                     blocks.len()
                 ))
             })
@@ -165,12 +165,12 @@ impl Backend for CudaBackend {
     fn import_fence(&mut self) -> Result<(), BackendError> {
         self.model
             .import_fence()
-            .map_err(|e| BackendError::new(format!("CUDA KV import: {e}")))
+            .map_err(|e| e.into_transfer("CUDA KV import"))
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {
         self.model
             .copy_block(src, dst)
-            .map_err(|e| BackendError::new(format!("CUDA KV copy of block {src} to {dst}: {e}")))
+            .map_err(|e| e.into_backend(format_args!("CUDA KV copy of block {src} to {dst}")))
     }
 }

@@ -128,7 +128,7 @@ impl SharedPinnedPool {
 impl HostPool for SharedPinnedPool {
     fn take(&self, len: usize) -> Result<HostBuf, BackendError> {
         self.take_buf(len)
-            .map_err(|e| BackendError::new(format!("page-locked host buffer: {e}")))
+            .map_err(|e| e.into_transfer("page-locked host buffer"))
     }
 }
 
@@ -180,7 +180,7 @@ impl KvExport for CudaExport {
             ExportDest::Host { buf, layer_bytes } => {
                 Ok(&buf.as_slice()[layer * layer_bytes..(layer + 1) * layer_bytes])
             }
-            ExportDest::Staged(_) => Err(BackendError::new(
+            ExportDest::Staged(_) => Err(BackendError::fatal(
                 "this KV export is in GPU memory: only a zero-copy transport (nixl) reads it",
             )),
         }
@@ -188,13 +188,14 @@ impl KvExport for CudaExport {
 
     fn wait_layer(&self, layer: usize) -> Result<(), BackendError> {
         let ev = self.events.get(layer).ok_or_else(|| {
-            BackendError::new(format!(
+            BackendError::fatal(format!(
                 "layer {layer} outside an export of {} layers",
                 self.events.len()
             ))
         })?;
-        ev.synchronize()
-            .map_err(|e| BackendError::new(format!("KV export of layer {layer} failed: {e}")))
+        ev.synchronize().map_err(|e| {
+            CudaError::from(e).into_transfer(format_args!("KV export of layer {layer}"))
+        })
     }
 
     fn staged(&self) -> Option<&StagingSlice> {

@@ -30,9 +30,10 @@ impl std::fmt::Debug for CudaStage {
     }
 }
 
-/// A CUDA failure as the stage's error.
+/// A CUDA failure as the stage's error, boxed as the engine's classified error (the CUDA error its
+/// source) so that the pipeline's backend reacts to its kind.
 fn device(e: CudaError) -> StageError {
-    StageError::Device(Box::new(e))
+    StageError::Device(Box::new(tandem_engine::BackendError::from(e)))
 }
 
 impl CudaStage {

@@ -7,20 +7,158 @@ use tandem_model::{ForwardBatch, KvLayout, ModelConfig};
 use crate::kv_host::{HostBuf, HostPool, KvExport, ReadyExport, StagedExport};
 use crate::kv_staging::{HostStaging, KvStaging, StagedLayer, StagingSlice};
 
-/// A model step failed; the engine fails the requests of that step and keeps serving.
+/// The cause of a backend failure, kept boxed so that logs and callers can walk the chain to the typed
+/// error a device or link raised.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What the engine does about a failed backend call: the four reactions [`BackendError`]'s variants
+/// stand for, for callers that only need to branch on them (the API's HTTP mapping).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackendErrorKind {
+    /// See [`BackendError::Retryable`].
+    Retryable,
+    /// See [`BackendError::Request`].
+    Request,
+    /// See [`BackendError::WorkerLost`].
+    WorkerLost,
+    /// See [`BackendError::Fatal`].
+    Fatal,
+}
+
+/// Why a backend call failed, classified by what the engine must do about it (ARCHITECTURE.md, "What
+/// the engine does with a backend failure"). Each variant keeps the typed error it came from as its
+/// `source`; `message` says what was being done, and the source's text.
 #[derive(Debug, thiserror::Error)]
-#[error("backend error: {message}")]
-pub struct BackendError {
-    /// What went wrong, for logs and the API's error body.
-    pub message: String,
+pub enum BackendError {
+    /// A passing shortage (device memory for this step, a pinned host buffer): nothing is broken, and
+    /// the same step can run again. The engine runs the step's requests again, a bounded number of
+    /// times, before failing them.
+    #[error("transient backend failure: {message}")]
+    Retryable {
+        /// What failed, for logs and the client.
+        message: String,
+        /// The typed cause.
+        #[source]
+        source: Option<BoxError>,
+    },
+    /// Input the backend cannot take, the fault of particular requests: only they fail, as a
+    /// client error, and the engine serves on.
+    #[error("the backend cannot take this request: {message}")]
+    Request {
+        /// What failed, for logs and the client.
+        message: String,
+        /// The offending sequences, as indices into the step's `ForwardBatch::seqs`; empty for a call
+        /// about one request (a KV import or export) or when the backend cannot tell which.
+        seqs: Vec<usize>,
+        /// The typed cause.
+        #[source]
+        source: Option<BoxError>,
+    },
+    /// The device or a pipeline stage is gone or left unusable (a lost stage link, a sticky GPU fault):
+    /// this worker cannot serve. The engine fails every request it holds as unavailable, refuses new
+    /// work and reports itself unhealthy, so the ingress routes elsewhere.
+    #[error("backend lost: {message}")]
+    WorkerLost {
+        /// What failed, for logs and the client.
+        message: String,
+        /// The typed cause.
+        #[source]
+        source: Option<BoxError>,
+    },
+    /// A bug: the engine and the backend disagree on an invariant (a batch or block the backend
+    /// refuses, a length that cannot be). Nothing it computes can be trusted; the engine fails every
+    /// request and stops.
+    #[error("backend fault: {message}")]
+    Fatal {
+        /// What failed, for logs and the client.
+        message: String,
+        /// The typed cause.
+        #[source]
+        source: Option<BoxError>,
+    },
 }
 
 impl BackendError {
-    /// An error with the given message.
-    pub fn new(message: impl Into<String>) -> Self {
-        Self {
+    /// An error of `kind` with nothing below it (a `Request` one names no sequence).
+    pub fn new(kind: BackendErrorKind, message: impl Into<String>) -> Self {
+        Self::build(kind, message.into(), None)
+    }
+
+    /// An error of `kind` caused by `source`; the message is `context: source`.
+    pub fn caused(
+        kind: BackendErrorKind,
+        context: impl std::fmt::Display,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        let source = source.into();
+        Self::build(kind, format!("{context}: {source}"), Some(source))
+    }
+
+    /// A [`BackendError::Retryable`] with `message`.
+    pub fn retryable(message: impl Into<String>) -> Self {
+        Self::new(BackendErrorKind::Retryable, message)
+    }
+
+    /// A [`BackendError::Request`] with `message`, naming the batch's sequences `seqs`.
+    pub fn request(message: impl Into<String>, seqs: Vec<usize>) -> Self {
+        BackendError::Request {
             message: message.into(),
+            seqs,
+            source: None,
         }
+    }
+
+    /// A [`BackendError::WorkerLost`] with `message`.
+    pub fn worker_lost(message: impl Into<String>) -> Self {
+        Self::new(BackendErrorKind::WorkerLost, message)
+    }
+
+    /// A [`BackendError::Fatal`] with `message`.
+    pub fn fatal(message: impl Into<String>) -> Self {
+        Self::new(BackendErrorKind::Fatal, message)
+    }
+
+    fn build(kind: BackendErrorKind, message: String, source: Option<BoxError>) -> Self {
+        match kind {
+            BackendErrorKind::Retryable => BackendError::Retryable { message, source },
+            BackendErrorKind::Request => BackendError::Request {
+                message,
+                seqs: Vec::new(),
+                source,
+            },
+            BackendErrorKind::WorkerLost => BackendError::WorkerLost { message, source },
+            BackendErrorKind::Fatal => BackendError::Fatal { message, source },
+        }
+    }
+
+    /// Which reaction this error asks of the engine.
+    pub fn kind(&self) -> BackendErrorKind {
+        match self {
+            BackendError::Retryable { .. } => BackendErrorKind::Retryable,
+            BackendError::Request { .. } => BackendErrorKind::Request,
+            BackendError::WorkerLost { .. } => BackendErrorKind::WorkerLost,
+            BackendError::Fatal { .. } => BackendErrorKind::Fatal,
+        }
+    }
+
+    /// What failed, without the kind's prefix.
+    pub fn message(&self) -> &str {
+        match self {
+            BackendError::Retryable { message, .. }
+            | BackendError::Request { message, .. }
+            | BackendError::WorkerLost { message, .. }
+            | BackendError::Fatal { message, .. } => message,
+        }
+    }
+
+    /// The same error under `context`: the message becomes `context: message`, kind and source kept.
+    pub fn context(mut self, context: impl std::fmt::Display) -> Self {
+        let (BackendError::Retryable { message, .. }
+        | BackendError::Request { message, .. }
+        | BackendError::WorkerLost { message, .. }
+        | BackendError::Fatal { message, .. }) = &mut self;
+        *message = format!("{context}: {message}");
+        self
     }
 }
 
@@ -172,7 +310,7 @@ pub trait Backend: Send + 'static {
     ) -> Result<Box<dyn KvExport>, BackendError> {
         let kind = dest.kind();
         let out = dest.host_bytes_mut().ok_or_else(|| {
-            BackendError::new(format!("this backend cannot export into {kind:?} staging"))
+            BackendError::fatal(format!("this backend cannot export into {kind:?} staging"))
         })?;
         export_by_block(self, blocks, out)?;
         Ok(Box::new(StagedExport::new(
@@ -232,7 +370,7 @@ fn export_by_block<B: Backend + ?Sized>(
     let layout = backend.kv_layout();
     let n = layout.block_bytes();
     if out.len() != layout.n_layers * blocks.len() * n {
-        return Err(BackendError::new(format!(
+        return Err(BackendError::fatal(format!(
             "KV export of {} blocks given {} bytes",
             blocks.len(),
             out.len()
@@ -256,7 +394,7 @@ fn import_by_block<B: Backend + ?Sized>(
 ) -> Result<(), BackendError> {
     let n = backend.kv_layout().block_bytes();
     if data.len() != blocks.len() * n {
-        return Err(BackendError::new(format!(
+        return Err(BackendError::fatal(format!(
             "KV import of {} blocks got {} bytes",
             blocks.len(),
             data.len()

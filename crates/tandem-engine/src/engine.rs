@@ -74,6 +74,7 @@ impl Engine {
             live: Mutex::new(HashSet::new()),
             queued: AtomicUsize::new(0),
             stopped: AtomicBool::new(false),
+            failure: Mutex::new(None),
             max_model_len,
             vocab_size: backend.vocab_size(),
             max_waiting: config.max_waiting,
@@ -119,6 +120,7 @@ impl Engine {
             },
             shared: shared.clone(),
             rx,
+            failure: None,
         };
         let thread = std::thread::Builder::new()
             .name("tandem-engine".into())

@@ -1,6 +1,8 @@
 //! The engine's error type.
 
-use crate::backend::BackendError;
+use std::sync::Arc;
+
+use crate::backend::{BackendError, BackendErrorKind};
 use crate::types::RequestId;
 
 /// Why the engine refused or failed a request.
@@ -69,7 +71,25 @@ pub enum EngineError {
     /// The engine thread has stopped.
     #[error("engine stopped")]
     Stopped,
-    /// The model failed while running this request.
+    /// The backend failed while running this request, or failed the engine as a whole (then every
+    /// request gets the same error, hence shared). Its kind says whether the request, the moment or the
+    /// worker is to blame ([`EngineError::backend_kind`]).
     #[error(transparent)]
-    Backend(#[from] BackendError),
+    Backend(Arc<BackendError>),
+}
+
+impl From<BackendError> for EngineError {
+    fn from(e: BackendError) -> Self {
+        EngineError::Backend(Arc::new(e))
+    }
+}
+
+impl EngineError {
+    /// The kind of the backend failure behind this error, if it is one.
+    pub fn backend_kind(&self) -> Option<BackendErrorKind> {
+        match self {
+            EngineError::Backend(e) => Some(e.kind()),
+            _ => None,
+        }
+    }
 }

@@ -1,6 +1,7 @@
 //! The handle callers hold: submit validation, the commands it sends the engine thread, and each
 //! request's output stream.
 
+use crate::backend::BackendError;
 use crate::error::EngineError;
 use crate::guide::{Guide, GuideEnv};
 use crate::kv_host::{HostBuf, HostPool};
@@ -107,6 +108,9 @@ pub(crate) struct Shared {
     pub(crate) live: Mutex<HashSet<RequestId>>,
     pub(crate) queued: AtomicUsize,
     pub(crate) stopped: AtomicBool,
+    /// The backend failure that ended serving (worker lost or fatal), once there is one: new work is
+    /// refused with it and [`EngineHandle::health`] reports it.
+    pub(crate) failure: Mutex<Option<Arc<BackendError>>>,
     pub(crate) max_model_len: usize,
     pub(crate) vocab_size: usize,
     pub(crate) max_waiting: usize,
@@ -195,11 +199,21 @@ impl Drop for RequestStream {
 }
 
 impl EngineHandle {
-    fn validate(&self, req: &EngineRequest) -> Result<(), EngineError> {
-        let s = &self.shared;
-        if s.stopped.load(Ordering::Acquire) {
+    /// Whether the engine takes work: an error once it stopped, with the backend failure that
+    /// stopped it if one did (a lost device or stage, a fault), so a health check can say why.
+    pub fn health(&self) -> Result<(), EngineError> {
+        if let Some(e) = self.shared.failure.lock().as_ref() {
+            return Err(EngineError::Backend(e.clone()));
+        }
+        if self.shared.stopped.load(Ordering::Acquire) {
             return Err(EngineError::Stopped);
         }
+        Ok(())
+    }
+
+    fn validate(&self, req: &EngineRequest) -> Result<(), EngineError> {
+        self.health()?;
+        let s = &self.shared;
         if req.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }

@@ -154,7 +154,7 @@ impl KvExport for StagedExport {
 
     fn layer(&self, layer: usize) -> Result<&[u8], BackendError> {
         let bytes = self.slice.host_bytes().ok_or_else(|| {
-            BackendError::new("a staged export in device memory has no host bytes")
+            BackendError::fatal("a staged export in device memory has no host bytes")
         })?;
         layer_of(bytes, self.num_layers, layer)
     }
@@ -167,7 +167,7 @@ impl KvExport for StagedExport {
 /// Layer `layer` of `bytes`, which holds `num_layers` equal layers back to back.
 fn layer_of(bytes: &[u8], num_layers: usize, layer: usize) -> Result<&[u8], BackendError> {
     if layer >= num_layers {
-        return Err(BackendError::new(format!(
+        return Err(BackendError::fatal(format!(
             "layer {layer} outside an export of {num_layers} layers"
         )));
     }

@@ -151,10 +151,7 @@ impl<B: Backend> Worker<B> {
             Some(slice) => self.backend.export_kv_staged(&blocks, slice),
             None => self.backend.export_kv(&blocks),
         }
-        .map_err(|e| EngineError::InvalidState {
-            id,
-            reason: format!("KV export failed: {e}"),
-        })?;
+        .map_err(|e| self.backend_failed(e.context(format_args!("request {id}: KV export"))))?;
         Ok(ExportedKv {
             layout,
             num_tokens,
@@ -196,6 +193,7 @@ impl<B: Backend> Worker<B> {
             prompt_logprobs: None,
             guide,
             span,
+            retries: 0,
         };
         let mut seq = Sequence::new(id, req.prompt, ext);
         // The cached prefix's KV is already here: those blocks are shared and only the rest is imported.
@@ -261,10 +259,7 @@ impl<B: Backend> Worker<B> {
         }
         self.backend
             .import_block(layer, seq.table.blocks[block], data)
-            .map_err(|e| EngineError::InvalidState {
-                id,
-                reason: format!("KV import failed: {e}"),
-            })
+            .map_err(|e| self.backend_failed(e.context(format_args!("request {id}: KV import"))))
     }
 
     pub(crate) fn import_layer(
@@ -292,20 +287,16 @@ impl<B: Backend> Worker<B> {
             ImportData::Host(buf) => self.backend.import_kv(layer, &blocks, buf),
             ImportData::Staged(staged) => self.backend.import_kv_staged(layer, &blocks, staged),
         }
-        .map_err(|e| EngineError::InvalidState {
-            id,
-            reason: format!("KV import failed: {e}"),
-        })
+        .map_err(|e| self.backend_failed(e.context(format_args!("request {id}: KV import"))))
     }
 
     pub(crate) fn enable_staging(&mut self, bytes: usize) -> Result<Arc<KvStaging>, EngineError> {
         if let Some(s) = &self.staging {
             return Ok(Arc::clone(s));
         }
-        let staging = self
-            .backend
-            .kv_staging(bytes)
-            .map_err(|e| EngineError::Config(format!("KV staging of {bytes} bytes: {e}")))?;
+        let staging = self.backend.kv_staging(bytes).map_err(|e| {
+            self.backend_failed(e.context(format_args!("KV staging of {bytes} bytes")))
+        })?;
         tracing::info!(bytes, kind = ?staging.kind(), "KV staging memory allocated");
         self.staging = Some(Arc::clone(&staging));
         Ok(staging)
@@ -318,10 +309,7 @@ impl<B: Backend> Worker<B> {
         // Imports run asynchronously on some backends: this request's steps must read them. On
         // failure the request stays importing; the caller's abort frees its blocks.
         if let Err(e) = self.backend.import_fence() {
-            return Err(EngineError::InvalidState {
-                id,
-                reason: format!("KV import failed: {e}"),
-            });
+            return Err(self.backend_failed(e.context(format_args!("request {id}: KV import"))));
         }
         let mut seq = self
             .importing

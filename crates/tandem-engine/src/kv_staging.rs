@@ -239,7 +239,7 @@ impl StagedLayer {
             .host_bytes()
             .and_then(|b| b.get(self.offset..self.offset + self.len))
             .ok_or_else(|| {
-                BackendError::new(format!(
+                BackendError::fatal(format!(
                     "staged KV layer ({:?}, {} bytes at {}) is not readable from the host",
                     self.slice.kind(),
                     self.len,

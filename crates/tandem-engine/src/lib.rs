@@ -24,7 +24,10 @@ mod step_masks;
 pub mod types;
 mod worker;
 
-pub use backend::{Backend, BackendError, BackendInfo, DeviceMasks, DeviceSampling, MaskSource};
+pub use backend::{
+    Backend, BackendError, BackendErrorKind, BackendInfo, BoxError, DeviceMasks, DeviceSampling,
+    MaskSource,
+};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,
     RequestStream,

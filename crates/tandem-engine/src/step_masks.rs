@@ -94,7 +94,7 @@ impl MaskSource for DevicePacking<'_> {
                 self.eos,
             );
             out.row_mask[row] = i32::try_from(index)
-                .map_err(|_| BackendError::new("more guided rows than a device index holds"))?;
+                .map_err(|_| BackendError::fatal("more guided rows than a device index holds"))?;
         }
         Ok(out)
     }

@@ -1,7 +1,7 @@
 //! The engine thread's loop: applies commands, runs scheduled steps through the backend, samples, emits
 //! tokens and publishes stats.
 
-use crate::backend::{Backend, BackendError, DeviceMasks, DeviceSampling};
+use crate::backend::{Backend, BackendError, BackendErrorKind, DeviceMasks, DeviceSampling};
 use crate::block_pool::BlockPool;
 use crate::error::EngineError;
 use crate::guide::{Guide, Mask};
@@ -41,7 +41,15 @@ pub(crate) struct Ext {
     pub(crate) guide: Option<Guide>,
     /// The submitter's span, entered for every line logged about this request (its `request_id`).
     pub(crate) span: tracing::Span,
+    /// Steps of this request in a row that failed for a passing reason ([`BackendError::Retryable`]);
+    /// past [`MAX_STEP_RETRIES`] the request fails.
+    pub(crate) retries: u32,
 }
+
+/// How many times in a row a request's step may fail for a passing reason and run again before the
+/// request fails with that error: enough to ride out a neighbour's burst of device memory, few enough
+/// that a shortage that does not pass reaches the client in milliseconds.
+pub(crate) const MAX_STEP_RETRIES: u32 = 3;
 
 /// A sequence as the engine thread keeps it.
 pub(crate) type Seq = Sequence<Ext>;
@@ -108,6 +116,8 @@ pub(crate) struct Worker<B: Backend> {
     pub(crate) counters: EngineStats,
     pub(crate) shared: Arc<Shared>,
     pub(crate) rx: Receiver<Command>,
+    /// The backend failure that ended serving (worker lost or fatal); the loop stops once it is set.
+    pub(crate) failure: Option<Arc<BackendError>>,
 }
 
 impl<B: Backend> Worker<B> {
@@ -121,6 +131,9 @@ impl<B: Backend> Worker<B> {
             }
             self.expire_pins();
             let progressed = self.sched.has_work() && self.step();
+            if self.failure.is_some() {
+                break;
+            }
             if !progressed {
                 self.publish();
                 // Idle (or stalled until pinned blocks are released): block for the next command.
@@ -144,6 +157,7 @@ impl<B: Backend> Worker<B> {
         tracing::debug!("engine thread stopped");
     }
 
+    /// Fails every request the engine holds, with the failure that ended serving or as stopped.
     fn shutdown_all(&mut self) {
         let ids: Vec<RequestId> = self
             .sched
@@ -154,14 +168,52 @@ impl<B: Backend> Worker<B> {
             .chain(self.importing.keys().copied())
             .collect();
         for id in ids {
-            self.fail(id, EngineError::Stopped);
+            self.fail(id, self.stop_error());
         }
         let pins: Vec<RequestId> = self.pins.keys().copied().collect();
         for id in pins {
             self.release_pin(id);
         }
         self.shared.stopped.store(true, Ordering::Release);
+        // Requests submitted while the engine was stopping get its answer rather than a stream that
+        // ends without one; other commands' replies drop, which their callers read as stopped.
+        while let Ok(cmd) = self.rx.try_recv() {
+            if let Command::Submit(req, _, tx, _) = cmd {
+                self.shared.queued.fetch_sub(1, Ordering::AcqRel);
+                self.shared.live.lock().remove(&req.id);
+                let _ = tx.send(Err(self.stop_error()));
+            }
+        }
         self.publish();
+    }
+
+    /// What a request still here when serving ends fails with.
+    fn stop_error(&self) -> EngineError {
+        self.failure
+            .clone()
+            .map_or(EngineError::Stopped, EngineError::Backend)
+    }
+
+    /// Ends serving after a failure that leaves the backend unusable (worker lost, fatal): handles see
+    /// it at once (new work is refused with it and health reports it), and the loop stops, failing
+    /// every request with it.
+    pub(crate) fn halt(&mut self, e: Arc<BackendError>) {
+        tracing::error!(error = %e, kind = ?e.kind(), "backend unusable: the engine stops serving");
+        self.shared.failure.lock().get_or_insert_with(|| e.clone());
+        self.failure.get_or_insert(e);
+    }
+
+    /// A backend failure outside a step (a KV export or import) as its caller sees it; a failure that
+    /// leaves the backend unusable also halts the engine, as it would in a step.
+    pub(crate) fn backend_failed(&mut self, e: BackendError) -> EngineError {
+        let e = Arc::new(e);
+        if matches!(
+            e.kind(),
+            BackendErrorKind::WorkerLost | BackendErrorKind::Fatal
+        ) {
+            self.halt(e.clone());
+        }
+        EngineError::Backend(e)
     }
 
     /// Applies one command; false means shut down.
@@ -185,6 +237,7 @@ impl<B: Backend> Worker<B> {
                     first_token: None,
                     guide,
                     span,
+                    retries: 0,
                 };
                 let mut seq = Sequence::new(req.id, req.prompt, ext);
                 seq.ext.span.in_scope(|| {
@@ -243,7 +296,7 @@ impl<B: Backend> Worker<B> {
             }
             Command::Shutdown => return false,
         }
-        true
+        self.failure.is_none()
     }
 
     /// Releases a removed sequence's blocks and forgets its id.
@@ -320,19 +373,7 @@ impl<B: Backend> Worker<B> {
         let on_device = match forwarded {
             Ok(on_device) => on_device,
             Err(e) => {
-                tracing::error!(error = %e, "forward failed; failing the step's requests");
-                let ids: Vec<RequestId> = self
-                    .sched
-                    .scheduled()
-                    .iter()
-                    .map(|s| self.sched.running[s.index].id)
-                    .collect();
-                for id in ids {
-                    self.fail(
-                        id,
-                        EngineError::Backend(BackendError::new(e.message.clone())),
-                    );
-                }
+                self.step_failed(e);
                 return true;
             }
         };
@@ -343,6 +384,7 @@ impl<B: Backend> Worker<B> {
             let seq = &mut self.sched.running[s.index];
             let start = seq.num_computed;
             seq.num_computed += s.len;
+            seq.ext.retries = 0;
             self.pool
                 .register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
             let rows = match self.batch.seqs[k].logits {
@@ -436,6 +478,58 @@ impl<B: Backend> Worker<B> {
         }
         self.publish();
         true
+    }
+
+    /// Reacts to a step the backend failed, by the failure's kind (ARCHITECTURE.md, "What the engine
+    /// does with a backend failure"). None of the step's results were applied: its sequences are as
+    /// they were before it, so one that runs again recomputes the same positions and draws the same
+    /// tokens.
+    fn step_failed(&mut self, e: BackendError) {
+        let ids: Vec<RequestId> = self
+            .sched
+            .scheduled()
+            .iter()
+            .map(|s| self.sched.running[s.index].id)
+            .collect();
+        let kind = e.kind();
+        let named = match &e {
+            BackendError::Request { seqs, .. } => {
+                seqs.iter().filter_map(|&k| ids.get(k).copied()).collect()
+            }
+            _ => Vec::new(),
+        };
+        let e = Arc::new(e);
+        let failed: Vec<RequestId> = match kind {
+            BackendErrorKind::Retryable => {
+                tracing::warn!(error = %e, "step failed for a passing reason; its requests run again");
+                self.sched
+                    .running
+                    .iter_mut()
+                    .filter(|s| ids.contains(&s.id))
+                    .filter_map(|s| {
+                        s.ext.retries += 1;
+                        (s.ext.retries > MAX_STEP_RETRIES).then_some(s.id)
+                    })
+                    .collect()
+            }
+            BackendErrorKind::Request => {
+                tracing::warn!(error = %e, "step failed on its input; failing the requests at fault");
+                // A backend that cannot tell which request was at fault names none: all of them were.
+                if named.is_empty() {
+                    ids
+                } else {
+                    named
+                }
+            }
+            BackendErrorKind::WorkerLost | BackendErrorKind::Fatal => {
+                self.halt(e);
+                return;
+            }
+        };
+        for id in failed {
+            self.fail(id, EngineError::Backend(e.clone()));
+        }
+        self.publish();
     }
 
     /// Takes the matchers of this step's guided sampling rows and starts computing their masks on

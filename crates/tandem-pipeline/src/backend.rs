@@ -5,8 +5,8 @@ use std::sync::mpsc;
 use std::sync::Mutex;
 
 use tandem_engine::{
-    Backend, BackendError, BackendInfo, DeviceSampling, HostBuf, KvExport, ReadyExport, StageError,
-    StageModel, StagedExport, StagedLayer, StagingSlice,
+    Backend, BackendError, BackendErrorKind, BackendInfo, DeviceSampling, HostBuf, KvExport,
+    ReadyExport, StageError, StageModel, StagedExport, StagedLayer, StagingSlice,
 };
 use tandem_kv::KvError;
 use tandem_model::{ForwardBatch, KvLayout, ModelIdentity, Partition};
@@ -39,17 +39,23 @@ impl Link {
         let r = op(&mut *self
             .client
             .lock()
-            .map_err(|_| BackendError::new("pipeline link lock poisoned"))?);
+            .map_err(|_| BackendError::worker_lost("pipeline link lock poisoned"))?);
         r.map_err(|e| self.err(what, e))
     }
 
+    /// A failed operation of this link: a lost stage, whatever the cause, since the client stays
+    /// failed after any error ([`StageClient`]'s docs say why) and the stage's KV may be gone with it.
     fn err(&self, what: &str, e: KvError) -> BackendError {
         let addr = self.client.lock().map(|c| c.peer().to_string());
-        BackendError::new(format!(
-            "pipeline stage {} ({}) {what}: {e}",
-            self.stage,
-            addr.unwrap_or_default()
-        ))
+        BackendError::caused(
+            BackendErrorKind::WorkerLost,
+            format_args!(
+                "pipeline stage {} ({}) {what}",
+                self.stage,
+                addr.unwrap_or_default()
+            ),
+            e,
+        )
     }
 }
 
@@ -186,7 +192,7 @@ impl PipelineBackend {
             .iter()
             .find(|l| l.layers.contains(&layer))
             .map(Some)
-            .ok_or_else(|| BackendError::new(format!("layer {layer} beyond the model")))
+            .ok_or_else(|| BackendError::fatal(format!("layer {layer} beyond the model")))
     }
 
     fn check_blocks(&self, blocks: &[u32]) -> Result<(), BackendError> {
@@ -195,7 +201,7 @@ impl PipelineBackend {
             .find(|&&b| b as usize >= self.info.layout.num_blocks)
         {
             None => Ok(()),
-            Some(b) => Err(BackendError::new(format!(
+            Some(b) => Err(BackendError::fatal(format!(
                 "block {b} beyond the pool of {}",
                 self.info.layout.num_blocks
             ))),
@@ -208,7 +214,7 @@ impl PipelineBackend {
         if bytes == want {
             Ok(())
         } else {
-            Err(BackendError::new(format!(
+            Err(BackendError::fatal(format!(
                 "{bytes} bytes for {} blocks of {layers} layers ({want} expected)",
                 blocks.len()
             )))
@@ -278,7 +284,7 @@ impl PipelineBackend {
         logits: &mut Vec<f32>,
         ids: &mut Vec<u32>,
     ) -> Result<(), BackendError> {
-        let to_err = |e: StageError| BackendError::new(format!("pipeline stage 0: {e}"));
+        let to_err = |e: StageError| stage0_err("forward", e);
         if self.links.is_empty() {
             if let Some(rows) = rows {
                 return self
@@ -331,7 +337,9 @@ impl PipelineBackend {
                 threads.push(s.spawn(move || -> Result<(), BackendError> {
                     let stage = link.stage;
                     let client = link.client.get_mut().map_err(|_| {
-                        BackendError::new(format!("pipeline stage {stage}: link lock poisoned"))
+                        BackendError::worker_lost(format!(
+                            "pipeline stage {stage}: link lock poisoned"
+                        ))
                     })?;
                     for (i, mut buf, mut got) in rx_in {
                         let r = match sample {
@@ -375,16 +383,16 @@ impl PipelineBackend {
                 done += 1;
             }
             for t in threads {
-                let r = t
-                    .join()
-                    .unwrap_or_else(|_| Err(BackendError::new("pipeline link thread panicked")));
+                let r = t.join().unwrap_or_else(|_| {
+                    Err(BackendError::worker_lost("pipeline link thread panicked"))
+                });
                 if let (Err(e), None) = (r, &first_err) {
                     first_err = Some(e);
                 }
             }
             match first_err {
                 Some(e) => Err(e),
-                None if done != m => Err(BackendError::new(format!(
+                None if done != m => Err(BackendError::fatal(format!(
                     "pipeline returned {done} of {m} micro-batches"
                 ))),
                 None => Ok(()),
@@ -399,9 +407,23 @@ impl PipelineBackend {
     }
 }
 
-/// A block operation of the local first stage that failed (its layers are global = local: it starts at 0).
+/// An operation of the local first stage that failed (its layers are global = local: it starts at 0),
+/// classified by [`stage_kind`].
 fn stage0_err(what: &str, e: StageError) -> BackendError {
-    BackendError::new(format!("pipeline stage 0 {what}: {e}"))
+    BackendError::caused(stage_kind(&e), format_args!("pipeline stage 0 {what}"), e)
+}
+
+/// What the engine must do about a failure of the first stage's model: the device's own
+/// classification when it gave one (a device stage boxes a [`BackendError`] as its
+/// [`StageError::Device`] cause: CUDA's out-of-memory is retryable, a sticky fault loses the worker),
+/// else a fault: the engine sends batches and blocks it checked, so a stage refusing them is a bug.
+pub(crate) fn stage_kind(e: &StageError) -> BackendErrorKind {
+    match e {
+        StageError::Device(source) => source
+            .downcast_ref::<BackendError>()
+            .map_or(BackendErrorKind::Fatal, BackendError::kind),
+        _ => BackendErrorKind::Fatal,
+    }
 }
 
 /// Cuts `batch`'s sequences into at most `m` contiguous non-empty groups of about equal token counts
@@ -490,7 +512,7 @@ impl Backend for PipelineBackend {
     ) -> Result<Box<dyn KvExport>, BackendError> {
         let kind = dest.kind();
         let out = dest.host_bytes_mut().ok_or_else(|| {
-            BackendError::new(format!("a pipeline cannot export into {kind:?} staging"))
+            BackendError::fatal(format!("a pipeline cannot export into {kind:?} staging"))
         })?;
         self.export_layers(blocks, out)?;
         Ok(Box::new(StagedExport::new(
@@ -517,5 +539,36 @@ impl Backend for PipelineBackend {
             link.call("copy", |c| c.copy_block(src, dst))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod error_tests {
+    use super::*;
+
+    #[test]
+    fn a_stage_s_device_error_keeps_its_kind_and_anything_else_is_a_fault() {
+        let oom = StageError::Device(Box::new(BackendError::retryable("out of device memory")));
+        assert_eq!(
+            stage0_err("forward", oom).kind(),
+            BackendErrorKind::Retryable
+        );
+        let lost = StageError::Device(Box::new(BackendError::worker_lost("illegal address")));
+        assert_eq!(
+            stage0_err("forward", lost).kind(),
+            BackendErrorKind::WorkerLost
+        );
+        let unknown = StageError::Device("a device error of no known kind".into());
+        assert_eq!(
+            stage0_err("forward", unknown).kind(),
+            BackendErrorKind::Fatal
+        );
+        let e = stage0_err("export", StageError::Unsized);
+        assert_eq!(e.kind(), BackendErrorKind::Fatal);
+        let source = std::error::Error::source(&e).expect("the stage's error is kept");
+        assert!(matches!(
+            source.downcast_ref::<StageError>(),
+            Some(StageError::Unsized)
+        ));
     }
 }

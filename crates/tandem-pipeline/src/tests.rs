@@ -183,7 +183,7 @@ fn blocks_of_a_remote_stage_export_import_and_copy() {
     p.export_block(last, 41, &mut got).unwrap();
     assert!(got == want);
     let e = p.export_block(last + 1, 0, &mut got).unwrap_err();
-    assert!(e.message.contains("beyond the model"), "{e}");
+    assert!(e.message().contains("beyond the model"), "{e}");
     // Bulk: every layer of a run of blocks (one request per layer), as the unsplit model exports it,
     // and imported back into other blocks of both stages.
     let blocks = [0u32, 5, 0];
@@ -208,7 +208,7 @@ fn blocks_of_a_remote_stage_export_import_and_copy() {
         );
     }
     let e = p.import_kv(last, &[1], p.host_pool().take(bytes + 1).unwrap());
-    assert!(e.unwrap_err().message.contains("bytes for 1 blocks"));
+    assert!(e.unwrap_err().message().contains("bytes for 1 blocks"));
 }
 
 #[test]
@@ -226,10 +226,11 @@ fn a_killed_stage_fails_the_step_within_a_bound() {
     let t = Instant::now();
     let e = p.forward(&batch, &mut logits).unwrap_err();
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
-    assert!(e.message.contains("pipeline stage 1"), "{e}");
+    assert!(e.message().contains("pipeline stage 1"), "{e}");
+    assert_eq!(e.kind(), tandem_engine::BackendErrorKind::WorkerLost, "{e}");
     // The link stays failed: the stage's KV went with it.
     let e = p.forward(&batch, &mut logits).unwrap_err();
-    assert!(e.message.contains("failed earlier"), "{e}");
+    assert!(e.message().contains("failed earlier"), "{e}");
     let mut out = vec![0u8; p.kv_layout().block_bytes()];
     assert!(p
         .export_block(m.config.num_layers - 1, 0, &mut out)

@@ -10,12 +10,14 @@
 //! engine took.
 
 use std::hash::Hasher;
+use std::ops::{Bound, RangeBounds};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tandem_engine::prefix_cache::FxHasher;
 use tandem_engine::{
-    Backend, BackendError, BackendInfo, DeviceMasks, DeviceSampling, GuideEnv, MaskSource,
+    Backend, BackendError, BackendErrorKind, BackendInfo, DeviceMasks, DeviceSampling, GuideEnv,
+    MaskSource,
 };
 use tandem_model::{ForwardBatch, KvDtype, KvLayout, LogitsWanted, TokenPiece};
 
@@ -67,7 +69,8 @@ pub fn mock_text(tokens: &[u32]) -> String {
 pub struct MockBackend {
     info: BackendInfo,
     kv: Vec<Vec<f32>>,
-    fail_at_step: Option<u64>,
+    /// Forward calls `steps.0..steps.1` (0-based) fail with an error of this kind.
+    fail: Option<(BackendErrorKind, (u64, u64))>,
     step_delay: Duration,
     steps: u64,
     /// How the mock draws tokens itself; `None`: it has no sampler and the engine samples on the host.
@@ -118,7 +121,7 @@ impl MockBackend {
                 eos: vec![63],
             },
             kv: vec![vec![0.0; layout.block_elems() * num_blocks]; LAYERS],
-            fail_at_step: None,
+            fail: None,
             step_delay: Duration::ZERO,
             steps: 0,
             device: None,
@@ -133,9 +136,27 @@ impl MockBackend {
         self
     }
 
-    /// Makes the `step`-th forward call (0-based) fail, to test error handling.
-    pub fn fail_at_step(mut self, step: u64) -> Self {
-        self.fail_at_step = Some(step);
+    /// Makes the `step`-th forward call (0-based) fail as the fault of the step's first request, to
+    /// test error handling (`fail_steps(step..=step, BackendErrorKind::Request)`).
+    pub fn fail_at_step(self, step: u64) -> Self {
+        self.fail_steps(step..=step, BackendErrorKind::Request)
+    }
+
+    /// Makes the forward calls numbered `steps` (0-based; `2..` fails every call from the third on)
+    /// fail with an error of `kind`, to test the engine's reaction to it. A `Request` failure names
+    /// the step's first sequence as the one at fault.
+    pub fn fail_steps(mut self, steps: impl RangeBounds<u64>, kind: BackendErrorKind) -> Self {
+        let start = match steps.start_bound() {
+            Bound::Included(&s) => s,
+            Bound::Excluded(&s) => s + 1,
+            Bound::Unbounded => 0,
+        };
+        let end = match steps.end_bound() {
+            Bound::Included(&e) => e + 1,
+            Bound::Excluded(&e) => e,
+            Bound::Unbounded => u64::MAX,
+        };
+        self.fail = Some((kind, (start, end)));
         self
     }
 
@@ -177,10 +198,14 @@ impl MockBackend {
     fn step(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
         let step = self.steps;
         self.steps += 1;
-        if self.fail_at_step == Some(step) {
-            return Err(BackendError::new(format!(
-                "injected failure at step {step}"
-            )));
+        if let Some((kind, (from, to))) = self.fail {
+            if (from..to).contains(&step) {
+                let message = format!("injected failure at step {step}");
+                return Err(match kind {
+                    BackendErrorKind::Request => BackendError::request(message, vec![0]),
+                    kind => BackendError::new(kind, message),
+                });
+            }
         }
         if !self.step_delay.is_zero() {
             std::thread::sleep(self.step_delay);
@@ -189,7 +214,7 @@ impl MockBackend {
         for c in &batch.seqs {
             let end = c.pos + c.tokens.len();
             if c.blocks.len() * bs < end {
-                return Err(BackendError::new(format!(
+                return Err(BackendError::fatal(format!(
                     "block table of {} blocks cannot hold {end} tokens",
                     c.blocks.len()
                 )));
@@ -198,7 +223,7 @@ impl MockBackend {
                 let p = c.pos + k;
                 let block = c.blocks[p / bs];
                 if block as usize >= self.info.layout.num_blocks {
-                    return Err(BackendError::new(format!("block {block} out of range")));
+                    return Err(BackendError::fatal(format!("block {block} out of range")));
                 }
                 for l in 0..LAYERS {
                     let i = self.slot(block, p % bs, false);
@@ -229,7 +254,7 @@ impl MockBackend {
                         if k1 != p as f32
                             || k0 - l as f32 != self.kv[l][self.slot(block, p % bs, true)] / 2.0
                         {
-                            return Err(BackendError::new(format!(
+                            return Err(BackendError::fatal(format!(
                                 "KV of position {p} is corrupt (found position {k1})"
                             )));
                         }
@@ -281,7 +306,7 @@ impl MockBackend {
     fn check_block(&self, layer: usize, block: u32, len: usize) -> Result<(), BackendError> {
         let l = &self.info.layout;
         if layer >= l.n_layers || block as usize >= l.num_blocks || len != l.block_bytes() {
-            return Err(BackendError::new(format!(
+            return Err(BackendError::fatal(format!(
                 "layer {layer} block {block} with {len} bytes: the cache has {} layers of {} blocks of {} bytes",
                 l.n_layers,
                 l.num_blocks,

@@ -109,18 +109,27 @@ impl WorkerService {
     }
 }
 
-/// Readiness: 200 while the worker takes work, 503 once it drains; the body says which worker answers
-/// (`{"status":"ok"|"draining","role","worker","model"}`, `error` too while draining, the shape the
-/// ingress reads refusals in).
+/// Readiness: 200 while the worker takes work, 503 once it drains or its engine stopped (a lost device
+/// or stage); the body says which worker answers (`{"status":"ok"|"draining"|"unavailable","role",
+/// "worker","model"}`, `error` too when refusing, the shape the ingress reads refusals in).
 async fn health(State(s): State<Arc<WorkerService>>) -> Response {
     let draining = s.is_draining();
+    let engine = s.engine.health();
+    let status = match (&engine, draining) {
+        (Err(_), _) => "unavailable",
+        (Ok(()), true) => "draining",
+        (Ok(()), false) => "ok",
+    };
     let mut body = serde_json::json!({
-        "status": if draining { "draining" } else { "ok" },
+        "status": status,
         "role": s.config.role,
         "worker": s.info.worker_id,
         "model": s.info.peer.model_id,
     });
-    if draining {
+    if let Err(e) = engine {
+        body["error"] = e.to_string().into();
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+    } else if draining {
         body["error"] = "draining".into();
         (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
     } else {
