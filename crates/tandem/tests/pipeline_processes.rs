@@ -95,14 +95,16 @@ fn pipeline_parallel_2_answers_like_pipeline_parallel_1() {
     });
     assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
     assert!(!status.is_success(), "{status}: {body}");
-    // The client is told which stage failed, and the engine logs it.
+    // The client is told which stage failed, and the engine logs it as a lost worker and stops serving.
     assert!(
         body.to_string().contains("pipeline stage 1"),
         "{status}: {body}"
     );
     let log = pp2.log();
     assert!(
-        log.contains("forward failed") && log.contains("pipeline stage 1"),
+        log.contains("backend unusable")
+            && log.contains("WorkerLost")
+            && log.contains("pipeline stage 1"),
         "{log}"
     );
     drop(pp2);
