@@ -15,9 +15,8 @@ use libfuzzer_sys::fuzz_target;
 use tandem_kv::wire::{FrameHeader, FrameKind};
 use tandem_model::Partition;
 use tandem_pipeline::link::{StageClient, StageHello};
-use tandem_pipeline::{
-    serve_stage, Activations, CpuStage, StageServer, StageServing, StageTimeouts,
-};
+use tandem_engine::Activations;
+use tandem_pipeline::{serve_stage, CpuStage, StageServer, StageServing, StageTimeouts};
 
 /// The served stage and the hello frame (header and body) of a client that matches it.
 struct Served {
