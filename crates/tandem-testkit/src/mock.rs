@@ -194,6 +194,19 @@ impl MockBackend {
             + slot * HEAD_DIM
     }
 
+    /// A step of a mock with its own sampler, its logits kept in `sampled` for the draw: `Ok(false)`,
+    /// doing nothing, when the mock has no sampler (the engine then calls `forward`).
+    fn device_step(&mut self, batch: &ForwardBatch) -> Result<bool, BackendError> {
+        if self.device.is_none() {
+            return Ok(false);
+        }
+        self.counts.device_steps.fetch_add(1, Ordering::Relaxed);
+        let mut logits = std::mem::take(&mut self.sampled);
+        let stepped = self.step(batch, &mut logits);
+        self.sampled = logits;
+        stepped.map(|()| true)
+    }
+
     /// One model step: writes the batch's K/V and computes its logits rows.
     fn step(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
         let step = self.steps;
@@ -333,14 +346,9 @@ impl Backend for MockBackend {
         rows: &[DeviceSampling],
         out: &mut Vec<u32>,
     ) -> Result<bool, BackendError> {
-        if self.device.is_none() {
+        if !self.device_step(batch)? {
             return Ok(false);
         }
-        self.counts.device_steps.fetch_add(1, Ordering::Relaxed);
-        let mut logits = std::mem::take(&mut self.sampled);
-        let stepped = self.step(batch, &mut logits);
-        self.sampled = logits;
-        stepped?;
         self.draw(rows, None, out);
         Ok(true)
     }
@@ -352,14 +360,9 @@ impl Backend for MockBackend {
         masks: &mut dyn MaskSource,
         out: &mut Vec<u32>,
     ) -> Result<bool, BackendError> {
-        if self.device.is_none() {
+        if !self.device_step(batch)? {
             return Ok(false);
         }
-        self.counts.device_steps.fetch_add(1, Ordering::Relaxed);
-        let mut logits = std::mem::take(&mut self.sampled);
-        let stepped = self.step(batch, &mut logits);
-        self.sampled = logits;
-        stepped?;
         let masks = masks.wait()?;
         assert_eq!(masks.row_mask.len(), rows.len(), "one entry per logits row");
         let guided = masks.row_mask.iter().filter(|&&m| m >= 0).count();
