@@ -490,7 +490,7 @@ mod tests {
                     .collect();
                 let pool = ThreadPool::new(2);
                 let mut portable_whole: Option<Vec<f32>> = None;
-                for level in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+                for level in Isa::ALL {
                     if level > crate::dispatch::cpu_isa() {
                         continue;
                     }
@@ -538,7 +538,7 @@ mod tests {
     /// A window shorter than both contexts and not aligned to blocks: the first keys are skipped.
     #[test]
     fn sliding_window_matches_dense_reference() {
-        for level in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+        for level in Isa::ALL {
             if level <= crate::dispatch::cpu_isa() {
                 run_case(level, Some(21));
             }

@@ -31,20 +31,30 @@ pub fn isa() -> Isa {
     *ISA.get_or_init(|| cpu_isa().min(*CAP.get_or_init(|| Isa::Avx512)))
 }
 
+impl Isa {
+    /// Every level, lowest first.
+    pub const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+
+    /// The level's name: the spelling of the `--kernels` flag and of `TANDEM_KERNELS`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}
+
 impl std::str::FromStr for Isa {
     type Err = String;
 
-    /// `portable`, `avx2` or `avx512`, in any case: the spelling of the `--kernels` flag and of
-    /// `TANDEM_KERNELS`.
+    /// A level by its [`Isa::name`], in any case.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.to_ascii_lowercase().as_str() {
-            "portable" => Ok(Isa::Portable),
-            "avx2" => Ok(Isa::Avx2),
-            "avx512" => Ok(Isa::Avx512),
-            other => Err(format!(
-                "unknown kernel level `{other}`: portable, avx2 or avx512"
-            )),
-        }
+        let lower = s.to_ascii_lowercase();
+        Isa::ALL
+            .into_iter()
+            .find(|isa| isa.name() == lower)
+            .ok_or_else(|| format!("unknown kernel level `{lower}`: portable, avx2 or avx512"))
     }
 }
 
@@ -80,4 +90,18 @@ pub(crate) fn cpu_isa() -> Isa {
 #[cfg(test)]
 pub(crate) fn cpu_has_avx2() -> bool {
     cpu_isa() >= Isa::Avx2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Isa;
+
+    #[test]
+    fn every_level_reads_back_from_its_name_in_any_case() {
+        for isa in Isa::ALL {
+            assert_eq!(isa.name().parse::<Isa>(), Ok(isa));
+            assert_eq!(isa.name().to_ascii_uppercase().parse::<Isa>(), Ok(isa));
+        }
+        assert!("avx1024".parse::<Isa>().unwrap_err().contains("avx1024"));
+    }
 }

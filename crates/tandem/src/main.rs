@@ -87,12 +87,7 @@ fn parse_isa(s: &str) -> Result<tandem_kernels::Isa, String> {
 /// environment is process-wide).
 fn cap_kernels(cap: tandem_kernels::Isa) {
     tandem_kernels::set_isa_cap(cap);
-    let name = match cap {
-        tandem_kernels::Isa::Portable => "portable",
-        tandem_kernels::Isa::Avx2 => "avx2",
-        tandem_kernels::Isa::Avx512 => "avx512",
-    };
-    std::env::set_var(KERNELS_ENV, name);
+    std::env::set_var(KERNELS_ENV, cap.name());
 }
 
 /// Installs the global tracing subscriber (`logging::init`) at `info` unless RUST_LOG says otherwise,
