@@ -160,6 +160,18 @@ fn parse_positive(key: &'static str) -> impl Fn(&str) -> Result<usize, String> +
 }
 
 impl CudaSettings {
+    /// The clap ids of the visible `--cuda-*` flags: a command that takes its settings as one document
+    /// (`--settings-json`) refuses them beside it. The hidden tuning flags are not among them: they are
+    /// the process's own and may come with the document.
+    pub const FLAG_IDS: [&'static str; 6] = [
+        "cuda_device",
+        "cuda_pipeline_devices",
+        "cuda_attention",
+        "cuda_graphs",
+        "cuda_gemv",
+        "cuda_gemv_max_rows",
+    ];
+
     /// The device ordinal of each of `stages` pipeline stages: `pipeline_devices`, else `device` (0)
     /// for all.
     pub fn stage_devices(&self, stages: usize) -> Result<Vec<usize>, String> {

@@ -281,6 +281,31 @@ mod tests {
         );
     }
 
+    /// A worker or stage given its settings as one document refuses every visible settings flag beside
+    /// it (the flag would otherwise be silently dropped) and takes the hidden tuning flags.
+    #[test]
+    fn a_settings_document_refuses_settings_flags_beside_it() {
+        let parse = |cmd: &str, extra: &[&str]| {
+            let args = ["tandem", cmd, "--settings-json", "{}"];
+            Cli::try_parse_from(args.iter().chain(extra))
+        };
+        for cmd in ["worker", "stage"] {
+            for flag in [
+                &["--kv-cache-memory", "1GiB"][..],
+                &["--cuda-device", "1"],
+                &["--no-cuda-graphs"],
+                &["--cuda-gemv-max-rows", "2"],
+            ] {
+                let e = parse(cmd, flag).expect_err(&format!("{cmd} {flag:?}"));
+                assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
+            }
+            assert!(
+                parse(cmd, &["--cuda-pdl"]).is_ok(),
+                "{cmd}: tuning flags are its own"
+            );
+        }
+    }
+
     /// `tandem serve --help` states the engine's defaults, and what it states is what the engine uses.
     #[test]
     fn serve_help_states_the_engine_defaults() {

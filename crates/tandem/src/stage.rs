@@ -71,7 +71,7 @@ impl Default for StageSettings {
 pub struct StageArgs {
     /// The whole settings as one JSON document (how a worker starts its stages); no settings flag may
     /// come with it.
-    #[arg(long, hide = true, conflicts_with_all = WITH_FLAGS)]
+    #[arg(long, hide = true, conflicts_with_all = with_flags())]
     pub settings_json: Option<String>,
     /// The settings given as flags.
     #[command(flatten)]
@@ -85,20 +85,19 @@ pub struct StageArgs {
 }
 
 /// What `--settings-json` conflicts with: every settings flag (the engine section by its group, the
-/// visible CUDA flags by their ids; the hidden tuning flags may come with it, as they are this process's).
-const WITH_FLAGS: [&str; 11] = [
-    "model",
-    "stage",
-    "stages",
-    "listen",
-    "io_timeout",
-    "EngineSettings",
-    "cuda_device",
-    "cuda_pipeline_devices",
-    "cuda_attention",
-    "cuda_graphs",
-    "cuda_gemv",
-];
+/// visible CUDA flags by their ids).
+fn with_flags() -> impl Iterator<Item = &'static str> {
+    [
+        "model",
+        "stage",
+        "stages",
+        "listen",
+        "io_timeout",
+        "EngineSettings",
+    ]
+    .into_iter()
+    .chain(CudaSettings::FLAG_IDS)
+}
 
 impl StageArgs {
     /// The settings this stage runs with: the worker's document, or the flags.

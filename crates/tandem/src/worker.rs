@@ -131,36 +131,33 @@ pub struct KvTransferFlags {
 }
 
 /// What `--settings-json` conflicts with: every settings flag (the flattened sections by their group,
-/// the visible CUDA flags by their ids (`CudaSettings`' `cuda_*`); the hidden tuning flags may come
-/// with it, as they are this process's own).
-const WITH_FLAGS: [&str; 19] = [
-    "cuda_device",
-    "cuda_pipeline_devices",
-    "cuda_attention",
-    "cuda_graphs",
-    "cuda_gemv",
-    "cuda_gemv_max_rows",
-    "role",
-    "model",
-    "worker_id",
-    "host",
-    "port",
-    "advertise_host",
-    "kv_port",
-    "register",
-    "cluster_token_file",
-    "drain_grace_secs",
-    "KvTransferFlags",
-    "EngineSettings",
-    "ListenSettings",
-];
+/// the visible CUDA flags by their ids).
+fn with_flags() -> impl Iterator<Item = &'static str> {
+    [
+        "role",
+        "model",
+        "worker_id",
+        "host",
+        "port",
+        "advertise_host",
+        "kv_port",
+        "register",
+        "cluster_token_file",
+        "drain_grace_secs",
+        "KvTransferFlags",
+        "EngineSettings",
+        "ListenSettings",
+    ]
+    .into_iter()
+    .chain(crate::cuda_settings::CudaSettings::FLAG_IDS)
+}
 
 /// Flags of `tandem worker`.
 #[derive(Clone, Debug, Args)]
 pub struct WorkerArgs {
     /// The whole resolved settings as one JSON document (how `tandem serve` starts its workers: no
     /// quoting or flag spelling to get wrong); no settings flag may come with it.
-    #[arg(long, hide = true, conflicts_with_all = WITH_FLAGS)]
+    #[arg(long, hide = true, conflicts_with_all = with_flags())]
     pub settings_json: Option<String>,
     /// The settings given as flags.
     #[command(flatten)]
