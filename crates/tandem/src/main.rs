@@ -233,8 +233,10 @@ fn run(cli: Cli) -> Result<()> {
             cuda_tools::sample_check(args)
         }
         Command::Stage(args) => {
-            init_logging(format.unwrap_or_default(), Some(args.log_tag()));
-            stage::run(args)
+            let settings = args.resolve();
+            let stage = settings.as_ref().ok().and_then(|s| s.stage);
+            init_logging(format.unwrap_or_default(), Some(args.log_tag(stage)));
+            stage::run(args, settings?)
         }
         Command::Bench(args) => {
             init_logging_at(format.unwrap_or_default(), "warn", None);

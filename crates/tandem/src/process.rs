@@ -284,10 +284,7 @@ pub fn spawn_local_stages(
         if let Some(parent) = parent {
             cmd.args(["--parent", parent]);
         }
-        let name = match parent {
-            Some(parent) => format!("{parent}/stage-{stage}"),
-            None => format!("stage-{stage}"),
-        };
+        let name = crate::stage::stage_name(parent, &stage.to_string());
         let (_, rx) = procs.spawn(&name, &mut cmd, STAGE_READY_PREFIX)?;
         ready.push((stage, rx));
     }

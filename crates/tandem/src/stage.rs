@@ -111,26 +111,26 @@ impl StageArgs {
         Ok(settings)
     }
 
-    /// The tag on this stage's log lines (`decode-0/stage-1`).
-    pub fn log_tag(&self) -> crate::logging::ProcessTag {
-        let stage = self
-            .resolve()
-            .ok()
-            .and_then(|s| s.stage)
-            .map_or_else(|| "?".to_owned(), |i| i.to_string());
+    /// The tag on the log lines of stage `stage` (`decode-0/stage-1`; `?` when the settings name none).
+    pub fn log_tag(&self, stage: Option<usize>) -> crate::logging::ProcessTag {
+        let stage = stage.map_or_else(|| "?".to_owned(), |i| i.to_string());
         crate::logging::ProcessTag {
-            name: match &self.parent {
-                Some(parent) => format!("{parent}/stage-{stage}"),
-                None => format!("stage-{stage}"),
-            },
+            name: stage_name(self.parent.as_deref(), &stage),
             role: "stage".into(),
         }
     }
 }
 
-/// Runs the stage server until killed.
-pub fn run(args: StageArgs) -> Result<()> {
-    let settings = args.resolve()?;
+/// The name of stage `stage` of the worker `parent` in logs and process lists (`decode-0/stage-1`).
+pub fn stage_name(parent: Option<&str>, stage: &str) -> String {
+    match parent {
+        Some(parent) => format!("{parent}/stage-{stage}"),
+        None => format!("stage-{stage}"),
+    }
+}
+
+/// Runs the stage server with `settings` (`args` resolved) until killed.
+pub fn run(args: StageArgs, settings: StageSettings) -> Result<()> {
     if args.exit_with_stdin {
         exit_when_parent_goes("the worker")?;
     }
