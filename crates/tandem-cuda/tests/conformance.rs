@@ -7,8 +7,8 @@
 //! the test needs no model file there.
 
 use tandem_cuda::{CudaBackend, CudaLlama, CudaOptions, WeightSource};
-use tandem_kernels::{RopeScaling, RopeStyle};
-use tandem_model::ModelConfig;
+use tandem_kernels::RopeScaling;
+use tandem_model::{DenseShape, LayerRope, ModelConfig};
 use tandem_testkit::conformance::{self, MIN_BLOCKS};
 
 /// Largest logit difference between differently shaped steps over the same tokens: bf16 activations
@@ -18,24 +18,22 @@ const TOLERANCE: f32 = 0.05;
 /// SmolLM2-135M's shape, cut to four layers.
 fn config() -> ModelConfig {
     ModelConfig {
-        architecture: "llama".into(),
-        hidden_size: 576,
-        intermediate_size: 1536,
-        num_layers: 4,
-        num_heads: 9,
-        num_kv_heads: 3,
-        head_dim: 64,
-        vocab_size: 49152,
-        max_position_embeddings: 2048,
-        rms_norm_eps: 1e-5,
-        rope_theta: 100000.0,
-        rope_scaling: RopeScaling::None,
-        rope_style: RopeStyle::Neox,
         tie_word_embeddings: true,
-        attention_bias: false,
-        bos_token_id: None,
         eos_token_ids: vec![2],
-        sliding_window: None,
+        ..ModelConfig::dense(DenseShape {
+            hidden: 576,
+            ffn: 1536,
+            layers: 4,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            vocab: 49152,
+            max_positions: 2048,
+            rope: LayerRope {
+                theta: 100000.0,
+                scaling: RopeScaling::None,
+            },
+        })
     }
 }
 

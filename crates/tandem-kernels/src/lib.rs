@@ -19,7 +19,9 @@ mod simd;
 pub use attention::{paged_attention, write_kv, AttnParams, AttnSeq};
 pub use dispatch::{isa, set_isa_cap, simd_enabled, Isa};
 pub use matmul::{matmul, matmul_fused, MatmulScratch};
-pub use ops::{add_inplace, rms_norm, silu_mul, softmax_inplace};
+pub use ops::{
+    add_inplace, gelu_tanh_mul, rms_norm, scale_inplace, silu_mul, softcap_inplace, softmax_inplace,
+};
 pub use quant::{dequantize, quantize_row, DType, Matrix, WeightBytes};
 pub use rope::{apply_rope, RopeScaling, RopeStyle, RopeTable};
 pub use threads::{resolve_threads, ThreadPool};

@@ -57,6 +57,32 @@ pub(crate) fn silu_mul_portable(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// GeGLU gate (Gemma): `gate[i] = gelu(gate[i]) * up[i]` with GELU's tanh approximation
+/// `0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³)))`.
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "gelu_tanh_mul: length mismatch");
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF: f32 = 0.044_715;
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF * x * x)).tanh()) * u;
+    }
+}
+
+/// Logit soft-capping: `x = cap · tanh(x / cap)`, which bounds every value to (-cap, cap).
+pub fn softcap_inplace(x: &mut [f32], cap: f32) {
+    for v in x {
+        *v = cap * (*v / cap).tanh();
+    }
+}
+
+/// Multiplies every element by `s`.
+pub fn scale_inplace(x: &mut [f32], s: f32) {
+    for v in x {
+        *v *= s;
+    }
+}
+
 /// e^x as one lane of llama.cpp's `ggml_v_expf` (bit-identical to `simd::exp256`): its softmax and SiLU
 /// exponential, at most ~1.5 ulp off.
 pub(crate) fn exp_ggml(x: f32) -> f32 {
@@ -175,5 +201,23 @@ mod tests {
             add_inplace(&mut c, &w);
             for ((x, &p), &q) in c.iter().zip(&v).zip(&w) { prop_assert_eq!(*x, p + q); }
         }
+    }
+
+    #[test]
+    fn gelu_tanh_mul_matches_the_formula_and_softcap_bounds() {
+        let mut g = vec![-3.0f32, -0.5, 0.0, 0.5, 3.0];
+        let up = vec![2.0f32; 5];
+        gelu_tanh_mul(&mut g, &up);
+        // gelu(0) = 0, gelu(3) ≈ 2.99636, gelu(-3) ≈ -0.00364 (tanh form).
+        assert_eq!(g[2], 0.0);
+        assert!((g[4] - 2.0 * 2.996_363).abs() < 1e-4, "{}", g[4]);
+        assert!((g[0] + 2.0 * 0.003_637).abs() < 1e-4, "{}", g[0]);
+        let mut l = vec![-50.0f32, 0.0, 5.0, 50.0];
+        softcap_inplace(&mut l, 30.0);
+        assert!(l[0] > -30.0 && l[3] < 30.0 && l[1] == 0.0);
+        assert!((l[2] - 30.0 * (5.0f32 / 30.0).tanh()).abs() < 1e-6);
+        let mut s = vec![1.0f32, -2.0];
+        scale_inplace(&mut s, 0.5);
+        assert_eq!(s, vec![0.5, -1.0]);
     }
 }

@@ -1,21 +1,30 @@
-//! Model hyper-parameters, read from GGUF metadata or a Hugging Face `config.json`.
+//! Model hyper-parameters and per-layer structure, read from GGUF metadata (config/gguf.rs) or a
+//! Hugging Face `config.json` (config/hf.rs).
 
-use std::path::Path;
+pub use gguf::served_gguf_architectures;
+pub use hf::served_hf_architectures;
+
+mod gguf;
+mod hf;
 
 use serde::{Deserialize, Serialize};
-use tandem_kernels::{RopeScaling, RopeStyle};
+use tandem_kernels::RopeStyle;
 
 use crate::error::ModelError;
-use crate::gguf::{GgufFile, GgufValue};
+use crate::spec::{
+    positive, validate_layers, Activation, AttentionSpan, LayerRope, LayerSpec, MlpKind, MoeSpec,
+};
 
-/// Hyper-parameters of one Llama-family model, read from GGUF metadata or config.json.
+/// Hyper-parameters and per-layer structure of one model, read from GGUF metadata or config.json:
+/// everything a backend needs to know to run it, with nothing left to the architecture's name.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
-    /// "llama", "qwen2" or "mistral".
+    /// The family as GGUF names it ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3", …): for
+    /// messages and the template, never for choosing a code path (the fields below do that).
     pub architecture: String,
     /// Width of the residual stream.
     pub hidden_size: usize,
-    /// Width of the MLP's gate/up projections.
+    /// Width of a dense layer's MLP gate/up projections.
     pub intermediate_size: usize,
     /// Transformer blocks.
     pub num_layers: usize,
@@ -31,10 +40,6 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     /// Epsilon of every RMSNorm.
     pub rms_norm_eps: f32,
-    /// RoPE base frequency.
-    pub rope_theta: f32,
-    /// RoPE frequency scaling for long-context variants.
-    pub rope_scaling: RopeScaling,
     /// Which element pairs RoPE rotates: GGUF llama weights are permuted for adjacent pairs, HF weights are not.
     pub rope_style: RopeStyle,
     /// Whether the output head reuses the embedding matrix.
@@ -45,9 +50,46 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// Tokens that end generation.
     pub eos_token_ids: Vec<u32>,
-    /// Sliding-window attention span (Mistral v0.1): each token attends to this many latest positions.
-    #[serde(default)]
-    pub sliding_window: Option<usize>,
+    /// What each layer computes: its attention span, rotary embedding and MLP kind.
+    pub layers: Vec<LayerSpec>,
+    /// The experts of the layers whose MLP is a mixture of experts.
+    pub moe: Option<MoeSpec>,
+    /// Whether each head's query and key are RMS-normalised before RoPE (Qwen3, Gemma 3).
+    pub qk_norm: bool,
+    /// Whether attention and MLP outputs are RMS-normalised before the residual add (Gemma's
+    /// post-attention and post-feed-forward norms).
+    pub sandwich_norms: bool,
+    /// The MLP's gate activation.
+    pub activation: Activation,
+    /// Factor on the embedding rows before the first layer (Gemma: sqrt(hidden)); `None` = 1.
+    pub embedding_scale: Option<f32>,
+    /// Multiplier of q·k in attention: 1/sqrt(head_dim) unless the model says otherwise.
+    pub attn_scale: f32,
+    /// Logits become `cap * tanh(logits / cap)` (Gemma 2 and 3 configs that set it).
+    pub final_logit_softcap: Option<f32>,
+}
+
+/// The widths of a plain dense model, for [`ModelConfig::dense`].
+#[derive(Clone, Debug)]
+pub struct DenseShape {
+    /// Width of the residual stream.
+    pub hidden: usize,
+    /// Width of the MLP.
+    pub ffn: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Positions the rope table covers.
+    pub max_positions: usize,
+    /// Every layer's rope.
+    pub rope: LayerRope,
 }
 
 impl ModelConfig {
@@ -63,7 +105,7 @@ impl ModelConfig {
 
     /// Checks the invariants the forward pass relies on.
     pub fn validate(&self) -> Result<(), ModelError> {
-        let positive = [
+        let widths = [
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
             ("num_layers", self.num_layers),
@@ -73,7 +115,7 @@ impl ModelConfig {
             ("vocab_size", self.vocab_size),
             ("max_position_embeddings", self.max_position_embeddings),
         ];
-        for (name, v) in positive {
+        for (name, v) in widths {
             if v == 0 {
                 return Err(ModelError::Config(format!("{name} must be positive")));
             }
@@ -90,322 +132,79 @@ impl ModelConfig {
                 self.head_dim
             )));
         }
-        if !(self.rms_norm_eps > 0.0 && self.rope_theta > 0.0) {
+        if !(positive(self.rms_norm_eps) && positive(self.attn_scale)) {
             return Err(ModelError::Config(
-                "rms_norm_eps and rope_theta must be positive".into(),
+                "rms_norm_eps and the attention scale must be positive".into(),
             ));
         }
-        Ok(())
-    }
-
-    /// Reads the configuration from GGUF metadata (`{arch}.*` keys and `tokenizer.ggml.*` ids).
-    pub fn from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ModelError> {
-        let arch = gguf
-            .get("general.architecture")
-            .and_then(GgufValue::as_str)
-            .ok_or_else(|| ModelError::Config("GGUF lacks general.architecture".into()))?
-            .to_string();
-        let rope_style = match arch.as_str() {
-            // llama.cpp's converter permutes Q/K of llama-arch models for adjacent-pair RoPE; Qwen2
-            // is converted unpermuted and uses llama.cpp's NEOX RoPE.
-            "llama" | "mistral" => RopeStyle::Interleaved,
-            "qwen2" => RopeStyle::Neox,
-            other => {
-                return Err(ModelError::Config(format!(
-                    "unsupported GGUF architecture {other:?}"
-                )))
-            }
-        };
-        let key = |k: &str| format!("{arch}.{k}");
-        let req_u = |k: &str| -> Result<usize, ModelError> {
-            let full = key(k);
-            gguf.get(&full)
-                .and_then(GgufValue::as_u64)
-                .map(|v| v as usize)
-                .ok_or_else(|| ModelError::Config(format!("GGUF lacks integer {full}")))
-        };
-        let opt_u = |k: &str| {
-            gguf.get(&key(k))
-                .and_then(GgufValue::as_u64)
-                .map(|v| v as usize)
-        };
-        let opt_f = |k: &str| {
-            gguf.get(&key(k))
-                .and_then(GgufValue::as_f64)
-                .map(|v| v as f32)
-        };
-
-        let hidden_size = req_u("embedding_length")?;
-        let num_heads = req_u("attention.head_count")?;
-        if num_heads == 0 {
-            return Err(ModelError::Config(format!(
-                "{} is zero",
-                key("attention.head_count")
-            )));
-        }
-        let head_dim = opt_u("attention.key_length")
-            .or_else(|| opt_u("rope.dimension_count"))
-            .unwrap_or(hidden_size / num_heads);
-        let vocab_size = match opt_u("vocab_size") {
-            Some(v) => v,
-            None => match gguf
-                .get("tokenizer.ggml.tokens")
-                .and_then(GgufValue::as_array)
-            {
-                Some(t) => t.len(),
-                None => gguf
-                    .tensor("token_embd.weight")
-                    .and_then(|t| t.shape.get(1).copied())
-                    .ok_or_else(|| ModelError::Config("cannot determine vocab size".into()))?
-                    as usize,
-            },
-        };
-        let rope_scaling = match gguf
-            .get(&key("rope.scaling.type"))
-            .and_then(GgufValue::as_str)
+        if self.final_logit_softcap.is_some_and(|c| !positive(c))
+            || self.embedding_scale.is_some_and(|s| !positive(s))
         {
-            None | Some("none") => RopeScaling::None,
-            Some("linear") => RopeScaling::Linear {
-                factor: opt_f("rope.scaling.factor").ok_or_else(|| {
-                    ModelError::Config(format!("{} missing", key("rope.scaling.factor")))
-                })?,
-            },
-            Some(other) => {
-                return Err(ModelError::Config(format!(
-                    "unsupported rope scaling {other:?}"
-                )))
-            }
-        };
-        // Llama 3.1+ exports carry their frequency scaling as a tensor of per-pair divisors.
-        let rope_scaling = match gguf.tensor("rope_freqs.weight") {
-            None => rope_scaling,
-            Some(_) if rope_scaling != RopeScaling::None => {
-                return Err(ModelError::Config(
-                    "GGUF has both rope_freqs.weight and a rope scaling type".into(),
-                ))
-            }
-            Some(info) => {
-                let pairs = head_dim / 2;
-                if info.dtype != tandem_kernels::DType::F32 || info.elements() != pairs as u64 {
-                    return Err(ModelError::Config(format!(
-                        "rope_freqs.weight must be {pairs} f32 values (one per rotated pair), got {:?} {:?}",
-                        info.dtype, info.shape
-                    )));
-                }
-                let mut factors = vec![0f32; pairs];
-                tandem_kernels::dequantize(
-                    info.dtype,
-                    gguf.tensor_bytes(info).as_slice(),
-                    &mut factors,
-                );
-                if factors.iter().any(|f| !f.is_finite() || *f <= 0.0) {
-                    return Err(ModelError::Config(
-                        "rope_freqs.weight holds a non-positive or non-finite factor".into(),
-                    ));
-                }
-                RopeScaling::FreqFactors { factors }
-            }
-        };
-        let tok_u32 = |k: &str| gguf.get(k).and_then(GgufValue::as_u64).map(|v| v as u32);
-        let config = ModelConfig {
-            architecture: arch.clone(),
-            hidden_size,
-            intermediate_size: req_u("feed_forward_length")?,
-            num_layers: req_u("block_count")?,
-            num_heads,
-            num_kv_heads: opt_u("attention.head_count_kv").unwrap_or(num_heads),
-            head_dim,
-            vocab_size,
-            max_position_embeddings: req_u("context_length")?,
-            rms_norm_eps: opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
-            rope_theta: opt_f("rope.freq_base").unwrap_or(10_000.0),
-            rope_scaling,
-            rope_style,
-            tie_word_embeddings: gguf.tensor("output.weight").is_none(),
-            attention_bias: gguf.tensor("blk.0.attn_q.bias").is_some(),
-            bos_token_id: tok_u32("tokenizer.ggml.bos_token_id"),
-            eos_token_ids: tok_u32("tokenizer.ggml.eos_token_id").into_iter().collect(),
-            sliding_window: None,
-        };
-        config.validate()?;
-        Ok(config)
+            return Err(ModelError::Config(
+                "the logit soft-cap and the embedding scale must be positive".into(),
+            ));
+        }
+        validate_layers(&self.layers, self.num_layers, self.moe.as_ref())
     }
 
-    /// Reads `config.json` (and `generation_config.json` for extra eos ids) of a Hugging Face folder.
-    pub fn from_hf_dir(dir: &Path) -> Result<ModelConfig, ModelError> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
-        let gen_path = dir.join("generation_config.json");
-        let generation = match std::fs::read_to_string(&gen_path) {
-            Ok(t) => Some(
-                serde_json::from_str::<serde_json::Value>(&t)
-                    .map_err(|e| ModelError::Config(format!("{}: {e}", gen_path.display())))?,
-            ),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(ModelError::io(gen_path, e)),
-        };
-        ModelConfig::from_hf_json(&json, generation.as_ref())
-    }
-
-    /// Builds the configuration from parsed `config.json` and optional `generation_config.json`.
-    pub fn from_hf_json(
-        json: &serde_json::Value,
-        generation: Option<&serde_json::Value>,
-    ) -> Result<ModelConfig, ModelError> {
-        let arch_name = json
-            .get("architectures")
-            .and_then(|a| a.get(0))
-            .and_then(|a| a.as_str())
-            .ok_or_else(|| ModelError::Config("config.json lacks architectures".into()))?;
-        let architecture = match arch_name {
-            "LlamaForCausalLM" => "llama",
-            "Qwen2ForCausalLM" => "qwen2",
-            "MistralForCausalLM" => "mistral",
-            other => {
-                return Err(ModelError::Config(format!(
-                    "unsupported architecture {other:?}"
-                )))
-            }
-        };
-        let req = |k: &str| -> Result<usize, ModelError> {
-            json.get(k)
-                .and_then(|v| v.as_u64())
-                .map(|v| v as usize)
-                .ok_or_else(|| ModelError::Config(format!("config.json lacks integer {k}")))
-        };
-        let opt = |k: &str| json.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
-        let opt_f = |k: &str| json.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
-
-        let hidden_size = req("hidden_size")?;
-        let num_heads = req("num_attention_heads")?;
-        if num_heads == 0 {
-            return Err(ModelError::Config("num_attention_heads is zero".into()));
-        }
-        // Mistral applies its window unless told otherwise; Qwen2 declares one but enables it explicitly.
-        let sliding_window = opt("sliding_window").filter(|_| {
-            json.get("use_sliding_window")
-                .and_then(|v| v.as_bool())
-                .unwrap_or(architecture == "mistral")
-        });
-        // transformers v5 moved rope_theta and the scaling into `rope_parameters`.
-        let rope_params = json.get("rope_parameters").filter(|v| v.is_object());
-        let rope_scaling = parse_hf_rope_scaling(
-            json.get("rope_scaling")
-                .filter(|v| !v.is_null())
-                .or(rope_params),
-        )?;
-        let rope_theta = opt_f("rope_theta")
-            .or_else(|| {
-                rope_params
-                    .and_then(|p| p.get("rope_theta"))
-                    .and_then(|v| v.as_f64())
-                    .map(|v| v as f32)
-            })
-            .unwrap_or(10_000.0);
-        let eos_from = |v: Option<&serde_json::Value>| -> Vec<u32> {
-            match v {
-                Some(serde_json::Value::Number(n)) => {
-                    n.as_u64().map(|n| vec![n as u32]).unwrap_or_default()
-                }
-                Some(serde_json::Value::Array(a)) => a
-                    .iter()
-                    .filter_map(|x| x.as_u64())
-                    .map(|n| n as u32)
-                    .collect(),
-                _ => Vec::new(),
-            }
-        };
-        let mut eos_token_ids = eos_from(json.get("eos_token_id"));
-        for id in eos_from(generation.and_then(|g| g.get("eos_token_id"))) {
-            if !eos_token_ids.contains(&id) {
-                eos_token_ids.push(id);
-            }
-        }
-        let bos_token_id = json
-            .get("bos_token_id")
-            .and_then(|v| v.as_u64())
-            .or_else(|| {
-                generation
-                    .and_then(|g| g.get("bos_token_id"))
-                    .and_then(|v| v.as_u64())
-            })
-            .map(|v| v as u32);
-        let config = ModelConfig {
-            architecture: architecture.to_string(),
-            hidden_size,
-            intermediate_size: req("intermediate_size")?,
-            num_layers: req("num_hidden_layers")?,
-            num_heads,
-            num_kv_heads: opt("num_key_value_heads").unwrap_or(num_heads),
-            head_dim: opt("head_dim").unwrap_or(hidden_size / num_heads),
-            vocab_size: req("vocab_size")?,
-            max_position_embeddings: opt("max_position_embeddings").unwrap_or(4096),
-            rms_norm_eps: opt_f("rms_norm_eps").unwrap_or(1e-6),
-            rope_theta,
-            rope_scaling,
+    /// A plain dense model of the given widths (Llama-style: every layer global with one rope, SiLU
+    /// MLP, no extra norms, untied head, no special tokens): the base that tests and the synthetic
+    /// benchmarks adjust.
+    pub fn dense(shape: DenseShape) -> ModelConfig {
+        ModelConfig {
+            architecture: "llama".into(),
+            hidden_size: shape.hidden,
+            intermediate_size: shape.ffn,
+            num_layers: shape.layers,
+            num_heads: shape.heads,
+            num_kv_heads: shape.kv_heads,
+            head_dim: shape.head_dim,
+            vocab_size: shape.vocab,
+            max_position_embeddings: shape.max_positions,
+            rms_norm_eps: 1e-5,
             rope_style: RopeStyle::Neox,
-            tie_word_embeddings: json
-                .get("tie_word_embeddings")
-                .and_then(|v| v.as_bool())
-                .unwrap_or(false),
-            attention_bias: architecture == "qwen2"
-                || json
-                    .get("attention_bias")
-                    .and_then(|v| v.as_bool())
-                    .unwrap_or(false),
-            bos_token_id,
-            eos_token_ids,
-            sliding_window,
-        };
-        config.validate()?;
-        Ok(config)
+            tie_word_embeddings: false,
+            attention_bias: false,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+            layers: LayerSpec::uniform(
+                shape.layers,
+                AttentionSpan::Global,
+                shape.rope,
+                MlpKind::Dense,
+            ),
+            moe: None,
+            qk_norm: false,
+            sandwich_norms: false,
+            activation: Activation::Silu,
+            embedding_scale: None,
+            attn_scale: ModelConfig::default_attn_scale(shape.head_dim),
+            final_logit_softcap: None,
+        }
     }
-}
 
-/// Maps HF `rope_scaling` (keyed `rope_type`, or legacy `type`) onto the kernels' scaling.
-fn parse_hf_rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling, ModelError> {
-    let Some(obj) = v.filter(|v| !v.is_null()) else {
-        return Ok(RopeScaling::None);
-    };
-    let kind = obj
-        .get("rope_type")
-        .or_else(|| obj.get("type"))
-        .and_then(|t| t.as_str())
-        .ok_or_else(|| ModelError::Config("rope_scaling lacks rope_type".into()))?;
-    let f = |k: &str| {
-        obj.get(k)
-            .and_then(|x| x.as_f64())
-            .map(|x| x as f32)
-            .ok_or_else(|| ModelError::Config(format!("rope_scaling lacks {k}")))
-    };
-    match kind {
-        "default" => Ok(RopeScaling::None),
-        "linear" => Ok(RopeScaling::Linear {
-            factor: f("factor")?,
-        }),
-        "llama3" => Ok(RopeScaling::Llama3 {
-            factor: f("factor")?,
-            low_freq_factor: f("low_freq_factor")?,
-            high_freq_factor: f("high_freq_factor")?,
-            original_max_position: obj
-                .get("original_max_position_embeddings")
-                .and_then(|x| x.as_u64())
-                .ok_or_else(|| {
-                    ModelError::Config("rope_scaling lacks original_max_position_embeddings".into())
-                })? as usize,
-        }),
-        other => Err(ModelError::Config(format!(
-            "unsupported rope_scaling type {other:?}"
-        ))),
+    /// The layer description of layer `l`.
+    pub fn layer(&self, l: usize) -> &LayerSpec {
+        &self.layers[l]
+    }
+
+    /// Whether any layer's MLP is a mixture of experts.
+    pub fn has_moe(&self) -> bool {
+        self.layers.iter().any(|l| l.mlp == MlpKind::Moe)
+    }
+
+    /// The attention scale used when the model names none: 1/sqrt(head_dim).
+    pub fn default_attn_scale(head_dim: usize) -> f32 {
+        1.0 / (head_dim as f32).sqrt()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gguf::GgufFile;
     use serde_json::json;
+    use tandem_kernels::RopeScaling;
 
     fn llama_json() -> serde_json::Value {
         json!({
@@ -431,7 +230,7 @@ mod tests {
         assert_eq!(c.bos_token_id, Some(128000));
         assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
         assert_eq!(
-            c.rope_scaling,
+            c.layer(15).rope.scaling,
             RopeScaling::Llama3 {
                 factor: 32.0,
                 low_freq_factor: 1.0,
@@ -452,7 +251,7 @@ mod tests {
         assert!(c.attention_bias);
         assert_eq!(c.head_dim, 128);
         assert_eq!(c.eos_token_ids, vec![151645]);
-        assert_eq!(c.rope_scaling, RopeScaling::None);
+        assert_eq!(c.layer(0).rope.scaling, RopeScaling::None);
     }
 
     #[test]
@@ -484,8 +283,8 @@ mod tests {
         j["rope_scaling"] = json!(null);
         j["rope_parameters"] = json!({"rope_theta": 50000.0, "rope_type": "default"});
         let c = ModelConfig::from_hf_json(&j, None).unwrap();
-        assert_eq!(c.rope_theta, 50000.0);
-        assert_eq!(c.rope_scaling, RopeScaling::None);
+        assert_eq!(c.layer(0).rope.theta, 50000.0);
+        assert_eq!(c.layer(0).rope.scaling, RopeScaling::None);
     }
 
     #[test]
@@ -516,9 +315,157 @@ mod tests {
         assert_eq!(c.head_dim, 16);
         assert_eq!(c.num_kv_heads, 2);
         assert_eq!(c.rope_style, RopeStyle::Interleaved);
-        assert_eq!(c.rope_theta, 100000.0);
+        assert_eq!(c.layer(1).rope.theta, 100000.0);
         assert_eq!(c.rms_norm_eps, 1e-5);
         assert!(c.tie_word_embeddings);
         assert_eq!(c.eos_token_ids, vec![2]);
+    }
+
+    fn gemma3_json() -> serde_json::Value {
+        json!({
+            "architectures": ["Gemma3ForCausalLM"], "hidden_size": 640, "intermediate_size": 2048,
+            "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": 256, "vocab_size": 262144, "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+            "sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+            "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": null,
+            "attn_logit_softcapping": null, "rope_scaling": {"rope_type": "linear", "factor": 8.0}
+        })
+    }
+
+    #[test]
+    fn gemma3_layers_alternate_local_and_global_with_their_ropes() {
+        let c = ModelConfig::from_hf_json(&gemma3_json(), None).unwrap();
+        let spans: Vec<_> = c.layers.iter().map(|l| l.attention).collect();
+        let w = AttentionSpan::Window(512);
+        assert_eq!(spans, vec![w, w, w, w, w, AttentionSpan::Global, w]);
+        assert_eq!(c.layer(0).rope.theta, 10000.0);
+        assert_eq!(c.layer(0).rope.scaling, RopeScaling::None);
+        assert_eq!(c.layer(5).rope.theta, 1e6);
+        assert_eq!(c.layer(5).rope.scaling, RopeScaling::Linear { factor: 8.0 });
+        assert!(c.qk_norm && c.sandwich_norms && c.tie_word_embeddings);
+        assert_eq!(c.activation, crate::spec::Activation::GeluTanh);
+        assert_eq!(c.embedding_scale, Some(640f32.sqrt()));
+        assert_eq!(c.attn_scale, 1.0 / 16.0);
+        assert_eq!(c.final_logit_softcap, None);
+
+        // transformers v5 spells the same structure as layer_types and per-type rope parameters.
+        let mut j = gemma3_json();
+        let obj = j.as_object_mut().unwrap();
+        for k in [
+            "rope_theta",
+            "rope_local_base_freq",
+            "rope_scaling",
+            "sliding_window_pattern",
+        ] {
+            obj.remove(k);
+        }
+        j["layer_types"] = json!([
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention"
+        ]);
+        j["rope_parameters"] = json!({
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}});
+        j["final_logit_softcapping"] = json!(30.0);
+        let c = ModelConfig::from_hf_json(&j, None).unwrap();
+        assert_eq!(c.layer(0).attention, AttentionSpan::Global);
+        assert_eq!(c.layer(1).attention, AttentionSpan::Window(512));
+        assert_eq!((c.layer(0).rope.theta, c.layer(1).rope.theta), (1e6, 1e4));
+        assert_eq!(c.final_logit_softcap, Some(30.0));
+
+        let mut j = gemma3_json();
+        j["attn_logit_softcapping"] = json!(50.0);
+        let err = ModelConfig::from_hf_json(&j, None).unwrap_err().to_string();
+        assert!(err.contains("attn_logit_softcapping"), "{err}");
+    }
+
+    #[test]
+    fn moe_configs_describe_experts_and_dense_layers() {
+        let mut j = llama_json();
+        j["architectures"] = json!(["Qwen3MoeForCausalLM"]);
+        j["num_hidden_layers"] = json!(4);
+        j["num_experts"] = json!(128);
+        j["num_experts_per_tok"] = json!(8);
+        j["moe_intermediate_size"] = json!(768);
+        j["norm_topk_prob"] = json!(true);
+        j["mlp_only_layers"] = json!([1]);
+        j["rope_scaling"] = json!(null);
+        let c = ModelConfig::from_hf_json(&j, None).unwrap();
+        let kinds: Vec<_> = c.layers.iter().map(|l| l.mlp).collect();
+        assert_eq!(
+            kinds,
+            vec![MlpKind::Moe, MlpKind::Dense, MlpKind::Moe, MlpKind::Moe]
+        );
+        let m = c.moe.clone().unwrap();
+        assert_eq!((m.num_experts, m.top_k, m.expert_ffn), (128, 8, 768));
+        assert!(m.norm_top_k && m.shared_ffn.is_none() && c.qk_norm && !c.attention_bias);
+
+        j["architectures"] = json!(["Qwen2MoeForCausalLM"]);
+        j["norm_topk_prob"] = json!(false);
+        j["shared_expert_intermediate_size"] = json!(5632);
+        j["decoder_sparse_step"] = json!(2);
+        j["mlp_only_layers"] = json!([]);
+        let c = ModelConfig::from_hf_json(&j, None).unwrap();
+        let kinds: Vec<_> = c.layers.iter().map(|l| l.mlp).collect();
+        assert_eq!(
+            kinds,
+            vec![MlpKind::Dense, MlpKind::Moe, MlpKind::Dense, MlpKind::Moe]
+        );
+        let m = c.moe.unwrap();
+        assert_eq!(m.shared_ffn, Some(5632));
+        assert!(!m.norm_top_k && c.attention_bias && !c.qk_norm);
+
+        j["num_experts_per_tok"] = json!(200);
+        assert!(ModelConfig::from_hf_json(&j, None).is_err());
+    }
+
+    #[test]
+    fn unknown_architectures_are_refused_with_the_served_list() {
+        let mut j = llama_json();
+        j["architectures"] = json!(["DeepseekV3ForCausalLM"]);
+        let err = ModelConfig::from_hf_json(&j, None).unwrap_err().to_string();
+        assert!(
+            err.contains("DeepseekV3ForCausalLM") && err.contains("Qwen3MoeForCausalLM"),
+            "{err}"
+        );
+        use crate::gguf::tests::GgufWriter;
+        let mut w = GgufWriter::default();
+        w.kv_str("general.architecture", "phi3");
+        let f = GgufFile::parse(std::sync::Arc::new(w.finish())).unwrap();
+        let err = ModelConfig::from_gguf(&f).unwrap_err().to_string();
+        assert!(err.contains("phi3") && err.contains("gemma3"), "{err}");
+    }
+
+    #[test]
+    fn gguf_gemma3_gets_its_window_pattern_and_fixed_features() {
+        use crate::gguf::tests::GgufWriter;
+        let mut w = GgufWriter::default();
+        w.kv_str("general.architecture", "gemma3")
+            .kv_u32("gemma3.embedding_length", 64)
+            .kv_u32("gemma3.feed_forward_length", 128)
+            .kv_u32("gemma3.block_count", 12)
+            .kv_u32("gemma3.attention.head_count", 4)
+            .kv_u32("gemma3.attention.head_count_kv", 1)
+            .kv_u32("gemma3.attention.key_length", 32)
+            .kv_u32("gemma3.context_length", 256)
+            .kv_u32("gemma3.vocab_size", 100)
+            .kv_u32("gemma3.attention.sliding_window", 16)
+            .kv_f32("gemma3.rope.freq_base", 1e6);
+        let f = GgufFile::parse(std::sync::Arc::new(w.finish())).unwrap();
+        let c = ModelConfig::from_gguf(&f).unwrap();
+        let globals: Vec<usize> = (0..12)
+            .filter(|&l| c.layer(l).attention == AttentionSpan::Global)
+            .collect();
+        assert_eq!(globals, vec![5, 11]);
+        assert_eq!((c.layer(0).rope.theta, c.layer(5).rope.theta), (1e4, 1e6));
+        assert_eq!(c.rope_style, RopeStyle::Neox);
+        assert!(c.qk_norm && c.sandwich_norms && c.embedding_scale == Some(8.0));
+        assert_eq!(c.attn_scale, 1.0 / 32f32.sqrt());
     }
 }

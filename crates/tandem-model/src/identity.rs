@@ -95,7 +95,7 @@ mod tests {
         );
         assert_ne!(id, ModelIdentity::compute(&config(), &[desc("a", 1)]));
         let mut c = config();
-        c.rope_theta = 20000.0;
+        c.layers[0].rope.theta = 20000.0;
         assert_ne!(
             id,
             ModelIdentity::compute(&c, &[desc("a", 1), desc("b", 2)])

@@ -1,8 +1,10 @@
-//! The Llama-family forward pass on CPU over a flat paged batch.
+//! The forward pass on CPU over a flat paged batch, for every model `ModelConfig` describes: each
+//! layer's attention span, rope, norms and MLP kind come from the description, not the family.
 
 use tandem_kernels::{
-    add_inplace, apply_rope, matmul, matmul_fused, paged_attention, resolve_threads, rms_norm,
-    silu_mul, write_kv, AttnParams, AttnSeq, MatmulScratch, Matrix, RopeTable, ThreadPool,
+    add_inplace, apply_rope, gelu_tanh_mul, matmul, matmul_fused, paged_attention, resolve_threads,
+    rms_norm, scale_inplace, silu_mul, softcap_inplace, write_kv, AttnParams, AttnSeq,
+    MatmulScratch, Matrix, RopeTable, ThreadPool,
 };
 
 use crate::batch::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
@@ -11,7 +13,12 @@ use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::kv::KvCache;
 use crate::partition::{shard_weights, Partition, RankShare};
-use crate::weights::LlamaWeights;
+use crate::spec::{Activation, LayerRope};
+use crate::weights::{GatedMlp, LlamaWeights, MlpWeights};
+
+mod moe;
+
+pub use moe::ExpertCounts;
 
 /// Activation buffers of one step, grown to the largest step seen and then reused.
 #[derive(Default)]
@@ -42,6 +49,8 @@ struct Scratch {
     gathered: Vec<f32>,
     /// Tensor parallelism: this rank's hidden features of a projection's output, tokens × local hidden.
     part: Vec<f32>,
+    /// One row being normalised in place.
+    row: Vec<f32>,
 }
 
 /// Returns `buf[..n]`, growing `buf` first if needed (never shrinks, so steady state allocates nothing).
@@ -72,9 +81,15 @@ pub struct CpuLlama {
     /// Present when `part.tp_size > 1`: how the ranks all-gather projection inputs, outputs and logits.
     collective: Option<Box<dyn Collective>>,
     pool: ThreadPool,
-    rope: RopeTable,
+    /// One table per distinct rope of the partition's layers (Gemma 3: local and global).
+    ropes: Vec<RopeTable>,
+    /// Index into `ropes` of each of this partition's layers.
+    layer_rope: Vec<usize>,
     mm: MatmulScratch,
     scratch: Scratch,
+    moe_scratch: moe::MoeScratch,
+    /// Rows routed to each expert of this partition's layers.
+    expert_counts: ExpertCounts,
     seqs: Vec<AttnSeq<'static>>,
 }
 
@@ -137,13 +152,36 @@ impl CpuLlama {
         collective: Option<Box<dyn Collective>>,
     ) -> CpuLlama {
         let threads = resolve_threads(threads);
-        let rope = RopeTable::new(
-            config.head_dim,
-            config.rope_theta,
-            &config.rope_scaling,
-            config.max_position_embeddings,
-            config.rope_style,
-        );
+        let mut distinct: Vec<&LayerRope> = Vec::new();
+        let layer_rope = config.layers[part.layers.clone()]
+            .iter()
+            .map(
+                |spec| match distinct.iter().position(|r| **r == spec.rope) {
+                    Some(i) => i,
+                    None => {
+                        distinct.push(&spec.rope);
+                        distinct.len() - 1
+                    }
+                },
+            )
+            .collect();
+        let ropes = distinct
+            .iter()
+            .map(|r| {
+                RopeTable::new(
+                    config.head_dim,
+                    r.theta,
+                    &r.scaling,
+                    config.max_position_embeddings,
+                    config.rope_style,
+                )
+            })
+            .collect();
+        let experts = config.moe.as_ref().map_or(0, |m| m.num_experts);
+        let expert_counts = ExpertCounts {
+            experts,
+            tokens: vec![0; experts * part.layers.len()],
+        };
         tracing::debug!(threads, partition = ?part, "cpu llama ready");
         CpuLlama {
             config,
@@ -152,9 +190,12 @@ impl CpuLlama {
             share,
             collective,
             pool: ThreadPool::new(threads),
-            rope,
+            ropes,
+            layer_rope,
             mm: MatmulScratch::default(),
             scratch: Scratch::default(),
+            moe_scratch: moe::MoeScratch::default(),
+            expert_counts,
             seqs: Vec::new(),
         }
     }
@@ -172,6 +213,11 @@ impl CpuLlama {
     /// The model's hyper-parameters.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Rows routed to each expert of this partition's layers since it was built.
+    pub fn expert_counts(&self) -> &ExpertCounts {
+        &self.expert_counts
     }
 
     /// The weights of this partition (its layers, cut to its rank's share).
@@ -307,14 +353,14 @@ impl CpuLlama {
         let share = &self.share;
         let (nh, nkv, eps) = (share.q_heads.len(), share.kv_heads.len(), c.rms_norm_eps);
         let hd = c.head_dim;
-        let (qd, kvd, f) = (nh * hd, nkv * hd, share.ffn.len());
-        let params = AttnParams {
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let mut params = AttnParams {
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: c.head_dim,
             block_size: kv.layout().block_size,
-            scale: 1.0 / (c.head_dim as f32).sqrt(),
-            window: c.sliding_window,
+            scale: c.attn_scale,
+            window: None,
         };
         let w = &self.weights;
         let pool = &self.pool;
@@ -343,10 +389,16 @@ impl CpuLlama {
                 for (row, &tok) in x.chunks_exact_mut(h).zip(&batch.tokens) {
                     w.embed.dequantize_row(tok as usize, row);
                 }
+                if let Some(scale) = c.embedding_scale {
+                    scale_inplace(x, scale);
+                }
             }
         }
 
         for (l, lw) in w.layers.iter().enumerate() {
+            let spec = c.layer(self.part.layers.start + l);
+            let rope = &self.ropes[self.layer_rope[l]];
+            params.window = spec.attention.window();
             let xn = grown(&mut s.xn, t * h);
             norm_rows(x, &lw.attn_norm, eps, xn, h);
             let q = grown(&mut s.q, t * qd);
@@ -363,14 +415,20 @@ impl CpuLlama {
                         .for_each(|row| add_inplace(row, b));
                 }
             }
+            // Per-head norms (Qwen3, Gemma 3) come before RoPE.
+            for (buf, weight) in [(&mut *q, &lw.q_norm), (&mut *k, &lw.k_norm)] {
+                if let Some(wn) = weight {
+                    norm_rows_inplace(buf, wn, eps, hd, &mut s.row);
+                }
+            }
             let kv_layer = kv.layer_mut(l);
             for sq in &batch.seqs {
                 for (i, tok_row) in sq.tokens.clone().enumerate() {
                     let pos = sq.pos + i;
                     let qr = &mut q[tok_row * qd..(tok_row + 1) * qd];
                     let kr = &mut k[tok_row * kvd..(tok_row + 1) * kvd];
-                    apply_rope(qr, nh, pos, &self.rope);
-                    apply_rope(kr, nkv, pos, &self.rope);
+                    apply_rope(qr, nh, pos, rope);
+                    apply_rope(kr, nkv, pos, rope);
                     write_kv(
                         &params,
                         kv_layer,
@@ -403,31 +461,60 @@ impl CpuLlama {
                     );
                 }
             }
+            if let Some(wn) = &lw.post_attn_norm {
+                norm_rows_inplace(proj, wn, eps, h, &mut s.row);
+            }
             add_inplace(x, proj);
 
             norm_rows(x, &lw.ffn_norm, eps, xn, h);
-            let gate = grown(&mut s.gate, t * f);
-            let up = grown(&mut s.up, t * f);
-            matmul_fused(pool, [&lw.w_gate, &lw.w_up], xn, t, [gate, up], mm);
-            silu_mul(gate, up);
-            match collective.as_deref_mut() {
-                None => matmul(pool, &lw.w_down, gate, t, proj, mm),
-                Some(cl) => {
-                    let io = (&mut s.gathered, &mut s.part);
-                    let f_cols = share.ffn.clone();
-                    gathered_matmul(
+            match &lw.mlp {
+                MlpWeights::Dense(mlp) => {
+                    let f = share.ffn.len();
+                    let gate = grown(&mut s.gate, t * f);
+                    let up = grown(&mut s.up, t * f);
+                    dense_mlp_in(pool, mlp, c.activation, xn, t, gate, up, mm);
+                    match collective.as_deref_mut() {
+                        None => matmul(pool, &mlp.down, gate, t, proj, mm),
+                        Some(cl) => {
+                            let io = (&mut s.gathered, &mut s.part);
+                            let f_cols = share.ffn.clone();
+                            gathered_matmul(
+                                pool,
+                                cl,
+                                &mlp.down,
+                                gate,
+                                f_cols,
+                                t,
+                                &share.hidden,
+                                proj,
+                                io,
+                                mm,
+                            );
+                        }
+                    }
+                }
+                MlpWeights::Moe(moe) => {
+                    let spec = c.moe.as_ref().ok_or_else(|| {
+                        ModelError::Config("a mixture-of-experts layer without experts".into())
+                    })?;
+                    let e = spec.num_experts;
+                    let counts = &mut self.expert_counts.tokens[l * e..(l + 1) * e];
+                    self.moe_scratch.forward(
                         pool,
-                        cl,
-                        &lw.w_down,
-                        gate,
-                        f_cols,
+                        moe,
+                        spec,
+                        c.activation,
+                        xn,
                         t,
-                        &share.hidden,
+                        h,
                         proj,
-                        io,
+                        counts,
                         mm,
                     );
                 }
+            }
+            if let Some(wn) = &lw.post_ffn_norm {
+                norm_rows_inplace(proj, wn, eps, h, &mut s.row);
             }
             add_inplace(x, proj);
         }
@@ -464,6 +551,9 @@ impl CpuLlama {
             None => {
                 out.resize(n_rows * c.vocab_size, 0.0);
                 matmul(pool, head, head_in, n_rows, out, mm);
+                if let Some(cap) = c.final_logit_softcap {
+                    softcap_inplace(out, cap);
+                }
             }
             Some(cl) => {
                 // Each rank computes its vocabulary slice; rank 0 assembles the full rows.
@@ -473,6 +563,9 @@ impl CpuLlama {
                     out.resize(n_rows * c.vocab_size, 0.0);
                     &mut out[..]
                 });
+                if let Some(cap) = c.final_logit_softcap {
+                    softcap_inplace(local, cap);
+                }
                 cl.gather_columns(local, share.vocab.clone(), c.vocab_size, full);
             }
         }
@@ -504,6 +597,41 @@ fn gathered_matmul(
     let local = grown(part, t * out_cols.len());
     matmul(pool, w, full, t, local, mm);
     cl.all_gather_columns(local, out_cols.clone(), out.len() / t, out);
+}
+
+/// The MLP's input half: `gate = act(gate_proj·x) ⊙ up_proj·x`, rows × features (`up` is scratch).
+#[allow(clippy::too_many_arguments)]
+fn dense_mlp_in(
+    pool: &ThreadPool,
+    mlp: &GatedMlp,
+    activation: Activation,
+    xn: &[f32],
+    t: usize,
+    gate: &mut [f32],
+    up: &mut [f32],
+    mm: &mut MatmulScratch,
+) {
+    matmul_fused(
+        pool,
+        [&mlp.gate, &mlp.up],
+        xn,
+        t,
+        [&mut *gate, &mut *up],
+        mm,
+    );
+    match activation {
+        Activation::Silu => silu_mul(gate, up),
+        Activation::GeluTanh => gelu_tanh_mul(gate, up),
+    }
+}
+
+/// RMS-normalizes every `width`-wide row of `x` in place (per-head and post-block norms).
+fn norm_rows_inplace(x: &mut [f32], weight: &[f32], eps: f32, width: usize, row: &mut Vec<f32>) {
+    let row = grown(row, width);
+    for xr in x.chunks_exact_mut(width) {
+        rms_norm(xr, weight, eps, row);
+        xr.copy_from_slice(row);
+    }
 }
 
 /// RMS-normalizes every `width`-wide row of `x` into `out`.

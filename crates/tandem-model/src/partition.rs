@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::weights::{LayerWeights, LlamaWeights};
+use crate::weights::{GatedMlp, LayerWeights, LlamaWeights, MlpWeights};
 
 /// Which share of the model one `CpuLlama` computes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -120,6 +120,12 @@ impl RankShare {
                 c.num_kv_heads
             )));
         }
+        if size > 1 && c.has_moe() {
+            return Err(ModelError::Partition(format!(
+                "tensor_parallel_size {size}: the CPU backend does not split a mixture of experts \
+                 across ranks; use pipeline stages"
+            )));
+        }
         let group = c.num_heads / c.num_kv_heads;
         let kv_heads = even_range(c.num_kv_heads, size, rank);
         Ok(RankShare {
@@ -166,10 +172,20 @@ pub fn shard_weights(
             bq: slice(&l.bq, &q),
             bk: slice(&l.bk, &kv),
             bv: slice(&l.bv, &kv),
+            q_norm: l.q_norm.clone(),
+            k_norm: l.k_norm.clone(),
+            post_attn_norm: l.post_attn_norm.clone(),
             ffn_norm: l.ffn_norm.clone(),
-            w_gate: l.w_gate.slice_rows(share.ffn.clone()),
-            w_up: l.w_up.slice_rows(share.ffn.clone()),
-            w_down: l.w_down.slice_rows(share.hidden.clone()),
+            // RankShare::new refuses to split a mixture of experts, so its weights stay whole.
+            mlp: match &l.mlp {
+                MlpWeights::Dense(m) => MlpWeights::Dense(GatedMlp {
+                    gate: m.gate.slice_rows(share.ffn.clone()),
+                    up: m.up.slice_rows(share.ffn.clone()),
+                    down: m.down.slice_rows(share.hidden.clone()),
+                }),
+                moe => moe.clone(),
+            },
+            post_ffn_norm: l.post_ffn_norm.clone(),
         })
         .collect();
     let whole_vocab = share.vocab == (0..config.vocab_size);

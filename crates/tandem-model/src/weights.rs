@@ -1,4 +1,5 @@
-//! The weights of a Llama-family model, loaded zero-copy from GGUF or from (sharded) safetensors.
+//! The weights of a model, loaded zero-copy from GGUF or from (sharded) safetensors; the names each
+//! format gives them are in weights/names.rs.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -12,6 +13,61 @@ use tandem_kernels::{dequantize, DType, Matrix, WeightBytes};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
+
+mod assemble;
+
+use assemble::{assemble, Names, TensorSource};
+
+/// The three projections of a gated MLP: `down(act(gate·x) ⊙ up·x)`.
+#[derive(Clone, Debug)]
+pub struct GatedMlp {
+    /// Gate projection (ffn × hidden).
+    pub gate: Matrix,
+    /// Up projection (ffn × hidden).
+    pub up: Matrix,
+    /// Down projection (hidden × ffn).
+    pub down: Matrix,
+}
+
+/// The shared expert of a Qwen2-MoE layer: a gated MLP every token passes through, scaled by
+/// sigmoid(gate · x).
+#[derive(Clone, Debug)]
+pub struct SharedExpert {
+    /// The expert's MLP.
+    pub mlp: GatedMlp,
+    /// Its gate's weight row (hidden).
+    pub gate: Vec<f32>,
+}
+
+/// The weights of a mixture-of-experts MLP.
+#[derive(Clone, Debug)]
+pub struct MoeWeights {
+    /// Router (experts × hidden): one logit per expert.
+    pub router: Matrix,
+    /// The routed experts, by index.
+    pub experts: Vec<GatedMlp>,
+    /// The shared expert, if the model has one.
+    pub shared: Option<SharedExpert>,
+}
+
+/// A layer's feed-forward weights, as its [`crate::spec::MlpKind`] says.
+#[derive(Clone, Debug)]
+pub enum MlpWeights {
+    /// One gated MLP.
+    Dense(GatedMlp),
+    /// A mixture of experts.
+    Moe(MoeWeights),
+}
+
+impl MlpWeights {
+    /// The dense MLP, or `None` for a mixture of experts.
+    pub fn dense(&self) -> Option<&GatedMlp> {
+        match self {
+            MlpWeights::Dense(m) => Some(m),
+            MlpWeights::Moe(_) => None,
+        }
+    }
+}
 
 /// Weights of one transformer block.
 #[derive(Clone, Debug)]
@@ -32,17 +88,21 @@ pub struct LayerWeights {
     pub bk: Option<Vec<f32>>,
     /// Value bias (Qwen2).
     pub bv: Option<Vec<f32>>,
+    /// Per-head RMSNorm weight of the queries (head_dim; `qk_norm` models).
+    pub q_norm: Option<Vec<f32>>,
+    /// Per-head RMSNorm weight of the keys (head_dim; `qk_norm` models).
+    pub k_norm: Option<Vec<f32>>,
+    /// RMSNorm weight of the attention output before the residual add (`sandwich_norms` models).
+    pub post_attn_norm: Option<Vec<f32>>,
     /// RMSNorm weight before the MLP.
     pub ffn_norm: Vec<f32>,
-    /// MLP gate projection (ffn × hidden).
-    pub w_gate: Matrix,
-    /// MLP up projection (ffn × hidden).
-    pub w_up: Matrix,
-    /// MLP down projection (hidden × ffn).
-    pub w_down: Matrix,
+    /// The MLP.
+    pub mlp: MlpWeights,
+    /// RMSNorm weight of the MLP output before the residual add (`sandwich_norms` models).
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
-/// All weights of a Llama-family model in the layout the CPU forward pass consumes.
+/// All weights of a model in the layout the CPU forward pass consumes.
 #[derive(Clone, Debug)]
 pub struct LlamaWeights {
     /// Token embedding (vocab × hidden); also the output head when tied.
@@ -90,122 +150,6 @@ fn progress_bar(enabled: bool, len: usize, what: &str) -> ProgressBar {
     pb
 }
 
-/// Source-independent access to named tensors, so the per-layer assembly is written once.
-trait TensorSource {
-    /// A 2-D weight with `rows` output features of `cols` inputs, validated against the expected shape.
-    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError>;
-    /// A 1-D f32 vector (norm weight or bias) of length `len`.
-    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError>;
-    /// Whether a tensor exists.
-    fn has(&self, name: &str) -> bool;
-}
-
-/// Which spelling of the tensor names a checkpoint uses: GGUF's or HF's.
-#[derive(Clone, Copy)]
-enum Names {
-    Gguf,
-    Hf,
-}
-
-/// Every tensor the loader reads, as (the loader's name for it, GGUF spelling, HF spelling); the
-/// layer tensors (from `attn_norm` on) are spelled after their layer's prefix.
-const TENSOR_NAMES: [(&str, &str, &str); 15] = [
-    ("embed", "token_embd.weight", "model.embed_tokens.weight"),
-    ("norm", "output_norm.weight", "model.norm.weight"),
-    ("head", "output.weight", "lm_head.weight"),
-    ("attn_norm", "attn_norm.weight", "input_layernorm.weight"),
-    ("q", "attn_q.weight", "self_attn.q_proj.weight"),
-    ("k", "attn_k.weight", "self_attn.k_proj.weight"),
-    ("v", "attn_v.weight", "self_attn.v_proj.weight"),
-    ("o", "attn_output.weight", "self_attn.o_proj.weight"),
-    ("bq", "attn_q.bias", "self_attn.q_proj.bias"),
-    ("bk", "attn_k.bias", "self_attn.k_proj.bias"),
-    ("bv", "attn_v.bias", "self_attn.v_proj.bias"),
-    (
-        "ffn_norm",
-        "ffn_norm.weight",
-        "post_attention_layernorm.weight",
-    ),
-    ("gate", "ffn_gate.weight", "mlp.gate_proj.weight"),
-    ("up", "ffn_up.weight", "mlp.up_proj.weight"),
-    ("down", "ffn_down.weight", "mlp.down_proj.weight"),
-];
-
-impl Names {
-    /// This format's name of tensor `part` (a first column of [`TENSOR_NAMES`]).
-    fn get(self, part: &str) -> &'static str {
-        match TENSOR_NAMES.iter().find(|t| t.0 == part) {
-            Some(&(_, gguf, hf)) => match self {
-                Names::Gguf => gguf,
-                Names::Hf => hf,
-            },
-            None => unreachable!("unknown tensor {part}"),
-        }
-    }
-
-    /// This format's name of layer `l`'s tensor `part`.
-    fn layer(self, l: usize, part: &str) -> String {
-        let prefix = match self {
-            Names::Gguf => "blk",
-            Names::Hf => "model.layers",
-        };
-        format!("{prefix}.{l}.{}", self.get(part))
-    }
-}
-
-fn assemble(
-    src: &dyn TensorSource,
-    names: Names,
-    c: &ModelConfig,
-    pb: &ProgressBar,
-) -> Result<LlamaWeights, ModelError> {
-    let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-    let embed = src.matrix(names.get("embed"), c.vocab_size, h)?;
-    pb.inc(1);
-    let mut layers = Vec::with_capacity(c.num_layers);
-    for l in 0..c.num_layers {
-        let n = |p: &str| names.layer(l, p);
-        let bias = |p: &str, len: usize| -> Result<Option<Vec<f32>>, ModelError> {
-            if c.attention_bias {
-                src.vector(&n(p), len).map(Some)
-            } else {
-                Ok(None)
-            }
-        };
-        let layer = LayerWeights {
-            attn_norm: src.vector(&n("attn_norm"), h)?,
-            wq: src.matrix(&n("q"), q, h)?,
-            wk: src.matrix(&n("k"), kv, h)?,
-            wv: src.matrix(&n("v"), kv, h)?,
-            wo: src.matrix(&n("o"), h, q)?,
-            bq: bias("bq", q)?,
-            bk: bias("bk", kv)?,
-            bv: bias("bv", kv)?,
-            ffn_norm: src.vector(&n("ffn_norm"), h)?,
-            w_gate: src.matrix(&n("gate"), f, h)?,
-            w_up: src.matrix(&n("up"), f, h)?,
-            w_down: src.matrix(&n("down"), h, f)?,
-        };
-        pb.inc(if c.attention_bias { 12 } else { 9 });
-        layers.push(layer);
-    }
-    let norm = src.vector(names.get("norm"), h)?;
-    pb.inc(1);
-    let lm_head = if c.tie_word_embeddings && !src.has(names.get("head")) {
-        None
-    } else {
-        let m = src.matrix(names.get("head"), c.vocab_size, h)?;
-        pb.inc(1);
-        Some(m)
-    };
-    Ok(LlamaWeights {
-        embed,
-        layers,
-        norm,
-        lm_head,
-    })
-}
-
 impl TensorSource for GgufFile {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
         let t = self
@@ -221,6 +165,27 @@ impl TensorSource for GgufFile {
             });
         }
         Ok(Matrix::new(t.dtype, rows, cols, self.tensor_bytes(t))?)
+    }
+
+    fn stacked(
+        &self,
+        name: &str,
+        n: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix, ModelError> {
+        let t = self
+            .tensor(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let actual: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+        if actual != [cols, rows, n] {
+            return Err(ModelError::Shape {
+                tensor: name.to_string(),
+                expected: vec![cols, rows, n],
+                actual,
+            });
+        }
+        Ok(Matrix::new(t.dtype, n * rows, cols, self.tensor_bytes(t))?)
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
@@ -351,6 +316,24 @@ impl SafetensorsSet {
         Ok(SafetensorsSet { shards, tensors })
     }
 
+    /// A matrix over the tensor's bytes in its memory-mapped shard (no copy).
+    fn mapped(
+        &self,
+        t: &StTensor,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix, ModelError> {
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.shards[t.shard].1.clone();
+        let range = t.range.clone();
+        Ok(Matrix::new(
+            dtype,
+            rows,
+            cols,
+            WeightBytes::Shared { owner, range },
+        )?)
+    }
+
     fn bytes(&self, t: &StTensor) -> &[u8] {
         &self.shards[t.shard].1[t.range.clone()]
     }
@@ -408,16 +391,18 @@ impl SafetensorsSet {
 impl TensorSource for SafetensorsSet {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
         let (t, dtype) = self.checked(name, &[rows, cols])?;
-        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.shards[t.shard].1.clone();
-        Ok(Matrix::new(
-            dtype,
-            rows,
-            cols,
-            WeightBytes::Shared {
-                owner,
-                range: t.range.clone(),
-            },
-        )?)
+        self.mapped(t, dtype, rows, cols)
+    }
+
+    fn stacked(
+        &self,
+        name: &str,
+        n: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix, ModelError> {
+        let (t, dtype) = self.checked(name, &[n, rows, cols])?;
+        self.mapped(t, dtype, n * rows, cols)
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
@@ -451,24 +436,21 @@ mod tests {
 
     fn tiny_config() -> ModelConfig {
         ModelConfig {
-            architecture: "llama".into(),
-            hidden_size: 4,
-            intermediate_size: 8,
-            num_layers: 1,
-            num_heads: 2,
-            num_kv_heads: 1,
-            head_dim: 2,
-            vocab_size: 6,
-            max_position_embeddings: 16,
-            rms_norm_eps: 1e-5,
-            rope_theta: 10000.0,
-            rope_scaling: tandem_kernels::RopeScaling::None,
-            rope_style: tandem_kernels::RopeStyle::Neox,
             tie_word_embeddings: true,
-            attention_bias: false,
-            bos_token_id: None,
-            eos_token_ids: vec![],
-            sliding_window: None,
+            ..ModelConfig::dense(crate::config::DenseShape {
+                hidden: 4,
+                ffn: 8,
+                layers: 1,
+                heads: 2,
+                kv_heads: 1,
+                head_dim: 2,
+                vocab: 6,
+                max_positions: 16,
+                rope: crate::spec::LayerRope {
+                    theta: 10000.0,
+                    scaling: tandem_kernels::RopeScaling::None,
+                },
+            })
         }
     }
 
@@ -537,7 +519,7 @@ mod tests {
         assert_eq!(w.embed.dtype(), DType::BF16);
         assert!(w.lm_head.is_none());
         assert_eq!(w.layers[0].wq.rows(), 4);
-        assert_eq!(w.layers[0].w_down.cols(), 8);
+        assert_eq!(w.layers[0].mlp.dense().unwrap().down.cols(), 8);
         assert_eq!(w.norm, vec![1.0; 4]);
         let mut row = vec![0.0; 4];
         w.embed.dequantize_row(1, &mut row);

@@ -26,7 +26,7 @@ fn config_matches_the_gguf_metadata() {
     );
     assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (9, 3, 64));
     assert_eq!((c.vocab_size, c.max_position_embeddings), (49152, 8192));
-    assert_eq!(c.rope_theta, 100000.0);
+    assert_eq!(c.layer(0).rope.theta, 100000.0);
     assert!((c.rms_norm_eps - 1e-5).abs() < 1e-9);
     assert_eq!(c.rope_style, tandem_kernels::RopeStyle::Interleaved);
     assert!(c.tie_word_embeddings && !c.attention_bias);

@@ -164,6 +164,44 @@ fn widths(c: &ModelConfig) -> (usize, usize, usize, usize, usize) {
     )
 }
 
+/// Refuses, at load and naming the feature, a model structure the CUDA kernels do not compute yet:
+/// they run dense SiLU-gated layers that all share one rope and one attention span, unscaled
+/// embeddings and logits, 1/sqrt(head_dim) attention, no per-head or post-block norms.
+fn check_structure(c: &ModelConfig) -> Result<(), CudaError> {
+    let first = c.layer(0);
+    let default_scale = ModelConfig::default_attn_scale(c.head_dim);
+    let refused = [
+        (c.has_moe(), "mixture-of-experts layers"),
+        (c.qk_norm, "per-head query/key norms (qk_norm)"),
+        (c.sandwich_norms, "post-attention and post-MLP norms"),
+        (
+            c.activation != tandem_model::Activation::Silu,
+            "an MLP activation other than SiLU",
+        ),
+        (c.embedding_scale.is_some(), "a scaled embedding"),
+        (c.final_logit_softcap.is_some(), "logit soft-capping"),
+        (
+            (c.attn_scale - default_scale).abs() > f32::EPSILON * default_scale,
+            "an attention scale other than 1/sqrt(head_dim)",
+        ),
+        (
+            c.layers.iter().any(|l| l.rope != first.rope),
+            "a rope that differs between layers",
+        ),
+        (
+            c.layers.iter().any(|l| l.attention != first.attention),
+            "attention spans that differ between layers (local and global layers)",
+        ),
+    ];
+    match refused.iter().find(|r| r.0) {
+        Some((_, what)) => Err(CudaError::Unsupported(format!(
+            "{} on CUDA: the {} model has {what}; serve it with --device cpu",
+            c.architecture, c.architecture
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Whether a CUDA driver can be loaded on this machine (tests and `--device cuda` check this first).
 pub fn driver_available() -> bool {
     // SAFETY: only probes for the shared library; no symbol is called.
@@ -209,6 +247,7 @@ impl CudaLlama {
                 8 * NORM_CHUNKS * 1024
             )));
         }
+        check_structure(&config)?;
         if opts.max_tokens > 65535 {
             return Err(CudaError::Unsupported(
                 "more than 65535 tokens per step".into(),
@@ -261,7 +300,7 @@ impl CudaLlama {
             .max_model_len
             .unwrap_or(c.max_position_embeddings)
             .min(c.max_position_embeddings);
-        if let Some(w) = c.sliding_window.filter(|&w| w < max_model_len) {
+        if let Some(w) = c.layer(0).attention.window().filter(|&w| w < max_model_len) {
             // Our attention kernels are dense: capping the context at the window keeps them exact.
             tracing::warn!(
                 window = w,
@@ -291,8 +330,8 @@ impl CudaLlama {
         // RoPE tables.
         let rope = RopeTable::new(
             c.head_dim,
-            c.rope_theta,
-            &c.rope_scaling,
+            c.layer(0).rope.theta,
+            &c.layer(0).rope.scaling,
             max_model_len,
             c.rope_style,
         );

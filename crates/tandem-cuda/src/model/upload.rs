@@ -147,14 +147,18 @@ impl Uploader<'_> {
                         }
                         _ => None,
                     };
+                    // check_structure admitted dense layers only.
+                    let mlp = lw.mlp.dense().ok_or_else(|| {
+                        CudaError::Unsupported("mixture-of-experts layers on CUDA".into())
+                    })?;
                     layers.push(LayerBufs {
                         attn_norm: up.vector(&lw.attn_norm)?,
                         wqkv: up.matrices(&[&lw.wq, &lw.wk, &lw.wv])?,
                         bqkv,
                         wo: up.matrices(&[&lw.wo])?,
                         ffn_norm: up.vector(&lw.ffn_norm)?,
-                        w_gate_up: up.matrices(&[&lw.w_gate, &lw.w_up])?,
-                        w_down: up.matrices(&[&lw.w_down])?,
+                        w_gate_up: up.matrices(&[&mlp.gate, &mlp.up])?,
+                        w_down: up.matrices(&[&mlp.down])?,
                     });
                 }
                 let norm = up.vector(&w.norm)?;

@@ -3,8 +3,11 @@
 
 use super::*;
 use crate::collective::ThreadCollective;
-use crate::weights::LayerWeights;
-use tandem_kernels::{RopeScaling, RopeStyle};
+use crate::config::DenseShape;
+use crate::spec::LayerRope;
+use crate::spec::{Activation, AttentionSpan, MlpKind, MoeSpec};
+use crate::weights::{GatedMlp, LayerWeights, MlpWeights, MoeWeights, SharedExpert};
+use tandem_kernels::RopeScaling;
 
 /// A deterministic pseudo-random generator so the tiny model's weights need no extra crate.
 struct Lcg(u64);
@@ -23,24 +26,22 @@ impl Lcg {
 
 fn tiny(bias: bool) -> (ModelConfig, LlamaWeights) {
     let c = ModelConfig {
-        architecture: "llama".into(),
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_layers: 2,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 8,
-        vocab_size: 50,
-        max_position_embeddings: 64,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_scaling: RopeScaling::None,
-        rope_style: RopeStyle::Neox,
         tie_word_embeddings: true,
         attention_bias: bias,
-        bos_token_id: None,
-        eos_token_ids: vec![],
-        sliding_window: None,
+        ..ModelConfig::dense(DenseShape {
+            hidden: 32,
+            ffn: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            vocab: 50,
+            max_positions: 64,
+            rope: LayerRope {
+                theta: 10000.0,
+                scaling: RopeScaling::None,
+            },
+        })
     };
     let mut g = Lcg(7);
     let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
@@ -54,10 +55,16 @@ fn tiny(bias: bool) -> (ModelConfig, LlamaWeights) {
             bq: bias.then(|| (0..q).map(|_| g.next()).collect()),
             bk: bias.then(|| (0..kv).map(|_| g.next()).collect()),
             bv: bias.then(|| (0..kv).map(|_| g.next()).collect()),
+            q_norm: None,
+            k_norm: None,
+            post_attn_norm: None,
             ffn_norm: (0..h).map(|_| 1.0 + g.next()).collect(),
-            w_gate: g.matrix(f, h),
-            w_up: g.matrix(f, h),
-            w_down: g.matrix(h, f),
+            mlp: MlpWeights::Dense(GatedMlp {
+                gate: g.matrix(f, h),
+                up: g.matrix(f, h),
+                down: g.matrix(h, f),
+            }),
+            post_ffn_norm: None,
         })
         .collect();
     let w = LlamaWeights {
@@ -70,6 +77,100 @@ fn tiny(bias: bool) -> (ModelConfig, LlamaWeights) {
 }
 
 /// Runs `prompt` through the model split at `cuts`, returning the logits of every token.
+/// The tiny model with every structural feature of the description on: per-head norms, sandwich
+/// norms, GELU, a scaled embedding, soft-capped logits, a windowed layer with its own rope, and a
+/// mixture-of-experts layer with a shared expert (Gemma 3's and Qwen-MoE's pieces in one model).
+fn featured() -> (ModelConfig, LlamaWeights) {
+    let (mut c, mut w) = tiny(true);
+    let mut g = Lcg(11);
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    c.qk_norm = true;
+    c.sandwich_norms = true;
+    c.activation = Activation::GeluTanh;
+    c.embedding_scale = Some(2.0);
+    c.final_logit_softcap = Some(3.0);
+    c.attn_scale = 0.2;
+    c.layers[0].attention = AttentionSpan::Window(3);
+    c.layers[0].rope.theta = 500.0;
+    c.layers[1].mlp = MlpKind::Moe;
+    let (experts, ef, sf) = (4, 16, 24);
+    c.moe = Some(MoeSpec {
+        num_experts: experts,
+        top_k: 2,
+        norm_top_k: true,
+        expert_ffn: ef,
+        shared_ffn: Some(sf),
+    });
+    c.validate().unwrap();
+    let mut norm = |n: usize| -> Vec<f32> { (0..n).map(|_| 1.0 + g.next()).collect() };
+    let norms: Vec<[Vec<f32>; 4]> = (0..c.num_layers)
+        .map(|_| [norm(hd), norm(hd), norm(h), norm(h)])
+        .collect();
+    for (lw, [qn, kn, pa, pf]) in w.layers.iter_mut().zip(norms) {
+        lw.q_norm = Some(qn);
+        lw.k_norm = Some(kn);
+        lw.post_attn_norm = Some(pa);
+        lw.post_ffn_norm = Some(pf);
+    }
+    let mut mlp = |f: usize| GatedMlp {
+        gate: g.matrix(f, h),
+        up: g.matrix(f, h),
+        down: g.matrix(h, f),
+    };
+    let moe = MoeWeights {
+        router: Lcg(5).matrix(experts, h),
+        experts: (0..experts).map(|_| mlp(ef)).collect(),
+        shared: Some(SharedExpert {
+            mlp: mlp(sf),
+            gate: (0..h).map(|i| (i as f32 - 16.0) / 32.0).collect(),
+        }),
+    };
+    w.layers[1].mlp = MlpWeights::Moe(moe);
+    (c, w)
+}
+
+#[test]
+fn the_featured_model_chunks_batches_and_bounds_its_logits() {
+    let (c, w) = featured();
+    let mut m = CpuLlama::new(c, w, 2);
+    let prompt: Vec<u32> = (0..13).map(|i| (i * 7 + 3) % 50).collect();
+    let blocks = [9, 2, 14, 5];
+    let one = run_chunks(&mut m, &prompt, &[], &blocks);
+    let each: Vec<usize> = (1..13).collect();
+    let single = run_chunks(&mut m, &prompt, &each, &blocks);
+    for (a, b) in one.iter().zip(&single) {
+        assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+    }
+    assert!(one.iter().all(|x| x.abs() < 3.0), "soft-capped at 3");
+    // Every routed row went to exactly top-k experts of the one MoE layer.
+    let counts = m.expert_counts();
+    assert_eq!(counts.experts, 4);
+    let routed: u64 = counts.tokens.iter().sum();
+    assert_eq!(
+        routed,
+        2 * 2 * 13,
+        "two runs of 13 tokens, two experts each"
+    );
+    assert!(
+        counts.tokens[..4].iter().all(|&n| n == 0) && counts.tokens[8..].iter().all(|&n| n == 0)
+    );
+}
+
+#[test]
+fn the_window_hides_tokens_beyond_it() {
+    // Two layers of window 3 reach back 2·(3-1) = 4 positions: the first token, 5 back from the last,
+    // cannot change the last row's logits, while it does change its own.
+    let (mut c, w) = tiny(false);
+    for l in &mut c.layers {
+        l.attention = AttentionSpan::Window(3);
+    }
+    let mut m = CpuLlama::new(c, w, 1);
+    let a = run_chunks(&mut m, &[1, 2, 3, 4, 5, 6], &[], &[0, 1]);
+    let b = run_chunks(&mut m, &[9, 2, 3, 4, 5, 6], &[], &[0, 1]);
+    assert_eq!(a[5 * 50..], b[5 * 50..]);
+    assert_ne!(a[..50], b[..50]);
+}
+
 fn run_chunks(model: &mut CpuLlama, prompt: &[u32], cuts: &[usize], blocks: &[u32]) -> Vec<f32> {
     let mut kv = KvCache::new(model.kv_layout(4, 16));
     let mut all = Vec::new();
@@ -195,7 +296,12 @@ fn tensor_parallel_ranks_match_the_whole_model_bit_for_bit() {
 
 #[test]
 fn pipeline_stages_chain_to_the_whole_model_bit_for_bit() {
-    let (c, w) = tiny(true);
+    for (c, w) in [tiny(true), featured()] {
+        stages_chain(c, w);
+    }
+}
+
+fn stages_chain(c: ModelConfig, w: LlamaWeights) {
     let prompt: Vec<u32> = (0..11).map(|i| (i * 3 + 2) % 50).collect();
     let mut whole = CpuLlama::new(c.clone(), w.clone(), 1);
     let mut kv = KvCache::new(whole.kv_layout(4, 8));

@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use serde::Serialize;
 use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
-use tandem_model::{ForwardBatch, LogitsWanted, ModelConfig};
+use tandem_model::{DenseShape, ForwardBatch, LayerRope, LogitsWanted, ModelConfig};
 
 use super::io_err;
 use crate::cuda_settings::CudaSettings;
@@ -82,31 +82,25 @@ pub(super) struct BenchArgs {
 impl BenchArgs {
     /// Llama-3.1-8B's shape: 32 layers, 4096 hidden, 14336 FFN, 32/8 heads, 128256 vocab.
     pub(super) fn llama3_8b_config() -> ModelConfig {
-        ModelConfig {
-            architecture: "llama".into(),
-            hidden_size: 4096,
-            intermediate_size: 14336,
-            num_layers: 32,
-            num_heads: 32,
-            num_kv_heads: 8,
+        ModelConfig::dense(DenseShape {
+            hidden: 4096,
+            ffn: 14336,
+            layers: 32,
+            heads: 32,
+            kv_heads: 8,
             head_dim: 128,
-            vocab_size: 128256,
-            max_position_embeddings: 8192,
-            rms_norm_eps: 1e-5,
-            rope_theta: 500000.0,
-            rope_scaling: tandem_kernels::RopeScaling::Llama3 {
-                factor: 8.0,
-                low_freq_factor: 1.0,
-                high_freq_factor: 4.0,
-                original_max_position: 8192,
+            vocab: 128256,
+            max_positions: 8192,
+            rope: LayerRope {
+                theta: 500000.0,
+                scaling: tandem_kernels::RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position: 8192,
+                },
             },
-            rope_style: tandem_kernels::RopeStyle::Neox,
-            tie_word_embeddings: false,
-            attention_bias: false,
-            bos_token_id: None,
-            eos_token_ids: vec![],
-            sliding_window: None,
-        }
+        })
     }
 }
 

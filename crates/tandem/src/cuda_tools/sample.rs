@@ -91,6 +91,7 @@ fn filtered_distribution(logits: &[f32], row: &SampleRow) -> Vec<f64> {
 pub fn run(out: &Path, rounds: usize) -> Result<()> {
     let mut c = BenchArgs::llama3_8b_config();
     c.num_layers = 1;
+    c.layers.truncate(1);
     c.hidden_size = 256;
     c.intermediate_size = 512;
     c.num_heads = 2;
