@@ -367,7 +367,7 @@ fn gpt2_pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, ModelError> {
     let byte_level = ByteLevel::new(false, true, true);
     match pre {
         // GPT-2's regex alone.
-        "default" | "gpt2" | "mpt" | "olmo" | "jais" => Ok(byte_level.into()),
+        "default" | "gpt2" | "gpt-2" | "mpt" | "olmo" | "jais" => Ok(byte_level.into()),
         // Every digit is its own word first (llama.cpp: "\p{N}" then the GPT-2 regex); matches the HF
         // tokenizer.json of these models (Digits(individual_digits) + ByteLevel).
         "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {

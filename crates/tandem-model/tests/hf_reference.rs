@@ -18,13 +18,21 @@ const TOL: f32 = 1e-4;
 const BLOCK_SIZE: usize = 4;
 const NUM_BLOCKS: usize = 96;
 
-const FIXTURES: [&str; 6] = [
+const FIXTURES: [&str; 14] = [
     "tiny-llama",
     "tiny-llama3-rope",
     "tiny-llama3-gguf",
     "tiny-qwen2",
     "tiny-llama-sharded-bf16",
     "tiny-mistral-sw",
+    "tiny-qwen3",
+    "tiny-qwen3-gguf",
+    "tiny-qwen3-moe",
+    "tiny-qwen3-moe-gguf",
+    "tiny-qwen2-moe",
+    "tiny-qwen2-moe-gguf",
+    "tiny-gemma3",
+    "tiny-gemma3-gguf",
 ];
 
 struct Prompt {
@@ -300,6 +308,14 @@ fixture_tests! {
     tiny_qwen2 => "tiny-qwen2",
     tiny_llama_sharded_bf16 => "tiny-llama-sharded-bf16",
     tiny_mistral_sw => "tiny-mistral-sw",
+    tiny_qwen3 => "tiny-qwen3",
+    tiny_qwen3_gguf => "tiny-qwen3-gguf",
+    tiny_qwen3_moe => "tiny-qwen3-moe",
+    tiny_qwen3_moe_gguf => "tiny-qwen3-moe-gguf",
+    tiny_qwen2_moe => "tiny-qwen2-moe",
+    tiny_qwen2_moe_gguf => "tiny-qwen2-moe-gguf",
+    tiny_gemma3 => "tiny-gemma3",
+    tiny_gemma3_gguf => "tiny-gemma3-gguf",
 }
 
 /// Every fixture folder on disk is covered by the list above (so a new one cannot be silently skipped).

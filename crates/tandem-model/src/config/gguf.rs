@@ -141,11 +141,30 @@ impl ModelConfig {
         };
         let num_layers = req_u("block_count")?;
         let window = opt_u("attention.sliding_window");
+        // llama.cpp reads the pattern as a period (every nth layer global) or as one flag per layer,
+        // and falls back to the family's fixed period.
+        let pattern = gguf.get(&key("attention.sliding_window_pattern"));
+        let flags: Option<Vec<bool>> = pattern
+            .and_then(GgufValue::as_array)
+            .map(|a| a.iter().map(|v| v.as_bool().unwrap_or(false)).collect());
+        if flags.as_ref().is_some_and(|f| f.len() != num_layers) {
+            return Err(ModelError::Config(format!(
+                "{} does not list one flag per layer of {num_layers}",
+                key("attention.sliding_window_pattern")
+            )));
+        }
+        let period = pattern
+            .and_then(GgufValue::as_u64)
+            .map(|n| n as usize)
+            .or(fam.swa_pattern)
+            .filter(|&n| n > 0);
         let layers = (0..num_layers)
             .map(|l| {
-                let windowed = match (fam.swa_pattern, window) {
-                    (Some(n), Some(_)) => (l + 1) % n != 0,
-                    _ => false,
+                let windowed = match (&flags, period, window) {
+                    (_, _, None) => false,
+                    (Some(f), _, _) => f[l],
+                    (None, Some(n), _) => (l + 1) % n != 0,
+                    (None, None, _) => false,
                 };
                 let (attention, rope) = match window {
                     Some(w) if windowed => (

@@ -51,7 +51,7 @@ pub(super) enum Names {
 /// layer tensors (from `attn_norm` on) are spelled after their layer's prefix. HF's
 /// `post_attention_layernorm` is the pre-MLP norm of Llama-style blocks and the post-attention norm of
 /// sandwich-norm blocks (whose pre-MLP norm is `pre_feedforward_layernorm`): [`Names::get`] picks.
-const TENSOR_NAMES: [(&str, &str, &str); 27] = [
+const TENSOR_NAMES: [(&str, &str, &str); 24] = [
     ("embed", "token_embd.weight", "model.embed_tokens.weight"),
     ("norm", "output_norm.weight", "model.norm.weight"),
     ("head", "output.weight", "lm_head.weight"),
@@ -89,9 +89,6 @@ const TENSOR_NAMES: [(&str, &str, &str); 27] = [
     ("up", "ffn_up.weight", "mlp.up_proj.weight"),
     ("down", "ffn_down.weight", "mlp.down_proj.weight"),
     ("router", "ffn_gate_inp.weight", "mlp.gate.weight"),
-    ("exps_gate", "ffn_gate_exps.weight", "mlp.experts.gate_proj"),
-    ("exps_up", "ffn_up_exps.weight", "mlp.experts.up_proj"),
-    ("exps_down", "ffn_down_exps.weight", "mlp.experts.down_proj"),
     (
         "shexp_gate",
         "ffn_gate_shexp.weight",
@@ -107,6 +104,14 @@ const TENSOR_NAMES: [(&str, &str, &str); 27] = [
         "ffn_down_shexp.weight",
         "mlp.shared_expert.down_proj.weight",
     ),
+];
+
+/// GGUF stacks the routed experts' projections (gate, up, down) in one 3-D tensor each; HF names each
+/// expert's (`mlp.experts.{e}.{gate,up,down}_proj.weight`).
+const GGUF_EXPERTS: [&str; 3] = [
+    "ffn_gate_exps.weight",
+    "ffn_up_exps.weight",
+    "ffn_down_exps.weight",
 ];
 
 /// The shared expert's gate row; GGUF stores it as a vector, HF as a 1 × hidden matrix.
@@ -249,10 +254,8 @@ fn assemble_moe(
     let n = |p: &str| names.layer(l, p);
     let router = src.matrix(&n("router"), e, h)?;
     pb.inc(1);
-    // HF checkpoints name each expert's projections; GGUF (and fused HF) stacks them in one tensor.
-    let per_expert = format!("{}.mlp.experts.0.gate_proj.weight", names.prefix(l));
-    let experts = if matches!(names, Names::Hf) && src.has(&per_expert) {
-        (0..e)
+    let experts = match names {
+        Names::Hf => (0..e)
             .map(|x| {
                 let p = |proj: &str| format!("{}.mlp.experts.{x}.{proj}.weight", names.prefix(l));
                 let mlp = GatedMlp {
@@ -263,19 +266,21 @@ fn assemble_moe(
                 pb.inc(3);
                 Ok(mlp)
             })
-            .collect::<Result<Vec<_>, ModelError>>()?
-    } else {
-        let gate = src.stacked(&n("exps_gate"), e, f, h)?;
-        let up = src.stacked(&n("exps_up"), e, f, h)?;
-        let down = src.stacked(&n("exps_down"), e, h, f)?;
-        pb.inc(3);
-        (0..e)
-            .map(|x| GatedMlp {
-                gate: gate.slice_rows(x * f..(x + 1) * f),
-                up: up.slice_rows(x * f..(x + 1) * f),
-                down: down.slice_rows(x * h..(x + 1) * h),
-            })
-            .collect()
+            .collect::<Result<Vec<_>, ModelError>>()?,
+        Names::Gguf => {
+            let [g, u, d] = GGUF_EXPERTS.map(|t| format!("{}.{t}", names.prefix(l)));
+            let gate = src.stacked(&g, e, f, h)?;
+            let up = src.stacked(&u, e, f, h)?;
+            let down = src.stacked(&d, e, h, f)?;
+            pb.inc(3);
+            (0..e)
+                .map(|x| GatedMlp {
+                    gate: gate.slice_rows(x * f..(x + 1) * f),
+                    up: up.slice_rows(x * f..(x + 1) * f),
+                    down: down.slice_rows(x * h..(x + 1) * h),
+                })
+                .collect()
+        }
     };
     let shared = match m.shared_ffn {
         None => None,
