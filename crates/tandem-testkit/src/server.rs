@@ -206,14 +206,16 @@ impl Server {
             .await
     }
 
-    /// A completion with the given body (the default model's name filled in); panics on an error answer.
+    /// A completion with the given body (the default model's name filled in where it names none); panics on
+    /// an error answer.
     pub async fn complete_with(&self, body: Value) -> Value {
         let (status, v) = self.post_completion(body).await;
         assert!(status.is_success(), "{status}: {v}\n{}", self.log());
         v
     }
 
-    /// Sends a completion with the given body (the default model's name filled in): its status and body.
+    /// Sends a completion with the given body (the default model's name filled in where it names none): its
+    /// status and body.
     pub async fn post_completion(&self, body: Value) -> (reqwest::StatusCode, Value) {
         self.spawn_completion(body).await.expect("completion task")
     }
@@ -223,7 +225,9 @@ impl Server {
         &self,
         mut body: Value,
     ) -> tokio::task::JoinHandle<(reqwest::StatusCode, Value)> {
-        body["model"] = json!(DEFAULT_MODEL_NAME);
+        if body.get("model").is_none() {
+            body["model"] = json!(DEFAULT_MODEL_NAME);
+        }
         let (http, url) = (self.http.clone(), format!("{}/v1/completions", self.url));
         tokio::spawn(async move {
             let r = http
