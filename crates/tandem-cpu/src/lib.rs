@@ -7,8 +7,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tandem_engine::{Backend, BackendError, BackendErrorKind, BackendInfo};
 use tandem_model::{
-    CpuLlama, ForwardBatch, GroupBreaker, KvCache, KvDtype, KvLayout, LlamaWeights, ModelConfig,
-    ModelError, Partition, ThreadCollective,
+    CpuLlama, ForwardBatch, GroupBreaker, KvCache, KvDtype, KvLayout, LayerExpertTokens,
+    LlamaWeights, ModelConfig, ModelError, Partition, ThreadCollective,
 };
 
 /// One tensor-parallel rank: its share of the model and of every KV block (its KV heads).
@@ -164,6 +164,12 @@ fn rank_step(rank: &mut Rank, batch: &ForwardBatch) -> Result<(), BackendError> 
 impl Backend for CpuBackend {
     fn info(&self) -> &BackendInfo {
         &self.info
+    }
+
+    /// Rank 0's counts: a model with experts runs on one rank (tensor parallelism refuses it).
+    fn moe_expert_tokens(&self, out: &mut Vec<LayerExpertTokens>) {
+        out.clear();
+        out.extend(self.ranks[0].model.expert_tokens().cloned());
     }
 
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use tandem_model::{ForwardBatch, KvLayout, ModelConfig};
+use tandem_model::{ForwardBatch, KvLayout, LayerExpertTokens, ModelConfig};
 
 use crate::kv_host::{HostBuf, HostPool, KvExport, ReadyExport, StagedExport};
 use crate::kv_staging::{HostStaging, KvStaging, StagedLayer, StagingSlice};
@@ -254,6 +254,11 @@ pub trait Backend: Send + 'static {
     /// Tokens that end generation unless a request sets `ignore_eos`.
     fn eos_token_ids(&self) -> &[u32] {
         &self.info().eos
+    }
+    /// Copies into `out` the token rows routed to each expert of the model's mixture-of-experts layers
+    /// this backend computes, since load (left empty for a dense model or a backend that does not count).
+    fn moe_expert_tokens(&self, out: &mut Vec<LayerExpertTokens>) {
+        out.clear();
     }
     /// Runs one step: writes the batch's K/V through its block tables and returns
     /// `batch.logits_rows()` rows of `vocab_size` logits (cleared, then filled).

@@ -36,4 +36,6 @@ pub use guide::GuideEnv;
 pub use kv_host::{HostBuf, HostMem, HostPool, KvExport, ReadyExport, StagedExport, VecPool};
 pub use kv_staging::{HostStaging, KvStaging, StagedLayer, StagingKind, StagingMem, StagingSlice};
 pub use stage::{Activations, SizedPool, StageError, StageModel};
+/// Part of [`EngineStats`]: what a mixture-of-experts backend counted per layer.
+pub use tandem_model::LayerExpertTokens;
 pub use types::*;

@@ -5,7 +5,9 @@
 //! stage implementation would otherwise restate.
 
 use serde::{Deserialize, Serialize};
-use tandem_model::{ForwardBatch, KvDtype, KvLayout, ModelConfig, ModelError, Partition};
+use tandem_model::{
+    ForwardBatch, KvDtype, KvLayout, LayerExpertTokens, ModelConfig, ModelError, Partition,
+};
 
 use crate::DeviceSampling;
 
@@ -161,6 +163,11 @@ pub trait StageModel: Send + 'static {
     /// The longest context the stage serves (a GPU's buffers may cap it below the model's).
     fn max_len(&self) -> usize {
         self.config().max_position_embeddings
+    }
+    /// Copies into `out` the token rows routed to each expert of this stage's mixture-of-experts layers
+    /// since load (left empty for dense layers or a device that does not count them).
+    fn moe_expert_tokens(&self, out: &mut Vec<LayerExpertTokens>) {
+        out.clear();
     }
     /// Allocates the KV pool: `num_blocks` blocks of `block_size` tokens for the stage's layers.
     fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), StageError>;

@@ -1,5 +1,7 @@
 //! The engine's counters and gauges.
 
+use tandem_model::LayerExpertTokens;
+
 /// Counters and gauges the API exports as Prometheus metrics.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct EngineStats {
@@ -35,4 +37,8 @@ pub struct EngineStats {
     pub requests_finished_total: u64,
     /// Model steps run.
     pub steps_total: u64,
+    /// Token rows each mixture-of-experts layer of this engine's backend routed to each expert since
+    /// load (empty for a dense model); the backend's own count, copied as the other counters are.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub moe_expert_tokens: Vec<LayerExpertTokens>,
 }

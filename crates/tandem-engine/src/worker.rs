@@ -759,6 +759,7 @@ impl<B: Backend> Worker<B> {
         c.kv_blocks_used = self.pool.num_used();
         c.kv_blocks_cached = self.pool.num_cached();
         (c.prefix_cache_queries, c.prefix_cache_hits) = self.pool.prefix_counters();
+        self.backend.moe_expert_tokens(&mut c.moe_expert_tokens);
         self.shared.stats.lock().clone_from(c);
     }
 }

@@ -24,7 +24,7 @@ pub use detok::IncrementalDecoder;
 pub use error::ModelError;
 pub use identity::ModelIdentity;
 pub use kv::KvCache;
-pub use llama::CpuLlama;
+pub use llama::{CpuLlama, LayerExpertTokens};
 pub use load::{load, LoadOptions, LoadedModel};
 pub use partition::{Partition, RankShare};
 pub use spec::{Activation, AttentionSpan, LayerRope, LayerSpec, MlpKind, MoeSpec};

@@ -13,12 +13,12 @@ use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::kv::KvCache;
 use crate::partition::{shard_weights, Partition, RankShare};
-use crate::spec::{Activation, LayerRope};
+use crate::spec::{Activation, LayerRope, MlpKind};
 use crate::weights::{GatedMlp, LlamaWeights, MlpWeights};
 
 mod moe;
 
-pub use moe::ExpertCounts;
+pub use moe::LayerExpertTokens;
 
 /// Activation buffers of one step, grown to the largest step seen and then reused.
 #[derive(Default)]
@@ -88,8 +88,8 @@ pub struct CpuLlama {
     mm: MatmulScratch,
     scratch: Scratch,
     moe_scratch: moe::MoeScratch,
-    /// Rows routed to each expert of this partition's layers.
-    expert_counts: ExpertCounts,
+    /// Rows routed to each expert, one entry per layer of this partition (empty for a dense layer).
+    expert_tokens: Vec<LayerExpertTokens>,
     seqs: Vec<AttnSeq<'static>>,
 }
 
@@ -178,10 +178,17 @@ impl CpuLlama {
             })
             .collect();
         let experts = config.moe.as_ref().map_or(0, |m| m.num_experts);
-        let expert_counts = ExpertCounts {
-            experts,
-            tokens: vec![0; experts * part.layers.len()],
-        };
+        let expert_tokens = part
+            .layers
+            .clone()
+            .map(|layer| LayerExpertTokens {
+                layer,
+                tokens: match config.layer(layer).mlp {
+                    MlpKind::Moe => vec![0; experts],
+                    MlpKind::Dense => Vec::new(),
+                },
+            })
+            .collect();
         tracing::debug!(threads, partition = ?part, "cpu llama ready");
         CpuLlama {
             config,
@@ -195,7 +202,7 @@ impl CpuLlama {
             mm: MatmulScratch::default(),
             scratch: Scratch::default(),
             moe_scratch: moe::MoeScratch::default(),
-            expert_counts,
+            expert_tokens,
             seqs: Vec::new(),
         }
     }
@@ -215,9 +222,10 @@ impl CpuLlama {
         &self.config
     }
 
-    /// Rows routed to each expert of this partition's layers since it was built.
-    pub fn expert_counts(&self) -> &ExpertCounts {
-        &self.expert_counts
+    /// Rows routed to each expert of this partition's mixture-of-experts layers since it was built (none
+    /// for a dense model).
+    pub fn expert_tokens(&self) -> impl Iterator<Item = &LayerExpertTokens> {
+        self.expert_tokens.iter().filter(|l| !l.tokens.is_empty())
     }
 
     /// The weights of this partition (its layers, cut to its rank's share).
@@ -497,8 +505,7 @@ impl CpuLlama {
                     let spec = c.moe.as_ref().ok_or_else(|| {
                         ModelError::Config("a mixture-of-experts layer without experts".into())
                     })?;
-                    let e = spec.num_experts;
-                    let counts = &mut self.expert_counts.tokens[l * e..(l + 1) * e];
+                    let counts = &mut self.expert_tokens[l].tokens;
                     self.moe_scratch.forward(
                         pool,
                         moe,

@@ -9,7 +9,7 @@ use tandem_engine::{
     ReadyExport, StageError, StageModel, StagedExport, StagedLayer, StagingSlice,
 };
 use tandem_kv::KvError;
-use tandem_model::{ForwardBatch, KvLayout, ModelIdentity, Partition};
+use tandem_model::{ForwardBatch, KvLayout, LayerExpertTokens, ModelIdentity, Partition};
 
 use crate::link::StageClient;
 use crate::model::extend_f32;
@@ -458,6 +458,11 @@ pub(crate) fn split(batch: &ForwardBatch, m: usize, mbs: &mut Vec<ForwardBatch>)
 impl Backend for PipelineBackend {
     fn info(&self) -> &BackendInfo {
         &self.info
+    }
+
+    /// The first stage's layers only: the stages behind the links count theirs but do not report them.
+    fn moe_expert_tokens(&self, out: &mut Vec<LayerExpertTokens>) {
+        self.model.moe_expert_tokens(out);
     }
 
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {

@@ -4,8 +4,8 @@
 
 use tandem_engine::{Activations, SizedPool, StageError, StageModel};
 use tandem_model::{
-    CpuLlama, ForwardBatch, KvCache, KvDtype, KvLayout, LlamaWeights, ModelConfig, ModelError,
-    Partition,
+    CpuLlama, ForwardBatch, KvCache, KvDtype, KvLayout, LayerExpertTokens, LlamaWeights,
+    ModelConfig, ModelError, Partition,
 };
 
 /// Appends little-endian f32 `bytes` to `out` (a payload's bytes need not be 4-aligned).
@@ -50,6 +50,11 @@ impl StageModel for CpuStage {
 
     fn partition(&self) -> &Partition {
         self.model.partition()
+    }
+
+    fn moe_expert_tokens(&self, out: &mut Vec<LayerExpertTokens>) {
+        out.clear();
+        out.extend(self.model.expert_tokens().cloned());
     }
 
     fn kv_dtype(&self) -> KvDtype {

@@ -50,6 +50,8 @@ pub struct Metrics {
     itl: Histogram,
     e2e: Histogram,
     success: IntCounterVec,
+    /// Token rows routed per (layer, expert) of a mixture-of-experts model; no series for a dense one.
+    moe_expert_tokens: IntCounterVec,
     /// The engine counters as of the last scrape; Prometheus counters only move by increments.
     last: Mutex<EngineStats>,
 }
@@ -91,6 +93,14 @@ impl Metrics {
         for reason in FINISH_REASONS {
             success.with_label_values(&[reason]);
         }
+        let moe_expert_tokens = IntCounterVec::new(
+            Opts::new(
+                "tandem:moe_expert_tokens_total",
+                "Token rows routed to each expert of each mixture-of-experts layer.",
+            ),
+            &["layer", "expert"],
+        )?;
+        registry.register(Box::new(moe_expert_tokens.clone()))?;
         Ok(Self {
             running: gauge(
                 "tandem:num_requests_running",
@@ -136,6 +146,7 @@ impl Metrics {
             )?,
             kv_usage,
             success,
+            moe_expert_tokens,
             registry,
             last: Mutex::new(EngineStats::default()),
         })
@@ -206,6 +217,19 @@ impl Metrics {
                 stats.preemptions_total,
                 last.preemptions_total,
             );
+            for layer in &stats.moe_expert_tokens {
+                let before = last
+                    .moe_expert_tokens
+                    .iter()
+                    .find(|l| l.layer == layer.layer)
+                    .map_or(&[][..], |l| &l.tokens[..]);
+                for (expert, &now) in layer.tokens.iter().enumerate() {
+                    let series = self
+                        .moe_expert_tokens
+                        .with_label_values(&[&layer.layer.to_string(), &expert.to_string()]);
+                    bump(&series, now, before.get(expert).copied().unwrap_or(0));
+                }
+            }
             *last = stats.clone();
         }
         let mut buf = Vec::new();
@@ -305,6 +329,38 @@ mod tests {
         s.prompt_tokens_total = 55;
         let text = m.render(&s).unwrap();
         assert_eq!(value_of(&text, "tandem:prompt_tokens_total"), 55.0);
+    }
+
+    #[test]
+    fn expert_tokens_are_a_series_per_layer_and_expert_only_for_moe() {
+        let m = Metrics::new().unwrap();
+        let mut s = EngineStats::default();
+        assert!(!m
+            .render(&s)
+            .unwrap()
+            .contains("tandem:moe_expert_tokens_total{"));
+        s.moe_expert_tokens = vec![
+            tandem_engine::LayerExpertTokens {
+                layer: 3,
+                tokens: vec![5, 0, 2],
+            },
+            tandem_engine::LayerExpertTokens {
+                layer: 4,
+                tokens: vec![1, 6, 0],
+            },
+        ];
+        m.render(&s).unwrap();
+        s.moe_expert_tokens[0].tokens[2] = 9;
+        let text = m.render(&s).unwrap();
+        let series = |layer: usize, expert: usize| {
+            let name =
+                format!("tandem:moe_expert_tokens_total{{expert=\"{expert}\",layer=\"{layer}\"}}");
+            value_of(&text, &name)
+        };
+        assert_eq!(series(3, 0), 5.0);
+        assert_eq!(series(3, 2), 9.0);
+        assert_eq!(series(4, 1), 6.0);
+        assert_eq!(series(4, 2), 0.0);
     }
 
     #[test]

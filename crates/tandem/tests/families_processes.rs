@@ -36,6 +36,43 @@ async fn answers(server: &Server) -> Vec<String> {
     .await
 }
 
+/// The value of the series `name` (the whole line before the value) in a Prometheus text page.
+fn series_value(page: &str, name: &str) -> u64 {
+    page.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("{name} missing in\n{page}")) as u64
+}
+
+/// Each token row the server computed went to exactly `top_k` experts of each layer in `moe_layers`,
+/// and no other layer has a series.
+async fn assert_expert_tokens(server: &Server, moe_layers: &[usize], top_k: u64) {
+    let page = server.metrics().await;
+    let rows = series_value(&page, "tandem:prompt_tokens_total")
+        - series_value(&page, "tandem:prefix_cache_hits_total")
+        + series_value(&page, "tandem:generation_tokens_total")
+        - PROMPTS.len() as u64;
+    let mut per_layer = std::collections::BTreeMap::<usize, u64>::new();
+    for line in page.lines() {
+        let Some(rest) = line.strip_prefix("tandem:moe_expert_tokens_total{") else {
+            continue;
+        };
+        let layer: usize = rest
+            .split("layer=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let value: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        *per_layer.entry(layer).or_default() += value as u64;
+    }
+    let want: std::collections::BTreeMap<usize, u64> =
+        moe_layers.iter().map(|&l| (l, rows * top_k)).collect();
+    assert_eq!(per_layer, want, "{page}");
+}
+
 async fn pd_pipelined_matches_colocated(model: &str) {
     let _turn = SERIAL.lock().await;
     let model = fixture(model);
@@ -47,6 +84,10 @@ async fn pd_pipelined_matches_colocated(model: &str) {
         ),
     );
     let want = answers(&colocated).await;
+    if model.ends_with("tiny-qwen3-moe") {
+        // Its config: three layers, the middle one dense (`mlp_only_layers: [1]`), two experts a token.
+        assert_expert_tokens(&colocated, &[0, 2], 2).await;
+    }
     drop(colocated);
     assert!(want.iter().all(|t| !t.is_empty()), "{want:?}");
 

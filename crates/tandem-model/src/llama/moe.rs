@@ -28,13 +28,13 @@ pub(super) struct MoeScratch {
     shared_gate: Vec<f32>,
 }
 
-/// Token rows routed to each expert of each layer, since the model was built: what
-/// `tandem:moe_expert_tokens_total` reports, so that imbalance is visible.
-#[derive(Clone, Debug, Default)]
-pub struct ExpertCounts {
-    /// Experts per layer (0 when the model has none).
-    pub experts: usize,
-    /// layers × experts counts, row-major.
+/// Token rows one mixture-of-experts layer routed to each of its experts since the model was built:
+/// one layer's series of `tandem:moe_expert_tokens_total`, so that imbalance is visible.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LayerExpertTokens {
+    /// The layer's index in the whole model (not in a pipeline stage's share of it).
+    pub layer: usize,
+    /// Rows routed to each expert, by expert index.
     pub tokens: Vec<u64>,
 }
 
