@@ -25,7 +25,7 @@ import time
 import urllib.request
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 PROMPT_LENS = [1, 7, 64, 65, 150, 300]
 # The guided serve check's constraint: tokens t1..t4xx only, over the word-level vocabulary below.
@@ -34,9 +34,14 @@ DECODE_STEPS = 16
 VOCAB = 1024
 
 
-def build_model(work):
+# The families check.py builds: (config class, model class). Qwen3 adds per-head q/k RMSNorm before RoPE.
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+
+
+def build_model(work, family="llama"):
     torch.manual_seed(0)
-    cfg = LlamaConfig(
+    config_cls, model_cls = FAMILIES[family]
+    cfg = config_cls(
         hidden_size=512,
         intermediate_size=1536,
         num_hidden_layers=4,
@@ -52,7 +57,7 @@ def build_model(work):
         eos_token_id=2,
         initializer_range=0.05,
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = model_cls(cfg).to(torch.bfloat16)
     # Non-trivial norm weights so that a missing norm multiply shows.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -174,21 +179,22 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--work", default="/tmp/tandem-tiny-llama")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="llama")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     os.makedirs(a.out, exist_ok=True)
-    model = build_model(a.work)
+    model = build_model(a.work, a.family)
     ps = prompts()
     pfile = os.path.join(a.work, "prompts.json")
 
-    report = {"prompt_lens": PROMPT_LENS, "decode_steps": DECODE_STEPS, "checks": {}}
+    report = {"family": a.family, "prompt_lens": PROMPT_LENS, "decode_steps": DECODE_STEPS, "checks": {}}
     ok = True
     conts = [hf_greedy(model, p, DECODE_STEPS + 1) for p in ps]
     with open(pfile, "w") as f:
         json.dump([{"prompt": p, "force": c[:DECODE_STEPS]} for p, c in zip(ps, conts)], f)
     seqs = [p + c[:DECODE_STEPS] for p, c in zip(ps, conts)]
     ref16 = hf_rows(model, seqs)
-    model32 = LlamaForCausalLM.from_pretrained(a.work, dtype=torch.float32).cuda().eval()
+    model32 = AutoModelForCausalLM.from_pretrained(a.work, dtype=torch.float32).cuda().eval()
     ref32 = hf_rows(model32, seqs)
     hf16 = compare(ref16, ref32)
     report["checks"]["hf_bf16_vs_hf_fp32"] = dict(hf16, **{"pass": True, "note": "the bf16 noise floor"})

@@ -10,13 +10,15 @@
 #   ncu_summary.txt      per-kernel GPU time of one batch-1 decode step and one 4k prefill (ncu)
 #   sweep.jsonl          `sweep`: cuda-bench rows of each $SWEEP entry, tagged with its label
 #   ncu_detail.txt       `detail`: ncu's full section set for a few decode and prefill kernel launches
+#   qwen3/check.json     `qwen3`: check.py's checks on a tiny random Qwen3 (q/k norms)
+#   qwen3_bench.jsonl    `qwen3`: cuda-bench on Qwen3-8B's shape (random bf16 weights made on the GPU)
 # and, in the log only, `conformance`: the Backend contract on the CUDA backend (tandem-cuda's
 # tests/conformance.rs, a test executable built elsewhere with
 # `cargo test --release -p tandem-cuda --test conformance --no-run` and given as $CONFORMANCE_BIN,
 # default out/conformance).
 # (The device tool returns at most 8 files: keep it to these plus the caller's log.)
 # The tandem binary is built elsewhere (`cargo build --release --features cuda`, stripped) and given as
-# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [profile] | all
+# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [qwen3] [profile] | all
 # (TANDEM_ONLY=1 skips the HF peer in bench; `pick` checks $CANDIDATES and benches the first that passes.)
 # `sweep` (only when named) runs `cuda-bench $SWEEP_ARGS` once per entry of $SWEEP, a space-separated
 # list of label:FLAG,FLAG entries (A/B timings of the hidden --cuda-* tuning flags, e.g. --cuda-pdl or
@@ -43,6 +45,15 @@ status=0
 if want check; then
   echo "== correctness against HF transformers"
   timeout 180 python3 "$root/scripts/gpu/check.py" --bin "$BIN" --out "$OUT" || status=1
+fi
+if want qwen3; then
+  # Qwen3 (per-head q/k norms): the same checks on a tiny random Qwen3 (qwen3/check.json), then the
+  # 8B shape's speed (qwen3_bench.jsonl).
+  echo "== Qwen3 correctness against HF transformers"
+  timeout 180 python3 "$root/scripts/gpu/check.py" --family qwen3 --bin "$BIN" --work /tmp/tandem-tiny-qwen3 \
+    --out "$OUT/qwen3" || status=1
+  echo "== tandem cuda-bench --shape qwen3-8b"
+  timeout 150 "$BIN" cuda-bench --shape qwen3-8b --out "$OUT/qwen3_bench.jsonl" || status=1
 fi
 if [[ "$what" == *" pick "* ]]; then  # only when named: "all" checks $BIN alone
   # CANDIDATES="bin1 bin2 ...": checks them all at once (each in its own work dir) and keeps the first

@@ -272,6 +272,33 @@ extern "C" __global__ void rope_kv_write(bf16* __restrict__ qkv, const bf16* __r
     }
 }
 
+// Per-head RMSNorm of q and k before RoPE (Qwen3's q_norm / k_norm), in place in the qkv rows: one warp
+// per (token, head); heads below n_heads take qw, the n_kv after them kw (HEAD_DIM weights each). Rounding
+// as HF's: the normalised value rounded to bf16, then times the weight.
+extern "C" __global__ void qk_norm(bf16* __restrict__ qkv, const bf16* __restrict__ qw, const bf16* __restrict__ kw,
+                                   int n_heads, int n_kv, float eps) {
+    constexpr int PER_LANE = (HEAD_DIM + 31) / 32;
+    const int head = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
+    if (head >= n_heads + n_kv) return;
+    const int lane = threadIdx.x & 31;
+    bf16* x = qkv + (u64)blockIdx.x * (n_heads + 2 * n_kv) * HEAD_DIM + (u64)head * HEAD_DIM;
+    const bf16* w = head < n_heads ? qw : kw;
+    float v[PER_LANE];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        const int d = lane + 32 * i;
+        v[i] = d < HEAD_DIM ? bf2f(x[d]) : 0.f;
+        ss += v[i] * v[i];
+    }
+    const float inv = rsqrtf(warp_sum(ss) / (float)HEAD_DIM + eps);
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        const int d = lane + 32 * i;
+        if (d < HEAD_DIM) x[d] = f2bf(round_bf(v[i] * inv) * bf2f(w[d]));
+    }
+}
+
 // (best, idx) over the block: the largest value, the smallest index on ties; every thread gets it.
 // `bv`, `bi` hold 32 entries of shared memory.
 __device__ __forceinline__ void block_argmax(float& best, int& idx, float* bv, int* bi) {

@@ -35,7 +35,7 @@ pub fn decode_partition(n_decode: usize, small: usize) -> usize {
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 16] = [
+pub const KERNEL_NAMES: [&str; 17] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -43,6 +43,7 @@ pub const KERNEL_NAMES: [&str; 16] = [
     "gather_rows",
     "silu_mul",
     "rope_kv_write",
+    "qk_norm",
     "argmax_rows",
     "sample_rows",
     "mask_rows",

@@ -150,9 +150,12 @@ fn check_config_prints_the_resolved_settings_and_names_a_bad_key() {
 async fn sigterm_drains_a_decode_worker_mid_stream_and_it_exits_0() {
     let Some(_turn) = turn().await else { return };
     let head = Server::starting(BIN, &head_yaml("{mode: static}"), free_port());
+    // A grace beyond the 800-token stream's time on a loaded machine: the stream must finish on the
+    // draining worker, not be cut off at the default 30 s and resumed elsewhere.
+    let args = ["--register", &head.url, "--drain-grace-secs", "120"];
     let mut pair = [
-        Worker::start(BIN, "decode", "127.0.0.1", 0, &["--register", &head.url]),
-        Worker::start(BIN, "decode", "127.0.0.1", 0, &["--register", &head.url]),
+        Worker::start(BIN, "decode", "127.0.0.1", 0, &args),
+        Worker::start(BIN, "decode", "127.0.0.1", 0, &args),
     ];
     until(&head, 30, "both decode workers registered", |l| {
         decoders(l).len() == 2

@@ -134,7 +134,7 @@ impl CudaLlama {
         for (l, lw) in self.layers.iter().enumerate() {
             let cache = self.kv.at(l * layer_elems, BF16);
             let bias = lw.bqkv.as_ref().map_or(0u64, |b| b.ptr);
-            if fused {
+            if fused && lw.qk_norm.is_none() {
                 // RMSNorm + QKV + bias + RoPE + K/V write; the residual is complete in x.
                 let (grid, ks, groups) = self.gemv_shape(GemvFamily::Qkv, t, (q + 2 * kv) / 2, h);
                 launch_pdl!(
@@ -162,9 +162,25 @@ impl CudaLlama {
                     groups
                 );
             } else {
-                let delta = if l == 0 { 0u64 } else { a.delta.ptr };
+                // A fused step keeps the residual complete in x: nothing to add before the norm.
+                let delta = if l == 0 || fused { 0u64 } else { a.delta.ptr };
                 self.enqueue_add_rmsnorm(t, delta, lw.attn_norm.ptr)?;
                 self.gemm(a.xn.ptr, lw.wqkv.ptr, a.qkv.ptr, t, q + 2 * kv, h, false)?;
+                if let Some((qn, kn)) = &lw.qk_norm {
+                    // Four heads (warps) a block.
+                    launch!(
+                        s,
+                        self.funcs.qk_norm,
+                        (tt, (c.num_heads + c.num_kv_heads).div_ceil(4) as u32, 1),
+                        (128, 1, 1),
+                        a.qkv.ptr,
+                        qn.ptr,
+                        kn.ptr,
+                        nh,
+                        nkv,
+                        eps
+                    );
+                }
                 launch!(
                     s,
                     self.funcs.rope_kv_write,

@@ -57,6 +57,8 @@ struct LayerBufs {
     /// [q; k; v] rows fused into one matrix: one GEMM per layer for the three projections.
     wqkv: DeviceBuf,
     bqkv: Option<DeviceBuf>,
+    /// Per-head q and k norm weights (Qwen3), applied between the projection and RoPE.
+    qk_norm: Option<(DeviceBuf, DeviceBuf)>,
     wo: DeviceBuf,
     ffn_norm: DeviceBuf,
     /// [gate; up] rows fused.
@@ -172,7 +174,10 @@ fn check_structure(c: &ModelConfig) -> Result<(), CudaError> {
     let default_scale = ModelConfig::default_attn_scale(c.head_dim);
     let refused = [
         (c.has_moe(), "mixture-of-experts layers"),
-        (c.qk_norm, "per-head query/key norms (qk_norm)"),
+        (
+            c.qk_norm && c.attention_bias,
+            "per-head query/key norms (qk_norm) after q/k/v biases",
+        ),
         (c.sandwich_norms, "post-attention and post-MLP norms"),
         (
             c.activation != tandem_model::Activation::Silu,

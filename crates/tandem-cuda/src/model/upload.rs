@@ -151,10 +151,15 @@ impl Uploader<'_> {
                     let mlp = lw.mlp.dense().ok_or_else(|| {
                         CudaError::Unsupported("mixture-of-experts layers on CUDA".into())
                     })?;
+                    let qk_norm = match (&lw.q_norm, &lw.k_norm) {
+                        (Some(qn), Some(kn)) => Some((up.vector(qn)?, up.vector(kn)?)),
+                        _ => None,
+                    };
                     layers.push(LayerBufs {
                         attn_norm: up.vector(&lw.attn_norm)?,
                         wqkv: up.matrices(&[&lw.wq, &lw.wk, &lw.wv])?,
                         bqkv,
+                        qk_norm,
                         wo: up.matrices(&[&lw.wo])?,
                         ffn_norm: up.vector(&lw.ffn_norm)?,
                         w_gate_up: up.matrices(&[&mlp.gate, &mlp.up])?,
@@ -190,6 +195,12 @@ impl Uploader<'_> {
                         wqkv: up.random((q + 2 * kv) * h, 1.0 / (h as f32).sqrt())?,
                         bqkv: if c.attention_bias {
                             Some(up.random(q + 2 * kv, 0.02)?)
+                        } else {
+                            None
+                        },
+                        // Constants draw nothing from the generator, so no stage skips them.
+                        qk_norm: if c.qk_norm {
+                            Some((up.constant(c.head_dim, 1.0)?, up.constant(c.head_dim, 1.0)?))
                         } else {
                             None
                         },

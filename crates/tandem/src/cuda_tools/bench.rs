@@ -28,9 +28,12 @@ pub struct CudaBenchArgs {
     /// Prompt lengths of the prefill measurements, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1024,4096")]
     pub prefill: Vec<usize>,
-    /// Layers of the model (32 for the 8B shape; fewer for a quick run).
-    #[arg(long, default_value_t = 32)]
-    pub layers: usize,
+    /// The model shape whose layers are timed.
+    #[arg(long, value_enum, default_value_t = BenchShape::Llama3_8b)]
+    pub shape: BenchShape,
+    /// Layers of the model (default: the shape's own; fewer for a quick run).
+    #[arg(long)]
+    pub layers: Option<usize>,
     /// Copy bandwidth MBU is measured against, GB/s.
     #[arg(long, default_value_t = 4300.0)]
     pub peak_gbps: f64,
@@ -42,10 +45,30 @@ pub struct CudaBenchArgs {
     pub cuda: CudaSettings,
 }
 
-/// Runs `cuda-bench` on the 8B shape with `args.layers` layers.
+/// The real models' shapes `cuda-bench` can time (random weights of that shape).
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum BenchShape {
+    /// Llama-3.1-8B: 32 layers, 4096 hidden, 14336 FFN, 32/8 heads, 128256 vocab.
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+    /// Qwen3-8B: 36 layers, 4096 hidden, 12288 FFN, 32/8 heads, 151936 vocab, per-head q/k norms.
+    #[value(name = "qwen3-8b")]
+    Qwen3_8b,
+}
+
+/// Runs `cuda-bench` on `args.shape` with `args.layers` layers.
 pub fn run(args: CudaBenchArgs) -> Result<()> {
-    let mut config = BenchArgs::llama3_8b_config();
-    config.num_layers = args.layers;
+    let mut config = match args.shape {
+        BenchShape::Llama3_8b => BenchArgs::llama3_8b_config(),
+        BenchShape::Qwen3_8b => BenchArgs::qwen3_8b_config(),
+    };
+    if let Some(n) = args.layers {
+        // The shape's layer pattern repeated (or cut) to n layers.
+        config.layers = (0..n)
+            .map(|l| config.layers[l % config.layers.len()].clone())
+            .collect();
+        config.num_layers = n;
+    }
     run_bench(
         &BenchArgs {
             config,
@@ -101,6 +124,28 @@ impl BenchArgs {
                 },
             },
         })
+    }
+
+    /// Qwen3-8B's shape (see [`BenchShape::Qwen3_8b`]); rope base 1e6, no scaling.
+    pub(super) fn qwen3_8b_config() -> ModelConfig {
+        let mut c = ModelConfig::dense(DenseShape {
+            hidden: 4096,
+            ffn: 12288,
+            layers: 36,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            vocab: 151936,
+            max_positions: 40960,
+            rope: LayerRope {
+                theta: 1_000_000.0,
+                scaling: tandem_kernels::RopeScaling::None,
+            },
+        });
+        c.architecture = "qwen3".into();
+        c.qk_norm = true;
+        c.rms_norm_eps = 1e-6;
+        c
     }
 }
 
