@@ -1,16 +1,19 @@
 //! `POST /v1/chat/completions`: template rendering, generation, streamed and whole answers.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::Value;
+use serde_json::{Map, Value};
+use tandem_model::RESERVED_VARIABLES;
 
 use crate::codec::CodecError;
 use crate::error::ApiError;
-use crate::generate::{chat_logprob, collect, submit_choices, AnswerHead};
+use crate::generate::{chat_logprob, collect_split, submit_choices, AnswerHead};
 use crate::protocol::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, MessageContent, Usage,
@@ -23,6 +26,7 @@ fn call_finish(calls: &[ToolCall], finish: Option<&'static str>) -> Option<&'sta
         f => f,
     }
 }
+use crate::reasoning::ReasoningParser;
 use crate::routes::ApiJson;
 use crate::sse::{stream_choices, to_json};
 use crate::state::AppState;
@@ -83,18 +87,51 @@ fn normalize_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> 
         .collect()
 }
 
-/// Renders messages with the chat template and tokenizes the result without adding special tokens
-/// again (the template already wrote BOS and friends).
+/// A rendered chat prompt: its text (where the reasoning parser reads how generation starts) and ids.
+#[derive(Debug, Clone)]
+pub struct RenderedPrompt {
+    /// The template's output.
+    pub text: String,
+    /// Its tokens.
+    pub ids: Vec<u32>,
+}
+
+/// 400 when `chat_template_kwargs` names a variable the server sets itself: a client overriding
+/// `messages` or `add_generation_prompt` that way would silently get a prompt other than the one the
+/// rest of the request describes.
+fn check_template_kwargs(kwargs: &Map<String, Value>) -> Result<(), ApiError> {
+    match kwargs
+        .keys()
+        .find(|k| RESERVED_VARIABLES.contains(&k.as_str()))
+    {
+        Some(key) => Err(ApiError::invalid(
+            format!(
+                "chat_template_kwargs.{key} cannot be set: the server sets {} itself",
+                RESERVED_VARIABLES.join(", ")
+            ),
+            Some("chat_template_kwargs"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Renders messages with the chat template (with the request's extra template variables) and
+/// tokenizes the result without adding special tokens again (the template already wrote BOS and
+/// friends).
 pub fn render_and_encode(
     state: &AppState,
     messages: &[ChatMessage],
     add_generation_prompt: bool,
     tools: Option<&Value>,
-) -> Result<Vec<u32>, ApiError> {
+    kwargs: Option<&Map<String, Value>>,
+) -> Result<RenderedPrompt, ApiError> {
     let messages = normalize_messages(messages)?;
+    let empty = Map::new();
+    let kwargs = kwargs.unwrap_or(&empty);
+    check_template_kwargs(kwargs)?;
     let prompt = state
         .codec
-        .render_chat(&messages, add_generation_prompt, tools)
+        .render_chat(&messages, add_generation_prompt, tools, kwargs)
         .map_err(|e| match e {
             CodecError::Tokenizer(_) => ApiError::internal(e.to_string()),
             CodecError::Template(_) | CodecError::NoChatTemplate => {
@@ -111,7 +148,15 @@ pub fn render_and_encode(
             Some("messages"),
         ));
     }
-    Ok(ids)
+    Ok(RenderedPrompt { text: prompt, ids })
+}
+
+/// The parser a choice of this prompt starts with, when the server runs one.
+pub fn reasoning_parser(state: &AppState, prompt: &RenderedPrompt) -> Option<ReasoningParser> {
+    state
+        .config
+        .reasoning_parser
+        .then(|| ReasoningParser::for_prompt(&prompt.text))
 }
 
 /// The handler.
@@ -144,12 +189,15 @@ pub async fn chat_completions(
     if let Some(spec) = &spec {
         spec.guide(&mut plan.params, "response_format")?;
     }
-    let prompt = render_and_encode(
+    let rendered = render_and_encode(
         &state,
         &req.messages,
         req.add_generation_prompt.unwrap_or(true),
         req.tools.as_ref(),
+        req.chat_template_kwargs.as_ref(),
     )?;
+    let parser = reasoning_parser(&state, &rendered);
+    let prompt = rendered.ids;
     let max_tokens =
         resolve_max_tokens(plan.max_tokens, prompt.len(), state.backend.max_model_len())?;
     let runs = submit_choices(&state, &prompt, &plan, max_tokens, arrived)?;
@@ -170,7 +218,7 @@ pub async fn chat_completions(
                         delta: ChatDelta {
                             role: Some("assistant"),
                             content: Some(String::new()),
-                            tool_calls: None,
+                            ..ChatDelta::default()
                         },
                         logprobs: None,
                         finish_reason: None,
@@ -181,10 +229,26 @@ pub async fn chat_completions(
             .collect();
         let codec = state.codec.clone();
         let step_chunk = chunk.clone();
-        let mut holds: std::collections::HashMap<usize, CallHold> = Default::default();
+        let mut holds: HashMap<usize, CallHold> = Default::default();
+        let mut parsers: HashMap<usize, ReasoningParser> = Default::default();
+        // Summed over the choices as each finishes; the usage chunk comes after all of them.
+        let reasoning_tokens = Arc::new(AtomicUsize::new(0));
+        let counted = reasoning_tokens.clone();
+        let with_reasoning = parser.is_some();
         let render = move |index: usize, step: crate::generate::Step| {
             let entry = chat_logprob(codec.as_ref(), &step.token);
-            let (mut text, mut calls) = (step.text, Vec::new());
+            let (mut text, mut reasoning, mut calls) = (step.text, String::new(), Vec::new());
+            if let Some(first) = &parser {
+                let p = parsers.entry(index).or_insert_with(|| first.clone());
+                let mut split = p.push(&text);
+                if step.finish.is_some() {
+                    let rest = p.finish();
+                    split.reasoning.push_str(&rest.reasoning);
+                    split.content.push_str(&rest.content);
+                    counted.fetch_add(p.reasoning_tokens(), Ordering::Relaxed);
+                }
+                (text, reasoning) = (split.content, split.reasoning);
+            }
             if let Some(spec) = &spec {
                 let hold = holds.entry(index).or_insert_with(|| CallHold::new(spec));
                 text = hold.push(&text);
@@ -196,23 +260,30 @@ pub async fn chat_completions(
             }
             let finish = call_finish(&calls, step.finish);
             let has_calls = !calls.is_empty();
-            let delta = |content: Option<String>, tool_calls| ChatDelta {
-                role: None,
-                content,
-                tool_calls,
-            };
             let mut events = Vec::new();
-            if !text.is_empty() || entry.is_some() || (finish.is_some() && !has_calls) {
+            if !text.is_empty()
+                || !reasoning.is_empty()
+                || entry.is_some()
+                || (finish.is_some() && !has_calls)
+            {
                 let logprobs = logprobs.map(|_| ChatLogprobs {
                     content: entry.into_iter().collect(),
                 });
-                let content = (!text.is_empty()).then_some(text);
+                let delta = ChatDelta {
+                    content: (!text.is_empty()).then_some(text),
+                    reasoning_content: (!reasoning.is_empty()).then_some(reasoning),
+                    ..ChatDelta::default()
+                };
                 let finish_reason = if has_calls { None } else { finish };
-                events.push(delta(content, None).choice(index, logprobs, finish_reason));
+                events.push(delta.choice(index, logprobs, finish_reason));
             }
             let call_deltas = calls.into_iter().enumerate().flat_map(|(i, c)| c.deltas(i));
             for d in call_deltas {
-                events.push(delta(None, Some(vec![d])).choice(index, None, None));
+                let delta = ChatDelta {
+                    tool_calls: Some(vec![d]),
+                    ..ChatDelta::default()
+                };
+                events.push(delta.choice(index, None, None));
             }
             if has_calls {
                 events.push(ChatDelta::default().choice(index, None, finish));
@@ -223,8 +294,14 @@ pub async fn chat_completions(
                 .collect::<Vec<_>>()
         };
         let usage = plan.include_usage.then(|| {
-            let renderer: crate::sse::UsageRenderer =
-                Box::new(move |u| to_json(&chunk(Vec::new(), Some(u))));
+            let renderer: crate::sse::UsageRenderer = Box::new(move |u: Usage| {
+                let u = if with_reasoning {
+                    u.with_reasoning(reasoning_tokens.load(Ordering::Relaxed))
+                } else {
+                    u
+                };
+                to_json(&chunk(Vec::new(), Some(u)))
+            });
             (prompt.len(), renderer)
         });
         return Ok(stream_choices(
@@ -235,12 +312,18 @@ pub async fn chat_completions(
         ));
     }
 
-    let collected = futures::future::join_all(runs.into_iter().map(collect)).await;
+    let with_reasoning = parser.is_some();
+    let collected = futures::future::join_all(
+        runs.into_iter()
+            .map(|run| collect_split(run, parser.clone())),
+    )
+    .await;
     let mut choices = Vec::with_capacity(collected.len());
-    let mut completion_tokens = 0;
+    let (mut completion_tokens, mut reasoning_tokens) = (0, 0);
     for (index, c) in collected.into_iter().enumerate() {
         let c = c?;
         completion_tokens += c.tokens.len();
+        reasoning_tokens += c.reasoning_tokens;
         let logprobs = logprobs.map(|_| ChatLogprobs {
             content: c
                 .tokens
@@ -252,18 +335,24 @@ pub async fn chat_completions(
             Some(spec) => spec.extract(&c.text),
             None => (Some(c.text), Vec::new()),
         };
+        // A block that took the whole output leaves no answer: null, as vLLM reports it.
+        let content = content.filter(|t| c.reasoning.is_none() || !t.is_empty());
         choices.push(ChatChoice {
             index,
             finish_reason: call_finish(&calls, c.finish),
             message: AssistantMessage {
                 role: "assistant",
                 content,
+                reasoning_content: c.reasoning,
                 tool_calls: (!calls.is_empty()).then_some(calls),
             },
             logprobs,
         });
     }
-    let usage = Usage::new(prompt.len(), completion_tokens);
+    let mut usage = Usage::new(prompt.len(), completion_tokens);
+    if with_reasoning {
+        usage = usage.with_reasoning(reasoning_tokens);
+    }
     let answer: ChatCompletionResponse = head.answer("chat.completion", choices, usage);
     Ok(Json(answer).into_response())
 }

@@ -2,7 +2,7 @@
 //! behind a trait so handlers can be tested without a model file.
 
 use parking_lot::Mutex;
-use serde_json::Value;
+use serde_json::{Map, Value};
 use tandem_model::{ChatTemplate, IncrementalDecoder, Tokenizer};
 
 /// Why tokenization or template rendering failed.
@@ -35,12 +35,15 @@ pub trait TextCodec: Send + Sync + 'static {
     fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, CodecError>;
     /// A fresh streaming decoder that skips special tokens.
     fn stream_decoder(&self) -> Box<dyn StreamDecoder>;
-    /// Renders OpenAI-style messages into one prompt string with the model's template.
+    /// Renders OpenAI-style messages into one prompt string with the model's template; `extra` are
+    /// further template variables (a request's `chat_template_kwargs`, already checked against the
+    /// names the server sets).
     fn render_chat(
         &self,
         messages: &[Value],
         add_generation_prompt: bool,
         tools: Option<&Value>,
+        extra: &Map<String, Value>,
     ) -> Result<String, CodecError>;
     /// Number of token ids the tokenizer knows; ids at or above it are rejected.
     fn vocab_size(&self) -> usize;
@@ -112,11 +115,12 @@ impl TextCodec for ModelCodec {
         messages: &[Value],
         add_generation_prompt: bool,
         tools: Option<&Value>,
+        extra: &Map<String, Value>,
     ) -> Result<String, CodecError> {
         let template = self.template.as_ref().ok_or(CodecError::NoChatTemplate)?;
         template
             .lock()
-            .render(messages, add_generation_prompt, tools)
+            .render_with(messages, add_generation_prompt, tools, extra)
             .map_err(|e| CodecError::Template(e.to_string()))
     }
 

@@ -11,6 +11,7 @@ use crate::backend::TokenStream;
 use crate::codec::{StreamDecoder, TextCodec};
 use crate::error::ApiError;
 use crate::protocol::{Answer, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs};
+use crate::reasoning::ReasoningParser;
 use crate::request_log::{current_tally, Tally};
 use crate::state::AppState;
 use crate::stop::StopMatcher;
@@ -246,19 +247,52 @@ pub struct CollectedChoice {
     pub finish: Option<&'static str>,
     /// The prompt's scores, when the request asked for them.
     pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
+    /// The reasoning block, when a reasoning parser ran and the output had one (`text` is then the
+    /// answer after it).
+    pub reasoning: Option<String>,
+    /// Tokens of the reasoning block.
+    pub reasoning_tokens: usize,
+    /// Index in `tokens` of the answer's first token (past the reasoning block).
+    pub answer_from: usize,
 }
 
 /// Runs a choice to its end.
-pub async fn collect(mut run: ChoiceRun) -> Result<CollectedChoice, ApiError> {
+pub async fn collect(run: ChoiceRun) -> Result<CollectedChoice, ApiError> {
+    collect_split(run, None).await
+}
+
+/// Runs a choice to its end, splitting its reasoning block off the answer when `parser` is given.
+pub async fn collect_split(
+    mut run: ChoiceRun,
+    mut parser: Option<ReasoningParser>,
+) -> Result<CollectedChoice, ApiError> {
     let mut out = CollectedChoice::default();
+    let mut reasoning = String::new();
     while let Some(step) = run.next().await {
         let step = step?;
         if step.prompt_logprobs.is_some() {
             out.prompt_logprobs = step.prompt_logprobs;
         }
-        out.text.push_str(&step.text);
+        match parser.as_mut() {
+            Some(p) => {
+                let split = p.push(&step.text);
+                if split.in_reasoning {
+                    out.answer_from = out.tokens.len() + 1;
+                }
+                reasoning.push_str(&split.reasoning);
+                out.text.push_str(&split.content);
+            }
+            None => out.text.push_str(&step.text),
+        }
         out.tokens.push(step.token);
         out.finish = step.finish;
+    }
+    if let Some(p) = parser.as_mut() {
+        let rest = p.finish();
+        reasoning.push_str(&rest.reasoning);
+        out.text.push_str(&rest.content);
+        out.reasoning = p.reasoned().then_some(reasoning);
+        out.reasoning_tokens = p.reasoning_tokens();
     }
     Ok(out)
 }

@@ -13,6 +13,7 @@ pub mod generate;
 pub mod guidance;
 pub mod listen;
 pub mod protocol;
+pub mod reasoning;
 pub mod request_log;
 pub mod responses;
 pub mod routes;
@@ -24,6 +25,8 @@ pub mod validate;
 
 #[cfg(test)]
 mod api_tests;
+#[cfg(test)]
+mod reasoning_tests;
 #[cfg(test)]
 mod testing;
 

@@ -158,6 +158,8 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<Value>,
     /// Whether several calls may come back in one answer (default true).
     pub parallel_tool_calls: Option<bool>,
+    /// Extra chat template variables, e.g. `{"enable_thinking": false}` for Qwen3 (vLLM extension).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// Shared sampling fields.
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -208,6 +210,16 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Their sum.
     pub total_tokens: usize,
+    /// What the completion tokens were spent on; only with the reasoning parser on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens_details: Option<CompletionTokensDetails>,
+}
+
+/// `usage.completion_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompletionTokensDetails {
+    /// Tokens of the reasoning blocks, over all choices.
+    pub reasoning_tokens: usize,
 }
 
 impl Usage {
@@ -217,7 +229,14 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            completion_tokens_details: None,
         }
+    }
+
+    /// The same usage with the reasoning tokens reported (the parser is on).
+    pub fn with_reasoning(mut self, reasoning_tokens: usize) -> Self {
+        self.completion_tokens_details = Some(CompletionTokensDetails { reasoning_tokens });
+        self
     }
 }
 
@@ -270,8 +289,12 @@ pub struct CompletionLogprobs {
 pub struct AssistantMessage {
     /// Always `assistant`.
     pub role: &'static str,
-    /// The generated text; null when the answer is only tool calls.
+    /// The generated text; null when the answer is only tool calls (or only reasoning).
     pub content: Option<String>,
+    /// The model's reasoning block, apart from the answer; only with the reasoning parser on and a
+    /// block in the output.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     /// The calls the model made, when it made any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCall>>,
@@ -299,6 +322,9 @@ pub struct ChatDelta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// New reasoning text (reasoning parser on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     /// New parts of tool calls.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,
@@ -436,6 +462,8 @@ pub struct TokenizeRequest {
     pub add_special_tokens: Option<bool>,
     /// Append the assistant header to rendered chats (default true).
     pub add_generation_prompt: Option<bool>,
+    /// Extra chat template variables, as in chat completions.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 /// Answer of `POST /tokenize`.

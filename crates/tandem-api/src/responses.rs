@@ -26,9 +26,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
 
-use crate::chat::render_and_encode;
+use crate::chat::{reasoning_parser, render_and_encode};
 use crate::error::ApiError;
-use crate::generate::{chat_logprob, collect, submit_choices};
+use crate::generate::{chat_logprob, collect_split, submit_choices};
 use crate::protocol::{ChatMessage, SamplingFields};
 use crate::routes::ApiJson;
 use crate::state::AppState;
@@ -256,6 +256,16 @@ fn message_item(id: String, status: &'static str, part: Option<OutputText>) -> O
     }
 }
 
+/// A `reasoning` output item with at most one text part.
+fn reasoning_item(id: String, status: &'static str, part: Option<ReasoningText>) -> OutputItem {
+    OutputItem::Reasoning {
+        id,
+        summary: Vec::new(),
+        content: part.into_iter().collect(),
+        status,
+    }
+}
+
 /// A `function_call` output item for a parsed call (`arguments` empty while a stream opens it).
 fn call_item(id: String, call: &ToolCall, status: &'static str, arguments: String) -> OutputItem {
     OutputItem::FunctionCall {
@@ -267,7 +277,7 @@ fn call_item(id: String, call: &ToolCall, status: &'static str, arguments: Strin
     }
 }
 
-/// A fresh output item id (`msg_...`, `fc_...`).
+/// A fresh output item id (`rs_...`, `msg_...`, `fc_...`).
 fn item_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
 }
@@ -287,8 +297,10 @@ pub async fn create_response(
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let p = prepare(&state, req)?;
-    let prompt = render_and_encode(&state, &p.messages, true, p.chat_tools.as_ref())
+    let rendered = render_and_encode(&state, &p.messages, true, p.chat_tools.as_ref(), None)
         .map_err(|e| rename_param(e, "messages", "input"))?;
+    let parser = reasoning_parser(&state, &rendered);
+    let prompt = rendered.ids;
     let max_tokens = resolve_max_tokens(
         p.plan.max_tokens,
         prompt.len(),
@@ -306,19 +318,40 @@ pub async fn create_response(
         .ok_or_else(|| ApiError::internal("no generation was submitted"))?;
     if p.plan.stream {
         let codec = state.codec.clone();
-        return Ok(stream_response(run, p.spec, p.echo, codec, prompt.len()));
+        return Ok(stream_response(
+            run,
+            p.spec,
+            parser,
+            p.echo,
+            codec,
+            prompt.len(),
+        ));
     }
-    let c = collect(run).await?;
+    let c = collect_split(run, parser).await?;
     let (content, calls) = match &p.spec {
         Some(spec) => spec.extract(&c.text),
         None => (Some(c.text), Vec::new()),
     };
+    // A block that took the whole output leaves no message to show.
+    let content = content.filter(|t| c.reasoning.is_none() || !t.is_empty());
     let calls = capped(calls, p.echo.max_tool_calls);
     let ending = Ending::of(c.finish);
     let mut output = Vec::new();
-    if content.is_some() || calls.is_empty() {
-        let logprobs = c
-            .tokens
+    if let Some(text) = c.reasoning {
+        let status = if content.is_some() || !calls.is_empty() {
+            "completed"
+        } else {
+            ending.item_status()
+        };
+        output.push(reasoning_item(
+            item_id("rs"),
+            status,
+            Some(ReasoningText::new(text)),
+        ));
+    }
+    if content.is_some() || (calls.is_empty() && output.is_empty()) {
+        // The answer's tokens only: the reasoning block's are not the message's.
+        let logprobs = c.tokens[c.answer_from.min(c.tokens.len())..]
             .iter()
             .filter_map(|t| chat_logprob(state.codec.as_ref(), t))
             .collect();
@@ -337,7 +370,7 @@ pub async fn create_response(
             call.function.arguments.clone(),
         ));
     }
-    let usage = ResponseUsage::new(prompt.len(), c.tokens.len());
+    let usage = ResponseUsage::new(prompt.len(), c.tokens.len()).with_reasoning(c.reasoning_tokens);
     Ok(Json(p.echo.response(Some(ending), output, Some(usage), None)).into_response())
 }
 

@@ -176,12 +176,16 @@ async fn tokenize(
             .codec
             .encode(prompt, req.add_special_tokens.unwrap_or(true))
             .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))?,
-        (None, Some(messages)) => chat::render_and_encode(
-            &state,
-            messages,
-            req.add_generation_prompt.unwrap_or(true),
-            None,
-        )?,
+        (None, Some(messages)) => {
+            chat::render_and_encode(
+                &state,
+                messages,
+                req.add_generation_prompt.unwrap_or(true),
+                None,
+                req.chat_template_kwargs.as_ref(),
+            )?
+            .ids
+        }
         _ => {
             return Err(ApiError::invalid(
                 "give exactly one of `prompt` or `messages`",

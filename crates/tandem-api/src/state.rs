@@ -26,6 +26,9 @@ pub struct ApiConfig {
     /// With `api_key` set, /health and /metrics ask for it too (they are open by default, for probes
     /// and scrapers that carry no key).
     pub probes_need_key: bool,
+    /// Split `<think>…</think>` off answers into `reasoning_content` / `reasoning` items (the binary
+    /// resolves `--reasoning-parser auto` from the chat template).
+    pub reasoning_parser: bool,
 }
 
 /// [`ApiConfig::max_body_bytes`] unless configured: room for a 128k-token prompt sent as token ids.

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use serde_json::Value;
+use serde_json::{Map, Value};
 use tandem_engine::{
     EngineStats, FinishReason, RequestId, SamplingParams, TokenLogprobs, TokenOutput,
 };
@@ -73,6 +73,7 @@ impl TextCodec for ByteCodec {
         messages: &[Value],
         add_generation_prompt: bool,
         _tools: Option<&Value>,
+        extra: &Map<String, Value>,
     ) -> Result<String, CodecError> {
         let mut out = String::new();
         for m in messages {
@@ -84,6 +85,12 @@ impl TextCodec for ByteCodec {
         }
         if add_generation_prompt {
             out.push_str("<assistant>");
+            // Like Qwen3's templates: thinking opened for the model, or closed before it starts.
+            match extra.get("enable_thinking").and_then(Value::as_bool) {
+                Some(true) => out.push_str("<think>\n"),
+                Some(false) => out.push_str("<think>\n\n</think>\n\n"),
+                None => {}
+            }
         }
         Ok(out)
     }
@@ -248,6 +255,19 @@ impl GenerateBackend for FakeBackend {
 
 /// An app state over a fake backend and the byte codec.
 pub fn fake_state(backend: Arc<FakeBackend>, api_key: Option<&str>) -> Arc<AppState> {
+    state_with(backend, api_key, false)
+}
+
+/// [`fake_state`] with the reasoning parser on.
+pub fn fake_reasoning_state(backend: Arc<FakeBackend>) -> Arc<AppState> {
+    state_with(backend, None, true)
+}
+
+fn state_with(
+    backend: Arc<FakeBackend>,
+    api_key: Option<&str>,
+    reasoning_parser: bool,
+) -> Arc<AppState> {
     let config = ApiConfig {
         served_model_names: vec!["fake".to_owned(), "alias".to_owned()],
         model_root: "fake-root".to_owned(),
@@ -255,6 +275,7 @@ pub fn fake_state(backend: Arc<FakeBackend>, api_key: Option<&str>) -> Arc<AppSt
         system_fingerprint: "fp_test".to_owned(),
         max_body_bytes: 1 << 20,
         probes_need_key: false,
+        reasoning_parser,
     };
     Arc::new(AppState::new(backend, Arc::new(ByteCodec), config).expect("metrics register"))
 }

@@ -28,6 +28,6 @@ pub use llama::{CpuLlama, LayerExpertTokens};
 pub use load::{load, LoadOptions, LoadedModel};
 pub use partition::{Partition, RankShare};
 pub use spec::{Activation, AttentionSpan, LayerRope, LayerSpec, MlpKind, MoeSpec};
-pub use template::ChatTemplate;
+pub use template::{ChatTemplate, RESERVED_VARIABLES};
 pub use tokenizer::{TokenPiece, Tokenizer};
 pub use weights::{GatedMlp, LayerWeights, LlamaWeights, MlpWeights, MoeWeights, SharedExpert};

@@ -64,6 +64,32 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         tools: Option<&serde_json::Value>,
     ) -> Result<String, ModelError> {
+        self.render_with(
+            messages,
+            add_generation_prompt,
+            tools,
+            &serde_json::Map::new(),
+        )
+    }
+
+    /// [`render`](Self::render) with caller-chosen extra variables (a request's
+    /// `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); a name in [`RESERVED_VARIABLES`] is
+    /// refused rather than allowed to replace what the server itself sets.
+    pub fn render_with(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ModelError> {
+        if let Some(key) = extra
+            .keys()
+            .find(|k| RESERVED_VARIABLES.contains(&k.as_str()))
+        {
+            return Err(ModelError::Template(format!(
+                "the template variable `{key}` is set by the server and cannot be overridden"
+            )));
+        }
         let tmpl = self.env.get_template(NAME).map_err(tmpl_err)?;
         let ctx = minijinja::context! {
             messages => Value::from_serialize(messages),
@@ -71,10 +97,20 @@ impl ChatTemplate {
             tools => tools.map(Value::from_serialize),
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
+            ..Value::from_serialize(extra)
         };
         tmpl.render(ctx).map_err(tmpl_err)
     }
 }
+
+/// The variables [`ChatTemplate::render_with`] sets itself, which extra variables may not replace.
+pub const RESERVED_VARIABLES: &[&str] = &[
+    "messages",
+    "add_generation_prompt",
+    "tools",
+    "bos_token",
+    "eos_token",
+];
 
 /// `raise_exception(msg)`: templates use it to reject unsupported conversations.
 fn raise_exception(msg: String) -> Result<Value, Error> {
@@ -268,6 +304,23 @@ mod tests {
             env_out,
             "{\n  \"a\": [\n    1,\n    {}\n  ],\n  \"b\": \"é\"\n}"
         );
+    }
+
+    #[test]
+    fn extra_variables_reach_the_template_and_reserved_ones_are_refused() {
+        let src = "{% if enable_thinking is defined and enable_thinking is false %}off{% else %}on{% endif %}|{{ messages | length }}";
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        let msgs = [json!({"role": "user", "content": "x"})];
+        assert_eq!(t.render(&msgs, true, None).unwrap(), "on|1");
+        let mut extra = serde_json::Map::new();
+        extra.insert("enable_thinking".into(), json!(false));
+        assert_eq!(t.render_with(&msgs, true, None, &extra).unwrap(), "off|1");
+        for key in RESERVED_VARIABLES {
+            let mut extra = serde_json::Map::new();
+            extra.insert((*key).to_owned(), json!([]));
+            let err = t.render_with(&msgs, true, None, &extra).unwrap_err();
+            assert!(err.to_string().contains(key), "{err}");
+        }
     }
 
     #[test]

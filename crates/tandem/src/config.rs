@@ -68,6 +68,33 @@ impl std::fmt::Display for Device {
     }
 }
 
+/// Whether the API splits `<think>…</think>` reasoning blocks off answers (`--reasoning-parser`,
+/// YAML `reasoning_parser`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ReasoningParserMode {
+    /// On when the chat template mentions `<think>` (Qwen3, DeepSeek-R1 and their kin).
+    #[default]
+    Auto,
+    /// Always: blocks go to `reasoning_content` / `reasoning` items.
+    On,
+    /// Never: the output is returned as generated, tags included.
+    Off,
+}
+
+impl ReasoningParserMode {
+    /// Whether the parser runs for a model whose chat template is `template`.
+    pub fn enabled(self, template: Option<&str>) -> bool {
+        match self {
+            ReasoningParserMode::On => true,
+            ReasoningParserMode::Off => false,
+            ReasoningParserMode::Auto => {
+                template.is_some_and(tandem_api::reasoning::template_thinks)
+            }
+        }
+    }
+}
+
 /// How the server is deployed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -95,6 +122,10 @@ pub struct Settings {
     /// Jinja chat template file overriding the model's own.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
+    /// Split `<think>…</think>` off answers into `reasoning_content` (chat) and `reasoning` items
+    /// (Responses): auto (when the chat template mentions `<think>`), on or off [default: auto].
+    #[arg(long, value_enum)]
+    pub reasoning_parser: Option<ReasoningParserMode>,
     /// Log format (the global `--log-format` flag wins).
     #[arg(skip)]
     pub log_format: Option<LogFormat>,

@@ -154,7 +154,11 @@ pub fn run(flags: &Settings, file: Settings) -> Result<()> {
     // Load the tokenizer and template here while the workers load their engines.
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: false })
         .with_context(|| format!("loading {}", model_path.display()))?;
-    let (codec, served_name) = crate::serve::codec_and_name(&settings, &loaded)?;
+    let crate::serve::ApiModel {
+        codec,
+        served_name,
+        reasoning_parser,
+    } = crate::serve::api_model(&settings, &loaded)?;
 
     let timeouts = dep.timeouts.clone().unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs_f64(timeouts.worker_startup_secs.max(1.0));
@@ -207,6 +211,7 @@ pub fn run(flags: &Settings, file: Settings) -> Result<()> {
         ),
         max_body_bytes: settings.max_body_bytes(),
         probes_need_key: settings.probes_need_key(),
+        reasoning_parser,
     };
     let state = Arc::new(AppState::new(
         Arc::new(ingress.clone()),

@@ -18,12 +18,19 @@ struct Prepared {
     served_name: String,
 }
 
-/// The API's codec (the tokenizer with the settings' chat template, else the model's own) and the name
-/// clients use for the model; shared by the colocated server and the P/D ingress.
-pub(crate) fn codec_and_name(
-    settings: &Settings,
-    loaded: &LoadedModel,
-) -> Result<(ModelCodec, String)> {
+/// What the API serves a model with: its codec, the name clients use, whether the reasoning parser runs.
+pub(crate) struct ApiModel {
+    /// The tokenizer with the settings' chat template, else the model's own.
+    pub codec: ModelCodec,
+    /// `--served-model-name`, else the model's name.
+    pub served_name: String,
+    /// `--reasoning-parser`, `auto` resolved against the template in use.
+    pub reasoning_parser: bool,
+}
+
+/// The API's side of a loaded model ([`ApiModel`]); shared by the colocated server and the P/D
+/// ingress (workers only generate tokens, so the ingress alone parses reasoning).
+pub(crate) fn api_model(settings: &Settings, loaded: &LoadedModel) -> Result<ApiModel> {
     let template = match &settings.chat_template {
         Some(path) => Some(
             std::fs::read_to_string(path)
@@ -40,7 +47,18 @@ pub(crate) fn codec_and_name(
         .served_model_name
         .clone()
         .unwrap_or_else(|| loaded.name.clone());
-    Ok((codec, served_name))
+    let reasoning_parser = settings
+        .reasoning_parser
+        .unwrap_or_default()
+        .enabled(template.as_deref());
+    if reasoning_parser {
+        info!("reasoning parser on: <think> blocks are returned as reasoning_content");
+    }
+    Ok(ApiModel {
+        codec,
+        served_name,
+        reasoning_parser,
+    })
 }
 
 /// Loads the model, starts the engine thread and builds the API state: everything but the listener.
@@ -49,7 +67,11 @@ fn prepare(settings: &Settings) -> Result<Prepared> {
     info!(path = %model_path.display(), "loading model");
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: true })
         .with_context(|| format!("loading {}", model_path.display()))?;
-    let (codec, served_name) = codec_and_name(settings, &loaded)?;
+    let ApiModel {
+        codec,
+        served_name,
+        reasoning_parser,
+    } = api_model(settings, &loaded)?;
     let fingerprint = format!(
         "fp_{}",
         loaded.identity.0.chars().take(16).collect::<String>()
@@ -79,6 +101,7 @@ fn prepare(settings: &Settings) -> Result<Prepared> {
         system_fingerprint: fingerprint,
         max_body_bytes: settings.max_body_bytes(),
         probes_need_key: settings.probes_need_key(),
+        reasoning_parser,
     };
     let state = Arc::new(AppState::new(
         Arc::new(engine.clone()),

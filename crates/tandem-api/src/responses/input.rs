@@ -105,7 +105,10 @@ pub(super) fn refuse_unsupported(req: &ResponsesRequest) -> Result<(), ApiError>
         .and_then(Value::as_object)
         .is_some_and(|r| r.values().any(|v| !v.is_null()))
     {
-        return Err(unsupported("reasoning", "the served model does not reason"));
+        return Err(unsupported(
+            "reasoning",
+            "reasoning effort and summaries are not configurable on this server",
+        ));
     }
     if req.prompt.as_ref().is_some_and(|p| !p.is_null()) {
         return Err(unsupported(

@@ -12,11 +12,12 @@ use crate::codec::TextCodec;
 use crate::error::ApiError;
 use crate::generate::{chat_logprob, ChoiceRun, Step};
 use crate::protocol::ChatTokenLogprob;
+use crate::reasoning::ReasoningParser;
 use crate::sse::to_json;
 use crate::tools::{CallHold, ToolCall, ToolSpec};
 
 use super::wire::*;
-use super::{call_item, capped, item_id, message_item, Echo, Ending};
+use super::{call_item, capped, item_id, message_item, reasoning_item, Echo, Ending};
 
 /// The message item being streamed: its place in `output`, id, and text and logprobs so far.
 struct OpenMessage {
@@ -26,6 +27,13 @@ struct OpenMessage {
     logprobs: Vec<ChatTokenLogprob>,
 }
 
+/// The reasoning item being streamed: its place in `output`, id, and text so far.
+struct OpenReasoning {
+    index: usize,
+    id: String,
+    text: String,
+}
+
 /// One streamed response: turns the generation's steps into OpenAI's event sequence.
 ///
 /// It owns the [`ChoiceRun`], so a client that hangs up drops it and aborts the engine request.
@@ -33,6 +41,11 @@ struct EventWriter {
     run: Option<ChoiceRun>,
     spec: Option<ToolSpec>,
     hold: CallHold,
+    /// Splits the reasoning block off the answer (reasoning parser on).
+    parser: Option<ReasoningParser>,
+    reasoning: Option<OpenReasoning>,
+    /// Whether a reasoning item was opened (it may be closed since): at most one per response.
+    reasoning_seen: bool,
     echo: Echo,
     sequence: usize,
     input_tokens: usize,
@@ -64,7 +77,11 @@ impl EventWriter {
         ending: Option<Ending>,
         error: Option<String>,
     ) -> Event {
-        let usage = ending.map(|_| ResponseUsage::new(self.input_tokens, self.output_tokens));
+        let reasoning_tokens = self.parser.as_ref().map_or(0, |p| p.reasoning_tokens());
+        let usage = ending.map(|_| {
+            ResponseUsage::new(self.input_tokens, self.output_tokens)
+                .with_reasoning(reasoning_tokens)
+        });
         let response = self.echo.response(ending, self.done.clone(), usage, error);
         self.event(
             kind,
@@ -82,8 +99,82 @@ impl EventWriter {
         ]
     }
 
-    /// Streams `text` into the message item, opening it first if needed.
+    /// Streams `text` into the reasoning item, opening it first if needed.
+    fn reasoning_text(&mut self, text: String, out: &mut Vec<Event>) {
+        if !self.reasoning_seen {
+            self.reasoning_seen = true;
+            let (index, id) = (self.done.len(), item_id("rs"));
+            let item = reasoning_item(id.clone(), "in_progress", None);
+            out.push(self.event(
+                "response.output_item.added",
+                EventBody::Item {
+                    output_index: index,
+                    item,
+                },
+            ));
+            let part = EventBody::ReasoningPart {
+                item_id: id.clone(),
+                output_index: index,
+                content_index: 0,
+                part: ReasoningText::new(String::new()),
+            };
+            out.push(self.event("response.content_part.added", part));
+            self.reasoning = Some(OpenReasoning {
+                index,
+                id,
+                text: String::new(),
+            });
+        }
+        if text.is_empty() {
+            return;
+        }
+        let Some(r) = self.reasoning.as_mut() else {
+            return;
+        };
+        r.text.push_str(&text);
+        let body = EventBody::ReasoningDelta {
+            item_id: r.id.clone(),
+            output_index: r.index,
+            content_index: 0,
+            delta: text,
+        };
+        out.push(self.event("response.reasoning_text.delta", body));
+    }
+
+    /// Closes the reasoning item, if one is open.
+    fn close_reasoning(&mut self, status: &'static str, out: &mut Vec<Event>) {
+        let Some(r) = self.reasoning.take() else {
+            return;
+        };
+        let done = EventBody::ReasoningDone {
+            item_id: r.id.clone(),
+            output_index: r.index,
+            content_index: 0,
+            text: r.text.clone(),
+        };
+        out.push(self.event("response.reasoning_text.done", done));
+        let part = EventBody::ReasoningPart {
+            item_id: r.id.clone(),
+            output_index: r.index,
+            content_index: 0,
+            part: ReasoningText::new(r.text.clone()),
+        };
+        out.push(self.event("response.content_part.done", part));
+        let item = reasoning_item(r.id, status, Some(ReasoningText::new(r.text)));
+        self.done.push(item.clone());
+        out.push(self.event(
+            "response.output_item.done",
+            EventBody::Item {
+                output_index: r.index,
+                item,
+            },
+        ));
+    }
+
+    /// Streams `text` into the message item, opening it first if needed (and closing the reasoning
+    /// item, which the answer follows).
     fn text(&mut self, text: String, out: &mut Vec<Event>) {
+        self.close_reasoning("completed", out);
         if self.message.is_none() {
             let (index, id) = (self.done.len(), item_id("msg"));
             let item = message_item(id.clone(), "in_progress", None);
@@ -163,6 +254,7 @@ impl EventWriter {
 
     /// A function call item: added, its arguments in one delta, done.
     fn call(&mut self, call: &ToolCall, out: &mut Vec<Event>) {
+        self.close_reasoning("completed", out);
         let (index, id) = (self.done.len(), item_id("fc"));
         let added = call_item(id.clone(), call, "in_progress", String::new());
         out.push(self.event(
@@ -200,10 +292,27 @@ impl EventWriter {
     /// The events of one generation step; the last step also closes the items and the response.
     fn step(&mut self, step: Step) -> Vec<Event> {
         self.output_tokens += 1;
-        self.pending
-            .extend(chat_logprob(self.codec.as_ref(), &step.token));
+        let logprob = chat_logprob(self.codec.as_ref(), &step.token);
         let mut out = Vec::new();
         let mut text = step.text;
+        let mut answer_token = true;
+        if let Some(parser) = self.parser.as_mut() {
+            let mut split = parser.push(&text);
+            if step.finish.is_some() {
+                let rest = parser.finish();
+                split.reasoning.push_str(&rest.reasoning);
+                split.content.push_str(&rest.content);
+            }
+            // The reasoning block's tokens are not the message's: their logprobs stay out of it.
+            answer_token = !split.in_reasoning;
+            text = split.content;
+            if parser.reasoned() && self.message.is_none() {
+                self.reasoning_text(split.reasoning, &mut out);
+            }
+        }
+        if answer_token {
+            self.pending.extend(logprob);
+        }
         let mut calls = Vec::new();
         if let Some(spec) = &self.spec {
             text = self.hold.push(&text);
@@ -221,8 +330,17 @@ impl EventWriter {
         };
         self.run = None;
         let ending = Ending::of(Some(finish));
-        // Like the whole answer, a response without calls always has a message, empty or not.
-        if calls.is_empty() && self.message.is_none() {
+        let answered = self.message.is_some() || !calls.is_empty();
+        self.close_reasoning(
+            if answered {
+                "completed"
+            } else {
+                ending.item_status()
+            },
+            &mut out,
+        );
+        // Like the whole answer, a response without calls or reasoning always has a message.
+        if calls.is_empty() && self.message.is_none() && !self.reasoning_seen {
             self.text(String::new(), &mut out);
         }
         self.close_message(ending.item_status(), &mut out);
@@ -237,6 +355,7 @@ impl EventWriter {
     fn failure(&mut self, error: ApiError) -> Vec<Event> {
         self.run = None;
         let mut out = Vec::new();
+        self.close_reasoning("incomplete", &mut out);
         self.close_message("incomplete", &mut out);
         out.push(self.lifecycle("response.failed", Some(Ending::Failed), Some(error.message)));
         out
@@ -248,6 +367,7 @@ impl EventWriter {
 pub(super) fn stream_response(
     run: ChoiceRun,
     spec: Option<ToolSpec>,
+    parser: Option<ReasoningParser>,
     echo: Echo,
     codec: Arc<dyn TextCodec>,
     input_tokens: usize,
@@ -256,6 +376,9 @@ pub(super) fn stream_response(
         run: Some(run),
         spec,
         hold: CallHold::default(),
+        parser,
+        reasoning: None,
+        reasoning_seen: false,
         echo,
         sequence: 0,
         input_tokens,

@@ -177,10 +177,41 @@ impl OutputText {
     }
 }
 
+/// The text part of a `reasoning` item.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReasoningText {
+    /// Always `reasoning_text`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The reasoning block's text.
+    pub text: String,
+}
+
+impl ReasoningText {
+    /// A part holding `text`.
+    pub fn new(text: String) -> Self {
+        ReasoningText {
+            kind: "reasoning_text",
+            text,
+        }
+    }
+}
+
 /// One item of a response's `output`.
 #[derive(Debug, Clone, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum OutputItem {
+    /// The model's reasoning block (reasoning parser on), before the message it led to.
+    Reasoning {
+        /// `rs_...`.
+        id: String,
+        /// Always empty: the block is returned whole in `content`, not summarised.
+        summary: Vec<Value>,
+        /// The block's text (one part, or none while a stream opens the item).
+        content: Vec<ReasoningText>,
+        /// `in_progress` while streaming, then `completed` or `incomplete`.
+        status: &'static str,
+    },
     /// The assistant's text.
     Message {
         /// `msg_...`.
@@ -217,7 +248,7 @@ pub struct InputTokensDetails {
 /// `usage.output_tokens_details`.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct OutputTokensDetails {
-    /// Always 0: the models served here do not reason.
+    /// Tokens of the reasoning block (0 unless the reasoning parser found one).
     pub reasoning_tokens: usize,
 }
 
@@ -230,7 +261,7 @@ pub struct ResponseUsage {
     pub input_tokens_details: InputTokensDetails,
     /// Tokens generated.
     pub output_tokens: usize,
-    /// Reasoning detail (none).
+    /// Reasoning detail.
     pub output_tokens_details: OutputTokensDetails,
     /// Their sum.
     pub total_tokens: usize,
@@ -248,6 +279,12 @@ impl ResponseUsage {
             },
             total_tokens: input_tokens + output_tokens,
         }
+    }
+
+    /// The same usage with `reasoning_tokens` of the output spent on reasoning.
+    pub fn with_reasoning(mut self, reasoning_tokens: usize) -> Self {
+        self.output_tokens_details.reasoning_tokens = reasoning_tokens;
+        self
     }
 }
 
@@ -307,7 +344,7 @@ pub struct ResponseObject {
     pub parallel_tool_calls: bool,
     /// Always null: nothing is stored to continue from.
     pub previous_response_id: Option<String>,
-    /// Always null: no reasoning.
+    /// Always null: reasoning effort is not configurable here.
     pub reasoning: Option<Value>,
     /// Always false: responses are not stored.
     pub store: bool,
@@ -402,6 +439,39 @@ pub enum EventBody {
         text: String,
         /// Logprobs of every token, when requested.
         logprobs: Vec<ChatTokenLogprob>,
+    },
+    /// `response.content_part.added` and `.done` of a reasoning item.
+    ReasoningPart {
+        /// The reasoning item's id.
+        item_id: String,
+        /// Position in `output`.
+        output_index: usize,
+        /// Position in the item's content.
+        content_index: usize,
+        /// The part as it stands.
+        part: ReasoningText,
+    },
+    /// `response.reasoning_text.delta`.
+    ReasoningDelta {
+        /// The reasoning item's id.
+        item_id: String,
+        /// Position in `output`.
+        output_index: usize,
+        /// Position in the item's content.
+        content_index: usize,
+        /// New reasoning text.
+        delta: String,
+    },
+    /// `response.reasoning_text.done`.
+    ReasoningDone {
+        /// The reasoning item's id.
+        item_id: String,
+        /// Position in `output`.
+        output_index: usize,
+        /// Position in the item's content.
+        content_index: usize,
+        /// The whole reasoning text.
+        text: String,
     },
     /// `response.function_call_arguments.delta`.
     ArgumentsDelta {

@@ -541,3 +541,33 @@ fn every_engine_key_reaches_the_engine() {
         serde_json::to_value(EngineConfig::default()).unwrap()
     );
 }
+
+#[test]
+fn reasoning_parser_is_a_key_and_a_flag_and_auto_reads_the_template() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let file = Settings::from_yaml("reasoning_parser: off\n").unwrap();
+    assert_eq!(file.reasoning_parser, Some(ReasoningParserMode::Off));
+    let none = Settings::colocated(&Settings::default(), file.clone()).unwrap();
+    assert_eq!(none.reasoning_parser, Some(ReasoningParserMode::Off));
+    let flags = <Cli as clap::Parser>::try_parse_from(["serve", "--reasoning-parser", "on"])
+        .unwrap()
+        .serve
+        .settings;
+    let s = Settings::colocated(&flags, file).unwrap();
+    assert_eq!(s.reasoning_parser, Some(ReasoningParserMode::On));
+    let err = Settings::from_yaml("reasoning_parser: maybe\n").unwrap_err();
+    assert!(format!("{err:#}").contains("reasoning_parser"), "{err:#}");
+
+    let qwen3 = "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}";
+    let plain = "{{ '<|im_start|>assistant\\n' }}";
+    let auto = ReasoningParserMode::default();
+    assert_eq!(auto, ReasoningParserMode::Auto);
+    assert!(auto.enabled(Some(qwen3)));
+    assert!(!auto.enabled(Some(plain)) && !auto.enabled(None));
+    assert!(ReasoningParserMode::On.enabled(Some(plain)));
+    assert!(!ReasoningParserMode::Off.enabled(Some(qwen3)));
+}
