@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use tandem_engine::{
-    Backend, BackendError, BackendInfo, DeviceSampling, HostBuf, HostPool, KvExport, KvStaging,
-    MaskSource, StagedLayer, StagingSlice,
+    Backend, BackendError, BackendInfo, HostBuf, HostPool, KvExport, KvStaging, SampledStep,
+    StagedLayer, StagingSlice,
 };
 use tandem_model::ForwardBatch;
 
@@ -58,31 +58,11 @@ impl Backend for CudaBackend {
             .map_err(BackendError::from)
     }
 
-    fn forward_sampled(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
+    fn forward_sampled(&mut self, step: SampledStep) -> Result<bool, BackendError> {
         self.rows.clear();
-        self.rows.extend(rows.iter().map(SampleRow::from));
+        self.rows.extend(step.rows.iter().map(SampleRow::from));
         self.model
-            .forward_sampled(batch, &self.rows, out)
-            .map_err(BackendError::from)?;
-        Ok(true)
-    }
-
-    fn forward_sampled_masked(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[DeviceSampling],
-        masks: &mut dyn MaskSource,
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
-        self.rows.clear();
-        self.rows.extend(rows.iter().map(SampleRow::from));
-        self.model
-            .forward_sampled_masked(batch, &self.rows, masks, out)
+            .forward_sampled(step.batch, &self.rows, step.masks, step.out)
             .map_err(BackendError::from)?;
         Ok(true)
     }

@@ -26,7 +26,7 @@ mod worker;
 
 pub use backend::{
     Backend, BackendError, BackendErrorKind, BackendInfo, BoxError, DeviceMasks, DeviceSampling,
-    MaskSource,
+    MaskSource, SampledStep,
 };
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,

@@ -5,8 +5,8 @@ use std::sync::mpsc;
 use std::sync::Mutex;
 
 use tandem_engine::{
-    Backend, BackendError, BackendErrorKind, BackendInfo, DeviceSampling, HostBuf, KvExport,
-    ReadyExport, StageError, StageModel, StagedExport, StagedLayer, StagingSlice,
+    Backend, BackendError, BackendErrorKind, BackendInfo, DeviceSampling, SampledStep, StageError,
+    StageModel,
 };
 use tandem_kv::KvError;
 use tandem_model::{ForwardBatch, KvLayout, ModelIdentity, Partition};
@@ -220,58 +220,6 @@ impl PipelineBackend {
             )))
         }
     }
-
-    /// Copies `blocks` of global `layer` into `out` (back to back) from the stage owning the layer, in
-    /// one request.
-    fn export_layer(
-        &self,
-        layer: usize,
-        blocks: &[u32],
-        out: &mut [u8],
-    ) -> Result<(), BackendError> {
-        self.check_blocks(blocks)?;
-        self.check_len(blocks, 1, out.len())?;
-        match self.owner(layer)? {
-            None => self
-                .model
-                .export_blocks(layer, blocks, out)
-                .map_err(|e| stage0_err("export", e)),
-            Some(link) => link.call("export", |c| c.export_blocks(layer, blocks, out)),
-        }
-    }
-
-    /// Overwrites `blocks` of global `layer` from `data` (back to back) on the stage owning the layer,
-    /// in one request.
-    fn import_layer(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: &[u8],
-    ) -> Result<(), BackendError> {
-        self.check_blocks(blocks)?;
-        self.check_len(blocks, 1, data.len())?;
-        match self.owner(layer)? {
-            None => self
-                .model
-                .import_blocks(layer, blocks, data)
-                .map_err(|e| stage0_err("import", e)),
-            Some(link) => link.call("import", |c| c.import_blocks(layer, blocks, data)),
-        }
-    }
-
-    /// Copies every layer of `blocks` into `out`, layer-major, one request per layer.
-    fn export_layers(&self, blocks: &[u32], out: &mut [u8]) -> Result<(), BackendError> {
-        let layers = self.info.layout.n_layers;
-        self.check_len(blocks, layers, out.len())?;
-        if blocks.is_empty() {
-            return Ok(());
-        }
-        let per_layer = out.len() / layers;
-        for (layer, o) in out.chunks_exact_mut(per_layer).enumerate() {
-            self.export_layer(layer, blocks, o)?;
-        }
-        Ok(())
-    }
 }
 
 impl PipelineBackend {
@@ -465,17 +413,13 @@ impl Backend for PipelineBackend {
         self.step(batch, None, logits, &mut Vec::new())
     }
 
-    fn forward_sampled(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
-        if !self.samples_on_device() {
+    /// Only a last stage that samples on its device draws, and never under masks.
+    fn forward_sampled(&mut self, step: SampledStep) -> Result<bool, BackendError> {
+        if step.masks.is_some() || !self.samples_on_device() {
             return Ok(false);
         }
-        out.clear();
-        self.step(batch, Some(rows), &mut Vec::new(), out)?;
+        step.out.clear();
+        self.step(step.batch, Some(step.rows), &mut Vec::new(), step.out)?;
         Ok(true)
     }
 
@@ -487,47 +431,40 @@ impl Backend for PipelineBackend {
         self.import_layer(layer, &[block], data)
     }
 
-    fn export_kv(&mut self, blocks: &[u32]) -> Result<Box<dyn KvExport>, BackendError> {
-        let layout = self.info.layout;
-        let mut buf = self
-            .host_pool()
-            .take(layout.n_layers * blocks.len() * layout.block_bytes())?;
-        self.export_layers(blocks, buf.as_mut_slice())?;
-        Ok(Box::new(ReadyExport::new(buf, layout.n_layers.max(1))))
+    /// One request to the stage owning the layer.
+    fn export_layer(
+        &self,
+        layer: usize,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<(), BackendError> {
+        self.check_blocks(blocks)?;
+        self.check_len(blocks, 1, out.len())?;
+        match self.owner(layer)? {
+            None => self
+                .model
+                .export_blocks(layer, blocks, out)
+                .map_err(|e| stage0_err("export", e)),
+            Some(link) => link.call("export", |c| c.export_blocks(layer, blocks, out)),
+        }
     }
 
-    fn import_kv(
+    /// One request to the stage owning the layer.
+    fn import_layer(
         &mut self,
         layer: usize,
         blocks: &[u32],
-        data: HostBuf,
+        data: &[u8],
     ) -> Result<(), BackendError> {
-        self.import_layer(layer, blocks, data.as_slice())
-    }
-
-    fn export_kv_staged(
-        &mut self,
-        blocks: &[u32],
-        mut dest: StagingSlice,
-    ) -> Result<Box<dyn KvExport>, BackendError> {
-        let kind = dest.kind();
-        let out = dest.host_bytes_mut().ok_or_else(|| {
-            BackendError::fatal(format!("a pipeline cannot export into {kind:?} staging"))
-        })?;
-        self.export_layers(blocks, out)?;
-        Ok(Box::new(StagedExport::new(
-            dest,
-            self.info.layout.n_layers.max(1),
-        )))
-    }
-
-    fn import_kv_staged(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        src: StagedLayer,
-    ) -> Result<(), BackendError> {
-        self.import_layer(layer, blocks, src.host_bytes()?)
+        self.check_blocks(blocks)?;
+        self.check_len(blocks, 1, data.len())?;
+        match self.owner(layer)? {
+            None => self
+                .model
+                .import_blocks(layer, blocks, data)
+                .map_err(|e| stage0_err("import", e)),
+            Some(link) => link.call("import", |c| c.import_blocks(layer, blocks, data)),
+        }
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {

@@ -12,7 +12,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tandem_engine::sampler::argmax;
-use tandem_engine::{Backend, DeviceSampling};
+use tandem_engine::{Backend, DeviceSampling, SampledStep};
 use tandem_model::{ForwardBatch, LogitsWanted};
 
 /// The fewest KV blocks a backend under the checks must have.
@@ -375,7 +375,12 @@ pub fn forward_sampled_greedy_is_argmax<B: Backend>(mut make: impl FnMut() -> B)
     ];
     let mut drawn = Vec::new();
     if !a
-        .forward_sampled(&batch, &rows, &mut drawn)
+        .forward_sampled(SampledStep {
+            batch: &batch,
+            rows: &rows,
+            masks: None,
+            out: &mut drawn,
+        })
         .expect("forward_sampled")
     {
         eprintln!(
