@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use tandem_engine::{
-    Backend, BackendError, BackendInfo, HostBuf, HostPool, KvExport, KvStaging, SampledStep,
-    StagedLayer, StagingSlice,
+    Backend, BackendError, BackendInfo, HostBuf, HostPool, KvExport, KvStaging, LayerBlocks,
+    SampledStep, StagedLayer, StagingSlice,
 };
 use tandem_model::ForwardBatch;
 
@@ -93,12 +93,8 @@ impl Backend for CudaBackend {
             .map_err(|e| e.into_transfer(format_args!("CUDA KV export of {} blocks", blocks.len())))
     }
 
-    fn import_kv(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: HostBuf,
-    ) -> Result<(), BackendError> {
+    fn import_kv(&mut self, at: LayerBlocks, data: HostBuf) -> Result<(), BackendError> {
+        let (layer, blocks) = (at.layer, at.blocks);
         self.model.import_kv(layer, blocks, data).map_err(|e| {
             e.into_transfer(format_args!(
                 "CUDA KV import of layer {layer} ({} blocks)",
@@ -126,12 +122,8 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn import_kv_staged(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        src: StagedLayer,
-    ) -> Result<(), BackendError> {
+    fn import_kv_staged(&mut self, at: LayerBlocks, src: StagedLayer) -> Result<(), BackendError> {
+        let (layer, blocks) = (at.layer, at.blocks);
         self.model
             .import_kv_staged(layer, blocks, src)
             .map_err(|e| {

@@ -235,6 +235,50 @@ impl BackendInfo {
     }
 }
 
+/// Blocks of one layer of the KV cache, their bytes back to back in the canonical layout of
+/// [`KvLayout`]: the unit a KV copy moves (one layer's share of a transfer, one request to the
+/// pipeline stage owning the layer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerBlocks<'a> {
+    /// The layer: global for a [`Backend`], stage-local for a [`crate::StageModel`].
+    pub layer: usize,
+    /// The blocks, in the order of their bytes.
+    pub blocks: &'a [u32],
+}
+
+impl<'a> LayerBlocks<'a> {
+    /// `blocks` of `layer`.
+    pub fn new(layer: usize, blocks: &'a [u32]) -> Self {
+        LayerBlocks { layer, blocks }
+    }
+
+    /// Each block with its `block_bytes` bytes of `buf`, in order (as many as both hold).
+    pub fn zip<'b>(self, buf: &'b [u8], block_bytes: usize) -> impl Iterator<Item = (u32, &'b [u8])>
+    where
+        'a: 'b,
+    {
+        self.blocks
+            .iter()
+            .copied()
+            .zip(buf.chunks_exact(block_bytes))
+    }
+
+    /// Each block with its `block_bytes` bytes of `buf`, mutably, in order (as many as both hold).
+    pub fn zip_mut<'b>(
+        self,
+        buf: &'b mut [u8],
+        block_bytes: usize,
+    ) -> impl Iterator<Item = (u32, &'b mut [u8])>
+    where
+        'a: 'b,
+    {
+        self.blocks
+            .iter()
+            .copied()
+            .zip(buf.chunks_exact_mut(block_bytes))
+    }
+}
+
 /// A model plus the paged KV storage it reads and writes, owned by the engine thread.
 pub trait Backend: Send + 'static {
     /// The model's and cache's fixed facts, which the accessors below read.
@@ -271,36 +315,26 @@ pub trait Backend: Send + 'static {
     fn host_pool(&self) -> Arc<dyn HostPool> {
         crate::kv_host::vec_pool()
     }
-    /// Copies `blocks` of `layer` into `out` (their bytes back to back, canonical layout). The default
-    /// goes block by block through [`Self::export_block`]; a backend with a bulk path per layer (one
-    /// request to a pipeline stage) overrides it, and [`Self::export_kv`]'s and
-    /// [`Self::export_kv_staged`]'s defaults take it layer by layer.
-    fn export_layer(
-        &self,
-        layer: usize,
-        blocks: &[u32],
-        out: &mut [u8],
-    ) -> Result<(), BackendError> {
+    /// Copies the blocks of `at` into `out` (their bytes back to back). The default goes block by
+    /// block through [`Self::export_block`]; a backend with a bulk path per layer (one request to a
+    /// pipeline stage) overrides it, and [`Self::export_kv`]'s and [`Self::export_kv_staged`]'s
+    /// defaults take it layer by layer.
+    fn export_layer(&self, at: LayerBlocks, out: &mut [u8]) -> Result<(), BackendError> {
         let n = self.kv_layout().block_bytes();
-        check_layer_len(blocks, n, out.len())?;
-        for (chunk, &b) in out.chunks_exact_mut(n).zip(blocks) {
-            self.export_block(layer, b, chunk)?;
+        check_layer_len(at, n, out.len())?;
+        for (b, chunk) in at.zip_mut(out, n) {
+            self.export_block(at.layer, b, chunk)?;
         }
         Ok(())
     }
-    /// Overwrites `blocks` of `layer` from `data` (their bytes back to back, as [`Self::export_layer`]
+    /// Overwrites the blocks of `at` from `data` (their bytes back to back, as [`Self::export_layer`]
     /// lays them out). The default goes block by block through [`Self::import_block`]; it is what
     /// [`Self::import_kv`]'s and [`Self::import_kv_staged`]'s defaults call.
-    fn import_layer(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: &[u8],
-    ) -> Result<(), BackendError> {
+    fn import_layer(&mut self, at: LayerBlocks, data: &[u8]) -> Result<(), BackendError> {
         let n = self.kv_layout().block_bytes();
-        check_layer_len(blocks, n, data.len())?;
-        for (chunk, &b) in data.chunks_exact(n).zip(blocks) {
-            self.import_block(layer, b, chunk)?;
+        check_layer_len(at, n, data.len())?;
+        for (b, chunk) in at.zip(data, n) {
+            self.import_block(at.layer, b, chunk)?;
         }
         Ok(())
     }
@@ -316,17 +350,12 @@ pub trait Backend: Send + 'static {
         export_layers(self, blocks, buf.as_mut_slice())?;
         Ok(Box::new(ReadyExport::new(buf, layout.n_layers.max(1))))
     }
-    /// Overwrites `blocks` of `layer` with `data` (their bytes back to back, as [`Self::export_kv`]
+    /// Overwrites the blocks of `at` with `data` (their bytes back to back, as [`Self::export_kv`]
     /// lays out one layer). An asynchronous backend keeps `data` until its copy is done; the copy is
     /// ordered before any step after the next [`Self::import_fence`]. The default is
     /// [`Self::import_layer`].
-    fn import_kv(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: HostBuf,
-    ) -> Result<(), BackendError> {
-        self.import_layer(layer, blocks, data.as_slice())
+    fn import_kv(&mut self, at: LayerBlocks, data: HostBuf) -> Result<(), BackendError> {
+        self.import_layer(at, data.as_slice())
     }
     /// Allocates `bytes` of staging memory for zero-copy transfers (see [`crate::kv_staging`]), once,
     /// where this backend's KV lives: device memory on a GPU. The default is host memory, which the
@@ -354,13 +383,8 @@ pub trait Backend: Send + 'static {
     }
     /// Like [`Self::import_kv`], from a layer that landed in this backend's staging. The default reads
     /// host staging through [`Self::import_layer`].
-    fn import_kv_staged(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        src: StagedLayer,
-    ) -> Result<(), BackendError> {
-        self.import_layer(layer, blocks, src.host_bytes()?)
+    fn import_kv_staged(&mut self, at: LayerBlocks, src: StagedLayer) -> Result<(), BackendError> {
+        self.import_layer(at, src.host_bytes()?)
     }
     /// Orders every import started so far before the next step's reads of the cache, without
     /// waiting on the host (a no-op for backends that import synchronously).
@@ -412,19 +436,19 @@ fn export_layers<B: Backend + ?Sized>(
         return Ok(());
     }
     for (layer, o) in out.chunks_exact_mut(per_layer).enumerate() {
-        backend.export_layer(layer, blocks, o)?;
+        backend.export_layer(LayerBlocks::new(layer, blocks), o)?;
     }
     Ok(())
 }
 
-/// Fails unless `len` bytes are exactly `blocks` of `block_bytes` each (one layer's share of a transfer).
-fn check_layer_len(blocks: &[u32], block_bytes: usize, len: usize) -> Result<(), BackendError> {
-    if len == blocks.len() * block_bytes {
+/// Fails unless `len` bytes are exactly the blocks of `at`, `block_bytes` each.
+fn check_layer_len(at: LayerBlocks, block_bytes: usize, len: usize) -> Result<(), BackendError> {
+    if len == at.blocks.len() * block_bytes {
         Ok(())
     } else {
         Err(BackendError::fatal(format!(
             "KV copy of {} blocks of {block_bytes} bytes given {len} bytes",
-            blocks.len()
+            at.blocks.len()
         )))
     }
 }

@@ -5,8 +5,8 @@ use std::sync::mpsc;
 use std::sync::Mutex;
 
 use tandem_engine::{
-    Backend, BackendError, BackendErrorKind, BackendInfo, DeviceSampling, SampledStep, StageError,
-    StageModel,
+    Backend, BackendError, BackendErrorKind, BackendInfo, DeviceSampling, LayerBlocks, SampledStep,
+    StageError, StageInput, StageModel, StageOutput,
 };
 use tandem_kv::KvError;
 use tandem_model::{ForwardBatch, KvLayout, ModelIdentity, Partition};
@@ -234,15 +234,17 @@ impl PipelineBackend {
     ) -> Result<(), BackendError> {
         let to_err = |e: StageError| stage0_err("forward", e);
         if self.links.is_empty() {
+            let input = StageInput {
+                batch,
+                hidden: None,
+            };
             if let Some(rows) = rows {
-                return self
-                    .model
-                    .forward_sampled(batch, None, rows, ids)
-                    .map_err(to_err);
+                let output = StageOutput::Tokens { rows, out: ids };
+                return self.model.forward(input, output).map_err(to_err);
             }
             self.bufs.resize_with(self.bufs.len().max(1), Vec::new);
             self.model
-                .forward(batch, None, &mut self.bufs[0])
+                .forward(input, StageOutput::Hidden(&mut self.bufs[0]))
                 .map_err(to_err)?;
             extend_f32(logits, &self.bufs[0]);
             return Ok(());
@@ -312,7 +314,11 @@ impl PipelineBackend {
             let mut first_err = None;
             for (i, mb) in mbs.iter().enumerate() {
                 let mut buf = std::mem::take(&mut bufs[i]);
-                if let Err(e) = model.forward(mb, None, &mut buf) {
+                let input = StageInput {
+                    batch: mb,
+                    hidden: None,
+                };
+                if let Err(e) = model.forward(input, StageOutput::Hidden(&mut buf)) {
                     first_err = Some(to_err(e));
                     break;
                 }
@@ -424,46 +430,36 @@ impl Backend for PipelineBackend {
     }
 
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
-        self.export_layer(layer, &[block], out)
+        self.export_layer(LayerBlocks::new(layer, &[block]), out)
     }
 
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
-        self.import_layer(layer, &[block], data)
+        self.import_layer(LayerBlocks::new(layer, &[block]), data)
     }
 
     /// One request to the stage owning the layer.
-    fn export_layer(
-        &self,
-        layer: usize,
-        blocks: &[u32],
-        out: &mut [u8],
-    ) -> Result<(), BackendError> {
-        self.check_blocks(blocks)?;
-        self.check_len(blocks, 1, out.len())?;
-        match self.owner(layer)? {
+    fn export_layer(&self, at: LayerBlocks, out: &mut [u8]) -> Result<(), BackendError> {
+        self.check_blocks(at.blocks)?;
+        self.check_len(at.blocks, 1, out.len())?;
+        match self.owner(at.layer)? {
             None => self
                 .model
-                .export_blocks(layer, blocks, out)
+                .export_blocks(at, out)
                 .map_err(|e| stage0_err("export", e)),
-            Some(link) => link.call("export", |c| c.export_blocks(layer, blocks, out)),
+            Some(link) => link.call("export", |c| c.export_blocks(at.layer, at.blocks, out)),
         }
     }
 
     /// One request to the stage owning the layer.
-    fn import_layer(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: &[u8],
-    ) -> Result<(), BackendError> {
-        self.check_blocks(blocks)?;
-        self.check_len(blocks, 1, data.len())?;
-        match self.owner(layer)? {
+    fn import_layer(&mut self, at: LayerBlocks, data: &[u8]) -> Result<(), BackendError> {
+        self.check_blocks(at.blocks)?;
+        self.check_len(at.blocks, 1, data.len())?;
+        match self.owner(at.layer)? {
             None => self
                 .model
-                .import_blocks(layer, blocks, data)
+                .import_blocks(at, data)
                 .map_err(|e| stage0_err("import", e)),
-            Some(link) => link.call("import", |c| c.import_blocks(layer, blocks, data)),
+            Some(link) => link.call("import", |c| c.import_blocks(at.layer, at.blocks, data)),
         }
     }
 

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use tandem_cpu::CpuBackend;
 use tandem_engine::sampler::argmax;
-use tandem_engine::Backend;
+use tandem_engine::{Backend, LayerBlocks};
 use tandem_model::{CpuLlama, ForwardBatch, LoadedModel, LogitsWanted};
 use tandem_testkit::model;
 
@@ -198,7 +198,7 @@ fn blocks_of_a_remote_stage_export_import_and_copy() {
         let mut data = p.host_pool().take(blocks.len() * bytes).unwrap();
         data.as_mut_slice()
             .copy_from_slice(we.layer(layer).unwrap());
-        p.import_kv(layer, &moved, data).unwrap();
+        p.import_kv(LayerBlocks::new(layer, &moved), data).unwrap();
     }
     let back = p.export_kv(&moved).unwrap();
     for layer in 0..m.config.num_layers {
@@ -207,7 +207,10 @@ fn blocks_of_a_remote_stage_export_import_and_copy() {
             "layer {layer}"
         );
     }
-    let e = p.import_kv(last, &[1], p.host_pool().take(bytes + 1).unwrap());
+    let e = p.import_kv(
+        LayerBlocks::new(last, &[1]),
+        p.host_pool().take(bytes + 1).unwrap(),
+    );
     assert!(e.unwrap_err().message().contains("bytes for 1 blocks"));
 }
 
