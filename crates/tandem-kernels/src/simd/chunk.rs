@@ -15,13 +15,21 @@ pub(crate) const MAX_HEAD_DIM: usize = 256;
 /// `out + i * stride`), and the kv head `kvh` they read from the layer buffer `kv` through the sequence's
 /// block table `blocks`.
 pub(crate) struct QueryChunk<'a> {
+    /// The first query's values.
     pub q: *const f32,
+    /// The first query's output.
     pub out: *mut f32,
+    /// Floats from one query (and output) to the next.
     pub stride: usize,
+    /// Queries in the chunk.
     pub n: usize,
+    /// Absolute position of the first query.
     pub first_pos: usize,
+    /// The layer's KV buffer.
     pub kv: &'a [f32],
+    /// The sequence's block table.
     pub blocks: &'a [u32],
+    /// The kv head the chunk's head reads.
     pub kvh: usize,
 }
 
