@@ -8,10 +8,8 @@
 use std::sync::{Arc, OnceLock};
 
 use futures::future::BoxFuture;
-use tandem_api::{BackendError, GenerateBackend, ModelCodec, TokenStream};
-use tandem_engine::{
-    EngineStats, FinishReason, RequestId, SamplingParams, TokenLogprobs, TokenOutput,
-};
+use tandem_api::{BackendError, GenerateBackend, GenerateRequest, ModelCodec, TokenStream};
+use tandem_engine::{EngineStats, FinishReason, RequestId, TokenLogprobs, TokenOutput};
 use tandem_model::gguf::{GgufFile, GgufValue};
 use tandem_model::Tokenizer;
 
@@ -54,12 +52,8 @@ pub struct EchoBackend;
 const MAX_LEN: usize = 2048;
 
 impl GenerateBackend for EchoBackend {
-    fn submit(
-        &self,
-        _id: RequestId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<TokenStream, BackendError> {
+    fn submit(&self, req: GenerateRequest) -> Result<TokenStream, BackendError> {
+        let GenerateRequest { prompt, params, .. } = req;
         if prompt.is_empty() || prompt.len() + params.max_tokens > MAX_LEN {
             return Err(BackendError::PromptTooLong {
                 prompt: prompt.len(),

@@ -10,6 +10,25 @@ use tandem_engine::{
     SamplingParams, TokenOutput,
 };
 
+/// One generation as the API hands it to a [`GenerateBackend`]: which request, its prompt and how to
+/// sample.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    /// Unique among live requests; [`GenerateBackend::abort`] names it.
+    pub id: RequestId,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Sampling and stopping.
+    pub params: SamplingParams,
+}
+
+impl GenerateRequest {
+    /// Request `id` of `prompt` under `params`.
+    pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Self {
+        GenerateRequest { id, prompt, params }
+    }
+}
+
 /// Per-request token outputs; dropping the stream must abort the request and free its KV blocks.
 pub type TokenStream = Pin<Box<dyn Stream<Item = Result<TokenOutput, BackendError>> + Send>>;
 
@@ -60,12 +79,7 @@ pub enum BackendError {
 /// What the API needs from a token generator; implemented by the local engine and the P/D router.
 pub trait GenerateBackend: Send + Sync + 'static {
     /// Queues one generation from prompt token ids; validation errors come back synchronously.
-    fn submit(
-        &self,
-        id: RequestId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<TokenStream, BackendError>;
+    fn submit(&self, req: GenerateRequest) -> Result<TokenStream, BackendError>;
     /// Stops a request early (dropping its stream has the same effect).
     fn abort(&self, id: RequestId);
     /// A snapshot of counters and gauges for /metrics.
@@ -134,13 +148,9 @@ fn stream_failure(err: EngineError) -> BackendError {
 }
 
 impl GenerateBackend for EngineHandle {
-    fn submit(
-        &self,
-        id: RequestId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<TokenStream, BackendError> {
-        let stream = EngineHandle::submit(self, EngineRequest::new(id, prompt, params))?;
+    fn submit(&self, req: GenerateRequest) -> Result<TokenStream, BackendError> {
+        let stream =
+            EngineHandle::submit(self, EngineRequest::new(req.id, req.prompt, req.params))?;
         // The RequestStream lives inside the unfold state, so dropping the HTTP body drops it and aborts.
         Ok(Box::pin(futures::stream::unfold(
             Some(stream),
@@ -188,6 +198,19 @@ mod tests {
     use tandem_engine::{Engine, EngineConfig, FinishReason};
     use tandem_testkit::MockBackend;
 
+    /// Submits a greedy request of `max_tokens` through the API's seam.
+    fn greedy(
+        e: &EngineHandle,
+        id: RequestId,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+    ) -> Result<TokenStream, BackendError> {
+        GenerateBackend::submit(
+            e,
+            GenerateRequest::new(id, prompt, SamplingParams::greedy(max_tokens)),
+        )
+    }
+
     fn engine() -> EngineHandle {
         let config = EngineConfig {
             block_size: 16,
@@ -213,12 +236,11 @@ mod tests {
     async fn engine_handle_streams_to_the_finish() {
         let e = engine();
         GenerateBackend::health(&e).await.expect("healthy");
-        let outs: Vec<TokenOutput> =
-            GenerateBackend::submit(&e, 1, vec![1, 2, 3], SamplingParams::greedy(5))
-                .unwrap()
-                .map(|o| o.expect("no failure"))
-                .collect()
-                .await;
+        let outs: Vec<TokenOutput> = greedy(&e, 1, vec![1, 2, 3], 5)
+            .unwrap()
+            .map(|o| o.expect("no failure"))
+            .collect()
+            .await;
         assert_eq!(outs.len(), 5);
         assert!(outs[..4].iter().all(|o| o.finish.is_none()));
         assert_eq!(outs[4].finish, Some(FinishReason::Length));
@@ -233,9 +255,7 @@ mod tests {
     #[tokio::test]
     async fn dropping_the_stream_aborts_and_frees_blocks() {
         let e = engine();
-        let mut stream =
-            GenerateBackend::submit(&e, 7, (1..40).collect(), SamplingParams::greedy(3000))
-                .unwrap();
+        let mut stream = greedy(&e, 7, (1..40).collect(), 3000).unwrap();
         assert!(stream.next().await.is_some());
         drop(stream);
         let stats = drained(&e).await;
@@ -252,10 +272,7 @@ mod tests {
         let e =
             Engine::start(MockBackend::new(16, 64).fail_at_step(2), config).expect("engine starts");
         let outs: Vec<Result<TokenOutput, BackendError>> =
-            GenerateBackend::submit(&e, 1, vec![1, 2, 3], SamplingParams::greedy(5))
-                .unwrap()
-                .collect()
-                .await;
+            greedy(&e, 1, vec![1, 2, 3], 5).unwrap().collect().await;
         let last = outs.last().expect("at least the error");
         // The mock's failure is the request's fault: the client's error.
         match last {
@@ -279,10 +296,7 @@ mod tests {
         let mock = MockBackend::new(16, 64).fail_steps(2.., kind);
         let e = Engine::start(mock, config).expect("engine starts");
         let outs: Vec<Result<TokenOutput, BackendError>> =
-            GenerateBackend::submit(&e, 1, vec![1, 2, 3], SamplingParams::greedy(5))
-                .unwrap()
-                .collect()
-                .await;
+            greedy(&e, 1, vec![1, 2, 3], 5).unwrap().collect().await;
         (outs.into_iter().last().expect("at least the error"), e)
     }
 
@@ -305,7 +319,7 @@ mod tests {
             matches!(health, Err(BackendError::Unavailable(_))),
             "{health:?}"
         );
-        let refused = GenerateBackend::submit(&e, 2, vec![1], SamplingParams::greedy(1)).err();
+        let refused = greedy(&e, 2, vec![1], 1).err();
         assert!(
             matches!(refused, Some(BackendError::Unavailable(_))),
             "{refused:?}"
@@ -326,13 +340,12 @@ mod tests {
         };
         let e = Engine::start(MockBackend::new(16, 64).with_max_len(100), config)
             .expect("engine starts");
-        let too_long =
-            GenerateBackend::submit(&e, 2, vec![1; 200], SamplingParams::greedy(1)).err();
+        let too_long = greedy(&e, 2, vec![1; 200], 1).err();
         assert!(
             matches!(too_long, Some(BackendError::PromptTooLong { .. })),
             "{too_long:?}"
         );
-        let empty = GenerateBackend::submit(&e, 3, Vec::new(), SamplingParams::greedy(1)).err();
+        let empty = greedy(&e, 3, Vec::new(), 1).err();
         assert!(matches!(empty, Some(BackendError::Invalid(_))), "{empty:?}");
         e.shutdown();
     }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use tandem_engine::{FinishReason, TokenLogprobs};
 
-use crate::backend::TokenStream;
+use crate::backend::{GenerateRequest, TokenStream};
 use crate::codec::{StreamDecoder, TextCodec};
 use crate::error::ApiError;
 use crate::protocol::{Answer, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs};
@@ -384,11 +384,11 @@ pub fn submit_choices(
     }
     (0..plan.n)
         .map(|i| {
-            let stream = state.backend.submit(
+            let stream = state.backend.submit(GenerateRequest::new(
                 state.next_request_id(),
                 prompt.to_vec(),
                 plan.params_for_choice(i, max_tokens),
-            )?;
+            ))?;
             Ok(ChoiceRun::new(state.clone(), stream, &plan.stops, arrived))
         })
         .collect()

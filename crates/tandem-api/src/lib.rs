@@ -30,7 +30,7 @@ mod reasoning_tests;
 #[cfg(test)]
 mod testing;
 
-pub use backend::{BackendError, GenerateBackend, TokenStream};
+pub use backend::{BackendError, GenerateBackend, GenerateRequest, TokenStream};
 pub use cluster::{ClusterSnapshot, ClusterView, RoutingCounts, WorkerView};
 pub use codec::{CodecError, ModelCodec, StreamDecoder, TextCodec};
 pub use error::ApiError;

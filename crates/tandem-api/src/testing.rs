@@ -6,11 +6,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use serde_json::{Map, Value};
-use tandem_engine::{
-    EngineStats, FinishReason, RequestId, SamplingParams, TokenLogprobs, TokenOutput,
-};
+use tandem_engine::{EngineStats, FinishReason, RequestId, TokenLogprobs, TokenOutput};
 
-use crate::backend::{BackendError, GenerateBackend, TokenStream};
+use crate::backend::{BackendError, GenerateBackend, GenerateRequest, TokenStream};
 use crate::codec::{CodecError, StreamDecoder, TextCodec};
 use crate::state::{ApiConfig, AppState};
 
@@ -100,17 +98,6 @@ impl TextCodec for ByteCodec {
     }
 }
 
-/// One submission the fake backend saw.
-#[derive(Debug, Clone)]
-pub struct Submitted {
-    /// The engine request id.
-    pub id: RequestId,
-    /// Prompt ids.
-    pub prompt: Vec<u32>,
-    /// Parameters.
-    pub params: SamplingParams,
-}
-
 /// Answers every request with the bytes of `reply` (then EOS), honouring max_tokens and logprobs.
 pub struct FakeBackend {
     /// What every request generates.
@@ -124,7 +111,7 @@ pub struct FakeBackend {
     /// Streams not yet dropped: proves that disconnects and stop strings release requests.
     pub live: Arc<AtomicUsize>,
     /// Every submission, in order.
-    pub submitted: Mutex<Vec<Submitted>>,
+    pub submitted: Mutex<Vec<GenerateRequest>>,
     /// Delay between tokens, so a disconnect can happen mid-stream.
     pub token_delay: std::time::Duration,
     /// When above 0, streams fail with `BackendError::Failed("boom")` after this many tokens.
@@ -157,27 +144,19 @@ impl Drop for LiveGuard {
 }
 
 impl GenerateBackend for FakeBackend {
-    fn submit(
-        &self,
-        id: RequestId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<TokenStream, BackendError> {
+    fn submit(&self, req: GenerateRequest) -> Result<TokenStream, BackendError> {
+        let params = req.params.clone();
         if self.queue_full.load(Ordering::SeqCst) {
             return Err(BackendError::QueueFull { waiting: 7 });
         }
-        if prompt.len() + params.max_tokens > self.max_model_len {
+        if req.prompt.len() + params.max_tokens > self.max_model_len {
             return Err(BackendError::PromptTooLong {
-                prompt: prompt.len(),
+                prompt: req.prompt.len(),
                 max_tokens: params.max_tokens,
                 max_model_len: self.max_model_len,
             });
         }
-        self.submitted.lock().push(Submitted {
-            id,
-            prompt,
-            params: params.clone(),
-        });
+        self.submitted.lock().push(req);
         let mut tokens: Vec<u32> = self.reply.lock().bytes().map(u32::from).collect();
         tokens.push(EOS);
         let mut outputs = Vec::new();

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use tandem_api::GenerateBackend;
+use tandem_api::{GenerateBackend, GenerateRequest};
 use tandem_engine::{Backend, Engine, EngineConfig, EngineHandle, SamplingParams, TokenOutput};
 use tandem_kv::KvError;
 use tandem_testkit::{mock_guide, mock_text, MockBackend};
@@ -154,7 +154,7 @@ pub(crate) async fn collect(
     params: SamplingParams,
 ) -> Vec<TokenOutput> {
     backend
-        .submit(1, prompt, params)
+        .submit(GenerateRequest::new(1, prompt, params))
         .expect("accepted")
         .map(|o| o.expect("generation succeeds"))
         .collect()
@@ -278,7 +278,11 @@ async fn a_dead_prefill_worker_falls_back_to_the_next_then_to_decode() {
 async fn dropping_the_stream_frees_both_sides_and_unpulled_pins_are_released() {
     let ([p, d], ingress) = cluster(BLOCK, [Role::Prefill, Role::Decode]).await;
     let mut stream = ingress
-        .submit(1, prompt(4), SamplingParams::greedy(3000))
+        .submit(GenerateRequest::new(
+            1,
+            prompt(4),
+            SamplingParams::greedy(3000),
+        ))
         .unwrap();
     for _ in 0..3 {
         stream.next().await.expect("tokens flow").unwrap();
@@ -482,7 +486,9 @@ async fn lose_a_decode_worker_mid_stream(
     let d1 = worker_on(Role::Decode, engine_on(slow())).await;
     let d2 = worker_on(Role::Decode, engine_on(slow())).await;
     let ingress = registered(BLOCK, &[&p, &d1, &d2]).await;
-    let mut stream = ingress.submit(1, prompt(8), params).unwrap();
+    let mut stream = ingress
+        .submit(GenerateRequest::new(1, prompt(8), params))
+        .unwrap();
     let mut got = Vec::new();
     for _ in 0..6 {
         got.push(stream.next().await.expect("tokens flow").unwrap());
@@ -593,7 +599,7 @@ async fn guided_output_through_prefill_and_decode_satisfies_the_schema() {
         ..guided_params(1)
     };
     assert!(matches!(
-        ingress.submit(1, prompt(0), bad),
+        ingress.submit(GenerateRequest::new(1, prompt(0), bad)),
         Err(tandem_api::BackendError::Invalid(_))
     ));
 }
@@ -656,7 +662,11 @@ async fn a_full_decode_cache_queues_imports_up_to_max_waiting_then_refuses() {
         ..SamplingParams::greedy(12)
     };
     let runs = (0..6).map(|seed| {
-        let stream = ingress.submit(seed, prompt(seed as u32), params.clone());
+        let stream = ingress.submit(GenerateRequest::new(
+            seed,
+            prompt(seed as u32),
+            params.clone(),
+        ));
         async move {
             let outs: Vec<_> = stream.expect("accepted").collect().await;
             outs
@@ -731,7 +741,11 @@ async fn requests_wait_at_the_head_for_decode_kv_room_instead_of_failing_their_i
         })
     };
     let runs = (0..8).map(|seed| {
-        let stream = ingress.submit(seed, prompt(seed as u32), params.clone());
+        let stream = ingress.submit(GenerateRequest::new(
+            seed,
+            prompt(seed as u32),
+            params.clone(),
+        ));
         async move { stream.expect("accepted").collect::<Vec<_>>().await }
     });
     for (seed, outs) in futures::future::join_all(runs)
@@ -770,7 +784,11 @@ async fn a_request_a_worker_refuses_is_the_clients_error() {
     let d = worker_on(Role::Decode, engine_on(MockBackend::new(BLOCK, 2))).await;
     let ingress = registered(1000, &[&d]).await;
     let outs: Vec<_> = ingress
-        .submit(1, prompt(1), SamplingParams::greedy(4))
+        .submit(GenerateRequest::new(
+            1,
+            prompt(1),
+            SamplingParams::greedy(4),
+        ))
         .expect("accepted")
         .collect()
         .await;
@@ -978,7 +996,11 @@ async fn a_head_without_workers_assumes_the_model_context_instead_of_zero() {
     assert_eq!(ingress.max_model_len(), 0, "nothing assumed yet");
     ingress.assume_max_model_len(1 << 20);
     assert_eq!(ingress.max_model_len(), 1 << 20);
-    match ingress.submit(1, vec![1, 2, 3], SamplingParams::greedy(4)) {
+    match ingress.submit(GenerateRequest::new(
+        1,
+        vec![1, 2, 3],
+        SamplingParams::greedy(4),
+    )) {
         Err(tandem_api::BackendError::Unavailable(m)) => {
             assert!(m.contains("no decode worker"), "{m}")
         }

@@ -10,7 +10,9 @@ use futures::future::BoxFuture;
 use futures::StreamExt;
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
-use tandem_api::{BackendError, ClusterView, GenerateBackend, TokenStream, WorkerView};
+use tandem_api::{
+    BackendError, ClusterView, GenerateBackend, GenerateRequest, TokenStream, WorkerView,
+};
 use tandem_engine::{EngineStats, RequestId, SamplingParams, TokenOutput};
 use tandem_kv::PeerInfo;
 use tokio::sync::mpsc;
@@ -608,12 +610,9 @@ impl Job {
 }
 
 impl GenerateBackend for Ingress {
-    fn submit(
-        &self,
-        _id: RequestId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<TokenStream, BackendError> {
+    fn submit(&self, req: GenerateRequest) -> Result<TokenStream, BackendError> {
+        // The id is the engine's: each worker's engine numbers its own requests.
+        let GenerateRequest { prompt, params, .. } = req;
         if prompt.is_empty() {
             return Err(BackendError::Invalid("the prompt is empty".into()));
         }

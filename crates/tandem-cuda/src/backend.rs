@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use tandem_engine::{
-    Backend, BackendError, BackendInfo, DeviceSampling, HostBuf, HostPool, KvExport, KvStaging,
-    MaskSource, StagedLayer, StagingSlice,
+    Backend, BackendError, BackendInfo, HostBuf, HostPool, KvExport, KvStaging, LayerBlocks,
+    SampledStep, StagedLayer, StagingSlice,
 };
 use tandem_model::ForwardBatch;
 
@@ -58,31 +58,11 @@ impl Backend for CudaBackend {
             .map_err(BackendError::from)
     }
 
-    fn forward_sampled(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
+    fn forward_sampled(&mut self, step: SampledStep) -> Result<bool, BackendError> {
         self.rows.clear();
-        self.rows.extend(rows.iter().map(SampleRow::from));
+        self.rows.extend(step.rows.iter().map(SampleRow::from));
         self.model
-            .forward_sampled(batch, &self.rows, out)
-            .map_err(BackendError::from)?;
-        Ok(true)
-    }
-
-    fn forward_sampled_masked(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[DeviceSampling],
-        masks: &mut dyn MaskSource,
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
-        self.rows.clear();
-        self.rows.extend(rows.iter().map(SampleRow::from));
-        self.model
-            .forward_sampled_masked(batch, &self.rows, masks, out)
+            .forward_sampled(step.batch, &self.rows, step.masks, step.out)
             .map_err(BackendError::from)?;
         Ok(true)
     }
@@ -113,12 +93,8 @@ impl Backend for CudaBackend {
             .map_err(|e| e.into_transfer(format_args!("CUDA KV export of {} blocks", blocks.len())))
     }
 
-    fn import_kv(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: HostBuf,
-    ) -> Result<(), BackendError> {
+    fn import_kv(&mut self, at: LayerBlocks, data: HostBuf) -> Result<(), BackendError> {
+        let (layer, blocks) = (at.layer, at.blocks);
         self.model.import_kv(layer, blocks, data).map_err(|e| {
             e.into_transfer(format_args!(
                 "CUDA KV import of layer {layer} ({} blocks)",
@@ -146,12 +122,8 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn import_kv_staged(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        src: StagedLayer,
-    ) -> Result<(), BackendError> {
+    fn import_kv_staged(&mut self, at: LayerBlocks, src: StagedLayer) -> Result<(), BackendError> {
+        let (layer, blocks) = (at.layer, at.blocks);
         self.model
             .import_kv_staged(layer, blocks, src)
             .map_err(|e| {

@@ -1,8 +1,10 @@
 //! [`CudaStage`]: a pipeline stage's layers on one GPU behind the engine's [`StageModel`] seam, so the
 //! pipeline backend and the stage server run it as they run the CPU model.
 
-use tandem_engine::{Activations, DeviceSampling, SizedPool, StageError, StageModel};
-use tandem_model::{ForwardBatch, KvDtype, KvLayout, LlamaWeights, ModelConfig, Partition};
+use tandem_engine::{
+    Activations, LayerBlocks, SizedPool, StageError, StageInput, StageModel, StageOutput,
+};
+use tandem_model::{KvDtype, KvLayout, LlamaWeights, ModelConfig, Partition};
 
 use crate::error::CudaError;
 use crate::model::{CudaLlama, SampleRow, WeightSource};
@@ -105,38 +107,22 @@ impl StageModel for CudaStage {
         Ok(())
     }
 
-    fn forward(
-        &mut self,
-        batch: &ForwardBatch,
-        hidden_in: Option<&[u8]>,
-        out: &mut Vec<u8>,
-    ) -> Result<(), StageError> {
-        self.model
-            .get_mut()?
-            .forward_stage(batch, hidden_in, out)
-            .map_err(device)
+    fn forward(&mut self, input: StageInput, output: StageOutput) -> Result<(), StageError> {
+        let model = self.model.get_mut()?;
+        let (batch, hidden) = (input.batch, input.hidden);
+        match output {
+            StageOutput::Hidden(out) => model.forward_stage(batch, hidden, out),
+            StageOutput::Tokens { rows, out } => {
+                self.rows.clear();
+                self.rows.extend(rows.iter().map(SampleRow::from));
+                model.forward_stage_sampled(batch, hidden, &self.rows, out)
+            }
+        }
+        .map_err(device)
     }
 
     fn samples_on_device(&self) -> bool {
         self.part.is_last(&self.config)
-    }
-
-    fn forward_sampled(
-        &mut self,
-        batch: &ForwardBatch,
-        hidden_in: Option<&[u8]>,
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<(), StageError> {
-        let mut sample = std::mem::take(&mut self.rows);
-        sample.clear();
-        sample.extend(rows.iter().map(SampleRow::from));
-        let r = self.model.get_mut().and_then(|m| {
-            m.forward_stage_sampled(batch, hidden_in, &sample, out)
-                .map_err(device)
-        });
-        self.rows = sample;
-        r
     }
 
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError> {
@@ -155,19 +141,14 @@ impl StageModel for CudaStage {
 
     /// One bulk scatter through a page-locked buffer (the P/D import path), ordered before the next
     /// step, rather than a synchronous copy per block.
-    fn import_blocks(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: &[u8],
-    ) -> Result<(), StageError> {
+    fn import_blocks(&mut self, at: LayerBlocks, data: &[u8]) -> Result<(), StageError> {
         let m = self.model.get_mut()?;
         let mut buf = m
             .host_pool()
             .take(data.len())
             .map_err(|e| StageError::Device(Box::new(e)))?;
         buf.as_mut_slice().copy_from_slice(data);
-        m.import_kv(layer, blocks, buf).map_err(device)?;
+        m.import_kv(at.layer, at.blocks, buf).map_err(device)?;
         m.import_fence().map_err(device)
     }
 

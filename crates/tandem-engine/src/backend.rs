@@ -235,6 +235,50 @@ impl BackendInfo {
     }
 }
 
+/// Blocks of one layer of the KV cache, their bytes back to back in the canonical layout of
+/// [`KvLayout`]: the unit a KV copy moves (one layer's share of a transfer, one request to the
+/// pipeline stage owning the layer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerBlocks<'a> {
+    /// The layer: global for a [`Backend`], stage-local for a [`crate::StageModel`].
+    pub layer: usize,
+    /// The blocks, in the order of their bytes.
+    pub blocks: &'a [u32],
+}
+
+impl<'a> LayerBlocks<'a> {
+    /// `blocks` of `layer`.
+    pub fn new(layer: usize, blocks: &'a [u32]) -> Self {
+        LayerBlocks { layer, blocks }
+    }
+
+    /// Each block with its `block_bytes` bytes of `buf`, in order (as many as both hold).
+    pub fn zip<'b>(self, buf: &'b [u8], block_bytes: usize) -> impl Iterator<Item = (u32, &'b [u8])>
+    where
+        'a: 'b,
+    {
+        self.blocks
+            .iter()
+            .copied()
+            .zip(buf.chunks_exact(block_bytes))
+    }
+
+    /// Each block with its `block_bytes` bytes of `buf`, mutably, in order (as many as both hold).
+    pub fn zip_mut<'b>(
+        self,
+        buf: &'b mut [u8],
+        block_bytes: usize,
+    ) -> impl Iterator<Item = (u32, &'b mut [u8])>
+    where
+        'a: 'b,
+    {
+        self.blocks
+            .iter()
+            .copied()
+            .zip(buf.chunks_exact_mut(block_bytes))
+    }
+}
+
 /// A model plus the paged KV storage it reads and writes, owned by the engine thread.
 pub trait Backend: Send + 'static {
     /// The model's and cache's fixed facts, which the accessors below read.
@@ -276,29 +320,47 @@ pub trait Backend: Send + 'static {
     fn host_pool(&self) -> Arc<dyn HostPool> {
         crate::kv_host::vec_pool()
     }
+    /// Copies the blocks of `at` into `out` (their bytes back to back). The default goes block by
+    /// block through [`Self::export_block`]; a backend with a bulk path per layer (one request to a
+    /// pipeline stage) overrides it, and [`Self::export_kv`]'s and [`Self::export_kv_staged`]'s
+    /// defaults take it layer by layer.
+    fn export_layer(&self, at: LayerBlocks, out: &mut [u8]) -> Result<(), BackendError> {
+        let n = self.kv_layout().block_bytes();
+        check_layer_len(at, n, out.len())?;
+        for (b, chunk) in at.zip_mut(out, n) {
+            self.export_block(at.layer, b, chunk)?;
+        }
+        Ok(())
+    }
+    /// Overwrites the blocks of `at` from `data` (their bytes back to back, as [`Self::export_layer`]
+    /// lays them out). The default goes block by block through [`Self::import_block`]; it is what
+    /// [`Self::import_kv`]'s and [`Self::import_kv_staged`]'s defaults call.
+    fn import_layer(&mut self, at: LayerBlocks, data: &[u8]) -> Result<(), BackendError> {
+        let n = self.kv_layout().block_bytes();
+        check_layer_len(at, n, data.len())?;
+        for (b, chunk) in at.zip(data, n) {
+            self.import_block(at.layer, b, chunk)?;
+        }
+        Ok(())
+    }
     /// Starts copying every layer of `blocks` out, in the canonical layout, layer-major, and returns
     /// at once where the backend can copy asynchronously: the engine thread never waits for a
     /// transfer, and readers wait per layer. Blocks written by earlier steps are what is exported.
-    /// The default copies block by block through [`Self::export_block`] before returning.
+    /// The default copies layer by layer through [`Self::export_layer`] before returning.
     fn export_kv(&mut self, blocks: &[u32]) -> Result<Box<dyn KvExport>, BackendError> {
         let layout = self.kv_layout();
         let mut buf = self
             .host_pool()
             .take(layout.n_layers * blocks.len() * layout.block_bytes())?;
-        export_by_block(self, blocks, buf.as_mut_slice())?;
+        export_layers(self, blocks, buf.as_mut_slice())?;
         Ok(Box::new(ReadyExport::new(buf, layout.n_layers.max(1))))
     }
-    /// Overwrites `blocks` of `layer` with `data` (their bytes back to back, as [`Self::export_kv`]
+    /// Overwrites the blocks of `at` with `data` (their bytes back to back, as [`Self::export_kv`]
     /// lays out one layer). An asynchronous backend keeps `data` until its copy is done; the copy is
-    /// ordered before any step after the next [`Self::import_fence`]. The default imports block by
-    /// block through [`Self::import_block`].
-    fn import_kv(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: HostBuf,
-    ) -> Result<(), BackendError> {
-        import_by_block(self, layer, blocks, data.as_slice())
+    /// ordered before any step after the next [`Self::import_fence`]. The default is
+    /// [`Self::import_layer`].
+    fn import_kv(&mut self, at: LayerBlocks, data: HostBuf) -> Result<(), BackendError> {
+        self.import_layer(at, data.as_slice())
     }
     /// Allocates `bytes` of staging memory for zero-copy transfers (see [`crate::kv_staging`]), once,
     /// where this backend's KV lives: device memory on a GPU. The default is host memory, which the
@@ -307,7 +369,8 @@ pub trait Backend: Send + 'static {
         Ok(KvStaging::new(Box::new(HostStaging::new(bytes))))
     }
     /// Like [`Self::export_kv`], into `dest`, a slice of this backend's [`Self::kv_staging`] of
-    /// `layers × blocks × block_bytes` bytes. The default copies host staging block by block.
+    /// `layers × blocks × block_bytes` bytes. The default copies into host staging layer by layer
+    /// through [`Self::export_layer`].
     fn export_kv_staged(
         &mut self,
         blocks: &[u32],
@@ -317,21 +380,16 @@ pub trait Backend: Send + 'static {
         let out = dest.host_bytes_mut().ok_or_else(|| {
             BackendError::fatal(format!("this backend cannot export into {kind:?} staging"))
         })?;
-        export_by_block(self, blocks, out)?;
+        export_layers(self, blocks, out)?;
         Ok(Box::new(StagedExport::new(
             dest,
             self.kv_layout().n_layers.max(1),
         )))
     }
     /// Like [`Self::import_kv`], from a layer that landed in this backend's staging. The default reads
-    /// host staging block by block.
-    fn import_kv_staged(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        src: StagedLayer,
-    ) -> Result<(), BackendError> {
-        import_by_block(self, layer, blocks, src.host_bytes()?)
+    /// host staging through [`Self::import_layer`].
+    fn import_kv_staged(&mut self, at: LayerBlocks, src: StagedLayer) -> Result<(), BackendError> {
+        self.import_layer(at, src.host_bytes()?)
     }
     /// Orders every import started so far before the next step's reads of the cache, without
     /// waiting on the host (a no-op for backends that import synchronously).
@@ -339,74 +397,63 @@ pub trait Backend: Send + 'static {
         Ok(())
     }
     /// Runs one step like `forward` and draws each logits row's token where the logits are, under
-    /// `rows` (one per logits row): `Ok(true)` with the tokens in `out`. A backend without its own
-    /// sampler returns `Ok(false)` before doing anything, and the engine calls `forward` instead.
-    fn forward_sampled(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
-        let _ = (batch, rows, out);
-        Ok(false)
-    }
-    /// [`Backend::forward_sampled`] for a step with guided rows: once the step's model work is
-    /// queued the backend takes the masks from `masks` and draws only allowed tokens. A backend
-    /// that cannot apply masks returns `Ok(false)` before doing anything (the default), and the
-    /// engine runs the step through `forward` and the host sampler.
-    fn forward_sampled_masked(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[DeviceSampling],
-        masks: &mut dyn MaskSource,
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
-        let _ = (batch, rows, masks, out);
+    /// `step.rows` (one per logits row): `Ok(true)` with the tokens in `step.out`. With `step.masks`
+    /// (a step with guided rows) the backend takes the masks once the step's model work is queued and
+    /// draws only allowed tokens. A backend without its own sampler, or one that cannot apply masks
+    /// when the step has some, returns `Ok(false)` before doing anything (the default), and the engine
+    /// runs the step through `forward` and the host sampler.
+    fn forward_sampled(&mut self, step: SampledStep) -> Result<bool, BackendError> {
+        let _ = step;
         Ok(false)
     }
 }
 
-/// Copies every layer of `blocks` into `out` (layer-major, blocks back to back) one block at a time.
-fn export_by_block<B: Backend + ?Sized>(
+/// One step for [`Backend::forward_sampled`]: what a backend that samples where the logits are needs,
+/// with or without guided rows, in one value.
+pub struct SampledStep<'a> {
+    /// The step's sequences.
+    pub batch: &'a ForwardBatch,
+    /// One draw per logits row.
+    pub rows: &'a [DeviceSampling],
+    /// The guided rows' masks, handed over once they are computed; `None` for a step without guided
+    /// rows.
+    pub masks: Option<&'a mut dyn MaskSource>,
+    /// The drawn tokens, one per logits row (cleared, then filled).
+    pub out: &'a mut Vec<u32>,
+}
+
+/// Copies every layer of `blocks` into `out` (layer-major, blocks back to back) one layer at a time.
+fn export_layers<B: Backend + ?Sized>(
     backend: &B,
     blocks: &[u32],
     out: &mut [u8],
 ) -> Result<(), BackendError> {
-    let layout = backend.kv_layout();
-    let n = layout.block_bytes();
-    if out.len() != layout.n_layers * blocks.len() * n {
+    let layers = backend.kv_layout().n_layers;
+    let per_layer = blocks.len() * backend.kv_layout().block_bytes();
+    if out.len() != layers * per_layer {
         return Err(BackendError::fatal(format!(
-            "KV export of {} blocks given {} bytes",
+            "KV export of {} blocks of {layers} layers given {} bytes",
             blocks.len(),
             out.len()
         )));
     }
-    for layer in 0..layout.n_layers {
-        for (i, &b) in blocks.iter().enumerate() {
-            let at = (layer * blocks.len() + i) * n;
-            backend.export_block(layer, b, &mut out[at..at + n])?;
-        }
+    if per_layer == 0 {
+        return Ok(());
+    }
+    for (layer, o) in out.chunks_exact_mut(per_layer).enumerate() {
+        backend.export_layer(LayerBlocks::new(layer, blocks), o)?;
     }
     Ok(())
 }
 
-/// Overwrites `blocks` of `layer` from `data` (their bytes back to back) one block at a time.
-fn import_by_block<B: Backend + ?Sized>(
-    backend: &mut B,
-    layer: usize,
-    blocks: &[u32],
-    data: &[u8],
-) -> Result<(), BackendError> {
-    let n = backend.kv_layout().block_bytes();
-    if data.len() != blocks.len() * n {
-        return Err(BackendError::fatal(format!(
-            "KV import of {} blocks got {} bytes",
-            blocks.len(),
-            data.len()
-        )));
+/// Fails unless `len` bytes are exactly the blocks of `at`, `block_bytes` each.
+fn check_layer_len(at: LayerBlocks, block_bytes: usize, len: usize) -> Result<(), BackendError> {
+    if len == at.blocks.len() * block_bytes {
+        Ok(())
+    } else {
+        Err(BackendError::fatal(format!(
+            "KV copy of {} blocks of {block_bytes} bytes given {len} bytes",
+            at.blocks.len()
+        )))
     }
-    for (chunk, &b) in data.chunks_exact(n).zip(blocks) {
-        backend.import_block(layer, b, chunk)?;
-    }
-    Ok(())
 }

@@ -3,7 +3,7 @@
 //! the prefix cache already holds) until it starts decoding. Like every other mutation of the pool, these
 //! run on the engine thread only.
 
-use crate::backend::{Backend, BackendError};
+use crate::backend::{Backend, BackendError, LayerBlocks};
 use crate::block_pool::BlockTable;
 use crate::error::EngineError;
 use crate::guide::Guide;
@@ -284,8 +284,12 @@ impl<B: Backend> Worker<B> {
             });
         }
         match data {
-            ImportData::Host(buf) => self.backend.import_kv(layer, &blocks, buf),
-            ImportData::Staged(staged) => self.backend.import_kv_staged(layer, &blocks, staged),
+            ImportData::Host(buf) => self
+                .backend
+                .import_kv(LayerBlocks::new(layer, &blocks), buf),
+            ImportData::Staged(staged) => self
+                .backend
+                .import_kv_staged(LayerBlocks::new(layer, &blocks), staged),
         }
         .map_err(|e| self.backend_failed(e.context(format_args!("request {id}: KV import"))))
     }

@@ -26,7 +26,7 @@ mod worker;
 
 pub use backend::{
     Backend, BackendError, BackendErrorKind, BackendInfo, BoxError, DeviceMasks, DeviceSampling,
-    MaskSource,
+    LayerBlocks, MaskSource, SampledStep,
 };
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,
@@ -35,7 +35,7 @@ pub use engine::{
 pub use guide::GuideEnv;
 pub use kv_host::{HostBuf, HostMem, HostPool, KvExport, ReadyExport, StagedExport, VecPool};
 pub use kv_staging::{HostStaging, KvStaging, StagedLayer, StagingKind, StagingMem, StagingSlice};
-pub use stage::{Activations, SizedPool, StageError, StageModel};
+pub use stage::{Activations, SizedPool, StageError, StageInput, StageModel, StageOutput};
 /// Part of [`EngineStats`]: what a mixture-of-experts backend counted per layer.
 pub use tandem_model::LayerExpertTokens;
 pub use types::*;

@@ -9,7 +9,7 @@ use tandem_model::{
     ForwardBatch, KvDtype, KvLayout, LayerExpertTokens, ModelConfig, ModelError, Partition,
 };
 
-use crate::DeviceSampling;
+use crate::{DeviceSampling, LayerBlocks};
 
 /// Element type of the hidden states a stage takes and gives: what the stages' models keep their
 /// residual stream in, so nothing is converted between stages.
@@ -147,6 +147,30 @@ impl<T: std::fmt::Debug> std::fmt::Debug for SizedPool<T> {
     }
 }
 
+/// One batch as a stage takes it.
+#[derive(Clone, Copy)]
+pub struct StageInput<'a> {
+    /// The batch's sequences.
+    pub batch: &'a ForwardBatch,
+    /// The previous stage's hidden states (little-endian [`StageModel::activations`]); `None` on the
+    /// first stage, which starts from the tokens.
+    pub hidden: Option<&'a [u8]>,
+}
+
+/// What a stage gives for one batch.
+pub enum StageOutput<'a> {
+    /// The next stage's hidden states, or on the last stage the batch's logits rows (little-endian
+    /// f32).
+    Hidden(&'a mut Vec<u8>),
+    /// On a last stage that samples on its device: one token per logits row, drawn under `rows`.
+    Tokens {
+        /// One draw per logits row.
+        rows: &'a [DeviceSampling],
+        /// The drawn tokens.
+        out: &'a mut Vec<u32>,
+    },
+}
+
 /// One pipeline stage's layers and KV pool on one device. Layers passed to the block operations are
 /// stage-local (0 = the stage's first layer); callers check them and the block ids first.
 pub trait StageModel: Send + 'static {
@@ -171,61 +195,35 @@ pub trait StageModel: Send + 'static {
     }
     /// Allocates the KV pool: `num_blocks` blocks of `block_size` tokens for the stage's layers.
     fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), StageError>;
-    /// Runs the stage's layers on one batch: from the tokens on the first stage (`hidden_in` None),
-    /// else from the previous stage's hidden states (little-endian [`StageModel::activations`]); `out`
-    /// gets the next stage's hidden states, or the batch's logits rows (little-endian f32) on the last
-    /// stage.
-    fn forward(
-        &mut self,
-        batch: &ForwardBatch,
-        hidden_in: Option<&[u8]>,
-        out: &mut Vec<u8>,
-    ) -> Result<(), StageError>;
-    /// Whether [`StageModel::forward_sampled`] works: a last stage that draws tokens where its logits
-    /// are (a GPU), so only token ids cross the links.
+    /// Runs the stage's layers on one batch into `output`: the next stage's hidden states (or on the
+    /// last stage the batch's logits rows), or on a last stage that samples on its device the drawn
+    /// tokens; a stage that cannot draw tokens answers [`StageOutput::Tokens`] with
+    /// [`StageError::NoDeviceSampling`].
+    fn forward(&mut self, input: StageInput, output: StageOutput) -> Result<(), StageError>;
+    /// Whether [`StageModel::forward`] takes [`StageOutput::Tokens`]: a last stage that draws tokens
+    /// where its logits are (a GPU), so only token ids cross the links.
     fn samples_on_device(&self) -> bool {
         false
-    }
-    /// [`StageModel::forward`] on the last stage, then one token per logits row drawn under `rows`.
-    fn forward_sampled(
-        &mut self,
-        batch: &ForwardBatch,
-        hidden_in: Option<&[u8]>,
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<(), StageError> {
-        let _ = (batch, hidden_in, rows, out);
-        Err(StageError::NoDeviceSampling)
     }
     /// Copies one block of one stage-local layer of KV into `out` (exactly one block's bytes).
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), StageError>;
     /// Overwrites one block of one stage-local layer of KV from `data` (exactly one block's bytes).
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), StageError>;
-    /// Copies `blocks` of one stage-local layer of KV out (`out`: their bytes back to back), one block
-    /// at a time.
-    fn export_blocks(
-        &self,
-        layer: usize,
-        blocks: &[u32],
-        out: &mut [u8],
-    ) -> Result<(), StageError> {
+    /// Copies the blocks of one stage-local layer of KV out (`out`: their bytes back to back), one
+    /// block at a time.
+    fn export_blocks(&self, at: LayerBlocks, out: &mut [u8]) -> Result<(), StageError> {
         let n = self.pool().ok_or(StageError::Unsized)?.block_bytes();
-        for (&b, o) in blocks.iter().zip(out.chunks_exact_mut(n)) {
-            self.export_block(layer, b, o)?;
+        for (b, o) in at.zip_mut(out, n) {
+            self.export_block(at.layer, b, o)?;
         }
         Ok(())
     }
-    /// Overwrites `blocks` of one stage-local layer of KV from `data` (their bytes back to back), one
-    /// block at a time unless the device has a bulk path.
-    fn import_blocks(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: &[u8],
-    ) -> Result<(), StageError> {
+    /// Overwrites the blocks of one stage-local layer of KV from `data` (their bytes back to back),
+    /// one block at a time unless the device has a bulk path.
+    fn import_blocks(&mut self, at: LayerBlocks, data: &[u8]) -> Result<(), StageError> {
         let n = self.pool().ok_or(StageError::Unsized)?.block_bytes();
-        for (&b, d) in blocks.iter().zip(data.chunks_exact(n)) {
-            self.import_block(layer, b, d)?;
+        for (b, d) in at.zip(data, n) {
+            self.import_block(at.layer, b, d)?;
         }
         Ok(())
     }

@@ -1,7 +1,9 @@
 //! The engine thread's loop: applies commands, runs scheduled steps through the backend, samples, emits
 //! tokens and publishes stats.
 
-use crate::backend::{Backend, BackendError, BackendErrorKind, DeviceMasks, DeviceSampling};
+use crate::backend::{
+    Backend, BackendError, BackendErrorKind, DeviceMasks, DeviceSampling, SampledStep,
+};
 use crate::block_pool::BlockPool;
 use crate::error::EngineError;
 use crate::guide::{Guide, Mask};
@@ -586,21 +588,22 @@ impl<B: Backend> Worker<B> {
                         rows: self.device_rows.len(),
                         out: &mut self.packed_masks,
                     };
-                    let drawn = self.backend.forward_sampled_masked(
-                        &self.batch,
-                        &self.device_rows,
-                        &mut packing,
-                        &mut self.device_tokens,
-                    )?;
+                    let drawn = self.backend.forward_sampled(SampledStep {
+                        batch: &self.batch,
+                        rows: &self.device_rows,
+                        masks: Some(&mut packing),
+                        out: &mut self.device_tokens,
+                    })?;
                     self.device_masks &= drawn;
                     drawn
                 }
                 None => {
-                    let drawn = self.backend.forward_sampled(
-                        &self.batch,
-                        &self.device_rows,
-                        &mut self.device_tokens,
-                    )?;
+                    let drawn = self.backend.forward_sampled(SampledStep {
+                        batch: &self.batch,
+                        rows: &self.device_rows,
+                        masks: None,
+                        out: &mut self.device_tokens,
+                    })?;
                     self.device_sampler &= drawn;
                     drawn
                 }

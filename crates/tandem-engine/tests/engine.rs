@@ -10,6 +10,9 @@ use tandem_engine::*;
 use tandem_model::{ForwardBatch, LogitsWanted};
 use tandem_testkit::{MockBackend, MockCounts};
 
+mod common;
+use common::*;
+
 fn cfg(block_size: usize) -> EngineConfig {
     EngineConfig {
         block_size,
@@ -23,17 +26,6 @@ fn start(block_size: usize, num_blocks: usize, f: impl FnOnce(&mut EngineConfig)
     Engine::start(MockBackend::new(block_size, num_blocks), c).unwrap()
 }
 
-fn collect(s: &mut RequestStream) -> (Vec<u32>, Option<FinishReason>) {
-    let mut toks = Vec::new();
-    while let Some(o) = s.blocking_recv() {
-        toks.push(o.token);
-        if o.finish.is_some() {
-            return (toks, o.finish);
-        }
-    }
-    (toks, None)
-}
-
 /// The tokens a request produces alone on a roomy engine without prefix caching or chunking.
 fn alone(prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
     let e = start(4, 512, |c| {
@@ -41,9 +33,7 @@ fn alone(prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
         c.enable_chunked_prefill = false;
         c.max_num_batched_tokens = 4096;
     });
-    let mut s = e
-        .submit(EngineRequest::new(1, prompt.to_vec(), params.clone()))
-        .unwrap();
+    let mut s = submit(&e, 1, prompt.to_vec(), params.clone());
     let out = collect(&mut s).0;
     e.shutdown();
     out
@@ -59,13 +49,7 @@ fn assert_no_leak(e: &EngineHandle) -> EngineStats {
 #[test]
 fn generates_until_max_tokens_and_frees_blocks() {
     let e = start(4, 64, |_| {});
-    let mut s = e
-        .submit(EngineRequest::new(
-            7,
-            vec![1, 2, 3, 4, 5],
-            SamplingParams::greedy(6),
-        ))
-        .unwrap();
+    let mut s = submit(&e, 7, vec![1, 2, 3, 4, 5], SamplingParams::greedy(6));
     assert_eq!(s.id(), 7);
     let (toks, fin) = collect(&mut s);
     assert_eq!(toks.len(), 6);
@@ -92,21 +76,18 @@ fn stop_tokens_eos_and_context_length_end_requests() {
         stop_token_ids: vec![stop],
         ..SamplingParams::greedy(20)
     };
-    let (toks, fin) = collect(&mut e.submit(EngineRequest::new(1, vec![9, 9, 9], p)).unwrap());
+    let (toks, fin) = collect(&mut submit(&e, 1, vec![9, 9, 9], p));
     assert_eq!(
         (toks.as_slice(), fin),
         (&reference[..=first], Some(FinishReason::Stop))
     );
     // The context length (10) caps prompt + output.
-    let (toks, fin) = collect(
-        &mut e
-            .submit(EngineRequest::new(
-                2,
-                vec![9, 9, 9],
-                SamplingParams::greedy(20),
-            ))
-            .unwrap(),
-    );
+    let (toks, fin) = collect(&mut submit(
+        &e,
+        2,
+        vec![9, 9, 9],
+        SamplingParams::greedy(20),
+    ));
     assert_eq!((toks.len(), fin), (7, Some(FinishReason::Length)));
     assert_no_leak(&e);
     e.shutdown();
@@ -122,7 +103,7 @@ fn stop_tokens_eos_and_context_length_end_requests() {
         ignore_eos: false,
         ..SamplingParams::greedy(30)
     };
-    let (toks, fin) = collect(&mut e.submit(EngineRequest::new(1, prompt, p)).unwrap());
+    let (toks, fin) = collect(&mut submit(&e, 1, prompt, p));
     assert_eq!(fin, Some(FinishReason::Stop));
     assert_eq!(toks, full[..=full.iter().position(|&t| t == 63).unwrap()]);
     e.shutdown();
@@ -183,9 +164,7 @@ fn submit_validates_synchronously() {
         Err(EngineError::KvCacheTooSmall { .. })
     ));
     e2.shutdown();
-    let s1 = e
-        .submit(EngineRequest::new(1, vec![1], SamplingParams::greedy(1)))
-        .unwrap();
+    let s1 = submit(&e, 1, vec![1], SamplingParams::greedy(1));
     assert!(matches!(
         e.submit(EngineRequest::new(1, vec![1], SamplingParams::greedy(1))),
         Err(EngineError::DuplicateId(1))
@@ -245,13 +224,7 @@ fn abort_and_dropped_stream_free_blocks_at_once() {
         },
     )
     .unwrap();
-    let mut s = e
-        .submit(EngineRequest::new(
-            1,
-            vec![1, 2, 3],
-            SamplingParams::greedy(10_000),
-        ))
-        .unwrap();
+    let mut s = submit(&e, 1, vec![1, 2, 3], SamplingParams::greedy(10_000));
     for _ in 0..3 {
         assert!(s.blocking_recv().unwrap().finish.is_none());
     }
@@ -259,22 +232,14 @@ fn abort_and_dropped_stream_free_blocks_at_once() {
     drop(s);
     let st = assert_no_leak(&e);
     assert_eq!(st.kv_blocks_cached, 0);
-    let mut s = e
-        .submit(EngineRequest::new(
-            2,
-            vec![1, 2, 3],
-            SamplingParams::greedy(10_000),
-        ))
-        .unwrap();
+    let mut s = submit(&e, 2, vec![1, 2, 3], SamplingParams::greedy(10_000));
     s.blocking_recv().unwrap();
     e.abort(2);
     while s.blocking_recv().is_some() {}
     assert!(s.error().is_none(), "abort is not an error");
     assert_no_leak(&e);
     // The id is free again.
-    let mut s = e
-        .submit(EngineRequest::new(2, vec![1], SamplingParams::greedy(2)))
-        .unwrap();
+    let mut s = submit(&e, 2, vec![1], SamplingParams::greedy(2));
     assert_eq!(collect(&mut s).0.len(), 2);
     e.shutdown();
 }
@@ -282,22 +247,12 @@ fn abort_and_dropped_stream_free_blocks_at_once() {
 #[test]
 fn backend_error_fails_the_step_and_engine_keeps_serving() {
     let e = Engine::start(MockBackend::new(4, 64).fail_at_step(2), cfg(4)).unwrap();
-    let mut s = e
-        .submit(EngineRequest::new(
-            1,
-            vec![1, 2],
-            SamplingParams::greedy(10),
-        ))
-        .unwrap();
+    let mut s = submit(&e, 1, vec![1, 2], SamplingParams::greedy(10));
     let (toks, fin) = collect(&mut s);
     assert_eq!((toks.len(), fin), (2, None));
     assert!(matches!(s.error(), Some(EngineError::Backend(_))));
     assert_no_leak(&e);
-    let (toks, fin) = collect(
-        &mut e
-            .submit(EngineRequest::new(2, vec![1, 2], SamplingParams::greedy(3)))
-            .unwrap(),
-    );
+    let (toks, fin) = collect(&mut submit(&e, 2, vec![1, 2], SamplingParams::greedy(3)));
     assert_eq!((toks.len(), fin), (3, Some(FinishReason::Length)));
     e.shutdown();
 }
@@ -309,13 +264,7 @@ fn shutdown_closes_live_streams() {
         cfg(4),
     )
     .unwrap();
-    let mut s = e
-        .submit(EngineRequest::new(
-            1,
-            vec![1, 2],
-            SamplingParams::greedy(1_000_000),
-        ))
-        .unwrap();
+    let mut s = submit(&e, 1, vec![1, 2], SamplingParams::greedy(1_000_000));
     s.blocking_recv().unwrap();
     e.shutdown();
     while s.blocking_recv().is_some() {}
@@ -327,32 +276,11 @@ fn prefix_cache_hits_are_counted_in_tokens_and_preserve_outputs() {
     let e = start(4, 64, |_| {});
     let prompt: Vec<u32> = (0..13).collect();
     let want = alone(&prompt, &SamplingParams::greedy(5));
-    assert_eq!(
-        collect(
-            &mut e
-                .submit(EngineRequest::new(
-                    1,
-                    prompt.clone(),
-                    SamplingParams::greedy(5)
-                ))
-                .unwrap()
-        )
-        .0,
-        want
-    );
-    assert_eq!(
-        collect(
-            &mut e
-                .submit(EngineRequest::new(
-                    2,
-                    prompt.clone(),
-                    SamplingParams::greedy(5)
-                ))
-                .unwrap()
-        )
-        .0,
-        want
-    );
+    // The second request finds the first's full blocks cached.
+    for id in 1..=2 {
+        let mut s = submit(&e, id, prompt.clone(), SamplingParams::greedy(5));
+        assert_eq!(collect(&mut s).0, want, "request {id}");
+    }
     let st = assert_no_leak(&e);
     assert_eq!((st.prefix_cache_queries, st.prefix_cache_hits), (26, 12));
     assert_eq!(st.prefill_tokens_computed, 13 + 1);
@@ -372,12 +300,7 @@ fn seeded_sampling_is_reproducible_across_engines_and_preemption() {
     let want = alone(&[3, 1, 4, 1, 5], &p);
     // Tiny pool: 3 concurrent sequences preempt one another.
     let e = start(2, 12, |_| {});
-    let mut streams: Vec<_> = (0..3)
-        .map(|id| {
-            e.submit(EngineRequest::new(id, vec![3, 1, 4, 1, 5], p.clone()))
-                .unwrap()
-        })
-        .collect();
+    let mut streams = submit_n(&e, 3, &[3, 1, 4, 1, 5], &p);
     for s in &mut streams {
         assert_eq!(collect(s).0, want);
     }
@@ -393,7 +316,7 @@ fn logprobs_are_reported_when_asked() {
         logprobs: Some(3),
         ..SamplingParams::greedy(2)
     };
-    let mut s = e.submit(EngineRequest::new(1, vec![1, 2], p)).unwrap();
+    let mut s = submit(&e, 1, vec![1, 2], p);
     let o = s.blocking_recv().unwrap();
     let lp = o.logprobs.unwrap();
     assert_eq!(lp.top.len(), 3);
@@ -428,12 +351,7 @@ fn transfer_planned(
     let kv = a.export_blocks(id).wait_blocking().unwrap();
     assert_eq!(kv.first_token, first[0]);
     assert_eq!(kv.num_tokens, prompt.len());
-    let (mut stream, plan) = b
-        .import_prefilled(
-            EngineRequest::new(id, prompt.to_vec(), params.clone()),
-            first[0],
-        )
-        .unwrap();
+    let (mut stream, plan) = import(b, id, prompt.to_vec(), params.clone(), first[0]);
     let plan = plan.wait_blocking().unwrap();
     assert_eq!(plan.num_blocks, kv.num_blocks);
     for layer in 0..kv.layout.n_layers {
@@ -513,12 +431,7 @@ fn imports_share_the_decode_side_prefix_cache_and_import_only_the_rest() {
     assert_no_leak(&a);
 
     // While an import holds shared blocks, the accounting explains them and they cannot be overwritten.
-    let (s, plan) = b
-        .import_prefilled(
-            EngineRequest::new(9, p2.clone(), SamplingParams::greedy(3)),
-            1,
-        )
-        .unwrap();
+    let (s, plan) = import(&b, 9, p2.clone(), SamplingParams::greedy(3), 1);
     let plan = plan.wait_blocking().unwrap();
     assert_eq!(
         plan.cached, 4,
@@ -591,12 +504,7 @@ fn pins_expire_and_bad_imports_are_refused() {
         Err(EngineError::UnknownRequest(1))
     ));
 
-    let (s, plan) = a
-        .import_prefilled(
-            EngineRequest::new(2, vec![1; 9], SamplingParams::greedy(4)),
-            3,
-        )
-        .unwrap();
+    let (s, plan) = import(&a, 2, vec![1; 9], SamplingParams::greedy(4), 3);
     assert_eq!(plan.wait_blocking().unwrap().num_blocks, 3);
     assert!(a
         .import_block(2, 0, 3, vec![0; a.kv_layout().block_bytes()])
@@ -651,7 +559,7 @@ proptest! {
         let mut streams: Vec<_> = cases
             .iter()
             .enumerate()
-            .map(|(i, c)| e.submit(EngineRequest::new(i as u64, c.prompt.clone(), SamplingParams::greedy(c.max_tokens))).unwrap())
+            .map(|(i, c)| submit(&e, i as u64, c.prompt.clone(), SamplingParams::greedy(c.max_tokens)))
             .collect();
         for (c, s) in cases.iter().zip(&mut streams) {
             let (toks, fin) = collect(s);
@@ -684,9 +592,7 @@ fn prompt_logprobs_score_every_prompt_token_chunked_and_past_the_prefix_cache() 
     };
     // The second request finds the whole prompt cached and must still score every position.
     for id in 1..=2 {
-        let mut s = e
-            .submit(EngineRequest::new(id, prompt.clone(), params.clone()))
-            .unwrap();
+        let mut s = submit(&e, id, prompt.clone(), params.clone());
         let first = s.blocking_recv().unwrap();
         assert_eq!(first.prompt_logprobs.as_deref(), Some(&expected[..]));
         let mut toks = vec![first.token];
@@ -768,13 +674,7 @@ fn a_backend_sampler_draws_plain_rows_and_the_host_keeps_penalties_and_logprobs(
     let want = alone(&prompt, &SamplingParams::greedy(6));
     let (e, counts) = start_device(4, 64);
     let (device, host) = (&counts.device_steps, &counts.host_steps);
-    let mut s = e
-        .submit(EngineRequest::new(
-            1,
-            prompt.to_vec(),
-            SamplingParams::greedy(6),
-        ))
-        .unwrap();
+    let mut s = submit(&e, 1, prompt.to_vec(), SamplingParams::greedy(6));
     assert_eq!(collect(&mut s).0, want);
     assert_eq!(host.load(Relaxed), 0);
     assert!(device.load(Relaxed) >= 6);
@@ -798,13 +698,7 @@ fn a_backend_sampler_draws_plain_rows_and_the_host_keeps_penalties_and_logprobs(
     {
         // A fresh id each time: the previous request may still be in the engine's books.
         let before = (device.load(Relaxed), host.load(Relaxed));
-        let mut s = e
-            .submit(EngineRequest::new(
-                2 + id as u64,
-                prompt.to_vec(),
-                p.clone(),
-            ))
-            .unwrap();
+        let mut s = submit(&e, 2 + id as u64, prompt.to_vec(), p.clone());
         let first = s.blocking_recv().unwrap();
         assert_eq!(first.logprobs.is_some(), p.logprobs.is_some());
         collect(&mut s);
@@ -831,9 +725,7 @@ fn backend_draws_are_seeded_per_request_and_output_index() {
     };
     let run = |p: &SamplingParams| {
         let (e, counts) = start_device(4, 64);
-        let mut s = e
-            .submit(EngineRequest::new(1, vec![2, 7], p.clone()))
-            .unwrap();
+        let mut s = submit(&e, 1, vec![2, 7], p.clone());
         let toks = collect(&mut s).0;
         assert!(
             counts
@@ -888,39 +780,34 @@ fn bench_reports_positive_figures_on_the_mock() {
     engine.shutdown();
 }
 
+/// An engine of 8 blocks of 4 tokens whose steps take 50 ms, so that requests still run while a test
+/// imports beside them.
+fn slow_engine() -> EngineHandle {
+    let slow = MockBackend::new(4, 8).with_step_delay(Duration::from_millis(50));
+    Engine::start(slow, cfg(4)).unwrap()
+}
+
+/// Why the import of request `id` was refused as `KvBusy`; panics on any other outcome.
+fn busy_reason(plan: Pending<ImportPlan>, id: RequestId) -> String {
+    match plan.wait_blocking() {
+        Err(EngineError::KvBusy { id: got, reason }) if got == id => reason,
+        other => panic!("expected KvBusy for {id}, got {other:?}"),
+    }
+}
+
 /// An import that finds every block held by running sequences is refused as `KvBusy` (retryable:
 /// the decode worker waits and tries again) and leaves the pool as it was; once the blocks free, the
 /// same import succeeds.
 #[test]
 fn import_into_a_full_cache_is_busy_not_failed() {
-    let slow = MockBackend::new(4, 8).with_step_delay(Duration::from_millis(50));
-    let e = Engine::start(slow, cfg(4)).unwrap();
+    let e = slow_engine();
     // A 29-token prompt holds all 8 blocks of 4 tokens from its first token on.
-    let mut busy = e
-        .submit(EngineRequest::new(
-            1,
-            vec![1; 29],
-            SamplingParams::greedy(3),
-        ))
-        .unwrap();
+    let mut busy = submit(&e, 1, vec![1; 29], SamplingParams::greedy(3));
     busy.blocking_recv().unwrap();
-    let (_s, plan) = e
-        .import_prefilled(
-            EngineRequest::new(2, vec![2; 12], SamplingParams::greedy(2)),
-            3,
-        )
-        .unwrap();
-    match plan.wait_blocking() {
-        Err(EngineError::KvBusy { id: 2, .. }) => {}
-        other => panic!("expected KvBusy, got {other:?}"),
-    }
+    let (_s, plan) = import(&e, 2, vec![2; 12], SamplingParams::greedy(2), 3);
+    busy_reason(plan, 2);
     while busy.blocking_recv().is_some() {}
-    let (_s, plan) = e
-        .import_prefilled(
-            EngineRequest::new(3, vec![2; 12], SamplingParams::greedy(2)),
-            3,
-        )
-        .unwrap();
+    let (_s, plan) = import(&e, 3, vec![2; 12], SamplingParams::greedy(2), 3);
     assert_eq!(plan.wait_blocking().unwrap().num_blocks, 3);
     e.shutdown();
 }
@@ -930,43 +817,18 @@ fn import_into_a_full_cache_is_busy_not_failed() {
 /// preempted sequence, or an earlier admission).
 #[test]
 fn an_import_does_not_jump_ahead_of_a_waiting_request() {
-    let slow = MockBackend::new(4, 8).with_step_delay(Duration::from_millis(50));
-    let e = Engine::start(slow, cfg(4)).unwrap();
+    let e = slow_engine();
     // 6 of the 8 blocks run; the second request (also 6 blocks) waits for them.
-    let mut running = e
-        .submit(EngineRequest::new(
-            1,
-            vec![1; 21],
-            SamplingParams::greedy(3),
-        ))
-        .unwrap();
+    let mut running = submit(&e, 1, vec![1; 21], SamplingParams::greedy(3));
     running.blocking_recv().unwrap();
-    let mut waiting = e
-        .submit(EngineRequest::new(
-            2,
-            vec![2; 21],
-            SamplingParams::greedy(2),
-        ))
-        .unwrap();
+    let mut waiting = submit(&e, 2, vec![2; 21], SamplingParams::greedy(2));
     // Two blocks are free, enough for a 5-token import, yet request 2 is ahead of it.
-    let (_s, plan) = e
-        .import_prefilled(
-            EngineRequest::new(3, vec![3; 5], SamplingParams::greedy(2)),
-            3,
-        )
-        .unwrap();
-    match plan.wait_blocking() {
-        Err(EngineError::KvBusy { id: 3, reason }) => assert!(reason.contains("ahead"), "{reason}"),
-        other => panic!("expected KvBusy, got {other:?}"),
-    }
+    let (_s, plan) = import(&e, 3, vec![3; 5], SamplingParams::greedy(2), 3);
+    let reason = busy_reason(plan, 3);
+    assert!(reason.contains("ahead"), "{reason}");
     while running.blocking_recv().is_some() {}
     waiting.blocking_recv().unwrap();
-    let (_s, plan) = e
-        .import_prefilled(
-            EngineRequest::new(4, vec![3; 5], SamplingParams::greedy(2)),
-            3,
-        )
-        .unwrap();
+    let (_s, plan) = import(&e, 4, vec![3; 5], SamplingParams::greedy(2), 3);
     assert_eq!(plan.wait_blocking().unwrap().num_blocks, 2);
     while waiting.blocking_recv().is_some() {}
     e.shutdown();

@@ -7,6 +7,9 @@ use std::time::Duration;
 use tandem_engine::*;
 use tandem_testkit::{mock_guide, mock_text, MockBackend, MockCounts};
 
+mod common;
+use common::{import, submit, submit_n};
+
 fn start(block_size: usize, num_blocks: usize) -> EngineHandle {
     let c = EngineConfig {
         block_size,
@@ -20,15 +23,15 @@ fn start(block_size: usize, num_blocks: usize) -> EngineHandle {
     .unwrap()
 }
 
+/// The stream's tokens through its finish, which it must have.
 fn collect(s: &mut RequestStream) -> (Vec<u32>, Option<FinishReason>) {
-    let mut toks = Vec::new();
-    while let Some(o) = s.blocking_recv() {
-        toks.push(o.token);
-        if o.finish.is_some() {
-            return (toks, o.finish);
-        }
-    }
-    panic!("stream ended without a finish: {:?}", s.error());
+    let (toks, finish) = common::collect(s);
+    assert!(
+        finish.is_some(),
+        "stream ended without a finish: {:?}",
+        s.error()
+    );
+    (toks, finish)
 }
 
 fn guided(guidance: Guidance, temperature: f32, seed: u64) -> SamplingParams {
@@ -72,11 +75,7 @@ fn assert_valid(text: &str) {
 }
 
 fn run(e: &EngineHandle, id: u64, prompt: &[u32], p: &SamplingParams) -> Vec<u32> {
-    let (toks, fin) = collect(
-        &mut e
-            .submit(EngineRequest::new(id, prompt.to_vec(), p.clone()))
-            .unwrap(),
-    );
+    let (toks, fin) = collect(&mut submit(e, id, prompt.to_vec(), p.clone()));
     assert_eq!(fin, Some(FinishReason::Stop), "{:?}", mock_text(&toks));
     toks
 }
@@ -184,12 +183,7 @@ fn guided_requests_survive_preemption() {
         Some(mock_guide()),
     )
     .unwrap();
-    let mut streams: Vec<_> = (0..3)
-        .map(|id| {
-            e.submit(EngineRequest::new(id, vec![3, 1, 4, 1, 5], p.clone()))
-                .unwrap()
-        })
-        .collect();
+    let mut streams = submit_n(&e, 3, &[3, 1, 4, 1, 5], &p);
     for s in &mut streams {
         let (toks, _) = collect(s);
         assert_eq!(toks, want);
@@ -220,9 +214,7 @@ fn guided_requests_hand_over_from_prefill_to_decode_and_resume_elsewhere() {
     let (first, _) = collect(&mut a.submit(req).unwrap());
     assert_eq!(first, want[..1]);
     let kv = a.export_blocks(2).wait_blocking().unwrap();
-    let (mut stream, plan) = b
-        .import_prefilled(EngineRequest::new(2, prompt.clone(), p.clone()), first[0])
-        .unwrap();
+    let (mut stream, plan) = import(&b, 2, prompt.clone(), p.clone(), first[0]);
     let plan = plan.wait_blocking().unwrap();
     for layer in 0..kv.layout.n_layers {
         for blk in plan.needed() {
@@ -288,10 +280,7 @@ fn guided_rows_are_masked_by_a_device_sampler_and_never_reach_the_host() {
         for (k, t) in [0.0, 1.0].into_iter().enumerate() {
             let id = seed * 10 + k as u64;
             let p = guided(Guidance::JsonSchema(schema()), t, seed);
-            streams.push((
-                true,
-                e.submit(EngineRequest::new(id, vec![1, 2, 3], p)).unwrap(),
-            ));
+            streams.push((true, submit(&e, id, vec![1, 2, 3], p)));
         }
         let free = SamplingParams {
             max_tokens: 20,
@@ -299,9 +288,7 @@ fn guided_rows_are_masked_by_a_device_sampler_and_never_reach_the_host() {
             seed: Some(seed),
             ..Default::default()
         };
-        let s = e
-            .submit(EngineRequest::new(100 + seed, vec![5, 6], free))
-            .unwrap();
+        let s = submit(&e, 100 + seed, vec![5, 6], free);
         streams.push((false, s));
     }
     for (is_guided, s) in &mut streams {
@@ -333,9 +320,7 @@ fn a_device_draw_outside_the_constraint_fails_the_request_instead_of_leaving_it(
     let (e, _) = start_masking(false);
     for seed in 0..4u64 {
         let p = guided(Guidance::JsonSchema(schema()), 1.0, seed);
-        let mut s = e
-            .submit(EngineRequest::new(seed, vec![1, 2, 3], p))
-            .unwrap();
+        let mut s = submit(&e, seed, vec![1, 2, 3], p);
         let mut toks = Vec::new();
         while let Some(o) = s.blocking_recv() {
             toks.push(o.token);

@@ -58,18 +58,7 @@ pub fn paged_attention(
     seqs: &[AttnSeq],
     out: &mut [f32],
 ) {
-    paged_attention_with(pool, p, q, kv_layer, seqs, out, isa())
-}
-
-pub(crate) fn paged_attention_with(
-    pool: &ThreadPool,
-    p: &AttnParams,
-    q: &[f32],
-    kv_layer: &[f32],
-    seqs: &[AttnSeq],
-    out: &mut [f32],
-    level: Isa,
-) {
+    let level = isa();
     let simd = level >= Isa::Avx2;
     assert!(
         p.head_dim <= MAX_HEAD_DIM,
@@ -121,51 +110,48 @@ pub(crate) fn paged_attention_with(
         let q0 = qc * Q_CHUNK;
         let q1 = (q0 + Q_CHUNK).min(s.n_q);
         #[cfg(target_arch = "x86_64")]
-        if level >= Isa::Avx2 && crate::simd::attn512::supports(p, q1 - q0) {
+        if level >= Isa::Avx2 && crate::simd::chunk::supports(p, q1 - q0) {
             let r0 = s.q_row + q0;
-            let chunk = crate::simd::attn512::QueryChunk {
+            let chunk = crate::simd::chunk::QueryChunk {
                 q: q[r0 * row + head * p.head_dim..].as_ptr(),
                 // SAFETY (of the writes): rows r0..r0+n of this head belong to this work item alone.
                 out: unsafe { outp.ptr().add(r0 * row + head * p.head_dim) },
                 stride: row,
                 n: q1 - q0,
                 first_pos: s.ctx_len - s.n_q + q0,
+                kv: kv_layer,
+                blocks: s.blocks,
+                kvh: head / (p.n_heads / p.n_kv_heads),
             };
-            let kvh = head / (p.n_heads / p.n_kv_heads);
             // SAFETY: each level is only chosen on CPUs that have it; `supports` checked the shape; the
             // asserts above checked the rows, the block table's length and its block ids.
             SCORES.with(|buf| unsafe {
                 let buf = &mut buf.borrow_mut();
                 if level >= Isa::Avx512 {
-                    crate::simd::attn512::attend_chunk(p, &chunk, kv_layer, s.blocks, kvh, buf)
+                    crate::simd::attn512::attend_chunk(p, &chunk, buf)
                 } else {
-                    crate::simd::attn256::attend_chunk(p, &chunk, kv_layer, s.blocks, kvh, buf)
+                    crate::simd::attn256::attend_chunk(p, &chunk, buf)
                 }
             });
             return;
         }
-        for i in q0..q1 {
-            let r = s.q_row + i;
-            let qv = &q[r * row + head * p.head_dim..r * row + (head + 1) * p.head_dim];
-            // SAFETY: each (row, head) slice of out is written by exactly one work item.
-            let ov = unsafe {
-                std::slice::from_raw_parts_mut(
-                    outp.ptr().add(r * row + head * p.head_dim),
-                    p.head_dim,
-                )
-            };
-            let last_pos = s.ctx_len - s.n_q + i;
-            attend_one(
-                p,
-                qv,
-                kv_layer,
-                s.blocks,
-                head / (p.n_heads / p.n_kv_heads),
-                last_pos,
-                ov,
-                simd,
-            );
-        }
+        SCORES.with(|buf| {
+            let scores = &mut buf.borrow_mut();
+            for i in q0..q1 {
+                let r = s.q_row + i;
+                let qv = &q[r * row + head * p.head_dim..r * row + (head + 1) * p.head_dim];
+                // SAFETY: each (row, head) slice of out is written by exactly one work item.
+                let ov = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        outp.ptr().add(r * row + head * p.head_dim),
+                        p.head_dim,
+                    )
+                };
+                let last_pos = s.ctx_len - s.n_q + i;
+                let kvh = head / (p.n_heads / p.n_kv_heads);
+                attend_one(p, qv, kv_layer, s.blocks, kvh, last_pos, ov, simd, scores);
+            }
+        });
     });
 }
 
@@ -186,26 +172,9 @@ pub(crate) fn hsum8_at(acc: &[[f32; MAX_HEAD_DIM]; 8], i: usize) -> f32 {
 /// score `dot(q, k)·scale`, their max, the numerators `e^(s − max)` summed per 8 positions counted from
 /// position 0 (masked ones are 0), the weights normalized by the f32 reciprocal of that f64 sum before the
 /// value product, and each output element accumulated in 8 lanes (position mod 8) of fused multiply-adds
-/// reduced like llamafile's `hsum`.
+/// reduced like llamafile's `hsum`. `scores` is grow-only scratch.
 #[allow(clippy::too_many_arguments)]
 fn attend_one(
-    p: &AttnParams,
-    qv: &[f32],
-    kv: &[f32],
-    blocks: &[u32],
-    kvh: usize,
-    last_pos: usize,
-    out: &mut [f32],
-    simd: bool,
-) {
-    SCORES.with(|buf| {
-        let mut buf = buf.borrow_mut();
-        attend_one_with(p, qv, kv, blocks, kvh, last_pos, out, simd, &mut buf)
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attend_one_with(
     p: &AttnParams,
     qv: &[f32],
     kv: &[f32],
@@ -352,6 +321,7 @@ pub fn write_kv(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dispatch::with_isa;
     use rand::{Rng, SeedableRng};
 
     /// Dense reference: softmax(q·Kᵀ·scale) · V over positions 0..=pos (the last `window` of them when
@@ -445,7 +415,9 @@ mod tests {
         ];
         let mut out = vec![f32::NAN; q.len()];
         let pool = ThreadPool::new(2);
-        paged_attention_with(&pool, &p, &q, &kv, &seqs, &mut out, level);
+        with_isa(level, || {
+            paged_attention(&pool, &p, &q, &kv, &seqs, &mut out)
+        });
         for (si, s) in seqs.iter().enumerate() {
             for i in 0..s.n_q {
                 let r = s.q_row + i;
@@ -501,7 +473,9 @@ mod tests {
                         ctx_len: n,
                         blocks: &table,
                     };
-                    paged_attention_with(&pool, &p, &q, &kv, &[seq], &mut whole, level);
+                    with_isa(level, || {
+                        paged_attention(&pool, &p, &q, &kv, &[seq], &mut whole)
+                    });
                     for i in 0..n {
                         let mut one = vec![0f32; row];
                         let seq = AttnSeq {
@@ -511,7 +485,9 @@ mod tests {
                             blocks: &table,
                         };
                         let qi = &q[i * row..(i + 1) * row];
-                        paged_attention_with(&pool, &p, qi, &kv, &[seq], &mut one, level);
+                        with_isa(level, || {
+                            paged_attention(&pool, &p, qi, &kv, &[seq], &mut one)
+                        });
                         assert_eq!(
                             one,
                             whole[i * row..(i + 1) * row],

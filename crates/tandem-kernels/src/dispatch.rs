@@ -27,8 +27,29 @@ pub fn set_isa_cap(cap: Isa) -> bool {
 /// The level the kernels run at: the best the CPU supports, capped by [`set_isa_cap`]. Decided once per
 /// process so every call of a kernel takes the same path.
 pub fn isa() -> Isa {
+    #[cfg(test)]
+    if let Some(level) = TEST_ISA.get() {
+        return level;
+    }
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| cpu_isa().min(*CAP.get_or_init(|| Isa::Avx512)))
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The level [`with_isa`] runs this thread's kernel calls at.
+    static TEST_ISA: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with the kernels it calls on this thread at `level` (whatever the process runs at), so tests
+/// compare every level through the public entry points. A kernel reads the level once, on the calling
+/// thread, and hands it to its pool's tasks.
+#[cfg(test)]
+pub(crate) fn with_isa<R>(level: Isa, f: impl FnOnce() -> R) -> R {
+    let before = TEST_ISA.replace(Some(level));
+    let r = f();
+    TEST_ISA.set(before);
+    r
 }
 
 impl Isa {

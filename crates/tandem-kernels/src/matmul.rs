@@ -133,7 +133,7 @@ pub fn matmul(
     out: &mut [f32],
     scratch: &mut MatmulScratch,
 ) {
-    matmul_parts_with(pool, [w], x, m, [out], scratch, isa());
+    matmul_fused(pool, [w], x, m, [out], scratch);
 }
 
 /// Several matmuls of the same input in one dispatch (Q/K/V, gate/up): the activations are quantized once
@@ -148,58 +148,22 @@ pub fn matmul_fused<const N: usize>(
     outs: [&mut [f32]; N],
     scratch: &mut MatmulScratch,
 ) {
-    if ws
+    if !ws
         .iter()
         .all(|w| act_group(w.dtype()) == act_group(ws[0].dtype()))
     {
-        matmul_parts_with(pool, ws, x, m, outs, scratch, isa());
-    } else {
         for (w, out) in ws.into_iter().zip(outs) {
             matmul(pool, w, x, m, out, scratch);
         }
+        return;
     }
-}
-
-/// Elements per activation quantization block a weight format needs (0: float weights, none).
-fn act_group(dt: DType) -> usize {
-    match dt {
-        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 32,
-        DType::Q4K | DType::Q6K => 256,
-        DType::F32 | DType::F16 | DType::BF16 => 0,
-    }
-}
-
-/// `matmul` at an explicit instruction-set level, so tests can compare every level against the portable one.
-#[cfg(test)]
-pub(crate) fn matmul_with(
-    pool: &ThreadPool,
-    w: &Matrix,
-    x: &[f32],
-    m: usize,
-    out: &mut [f32],
-    scratch: &mut MatmulScratch,
-    level: Isa,
-) {
-    matmul_parts_with(pool, [w], x, m, [out], scratch, level);
-}
-
-/// `N` matmuls of one input whose weights share the activation format, at an explicit level.
-fn matmul_parts_with<const N: usize>(
-    pool: &ThreadPool,
-    ws: [&Matrix; N],
-    x: &[f32],
-    m: usize,
-    outs: [&mut [f32]; N],
-    scratch: &mut MatmulScratch,
-    level: Isa,
-) {
+    let level = isa();
     let simd = level >= Isa::Avx2;
     let cols = ws[0].cols();
     assert_eq!(x.len(), m * cols, "matmul: x must be m x cols");
     for (w, out) in ws.iter().zip(&outs) {
         assert_eq!(w.cols(), cols, "matmul: fused weights must share cols");
         assert_eq!(out.len(), m * w.rows(), "matmul: out must be m x rows");
-        debug_assert_eq!(act_group(w.dtype()), act_group(ws[0].dtype()));
     }
     if m == 0 {
         return;
@@ -262,6 +226,15 @@ fn matmul_parts_with<const N: usize>(
         kernels[p](&jobs[p], r, ms);
     };
     pool.run(total, &run_task);
+}
+
+/// Elements per activation quantization block a weight format needs (0: float weights, none).
+fn act_group(dt: DType) -> usize {
+    match dt {
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 32,
+        DType::Q4K | DType::Q6K => 256,
+        DType::F32 | DType::F16 | DType::BF16 => 0,
+    }
 }
 
 /// Whether `dt` at `level` runs the AVX2 kernel of repacked Q4_1 weights ([`crate::quant::pack_q4_1_pairs`]).
@@ -553,6 +526,7 @@ pub(crate) fn dot_qk_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], bsums
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::dispatch::with_isa;
     use crate::quant::{dequantize, quantize_row, WeightBytes};
     use proptest::prelude::*;
     use rand::{Rng, SeedableRng};
@@ -614,7 +588,7 @@ pub(crate) mod tests {
         let pool = ThreadPool::new(threads);
         let mut out = vec![f32::NAN; m * rows];
         let mut scratch = MatmulScratch::default();
-        matmul_with(&pool, &w, &x, m, &mut out, &mut scratch, level);
+        with_isa(level, || matmul(&pool, &w, &x, m, &mut out, &mut scratch));
         let want = reference(&w, &x, m);
         let tol = tolerance(dt, cols);
         for (i, (a, b)) in out.iter().zip(&want).enumerate() {
@@ -640,8 +614,10 @@ pub(crate) mod tests {
                 let mut scratch = MatmulScratch::default();
                 let mut a = vec![f32::NAN; m * rows];
                 let mut b = vec![f32::NAN; m * rows];
-                matmul_with(&pool, &w, &x, m, &mut a, &mut scratch, Isa::Avx2);
-                matmul_with(&pool, &w, &x, m, &mut b, &mut scratch, Isa::Avx512);
+                with_isa(Isa::Avx2, || matmul(&pool, &w, &x, m, &mut a, &mut scratch));
+                with_isa(Isa::Avx512, || {
+                    matmul(&pool, &w, &x, m, &mut b, &mut scratch)
+                });
                 assert_eq!(a, b, "{dt:?} {rows}x{cols} m={m}");
             }
         }

@@ -53,6 +53,7 @@ impl Q32Tile {
 
 pub(crate) mod attn256;
 pub(crate) mod attn512;
+pub(crate) mod chunk;
 mod qmatmul;
 mod qmatmul512;
 

@@ -5,8 +5,8 @@ use std::sync::mpsc;
 use std::sync::Mutex;
 
 use tandem_engine::{
-    Backend, BackendError, BackendErrorKind, BackendInfo, DeviceSampling, HostBuf, KvExport,
-    ReadyExport, StageError, StageModel, StagedExport, StagedLayer, StagingSlice,
+    Backend, BackendError, BackendErrorKind, BackendInfo, DeviceSampling, LayerBlocks, SampledStep,
+    StageError, StageInput, StageModel, StageOutput,
 };
 use tandem_kv::KvError;
 use tandem_model::{ForwardBatch, KvLayout, LayerExpertTokens, ModelIdentity, Partition};
@@ -220,58 +220,6 @@ impl PipelineBackend {
             )))
         }
     }
-
-    /// Copies `blocks` of global `layer` into `out` (back to back) from the stage owning the layer, in
-    /// one request.
-    fn export_layer(
-        &self,
-        layer: usize,
-        blocks: &[u32],
-        out: &mut [u8],
-    ) -> Result<(), BackendError> {
-        self.check_blocks(blocks)?;
-        self.check_len(blocks, 1, out.len())?;
-        match self.owner(layer)? {
-            None => self
-                .model
-                .export_blocks(layer, blocks, out)
-                .map_err(|e| stage0_err("export", e)),
-            Some(link) => link.call("export", |c| c.export_blocks(layer, blocks, out)),
-        }
-    }
-
-    /// Overwrites `blocks` of global `layer` from `data` (back to back) on the stage owning the layer,
-    /// in one request.
-    fn import_layer(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: &[u8],
-    ) -> Result<(), BackendError> {
-        self.check_blocks(blocks)?;
-        self.check_len(blocks, 1, data.len())?;
-        match self.owner(layer)? {
-            None => self
-                .model
-                .import_blocks(layer, blocks, data)
-                .map_err(|e| stage0_err("import", e)),
-            Some(link) => link.call("import", |c| c.import_blocks(layer, blocks, data)),
-        }
-    }
-
-    /// Copies every layer of `blocks` into `out`, layer-major, one request per layer.
-    fn export_layers(&self, blocks: &[u32], out: &mut [u8]) -> Result<(), BackendError> {
-        let layers = self.info.layout.n_layers;
-        self.check_len(blocks, layers, out.len())?;
-        if blocks.is_empty() {
-            return Ok(());
-        }
-        let per_layer = out.len() / layers;
-        for (layer, o) in out.chunks_exact_mut(per_layer).enumerate() {
-            self.export_layer(layer, blocks, o)?;
-        }
-        Ok(())
-    }
 }
 
 impl PipelineBackend {
@@ -286,15 +234,17 @@ impl PipelineBackend {
     ) -> Result<(), BackendError> {
         let to_err = |e: StageError| stage0_err("forward", e);
         if self.links.is_empty() {
+            let input = StageInput {
+                batch,
+                hidden: None,
+            };
             if let Some(rows) = rows {
-                return self
-                    .model
-                    .forward_sampled(batch, None, rows, ids)
-                    .map_err(to_err);
+                let output = StageOutput::Tokens { rows, out: ids };
+                return self.model.forward(input, output).map_err(to_err);
             }
             self.bufs.resize_with(self.bufs.len().max(1), Vec::new);
             self.model
-                .forward(batch, None, &mut self.bufs[0])
+                .forward(input, StageOutput::Hidden(&mut self.bufs[0]))
                 .map_err(to_err)?;
             extend_f32(logits, &self.bufs[0]);
             return Ok(());
@@ -364,7 +314,11 @@ impl PipelineBackend {
             let mut first_err = None;
             for (i, mb) in mbs.iter().enumerate() {
                 let mut buf = std::mem::take(&mut bufs[i]);
-                if let Err(e) = model.forward(mb, None, &mut buf) {
+                let input = StageInput {
+                    batch: mb,
+                    hidden: None,
+                };
+                if let Err(e) = model.forward(input, StageOutput::Hidden(&mut buf)) {
                     first_err = Some(to_err(e));
                     break;
                 }
@@ -470,69 +424,48 @@ impl Backend for PipelineBackend {
         self.step(batch, None, logits, &mut Vec::new())
     }
 
-    fn forward_sampled(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
-        if !self.samples_on_device() {
+    /// Only a last stage that samples on its device draws, and never under masks.
+    fn forward_sampled(&mut self, step: SampledStep) -> Result<bool, BackendError> {
+        if step.masks.is_some() || !self.samples_on_device() {
             return Ok(false);
         }
-        out.clear();
-        self.step(batch, Some(rows), &mut Vec::new(), out)?;
+        step.out.clear();
+        self.step(step.batch, Some(step.rows), &mut Vec::new(), step.out)?;
         Ok(true)
     }
 
     fn export_block(&self, layer: usize, block: u32, out: &mut [u8]) -> Result<(), BackendError> {
-        self.export_layer(layer, &[block], out)
+        self.export_layer(LayerBlocks::new(layer, &[block]), out)
     }
 
     fn import_block(&mut self, layer: usize, block: u32, data: &[u8]) -> Result<(), BackendError> {
-        self.import_layer(layer, &[block], data)
+        self.import_layer(LayerBlocks::new(layer, &[block]), data)
     }
 
-    fn export_kv(&mut self, blocks: &[u32]) -> Result<Box<dyn KvExport>, BackendError> {
-        let layout = self.info.layout;
-        let mut buf = self
-            .host_pool()
-            .take(layout.n_layers * blocks.len() * layout.block_bytes())?;
-        self.export_layers(blocks, buf.as_mut_slice())?;
-        Ok(Box::new(ReadyExport::new(buf, layout.n_layers.max(1))))
+    /// One request to the stage owning the layer.
+    fn export_layer(&self, at: LayerBlocks, out: &mut [u8]) -> Result<(), BackendError> {
+        self.check_blocks(at.blocks)?;
+        self.check_len(at.blocks, 1, out.len())?;
+        match self.owner(at.layer)? {
+            None => self
+                .model
+                .export_blocks(at, out)
+                .map_err(|e| stage0_err("export", e)),
+            Some(link) => link.call("export", |c| c.export_blocks(at.layer, at.blocks, out)),
+        }
     }
 
-    fn import_kv(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: HostBuf,
-    ) -> Result<(), BackendError> {
-        self.import_layer(layer, blocks, data.as_slice())
-    }
-
-    fn export_kv_staged(
-        &mut self,
-        blocks: &[u32],
-        mut dest: StagingSlice,
-    ) -> Result<Box<dyn KvExport>, BackendError> {
-        let kind = dest.kind();
-        let out = dest.host_bytes_mut().ok_or_else(|| {
-            BackendError::fatal(format!("a pipeline cannot export into {kind:?} staging"))
-        })?;
-        self.export_layers(blocks, out)?;
-        Ok(Box::new(StagedExport::new(
-            dest,
-            self.info.layout.n_layers.max(1),
-        )))
-    }
-
-    fn import_kv_staged(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        src: StagedLayer,
-    ) -> Result<(), BackendError> {
-        self.import_layer(layer, blocks, src.host_bytes()?)
+    /// One request to the stage owning the layer.
+    fn import_layer(&mut self, at: LayerBlocks, data: &[u8]) -> Result<(), BackendError> {
+        self.check_blocks(at.blocks)?;
+        self.check_len(at.blocks, 1, data.len())?;
+        match self.owner(at.layer)? {
+            None => self
+                .model
+                .import_blocks(at, data)
+                .map_err(|e| stage0_err("import", e)),
+            Some(link) => link.call("import", |c| c.import_blocks(at.layer, at.blocks, data)),
+        }
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), BackendError> {

@@ -2,10 +2,10 @@
 //! the pipeline backend runs its first stage through and the stage server its later ones, so neither
 //! knows the device; the CUDA model implements the same trait in `tandem-cuda`.
 
-use tandem_engine::{Activations, SizedPool, StageError, StageModel};
+use tandem_engine::{Activations, SizedPool, StageError, StageInput, StageModel, StageOutput};
 use tandem_model::{
-    CpuLlama, ForwardBatch, KvCache, KvDtype, KvLayout, LayerExpertTokens, LlamaWeights,
-    ModelConfig, ModelError, Partition,
+    CpuLlama, KvCache, KvDtype, KvLayout, LayerExpertTokens, LlamaWeights, ModelConfig, ModelError,
+    Partition,
 };
 
 /// Appends little-endian f32 `bytes` to `out` (a payload's bytes need not be 4-aligned).
@@ -75,20 +75,19 @@ impl StageModel for CpuStage {
         Ok(())
     }
 
-    fn forward(
-        &mut self,
-        batch: &ForwardBatch,
-        hidden_in: Option<&[u8]>,
-        out: &mut Vec<u8>,
-    ) -> Result<(), StageError> {
+    /// Hidden states or logits rows only: the CPU stage draws no tokens.
+    fn forward(&mut self, input: StageInput, output: StageOutput) -> Result<(), StageError> {
+        let StageOutput::Hidden(out) = output else {
+            return Err(StageError::NoDeviceSampling);
+        };
         let kv = self.kv.get_mut()?;
-        let input = hidden_in.map(|b| {
+        let hidden = input.hidden.map(|b| {
             self.input.clear();
             extend_f32(&mut self.input, b);
             &self.input[..]
         });
         self.model
-            .forward_stage(batch, kv, input, &mut self.output)?;
+            .forward_stage(input.batch, kv, hidden, &mut self.output)?;
         out.clear();
         out.extend_from_slice(bytemuck::cast_slice(&self.output));
         Ok(())

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use tandem_kv::ClusterKey;
 
-use tandem_engine::{DeviceSampling, StageError, StageModel};
-use tandem_model::{ForwardBatch, KvLayout, ModelIdentity, Partition};
+use tandem_engine::{LayerBlocks, StageError, StageInput, StageModel, StageOutput};
+use tandem_model::{KvLayout, ModelIdentity, Partition};
 
 use crate::link::{StageHandler, StageHello, StageServer};
 use crate::{hello, PipelineError};
@@ -96,48 +96,22 @@ impl StageHandler for Hosted {
         Ok(())
     }
 
-    fn forward(
-        &mut self,
-        batch: &ForwardBatch,
-        hidden_in: &[u8],
-        out: &mut Vec<u8>,
-    ) -> Result<(), StageError> {
-        self.model.forward(batch, Some(hidden_in), out)
-    }
-
-    fn forward_sampled(
-        &mut self,
-        batch: &ForwardBatch,
-        hidden_in: &[u8],
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<(), StageError> {
-        self.model
-            .forward_sampled(batch, Some(hidden_in), rows, out)
+    fn forward(&mut self, input: StageInput, output: StageOutput) -> Result<(), StageError> {
+        self.model.forward(input, output)
     }
 
     fn block_bytes(&self) -> usize {
         self.model.pool().map_or(0, |l| l.block_bytes())
     }
 
-    fn export_blocks(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        out: &mut [u8],
-    ) -> Result<(), StageError> {
-        let l = self.locate(layer, blocks)?;
-        self.model.export_blocks(l, blocks, out)
+    fn export_blocks(&mut self, at: LayerBlocks, out: &mut [u8]) -> Result<(), StageError> {
+        let local = LayerBlocks::new(self.locate(at.layer, at.blocks)?, at.blocks);
+        self.model.export_blocks(local, out)
     }
 
-    fn import_blocks(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: &[u8],
-    ) -> Result<(), StageError> {
-        let l = self.locate(layer, blocks)?;
-        self.model.import_blocks(l, blocks, data)
+    fn import_blocks(&mut self, at: LayerBlocks, data: &[u8]) -> Result<(), StageError> {
+        let local = LayerBlocks::new(self.locate(at.layer, at.blocks)?, at.blocks);
+        self.model.import_blocks(local, data)
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), StageError> {

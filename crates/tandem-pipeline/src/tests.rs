@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use tandem_cpu::CpuBackend;
 use tandem_engine::sampler::argmax;
-use tandem_engine::Backend;
+use tandem_engine::{Backend, LayerBlocks};
 use tandem_model::{CpuLlama, ForwardBatch, LoadedModel, LogitsWanted};
 use tandem_testkit::model;
 
@@ -49,19 +49,25 @@ fn servers(m: &LoadedModel, stages: usize) -> Vec<StageServer> {
         .collect()
 }
 
-fn pipeline(m: &LoadedModel, servers: &[StageServer], micro_batches: usize) -> PipelineBackend {
-    let addrs: Vec<String> = servers.iter().map(|s| s.addr().to_string()).collect();
-    let cfg = PipelineConfig {
+/// The first stage's configuration over `BLOCK`-token blocks and the test budget, with no cluster key.
+fn config(m: &LoadedModel, micro_batches: usize, timeouts: StageTimeouts) -> PipelineConfig {
+    PipelineConfig {
         micro_batches,
         min_micro_batch_tokens: 1,
         block_size: BLOCK,
         kv_cache_memory: budget(m),
-        timeouts: StageTimeouts {
-            connect: Duration::from_secs(2),
-            io: Duration::from_secs(30),
-        },
+        timeouts,
         cluster_key: None,
+    }
+}
+
+fn pipeline(m: &LoadedModel, servers: &[StageServer], micro_batches: usize) -> PipelineBackend {
+    let addrs: Vec<String> = servers.iter().map(|s| s.addr().to_string()).collect();
+    let timeouts = StageTimeouts {
+        connect: Duration::from_secs(2),
+        io: Duration::from_secs(30),
     };
+    let cfg = config(m, micro_batches, timeouts);
     PipelineBackend::connect(cpu_stage(m, 0, addrs.len() + 1), &m.identity, &addrs, &cfg).unwrap()
 }
 
@@ -198,7 +204,7 @@ fn blocks_of_a_remote_stage_export_import_and_copy() {
         let mut data = p.host_pool().take(blocks.len() * bytes).unwrap();
         data.as_mut_slice()
             .copy_from_slice(we.layer(layer).unwrap());
-        p.import_kv(layer, &moved, data).unwrap();
+        p.import_kv(LayerBlocks::new(layer, &moved), data).unwrap();
     }
     let back = p.export_kv(&moved).unwrap();
     for layer in 0..m.config.num_layers {
@@ -207,7 +213,10 @@ fn blocks_of_a_remote_stage_export_import_and_copy() {
             "layer {layer}"
         );
     }
-    let e = p.import_kv(last, &[1], p.host_pool().take(bytes + 1).unwrap());
+    let e = p.import_kv(
+        LayerBlocks::new(last, &[1]),
+        p.host_pool().take(bytes + 1).unwrap(),
+    );
     assert!(e.unwrap_err().message().contains("bytes for 1 blocks"));
 }
 
@@ -251,14 +260,7 @@ fn a_mismatched_stage_is_refused_naming_the_field() {
         serving(m, Duration::from_secs(5)),
     )
     .unwrap();
-    let cfg = PipelineConfig {
-        micro_batches: 0,
-        min_micro_batch_tokens: 1,
-        block_size: BLOCK,
-        kv_cache_memory: budget(m),
-        timeouts: StageTimeouts::default(),
-        cluster_key: None,
-    };
+    let cfg = config(m, 0, StageTimeouts::default());
     let e = PipelineBackend::connect(
         cpu_stage(m, 0, 2),
         &m.identity,
@@ -304,14 +306,7 @@ fn a_pool_beyond_the_stage_budget_is_refused_before_it_is_allocated() {
     }
     // Exactly the budget fits (the worker's own sizing of it), and sizes the pool.
     let addrs = [srv.addr().to_string()];
-    let cfg = PipelineConfig {
-        micro_batches: 0,
-        min_micro_batch_tokens: 1,
-        block_size: BLOCK,
-        kv_cache_memory: budget(m),
-        timeouts: StageTimeouts::default(),
-        cluster_key: None,
-    };
+    let cfg = config(m, 0, StageTimeouts::default());
     drop(PipelineBackend::connect(cpu_stage(m, 0, 2), &m.identity, &addrs, &cfg).unwrap());
     let sized = asking(BLOCKS, BLOCK).unwrap();
     assert_eq!(sized.remote().num_blocks, BLOCKS);

@@ -12,7 +12,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tandem_engine::sampler::argmax;
-use tandem_engine::{Backend, DeviceSampling};
+use tandem_engine::{Backend, DeviceSampling, LayerBlocks, SampledStep};
 use tandem_model::{ForwardBatch, LogitsWanted};
 
 /// The fewest KV blocks a backend under the checks must have.
@@ -328,7 +328,8 @@ pub fn bulk_kv_paths_match_per_block<B: Backend>(mut make: impl FnMut() -> B) {
         }
         let mut data = b.host_pool().take(got.len()).expect("host buffer");
         data.as_mut_slice().copy_from_slice(got);
-        b.import_kv(layer, &moved, data).expect("import_kv");
+        b.import_kv(LayerBlocks::new(layer, &moved), data)
+            .expect("import_kv");
     }
     b.import_fence().expect("import_fence");
     let mut back = vec![0u8; n];
@@ -375,7 +376,12 @@ pub fn forward_sampled_greedy_is_argmax<B: Backend>(mut make: impl FnMut() -> B)
     ];
     let mut drawn = Vec::new();
     if !a
-        .forward_sampled(&batch, &rows, &mut drawn)
+        .forward_sampled(SampledStep {
+            batch: &batch,
+            rows: &rows,
+            masks: None,
+            out: &mut drawn,
+        })
         .expect("forward_sampled")
     {
         eprintln!(

@@ -17,7 +17,7 @@ use std::time::Duration;
 use tandem_engine::prefix_cache::FxHasher;
 use tandem_engine::{
     Backend, BackendError, BackendErrorKind, BackendInfo, DeviceMasks, DeviceSampling, GuideEnv,
-    MaskSource,
+    SampledStep,
 };
 use tandem_model::{ForwardBatch, KvDtype, KvLayout, LogitsWanted, TokenPiece};
 
@@ -96,7 +96,7 @@ enum DeviceDraw {
 pub struct MockCounts {
     /// Steps run through `forward`, whose logits the engine's host sampler reads.
     pub host_steps: AtomicUsize,
-    /// Steps whose tokens the mock drew itself (`forward_sampled` and `forward_sampled_masked`).
+    /// Steps whose tokens the mock drew itself (`forward_sampled`, with or without masks).
     pub device_steps: AtomicUsize,
     /// Logits rows that came with a mask in the steps the mock drew itself.
     pub device_guided_rows: AtomicUsize,
@@ -168,8 +168,8 @@ impl MockBackend {
 
     /// Gives the mock a sampler of its own, as a GPU backend has: `forward_sampled` draws greedy rows
     /// by argmax of the mock's logits (so they equal the host sampler's) and other rows by a pure
-    /// function of the draw's seed (so a token shows which seed the engine passed), and
-    /// `forward_sampled_masked` draws only tokens the masks allow.
+    /// function of the draw's seed (so a token shows which seed the engine passed), and a step with
+    /// masks draws only tokens they allow.
     pub fn with_device_sampling(mut self) -> Self {
         self.device = Some(DeviceDraw::Masked);
         self
@@ -340,36 +340,27 @@ impl Backend for MockBackend {
         self.step(batch, logits)
     }
 
-    fn forward_sampled(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
-        if !self.device_step(batch)? {
+    fn forward_sampled(&mut self, step: SampledStep) -> Result<bool, BackendError> {
+        if !self.device_step(step.batch)? {
             return Ok(false);
         }
-        self.draw(rows, None, out);
-        Ok(true)
-    }
-
-    fn forward_sampled_masked(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[DeviceSampling],
-        masks: &mut dyn MaskSource,
-        out: &mut Vec<u32>,
-    ) -> Result<bool, BackendError> {
-        if !self.device_step(batch)? {
-            return Ok(false);
-        }
-        let masks = masks.wait()?;
-        assert_eq!(masks.row_mask.len(), rows.len(), "one entry per logits row");
-        let guided = masks.row_mask.iter().filter(|&&m| m >= 0).count();
-        self.counts
-            .device_guided_rows
-            .fetch_add(guided, Ordering::Relaxed);
-        self.draw(rows, Some(masks), out);
+        let masks = match step.masks {
+            Some(source) => {
+                let masks = source.wait()?;
+                assert_eq!(
+                    masks.row_mask.len(),
+                    step.rows.len(),
+                    "one entry per logits row"
+                );
+                let guided = masks.row_mask.iter().filter(|&&m| m >= 0).count();
+                self.counts
+                    .device_guided_rows
+                    .fetch_add(guided, Ordering::Relaxed);
+                Some(masks)
+            }
+            None => None,
+        };
+        self.draw(step.rows, masks, step.out);
         Ok(true)
     }
 

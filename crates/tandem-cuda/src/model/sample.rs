@@ -201,11 +201,14 @@ impl CudaLlama {
     }
 
     /// Runs one step and draws each logits row's token on the GPU under `rows` (one per logits
-    /// row, in order): the logits never leave the device.
+    /// row, in order): the logits never leave the device. With `masks` (a step with guided rows),
+    /// once the step's work is queued it hands over the allowed tokens of each guided row (computed
+    /// on the host meanwhile), and each is drawn among them.
     pub fn forward_sampled(
         &mut self,
         batch: &ForwardBatch,
         rows: &[SampleRow],
+        masks: Option<&mut dyn MaskSource>,
         out: &mut Vec<u32>,
     ) -> Result<(), CudaError> {
         if rows.len() != batch.logits_rows() {
@@ -215,27 +218,7 @@ impl CudaLlama {
                 batch.logits_rows()
             )));
         }
-        self.forward_pick(batch, None, Some(rows), None, out)
-    }
-
-    /// [`Self::forward_sampled`] with guided rows: once the step's work is queued, `masks` hands over
-    /// the allowed tokens of each guided row (computed on the host meanwhile), and each is drawn
-    /// among them.
-    pub fn forward_sampled_masked(
-        &mut self,
-        batch: &ForwardBatch,
-        rows: &[SampleRow],
-        masks: &mut dyn MaskSource,
-        out: &mut Vec<u32>,
-    ) -> Result<(), CudaError> {
-        if rows.len() != batch.logits_rows() {
-            return Err(CudaError::Batch(format!(
-                "{} sampling rows for {} logits rows",
-                rows.len(),
-                batch.logits_rows()
-            )));
-        }
-        self.forward_pick(batch, None, Some(rows), Some(masks), out)
+        self.forward_pick(batch, None, Some(rows), masks, out)
     }
 
     /// [`Self::forward_sampled`] on the last stage of a pipeline: `hidden` is the previous stage's

@@ -16,38 +16,21 @@
 
 use std::arch::x86_64::*;
 
-use super::attn512::QueryChunk;
+use super::chunk::{Half, QueryChunk, Span, BLOCK, MAX_HEAD_DIM, MAX_QUERIES};
 use crate::attention::AttnParams;
 
-const BLOCK: usize = 16;
-const MAX_HEAD_DIM: usize = 256;
-const MAX_QUERIES: usize = super::attn512::MAX_QUERIES;
-
-/// Causal (optionally windowed) attention of the chunk's queries over kv head `kvh` of the sequence with
-/// block table `blocks`; `scores` is grow-only scratch.
+/// Causal (optionally windowed) attention of the chunk's queries over its kv head; `scores` is grow-only
+/// scratch.
 ///
 /// # Safety
-/// The CPU must have AVX2+FMA; `attn512::supports(p, c.n)` must hold; `c`'s pointers must cover `c.n`
-/// rows; `blocks` must cover positions up to the last query's and lie inside `kv`.
+/// The CPU must have AVX2+FMA; `chunk::supports(p, c.n)` must hold; `c`'s pointers must cover `c.n`
+/// rows; `c.blocks` must cover positions up to the last query's and lie inside `c.kv`.
 // Indexes run over the chunk's queries in several arrays at once.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn attend_chunk(
-    p: &AttnParams,
-    c: &QueryChunk,
-    kv: &[f32],
-    blocks: &[u32],
-    kvh: usize,
-    scores: &mut Vec<f32>,
-) {
-    let hd = p.head_dim;
-    let nkv = p.n_kv_heads;
-    let window_start = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let last = c.first_pos + c.n - 1;
-    let first_block = window_start(c.first_pos) / BLOCK;
-    let base = first_block * BLOCK;
-    // Query i's scores of positions base.. are row i; masked and unused entries hold -inf.
-    let row_len = (last / BLOCK + 1) * BLOCK - base;
+pub(crate) unsafe fn attend_chunk(p: &AttnParams, c: &QueryChunk, scores: &mut Vec<f32>) {
+    let span = Span::new(p, c);
+    let (hd, base, row_len) = (span.hd, span.base, span.row_len);
     // For a chunk, V transposed goes first: dimension d's values of positions base.. are row d of `vt`.
     // Every entry of it is written before it is read, so only the scores are reset.
     let vt_len = if c.n > 1 { hd * row_len } else { 0 };
@@ -64,18 +47,12 @@ pub(crate) unsafe fn attend_chunk(
     let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
     let lane_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     let lane_hi = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
-    for (bi, &b) in blocks
-        .iter()
-        .enumerate()
-        .take(last / BLOCK + 1)
-        .skip(first_block)
-    {
-        let bpos = bi * BLOCK;
-        let kb = kv.as_ptr().add(((b as usize * 2) * nkv + kvh) * BLOCK * hd);
+    for (bpos, b) in span.blocks(c.blocks) {
+        let kb = span.at(c, b, Half::K, 0);
         // A chunk transposes every slot once for all its queries, also those past the last query (stale
         // or zero): their scores are replaced by -inf below, whatever they hold.
         if c.n > 1 {
-            let vb = kb.add(nkv * BLOCK * hd);
+            let vb = span.at(c, b, Half::V, 0);
             for d0 in (0..hd).step_by(8) {
                 for j0 in [0, 8] {
                     transpose8(
@@ -94,11 +71,9 @@ pub(crate) unsafe fn attend_chunk(
             }
         }
         for i in 0..c.n {
-            let pos = c.first_pos + i;
-            let lo = window_start(pos);
-            if bpos > pos || bpos + BLOCK <= lo {
+            let Some((pos, lo)) = span.sees(i, bpos) else {
                 continue;
-            }
+            };
             let (j0, j1) = (lo.saturating_sub(bpos), (pos + 1 - bpos).min(BLOCK));
             let qi = c.q.add(i * c.stride);
             let (s_lo, s_hi) = if c.n > 1 {
@@ -157,19 +132,12 @@ pub(crate) unsafe fn attend_chunk(
             _mm256_storeu_ps(w, _mm256_mul_ps(_mm256_loadu_ps(w), vi));
         }
         if c.n == 1 {
-            let src = ValueSource {
-                kv,
-                blocks,
-                nkv,
-                kvh,
-                hd,
-            };
             values_tiled(
                 row,
-                base,
-                window_start(pos),
+                span.window_start(pos),
                 pos,
-                &src,
+                &span,
+                c,
                 c.out.add(i * c.stride),
             );
         }
@@ -182,7 +150,7 @@ pub(crate) unsafe fn attend_chunk(
                 values8_t(
                     &scores[i * row_len..(i + 1) * row_len],
                     base,
-                    window_start(pos),
+                    span.window_start(pos),
                     pos,
                     vt.as_ptr().add(d0 * row_len),
                     row_len,
@@ -237,15 +205,6 @@ unsafe fn values8_t(
     _mm256_storeu_ps(out, hsum_tree(&transpose8_regs(acc)));
 }
 
-/// Where a single query's values are: kv head `kvh` of the blocks of `blocks` in the layer buffer `kv`.
-struct ValueSource<'a> {
-    kv: &'a [f32],
-    blocks: &'a [u32],
-    nkv: usize,
-    kvh: usize,
-    hd: usize,
-}
-
 /// Positions per tile of `values_tiled`: their values (16 KiB for 64-wide heads) stay in L1 while every
 /// 8 dimensions are summed over them.
 const TILE: usize = 64;
@@ -260,13 +219,13 @@ const TILE: usize = 64;
 #[inline(always)]
 unsafe fn values_tiled(
     w: &[f32],
-    base: usize,
     lo: usize,
     pos: usize,
-    src: &ValueSource,
+    span: &Span,
+    c: &QueryChunk,
     out: *mut f32,
 ) {
-    let hd = src.hd;
+    let (hd, base) = (span.hd, span.base);
     // Accumulator r of dimensions d0..d0 + 8 at acc[d0 + r].
     let mut acc = [_mm256_setzero_ps(); MAX_HEAD_DIM];
     let mut t0 = lo / 8 * 8;
@@ -277,11 +236,8 @@ unsafe fn values_tiled(
             a.copy_from_slice(&acc[d0..d0 + 8]);
             let mut g = t0;
             while g < t1 {
-                let b = *src.blocks.get_unchecked(g / BLOCK) as usize;
-                let vg = src
-                    .kv
-                    .as_ptr()
-                    .add(((b * 2 + 1) * src.nkv + src.kvh) * BLOCK * hd + d0 + (g % BLOCK) * hd);
+                let b = *c.blocks.get_unchecked(g / BLOCK) as usize;
+                let vg = span.at(c, b, Half::V, g % BLOCK).add(d0);
                 let wg = w.as_ptr().add(g - base);
                 let (r0, r1) = (lo.saturating_sub(g), (pos + 1 - g).min(8));
                 if r0 == 0 && r1 == 8 {

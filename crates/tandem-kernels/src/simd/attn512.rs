@@ -14,57 +14,21 @@
 
 use std::arch::x86_64::*;
 
+use super::chunk::{Half, QueryChunk, Span, BLOCK, MAX_HEAD_DIM, MAX_QUERIES};
 use crate::attention::AttnParams;
 
-/// Queries of one chunk and where their outputs go: query `i` is at absolute position `first_pos + i`,
-/// its `head_dim` values start at `q + i * stride`, its output at `out + i * stride`.
-pub(crate) struct QueryChunk {
-    pub q: *const f32,
-    pub out: *mut f32,
-    pub stride: usize,
-    pub n: usize,
-    pub first_pos: usize,
-}
-
-/// Largest chunk and head this kernel's stack buffers hold.
-pub(crate) const MAX_QUERIES: usize = 16;
-const MAX_HEAD_DIM: usize = 256;
-const BLOCK: usize = 16;
-
-/// Whether the kernel applies: 16-token blocks, a head of whole 32-float steps (llama.cpp's dot product
-/// has no scalar tail then), a chunk it can hold.
-pub(crate) fn supports(p: &AttnParams, n_queries: usize) -> bool {
-    p.block_size == BLOCK
-        && p.head_dim.is_multiple_of(32)
-        && p.head_dim <= MAX_HEAD_DIM
-        && n_queries <= MAX_QUERIES
-}
-
-/// Causal (optionally windowed) attention of the chunk's queries over kv head `kvh` of the sequence with
-/// block table `blocks`; `scores` is grow-only scratch.
+/// Causal (optionally windowed) attention of the chunk's queries over its kv head; `scores` is grow-only
+/// scratch.
 ///
 /// # Safety
-/// The CPU must have AVX-512F (and AVX2+FMA); `supports(p, c.n)` must hold; `c`'s pointers must cover
-/// `c.n` rows; `blocks` must cover positions up to the last query's and lie inside `kv`.
+/// The CPU must have AVX-512F (and AVX2+FMA); `chunk::supports(p, c.n)` must hold; `c`'s pointers must
+/// cover `c.n` rows; `c.blocks` must cover positions up to the last query's and lie inside `c.kv`.
 // Indexes run over the chunk's queries in several arrays at once.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx2,fma")]
-pub(crate) unsafe fn attend_chunk(
-    p: &AttnParams,
-    c: &QueryChunk,
-    kv: &[f32],
-    blocks: &[u32],
-    kvh: usize,
-    scores: &mut Vec<f32>,
-) {
-    let hd = p.head_dim;
-    let nkv = p.n_kv_heads;
-    let window_start = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let last = c.first_pos + c.n - 1;
-    let first_block = window_start(c.first_pos) / BLOCK;
-    let base = first_block * BLOCK;
-    // Query i's scores of positions base.. are row i; masked and unused entries hold -inf.
-    let row_len = (last / BLOCK + 1) * BLOCK - base;
+pub(crate) unsafe fn attend_chunk(p: &AttnParams, c: &QueryChunk, scores: &mut Vec<f32>) {
+    let span = Span::new(p, c);
+    let (hd, base, row_len) = (span.hd, span.base, span.row_len);
     scores.clear();
     scores.resize(c.n * row_len, f32::NEG_INFINITY);
     // Per-query running maxima, lane-wise (max is exact, so reducing once at the end changes nothing).
@@ -72,14 +36,8 @@ pub(crate) unsafe fn attend_chunk(
     let mut kt = [0f32; MAX_HEAD_DIM * BLOCK];
     let scale = _mm512_set1_ps(p.scale);
     let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
-    for (bi, &b) in blocks
-        .iter()
-        .enumerate()
-        .take(last / BLOCK + 1)
-        .skip(first_block)
-    {
-        let bpos = bi * BLOCK;
-        let kb = kv.as_ptr().add(((b as usize * 2) * nkv + kvh) * BLOCK * hd);
+    for (bpos, b) in span.blocks(c.blocks) {
+        let kb = span.at(c, b, Half::K, 0);
         // A chunk transposes every slot once for all its queries, also those past the last query (stale
         // or zero): their scores are replaced by -inf below, whatever they hold. A single query (decode)
         // dots each key instead, with the same operations (`simd::dot_f32`).
@@ -89,11 +47,9 @@ pub(crate) unsafe fn attend_chunk(
             }
         }
         for i in 0..c.n {
-            let pos = c.first_pos + i;
-            let lo = window_start(pos);
-            if bpos > pos || bpos + BLOCK <= lo {
+            let Some((pos, lo)) = span.sees(i, bpos) else {
                 continue;
-            }
+            };
             let (j0, j1) = (lo.saturating_sub(bpos), (pos + 1 - bpos).min(BLOCK));
             let mask = (((1u32 << j1) - 1) & !((1u32 << j0) - 1)) as __mmask16;
             let qi = c.q.add(i * c.stride);
@@ -124,17 +80,9 @@ pub(crate) unsafe fn attend_chunk(
     }
     let halves = hd / 32;
     if c.n == 1 {
-        let (pos, lo) = (c.first_pos, window_start(c.first_pos));
+        let (pos, lo) = (c.first_pos, span.window_start(c.first_pos));
         for h in 0..halves {
-            let v = ValueHead {
-                kv,
-                blocks,
-                nkv,
-                kvh,
-                hd,
-                d0: 32 * h,
-            };
-            values32(scores, base, lo, pos, inv[0], &v, c.out.add(32 * h));
+            values32(scores, lo, pos, inv[0], &span, c, 32 * h, c.out.add(32 * h));
         }
         return;
     }
@@ -143,22 +91,12 @@ pub(crate) unsafe fn attend_chunk(
     // registers for the block's positions, in the same order as `values32`.
     scores.resize(c.n * row_len + c.n * halves * 8 * 32, 0.0);
     let (rows, acc) = scores.split_at_mut(c.n * row_len);
-    for (bi, &b) in blocks
-        .iter()
-        .enumerate()
-        .take(last / BLOCK + 1)
-        .skip(first_block)
-    {
-        let bpos = bi * BLOCK;
-        let vb = kv
-            .as_ptr()
-            .add(((b as usize * 2 + 1) * nkv + kvh) * BLOCK * hd);
+    for (bpos, b) in span.blocks(c.blocks) {
+        let vb = span.at(c, b, Half::V, 0);
         for i in 0..c.n {
-            let pos = c.first_pos + i;
-            let lo = window_start(pos);
-            if bpos > pos || bpos + BLOCK <= lo {
+            let Some((pos, lo)) = span.sees(i, bpos) else {
                 continue;
-            }
+            };
             let row = &rows[i * row_len..(i + 1) * row_len];
             for h in 0..halves {
                 let ap = acc.as_mut_ptr().add((i * halves + h) * 8 * 32);
@@ -366,41 +304,29 @@ unsafe fn scores16(q: *const f32, kt: &[f32], hd: usize) -> __m512 {
     _mm512_add_ps(_mm512_add_ps(t0, t1), _mm512_add_ps(t2, t3))
 }
 
-/// Where one kv head's values (dimensions `d0..d0 + 32`) lie in the paged cache.
-struct ValueHead<'a> {
-    kv: &'a [f32],
-    blocks: &'a [u32],
-    nkv: usize,
-    kvh: usize,
-    hd: usize,
-    d0: usize,
-}
-
 /// `out[0..32]` of one query: value dimensions `d0..d0 + 32` summed over positions `lo..=pos` with
-/// weights `row[p - base] · inv`, in 8 accumulators by position mod 8 (fused multiply-adds in position
+/// weights `row[p - span.base] · inv`, in 8 accumulators by position mod 8 (fused multiply-adds in position
 /// order), reduced like llamafile's `hsum` — `attend_one`'s order.
 // Constant-count index loops keep the 16 accumulators in registers (iterator adaptors over `acc` made
 // the compiler keep them in memory).
-#[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn values32(
     row: &[f32],
-    base: usize,
     lo: usize,
     pos: usize,
     inv: f32,
-    vh: &ValueHead,
+    span: &Span,
+    c: &QueryChunk,
+    d0: usize,
     out: *mut f32,
 ) {
-    let hd = vh.hd;
+    let (hd, base) = (span.hd, span.base);
     let mut acc = [[_mm512_setzero_ps(); 2]; 8];
     let mut g = lo / 8 * 8;
     while g <= pos {
-        let b = *vh.blocks.get_unchecked(g / BLOCK) as usize;
-        let vb = vh
-            .kv
-            .as_ptr()
-            .add(((b * 2 + 1) * vh.nkv + vh.kvh) * BLOCK * hd + vh.d0 + (g % BLOCK) * hd);
+        let b = *c.blocks.get_unchecked(g / BLOCK) as usize;
+        let vb = span.at(c, b, Half::V, g % BLOCK).add(d0);
         value_group(&mut acc, row, base, g, lo, pos, inv, vb, hd);
         g += 8;
     }

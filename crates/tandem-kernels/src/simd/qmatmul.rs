@@ -586,9 +586,10 @@ unsafe fn run_float_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range
 
 #[cfg(test)]
 mod tests {
+    use crate::dispatch::with_isa;
     use crate::dispatch::{cpu_isa, Isa};
     use crate::matmul::tests::{quantized_matrix, rand_vec, ALL};
-    use crate::matmul::{matmul_with, MatmulScratch};
+    use crate::matmul::{matmul, MatmulScratch};
     use crate::quant::DType;
     use crate::threads::ThreadPool;
 
@@ -615,8 +616,10 @@ mod tests {
                 let x = rand_vec(m * cols, 32);
                 let mut scratch = MatmulScratch::default();
                 let (mut a, mut b) = (vec![f32::NAN; m * rows], vec![f32::NAN; m * rows]);
-                matmul_with(&pool, &w, &x, m, &mut a, &mut scratch, Isa::Avx2);
-                matmul_with(&pool, &w, &x, m, &mut b, &mut scratch, Isa::Portable);
+                with_isa(Isa::Avx2, || matmul(&pool, &w, &x, m, &mut a, &mut scratch));
+                with_isa(Isa::Portable, || {
+                    matmul(&pool, &w, &x, m, &mut b, &mut scratch)
+                });
                 let (a, b): (Vec<u32>, Vec<u32>) = (
                     a.iter().map(|v| v.to_bits()).collect(),
                     b.iter().map(|v| v.to_bits()).collect(),
@@ -653,8 +656,10 @@ mod tests {
                     let x = rand_vec(m * cols, 4);
                     let (mut a, mut b) = (vec![0f32; m * rows], vec![0f32; m * rows]);
                     let mut scratch = MatmulScratch::default();
-                    matmul_with(&pool, &w, &x, m, &mut a, &mut scratch, level);
-                    matmul_with(&pool, &w, &x, m, &mut b, &mut scratch, Isa::Portable);
+                    with_isa(level, || matmul(&pool, &w, &x, m, &mut a, &mut scratch));
+                    with_isa(Isa::Portable, || {
+                        matmul(&pool, &w, &x, m, &mut b, &mut scratch)
+                    });
                     for (i, (p, q)) in a.iter().zip(&b).enumerate() {
                         // Same quantized activations: only f32 summation order differs.
                         assert!(

@@ -10,9 +10,9 @@ use parking_lot::Mutex;
 
 use crate::nixl::server::{NixlOpen, NixlPullRequest};
 use crate::nixl::{slow_transfer_warning, MemRegion, NixlAgent, PoolLease, Xfer};
-use crate::transport::tcp::{ack_only, connect, finish_on_control, TcpConfig, TcpTransport};
-use crate::transport::{KvTransport, PullFuture};
-use crate::wire::{self, FrameKind, FrameReader};
+use crate::transport::control::{self, ControlPull};
+use crate::transport::tcp::{TcpConfig, TcpTransport};
+use crate::wire::{FrameKind, FrameReader};
 use crate::{BlockSelection, KvError, KvSink, PeerInfo, TransferHandle};
 
 /// Polls of a running READ answered by yielding before falling back to short sleeps.
@@ -44,50 +44,37 @@ impl NixlTransport {
         }
     }
 
-    async fn pull_impl(
-        &self,
-        handle: &TransferHandle,
-        blocks: &BlockSelection,
-        sink: Arc<dyn KvSink>,
-    ) -> Result<u64, KvError> {
-        if blocks.is_empty() {
-            return ack_only(handle, &self.local, &self.config, &*sink).await;
+    /// Logs once per endpoint that a server without NIXL is pulled from over TCP.
+    fn warn_tcp_only(&self, handle: &TransferHandle) {
+        if self.tcp_only.lock().insert(handle.endpoint.clone()) {
+            tracing::warn!(
+                endpoint = %handle.endpoint,
+                worker = %handle.worker_id,
+                "this KV server has no NIXL agent; pulling its KV over TCP"
+            );
         }
-        if !handle.nixl {
-            if self.tcp_only.lock().insert(handle.endpoint.clone()) {
-                tracing::warn!(
-                    endpoint = %handle.endpoint,
-                    worker = %handle.worker_id,
-                    "this KV server has no NIXL agent; pulling its KV over TCP"
-                );
-            }
-            return self.tcp.pull(handle, blocks, sink).await;
-        }
-        let tid = handle.transfer_id;
-        let io = self.config.io_timeout;
-        let mut c = connect(&handle.endpoint, &self.local, &self.config).await?;
+    }
+}
+
+/// The NIXL pull is a one-connection pull: the request names the server agent it already knows, the
+/// data arrives by READs outside the connection.
+impl ControlPull for NixlTransport {
+    type Request = NixlPullRequest;
+    const KIND: FrameKind = FrameKind::NixlPull;
+
+    fn socket(&self) -> (&PeerInfo, &TcpConfig) {
+        (&self.local, &self.config)
+    }
+
+    fn request(&self, handle: &TransferHandle, blocks: &BlockSelection) -> NixlPullRequest {
         let known = self
             .peers
             .lock()
             .get(&handle.endpoint)
             .and_then(|a| Some((a.clone(), self.agent.remote_generation(a)?)));
-        let req = NixlPullRequest {
+        NixlPullRequest {
             blocks: blocks.clone(),
             known,
-        };
-        wire::send_json(c.get_mut(), FrameKind::NixlPull, tid, &req, io).await?;
-        let res = self.receive(&mut c, handle, blocks, &sink).await;
-        let res = match res {
-            Ok(b) => sink.complete().map(|()| b),
-            e => e,
-        };
-        match res {
-            Ok(bytes) => finish_on_control(&mut c, tid, None, io)
-                .await
-                .map(|()| bytes),
-            Err(e) => finish_on_control(&mut c, tid, Some(e), io)
-                .await
-                .map(|()| 0),
         }
     }
 
@@ -324,24 +311,18 @@ pub(crate) fn check_open(
     Ok(())
 }
 
-impl KvTransport for NixlTransport {
-    fn name(&self) -> &'static str {
-        "nixl"
+// A server without NIXL is pulled from over TCP; an empty selection only acks (in `control::pull`).
+kv_transport!(
+    NixlTransport,
+    "nixl",
+    |this, handle, blocks, sink| async move {
+        if !blocks.is_empty() && !handle.nixl {
+            this.warn_tcp_only(handle);
+            return this.tcp.pull(handle, blocks, sink).await;
+        }
+        control::pull(this, handle, blocks, sink).await
     }
-
-    fn local(&self) -> &PeerInfo {
-        &self.local
-    }
-
-    fn pull<'a>(
-        &'a self,
-        handle: &'a TransferHandle,
-        blocks: &'a BlockSelection,
-        sink: Arc<dyn KvSink>,
-    ) -> PullFuture<'a> {
-        Box::pin(self.pull_impl(handle, blocks, sink))
-    }
-}
+);
 
 #[cfg(test)]
 mod tests {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tandem_engine::DeviceSampling;
+use tandem_engine::{DeviceSampling, LayerBlocks, StageInput, StageOutput};
 use tandem_kv::wire::{FrameHeader, FrameKind, WireError, MAX_CONTROL_LEN};
 use tandem_kv::{ClusterKey, KvError};
 use tandem_model::ForwardBatch;
@@ -23,38 +23,16 @@ pub trait StageHandler: Send + 'static {
     fn hello(&self) -> StageHello;
     /// Allocates the KV pool for the client's block size and count (only while unsized).
     fn size_pool(&mut self, block_size: usize, num_blocks: usize) -> Result<(), Self::Error>;
-    /// Runs the stage's layers on one batch: `hidden_in` from the previous stage, `out` for the next
-    /// (or f32 logits rows from the last stage).
-    fn forward(
-        &mut self,
-        batch: &ForwardBatch,
-        hidden_in: &[u8],
-        out: &mut Vec<u8>,
-    ) -> Result<(), Self::Error>;
-    /// Runs the last stage's layers and draws one token per logits row under `rows` into `out`.
-    fn forward_sampled(
-        &mut self,
-        batch: &ForwardBatch,
-        hidden_in: &[u8],
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<(), Self::Error>;
+    /// Runs the stage's layers on one batch from the previous stage's hidden states: `output` gets the
+    /// next stage's hidden states (f32 logits rows from the last stage), or from a last stage that
+    /// samples on its device one token per logits row.
+    fn forward(&mut self, input: StageInput, output: StageOutput) -> Result<(), Self::Error>;
     /// Bytes of one block of the KV layout.
     fn block_bytes(&self) -> usize;
-    /// Copies `blocks` of one global layer out, back to back.
-    fn export_blocks(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        out: &mut [u8],
-    ) -> Result<(), Self::Error>;
-    /// Overwrites `blocks` of one global layer from `data` (their bytes back to back).
-    fn import_blocks(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: &[u8],
-    ) -> Result<(), Self::Error>;
+    /// Copies the blocks of one global layer out, back to back.
+    fn export_blocks(&mut self, at: LayerBlocks, out: &mut [u8]) -> Result<(), Self::Error>;
+    /// Overwrites the blocks of one global layer from `data` (their bytes back to back).
+    fn import_blocks(&mut self, at: LayerBlocks, data: &[u8]) -> Result<(), Self::Error>;
     /// Copies a block across the stage's layers.
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), Self::Error>;
 }
@@ -237,16 +215,22 @@ fn serve_conn<H: StageHandler>(
                 }
                 c.bytes_payload(hidden_len, &mut hidden)?;
                 let mut reply = FrameHeader::control(FrameKind::StageReply, h.transfer_id, 0);
-                match rows {
-                    None => handler.forward(&batch, &hidden, &mut out).map(|()| reply),
+                let input = StageInput {
+                    batch: &batch,
+                    hidden: Some(&hidden),
+                };
+                let output = match &rows {
+                    None => StageOutput::Hidden(&mut out),
                     Some(rows) => {
                         // Marks the reply as token ids (n_blocks is unused on a reply otherwise).
                         reply.n_blocks = 1;
-                        handler
-                            .forward_sampled(&batch, &hidden, &rows, &mut ids)
-                            .map(|()| reply)
+                        StageOutput::Tokens {
+                            rows,
+                            out: &mut ids,
+                        }
                     }
-                }
+                };
+                handler.forward(input, output).map(|()| reply)
             }
             FrameKind::StageExport | FrameKind::StageImport => {
                 let n = h.n_blocks as u64;
@@ -273,17 +257,17 @@ fn serve_conn<H: StageHandler>(
                 }
                 block_ids.resize(n as usize, 0);
                 c.read_into(bytemuck::cast_slice_mut(&mut block_ids))?;
-                let layer = h.layer as usize;
+                let at = LayerBlocks::new(h.layer as usize, &block_ids);
                 if h.kind == FrameKind::StageExport {
                     block.resize(n as usize * handler.block_bytes(), 0);
                     handler
-                        .export_blocks(layer, &block_ids, &mut block)
+                        .export_blocks(at, &mut block)
                         .map(|()| FrameHeader::control(FrameKind::StageBlock, h.transfer_id, 0))
                 } else {
                     block.resize(data as usize, 0);
                     c.read_into(&mut block)?;
                     handler
-                        .import_blocks(layer, &block_ids, &block)
+                        .import_blocks(at, &block)
                         .map(|()| FrameHeader::control(FrameKind::StageOk, h.transfer_id, 0))
                 }
             }

@@ -3,6 +3,8 @@
 
 use std::net::{SocketAddr, TcpListener};
 
+use tandem_engine::{LayerBlocks, StageInput, StageOutput};
+
 use super::*;
 
 fn bytes(v: &[f32]) -> Vec<u8> {
@@ -82,64 +84,43 @@ impl StageHandler for Doubler {
         self.kv = vec![0; 2 * num_blocks * 4];
         Ok(())
     }
-    fn forward(
-        &mut self,
-        b: &ForwardBatch,
-        x: &[u8],
-        out: &mut Vec<u8>,
-    ) -> Result<(), DoublerError> {
-        std::thread::sleep(self.stall);
-        let x = floats(x);
+    /// Doubles the hidden states (after the stall), or "draws" each row's first hidden value plus its
+    /// row's seed.
+    fn forward(&mut self, input: StageInput, output: StageOutput) -> Result<(), DoublerError> {
+        let b = input.batch;
+        let x = floats(input.hidden.unwrap_or_default());
         if x.len() != b.tokens.len() * 3 {
             return Err(DoublerError::BadHidden);
         }
-        *out = bytes(&x.iter().map(|v| v * 2.0).collect::<Vec<_>>());
-        Ok(())
-    }
-    /// "Draws" each row's first hidden value plus its row's seed.
-    fn forward_sampled(
-        &mut self,
-        b: &ForwardBatch,
-        x: &[u8],
-        rows: &[DeviceSampling],
-        out: &mut Vec<u32>,
-    ) -> Result<(), DoublerError> {
-        let x = floats(x);
-        if x.len() != b.tokens.len() * 3 || rows.len() != b.logits_rows() {
-            return Err(DoublerError::BadHidden);
+        match output {
+            StageOutput::Hidden(out) => {
+                std::thread::sleep(self.stall);
+                *out = bytes(&x.iter().map(|v| v * 2.0).collect::<Vec<_>>());
+            }
+            StageOutput::Tokens { rows, out } => {
+                if rows.len() != b.logits_rows() {
+                    return Err(DoublerError::BadHidden);
+                }
+                out.clear();
+                out.extend(
+                    x.chunks(3)
+                        .zip(rows)
+                        .map(|(r, s)| r[0] as u32 + s.seed as u32),
+                );
+            }
         }
-        out.clear();
-        out.extend(
-            x.chunks(3)
-                .zip(rows)
-                .map(|(r, s)| r[0] as u32 + s.seed as u32),
-        );
         Ok(())
     }
     fn block_bytes(&self) -> usize {
         4
     }
-    fn export_blocks(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        out: &mut [u8],
-    ) -> Result<(), DoublerError> {
-        for (&b, o) in blocks.iter().zip(out.chunks_exact_mut(4)) {
-            self.export_block(layer, b, o)?;
-        }
-        Ok(())
+    fn export_blocks(&mut self, at: LayerBlocks, out: &mut [u8]) -> Result<(), DoublerError> {
+        at.zip_mut(out, 4)
+            .try_for_each(|(b, o)| self.export_block(at.layer, b, o))
     }
-    fn import_blocks(
-        &mut self,
-        layer: usize,
-        blocks: &[u32],
-        data: &[u8],
-    ) -> Result<(), DoublerError> {
-        for (&b, d) in blocks.iter().zip(data.chunks_exact(4)) {
-            self.import_block(layer, b, d)?;
-        }
-        Ok(())
+    fn import_blocks(&mut self, at: LayerBlocks, data: &[u8]) -> Result<(), DoublerError> {
+        at.zip(data, 4)
+            .try_for_each(|(b, d)| self.import_block(at.layer, b, d))
     }
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), DoublerError> {
         for l in 2..4 {
