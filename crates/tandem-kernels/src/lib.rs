@@ -13,6 +13,8 @@ pub mod rope;
 pub mod threads;
 
 mod dispatch;
+#[cfg(test)]
+mod llamacpp_q5_0;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 

@@ -1,7 +1,7 @@
 //! `out = x · Wᵀ` for every weight dtype, split over the thread pool by blocks of output features.
 //!
 //! Quantized weights: activations are first quantized per block the way llama.cpp does for the format
-//! (Q8_0/Q8_1-style int8 blocks of 32 with an f16 scale and a `scale * sum(q)` term for Q4_0/Q4_1/Q8_0;
+//! (Q8_0/Q8_1-style int8 blocks of 32 with an f16 scale and a `scale * sum(q)` term for Q4_0/Q4_1/Q5_0/Q8_0;
 //! Q8_K-style blocks of 256 with per-16 sums for the K-quants), then dotted in integer arithmetic and
 //! accumulated in f32 per block.
 
@@ -10,7 +10,7 @@ use std::ops::Range;
 use half::f16;
 
 use crate::dispatch::{isa, Isa};
-use crate::quant::{f16_at, q6k_value, scale_min_k4, DType, Matrix};
+use crate::quant::{f16_at, q5_0_value, q6k_value, scale_min_k4, DType, Matrix};
 use crate::threads::ThreadPool;
 
 /// Reusable scratch (quantized activations, per-thread buffers), grow-only.
@@ -231,7 +231,7 @@ pub fn matmul_fused<const N: usize>(
 /// Elements per activation quantization block a weight format needs (0: float weights, none).
 fn act_group(dt: DType) -> usize {
     match dt {
-        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 32,
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q8_0 => 32,
         DType::Q4K | DType::Q6K => 256,
         DType::F32 | DType::F16 | DType::BF16 => 0,
     }
@@ -243,11 +243,11 @@ pub(crate) fn uses_q4_1_pairs(dt: DType, level: Isa) -> bool {
 }
 
 /// Whether the AVX2 kernel for `dt` reads the activation scales block-major (`dxt`, `sxt`): the repacked
-/// Q4_1 kernel, and the Q4_0/Q8_0 kernel's tiles of 4 activation rows (8 scale products in one multiply).
+/// Q4_1 kernel, and the Q4_0/Q5_0/Q8_0 kernel's tiles of 4 activation rows (8 scale products in one multiply).
 pub(crate) fn uses_block_major_scales(dt: DType, level: Isa) -> bool {
     uses_q4_1_pairs(dt, level)
         || (cfg!(target_arch = "x86_64")
-            && matches!(dt, DType::Q4_0 | DType::Q8_0)
+            && matches!(dt, DType::Q4_0 | DType::Q5_0 | DType::Q8_0)
             && level == Isa::Avx2)
 }
 
@@ -278,7 +278,7 @@ fn prepare_acts(
     simd: bool,
 ) {
     let group = match dt {
-        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 32,
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q8_0 => 32,
         DType::Q4K | DType::Q6K => 256,
         DType::F32 | DType::F16 | DType::BF16 => return,
     };
@@ -404,7 +404,7 @@ fn portable_kernel(job: &Job, rows: Range<usize>, ms: Range<usize>) {
                 DType::F32 | DType::F16 | DType::BF16 => {
                     dot_float_portable(dt, wr, &job.x[i * cols..(i + 1) * cols])
                 }
-                DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
+                DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q8_0 => {
                     let nb = cols / 32;
                     dot_q32_portable(
                         dt,
@@ -447,8 +447,9 @@ fn dot_float_portable(dt: DType, wr: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// Dot of one Q4_0/Q4_1/Q8_0 row with one Q8_0-style activation row, in the SIMD kernels' (llama.cpp's)
-/// order: per block 8 integer lane sums of 4 products (Q4_0's `q − 8` in integers), fused-multiply-added
+/// Dot of one Q4_0/Q4_1/Q5_0/Q8_0 row with one Q8_0-style activation row, in the SIMD kernels' (llama.cpp's
+/// x86) order: per block 8 integer lane sums of 4 products (Q4_0's `q − 8` and Q5_0's `q − 16` in
+/// integers), fused-multiply-added
 /// into 8 f32 lanes with `d_w·d_x`, the lanes summed like `hsum_float_8`, then Q4_1's `Σ m·s` chain.
 pub(crate) fn dot_q32_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], sx: &[f32]) -> f32 {
     let bb = dt.block_bytes();
@@ -460,6 +461,7 @@ pub(crate) fn dot_q32_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], sx: 
         let w = |j: usize| -> i32 {
             match dt {
                 DType::Q8_0 => blk[2 + j] as i8 as i32,
+                DType::Q5_0 => q5_0_value(blk, j) - 16,
                 _ => {
                     let qs = &blk[bb - 16..];
                     let v = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 } as i32;
@@ -571,12 +573,13 @@ pub(crate) mod tests {
         }
     }
 
-    pub(crate) const ALL: [DType; 8] = [
+    pub(crate) const ALL: [DType; 9] = [
         DType::F32,
         DType::F16,
         DType::BF16,
         DType::Q4_0,
         DType::Q4_1,
+        DType::Q5_0,
         DType::Q8_0,
         DType::Q4K,
         DType::Q6K,
@@ -606,7 +609,7 @@ pub(crate) mod tests {
         if crate::dispatch::cpu_isa() < Isa::Avx512 {
             return;
         }
-        for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        for dt in [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q8_0] {
             for &(rows, cols, m) in &[(13, 256, 1), (9, 128, 13), (20, 96, 8), (7, 64, 37)] {
                 let w = quantized_matrix(dt, rows, cols, 21);
                 let x = rand_vec(m * cols, 22);
@@ -641,6 +644,8 @@ pub(crate) mod tests {
             (DType::Q4_1, DType::Q4_1, DType::Q8_0),
             (DType::Q4K, DType::Q6K, DType::Q4K),
             (DType::Q4_0, DType::Q6K, DType::F16),
+            (DType::Q5_0, DType::Q8_0, DType::Q5_0),
+            (DType::Q5_0, DType::Q4K, DType::Q6K),
         ] {
             for m in [1, 5, 70] {
                 let cols = 512;
@@ -706,7 +711,7 @@ pub(crate) mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
         #[test]
-        fn prop_quantized_matmul_close_to_reference(dt_idx in 0usize..8, rows in 1usize..40, blocks in 1usize..3, m in 1usize..6, seed in 0u64..1000) {
+        fn prop_quantized_matmul_close_to_reference(dt_idx in 0usize..9, rows in 1usize..40, blocks in 1usize..3, m in 1usize..6, seed in 0u64..1000) {
             let dt = ALL[dt_idx];
             let cols = blocks * 256;
             let w = quantized_matrix(dt, rows, cols, seed);
@@ -735,6 +740,7 @@ mod row_slices {
         for dt in [
             DType::Q4_0,
             DType::Q4_1,
+            DType::Q5_0,
             DType::Q8_0,
             DType::Q4K,
             DType::Q6K,

@@ -3,6 +3,8 @@
 //! Layouts (little endian, packed, as in ggml-quants):
 //! - Q4_0 `{f16 d; u8 qs[16]}`: x = (q - 8) * d, low nibbles are elements 0..16, high nibbles 16..32.
 //! - Q4_1 `{f16 d; f16 m; u8 qs[16]}`: x = q * d + m, same nibble order.
+//! - Q5_0 `{f16 d; u8 qh[4]; u8 qs[16]}`: x = (q - 16) * d with q = nibble | (bit j of qh) << 4, the nibbles
+//!   ordered as Q4_0's (element j < 16 in the low nibble of byte j, element j + 16 in its high nibble).
 //! - Q8_0 `{f16 d; i8 qs[32]}`: x = q * d.
 //! - Q4_K `{f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}`: 8 sub-blocks of 32 with 6-bit scale/min each.
 //! - Q6_K `{u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}`: 16 groups of 16 with an i8 scale each.
@@ -27,6 +29,8 @@ pub enum DType {
     Q4_0,
     /// 4-bit with offset, blocks of 32.
     Q4_1,
+    /// 5-bit symmetric, blocks of 32 (Gemma 3's GGUF Q4_K_M files hold some weights in it).
+    Q5_0,
     /// 8-bit symmetric, blocks of 32.
     Q8_0,
     /// 4-bit K-quant, super-blocks of 256.
@@ -43,6 +47,7 @@ impl DType {
             1 => DType::F16,
             2 => DType::Q4_0,
             3 => DType::Q4_1,
+            6 => DType::Q5_0,
             8 => DType::Q8_0,
             12 => DType::Q4K,
             14 => DType::Q6K,
@@ -55,7 +60,7 @@ impl DType {
     pub fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 32,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q8_0 => 32,
             DType::Q4K | DType::Q6K => 256,
         }
     }
@@ -67,6 +72,7 @@ impl DType {
             DType::F16 | DType::BF16 => 2,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
+            DType::Q5_0 => 22,
             DType::Q8_0 => 34,
             DType::Q4K => 144,
             DType::Q6K => 210,
@@ -352,6 +358,14 @@ pub fn dequantize(dtype: DType, src: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        DType::Q5_0 => {
+            for (o, b) in out.chunks_exact_mut(32).zip(src.chunks_exact(22)) {
+                let d = f16_at(b);
+                for (j, v) in o.iter_mut().enumerate() {
+                    *v = (q5_0_value(b, j) - 16) as f32 * d;
+                }
+            }
+        }
         DType::Q8_0 => {
             for (o, b) in out.chunks_exact_mut(32).zip(src.chunks_exact(34)) {
                 let d = f16_at(b);
@@ -404,6 +418,18 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
+/// The unsigned 5-bit quant (0..32) of element `j` (0..32) of a Q5_0 block: its nibble and bit `j` of `qh`.
+#[inline(always)]
+pub(crate) fn q5_0_value(b: &[u8], j: usize) -> i32 {
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let nib = if j < 16 {
+        b[6 + j] & 0xF
+    } else {
+        b[6 + j - 16] >> 4
+    };
+    (nib as u32 | ((qh >> j) & 1) << 4) as i32
+}
+
 /// The unsigned 6-bit quant (0..64) of element `i` (0..256) of a Q6_K block.
 #[inline(always)]
 pub(crate) fn q6k_value(b: &[u8], i: usize) -> i32 {
@@ -446,6 +472,26 @@ pub fn quantize_row(dtype: DType, x: &[f32], out: &mut Vec<u8>) {
                 for j in 0..16 {
                     out.push(q(b[j]) | (q(b[j + 16]) << 4));
                 }
+            }
+        }
+        DType::Q5_0 => {
+            for b in x.chunks_exact(32) {
+                let max = b
+                    .iter()
+                    .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+                let d = max / -16.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let q: Vec<u32> = b
+                    .iter()
+                    .map(|&v| ((v * id + 16.5) as i32).clamp(0, 31) as u32)
+                    .collect();
+                let qh = q
+                    .iter()
+                    .enumerate()
+                    .fold(0u32, |h, (j, &v)| h | (v >> 4) << j);
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                out.extend_from_slice(&qh.to_le_bytes());
+                out.extend((0..16).map(|j| (q[j] & 0xF) as u8 | ((q[j + 16] & 0xF) as u8) << 4));
             }
         }
         DType::Q4_1 => {
@@ -669,7 +715,9 @@ mod tests {
     fn ggml_ids_round_trip_sizes() {
         assert_eq!(DType::from_ggml(3), Some(DType::Q4_1));
         assert_eq!(DType::from_ggml(30), Some(DType::BF16));
-        assert_eq!(DType::from_ggml(6), None);
+        assert_eq!(DType::from_ggml(6), Some(DType::Q5_0));
+        assert_eq!(DType::from_ggml(7), None);
+        assert_eq!(DType::Q5_0.row_bytes(640), 20 * 22);
         assert_eq!(DType::Q4K.row_bytes(512), 288);
         assert_eq!(DType::Q8_0.row_bytes(576), 18 * 34);
     }
@@ -693,6 +741,7 @@ mod tests {
                 DType::Q4_1 => 0.09,
                 // Asymmetric range: the +|max| side clamps at q = 15, up to one full step.
                 DType::Q4_0 => 0.13,
+                DType::Q5_0 => 0.07,
                 DType::Q4K => 0.12,
             };
             let err = x

@@ -61,12 +61,14 @@ mod qmatmul512;
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q8_0: u8 = 2;
+const Q5_0: u8 = 5;
 
 /// Bytes of one block of a 32-element format tag.
 const fn q32_block_bytes(fmt: u8) -> usize {
     match fmt {
         Q4_0 => 18,
         Q4_1 => 20,
+        Q5_0 => 22,
         _ => 34,
     }
 }

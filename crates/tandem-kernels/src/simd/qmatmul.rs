@@ -12,7 +12,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{q32_block_bytes, Q32Tile, Q4_0, Q4_1, Q8_0};
+use super::{q32_block_bytes, Q32Tile, Q4_0, Q4_1, Q5_0, Q8_0};
 use crate::matmul::{Job, RangeKernel};
 use crate::quant::{f16_at, scale_min_k4, DType, Q4_1_PAIR_BYTES};
 
@@ -30,6 +30,7 @@ pub(crate) fn kernel(dt: DType) -> Option<RangeKernel> {
     Some(match dt {
         DType::Q4_0 => run_q32::<Q4_0>,
         DType::Q4_1 => run_q32::<Q4_1>,
+        DType::Q5_0 => run_q32::<Q5_0>,
         DType::Q8_0 => run_q32::<Q8_0>,
         DType::F32 => run_float::<F32>,
         DType::F16 => run_float::<F16>,
@@ -73,12 +74,41 @@ unsafe fn run_q32_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<u
     }
 }
 
-/// Unpacked weight block: 32 quants as bytes (unsigned for Q4_1, signed for Q8_0 and for Q4_0, whose
-/// `q − 8` is taken in integers as llama.cpp does), its f32 scale in all lanes, and Q4_1's offset m (0
-/// for the others).
+/// Byte `j` of the result is all ones where bit `j` of `bits` is set, else zero (ggml's `bytes_from_bits_32`).
+#[inline(always)]
+pub(super) unsafe fn bytes_from_bits_32(bits: u32) -> __m256i {
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits as i32),
+        _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        ),
+    );
+    let others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1))
+}
+
+/// Unpacked weight block: 32 quants as bytes (unsigned for Q4_1, signed for Q8_0 and for Q4_0 and Q5_0,
+/// whose `q − 8` and `q − 16` are taken in integers as llama.cpp does), its f32 scale in all lanes, and
+/// Q4_1's offset m (0 for the others).
 #[inline(always)]
 unsafe fn load_block<const FMT: u8>(p: *const u8) -> (__m256i, __m256, f32) {
     match FMT {
+        Q5_0 => {
+            let d = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32));
+            let raw = _mm_loadu_si128(p.add(6).cast());
+            let m4 = _mm_set1_epi8(0x0F);
+            let nib = _mm256_set_m128i(
+                _mm_and_si128(_mm_srli_epi16(raw, 4), m4),
+                _mm_and_si128(raw, m4),
+            );
+            // q − 16 as a signed byte: the nibble with 0xF0 above it where the fifth bit is clear.
+            let high = bytes_from_bits_32(p.add(2).cast::<u32>().read_unaligned());
+            let q = _mm256_or_si256(nib, _mm256_andnot_si256(high, _mm256_set1_epi8(-16)));
+            (q, _mm256_broadcastss_ps(d), 0.0)
+        }
         Q8_0 => {
             let d = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32));
             (
@@ -602,7 +632,7 @@ mod tests {
             return;
         }
         let pool = ThreadPool::new(2);
-        for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        for dt in [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q8_0] {
             for &(rows, cols, m) in &[
                 (13, 256, 1),
                 (9, 128, 13),

@@ -1,24 +1,24 @@
-//! AVX-512 VNNI matmul kernels for the 32-element GGML formats (Q4_0, Q4_1, Q8_0).
+//! AVX-512 VNNI matmul kernels for the 32-element GGML formats (Q4_0, Q4_1, Q5_0, Q8_0).
 //!
 //! One 512-bit register holds the same block of two weight rows (low and high 256 bits), and `vpdpbusd`
 //! multiplies both by that block's activation bytes (broadcast to both halves), summing each group of
 //! four products into an int32 lane (AVX2 needs `maddubs` + `madd` for half as many). Each half then
 //! follows llama.cpp's x86 dot products for these formats (`ggml_vec_dot_q4_1_q8_1`,
-//! `ggml_vec_dot_q8_0_q8_0`, llamafile's `tinyBLAS_Q0_AVX`) operation for operation: a block's 8 lane sums
+//! `ggml_vec_dot_q5_0_q8_0`, `ggml_vec_dot_q8_0_q8_0`, llamafile's `tinyBLAS_Q0_AVX`) operation for operation: a block's 8 lane sums
 //! are converted to f32 and fused-multiply-added into 8 accumulators with the scale `d_w·d_x`, block after
 //! block, and the 8 lanes are summed at the end by ggml's `hsum_float_8`; Q4_1 adds its offsets `Σ m·s` as
 //! a separate chain of fused multiply-adds. So the result is bit-identical to llama.cpp's and to this
 //! crate's AVX2 kernel (tested).
 //!
-//! Signed weights are made unsigned and the error is taken back exactly in integers: Q4_0 stores `q + 8`
-//! and Q8_0 is flipped to `q + 128`, so `dot(q, x) = dot(q + c, x) − c·Σx`; the `c·Σx` per lane comes
+//! Signed weights are made unsigned and the error is taken back exactly in integers: Q4_0 stores `q + 8`,
+//! Q5_0 `q + 16` and Q8_0 is flipped to `q + 128`, so `dot(q, x) = dot(q + c, x) − c·Σx`; the `c·Σx` per lane comes
 //! from one more `vpdpbusd` per activation block, shared by every weight row of the tile, and seeds the
 //! accumulator.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{q32_block_bytes, Q32Tile, Q4_0, Q4_1, Q8_0};
+use super::{q32_block_bytes, Q32Tile, Q4_0, Q4_1, Q5_0, Q8_0};
 use crate::matmul::{Job, RangeKernel};
 use crate::quant::DType;
 
@@ -27,6 +27,7 @@ pub(crate) fn kernel(dt: DType) -> Option<RangeKernel> {
     Some(match dt {
         DType::Q4_0 => run::<Q4_0>,
         DType::Q4_1 => run::<Q4_1>,
+        DType::Q5_0 => run::<Q5_0>,
         DType::Q8_0 => run::<Q8_0>,
         _ => return None,
     })
@@ -124,7 +125,11 @@ unsafe fn load_rows<const FMT: u8>(
             flip,
         )
     } else {
-        let qoff = if FMT == Q4_1 { 4 } else { 2 };
+        let qoff = match FMT {
+            Q4_1 => 4,
+            Q5_0 => 6,
+            _ => 2,
+        };
         let r0 = _mm_loadu_si128(p0.add(qoff).cast());
         let r1 = if two {
             _mm_loadu_si128(p1.add(qoff).cast())
@@ -137,7 +142,15 @@ unsafe fn load_rows<const FMT: u8>(
         let hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
         // [lo0 lo1 hi0 hi1] → [lo0 hi0 lo1 hi1]: each row's block in element order.
         let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-        _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z)
+        let q = _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z);
+        if FMT == Q5_0 {
+            // The fifth bits: bit j of a row's qh is element j's 16, row 1's in the upper 32 bytes.
+            let qh = |q: *const u8| q.add(2).cast::<u32>().read_unaligned() as u64;
+            let bits = qh(p0) | if two { qh(p1) << 32 } else { 0 };
+            _mm512_or_si512(q, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)))
+        } else {
+            q
+        }
     };
     (q, d, m)
 }
@@ -177,6 +190,10 @@ unsafe fn tile<const RP: usize, const MT: usize, const FMT: u8>(t: &Q32Tile, n: 
                 Q4_0 => _mm512_sub_epi32(
                     _mm512_setzero_si512(),
                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(8), x),
+                ),
+                Q5_0 => _mm512_sub_epi32(
+                    _mm512_setzero_si512(),
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(16), x),
                 ),
                 Q8_0 => _mm512_sub_epi32(
                     _mm512_setzero_si512(),
