@@ -59,6 +59,8 @@ compose_tests() {
 
 total_start=$SECONDS
 run_step "fetch model" bash scripts/fetch-model.sh
+# Gemma 3 270M (241 MiB, sha-checked): tandem-model's tests/gemma3_gguf.rs follows llama.cpp's greedy tokens on it.
+run_step "fetch model (gemma3)" bash scripts/fetch-model.sh gemma3
 run_step "cargo fmt --check" cargo fmt --all --check
 build_ok=0
 # The same build as scripts/serve.sh's (release, the whole workspace, default features), so a machine that

@@ -141,7 +141,9 @@ fn matmul_matches_llamacpp_x86_bitwise() {
     let mut scratch = MatmulScratch::default();
     for level in Isa::ALL.into_iter().filter(|&l| l <= cpu_isa()) {
         let mut out = vec![f32::NAN; f.m * f.rows];
-        with_isa(level, || matmul(&pool, &w, &f.x, f.m, &mut out, &mut scratch));
+        with_isa(level, || {
+            matmul(&pool, &w, &f.x, f.m, &mut out, &mut scratch)
+        });
         assert_eq!(bits(&out), bits(&f.avx2.out), "{level:?}, m = {}", f.m);
         for t in 0..f.m {
             let mut row = vec![f32::NAN; f.rows];
