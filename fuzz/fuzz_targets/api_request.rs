@@ -31,6 +31,8 @@ fn app() -> axum::Router {
             system_fingerprint: "fp_fuzz".to_owned(),
             max_body_bytes: tandem_api::DEFAULT_MAX_BODY_BYTES,
             probes_need_key: false,
+            // The reasoning parser on, so its split of the echoed text is fuzzed too.
+            reasoning_parser: true,
         };
         let state =
             AppState::new(Arc::new(common::EchoBackend), common::codec(), config).expect("metrics");

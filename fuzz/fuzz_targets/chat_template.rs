@@ -25,7 +25,8 @@ fuzz_target!(|data: &[u8]| {
         })
         .collect();
     let codec = common::codec();
-    if let Ok(text) = codec.render_chat(&messages, roles & 1 == 0, None) {
+    let no_kwargs = serde_json::Map::new();
+    if let Ok(text) = codec.render_chat(&messages, roles & 1 == 0, None, &no_kwargs) {
         let _ = codec.encode(&text, false);
     }
 });
