@@ -105,12 +105,12 @@ pub(crate) struct EngineSink {
     engine: EngineHandle,
     request: u64,
     block_bytes: usize,
-    /// Index of the first pulled block in the transfer's block list (the rest were cached here).
-    first: usize,
+    /// Per layer, the blocks pulled of it, as indices into the transfer's block list (those before were
+    /// cached here or lie behind the layer's sliding window).
+    wanted: Vec<Range<usize>>,
     /// One buffer per layer, taken when the layer's first bytes arrive and given to the engine
     /// when it is complete.
     layers: Vec<Mutex<Option<HostBuf>>>,
-    layer_bytes: usize,
     pool: Arc<dyn HostPool>,
     /// The engine's staging memory, registered with the transport, which a zero-copy pull lands in.
     staging: Option<Arc<KvStaging>>,
@@ -124,7 +124,7 @@ impl EngineSink {
         engine: &EngineHandle,
         request: u64,
         layout: &WireLayout,
-        wanted: &Range<usize>,
+        wanted: Vec<Range<usize>>,
         staging: Option<Arc<KvStaging>>,
     ) -> Self {
         let block_bytes = layout.block_bytes();
@@ -132,14 +132,20 @@ impl EngineSink {
             engine: engine.clone(),
             request,
             block_bytes,
-            first: wanted.start,
             layers: (0..layout.n_layers).map(|_| Mutex::new(None)).collect(),
-            layer_bytes: wanted.len() * block_bytes,
+            wanted,
             pool: engine.host_pool(),
             staging,
             landing: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Bytes pulled of `layer`.
+    fn layer_bytes(&self, layer: usize) -> usize {
+        self.wanted
+            .get(layer)
+            .map_or(0, |w| w.len() * self.block_bytes)
     }
 
     /// Waits until the engine has taken every layer handed over so far.
@@ -158,11 +164,12 @@ impl KvSink for EngineSink {
             .layers
             .get(layer)
             .ok_or_else(|| KvError::Sink(format!("layer {layer} out of range")))?;
+        let layer_bytes = self.layer_bytes(layer);
         let at = first_block
-            .checked_sub(self.first)
+            .checked_sub(self.wanted[layer].start)
             .map(|i| i * self.block_bytes)
             .filter(|&at| {
-                at + data.len() <= self.layer_bytes && data.len().is_multiple_of(self.block_bytes)
+                at + data.len() <= layer_bytes && data.len().is_multiple_of(self.block_bytes)
             })
             .ok_or_else(|| {
                 KvError::Sink(format!(
@@ -174,7 +181,7 @@ impl KvSink for EngineSink {
         if slot.is_none() {
             *slot = Some(
                 self.pool
-                    .take(self.layer_bytes)
+                    .take(layer_bytes)
                     .map_err(|e| KvError::Sink(e.to_string()))?,
             );
         }
@@ -184,7 +191,7 @@ impl KvSink for EngineSink {
     }
 
     fn layer_complete(&self, layer: usize) -> Result<(), KvError> {
-        if self.layer_bytes == 0 {
+        if self.layer_bytes(layer) == 0 {
             return Ok(());
         }
         let buf = self
@@ -212,12 +219,15 @@ impl KvSink for EngineSink {
             .lock()
             .clone()
             .ok_or_else(|| KvError::Sink(format!("layer {layer} landed before a landing")))?;
-        if layer >= self.layers.len() || len != self.layer_bytes {
+        if layer >= self.layers.len() || len != self.layer_bytes(layer) {
             return Err(KvError::Sink(format!(
-                "landed layer {layer} of {len} bytes (expected {} layers of {})",
+                "landed layer {layer} of {len} bytes (expected {} of {} layers)",
+                self.layer_bytes(layer),
                 self.layers.len(),
-                self.layer_bytes
             )));
+        }
+        if len == 0 {
+            return Ok(());
         }
         let staged = StagedLayer { slice, offset, len };
         let p = self.engine.import_staged(self.request, layer, staged);

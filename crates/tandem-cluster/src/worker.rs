@@ -27,7 +27,7 @@ use tandem_engine::{
 };
 use tandem_kv::{
     BlockSelection, KvClient, KvListener, KvServer, KvServerConfig, KvSink, KvSource,
-    NixlTransport, PeerInfo, Registration, ShmTransport, TcpConfig, TcpTransport,
+    NixlTransport, PeerInfo, PullSelection, Registration, ShmTransport, TcpConfig, TcpTransport,
 };
 
 use crate::engine_kv::{register_staging, EngineSink, EngineSource, PinnedKv};
@@ -464,17 +464,24 @@ impl WorkerService {
             });
         }
         // Blocks this engine's prefix cache already holds are shared, not pulled; with all of them
-        // cached the pull only acks, which still releases the prefill worker's pin.
-        let wanted = BlockSelection::range(plan.cached as u32..plan.num_blocks as u32);
+        // cached the pull only acks, which still releases the prefill worker's pin. A sliding-window
+        // layer pulls only the blocks its window still reaches.
+        let n_layers = pre.handle.layout.n_layers;
+        let wanted = PullSelection::with_layer_from(
+            BlockSelection::range(plan.cached as u32..plan.num_blocks as u32),
+            (0..n_layers)
+                .map(|l| plan.layer_needed(l).start as u32)
+                .collect(),
+        );
         let sink = Arc::new(EngineSink::new(
             &self.engine,
             id,
             &pre.handle.layout,
-            &(plan.cached..plan.num_blocks),
+            (0..n_layers).map(|l| plan.layer_needed(l)).collect(),
             self.staged.as_ref().map(|(_, s)| Arc::clone(s)),
         ));
         let stats = client
-            .pull_blocks(&pre.handle, &wanted, Arc::clone(&sink) as Arc<dyn KvSink>)
+            .pull_selection(&pre.handle, &wanted, Arc::clone(&sink) as Arc<dyn KvSink>)
             .await;
         // Settle even after a failed pull so no import outlives the request.
         let settled = sink.settle().await;
@@ -483,14 +490,14 @@ impl WorkerService {
         self.engine.start_decoding(id).wait().await?;
         tracing::debug!(
             transfer_id = pre.handle.transfer_id,
-            pulled = wanted.len(),
+            pulled = wanted.blocks.len(),
             cached = plan.cached,
             "KV imported"
         );
         let event = StreamEvent::Transfer {
             bytes: stats.bytes,
             seconds: stats.elapsed.as_secs_f64(),
-            blocks: wanted.len(),
+            blocks: wanted.blocks.len(),
             skipped_blocks: plan.cached,
         };
         Ok((Some(event), stream))

@@ -28,12 +28,8 @@ impl std::fmt::Debug for CudaBackend {
 impl CudaBackend {
     /// Wraps a loaded GPU model.
     pub fn new(model: CudaLlama) -> CudaBackend {
-        let info = BackendInfo {
-            layout: model.kv_layout(),
-            vocab: model.config().vocab_size,
-            max_len: model.max_model_len(),
-            eos: model.config().eos_token_ids.clone(),
-        };
+        let mut info = BackendInfo::new(model.config(), model.kv_layout());
+        info.max_len = model.max_model_len();
         CudaBackend {
             model,
             info,

@@ -221,6 +221,9 @@ pub struct BackendInfo {
     pub max_len: usize,
     /// Tokens that end generation unless a request sets `ignore_eos`.
     pub eos: Vec<u32>,
+    /// Per layer, the positions a query sees back when the layer attends through a sliding window
+    /// (itself included), `None` for global attention: what a KV import may leave behind.
+    pub windows: Vec<Option<usize>>,
 }
 
 impl BackendInfo {
@@ -231,6 +234,7 @@ impl BackendInfo {
             vocab: config.vocab_size,
             max_len: config.max_position_embeddings,
             eos: config.eos_token_ids.clone(),
+            windows: config.layers.iter().map(|l| l.attention.window()).collect(),
         }
     }
 }
@@ -298,6 +302,10 @@ pub trait Backend: Send + 'static {
     /// Tokens that end generation unless a request sets `ignore_eos`.
     fn eos_token_ids(&self) -> &[u32] {
         &self.info().eos
+    }
+    /// Each layer's sliding window (`None`: global), as [`BackendInfo::windows`].
+    fn attention_windows(&self) -> &[Option<usize>] {
+        &self.info().windows
     }
     /// Copies into `out` the token rows routed to each expert of the model's mixture-of-experts layers
     /// this backend computes, since load (left empty for a dense model or a backend that does not count).

@@ -23,9 +23,18 @@ pub struct BlockTable {
     pub blocks: Vec<u32>,
     /// Hash of each leading full block whose content has been named (registered or matched).
     hashes: Vec<u64>,
+    /// Set when some layers' KV of some blocks was never written (an import that skipped the blocks
+    /// behind a sliding window): such blocks must never answer another sequence's prefix lookup.
+    unnamed: bool,
 }
 
 impl BlockTable {
+    /// Keeps this table's blocks out of the prefix cache until it is released: some of their layers
+    /// hold no KV.
+    pub fn keep_unnamed(&mut self) {
+        self.unnamed = true;
+    }
+
     /// Tokens this table can hold.
     pub fn capacity(&self, block_size: usize) -> usize {
         self.blocks.len() * block_size
@@ -158,6 +167,7 @@ impl BlockPool {
             self.decref(b);
         }
         table.hashes.clear();
+        table.unnamed = false;
     }
 
     /// A second table referencing the same blocks (a pin keeps a finished prefill's KV alive).
@@ -209,7 +219,7 @@ impl BlockPool {
         tokens: &[u32],
         num_computed: usize,
     ) {
-        if !self.caching {
+        if !self.caching || table.unnamed {
             return;
         }
         let full = (num_computed / self.block_size).min(table.blocks.len());

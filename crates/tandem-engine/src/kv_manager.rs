@@ -71,20 +71,50 @@ impl std::fmt::Debug for ExportedKv {
 /// How an import was set up: of the prompt's logical blocks, the leading `cached` ones were found in this
 /// engine's prefix cache and are shared (reference counted, like a normal admission's prefix hit); only
 /// the rest need their KV supplied.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ImportPlan {
     /// Logical blocks of the prompt (`prompt_len.div_ceil(block_size)`).
     pub num_blocks: usize,
     /// Leading blocks already holding this prompt's KV; always full blocks, never the last partial one.
     pub cached: usize,
+    /// Per layer, the first logical block the import supplies: `cached`, or later for a sliding-window
+    /// layer, whose blocks wholly behind the first decoded position's window are never read again.
+    pub layer_from: Vec<usize>,
 }
 
 impl ImportPlan {
-    /// The logical blocks whose KV must be imported before
+    /// The logical blocks whose KV must be imported (of some layer) before
     /// [`EngineHandle::start_decoding`](crate::EngineHandle::start_decoding).
     pub fn needed(&self) -> std::ops::Range<usize> {
         self.cached..self.num_blocks
     }
+
+    /// The logical blocks of `layer` the import supplies.
+    pub fn layer_needed(&self, layer: usize) -> std::ops::Range<usize> {
+        self.layer_from
+            .get(layer)
+            .copied()
+            .unwrap_or(self.cached)
+            .min(self.num_blocks)..self.num_blocks
+    }
+}
+
+/// Per layer, the first logical block an import of a `prompt_len`-token prompt must supply when its first
+/// `cached` blocks are already here: the block of the first position the next query (at `prompt_len`)
+/// sees, for a layer of window `w` (it sees `prompt_len + 1 - w ..= prompt_len`), and `cached` otherwise.
+pub(crate) fn import_starts(
+    windows: &[Option<usize>],
+    prompt_len: usize,
+    cached: usize,
+    block_size: usize,
+) -> Vec<usize> {
+    windows
+        .iter()
+        .map(|w| match w {
+            Some(w) => cached.max((prompt_len + 1).saturating_sub(*w) / block_size),
+            None => cached,
+        })
+        .collect()
 }
 
 /// The KV of a finished prefill-only request, held for export until released or past its deadline.
@@ -207,10 +237,21 @@ impl<B: Backend> Worker<B> {
                 reason: e.to_string(),
             });
         }
+        let cached = seq.num_computed / self.pool.block_size();
         let plan = ImportPlan {
             num_blocks: seq.table.blocks.len(),
-            cached: seq.num_computed / self.pool.block_size(),
+            cached,
+            layer_from: import_starts(
+                self.backend.attention_windows(),
+                seq.prompt_len,
+                cached,
+                self.pool.block_size(),
+            ),
         };
+        if plan.layer_from.iter().any(|&f| f > cached) {
+            // Some layers of the skipped blocks will hold no KV: never offer them to a prefix lookup.
+            seq.table.keep_unnamed();
+        }
         self.counters.prompt_tokens_total += seq.prompt_len as u64;
         self.counters.import_blocks_cached += plan.cached as u64;
         self.counters.import_blocks_needed += plan.needed().len() as u64;
@@ -224,14 +265,30 @@ impl<B: Backend> Worker<B> {
         Ok(plan)
     }
 
-    /// An importing request, the cache layout, and how many of its leading blocks were cached here.
-    fn importing_seq(&self, id: RequestId) -> Result<(&Seq, KvLayout, usize), EngineError> {
+    /// An importing request, the cache layout, and the first logical block the import supplies of `layer`.
+    fn importing_seq(
+        &self,
+        id: RequestId,
+        layer: usize,
+    ) -> Result<(&Seq, KvLayout, usize), EngineError> {
         let seq = self
             .importing
             .get(&id)
             .ok_or(EngineError::UnknownRequest(id))?;
-        let cached = seq.num_computed / self.pool.block_size();
-        Ok((seq, self.backend.kv_layout(), cached))
+        let bs = self.pool.block_size();
+        let cached = seq.num_computed / bs;
+        let window = self
+            .backend
+            .attention_windows()
+            .get(layer)
+            .copied()
+            .flatten();
+        let from = import_starts(&[window], seq.prompt_len, cached, bs)[0];
+        Ok((
+            seq,
+            self.backend.kv_layout(),
+            from.min(seq.table.blocks.len()),
+        ))
     }
 
     pub(crate) fn import_block(
@@ -241,16 +298,16 @@ impl<B: Backend> Worker<B> {
         block: usize,
         data: &[u8],
     ) -> Result<(), EngineError> {
-        let (seq, layout, cached) = self.importing_seq(id)?;
+        let (seq, layout, from) = self.importing_seq(id, layer)?;
         if layer >= layout.n_layers
             || block >= seq.table.blocks.len()
-            || block < cached
+            || block < from
             || data.len() != layout.block_bytes()
         {
             return Err(EngineError::InvalidState {
                 id,
                 reason: format!(
-                    "bad import: layer {layer}, block {block} (blocks {cached}..{} expected), {} bytes (expected {})",
+                    "bad import: layer {layer}, block {block} (blocks {from}..{} expected), {} bytes (expected {})",
                     seq.table.blocks.len(),
                     data.len(),
                     layout.block_bytes()
@@ -268,9 +325,9 @@ impl<B: Backend> Worker<B> {
         layer: usize,
         data: ImportData,
     ) -> Result<(), EngineError> {
-        let (seq, layout, cached) = self.importing_seq(id)?;
+        let (seq, layout, from) = self.importing_seq(id, layer)?;
         // Owned: the backend call below borrows the engine mutably (a few ids per layer).
-        let blocks = seq.table.blocks[cached..].to_vec();
+        let blocks = seq.table.blocks[from..].to_vec();
         if layer >= layout.n_layers || data.len() != blocks.len() * layout.block_bytes() {
             return Err(EngineError::InvalidState {
                 id,

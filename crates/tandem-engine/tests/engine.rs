@@ -395,7 +395,8 @@ fn imports_share_the_decode_side_prefix_cache_and_import_only_the_rest() {
         plan,
         ImportPlan {
             num_blocks: 4,
-            cached: 0
+            cached: 0,
+            layer_from: vec![0; 2],
         }
     );
     assert_no_leak(&b);
@@ -406,7 +407,8 @@ fn imports_share_the_decode_side_prefix_cache_and_import_only_the_rest() {
         plan,
         ImportPlan {
             num_blocks: 5,
-            cached: 3
+            cached: 3,
+            layer_from: vec![3; 2],
         }
     );
     assert_eq!(plan.needed(), 3..5);
@@ -417,7 +419,8 @@ fn imports_share_the_decode_side_prefix_cache_and_import_only_the_rest() {
         plan,
         ImportPlan {
             num_blocks: 3,
-            cached: 3
+            cached: 3,
+            layer_from: vec![3; 2],
         }
     );
     assert!(plan.needed().is_empty());
@@ -448,6 +451,62 @@ fn imports_share_the_decode_side_prefix_cache_and_import_only_the_rest() {
         .wait_blocking()
         .unwrap();
     drop(s);
+    assert_no_leak(&b);
+    a.shutdown();
+    b.shutdown();
+}
+
+/// A sliding-window layer's import starts at the block of the first position the first decoded token
+/// sees; the blocks before it are refused for that layer only, and a sequence imported so never names
+/// its blocks in the prefix cache (some of their layers hold no KV).
+#[test]
+fn windowed_layers_import_only_their_window_and_stay_out_of_the_prefix_cache() {
+    let windowed = || Engine::start(MockBackend::new(4, 64).with_window(6), cfg(4)).unwrap();
+    let (a, b) = (windowed(), windowed());
+    let prompt: Vec<u32> = (0..14).map(|i| (i * 5 + 1) % 60).collect();
+    let params = SamplingParams::greedy(5);
+    let req = EngineRequest {
+        id: 1,
+        prompt: prompt.clone(),
+        params: params.clone(),
+        mode: prefill_only(Duration::from_secs(60)),
+    };
+    let (first, _) = collect(&mut a.submit(req).unwrap());
+    let kv = a.export_blocks(1).wait_blocking().unwrap();
+    let (mut s, plan) = import(&b, 1, prompt.clone(), params.clone(), first[0]);
+    let plan = plan.wait_blocking().unwrap();
+    // Position 14 sees 9..=14: layer 0 from block 2, layer 1 (global) everything.
+    assert_eq!(
+        plan,
+        ImportPlan {
+            num_blocks: 4,
+            cached: 0,
+            layer_from: vec![2, 0],
+        }
+    );
+    assert_eq!((plan.layer_needed(0), plan.layer_needed(1)), (2..4, 0..4));
+    let bb = b.kv_layout().block_bytes();
+    let refused = b.import_block(1, 0, 1, vec![0; bb]).wait_blocking();
+    assert!(refused.is_err(), "block 1 of the windowed layer");
+    for layer in 0..2 {
+        for blk in plan.layer_needed(layer) {
+            b.import_block(1, layer, blk, kv.block(layer, blk).unwrap().to_vec())
+                .wait_blocking()
+                .unwrap();
+        }
+    }
+    b.start_decoding(1).wait_blocking().unwrap();
+    a.release_pin(1);
+    // Decoding reads only what was imported (the mock checks every position it reads).
+    let got: Vec<u32> = collect(&mut s).0;
+    let mut want = collect(&mut submit(&a, 2, prompt.clone(), params.clone())).0;
+    want.truncate(got.len());
+    assert_eq!(got, want);
+    // The same prompt again finds nothing cached: the first import's blocks were never named.
+    let (s2, plan) = import(&b, 3, prompt, params, 3);
+    assert_eq!(plan.wait_blocking().unwrap().cached, 0);
+    drop(s2);
+    assert_no_leak(&a);
     assert_no_leak(&b);
     a.shutdown();
     b.shutdown();

@@ -4,7 +4,7 @@
 
 use crate::nixl::server::{staged_layers, NixlOpen, NixlPullRequest};
 use crate::nixl::{MemKind, MemRegion};
-use crate::server::selected;
+use crate::server::selected_layers;
 use crate::transport::nixl::check_open;
 use crate::KvError;
 
@@ -19,8 +19,8 @@ pub fn nixl_pull(
 ) -> Result<(), KvError> {
     let req: NixlPullRequest = serde_json::from_slice(body)
         .map_err(|e| KvError::Protocol(format!("decode NixlPull: {e}")))?;
-    let blocks = selected(pinned, &req.blocks)?;
-    if blocks.is_empty() {
+    selected_layers(n_layers, pinned, &req.selection)?;
+    if req.selection.is_empty() {
         return Err(KvError::Protocol("a NIXL pull of no block".into()));
     }
     if let Some(block) = staged {
@@ -30,7 +30,7 @@ pub fn nixl_pull(
             kind: MemKind::Dram,
             device: 0,
         };
-        staged_layers(&export, &req.blocks, n_layers, pinned.len())?;
+        staged_layers(&export, &req.selection, n_layers, pinned.len())?;
     }
     Ok(())
 }
@@ -47,13 +47,16 @@ pub fn nixl_open(
     let open: NixlOpen = serde_json::from_slice(body)
         .map_err(|e| KvError::Protocol(format!("decode NixlOpen: {e}")))?;
     let layer_bytes = n_blocks * block_bytes;
-    check_open(&open, n_layers, n_blocks, layer_bytes)?;
+    let packed: Vec<(usize, usize)> = (0..n_layers)
+        .map(|l| (l * layer_bytes, layer_bytes))
+        .collect();
+    check_open(&open, &packed)?;
     let local = MemRegion {
         addr: 1 << 20,
         len: (n_layers * layer_bytes) as u64,
         kind: open.layers[0].kind,
         device: 0,
     };
-    local.pieces(n_layers, layer_bytes as u64);
+    local.pieces(&packed);
     Ok(())
 }

@@ -2,6 +2,8 @@
 //!
 //! A decode worker whose own prefix cache already holds the first blocks of a prompt pulls only the rest;
 //! a selection names those blocks as indices into the transfer's block list (the handle's `block_ids`).
+//! A [`PullSelection`] narrows it per layer: a sliding-window layer's blocks that no later query can
+//! see are not asked for at all.
 
 use std::ops::Range;
 
@@ -85,6 +87,18 @@ impl BlockSelection {
         self.runs.iter().flat_map(|r| r.clone())
     }
 
+    /// The selected indices from `start` on.
+    pub fn from_index(&self, start: u32) -> Self {
+        BlockSelection {
+            runs: self
+                .runs
+                .iter()
+                .filter(|r| r.end > start)
+                .map(|r| r.start.max(start)..r.end)
+                .collect(),
+        }
+    }
+
     /// Refuses a selection reaching past a transfer of `n_blocks` blocks.
     pub fn check(&self, n_blocks: usize) -> Result<(), KvError> {
         match self.runs.last() {
@@ -94,6 +108,90 @@ impl BlockSelection {
             ))),
             _ => Ok(()),
         }
+    }
+}
+
+/// What a pull asks for of each layer: the `blocks` every layer shares, less, for a layer that starts
+/// later, the blocks before its start. A sliding-window layer starts at the block of the first position
+/// the next query still sees, so the blocks behind its window never cross the wire.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullSelection {
+    /// The blocks asked for of every layer that starts at 0.
+    pub blocks: BlockSelection,
+    /// Per layer, the first block index the layer needs; empty when every layer needs all of `blocks`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layer_from: Vec<u32>,
+}
+
+impl PullSelection {
+    /// The same `blocks` of every layer.
+    pub fn uniform(blocks: BlockSelection) -> Self {
+        PullSelection {
+            blocks,
+            layer_from: Vec::new(),
+        }
+    }
+
+    /// `blocks`, each layer `l` from index `layer_from[l]` on (one entry per layer).
+    pub fn with_layer_from(blocks: BlockSelection, layer_from: Vec<u32>) -> Self {
+        if layer_from.iter().all(|&f| f == 0) {
+            return Self::uniform(blocks);
+        }
+        PullSelection { blocks, layer_from }
+    }
+
+    /// The blocks asked for of `layer`.
+    pub fn layer(&self, layer: usize) -> BlockSelection {
+        match self.layer_from.get(layer) {
+            Some(&from) if from > 0 => self.blocks.from_index(from),
+            _ => self.blocks.clone(),
+        }
+    }
+
+    /// Blocks asked for of each of `n_layers` layers.
+    pub fn layer_lens(&self, n_layers: usize) -> Vec<usize> {
+        (0..n_layers).map(|l| self.layer(l).len()).collect()
+    }
+
+    /// Where each layer's blocks sit when every layer's selected blocks, `block_bytes` each, are packed
+    /// back to back, layer after layer: (byte offset, bytes), per layer.
+    pub fn packed_layers(&self, n_layers: usize, block_bytes: usize) -> Vec<(usize, usize)> {
+        let mut end = 0;
+        self.layer_lens(n_layers)
+            .into_iter()
+            .map(|n| {
+                end += n * block_bytes;
+                (end - n * block_bytes, n * block_bytes)
+            })
+            .collect()
+    }
+
+    /// Bytes the pull moves: every layer's selected blocks.
+    pub fn bytes(&self, n_layers: usize, block_bytes: usize) -> u64 {
+        self.layer_lens(n_layers).iter().sum::<usize>() as u64 * block_bytes as u64
+    }
+
+    /// Whether no layer asks for a block (the pull then only acks).
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+            || (!self.layer_from.is_empty()
+                && self
+                    .layer_from
+                    .iter()
+                    .all(|&f| self.blocks.runs().last().is_some_and(|r| r.end <= f)))
+    }
+
+    /// Refuses a selection reaching past a transfer of `n_blocks` blocks or naming other than `n_layers`
+    /// layer starts.
+    pub fn check(&self, n_blocks: usize, n_layers: usize) -> Result<(), KvError> {
+        self.blocks.check(n_blocks)?;
+        if !self.layer_from.is_empty() && self.layer_from.len() != n_layers {
+            return Err(KvError::Protocol(format!(
+                "a pull names the starts of {} layers of a {n_layers}-layer model",
+                self.layer_from.len()
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -141,6 +239,31 @@ mod tests {
         let sel = BlockSelection::from_indices([0, 1, 5]);
         assert_eq!(sel.packed_runs(10), vec![(0, 0, 20), (5, 20, 10)]);
         assert!(BlockSelection::range(2..2).packed_runs(10).is_empty());
+    }
+
+    #[test]
+    fn layers_that_start_later_skip_the_blocks_before() {
+        let sel = PullSelection::with_layer_from(BlockSelection::range(2..10), vec![0, 6, 12]);
+        assert_eq!(sel.layer(0).runs().to_vec(), vec![2..10]);
+        assert_eq!(sel.layer(1).runs().to_vec(), vec![6..10]);
+        assert!(sel.layer(2).is_empty());
+        assert_eq!(sel.layer_lens(3), [8, 4, 0]);
+        assert_eq!(sel.packed_layers(3, 10), [(0, 80), (80, 40), (120, 0)]);
+        assert_eq!(sel.bytes(3, 10), 120);
+        assert!(!sel.is_empty());
+        assert!(sel.check(10, 3).is_ok());
+        assert!(matches!(sel.check(10, 4), Err(KvError::Protocol(_))));
+        let gaps = BlockSelection::from_indices([1, 2, 5, 8]);
+        assert_eq!(gaps.from_index(2).runs(), &[2..3, 5..6, 8..9]);
+        assert!(PullSelection::with_layer_from(BlockSelection::range(0..4), vec![4, 9]).is_empty());
+        let json = serde_json::to_string(&sel).unwrap();
+        assert_eq!(json, r#"{"blocks":[[2,10]],"layer_from":[0,6,12]}"#);
+        assert_eq!(serde_json::from_str::<PullSelection>(&json).unwrap(), sel);
+        let plain = PullSelection::with_layer_from(BlockSelection::all(3), vec![0, 0]);
+        assert_eq!(
+            serde_json::to_string(&plain).unwrap(),
+            r#"{"blocks":[[0,3]]}"#
+        );
     }
 
     proptest! {

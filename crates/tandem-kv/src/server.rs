@@ -18,7 +18,9 @@ use crate::wire::{
     self, FrameHeader, FrameKind, FrameReader, PullRequest, ShmOpen, ShmPullRequest, WireError,
     FLAG_CHECKSUM,
 };
-use crate::{BlockSelection, KvError, KvMetrics, KvSource, PeerInfo, TransferHandle};
+use crate::{
+    BlockSelection, KvError, KvMetrics, KvSource, PeerInfo, PullSelection, TransferHandle,
+};
 
 /// Knobs of a [`KvServer`].
 #[derive(Clone, Debug)]
@@ -351,11 +353,12 @@ async fn conn_loop(
                 let req: ShmPullRequest = r.json(&h).await?;
                 let guard = inner.registry.begin_read(tid)?;
                 st.control = Some(tid);
-                let blocks = selected(&guard.blocks, &req.blocks)?;
-                if blocks.is_empty() {
+                let layers =
+                    selected_layers(inner.info.layout.n_layers, &guard.blocks, &req.selection)?;
+                if req.selection.is_empty() {
                     return Err(KvError::Protocol("a shared-memory pull of no block".into()));
                 }
-                send_shm(inner, r.get_mut(), tid, guard, blocks, &mut st.shm).await?;
+                send_shm(inner, r.get_mut(), tid, guard, layers, &mut st.shm).await?;
                 send_control(r.get_mut(), FrameKind::PullDone, tid, io).await?;
             }
             FrameKind::NixlPull => {
@@ -400,13 +403,14 @@ async fn send_layers(
 ) -> Result<(), KvError> {
     let bb = inner.info.layout.block_bytes();
     let per_frame = (inner.config.max_frame_bytes / bb).max(1);
-    req.blocks.check(blocks.len())?;
+    req.selection
+        .check(blocks.len(), inner.info.layout.n_layers)?;
     for &layer in &req.layers {
         if layer as usize >= inner.info.layout.n_layers {
             return Err(KvError::Protocol(format!("layer {layer} out of range")));
         }
         // Frames never span two runs, so each carries consecutive indices as the header says.
-        for run in req.blocks.runs() {
+        for run in req.selection.layer(layer as usize).runs() {
             let run_blocks = &blocks[run.start as usize..run.end as usize];
             for (i, chunk) in run_blocks.chunks(per_frame).enumerate() {
                 let len = chunk.len() * bb;
@@ -440,7 +444,26 @@ pub(crate) fn selected(blocks: &[u32], selection: &BlockSelection) -> Result<Vec
     Ok(selection.iter().map(|i| blocks[i as usize]).collect())
 }
 
-/// Copies every layer of `blocks` (the selected source blocks) into a pooled segment on
+/// Each layer's selected source blocks (ascending index order) of a pull of `selection` from a
+/// transfer of the source blocks `pinned`, as they are packed layer after layer
+/// ([`PullSelection::packed_layers`]).
+pub(crate) fn selected_layers(
+    n_layers: usize,
+    pinned: &[u32],
+    selection: &PullSelection,
+) -> Result<Vec<Vec<u32>>, KvError> {
+    selection.check(pinned.len(), n_layers)?;
+    (0..n_layers)
+        .map(|l| selected(pinned, &selection.layer(l)))
+        .collect()
+}
+
+/// Bytes of every layer's blocks together.
+pub(crate) fn packed_len(layers: &[Vec<u32>], block_bytes: usize) -> usize {
+    layers.iter().map(Vec::len).sum::<usize>() * block_bytes
+}
+
+/// Copies every layer's selected source blocks into a pooled segment on
 /// `shm_copy_threads` threads, announcing each layer as soon as it is written (layers finish in any order;
 /// the client accepts that). The copy runs on the blocking pool and owns the read `guard` and the segment, so
 /// the pin outlives every read of the source even if this future is dropped; on success and on error the
@@ -451,12 +474,10 @@ async fn send_shm(
     w: &mut TcpStream,
     tid: u64,
     guard: ReadGuard,
-    blocks: Vec<u32>,
+    layers: Vec<Vec<u32>>,
     slot: &mut Option<ShmSegment>,
 ) -> Result<(), KvError> {
-    let layout = inner.info.layout;
-    let layer_bytes = blocks.len() * layout.block_bytes();
-    let total = layout.n_layers * layer_bytes;
+    let total = packed_len(&layers, inner.info.layout.block_bytes());
     if let Some(old) = slot.take() {
         inner.shm_pool.put(old);
     }
@@ -465,43 +486,31 @@ async fn send_shm(
         path: seg.path().to_string_lossy().into_owned(),
         map_len: seg.map.len() as u64,
         total_len: total as u64,
-        n_blocks: blocks.len() as u32,
     };
     wire::send_json(w, FrameKind::ShmOpen, tid, &open, inner.config.io_timeout).await?;
     let seg = slot.take().expect("just inserted");
-    let (seg, res) = copy_and_announce(
-        inner,
-        w,
-        tid,
-        guard,
-        blocks,
-        seg,
-        total,
-        FrameKind::ShmLayer,
-    )
-    .await?;
+    let (seg, res) =
+        copy_and_announce(inner, w, tid, guard, layers, seg, FrameKind::ShmLayer).await?;
     *slot = Some(seg);
     res
 }
 
-/// Copies `blocks` (the selected source blocks) of every layer into the first `total` bytes of `buf` (layer
-/// `l` at `l * total / n_layers`) on `shm_copy_threads` threads of the blocking pool, sending a `kind` frame
-/// (no payload) for each layer as soon as it is written. The copy owns the read `guard` and the buffer, so the
+/// Copies each layer's selected source blocks (`layers`) into `buf` at the layer's offset on
+/// `shm_copy_threads` threads of the blocking pool, sending a `kind` frame (no payload; `n_blocks` the
+/// layer's) for each layer as soon as it is written. The copy owns the read `guard` and the buffer, so the
 /// pin outlives every read of the source even if this future is dropped; the buffer comes back once no
 /// thread writes it any more, with the first failure. Err only when the copy task itself died.
-#[allow(clippy::too_many_arguments)]
 pub(crate) async fn copy_and_announce<B: AsMut<[u8]> + Send + 'static>(
     inner: &Arc<ServerInner>,
     w: &mut TcpStream,
     tid: u64,
     guard: ReadGuard,
-    blocks: Vec<u32>,
+    layers: Vec<Vec<u32>>,
     mut buf: B,
-    total: usize,
     kind: FrameKind,
 ) -> Result<(B, Result<(), KvError>), KvError> {
-    let layer_bytes = total / inner.info.layout.n_layers;
-    let n_blocks = blocks.len() as u32;
+    let bb = inner.info.layout.block_bytes();
+    let counts: Vec<usize> = layers.iter().map(Vec::len).collect();
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
     let stop = StopFlag::default();
     let copier = {
@@ -509,13 +518,12 @@ pub(crate) async fn copy_and_announce<B: AsMut<[u8]> + Send + 'static>(
         let stop = stop.clone();
         let threads = inner.config.shm_copy_threads;
         tokio::task::spawn_blocking(move || {
-            let region = &mut buf.as_mut()[..total];
             let res = copy_layers(
                 inner.registry.source(),
                 tid,
-                &blocks,
-                region,
-                layer_bytes,
+                &layers,
+                buf.as_mut(),
+                bb,
                 threads,
                 &stop,
                 &done_tx,
@@ -529,12 +537,12 @@ pub(crate) async fn copy_and_announce<B: AsMut<[u8]> + Send + 'static>(
     while let Some(layer) = done_rx.recv().await {
         let mut h = FrameHeader::control(kind, tid, 0);
         h.layer = layer as u32;
-        h.n_blocks = n_blocks;
+        h.n_blocks = counts[layer] as u32;
         if let Err(e) = wire::send(w, h, &[], inner.config.io_timeout).await {
             announced = Err(e);
             break;
         }
-        inner.metrics.add_sent(layer_bytes as u64);
+        inner.metrics.add_sent((counts[layer] * bb) as u64);
     }
     // On a failed send the copiers stop after their current layer; either way wait for them, so the
     // buffer comes back and no thread still writes it when the transfer ends.
@@ -547,22 +555,37 @@ pub(crate) async fn copy_and_announce<B: AsMut<[u8]> + Send + 'static>(
     Ok((buf, announced.and(copied)))
 }
 
-/// Copies `blocks` of every layer into `region` (layer `l` at `l * layer_bytes`) on up to `threads` scoped
-/// threads taking layers in ascending order, and sends each finished layer's index on `done`. Stops early
-/// when `stop` is raised or a copy fails; returns the first failure.
+/// Copies each layer's blocks into `buf` at the layer's offset on up to `threads` scoped threads taking
+/// layers in ascending order, and sends each finished layer's index on `done` (a layer of no block is
+/// finished at once). Stops early when `stop` is raised or a copy fails; returns the first failure.
 #[allow(clippy::too_many_arguments)]
 fn copy_layers(
     source: &dyn KvSource,
     tid: u64,
-    blocks: &[u32],
-    region: &mut [u8],
-    layer_bytes: usize,
+    layers: &[Vec<u32>],
+    buf: &mut [u8],
+    block_bytes: usize,
     threads: usize,
     stop: &StopFlag,
     done: &tokio::sync::mpsc::UnboundedSender<usize>,
 ) -> Result<(), KvError> {
-    let n_layers = region.len() / layer_bytes;
-    let work = Mutex::new(region.chunks_exact_mut(layer_bytes).enumerate());
+    let n_layers = layers.len();
+    let total = packed_len(layers, block_bytes);
+    if buf.len() < total {
+        return Err(KvError::Source(format!(
+            "a copy of {total} bytes into a buffer of {}",
+            buf.len()
+        )));
+    }
+    // Each layer's own slice of the buffer: the layers are packed in order.
+    let mut rest = &mut buf[..total];
+    let mut outs = Vec::with_capacity(n_layers);
+    for l in layers {
+        let (out, tail) = std::mem::take(&mut rest).split_at_mut(l.len() * block_bytes);
+        outs.push((l, out));
+        rest = tail;
+    }
+    let work = Mutex::new(outs.into_iter().enumerate());
     let failure: Mutex<Option<KvError>> = Mutex::new(None);
     let worker = || loop {
         if stop.raised() {
@@ -571,7 +594,13 @@ fn copy_layers(
         let Some((layer, out)) = work.lock().next() else {
             return;
         };
-        match source.copy_blocks(tid, layer, blocks, out) {
+        let (blocks, out) = out;
+        let copied = if blocks.is_empty() {
+            Ok(())
+        } else {
+            source.copy_blocks(tid, layer, blocks, out)
+        };
+        match copied {
             // A closed channel means the announcing side is gone; the remaining copies are useless.
             Ok(()) => {
                 if done.send(layer).is_err() {

@@ -9,14 +9,15 @@ use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::auth::{self, AuthChallenge, AuthProof};
 use crate::error::timed;
-use crate::{BlockSelection, ClusterKey, KvError, PeerInfo};
+use crate::{ClusterKey, KvError, PeerInfo, PullSelection};
 
 /// `b"TNKV"` read as a little-endian u32: lets a reader reject a stray connection on the first 4 bytes.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"TNKV");
 /// Wire format version; bumped on any incompatible change and refused on mismatch.
 ///
-/// Version 2: `Pull` and `ShmPull` name the blocks they want (a [`BlockSelection`]).
-pub const VERSION: u16 = 2;
+/// Version 2: `Pull` and `ShmPull` name the blocks they want (a [`crate::BlockSelection`]). Version 3: per layer
+/// (a [`PullSelection`]), so a sliding-window layer's blocks behind its window are not sent.
+pub const VERSION: u16 = 3;
 /// Size of the fixed frame header in bytes.
 pub const HEADER_LEN: usize = 40;
 /// Upper bound on a JSON control payload, so a corrupt length cannot make a reader allocate gigabytes.
@@ -204,8 +205,8 @@ impl FrameHeader {
 pub struct PullRequest {
     /// Layers to send on this connection, in order.
     pub layers: Vec<u32>,
-    /// Blocks to send of every layer, as indices into the transfer's block list; sent run by run, in order.
-    pub blocks: BlockSelection,
+    /// Blocks to send of each layer, as indices into the transfer's block list; sent run by run, in order.
+    pub selection: PullSelection,
     /// Whether this connection will carry the `Ack`/`Abort`; its loss before an ack releases the pin.
     pub control: bool,
     /// Ask the server to CRC32 each data payload.
@@ -215,8 +216,8 @@ pub struct PullRequest {
 /// Body of a `ShmPull` frame.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ShmPullRequest {
-    /// Blocks to copy into the file (non-empty), as indices into the transfer's block list.
-    pub blocks: BlockSelection,
+    /// Blocks to copy into the file of each layer (some non-empty), as indices into the transfer's block list.
+    pub selection: PullSelection,
 }
 
 /// Body of a `ShmOpen` frame.
@@ -226,10 +227,9 @@ pub struct ShmOpen {
     pub path: String,
     /// Length of the whole file, which is reused across transfers and may exceed this one.
     pub map_len: u64,
-    /// Bytes this transfer uses: `n_layers * n_blocks * block_bytes`; layer `l` starts at `l * n_blocks * block_bytes`.
+    /// Bytes this transfer uses: every layer's selected blocks, packed layer after layer in ascending
+    /// index order ([`PullSelection::packed_layers`]).
     pub total_len: u64,
-    /// Blocks per layer in the file: the selected ones, packed in ascending index order.
-    pub n_blocks: u32,
 }
 
 /// Body of an `Error` frame, structured so a handshake mismatch or unknown transfer stays typed across the wire.

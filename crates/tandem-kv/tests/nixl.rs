@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use tandem_kv::mem::{MemSink, MemSource};
 use tandem_kv::{
     BlockSelection, KvClient, KvServer, KvServerConfig, NixlAgent, NixlConfig, NixlTransport,
-    PeerInfo, TcpConfig, TransferHandle, WireDtype, WireLayout,
+    PeerInfo, PullSelection, TcpConfig, TransferHandle, WireDtype, WireLayout,
 };
 
 const N_BLOCKS: usize = 12;
@@ -146,6 +146,38 @@ async fn two_agents_move_pinned_transfers_and_release_once() {
         .await
         .expect("partial pull");
     assert_same(&source, &sink, &h, &sel);
+    wait_for(|| source.releases(h.transfer_id) == 1).await;
+
+    // Per layer (sliding-window layers starting later, one past every block): each layer's blocks
+    // arrive, the ones before its start never cross, and a layer of no block still completes.
+    let h = server.register(vec![3, 1, 4, 7, 5, 9], 48).unwrap();
+    let starts = (0..layout.n_layers as u32)
+        .map(|l| [0, 4, 6][l as usize % 3])
+        .collect();
+    let cut = PullSelection::with_layer_from(BlockSelection::range(1..6), starts);
+    let sink = Arc::new(MemSink::new(layout, 6));
+    let stats = client
+        .pull_selection(&h, &cut, sink.clone())
+        .await
+        .expect("per-layer pull");
+    assert_eq!(
+        stats.bytes,
+        cut.bytes(layout.n_layers, layout.block_bytes())
+    );
+    for l in 0..layout.n_layers {
+        for i in 0..6 {
+            let got = sink.block(l, i);
+            if cut.layer(l).iter().any(|s| s as usize == i) {
+                assert!(
+                    got == source.block(l, h.block_ids[i]),
+                    "layer {l} block {i}"
+                );
+            } else {
+                assert!(got.iter().all(|&b| b == 0), "layer {l} block {i} was sent");
+            }
+        }
+    }
+    assert_eq!(sink.layers_complete(), layout.n_layers);
     wait_for(|| source.releases(h.transfer_id) == 1).await;
     let h = server.register(vec![2], 8).unwrap();
     let sink = Arc::new(MemSink::new(layout, 1));

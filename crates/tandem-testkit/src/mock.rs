@@ -119,6 +119,7 @@ impl MockBackend {
                 vocab: 64,
                 max_len: 4096,
                 eos: vec![63],
+                windows: vec![None; LAYERS],
             },
             kv: vec![vec![0.0; layout.block_elems() * num_blocks]; LAYERS],
             fail: None,
@@ -128,6 +129,13 @@ impl MockBackend {
             sampled: Vec::new(),
             counts: Arc::default(),
         }
+    }
+
+    /// Makes the first layer attend through a sliding window of `window` positions, as a Gemma 3 local
+    /// layer: its forward reads (and checks) only the positions the window reaches.
+    pub fn with_window(mut self, window: usize) -> Self {
+        self.info.windows[0] = Some(window);
+        self
     }
 
     /// Sets the context length the mock reports.
@@ -262,6 +270,10 @@ impl MockBackend {
                 for p in 0..=q {
                     let block = c.blocks[p / bs];
                     for l in 0..LAYERS {
+                        // A windowed layer reads only the positions its window reaches.
+                        if self.info.windows[l].is_some_and(|w| p + w <= q) {
+                            continue;
+                        }
                         let i = self.slot(block, p % bs, false);
                         let (k0, k1) = (self.kv[l][i], self.kv[l][i + 1]);
                         if k1 != p as f32

@@ -26,14 +26,33 @@ fn fixture(path: &str) -> PathBuf {
 /// The name every deployment below serves its fixture under.
 const SERVED: &str = "tiny";
 
-/// Greedy completions of `PROMPTS`, sent at once so the engine batches them.
-async fn answers(server: &Server) -> Vec<String> {
+/// Greedy completions of `PROMPTS`, sent at once so the engine batches them, with their prompts' lengths.
+async fn answers(server: &Server) -> Vec<(String, usize)> {
     join_all(PROMPTS.iter().map(|p| async {
         let mut body = greedy_body(p, 12);
         body["model"] = SERVED.into();
-        text(&server.complete_with(body).await)
+        let v = server.complete_with(body).await;
+        let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        (text(&v), prompt_tokens)
     }))
     .await
+}
+
+/// The tiny Gemma 3 fixtures' KV geometry: `ENGINE`'s 4-token blocks of 2 kv heads × 32 dims in f32 (a
+/// layer's block is 2,048 bytes), layers 0–4 attending through a window of 8 positions, layer 5 global.
+const GEMMA_BLOCK_BYTES: u64 = 2 * 2 * 4 * 32 * 4;
+const GEMMA_WINDOW: usize = 8;
+const GEMMA_WINDOWED_LAYERS: u64 = 5;
+
+/// KV bytes a decode worker pulls for an `n`-token tiny-Gemma-3 prompt: every block of the global
+/// layer, and of each windowed layer only the blocks from the one holding position `n + 1 - window`
+/// (the first the next query sees).
+fn gemma_pull_bytes(n: usize) -> (u64, u64) {
+    let blocks = n.div_ceil(4) as u64;
+    let windowed = blocks - ((n + 1).saturating_sub(GEMMA_WINDOW) / 4) as u64;
+    let pulled = (blocks + GEMMA_WINDOWED_LAYERS * windowed) * GEMMA_BLOCK_BYTES;
+    let global_only = blocks * (GEMMA_WINDOWED_LAYERS + 1) * GEMMA_BLOCK_BYTES;
+    (pulled, global_only)
 }
 
 /// The value of the series `name` (the whole line before the value) in a Prometheus text page.
@@ -89,7 +108,7 @@ async fn pd_pipelined_matches_colocated(model: &str) {
         assert_expert_tokens(&colocated, &[0, 2], 2).await;
     }
     drop(colocated);
-    assert!(want.iter().all(|t| !t.is_empty()), "{want:?}");
+    assert!(want.iter().all(|(t, _)| !t.is_empty()), "{want:?}");
 
     let pd = Server::with_config(
         BIN,
@@ -104,11 +123,31 @@ async fn pd_pipelined_matches_colocated(model: &str) {
     assert_eq!(answers(&pd).await, want, "{}", model.display());
     pd.assert_metrics(&["tandem:pd_requests_total{prefill=\"remote\"} 3"])
         .await;
+    if model.to_string_lossy().contains("gemma3") {
+        // The windowed layers' blocks behind the window stayed on the prefill worker, and decoding
+        // without them still matched colocated, token for token.
+        let (pulled, global_only): (u64, u64) = want
+            .iter()
+            .map(|&(_, n)| gemma_pull_bytes(n))
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        assert!(pulled * 2 < global_only, "{pulled} of {global_only}");
+        let page = pd.metrics().await;
+        assert_eq!(
+            series_value(&page, "tandem:kv_transfer_bytes_total"),
+            pulled,
+            "{page}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gemma3_gguf_through_pipelined_pd() {
     pd_pipelined_matches_colocated("tiny-gemma3-gguf/model.gguf").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemma3_hf_through_pipelined_pd() {
+    pd_pipelined_matches_colocated("tiny-gemma3").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

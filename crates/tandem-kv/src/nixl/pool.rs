@@ -46,10 +46,12 @@ impl MemRegion {
         }
     }
 
-    /// `n` back-to-back pieces of `piece` bytes from the start: one descriptor per layer of a packed transfer.
-    pub fn pieces(&self, n: usize, piece: u64) -> Vec<MemRegion> {
-        (0..n as u64)
-            .map(|i| self.slice(i * piece, piece))
+    /// The pieces at `(offset, bytes)`: one descriptor per layer of a packed transfer
+    /// ([`crate::PullSelection::packed_layers`]).
+    pub fn pieces(&self, packed: &[(usize, usize)]) -> Vec<MemRegion> {
+        packed
+            .iter()
+            .map(|&(off, len)| self.slice(off as u64, len as u64))
             .collect()
     }
 }
@@ -190,7 +192,7 @@ mod tests {
             kind: MemKind::Vram,
             device: 3,
         };
-        let p = r.pieces(3, 300);
+        let p = r.pieces(&[(0, 300), (300, 300), (600, 300)]);
         assert_eq!(p.len(), 3);
         assert_eq!(
             p[2],

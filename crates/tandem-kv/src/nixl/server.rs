@@ -8,15 +8,15 @@ use tokio::net::TcpStream;
 
 use super::{MemRegion, PoolLease};
 use crate::registry::ReadGuard;
-use crate::server::{copy_and_announce, selected, ServerInner};
+use crate::server::{copy_and_announce, selected_layers, ServerInner};
 use crate::wire::{self, FrameHeader, FrameKind};
-use crate::{BlockSelection, KvError};
+use crate::{KvError, PullSelection};
 
 /// Body of a `NixlPull` frame.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct NixlPullRequest {
-    /// Blocks to export (non-empty), as indices into the transfer's block list.
-    pub blocks: BlockSelection,
+    /// Blocks to export of each layer (some non-empty), as indices into the transfer's block list.
+    pub selection: PullSelection,
     /// The server agent whose metadata the client has loaded, and its generation: the server sends its
     /// metadata again only when that is not current.
     pub known: Option<(String, u64)>,
@@ -31,9 +31,8 @@ pub(crate) struct NixlOpen {
     pub md_gen: u64,
     /// The agent's metadata blob, when the client's copy is missing or stale.
     pub md: Option<Vec<u8>>,
-    /// Blocks per layer.
-    pub n_blocks: u32,
-    /// Where each layer's selected blocks sit, packed, in the server's registered memory (one per layer).
+    /// Where each layer's selected blocks sit, packed, in the server's registered memory (one per layer;
+    /// empty for a layer of no block).
     pub layers: Vec<MemRegion>,
 }
 
@@ -64,23 +63,25 @@ pub(crate) async fn send_nixl(
         .nixl
         .get()
         .ok_or_else(|| KvError::Protocol("this KV server does not serve NIXL pulls".into()))?;
-    let blocks = selected(&guard.blocks, &req.blocks)?;
-    if blocks.is_empty() {
+    let layout = inner.info.layout;
+    let blocks = selected_layers(layout.n_layers, &guard.blocks, &req.selection)?;
+    if req.selection.is_empty() {
         return Err(KvError::Protocol("a NIXL pull of no block".into()));
     }
-    let layout = inner.info.layout;
     let n_total = guard.blocks.len();
-    let layer_bytes = blocks.len() * layout.block_bytes();
-    let total = layout.n_layers * layer_bytes;
+    let packed = req
+        .selection
+        .packed_layers(layout.n_layers, layout.block_bytes());
     let staged = inner.registry.source().staged(tid)?;
     let (layers, lease) = match staged {
         Some(region) => (
-            staged_layers(&region, &req.blocks, layout.n_layers, n_total)?,
+            staged_layers(&region, &req.selection, layout.n_layers, n_total)?,
             None,
         ),
         None => {
+            let total = packed.last().map_or(0, |&(off, len)| off + len);
             let lease = agent.lease(total)?;
-            let layers = lease.region().pieces(layout.n_layers, layer_bytes as u64);
+            let layers = lease.region().pieces(&packed);
             (layers, Some(lease))
         }
     };
@@ -98,45 +99,37 @@ pub(crate) async fn send_nixl(
         } else {
             Some(agent.local_md()?)
         },
-        n_blocks: blocks.len() as u32,
         layers,
     };
     wire::send_json(w, FrameKind::NixlOpen, tid, &open, inner.config.io_timeout).await?;
+    let counts: Vec<usize> = blocks.iter().map(Vec::len).collect();
     let Some(lease) = lease else {
         inner.metrics.served_in_place();
-        let res = announce_staged(inner, w, tid, blocks.len(), layer_bytes).await;
+        let res = announce_staged(inner, w, tid, &counts).await;
         *slot = Some(NixlHold::Pin { _guard: guard });
         return res;
     };
-    let (lease, res) = copy_and_announce(
-        inner,
-        w,
-        tid,
-        guard,
-        blocks,
-        lease,
-        total,
-        FrameKind::NixlLayer,
-    )
-    .await?;
+    let (lease, res) =
+        copy_and_announce(inner, w, tid, guard, blocks, lease, FrameKind::NixlLayer).await?;
     *slot = Some(NixlHold::Lease { _lease: lease });
     res
 }
 
 /// Each layer's selected blocks within a staged export (`n_layers` layers of `n_total` blocks each, back
-/// to back): one region per layer, so the selection must be one run of blocks.
+/// to back): one region per layer, so each layer's selection must be one run of blocks (or none).
 pub(crate) fn staged_layers(
     export: &MemRegion,
-    selection: &BlockSelection,
+    selection: &PullSelection,
     n_layers: usize,
     n_total: usize,
 ) -> Result<Vec<MemRegion>, KvError> {
-    let [run] = selection.runs() else {
+    if selection.blocks.runs().len() > 1 {
         return Err(KvError::Protocol(format!(
             "a pull from staged KV must select one run of blocks, not {}",
-            selection.runs().len()
+            selection.blocks.runs().len()
         )));
-    };
+    }
+    selection.check(n_total, n_layers)?;
     let full_layer = export.len / n_layers.max(1) as u64;
     let block = full_layer / n_total.max(1) as u64;
     if full_layer * n_layers as u64 != export.len || block * n_total as u64 != full_layer {
@@ -145,34 +138,37 @@ pub(crate) fn staged_layers(
             export.len
         )));
     }
-    let (start, len) = (
-        run.start as u64 * block,
-        (run.end - run.start) as u64 * block,
-    );
-    Ok((0..n_layers as u64)
-        .map(|l| export.slice(l * full_layer + start, len))
+    Ok((0..n_layers)
+        .map(|l| {
+            let (start, len) = selection
+                .layer(l)
+                .runs()
+                .first()
+                .map_or((0, 0), |r| (r.start as u64, (r.end - r.start) as u64));
+            export.slice(l as u64 * full_layer + start * block, len * block)
+        })
         .collect())
 }
 
-/// Announces each layer of a staged export as soon as the source says it has landed (the waits run on the
-/// blocking pool, in layer order).
+/// Announces each layer of a staged export (`counts[l]` blocks of layer `l`) as soon as the source says it
+/// has landed (the waits run on the blocking pool, in layer order).
 async fn announce_staged(
     inner: &Arc<ServerInner>,
     w: &mut TcpStream,
     tid: u64,
-    n_blocks: usize,
-    layer_bytes: usize,
+    counts: &[usize],
 ) -> Result<(), KvError> {
-    for layer in 0..inner.info.layout.n_layers {
+    let bb = inner.info.layout.block_bytes();
+    for (layer, &n) in counts.iter().enumerate() {
         let waiter = Arc::clone(inner);
         tokio::task::spawn_blocking(move || waiter.registry.source().wait_staged(tid, layer))
             .await
             .map_err(|e| KvError::Source(format!("KV export wait failed: {e}")))??;
         let mut h = FrameHeader::control(FrameKind::NixlLayer, tid, 0);
         h.layer = layer as u32;
-        h.n_blocks = n_blocks as u32;
+        h.n_blocks = n as u32;
         wire::send(w, h, &[], inner.config.io_timeout).await?;
-        inner.metrics.add_sent(layer_bytes as u64);
+        inner.metrics.add_sent((n * bb) as u64);
     }
     Ok(())
 }
@@ -181,6 +177,7 @@ async fn announce_staged(
 mod tests {
     use super::*;
     use crate::nixl::MemKind;
+    use crate::BlockSelection;
 
     fn export(len: u64) -> MemRegion {
         MemRegion {
@@ -194,21 +191,30 @@ mod tests {
     #[test]
     fn staged_layers_name_the_selected_run_of_each_layer() {
         // 3 layers of 4 blocks of 100 bytes; blocks 1..3 selected.
-        let r = staged_layers(&export(1200), &BlockSelection::range(1..3), 3, 4).unwrap();
+        let all = PullSelection::uniform(BlockSelection::range(1..3));
+        let r = staged_layers(&export(1200), &all, 3, 4).unwrap();
         assert_eq!(r.len(), 3);
         assert_eq!(r[0].addr, (1 << 20) + 100);
         assert_eq!(r[2].addr, (1 << 20) + 800 + 100);
         assert!(r
             .iter()
             .all(|x| x.len == 200 && x.kind == MemKind::Vram && x.device == 2));
+        // A windowed third layer starting at block 2 reads only its last selected block; one starting
+        // past the selection reads nothing.
+        let cut = PullSelection::with_layer_from(BlockSelection::range(1..3), vec![0, 3, 2]);
+        let r = staged_layers(&export(1200), &cut, 3, 4).unwrap();
+        assert_eq!((r[0].addr, r[0].len), ((1 << 20) + 100, 200));
+        assert_eq!(r[1].len, 0);
+        assert_eq!((r[2].addr, r[2].len), ((1 << 20) + 800 + 200, 100));
     }
 
     #[test]
     fn staged_layers_refuse_gaps_and_odd_sizes() {
-        let gaps = BlockSelection::from_indices([0, 2]);
+        let gaps = PullSelection::uniform(BlockSelection::from_indices([0, 2]));
         let e = staged_layers(&export(1200), &gaps, 3, 4).unwrap_err();
         assert!(e.to_string().contains("one run"), "{e}");
-        let e = staged_layers(&export(1100), &BlockSelection::all(4), 3, 4).unwrap_err();
+        let all = PullSelection::uniform(BlockSelection::all(4));
+        let e = staged_layers(&export(1100), &all, 3, 4).unwrap_err();
         assert!(e.to_string().contains("not 3 layers of 4 blocks"), "{e}");
     }
 }

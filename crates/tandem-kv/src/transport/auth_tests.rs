@@ -71,7 +71,7 @@ async fn strangers_cannot_pull_and_cluster_members_can() {
     let _: crate::auth::AuthChallenge = r.json(&first).await.unwrap();
     let req = PullRequest {
         layers: vec![0],
-        blocks: BlockSelection::all(handle.block_ids.len()),
+        selection: PullSelection::uniform(BlockSelection::all(handle.block_ids.len())),
         control: true,
         checksum: false,
     };

@@ -9,7 +9,7 @@ use tokio::net::TcpStream;
 
 use crate::transport::tcp::{ack_only, connect, finish_on_control, TcpConfig};
 use crate::wire::{self, FrameKind, FrameReader};
-use crate::{BlockSelection, KvError, KvSink, PeerInfo, TransferHandle};
+use crate::{KvError, KvSink, PeerInfo, PullSelection, TransferHandle};
 
 /// What a one-connection transport adds to [`pull`]: its request frame and how it receives the data.
 pub(crate) trait ControlPull: Send + Sync {
@@ -19,15 +19,15 @@ pub(crate) trait ControlPull: Send + Sync {
     const KIND: FrameKind;
     /// The decode side's identity and the socket knobs the control connection is made with.
     fn socket(&self) -> (&PeerInfo, &TcpConfig);
-    /// The request for `blocks` of `handle`, built once connected.
-    fn request(&self, handle: &TransferHandle, blocks: &BlockSelection) -> Self::Request;
+    /// The request for `selection` of `handle`, built once connected.
+    fn request(&self, handle: &TransferHandle, selection: &PullSelection) -> Self::Request;
     /// Reads the server's answer to the request and delivers the data into `sink`, returning its bytes;
     /// `sink.complete()` is left to [`pull`].
     fn receive(
         &self,
         c: &mut FrameReader<TcpStream>,
         handle: &TransferHandle,
-        blocks: &BlockSelection,
+        selection: &PullSelection,
         sink: &Arc<dyn KvSink>,
     ) -> impl Future<Output = Result<u64, KvError>> + Send;
 }
@@ -37,18 +37,18 @@ pub(crate) trait ControlPull: Send + Sync {
 pub(crate) async fn pull<T: ControlPull>(
     t: &T,
     handle: &TransferHandle,
-    blocks: &BlockSelection,
+    selection: &PullSelection,
     sink: Arc<dyn KvSink>,
 ) -> Result<u64, KvError> {
     let (local, config) = t.socket();
-    if blocks.is_empty() {
+    if selection.is_empty() {
         return ack_only(handle, local, config, &*sink).await;
     }
     let tid = handle.transfer_id;
     let io = config.io_timeout;
     let mut c = connect(&handle.endpoint, local, config).await?;
-    wire::send_json(c.get_mut(), T::KIND, tid, &t.request(handle, blocks), io).await?;
-    let received = t.receive(&mut c, handle, blocks, &sink).await;
+    wire::send_json(c.get_mut(), T::KIND, tid, &t.request(handle, selection), io).await?;
+    let received = t.receive(&mut c, handle, selection, &sink).await;
     let (bytes, err) = match received.and_then(|b| sink.complete().map(|()| b)) {
         Ok(b) => (b, None),
         Err(e) => (0, Some(e)),

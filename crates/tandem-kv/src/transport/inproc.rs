@@ -3,8 +3,8 @@
 use parking_lot::Mutex;
 
 use crate::metrics::ReleaseReason;
-use crate::server::selected;
-use crate::{BlockSelection, KvError, KvServer, KvSink, PeerInfo, TransferHandle};
+use crate::server::selected_layers;
+use crate::{KvError, KvServer, KvSink, PeerInfo, PullSelection, TransferHandle};
 
 /// Pulls from a server object directly, with the same handshake and release rules as the socket transports.
 pub struct InProcTransport {
@@ -27,7 +27,7 @@ impl InProcTransport {
     fn pull_sync(
         &self,
         handle: &TransferHandle,
-        blocks: &BlockSelection,
+        selection: &PullSelection,
         sink: &dyn KvSink,
     ) -> Result<u64, KvError> {
         let inner = &self.server.inner;
@@ -36,29 +36,29 @@ impl InProcTransport {
         let mut buf = self.bufs.lock().pop().unwrap_or_default();
         let res = (|| {
             let guard = inner.registry.begin_read(tid)?;
-            let ids = selected(&guard.blocks, blocks)?;
+            let n_layers = inner.info.layout.n_layers;
+            let layers = selected_layers(n_layers, &guard.blocks, selection)?;
             let bb = inner.info.layout.block_bytes();
-            let layer_bytes = ids.len() * bb;
-            if buf.len() < layer_bytes {
-                buf.resize(layer_bytes, 0);
-            }
-            let buf = &mut buf[..layer_bytes];
-            for layer in 0..inner.info.layout.n_layers {
+            let mut bytes = 0;
+            for (layer, ids) in layers.iter().enumerate() {
+                let layer_bytes = ids.len() * bb;
+                if buf.len() < layer_bytes {
+                    buf.resize(layer_bytes, 0);
+                }
+                let buf = &mut buf[..layer_bytes];
                 if !ids.is_empty() {
-                    inner.registry.source().copy_blocks(tid, layer, &ids, buf)?;
+                    inner.registry.source().copy_blocks(tid, layer, ids, buf)?;
                     inner.metrics.add_sent(layer_bytes as u64);
                 }
-                let mut off = 0;
-                for run in blocks.runs() {
-                    let len = (run.end - run.start) as usize * bb;
-                    sink.write(layer, run.start as usize, &buf[off..off + len])?;
-                    off += len;
+                for (first, off, len) in selection.layer(layer).packed_runs(bb) {
+                    sink.write(layer, first, &buf[off..off + len])?;
                 }
                 sink.layer_complete(layer)?;
+                bytes += layer_bytes as u64;
             }
             drop(guard);
             sink.complete()?;
-            Ok((layer_bytes * inner.info.layout.n_layers) as u64)
+            Ok(bytes)
         })();
         self.bufs.lock().push(buf);
         let why = if res.is_ok() {
@@ -74,5 +74,5 @@ impl InProcTransport {
 kv_transport!(
     InProcTransport,
     "inproc",
-    |this, handle, blocks, sink| async move { this.pull_sync(handle, blocks, &*sink) }
+    |this, handle, selection, sink| async move { this.pull_sync(handle, selection, &*sink) }
 );

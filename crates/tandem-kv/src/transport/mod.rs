@@ -2,7 +2,8 @@
 //!
 //! [`nixl::NixlTransport`] is the one-sided-read instance of this seam. Adding a transport: implement [`KvTransport::pull`] so that it (1) handshakes
 //! with [`PeerInfo::check_compatible`], (2) delivers every `(layer, block range)` of the requested
-//! [`BlockSelection`] to the sink, calling `layer_complete` per layer and `complete` once, then (3) acks so
+//! [`PullSelection`] to the sink, calling `layer_complete` per layer (also for a layer of no block) and
+//! `complete` once, then (3) acks so
 //! the server releases the pin, or aborts on failure. An empty selection (the decode side had every block
 //! cached) still handshakes and acks, so the pin is released the same way. On the serving side the registry's pin/read-guard/finish protocol is reused unchanged: an RDMA
 //! server would register the engine's KV buffers as memory regions once, send `(rkey, offset, len)` per
@@ -15,7 +16,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::{BlockSelection, KvError, KvMetrics, KvSink, PeerInfo, TransferHandle};
+use crate::{BlockSelection, KvError, KvMetrics, KvSink, PeerInfo, PullSelection, TransferHandle};
 
 /// Implements [`KvTransport`] for a transport with a `local: PeerInfo` field: its `name`, and `pull` as
 /// `$body`, a future over the transport (`$this`) and the pull's arguments, so each transport writes only
@@ -34,7 +35,7 @@ macro_rules! kv_transport {
             fn pull<'a>(
                 &'a self,
                 $handle: &'a $crate::TransferHandle,
-                $blocks: &'a $crate::BlockSelection,
+                $blocks: &'a $crate::PullSelection,
                 $sink: std::sync::Arc<dyn $crate::KvSink>,
             ) -> $crate::transport::PullFuture<'a> {
                 let $this = self;
@@ -61,12 +62,12 @@ pub trait KvTransport: Send + Sync {
     /// The decode worker's identity and layout, sent in the handshake.
     fn local(&self) -> &PeerInfo;
 
-    /// Moves the `blocks` of every layer of `handle` into `sink`, acking on success and aborting on failure;
-    /// returns payload bytes. `blocks` has been checked against the handle's block count.
+    /// Moves the selected blocks of each layer of `handle` into `sink`, acking on success and aborting on
+    /// failure; returns payload bytes. `selection` has been checked against the handle's blocks and layers.
     fn pull<'a>(
         &'a self,
         handle: &'a TransferHandle,
-        blocks: &'a BlockSelection,
+        selection: &'a PullSelection,
         sink: Arc<dyn KvSink>,
     ) -> PullFuture<'a>;
 }
@@ -121,22 +122,35 @@ impl KvClient {
         blocks: &BlockSelection,
         sink: Arc<dyn KvSink>,
     ) -> Result<PullStats, KvError> {
+        self.pull_selection(handle, &PullSelection::uniform(blocks.clone()), sink)
+            .await
+    }
+
+    /// Pulls the blocks `selection` names of each layer of `handle` into `sink`, then acks: a layer that
+    /// starts later (sliding window) leaves its earlier blocks on the prefill worker too.
+    pub async fn pull_selection(
+        &self,
+        handle: &TransferHandle,
+        selection: &PullSelection,
+        sink: Arc<dyn KvSink>,
+    ) -> Result<PullStats, KvError> {
         let start = Instant::now();
         let res = async {
             self.transport
                 .local()
                 .layout
                 .check_compatible(&handle.layout)?;
-            blocks.check(handle.block_ids.len())?;
-            self.transport.pull(handle, blocks, sink).await
+            selection.check(handle.block_ids.len(), handle.layout.n_layers)?;
+            self.transport.pull(handle, selection, sink).await
         }
         .await;
         let elapsed = start.elapsed();
         match res {
             Ok(bytes) => {
                 self.metrics.add_received(bytes);
+                let pulled = selection.blocks.len();
                 self.metrics
-                    .add_blocks(blocks.len(), handle.block_ids.len() - blocks.len());
+                    .add_blocks(pulled, handle.block_ids.len() - pulled);
                 self.metrics.pull_done(true, elapsed.as_nanos() as u64);
                 tracing::debug!(
                     transfer_id = handle.transfer_id,

@@ -13,7 +13,7 @@ use crate::nixl::{slow_transfer_warning, MemRegion, NixlAgent, PoolLease, Xfer};
 use crate::transport::control::{self, ControlPull};
 use crate::transport::tcp::{TcpConfig, TcpTransport};
 use crate::wire::{FrameKind, FrameReader};
-use crate::{BlockSelection, KvError, KvSink, PeerInfo, TransferHandle};
+use crate::{KvError, KvSink, PeerInfo, PullSelection, TransferHandle};
 
 /// Polls of a running READ answered by yielding before falling back to short sleeps.
 const SPIN_POLLS: u32 = 64;
@@ -66,14 +66,14 @@ impl ControlPull for NixlTransport {
         (&self.local, &self.config)
     }
 
-    fn request(&self, handle: &TransferHandle, blocks: &BlockSelection) -> NixlPullRequest {
+    fn request(&self, handle: &TransferHandle, selection: &PullSelection) -> NixlPullRequest {
         let known = self
             .peers
             .lock()
             .get(&handle.endpoint)
             .and_then(|a| Some((a.clone(), self.agent.remote_generation(a)?)));
         NixlPullRequest {
-            blocks: blocks.clone(),
+            selection: selection.clone(),
             known,
         }
     }
@@ -84,12 +84,12 @@ impl ControlPull for NixlTransport {
         &self,
         c: &mut FrameReader<tokio::net::TcpStream>,
         handle: &TransferHandle,
-        blocks: &BlockSelection,
+        selection: &PullSelection,
         sink: &Arc<dyn KvSink>,
     ) -> Result<u64, KvError> {
         let n_layers = handle.layout.n_layers;
         let bb = handle.layout.block_bytes();
-        let layer_bytes = blocks.len() * bb;
+        let packed = selection.packed_layers(n_layers, bb);
         let h = c.expect_frame().await?;
         if h.kind != FrameKind::NixlOpen {
             return Err(KvError::Protocol(format!(
@@ -98,7 +98,7 @@ impl ControlPull for NixlTransport {
             )));
         }
         let open: NixlOpen = c.json(&h).await?;
-        check_open(&open, n_layers, blocks.len(), layer_bytes)?;
+        check_open(&open, &packed)?;
         if let Some(md) = &open.md {
             self.agent.load_remote(&open.agent, open.md_gen, md)?;
             let old = self
@@ -115,7 +115,7 @@ impl ControlPull for NixlTransport {
                 open.agent
             )));
         }
-        let total = n_layers * layer_bytes;
+        let total = selection.bytes(n_layers, bb) as usize;
         // READ straight into the sink's staging memory when it offers some of the kind the server's
         // regions are (GPU to GPU), else into a registered buffer of ours and deliver from there.
         let remote_kind = open.layers[0].kind;
@@ -123,14 +123,16 @@ impl ControlPull for NixlTransport {
             Some(r) if r.kind == remote_kind && r.len >= total as u64 => Dest::Landing(r),
             _ => Dest::Lease(Arc::new(self.agent.lease(total)?)),
         };
-        let local = dest.region().pieces(n_layers, layer_bytes as u64);
+        let local = dest.region().pieces(&packed);
         let mut reads = Reads {
             running: Vec::new(),
             seen: vec![false; n_layers],
             left: n_layers,
             started: None,
         };
-        let runs = runs(blocks, bb);
+        let runs: Vec<Vec<(usize, usize, usize)>> = (0..n_layers)
+            .map(|l| selection.layer(l).packed_runs(bb))
+            .collect();
         loop {
             let h = c.expect_frame().await?;
             match h.kind {
@@ -143,6 +145,11 @@ impl ControlPull for NixlTransport {
                     }
                     reads.seen[layer] = true;
                     reads.started.get_or_insert_with(Instant::now);
+                    if local[layer].len == 0 {
+                        // A layer of no block (its window starts past the pulled ones): nothing to READ.
+                        reads.deliver(layer, &dest, &local, &runs, &**sink)?;
+                        continue;
+                    }
                     let x = self.agent.read(
                         &local[layer..=layer],
                         &open.layers[layer..=layer],
@@ -186,7 +193,7 @@ impl ControlPull for NixlTransport {
                 });
             }
         }
-        let bytes = (n_layers * layer_bytes) as u64;
+        let bytes = total as u64;
         if let Some(start) = reads.started {
             let elapsed = start.elapsed();
             tracing::debug!(
@@ -248,7 +255,7 @@ impl Reads {
         &mut self,
         dest: &Dest,
         local: &[MemRegion],
-        runs: &[(usize, usize, usize)],
+        runs: &[Vec<(usize, usize, usize)>],
         sink: &dyn KvSink,
     ) -> Result<(), KvError> {
         let mut i = 0;
@@ -256,56 +263,53 @@ impl Reads {
             if self.running[i].1.poll()? {
                 let (layer, x) = self.running.swap_remove(i);
                 drop(x);
-                let base = (local[layer].addr - local[0].addr) as usize;
-                match dest {
-                    Dest::Landing(_) => sink.landed(layer, base, local[layer].len as usize)?,
-                    Dest::Lease(lease) => {
-                        let bytes: &[u8] = (**lease).as_ref();
-                        for &(first, off, len) in runs {
-                            sink.write(layer, first, &bytes[base + off..base + off + len])?;
-                        }
-                        sink.layer_complete(layer)?;
-                    }
-                }
-                self.left -= 1;
+                self.deliver(layer, dest, local, runs, sink)?;
             } else {
                 i += 1;
             }
         }
         Ok(())
     }
+
+    /// Hands `layer`, whose bytes are in `local[layer]`, to the sink: in place, or written run by run.
+    fn deliver(
+        &mut self,
+        layer: usize,
+        dest: &Dest,
+        local: &[MemRegion],
+        runs: &[Vec<(usize, usize, usize)>],
+        sink: &dyn KvSink,
+    ) -> Result<(), KvError> {
+        let base = (local[layer].addr - local[0].addr) as usize;
+        match dest {
+            Dest::Landing(_) => sink.landed(layer, base, local[layer].len as usize)?,
+            Dest::Lease(lease) => {
+                let bytes: &[u8] = (**lease).as_ref();
+                for &(first, off, len) in &runs[layer] {
+                    sink.write(layer, first, &bytes[base + off..base + off + len])?;
+                }
+                sink.layer_complete(layer)?;
+            }
+        }
+        self.left -= 1;
+        Ok(())
+    }
 }
 
-/// Where each selected run lands: (first block index, offset within a layer's packed region, bytes).
-fn runs(blocks: &BlockSelection, bb: usize) -> Vec<(usize, usize, usize)> {
-    blocks
-        .runs()
-        .iter()
-        .scan(0usize, |off, run| {
-            let len = (run.end - run.start) as usize * bb;
-            let at = (run.start as usize, *off, len);
-            *off += len;
-            Some(at)
-        })
-        .collect()
-}
-
-/// Refuses an announcement that does not describe one region of `layer_bytes` per layer.
-pub(crate) fn check_open(
-    open: &NixlOpen,
-    n_layers: usize,
-    n_blocks: usize,
-    layer_bytes: usize,
-) -> Result<(), KvError> {
-    if open.n_blocks as usize != n_blocks
-        || open.layers.is_empty()
-        || open.layers.len() != n_layers
-        || open.layers.iter().any(|r| r.len != layer_bytes as u64)
+/// Refuses an announcement that does not describe one region per layer of the pull's `packed` bytes.
+pub(crate) fn check_open(open: &NixlOpen, packed: &[(usize, usize)]) -> Result<(), KvError> {
+    if open.layers.is_empty()
+        || open.layers.len() != packed.len()
+        || open
+            .layers
+            .iter()
+            .zip(packed)
+            .any(|(r, &(_, len))| r.len != len as u64)
     {
         return Err(KvError::Protocol(format!(
-            "NIXL regions ({} layers, {} blocks) do not match the pull ({n_layers} layers of {layer_bytes} bytes, {n_blocks} blocks)",
-            open.layers.len(),
-            open.n_blocks
+            "NIXL regions of {:?} bytes do not match the pull's layers of {:?}",
+            open.layers.iter().map(|r| r.len).collect::<Vec<_>>(),
+            packed.iter().map(|p| p.1).collect::<Vec<_>>()
         )));
     }
     Ok(())
@@ -315,12 +319,12 @@ pub(crate) fn check_open(
 kv_transport!(
     NixlTransport,
     "nixl",
-    |this, handle, blocks, sink| async move {
-        if !blocks.is_empty() && !handle.nixl {
+    |this, handle, selection, sink| async move {
+        if !selection.is_empty() && !handle.nixl {
             this.warn_tcp_only(handle);
-            return this.tcp.pull(handle, blocks, sink).await;
+            return this.tcp.pull(handle, selection, sink).await;
         }
-        control::pull(this, handle, blocks, sink).await
+        control::pull(this, handle, selection, sink).await
     }
 );
 
@@ -334,7 +338,6 @@ mod tests {
             agent: "p".into(),
             md_gen: 1,
             md: None,
-            n_blocks: 2,
             layers: (0..layers as u64)
                 .map(|i| MemRegion {
                     addr: 4096 + i * len,
@@ -348,17 +351,12 @@ mod tests {
 
     #[test]
     fn announcements_must_match_the_pull() {
-        assert!(check_open(&open(3, 200), 3, 2, 200).is_ok());
-        assert!(check_open(&open(2, 200), 3, 2, 200).is_err());
-        assert!(check_open(&open(3, 100), 3, 2, 200).is_err());
-        assert!(check_open(&open(3, 200), 3, 1, 200).is_err());
+        let layers = |n: usize, len: usize| (0..n).map(|i| (i * len, len)).collect::<Vec<_>>();
+        assert!(check_open(&open(3, 200), &layers(3, 200)).is_ok());
+        assert!(check_open(&open(2, 200), &layers(3, 200)).is_err());
+        assert!(check_open(&open(3, 100), &layers(3, 200)).is_err());
+        assert!(check_open(&open(3, 200), &[(0, 200), (200, 200), (400, 100)]).is_err());
         // No layer: nothing to READ, and the receiver reads the first region's memory kind.
-        assert!(check_open(&open(0, 200), 0, 2, 200).is_err());
-    }
-
-    #[test]
-    fn runs_pack_selected_blocks() {
-        let sel = BlockSelection::from_indices([0, 1, 5]);
-        assert_eq!(runs(&sel, 10), vec![(0, 0, 20), (5, 20, 10)]);
+        assert!(check_open(&open(0, 200), &[]).is_err());
     }
 }

@@ -10,7 +10,7 @@ use crate::shm_pool::{default_copy_threads, MapCache, StopFlag, FILE_PREFIX};
 use crate::transport::control::{self, ControlPull};
 use crate::transport::tcp::TcpConfig;
 use crate::wire::{self, FrameKind, ShmOpen, ShmPullRequest};
-use crate::{BlockSelection, KvError, KvSink, PeerInfo, TransferHandle};
+use crate::{KvError, KvSink, PeerInfo, PullSelection, TransferHandle};
 
 /// Pulls through shared memory, with the TCP connection used only for control.
 pub struct ShmTransport {
@@ -61,21 +61,21 @@ impl ShmTransport {
         &self,
         c: &mut wire::FrameReader<tokio::net::TcpStream>,
         handle: &TransferHandle,
-        blocks: &BlockSelection,
+        selection: &PullSelection,
         sink: &Arc<dyn KvSink>,
         copies: &mut LayerCopies,
     ) -> Result<u64, KvError> {
         let n_layers = handle.layout.n_layers;
-        let n_blocks = blocks.len();
         let bb = handle.layout.block_bytes();
-        let layer_bytes = n_blocks * bb;
+        let packed = selection.packed_layers(n_layers, bb);
+        let total = selection.bytes(n_layers, bb);
         let open: ShmOpen = c.expect_json(FrameKind::ShmOpen).await?;
         let path = PathBuf::from(&open.path);
         self.check_path(&path)?;
-        if open.n_blocks as usize != n_blocks || open.total_len != (n_layers * layer_bytes) as u64 {
+        if open.total_len != total {
             return Err(KvError::Protocol(format!(
-                "shared-memory file of {} bytes / {} blocks does not match the handle",
-                open.total_len, open.n_blocks
+                "shared-memory transfer of {} bytes does not match the pull's {total}",
+                open.total_len
             )));
         }
         if open.total_len > open.map_len {
@@ -85,7 +85,6 @@ impl ShmTransport {
             )));
         }
         let map = self.maps.get(&path, open.map_len as usize)?;
-        let runs: Arc<[(usize, usize, usize)]> = blocks.packed_runs(bb).into();
         let mut seen = vec![false; n_layers];
         let mut bytes = 0u64;
         loop {
@@ -99,16 +98,17 @@ impl ShmTransport {
                         )));
                     }
                     seen[layer] = true;
+                    let (base, len) = packed[layer];
                     copies
                         .start(LayerCopy {
                             map: Arc::clone(&map),
                             sink: Arc::clone(sink),
-                            runs: Arc::clone(&runs),
+                            runs: selection.layer(layer).packed_runs(bb),
                             layer,
-                            base: layer * layer_bytes,
+                            base,
                         })
                         .await?;
-                    bytes += layer_bytes as u64;
+                    bytes += len as u64;
                 }
                 FrameKind::PullDone => {
                     return if seen.iter().all(|&s| s) {
@@ -132,7 +132,7 @@ struct LayerCopy {
     map: Arc<Mmap>,
     sink: Arc<dyn KvSink>,
     /// The selected runs: (first block index, offset within the layer's region, bytes).
-    runs: Arc<[(usize, usize, usize)]>,
+    runs: Vec<(usize, usize, usize)>,
     layer: usize,
     /// Offset of the layer's packed region in the file.
     base: usize,
@@ -227,9 +227,9 @@ impl ControlPull for ShmTransport {
         (&self.local, &self.config)
     }
 
-    fn request(&self, _handle: &TransferHandle, blocks: &BlockSelection) -> ShmPullRequest {
+    fn request(&self, _handle: &TransferHandle, selection: &PullSelection) -> ShmPullRequest {
         ShmPullRequest {
-            blocks: blocks.clone(),
+            selection: selection.clone(),
         }
     }
 
@@ -240,17 +240,19 @@ impl ControlPull for ShmTransport {
         &self,
         c: &mut wire::FrameReader<tokio::net::TcpStream>,
         handle: &TransferHandle,
-        blocks: &BlockSelection,
+        selection: &PullSelection,
         sink: &Arc<dyn KvSink>,
     ) -> Result<u64, KvError> {
         let mut copies = LayerCopies::new(self.copy_threads);
-        let res = self.announced(c, handle, blocks, sink, &mut copies).await;
+        let res = self
+            .announced(c, handle, selection, sink, &mut copies)
+            .await;
         let copied = copies.finish(res.is_err()).await;
         let bytes = res?;
         copied.map(|()| bytes)
     }
 }
 
-kv_transport!(ShmTransport, "shm", |this, handle, blocks, sink| {
-    control::pull(this, handle, blocks, sink)
+kv_transport!(ShmTransport, "shm", |this, handle, selection, sink| {
+    control::pull(this, handle, selection, sink)
 });

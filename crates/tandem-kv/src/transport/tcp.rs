@@ -8,7 +8,7 @@ use tokio::task::JoinSet;
 
 use crate::error::timed;
 use crate::wire::{self, FrameHeader, FrameKind, FrameReader, PullRequest};
-use crate::{BlockSelection, KvError, KvSink, PeerInfo, TransferHandle};
+use crate::{KvError, KvSink, PeerInfo, PullSelection, TransferHandle};
 
 /// Knobs of the socket transports.
 #[derive(Clone, Debug)]
@@ -52,15 +52,15 @@ impl TcpTransport {
     async fn pull_impl(
         &self,
         handle: &TransferHandle,
-        blocks: &BlockSelection,
+        selection: &PullSelection,
         sink: Arc<dyn KvSink>,
     ) -> Result<u64, KvError> {
-        if blocks.is_empty() {
+        if selection.is_empty() {
             return ack_only(handle, &self.local, &self.config, &*sink).await;
         }
         let n_layers = handle.layout.n_layers;
         let streams = self.config.streams.clamp(1, n_layers.max(1));
-        let blocks = Arc::new(blocks.clone());
+        let selection = Arc::new(selection.clone());
         let mut set = JoinSet::new();
         for s in 0..streams {
             let job = StreamJob {
@@ -70,7 +70,7 @@ impl TcpTransport {
                 transfer_id: handle.transfer_id,
                 layers: (s..n_layers).step_by(streams).map(|l| l as u32).collect(),
                 control: s == 0,
-                blocks: Arc::clone(&blocks),
+                selection: Arc::clone(&selection),
                 n_layers,
                 block_bytes: handle.layout.block_bytes(),
                 sink: Arc::clone(&sink),
@@ -222,7 +222,7 @@ struct StreamJob {
     transfer_id: u64,
     layers: Vec<u32>,
     control: bool,
-    blocks: Arc<BlockSelection>,
+    selection: Arc<PullSelection>,
     n_layers: usize,
     block_bytes: usize,
     sink: Arc<dyn KvSink>,
@@ -234,7 +234,7 @@ impl StreamJob {
         let mut r = connect(&self.endpoint, &self.local, &self.config).await?;
         let req = PullRequest {
             layers: self.layers.clone(),
-            blocks: (*self.blocks).clone(),
+            selection: (*self.selection).clone(),
             control: self.control,
             checksum: self.config.checksum,
         };
@@ -246,13 +246,20 @@ impl StreamJob {
             self.config.io_timeout,
         )
         .await?;
-        // Where each layer's next frame must start: (run, block index), with run == runs.len() once the layer
-        // is complete. The server sends a layer's runs in order, split into frames that never span two runs;
-        // layers not on this connection stay `None`.
-        let runs = self.blocks.runs();
+        // Where each layer's next frame must start: (run, block index), with run == its runs' count once
+        // the layer is complete. The server sends a layer's runs in order, split into frames that never
+        // span two runs; layers not on this connection stay `None`, and a layer of no block is complete
+        // before any frame.
+        let runs: Vec<Vec<std::ops::Range<u32>>> = (0..self.n_layers)
+            .map(|l| self.selection.layer(l).runs().to_vec())
+            .collect();
         let mut cursor: Vec<Option<(usize, u32)>> = vec![None; self.n_layers];
         for &l in &self.layers {
+            let runs = &runs[l as usize];
             cursor[l as usize] = Some((0, runs.first().map_or(0, |r| r.start)));
+            if runs.is_empty() {
+                self.sink.layer_complete(l as usize)?;
+            }
         }
         let mut bytes = 0u64;
         loop {
@@ -269,6 +276,7 @@ impl StreamJob {
                     let at = cursor.get(layer).copied().flatten();
                     let end = h.first_block as u64 + h.n_blocks as u64;
                     let fits = at.is_some_and(|(run, next)| {
+                        let runs = &runs[layer];
                         run < runs.len()
                             && h.first_block == next
                             && h.n_blocks > 0
@@ -284,6 +292,7 @@ impl StreamJob {
                     self.sink.write(layer, h.first_block as usize, payload)?;
                     bytes += h.payload_len;
                     let (run, _) = at.expect("checked by `fits`");
+                    let runs = &runs[layer];
                     cursor[layer] = if end < runs[run].end as u64 {
                         Some((run, end as u32))
                     } else if run + 1 < runs.len() {
@@ -294,10 +303,10 @@ impl StreamJob {
                     };
                 }
                 FrameKind::PullDone => {
-                    let incomplete = self
-                        .layers
-                        .iter()
-                        .find(|&&l| cursor[l as usize].is_some_and(|(run, _)| run < runs.len()));
+                    let incomplete = self.layers.iter().find(|&&l| {
+                        let l = l as usize;
+                        cursor[l].is_some_and(|(run, _)| run < runs[l].len())
+                    });
                     if let Some(l) = incomplete {
                         return Err(KvError::Protocol(format!(
                             "pull ended with layer {l} incomplete"
@@ -311,5 +320,5 @@ impl StreamJob {
     }
 }
 
-kv_transport!(TcpTransport, "tcp", |this, handle, blocks, sink| this
-    .pull_impl(handle, blocks, sink));
+kv_transport!(TcpTransport, "tcp", |this, handle, selection, sink| this
+    .pull_impl(handle, selection, sink));

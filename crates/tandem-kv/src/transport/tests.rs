@@ -203,14 +203,30 @@ async fn partial_pulls_deliver_exactly_the_requested_blocks() {
     let n = 17;
     let bb = f.info.layout.block_bytes();
     let zero = vec![0u8; bb];
+    let n_layers = f.info.layout.n_layers;
     // A cached-prefix suffix (the decode worker's case), scattered runs longer than a frame (5 blocks),
-    // a single block, and nothing at all (everything cached: the pull only acks).
+    // a single block, nothing at all (everything cached: the pull only acks), and per-layer starts
+    // (sliding-window layers: one mid-run, one past every selected block, one inside a gap).
+    let starts: Vec<u32> = (0..n_layers as u32)
+        .map(|l| [0, 14, 17, 8][l as usize % 4])
+        .collect();
     let selections = [
-        BlockSelection::range(11..17),
-        BlockSelection::from_indices([0, 1, 2, 3, 4, 5, 6, 9, 13, 14, 16]),
-        BlockSelection::range(16..17),
-        BlockSelection::range(0..0),
+        PullSelection::uniform(BlockSelection::range(11..17)),
+        PullSelection::uniform(BlockSelection::from_indices([
+            0, 1, 2, 3, 4, 5, 6, 9, 13, 14, 16,
+        ])),
+        PullSelection::uniform(BlockSelection::range(16..17)),
+        PullSelection::uniform(BlockSelection::range(0..0)),
+        PullSelection::with_layer_from(BlockSelection::range(2..17), starts.clone()),
+        PullSelection::with_layer_from(
+            BlockSelection::from_indices([0, 1, 2, 6, 7, 9, 10, 11, 15]),
+            starts,
+        ),
     ];
+    assert!(
+        n_layers >= 3,
+        "the windowed selections need three kinds of layer"
+    );
     let mut released_ack = 0;
     for t in transports(&f) {
         for sel in &selections {
@@ -219,19 +235,20 @@ async fn partial_pulls_deliver_exactly_the_requested_blocks() {
             let sink = Arc::new(MemSink::new(f.info.layout, n));
             let client = KvClient::new(t.clone());
             let stats = client
-                .pull_blocks(&handle, sel, sink.clone())
+                .pull_selection(&handle, sel, sink.clone())
                 .await
                 .unwrap_or_else(|e| panic!("{} {sel:?}: {e}", t.name()));
             let what = format!("{} {sel:?}", t.name());
-            assert_eq!(stats.bytes, handle.bytes_for(sel), "{what}");
-            assert_eq!(
-                stats.bytes,
-                (f.info.layout.n_layers * sel.len() * bb) as u64,
-                "{what}"
-            );
-            for layer in 0..f.info.layout.n_layers {
+            assert_eq!(stats.bytes, sel.bytes(n_layers, bb), "{what}");
+            let per_layer: usize = (0..n_layers).map(|l| sel.layer(l).len()).sum();
+            assert_eq!(stats.bytes, (per_layer * bb) as u64, "{what}");
+            if sel.layer_from.is_empty() {
+                assert_eq!(stats.bytes, handle.bytes_for(&sel.blocks), "{what}");
+            }
+            for layer in 0..n_layers {
+                let wanted = sel.layer(layer);
                 for (i, &b) in blocks.iter().enumerate() {
-                    let want = if sel.iter().any(|s| s as usize == i) {
+                    let want = if wanted.iter().any(|s| s as usize == i) {
                         f.source.block(layer, b)
                     } else {
                         &zero[..]
@@ -242,14 +259,15 @@ async fn partial_pulls_deliver_exactly_the_requested_blocks() {
                     );
                 }
             }
-            assert_eq!(sink.layers_complete(), f.info.layout.n_layers, "{what}");
+            assert_eq!(sink.layers_complete(), n_layers, "{what}");
             assert_eq!(sink.completes(), 1, "{what}");
             wait_released(&f, handle.transfer_id).await;
             released_ack += 1;
             let m = client.metrics().snapshot();
+            let pulled = sel.blocks.len();
             assert_eq!(
                 (m.blocks_pulled, m.blocks_skipped),
-                (sel.len() as u64, (n - sel.len()) as u64),
+                (pulled as u64, (n - pulled) as u64),
                 "{what}"
             );
             assert_eq!(m.bytes_received, stats.bytes);
@@ -274,7 +292,7 @@ async fn partial_pulls_deliver_exactly_the_requested_blocks() {
     assert!(matches!(r, Err(KvError::Protocol(_))), "{r:?}");
     let req = PullRequest {
         layers: vec![0],
-        blocks: BlockSelection::range(3..5),
+        selection: PullSelection::uniform(BlockSelection::range(3..5)),
         control: false,
         checksum: false,
     };
@@ -309,7 +327,8 @@ async fn handshake_refuses_each_mismatched_field() {
         for t in transports {
             // Straight to the transport, past the client's pre-check, so the wire handshake itself is tested.
             let sink = Arc::new(MemSink::new(f.info.layout, 4));
-            match t.pull(&handle, &BlockSelection::all(4), sink.clone()).await {
+            let all = PullSelection::uniform(BlockSelection::all(4));
+            match t.pull(&handle, &all, sink.clone()).await {
                 Err(KvError::Mismatch {
                     field: got,
                     local: l,
@@ -409,7 +428,7 @@ async fn dropped_control_connection_releases() {
         .unwrap();
     let req = PullRequest {
         layers: (0..30).collect(),
-        blocks: BlockSelection::all(NUM_BLOCKS),
+        selection: PullSelection::uniform(BlockSelection::all(NUM_BLOCKS)),
         control: true,
         checksum: false,
     };
@@ -441,7 +460,7 @@ async fn garbage_and_unknown_transfers_are_refused() {
         let r = t
             .pull(
                 &bogus,
-                &BlockSelection::all(2),
+                &PullSelection::uniform(BlockSelection::all(2)),
                 Arc::new(MemSink::new(f.info.layout, 2)),
             )
             .await;
@@ -726,7 +745,7 @@ async fn parallel_shm_failures_release_once_and_leak_no_segment() {
     // The decode side vanishes after the first announced layer while the server is still copying.
     let handle = f.server.register(blocks.clone(), 9 * 16).unwrap();
     let req = crate::wire::ShmPullRequest {
-        blocks: BlockSelection::all(blocks.len()),
+        selection: PullSelection::uniform(BlockSelection::all(blocks.len())),
     };
     let mut c = send_request(&f, &handle, FrameKind::ShmPull, &req).await;
     assert_eq!(c.expect_frame().await.unwrap().kind, FrameKind::ShmOpen);
