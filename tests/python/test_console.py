@@ -7,6 +7,7 @@ packages when they are absent. Each browser test saves a screenshot under target
 (`console-pd.png`, `console-key.png`) for a person to look at; CI keeps the folder with the target dir.
 """
 
+import json
 import pathlib
 import shutil
 
@@ -226,3 +227,52 @@ def test_console_asks_for_the_key_and_works_colocated(auth_server, driver):
     save_screenshot(driver, "console-key.png")
     # Only the expected refusals before the key was entered.
     assert severe_logs(driver, allowed=("401",)) == []
+
+
+# A reasoning model's stream as the server sends it (tests/python/test_reasoning.py checks that the server
+# splits `<think>` this way): thinking in `reasoning_content` deltas, then the answer in `content`.
+REASONING_STREAM = [
+    {"choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+    {"choices": [{"index": 0, "delta": {"reasoning_content": "The user greets me. "}}]},
+    {"choices": [{"index": 0, "delta": {"reasoning_content": "I greet back."}}]},
+    {"choices": [{"index": 0, "delta": {"content": "Hello"}}]},
+    {"choices": [{"index": 0, "delta": {"content": " there!"}, "finish_reason": "stop"}]},
+]
+
+# Answers the page's chat requests with REASONING_STREAM and keeps their bodies in window.sentBodies;
+# every other request reaches the server.
+FAKE_CHAT = """
+const events = arguments[0];
+window.sentBodies = [];
+const realFetch = window.fetch.bind(window);
+window.fetch = async (url, init) => {
+  if (!String(url).endsWith("/v1/chat/completions")) return realFetch(url, init);
+  window.sentBodies.push(JSON.parse(init.body));
+  const sse = events.map((e) => "data: " + JSON.stringify(e) + "\\n\\n").join("") + "data: [DONE]\\n\\n";
+  return new Response(sse, { status: 200, headers: { "Content-Type": "text/event-stream" } });
+};
+"""
+
+
+def test_console_shows_a_reasoning_models_thinking_apart_and_never_sends_it_back(server, driver):
+    from selenium.webdriver.common.by import By
+
+    driver.get(server.url + "/")
+    wait_for(driver, "the model name", lambda d: d.find_element(By.ID, "model-name").text == MODEL_NAME)
+    driver.execute_script(FAKE_CHAT, REASONING_STREAM)
+    type_and_enter(driver, "Hi!")
+    wait_for(driver, "the answer to finish", answer_done)
+    assert text_of(driver, ".msg.assistant > .content") == "Hello there!"
+    thinking = driver.find_element(By.CSS_SELECTOR, ".msg.assistant details.thinking")
+    assert thinking.find_element(By.CSS_SELECTOR, ".content").text == "The user greets me. I greet back."
+    assert thinking.find_element(By.TAG_NAME, "summary").text == "thinking"
+    # The next turn sends the conversation back with the answer only, as reasoning models expect.
+    type_and_enter(driver, "Again?")
+    wait_for(driver, "the second answer", lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))
+             == 2 and "finish:" in text_of(d, ".msg.assistant .stats"))
+    sent = driver.execute_script("return window.sentBodies")
+    assert [m["role"] for m in sent[1]["messages"]][-3:] == ["user", "assistant", "user"]
+    assert sent[1]["messages"][-2]["content"] == "Hello there!"
+    assert all("reasoning" not in json.dumps(m) and "greet back" not in json.dumps(m) for m in sent[1]["messages"])
+    save_screenshot(driver, "console-thinking.png")
+    assert severe_logs(driver) == []

@@ -9,6 +9,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{Map, Value};
+use tandem_engine::{Guidance, ReasoningGate};
 use tandem_model::RESERVED_VARIABLES;
 
 use crate::codec::CodecError;
@@ -159,6 +160,35 @@ pub fn reasoning_parser(state: &AppState, prompt: &RenderedPrompt) -> Option<Rea
         .then(|| ReasoningParser::for_prompt(&prompt.text))
 }
 
+/// Whether a constraint shapes the answer only — OpenAI's JSON formats and the forced tool calls built on
+/// them — so a thinking model thinks freely first. tandem's `regex` and `grammar` formats spell the whole
+/// output, a thinking block included.
+pub fn answer_format(guidance: Option<&Guidance>) -> bool {
+    matches!(
+        guidance,
+        Some(Guidance::JsonObject | Guidance::JsonSchema(_))
+    )
+}
+
+/// The reasoning gate of a guided request to a thinking model: its constraint waits out the thinking
+/// block that the prompt opened or leaves to the model, so only the answer is constrained. None when no
+/// parser runs, the prompt closed the block already (`enable_thinking: false`), or the tags are not
+/// single tokens of this vocabulary (the constraint then holds from the first token).
+pub fn reasoning_gate(state: &AppState, parser: Option<&ReasoningParser>) -> Option<ReasoningGate> {
+    let parser = parser.filter(|p| !p.in_answer())?;
+    let single = |tag: &str| match state.codec.encode(tag, false).ok()?.as_slice() {
+        [t] => Some(*t),
+        _ => None,
+    };
+    let close = single(crate::reasoning::CLOSE)?;
+    let open = if parser.in_block() {
+        None
+    } else {
+        Some(single(crate::reasoning::OPEN)?)
+    };
+    Some(ReasoningGate { open, close })
+}
+
 /// The handler.
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
@@ -197,6 +227,9 @@ pub async fn chat_completions(
         req.chat_template_kwargs.as_ref(),
     )?;
     let parser = reasoning_parser(&state, &rendered);
+    if answer_format(plan.params.guidance.as_ref()) {
+        plan.params.reasoning_gate = reasoning_gate(&state, parser.as_ref());
+    }
     let prompt = rendered.ids;
     let max_tokens =
         resolve_max_tokens(plan.max_tokens, prompt.len(), state.backend.max_model_len())?;

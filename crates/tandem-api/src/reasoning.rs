@@ -75,6 +75,16 @@ impl ReasoningParser {
         }
     }
 
+    /// Whether generation is inside the block (on a fresh parser: the prompt opened it).
+    pub fn in_block(&self) -> bool {
+        self.phase == Phase::Reasoning
+    }
+
+    /// Whether generation is in the answer (on a fresh parser: the prompt closed the block already).
+    pub fn in_answer(&self) -> bool {
+        self.phase == Phase::Content
+    }
+
     /// Whether the output had a reasoning block (so `reasoning_content` is reported, even empty).
     pub fn reasoned(&self) -> bool {
         self.reasoned

@@ -10,8 +10,11 @@ use axum::Router;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
+use crate::codec::{CodecError, StreamDecoder};
 use crate::routes::router;
-use crate::testing::{fake_reasoning_state, fake_state, ByteCodec, FakeBackend};
+use crate::testing::{
+    fake_reasoning_state, fake_reasoning_state_with, fake_state, ByteCodec, FakeBackend,
+};
 use crate::TextCodec;
 
 /// A reply with a model-opened block; with the byte codec every byte is a token.
@@ -371,5 +374,113 @@ async fn responses_stream_reasoning_events_then_the_message() {
     assert_eq!(
         last["response"]["usage"]["output_tokens_details"]["reasoning_tokens"],
         THOUGHT_TOKENS
+    );
+}
+
+/// [`ByteCodec`] whose vocabulary also has `<think>` (300) and `</think>` (301) as single tokens, as
+/// Qwen3's has: what a reasoning gate needs.
+struct TagCodec;
+
+impl TextCodec for TagCodec {
+    fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, CodecError> {
+        match text {
+            crate::reasoning::OPEN => Ok(vec![300]),
+            crate::reasoning::CLOSE => Ok(vec![301]),
+            _ => ByteCodec.encode(text, special),
+        }
+    }
+    fn decode(&self, ids: &[u32], skip: bool) -> Result<String, CodecError> {
+        ByteCodec.decode(ids, skip)
+    }
+    fn stream_decoder(&self) -> Box<dyn StreamDecoder> {
+        ByteCodec.stream_decoder()
+    }
+    fn render_chat(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+        tools: Option<&Value>,
+        extra: &serde_json::Map<String, Value>,
+    ) -> Result<String, CodecError> {
+        ByteCodec.render_chat(messages, add_generation_prompt, tools, extra)
+    }
+    fn vocab_size(&self) -> usize {
+        512
+    }
+}
+
+/// A JSON format waits out the thinking block (opened by the prompt, or left to the model) and holds
+/// from the first token once the prompt closed it; regex and grammar formats always spell the whole
+/// output; a vocabulary without single-token tags gets no gate.
+#[tokio::test]
+async fn json_formats_wait_out_the_thinking_block() {
+    let backend = Arc::new(FakeBackend::new("{}"));
+    let app = router(fake_reasoning_state_with(
+        backend.clone(),
+        Arc::new(TagCodec),
+    ));
+    let schema =
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}});
+    let gate = |open| tandem_engine::ReasoningGate { open, close: 301 };
+    for (extra, want) in [
+        (json!({"response_format": schema}), Some(gate(Some(300)))),
+        (
+            json!({"response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": true}}),
+            Some(gate(None)),
+        ),
+        (
+            json!({"response_format": schema, "chat_template_kwargs": {"enable_thinking": false}}),
+            None,
+        ),
+        (
+            json!({"response_format": {"type": "regex", "regex": "a+"}}),
+            None,
+        ),
+        (json!({}), None),
+    ] {
+        let (status, v) = post(&app, "/v1/chat/completions", chat(extra.clone())).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let got = backend
+            .submitted
+            .lock()
+            .last()
+            .unwrap()
+            .params
+            .reasoning_gate;
+        assert_eq!(got, want, "{extra}");
+    }
+    let (status, v) = post(
+        &app,
+        "/v1/responses",
+        json!({"model": "fake", "input": "Hi", "text": {"format": {"type": "json_object"}}}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let got = backend
+        .submitted
+        .lock()
+        .last()
+        .unwrap()
+        .params
+        .reasoning_gate;
+    assert_eq!(got, Some(gate(Some(300))));
+    // Tags spelled over several tokens (the byte codec): the constraint holds from the first token.
+    let (app, backend) = thinking_app("{}");
+    let (status, _) = post(
+        &app,
+        "/v1/chat/completions",
+        chat(json!({"response_format": schema})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        backend
+            .submitted
+            .lock()
+            .last()
+            .unwrap()
+            .params
+            .reasoning_gate,
+        None
     );
 }

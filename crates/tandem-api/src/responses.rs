@@ -26,7 +26,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
 
-use crate::chat::{reasoning_parser, render_and_encode};
+use crate::chat::{answer_format, reasoning_gate, reasoning_parser, render_and_encode};
 use crate::error::ApiError;
 use crate::generate::{chat_logprob, collect_split, submit_choices};
 use crate::protocol::{ChatMessage, SamplingFields};
@@ -296,10 +296,13 @@ pub async fn create_response(
     ApiJson(req): ApiJson<ResponsesRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let p = prepare(&state, req)?;
+    let mut p = prepare(&state, req)?;
     let rendered = render_and_encode(&state, &p.messages, true, p.chat_tools.as_ref(), None)
         .map_err(|e| rename_param(e, "messages", "input"))?;
     let parser = reasoning_parser(&state, &rendered);
+    if answer_format(p.plan.params.guidance.as_ref()) {
+        p.plan.params.reasoning_gate = reasoning_gate(&state, parser.as_ref());
+    }
     let prompt = rendered.ids;
     let max_tokens = resolve_max_tokens(
         p.plan.max_tokens,

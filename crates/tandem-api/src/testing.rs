@@ -242,8 +242,25 @@ pub fn fake_reasoning_state(backend: Arc<FakeBackend>) -> Arc<AppState> {
     state_with(backend, None, true)
 }
 
+/// [`fake_reasoning_state`] over another codec (one whose vocabulary has the reasoning tags as tokens).
+pub fn fake_reasoning_state_with(
+    backend: Arc<FakeBackend>,
+    codec: Arc<dyn TextCodec>,
+) -> Arc<AppState> {
+    codec_state(backend, codec, None, true)
+}
+
 fn state_with(
     backend: Arc<FakeBackend>,
+    api_key: Option<&str>,
+    reasoning_parser: bool,
+) -> Arc<AppState> {
+    codec_state(backend, Arc::new(ByteCodec), api_key, reasoning_parser)
+}
+
+fn codec_state(
+    backend: Arc<FakeBackend>,
+    codec: Arc<dyn TextCodec>,
     api_key: Option<&str>,
     reasoning_parser: bool,
 ) -> Arc<AppState> {
@@ -256,5 +273,5 @@ fn state_with(
         probes_need_key: false,
         reasoning_parser,
     };
-    Arc::new(AppState::new(backend, Arc::new(ByteCodec), config).expect("metrics register"))
+    Arc::new(AppState::new(backend, codec, config).expect("metrics register"))
 }

@@ -146,6 +146,8 @@ pub fn plan(
             Some(rf) => response_format_guidance(rf)?,
             None => None,
         },
+        // Set once the prompt is rendered (`chat::reasoning_gate`).
+        reasoning_gate: None,
     };
     Ok(GenPlan {
         n: n as usize,

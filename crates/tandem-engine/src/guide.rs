@@ -4,7 +4,7 @@
 //! is refused at submit time, and an engine without a vocabulary refuses guided requests.
 
 use crate::error::EngineError;
-use crate::types::Guidance;
+use crate::types::{Guidance, ReasoningGate};
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
@@ -37,6 +37,7 @@ impl TokenizerEnv for TrieEnv {
 pub struct GuideEnv {
     factory: ParserFactory,
     vocab: usize,
+    eos: Vec<u32>,
 }
 
 impl std::fmt::Debug for GuideEnv {
@@ -87,12 +88,33 @@ impl GuideEnv {
         Ok(Arc::new(Self {
             factory,
             vocab: vocab_size,
+            eos: eos.to_vec(),
         }))
     }
 
     /// Compiles a constraint into a fresh matcher; the error is llguidance's account of what in the
     /// schema, regex or grammar it cannot use.
     pub fn compile(&self, guidance: &Guidance) -> Result<Guide, EngineError> {
+        self.compile_gated(guidance, None)
+    }
+
+    /// [`Self::compile`], the constraint waiting out a reasoning model's thinking block (`gate`).
+    pub fn compile_gated(
+        &self,
+        guidance: &Guidance,
+        gate: Option<ReasoningGate>,
+    ) -> Result<Guide, EngineError> {
+        for t in gate
+            .iter()
+            .flat_map(|g| g.open.into_iter().chain([g.close]))
+        {
+            if t as usize >= self.vocab {
+                return Err(EngineError::Guidance(format!(
+                    "reasoning tag token {t} outside a vocabulary of {}",
+                    self.vocab
+                )));
+            }
+        }
         let grammar = match guidance {
             Guidance::JsonObject => {
                 TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
@@ -111,11 +133,32 @@ impl GuideEnv {
         if let Some(e) = matcher.get_error() {
             return Err(EngineError::Guidance(e));
         }
+        let phase = match gate {
+            None => Phase::Answer,
+            Some(ReasoningGate {
+                open: Some(open),
+                close,
+            }) => Phase::MayOpen { open, close },
+            Some(ReasoningGate { open: None, close }) => Phase::Reasoning { close },
+        };
         Ok(Guide {
             matcher,
             vocab: self.vocab,
+            eos: self.eos.clone(),
+            phase,
         })
     }
+}
+
+/// Where a guided request stands against its reasoning gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// The first token: `open` starts the thinking block, anything else the constrained answer.
+    MayOpen { open: u32, close: u32 },
+    /// Inside the thinking block: free text (but no end of output) until `close`.
+    Reasoning { close: u32 },
+    /// The constrained answer.
+    Answer,
 }
 
 /// JSON without free whitespace between tokens: a small model given the choice can emit spaces or
@@ -133,6 +176,8 @@ fn compact(mut schema: serde_json::Value) -> serde_json::Value {
 pub struct Guide {
     matcher: Matcher,
     vocab: usize,
+    eos: Vec<u32>,
+    phase: Phase,
 }
 
 impl std::fmt::Debug for Guide {
@@ -147,17 +192,47 @@ impl Guide {
     /// Advances over tokens already generated (a decode worker's first token from prefill, or the
     /// output delivered before a failover); refused when they break the constraint.
     pub fn consume(&mut self, tokens: &[u32]) -> Result<(), EngineError> {
+        let mut rest = tokens;
+        while let Some((&t, tail)) = rest.split_first() {
+            match self.phase {
+                Phase::Answer => break,
+                Phase::MayOpen { open, close } if t == open => {
+                    self.phase = Phase::Reasoning { close };
+                }
+                Phase::MayOpen { .. } => {
+                    self.phase = Phase::Answer;
+                    break;
+                }
+                Phase::Reasoning { close } if t == close => self.phase = Phase::Answer,
+                Phase::Reasoning { .. } => {}
+            }
+            rest = tail;
+        }
         self.matcher
-            .consume_tokens(tokens)
+            .consume_tokens(rest)
             .map_err(|e| EngineError::Guidance(format!("tokens outside the constraint: {e}")))
     }
 
-    /// The tokens allowed next (end-of-sequence tokens once the grammar accepts).
+    /// The tokens allowed next (end-of-sequence tokens once the grammar accepts; inside a thinking
+    /// block every token but those).
     pub fn mask(&mut self) -> Result<Mask, EngineError> {
-        let vob = self
+        if let Phase::Reasoning { .. } = self.phase {
+            let mut vob = SimpleVob::alloc_ones(self.vocab);
+            for &t in &self.eos {
+                vob.disallow_token(t);
+            }
+            return Ok(Mask {
+                vob,
+                vocab: self.vocab,
+            });
+        }
+        let mut vob = self
             .matcher
             .compute_mask_or_eos()
             .map_err(|e| EngineError::Guidance(format!("computing the token mask: {e}")))?;
+        if let Phase::MayOpen { open, .. } = self.phase {
+            vob.allow_token(open);
+        }
         if vob.is_zero() {
             return Err(EngineError::Guidance(
                 "the constraint allows no token here".into(),
@@ -171,7 +246,7 @@ impl Guide {
 
     /// Whether the grammar is complete and nothing but end-of-sequence can follow.
     pub fn is_stopped(&self) -> bool {
-        self.matcher.is_stopped()
+        self.phase == Phase::Answer && self.matcher.is_stopped()
     }
 }
 

@@ -285,7 +285,7 @@ impl EngineHandle {
                 "this engine has no tokenizer vocabulary for guided decoding".to_owned(),
             ));
         };
-        let mut guide = env.compile(guidance)?;
+        let mut guide = env.compile_gated(guidance, req.params.reasoning_gate)?;
         if !have.is_empty() {
             guide.consume(have)?;
         }

@@ -41,6 +41,22 @@ pub struct SamplingParams {
     /// decode worker so the constraint holds across the P/D split and failover.
     #[serde(default)]
     pub guidance: Option<Guidance>,
+    /// With `guidance`, for a reasoning model: the thinking block the constraint waits out, so the
+    /// model thinks in free text and only its answer is constrained. Travels with the request too.
+    #[serde(default)]
+    pub reasoning_gate: Option<ReasoningGate>,
+}
+
+/// The tokens of a reasoning model's thinking block, as a guided request sees them: until `close` the
+/// constraint does not apply (but the block cannot end the output), after it the answer is constrained.
+/// With `open` set the model may open the block itself as its first token (any other first token
+/// starts the constrained answer); without, generation starts inside the block (the prompt opened it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReasoningGate {
+    /// The token that opens the block, when the model is to write it.
+    pub open: Option<u32>,
+    /// The token that closes the block.
+    pub close: u32,
 }
 
 /// A constraint on what a request may generate: only tokens the grammar accepts are sampled.
@@ -74,6 +90,7 @@ impl Default for SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             guidance: None,
+            reasoning_gate: None,
         }
     }
 }

@@ -375,3 +375,105 @@ fn packed_masks_allow_exactly_the_tokens_the_host_mask_leaves_finite() {
     assert_eq!(bits[0] >> 7 & 1, 1);
     assert_eq!(bits[1] >> 31 & 1, 1, "EOS");
 }
+
+/// The mock's stand-ins for a thinking model's `<think>` and `</think>`: single tokens no JSON spells.
+const OPEN: u32 = 61;
+const CLOSE: u32 = 62;
+
+/// A gated guide: the model may open the block as its first token (else the answer starts, constrained);
+/// inside, anything but EOS; after the close, the grammar; the grammar's end only counts in the answer.
+#[test]
+fn a_reasoning_gate_frees_the_thinking_block_and_constrains_the_answer() {
+    let env = mock_guide();
+    let a = (0..64).find(|&t| mock_text(&[t]) == "a").unwrap();
+    let gate = ReasoningGate {
+        open: Some(OPEN),
+        close: CLOSE,
+    };
+    let mut g = env
+        .compile_gated(&Guidance::Regex("a".into()), Some(gate))
+        .unwrap();
+    let m = g.mask().unwrap();
+    let allowed: Vec<u32> = (0..64).filter(|&t| m.allows(t)).collect();
+    assert_eq!(
+        allowed,
+        [a, OPEN],
+        "the grammar's first tokens, or the block"
+    );
+    g.consume(&[OPEN, 5, 9]).unwrap();
+    assert!(!g.mask().unwrap().allows(63), "no end inside the block");
+    g.consume(&[CLOSE]).unwrap();
+    let m = g.mask().unwrap();
+    assert!(!g.is_stopped());
+    let allowed: Vec<u32> = (0..64).filter(|&t| m.allows(t)).collect();
+    assert_eq!(allowed, [a], "after the close: only the grammar");
+    g.consume(&[a]).unwrap();
+    assert!(g.is_stopped());
+    // Inside the block every token but EOS; a first token other than the open tag starts the answer.
+    let mut inside = env
+        .compile_gated(
+            &Guidance::Regex("a".into()),
+            Some(ReasoningGate {
+                open: None,
+                close: CLOSE,
+            }),
+        )
+        .unwrap();
+    let m = inside.mask().unwrap();
+    assert_eq!((0..64).filter(|&t| m.allows(t)).count(), 63);
+    assert!(!m.allows(63), "the block cannot end the output");
+    inside.consume(&[3, 4, CLOSE, a]).unwrap();
+    assert!(inside.is_stopped());
+    let mut skipped = env
+        .compile_gated(&Guidance::Regex("a".into()), Some(gate))
+        .unwrap();
+    assert!(
+        skipped.consume(&[OPEN - 1]).is_err(),
+        "not the grammar's token"
+    );
+    let mut skipped = env
+        .compile_gated(&Guidance::Regex("a".into()), Some(gate))
+        .unwrap();
+    skipped.consume(&[a]).unwrap();
+    assert!(skipped.is_stopped());
+    assert!(env
+        .compile_gated(
+            &Guidance::JsonObject,
+            Some(ReasoningGate {
+                open: None,
+                close: 64
+            })
+        )
+        .is_err());
+}
+
+/// Through the engine: whatever the mock "thinks", the output never ends inside the block, and what
+/// follows the close is a document of the schema (or the output ran out of tokens).
+#[test]
+fn guided_reasoning_requests_think_freely_then_answer_in_the_schema() {
+    let e = start(4, 512);
+    let mut answered = 0;
+    for seed in 0..8 {
+        let mut params = guided(Guidance::JsonSchema(schema()), 1.0, seed);
+        params.max_tokens = 200;
+        params.reasoning_gate = Some(ReasoningGate {
+            open: None,
+            close: CLOSE,
+        });
+        let (toks, finish) = collect(&mut submit(&e, seed, vec![1, 2, 3], params));
+        match toks.iter().position(|&t| t == CLOSE) {
+            Some(at) => {
+                let answer = &toks[at + 1..];
+                if finish == Some(FinishReason::Stop) {
+                    assert_valid(&mock_text(answer));
+                    answered += 1;
+                } else {
+                    assert_eq!(finish, Some(FinishReason::Length));
+                }
+            }
+            None => assert_eq!(finish, Some(FinishReason::Length), "ended inside the block"),
+        }
+    }
+    assert!(answered > 0, "no seed closed its block and answered");
+    e.shutdown();
+}

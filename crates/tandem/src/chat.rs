@@ -44,6 +44,9 @@ pub struct ChatArgs {
     /// Sampling temperature.
     #[arg(long, default_value_t = 0.7)]
     pub temperature: f32,
+    /// Do not show a reasoning model's thinking (`reasoning_content`); it is never sent back either way.
+    #[arg(long)]
+    pub hide_reasoning: bool,
 }
 
 /// Splits complete SSE events off the front of `buf`, returning the `data:` payloads.
@@ -60,8 +63,15 @@ fn drain_events(buf: &mut String) -> Vec<String> {
     out
 }
 
-/// The text delta of one chat chunk, or the error message an error event carries.
-fn chunk_text(data: &str) -> Result<String> {
+/// What one chat chunk adds: thinking (`reasoning_content`, from a server's reasoning parser) and answer.
+#[derive(Debug, Default, PartialEq)]
+struct Delta {
+    reasoning: String,
+    content: String,
+}
+
+/// The deltas of one chat chunk, or the error message an error event carries.
+fn chunk_delta(data: &str) -> Result<Delta> {
     let v: Value = serde_json::from_str(data).with_context(|| format!("bad event: {data}"))?;
     if let Some(err) = v.get("error") {
         bail!(
@@ -69,10 +79,48 @@ fn chunk_text(data: &str) -> Result<String> {
             err["message"].as_str().unwrap_or("unknown")
         );
     }
-    Ok(v["choices"][0]["delta"]["content"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned())
+    let delta = &v["choices"][0]["delta"];
+    let text = |key: &str| delta[key].as_str().unwrap_or_default().to_owned();
+    Ok(Delta {
+        reasoning: text("reasoning_content"),
+        content: text("content"),
+    })
+}
+
+/// Where the thinking goes: stderr, dimmed on a terminal, so stdout carries the answers alone.
+struct Thinking {
+    show: bool,
+    dim: bool,
+    open: bool,
+}
+
+impl Thinking {
+    fn new(show: bool) -> Self {
+        Thinking {
+            show,
+            dim: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            open: false,
+        }
+    }
+
+    /// Writes a piece of thinking, opening the block on the first one.
+    fn write(&mut self, text: &str) {
+        if !self.show || text.is_empty() {
+            return;
+        }
+        if !self.open {
+            eprint!("{}[thinking] ", if self.dim { "\x1b[2m" } else { "" });
+            self.open = true;
+        }
+        eprint!("{text}");
+    }
+
+    /// Closes an open block before the answer (or the end) is written.
+    fn close(&mut self) {
+        if std::mem::take(&mut self.open) {
+            eprintln!("{}", if self.dim { "\x1b[0m" } else { "" });
+        }
+    }
 }
 
 struct Client {
@@ -128,18 +176,25 @@ impl Client {
         let mut buf = String::new();
         let mut answer = String::new();
         let mut stdout = std::io::stdout();
+        let mut thinking = Thinking::new(!self.args.hide_reasoning);
         while let Some(bytes) = stream.next().await {
             buf.push_str(&String::from_utf8_lossy(&bytes?));
             for data in drain_events(&mut buf) {
                 if data == "[DONE]" {
+                    thinking.close();
                     return Ok(answer);
                 }
-                let text = chunk_text(&data)?;
-                print!("{text}");
+                let delta = chunk_delta(&data).inspect_err(|_| thinking.close())?;
+                thinking.write(&delta.reasoning);
+                if !delta.content.is_empty() {
+                    thinking.close();
+                }
+                print!("{}", delta.content);
                 stdout.flush()?;
-                answer.push_str(&text);
+                answer.push_str(&delta.content);
             }
         }
+        thinking.close();
         Ok(answer)
     }
 }
@@ -245,15 +300,23 @@ mod tests {
     }
 
     #[test]
-    fn chunk_text_reads_deltas_and_errors() {
+    fn chunk_delta_reads_answer_thinking_and_errors() {
+        let delta = |data| chunk_delta(data).unwrap();
         assert_eq!(
-            chunk_text(r#"{"choices":[{"delta":{"content":"hi"}}]}"#).unwrap(),
+            delta(r#"{"choices":[{"delta":{"content":"hi"}}]}"#).content,
             "hi"
         );
         assert_eq!(
-            chunk_text(r#"{"choices":[{"delta":{"role":"assistant"}}]}"#).unwrap(),
-            ""
+            delta(r#"{"choices":[{"delta":{"role":"assistant"}}]}"#),
+            Delta::default()
         );
-        assert!(chunk_text(r#"{"error":{"message":"boom"}}"#).is_err());
+        assert_eq!(
+            delta(r#"{"choices":[{"delta":{"reasoning_content":"hmm"}}]}"#),
+            Delta {
+                reasoning: "hmm".into(),
+                content: String::new()
+            }
+        );
+        assert!(chunk_delta(r#"{"error":{"message":"boom"}}"#).is_err());
     }
 }

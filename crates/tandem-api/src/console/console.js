@@ -186,6 +186,19 @@ async function send() {
   let finish = null;
   let failure = null;
   let reply = "";
+  // A reasoning model's thinking (`reasoning_content`), shown folded above the answer and never sent back.
+  let thinking = null;
+  const think = (text) => {
+    if (!thinking) {
+      const box = el("details", "thinking");
+      box.open = true;
+      box.appendChild(el("summary", "", "thinking"));
+      thinking = el("div", "content", "");
+      box.appendChild(thinking);
+      answer.box.insertBefore(box, answer.content);
+    }
+    thinking.textContent += text;
+  };
   const showStats = () => {
     const parts = [];
     if (firstAt !== null) parts.push("TTFT " + fmtNumber(firstAt - started, 0) + " ms");
@@ -215,11 +228,15 @@ async function send() {
       for (const choice of event.choices || []) {
         const delta = choice.delta || {};
         const piece = (delta.content || "") + (delta.tool_calls ? JSON.stringify(delta.tool_calls) : "");
-        if (piece) {
+        const thought = delta.reasoning_content || "";
+        if (piece || thought) {
           const now = performance.now();
           if (firstAt === null) firstAt = now;
           lastAt = now;
           chunks += 1;
+        }
+        if (thought) think(thought);
+        if (piece) {
           reply += piece;
           answer.content.textContent = reply;
         }
