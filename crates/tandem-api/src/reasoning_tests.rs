@@ -409,6 +409,17 @@ impl TextCodec for TagCodec {
     }
 }
 
+/// The reasoning gate of the last request the backend got.
+fn last_gate(backend: &FakeBackend) -> Option<tandem_engine::ReasoningGate> {
+    backend
+        .submitted
+        .lock()
+        .last()
+        .unwrap()
+        .params
+        .reasoning_gate
+}
+
 /// A JSON format waits out the thinking block (opened by the prompt, or left to the model) and holds
 /// from the first token once the prompt closed it; regex and grammar formats always spell the whole
 /// output; a vocabulary without single-token tags gets no gate.
@@ -440,14 +451,7 @@ async fn json_formats_wait_out_the_thinking_block() {
     ] {
         let (status, v) = post(&app, "/v1/chat/completions", chat(extra.clone())).await;
         assert_eq!(status, StatusCode::OK, "{v}");
-        let got = backend
-            .submitted
-            .lock()
-            .last()
-            .unwrap()
-            .params
-            .reasoning_gate;
-        assert_eq!(got, want, "{extra}");
+        assert_eq!(last_gate(&backend), want, "{extra}");
     }
     let (status, v) = post(
         &app,
@@ -456,14 +460,7 @@ async fn json_formats_wait_out_the_thinking_block() {
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{v}");
-    let got = backend
-        .submitted
-        .lock()
-        .last()
-        .unwrap()
-        .params
-        .reasoning_gate;
-    assert_eq!(got, Some(gate(Some(300))));
+    assert_eq!(last_gate(&backend), Some(gate(Some(300))));
     // Tags spelled over several tokens (the byte codec): the constraint holds from the first token.
     let (app, backend) = thinking_app("{}");
     let (status, _) = post(
@@ -473,14 +470,5 @@ async fn json_formats_wait_out_the_thinking_block() {
     )
     .await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(
-        backend
-            .submitted
-            .lock()
-            .last()
-            .unwrap()
-            .params
-            .reasoning_gate,
-        None
-    );
+    assert_eq!(last_gate(&backend), None);
 }
