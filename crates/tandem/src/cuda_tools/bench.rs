@@ -34,6 +34,10 @@ pub struct CudaBenchArgs {
     /// Layers of the model (default: the shape's own; fewer for a quick run).
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Context limit of the model (default: the shape's own): what the captured decode graphs size
+    /// their attention for.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
     /// Copy bandwidth MBU is measured against, GB/s.
     #[arg(long, default_value_t = 4300.0)]
     pub peak_gbps: f64,
@@ -68,6 +72,9 @@ pub fn run(args: CudaBenchArgs) -> Result<()> {
             .map(|l| config.layers[l % config.layers.len()].clone())
             .collect();
         config.num_layers = n;
+    }
+    if let Some(n) = args.max_model_len {
+        config.max_position_embeddings = n;
     }
     run_bench(
         &BenchArgs {
