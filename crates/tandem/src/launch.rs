@@ -41,6 +41,7 @@ fn worker_settings(
         kv_port: 0,
         register: None,
         cluster_token_file: None,
+        allow_unauthenticated: dep.allow_unauthenticated,
         drain_grace_secs: crate::worker::DEFAULT_DRAIN_GRACE_SECS,
         metrics_need_token: false,
         listen: ListenSettings::default(),
@@ -103,8 +104,9 @@ fn spawn_worker(
     Ok((name, rx))
 }
 
-/// Runs the disaggregated deployment described by `file` (whose `deployment.mode` is `pd`).
-pub fn run(flags: &Settings, file: Settings) -> Result<()> {
+/// Runs the disaggregated deployment described by `file` (whose `deployment.mode` is `pd`); `token` says
+/// where the cluster token this process exported came from.
+pub fn run(flags: &Settings, file: Settings, token: crate::token::Origin) -> Result<()> {
     let dep = file.deployment.clone().unwrap_or_default();
     dep.validate()?;
     let discovery = dep.discovery.clone().unwrap_or_default();
@@ -173,16 +175,18 @@ pub fn run(flags: &Settings, file: Settings) -> Result<()> {
     }
 
     let cluster_key = crate::token::key();
-    if cluster_key.is_none() {
-        let remote = discovery.mode == DiscoveryMode::Dns
-            || [&dep.prefill, &dep.decode]
-                .iter()
-                .any(|r| r.as_ref().and_then(|r| r.replicas) == Some(0));
-        let note = "no cluster token (deployment.cluster_token, cluster_token_file or TANDEM_CLUSTER_TOKEN): worker, KV and stage ports answer anyone who reaches them";
-        if remote {
-            warn!("{note}");
-        } else {
-            info!("{note}");
+    match token {
+        crate::token::Origin::Configured => {}
+        crate::token::Origin::Generated => info!(
+            "no cluster token configured: this head generated one for the workers it started (a worker on another host needs deployment.cluster_token, cluster_token_file or TANDEM_CLUSTER_TOKEN)"
+        ),
+        crate::token::Origin::Absent => {
+            let note = "no cluster token (deployment.cluster_token, cluster_token_file or TANDEM_CLUSTER_TOKEN): worker, KV and stage ports answer anyone who reaches them";
+            if dep.allow_unauthenticated {
+                info!("{note} (allow_unauthenticated)");
+            } else {
+                warn!("{note}");
+            }
         }
     }
     let ingress = Ingress::new(

@@ -182,21 +182,23 @@ fn run(cli: Cli) -> Result<()> {
                 Some(path) => config::Settings::load(path)?,
                 None => config::Settings::default(),
             };
-            if let Some(deployment) = &file.deployment {
-                token::export(deployment.cluster_token()?.as_deref());
-            }
-            if file
+            let pd = file
                 .deployment
                 .as_ref()
-                .is_some_and(|d| d.mode == config::DeploymentMode::Pd)
-            {
+                .filter(|d| d.mode == config::DeploymentMode::Pd);
+            if let Some(deployment) = pd {
+                let (token, origin) = token::for_head(deployment)?;
+                token::export(token.as_deref());
                 let head = ProcessTag {
                     name: "head".into(),
                     role: "head".into(),
                 };
                 init_logging(format.or(file.log_format).unwrap_or_default(), Some(head));
                 log_config(args.config.as_deref());
-                return launch::run(&args.settings, file);
+                return launch::run(&args.settings, file, origin);
+            }
+            if let Some(deployment) = &file.deployment {
+                token::export(deployment.cluster_token()?.as_deref());
             }
             let settings = config::Settings::colocated(&args.settings, file)?;
             init_logging(format.or(settings.log_format).unwrap_or_default(), None);
@@ -297,6 +299,7 @@ mod tests {
                 &["--cuda-device", "1"],
                 &["--no-cuda-graphs"],
                 &["--cuda-gemv-max-rows", "2"],
+                &["--allow-unauthenticated"],
             ] {
                 let e = parse(cmd, flag).expect_err(&format!("{cmd} {flag:?}"));
                 assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");

@@ -41,6 +41,10 @@ pub struct StageSettings {
     /// Seconds any one read or write of a request may take.
     #[arg(long, default_value_t = 60.0)]
     pub io_timeout: f64,
+    /// Serve without a cluster token although --listen is reachable beyond loopback; without it such a
+    /// stage refuses to start with no `TANDEM_CLUSTER_TOKEN` set.
+    #[arg(long)]
+    pub allow_unauthenticated: bool,
     /// The worker's engine settings: `kv_cache_memory` is the whole model's KV budget the stage accepts
     /// (a worker asking for a bigger pool is refused, so no client sizes this process's memory); the step
     /// limits (`max_num_batched_tokens`, `max_num_seqs`, `max_model_len`, chunked prefill) size a CUDA
@@ -60,6 +64,7 @@ impl Default for StageSettings {
             stages: None,
             listen: "127.0.0.1:0".into(),
             io_timeout: 60.0,
+            allow_unauthenticated: false,
             engine: EngineSettings::default(),
             cuda: CudaSettings::default(),
         }
@@ -93,6 +98,7 @@ fn with_flags() -> impl Iterator<Item = &'static str> {
         "stages",
         "listen",
         "io_timeout",
+        "allow_unauthenticated",
         "EngineSettings",
     ]
     .into_iter()
@@ -137,11 +143,17 @@ pub fn run(args: StageArgs, settings: StageSettings) -> Result<()> {
     crate::worker::log_settings("stage", &settings.engine, &settings.cuda);
     let stage = settings.stage.context("--stage is required")?;
     let stages = settings.stages.context("--stages is required")?;
+    // Bound first, so a busy or open port fails before the model is loaded.
+    let listener = TcpListener::bind(&settings.listen)
+        .with_context(|| format!("binding {}", settings.listen))?;
+    crate::token::check_exposure(
+        "the stage's port (--listen)",
+        listener.local_addr()?,
+        settings.allow_unauthenticated,
+    )?;
     let model_path = resolve_model(settings.model.as_deref())?;
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: false })
         .with_context(|| format!("loading {}", model_path.display()))?;
-    let listener = TcpListener::bind(&settings.listen)
-        .with_context(|| format!("binding {}", settings.listen))?;
     let identity = loaded.identity.clone();
     let part = tandem_model::Partition::stage(&loaded.config, stage, stages)?;
     let engine = settings.engine.engine_config();

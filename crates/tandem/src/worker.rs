@@ -67,6 +67,11 @@ pub struct WorkerSettings {
     #[arg(long)]
     #[serde(default)]
     pub cluster_token_file: Option<PathBuf>,
+    /// Serve without a cluster token although --host is reachable beyond loopback (0.0.0.0, ::, a LAN
+    /// address); without it such a worker refuses to start with no token set.
+    #[arg(long)]
+    #[serde(default)]
+    pub allow_unauthenticated: bool,
     /// Seconds a SIGTERM'd worker waits for its in-flight requests and pins before it exits anyway.
     #[arg(long, default_value_t = DEFAULT_DRAIN_GRACE_SECS)]
     #[serde(default = "default_drain_grace_secs")]
@@ -143,6 +148,7 @@ fn with_flags() -> impl Iterator<Item = &'static str> {
         "kv_port",
         "register",
         "cluster_token_file",
+        "allow_unauthenticated",
         "drain_grace_secs",
         "KvTransferFlags",
         "EngineSettings",
@@ -423,11 +429,23 @@ pub fn run(args: WorkerArgs) -> Result<()> {
     // The RPC port first (and a prefill worker's KV port), so a busy one fails before a model is fetched
     // or loaded.
     let listener = crate::process::bind_api(&settings.host, settings.port)?;
+    let allow = settings.allow_unauthenticated;
+    crate::token::check_exposure(
+        "the worker's RPC port (--host, --port)",
+        listener.local_addr()?,
+        allow,
+    )?;
     let kv_listener = match role {
-        Role::Prefill => Some(
-            crate::process::bind_api(&settings.host, settings.kv_port)
-                .context("the KV port (--kv-port)")?,
-        ),
+        Role::Prefill => {
+            let kv = crate::process::bind_api(&settings.host, settings.kv_port)
+                .context("the KV port (--kv-port)")?;
+            crate::token::check_exposure(
+                "the worker's KV port (--host, --kv-port)",
+                kv.local_addr()?,
+                allow,
+            )?;
+            Some(kv)
+        }
         Role::Decode => None,
     };
     let model_path = resolve_model(settings.model.as_deref())?;

@@ -16,11 +16,12 @@ const BIN: &str = env!("CARGO_BIN_EXE_tandem");
 /// Serializes the deployments: the machine has few cores and each loads the model three times.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The embedded P/D deployment of `examples/pd.yaml` on the default model, with `extra` top-level keys.
+/// The embedded P/D deployment of `examples/pd.yaml` on the default model, with `extra` top-level keys,
+/// run open on loopback (`allow_unauthenticated`: no generated token) so the test reads worker routes.
 fn pd_yaml(extra: &str) -> String {
     format!(
         "model: {}\n{extra}engine: {{block_size: 16, kv_cache_memory: 64MiB, threads: 1, max_num_seqs: 8}}\n\
-         deployment:\n  mode: pd\n  prefill: {{replicas: 1}}\n  decode: {{replicas: 1}}\n  \
+         deployment:\n  mode: pd\n  allow_unauthenticated: true\n  prefill: {{replicas: 1}}\n  decode: {{replicas: 1}}\n  \
          kv_transfer: {{transport: tcp}}\n  routing: {{local_prefill_threshold: 16}}\n  \
          timeouts: {{poll_interval_secs: 0.2}}\n",
         default_model().display()

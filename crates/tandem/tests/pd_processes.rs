@@ -35,9 +35,11 @@ fn pd_yaml_with(prefill: usize, decode: usize) -> String {
     pd_yaml_timeouts(prefill, decode, "poll_interval_secs: 0.2")
 }
 
+/// Open on loopback (`allow_unauthenticated`: no generated token): the tests list and call the workers
+/// directly, and register workers started by hand.
 fn pd_yaml_timeouts(prefill: usize, decode: usize, timeouts: &str) -> String {
     format!(
-        "model: {}\n{ENGINE}deployment:\n  mode: pd\n  prefill: {{replicas: {prefill}}}\n  decode: {{replicas: {decode}}}\n  \
+        "model: {}\n{ENGINE}deployment:\n  mode: pd\n  allow_unauthenticated: true\n  prefill: {{replicas: {prefill}}}\n  decode: {{replicas: {decode}}}\n  \
          kv_transfer: {{transport: tcp, pin_timeout_secs: 20}}\n  routing: {{local_prefill_threshold: 16}}\n  \
          timeouts: {{{timeouts}}}\n",
         default_model().display()

@@ -189,10 +189,11 @@ async fn a_hundred_slowloris_connections_are_closed_while_others_are_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_head_refuses_over_the_limit_quickly_and_workers_cut_slowloris() {
     let Some(_turn) = turn().await else { return };
+    // Open on loopback (no generated token): the test lists the workers and calls them directly.
     let yaml = format!(
         "model: {}\nserver: {{header_read_timeout_secs: 2, body_read_timeout_secs: 2, max_connections: 8}}\n\
          engine: {{block_size: 16, kv_cache_memory: 64MiB, threads: 1, max_num_seqs: 8}}\n\
-         deployment:\n  mode: pd\n  prefill: {{replicas: 1}}\n  decode: {{replicas: 1}}\n  \
+         deployment:\n  mode: pd\n  allow_unauthenticated: true\n  prefill: {{replicas: 1}}\n  decode: {{replicas: 1}}\n  \
          kv_transfer: {{transport: tcp, pin_timeout_secs: 20}}\n  routing: {{local_prefill_threshold: 4}}\n  \
          timeouts: {{poll_interval_secs: 0.2}}\n",
         default_model().display()

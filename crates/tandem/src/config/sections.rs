@@ -222,6 +222,10 @@ pub struct DeploymentSettings {
     pub cluster_token: Option<String>,
     /// A file holding the cluster secret (a mounted secret), instead of `cluster_token`.
     pub cluster_token_file: Option<PathBuf>,
+    /// The user's choice to run without a cluster token: a head that starts its workers generates none,
+    /// and workers bound beyond loopback start open (`tandem worker --allow-unauthenticated`).
+    #[serde(default)]
+    pub allow_unauthenticated: bool,
 }
 
 impl DeploymentSettings {
@@ -231,6 +235,18 @@ impl DeploymentSettings {
             self.cluster_token.as_deref(),
             self.cluster_token_file.as_deref(),
         )
+    }
+
+    /// Whether a P/D head with this section starts every worker itself: each role has replicas here and
+    /// none is found by DNS. Only such a head may make up a token when none is configured; workers on
+    /// other hosts could not know it.
+    pub fn starts_every_worker(&self) -> bool {
+        let dns = self
+            .discovery
+            .as_ref()
+            .is_some_and(|d| d.mode == tandem_cluster::DiscoveryMode::Dns);
+        let local = |role: &Option<RoleSettings>| role.as_ref().and_then(|r| r.replicas) != Some(0);
+        !dns && local(&self.prefill) && local(&self.decode)
     }
 
     /// Checks what parsing cannot (discovery names, intervals), naming the key of a bad value.
