@@ -11,8 +11,10 @@ finish_reason and [DONE], with no error event. It runs --rounds rounds: the firs
 pools' pages (resident memory grows by up to the pools' size as new blocks are first written), so the
 processes' resident memory after the last round must be within 10% (+32 MiB) of that after the one before. Throughout, the head's worker listing is
 sampled twice a second: a worker marked unhealthy while the machine is saturated fails the run (the
-ingress must not drop live workers because a poll was slow). It prints one JSON line of figures and exits 1 when a
-check fails.
+ingress must not drop live workers because a poll was slow). The listing needs the cluster token: the
+script hands the head it starts TANDEM_CLUSTER_TOKEN (its own, or a random one) and sends it as the bearer;
+with --url, set TANDEM_CLUSTER_TOKEN to the deployment's. It prints one JSON line of figures and exits 1
+when a check fails.
 
     scripts/load_disconnects.py --clients 1000 --drop 0.33      # the recorded run (docs/reliability.md)
 """
@@ -23,6 +25,7 @@ import json
 import os
 import pathlib
 import random
+import secrets
 import socket
 import subprocess
 import sys
@@ -32,6 +35,11 @@ import time
 import httpx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# The cluster token the head's worker listing asks for (given to the head this script starts).
+CLUSTER_TOKEN = os.environ.get("TANDEM_CLUSTER_TOKEN") or secrets.token_hex(32)
+CLUSTER_HEADERS = {"authorization": f"Bearer {CLUSTER_TOKEN}"}
 
 
 def free_port() -> int:
@@ -119,7 +127,7 @@ async def settled(client, base, timeout):
     deadline = time.monotonic() + timeout
     workers = []
     while time.monotonic() < deadline:
-        workers = (await client.get(f"{base}/v1/cluster/workers")).json()
+        workers = (await client.get(f"{base}/v1/cluster/workers", headers=CLUSTER_HEADERS)).json()
         busy = [
             w for w in workers
             if w["load"]["engine"]["running"] or w["load"]["engine"]["waiting"]
@@ -150,7 +158,8 @@ async def run(base, model, clients, drop, max_tokens, seed, pids, rounds):
             while True:
                 peak = max(peak, rss_mib(pids))
                 try:
-                    listing = (await client.get(f"{base}/v1/cluster/workers", timeout=10)).json()
+                    listing = (await client.get(f"{base}/v1/cluster/workers", headers=CLUSTER_HEADERS,
+                                                timeout=10)).json()
                     stats["workers_seen_unhealthy"] += sum(1 for w in listing if not w["healthy"])
                     stats["fewest_workers_listed"] = min(stats["fewest_workers_listed"], len(listing))
                 except (httpx.HTTPError, ValueError) as e:
@@ -206,7 +215,8 @@ def main():
         base = f"http://127.0.0.1:{port}"
         log = tempfile.NamedTemporaryFile(prefix="tandem-load-", suffix=".log", delete=False)
         proc = subprocess.Popen([args.bin, "serve", "--config", args.config, "--port", str(port),
-                                 "--served-model-name", "load"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                                 "--served-model-name", "load"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TANDEM_CLUSTER_TOKEN": CLUSTER_TOKEN})
         deadline = time.monotonic() + 300
         while True:
             try:

@@ -37,6 +37,8 @@ esac
 TCP_STREAMS="${TCP_STREAMS:-4}"
 # The workers' per-pull debug lines feed kv_rates.txt.
 export RUST_LOG="${RUST_LOG:-info,tandem_kv::transport=debug}"
+# One cluster token for every head and worker started here, and for pd_leak.py's calls to the workers.
+export TANDEM_CLUSTER_TOKEN="${TANDEM_CLUSTER_TOKEN:-$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')}"
 what=" ${*:-colocated pd} "
 # shellcheck source=scripts/gpu/cuda_env.sh
 source "$root/scripts/gpu/cuda_env.sh"

@@ -9,9 +9,10 @@ running, waiting, pinned blocks and transfers, staging bytes free — and, where
 memory each worker process holds. It passes when every one of them is back where it was.
 
 usage: pd_leak.py [--base-url URL] [--requests N] [--concurrency C] [--out FILE.json]
+The worker listing and loads need the deployment's cluster token: set TANDEM_CLUSTER_TOKEN.
 Standard library only (runs on the GPU machine's python3).
 """
-import argparse, http.client, json, random, shutil, subprocess, sys, threading, time, urllib.request
+import argparse, http.client, json, os, random, shutil, subprocess, sys, threading, time, urllib.request
 
 p = argparse.ArgumentParser()
 p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -29,7 +30,9 @@ host = a.base_url.split("://", 1)[1].rstrip("/")
 
 
 def get(url):
-    return json.load(urllib.request.urlopen(url, timeout=30))
+    token = os.environ.get("TANDEM_CLUSTER_TOKEN", "")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return json.load(urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30))
 
 
 def snapshot():
