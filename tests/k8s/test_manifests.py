@@ -9,12 +9,15 @@ engine renders it, as `helm template` would) is checked:
   Services and ports the workers serve on, the workers' --model/--block-size/--transport agree with it,
   POD_IP comes from the downward API, probes ask /health, the termination grace period covers the preStop
   sleep plus the worker's drain, PodDisruptionBudgets select each pool, prefill and decode repel each other
-  per node, the head stays off GPU nodes, GPU workers ask for nvidia.com/gpu;
+  per node, the head stays off GPU nodes, GPU workers ask for nvidia.com/gpu; the cluster token's Secret
+  exists (random, made by the chart) unless clusterToken.existingSecret names one, and the head and both
+  pools take TANDEM_CLUSTER_TOKEN from it;
 - the ConfigMap's tandem.yaml with `tandem serve --check-config FILE` ($TANDEM_BIN, default
   target/release/tandem). A binary that reports the flag unknown (built before the flag existed) skips that
   one check, saying so; any other failure fails.
 """
 
+import base64
 import json
 import os
 import pathlib
@@ -120,10 +123,16 @@ def test_render_refuses_an_unknown_profile():
     assert out.returncode != 0 and "no profile 'no-such-profile'" in out.stderr, out.stderr
 
 
+def without_random_tokens(docs):
+    """The objects with each Secret's data blanked: the chart's cluster token is random at every render."""
+    return [{**d, "data": "(random)"} if d["kind"] == "Secret" else d for d in docs]
+
+
 def test_render_defaults_to_the_cpu_profile():
     out = subprocess.run(["bash", str(RENDER)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert [d for d in yaml.safe_load_all(out.stdout) if d] == render("cpu")
+    rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert without_random_tokens(rendered) == without_random_tokens(render("cpu"))
 
 
 def test_strict_validation_rejects_an_unknown_field():
@@ -177,6 +186,33 @@ def test_the_objects_are_there(m):
         m.deployment(component)
         m.get("PodDisruptionBudget", f"{m.prefix}-{component}")
     assert m.service(f"{m.prefix}-head")["spec"].get("clusterIP") != "None"
+
+
+def cluster_token_ref(m, component):
+    """The secretKeyRef a component's TANDEM_CLUSTER_TOKEN comes from."""
+    env = {e["name"]: e for e in m.container(component).get("env", [])}
+    assert "TANDEM_CLUSTER_TOKEN" in env, f"{m.profile} {component}: no TANDEM_CLUSTER_TOKEN"
+    return env["TANDEM_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]
+
+
+def test_the_cluster_token_secret_exists_and_every_pod_reads_it(m):
+    """Workers bind 0.0.0.0 and refuse to start without a token: with none given, the chart makes a Secret
+    with a random one, and the head and both pools read TANDEM_CLUSTER_TOKEN from it."""
+    name = f"{m.prefix}-cluster-token"
+    secret = m.get("Secret", name)
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) >= 32 and token.isalnum(), f"{m.profile}: a weak or unprintable token"
+    for component in ("head",) + ROLES:
+        assert cluster_token_ref(m, component) == {"name": name, "key": "token"}, component
+
+
+def test_an_existing_secret_replaces_the_charts_own(tmp_path):
+    f = values_file(tmp_path, {"clusterToken": {"existingSecret": "my-cluster-token", "key": "secret"}})
+    m = Manifests("custom", render_with(["cpu", "-f", f]))
+    assert not m.all("Secret"), "the chart made a Secret beside the one it was given"
+    for component in ("head",) + ROLES:
+        assert cluster_token_ref(m, component) == {"name": "my-cluster-token", "key": "secret"}, component
+    test_every_object_is_valid_kubernetes_1_31_strict(m)
 
 
 def test_pdbs_select_their_pool(m):

@@ -2,7 +2,8 @@
 command and args with $(POD_IP)/$(POD_NAME) expanded, its runAsUser/runAsGroup, all capabilities dropped,
 no privilege escalation, the ConfigMap's tandem.yaml mounted where the head reads it, the model read-only at
 /models, on a private network where the headless Services' names resolve to the pools' container IPs (Docker
-network aliases, the same DNS answer a headless Service gives). It then checks what the manifests promise:
+network aliases, the same DNS answer a headless Service gives), and each secretKeyRef filled from the rendered
+Secret. It then checks what the manifests promise:
 the workers advertise their pod IP, every probe path answers 200 once up, the head discovers the pools and
 serves a chat completion, and a worker stopped with the pod's termination grace period exits 0.
 
@@ -11,6 +12,7 @@ model in models/ (TANDEM_MODELS to name another folder). Without that variable t
 saying so. Bounded: every wait has a deadline, and the containers and network are removed at the end.
 """
 
+import base64
 import json
 import os
 import pathlib
@@ -43,9 +45,9 @@ def docker(*args, check=True, timeout=120):
     return out
 
 
-def get(url, timeout=3):
+def get(url, timeout=3, headers=None):
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -53,11 +55,11 @@ def get(url, timeout=3):
         return None, b""
 
 
-def wait_for(url, what, deadline_s=STARTUP_S, logs_of=None):
+def wait_for(url, what, deadline_s=STARTUP_S, logs_of=None, headers=None):
     end = time.monotonic() + deadline_s
     status = None
     while time.monotonic() < end:
-        status, body = get(url)
+        status, body = get(url, headers=headers)
         if status == 200:
             return body
         time.sleep(1)
@@ -106,6 +108,8 @@ class Cluster:
                 cmd += ["-e", f"{e['name']}={e['value']}"]
             elif e["name"] in values:
                 cmd += ["-e", f"{e['name']}={values[e['name']]}"]
+            elif "secretKeyRef" in e.get("valueFrom", {}):
+                cmd += ["-e", f"{e['name']}={secret_value(m, e['valueFrom']['secretKeyRef'])}"]
         docker(*cmd, IMAGE, *args)
         self.containers.append(name)
         return name, ip
@@ -128,6 +132,11 @@ def cluster(tmp_path):
         c.close()
 
 
+def secret_value(m, ref):
+    """What the kubelet puts in an env var from a secretKeyRef: the rendered Secret's value, decoded."""
+    return base64.b64decode(m.get("Secret", ref["name"])["data"][ref["key"]]).decode()
+
+
 def probe_url(ip, container, probe):
     get_ = container[probe]["httpGet"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -143,6 +152,9 @@ def test_the_cpu_profile_serves_under_docker(cluster, tmp_path):
     config_dir.chmod(0o755)
     (config_dir / "tandem.yaml").chmod(0o644)
 
+    # The workers' control routes need the cluster token (the chart's Secret).
+    ref = next(e for e in m.container("head")["env"] if e["name"] == "TANDEM_CLUSTER_TOKEN")
+    member = {"Authorization": f"Bearer {secret_value(m, ref['valueFrom']['secretKeyRef'])}"}
     workers = {}
     for role in ("prefill", "decode"):
         host, _ = cfg["deployment"]["discovery"][role].rsplit(":", 1)
@@ -150,7 +162,10 @@ def test_the_cpu_profile_serves_under_docker(cluster, tmp_path):
         workers[role] = (name, ip)
     for role, (name, ip) in workers.items():
         c = m.container(role)
-        info = json.loads(wait_for(f"http://{ip}:{flag(c['args'], '--port')}/v1/worker/info", role, logs_of=name))
+        info = json.loads(wait_for(f"http://{ip}:{flag(c['args'], '--port')}/v1/worker/info", role, logs_of=name,
+                                   headers=member))
+        stranger, _ = get(f"http://{ip}:{flag(c['args'], '--port')}/v1/worker/info")
+        assert stranger == 401, f"{role}: /v1/worker/info answered {stranger} without the token"
         assert info["worker_id"] == name and info["role"] == role
         if role == "prefill":
             assert info["kv_endpoint"] == f"{ip}:{flag(c['args'], '--kv-port')}", info

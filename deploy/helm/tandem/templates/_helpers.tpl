@@ -59,6 +59,18 @@ helm.sh/chart: {{ printf "%s-%s" $.Chart.Name $.Chart.Version }}
 {{- toYaml (mustMergeOverwrite $cfg (deepCopy $.Values.extra)) -}}
 {{- end -}}
 
+{{/* The Secret holding the cluster token: the one named in values, else the chart's own. */}}
+{{- define "tandem.clusterTokenSecret" -}}
+{{- default (printf "%s-cluster-token" (include "tandem.fullname" .)) .Values.clusterToken.existingSecret -}}
+{{- end -}}
+
+{{/* The env entry that gives a container the cluster token from its Secret. */}}
+{{- define "tandem.clusterTokenEnv" -}}
+- name: TANDEM_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "tandem.clusterTokenSecret" . }}, key: {{ .Values.clusterToken.key }}}
+{{- end -}}
+
 {{/* The model volume, named models: the PVC or the node folder. */}}
 {{- define "tandem.modelVolume" -}}
 - name: models
