@@ -13,6 +13,7 @@ default 180).
 import json
 import os
 import pathlib
+import secrets
 import shutil
 import socket
 import subprocess
@@ -89,8 +90,11 @@ class Deployment:
         self.project = f"tandemct{os.getpid()}{name}"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The cluster token compose.yaml requires, and the bearer of the tests' calls to control routes.
+        self.token = secrets.token_hex(32)
+        self.auth = {"Authorization": f"Bearer {self.token}"}
         self.env = dict(os.environ, TANDEM_PORT=str(self.port), TANDEM_MODELS=str(MODELS),
-                        TANDEM_IMAGE=CPU_IMAGE, TANDEM_HEAD_IMAGE=CPU_IMAGE)
+                        TANDEM_IMAGE=CPU_IMAGE, TANDEM_HEAD_IMAGE=CPU_IMAGE, TANDEM_CLUSTER_TOKEN=self.token)
         if head_config:
             # The head's YAML (TANDEM_HEAD_CONFIG in compose.yaml), e.g. tests/compose/head-faults.yaml.
             self.env["TANDEM_HEAD_CONFIG"] = str(pathlib.Path(head_config).resolve())
@@ -186,7 +190,7 @@ class Deployment:
         return self.wait_for("the head's /health", lambda: requests.get(self.url + "/health", timeout=3).ok)
 
     def workers(self) -> list:
-        r = requests.get(self.url + "/v1/cluster/workers", timeout=5)
+        r = requests.get(self.url + "/v1/cluster/workers", headers=self.auth, timeout=5)
         r.raise_for_status()
         return r.json()
 

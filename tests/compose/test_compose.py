@@ -38,9 +38,10 @@ def chat(d, stream=False):
 
 
 def probe_from_network(d, url):
-    """`tandem probe URL` from a throwaway container on the project's internal network."""
-    return run(["docker", "run", "--rm", "--network", d.network("backend"), CPU_IMAGE, "probe", url],
-               check=False, timeout=60)
+    """`tandem probe URL` from a throwaway container on the project's internal network, with the cluster
+    token as its bearer (the worker's control routes need it)."""
+    return run(["docker", "run", "--rm", "--network", d.network("backend"), "-e", f"TANDEM_API_KEY={d.token}",
+                CPU_IMAGE, "probe", url], check=False, timeout=60)
 
 
 def resolve(d, name):
@@ -68,7 +69,7 @@ def test_workers_scale_and_serve_on_the_private_network(deployment):
             d.wait_for(f"{role} worker info at {ip}:8100 on the backend network",
                        lambda: probe_from_network(d, f"http://{ip}:8100/v1/worker/info").returncode == 0,
                        timeout=120, interval=2)
-    # The containers' own HEALTHCHECK (tandem probe of TANDEM_PROBE_URL, the worker's info) passes.
+    # The containers' own HEALTHCHECK (tandem probe of TANDEM_PROBE_URL, the worker's /health) passes.
     for c in d.containers("prefill") + d.containers("decode"):
         d.wait_for("the worker's HEALTHCHECK",
                    lambda: d.state(c).get("Health", {}).get("Status") == "healthy", timeout=120)

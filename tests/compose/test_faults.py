@@ -310,8 +310,10 @@ def test_rolling_restart_of_decode(require_dns_discovery, deployment):
             # Stop it while it streams (its own count, read on the bridge network), so the drain has work.
             ip = d.ip(c)
             d.wait_for(f"a stream on decode {ip}", lambda: requests.get(
-                f"http://{ip}:8100/v1/worker/load", timeout=5).json()["in_flight"] > 0, timeout=30, interval=0.05)
-            in_flight_at_stop.append(requests.get(f"http://{ip}:8100/v1/worker/load", timeout=5).json()["in_flight"])
+                f"http://{ip}:8100/v1/worker/load", headers=d.auth, timeout=5).json()["in_flight"] > 0,
+                timeout=30, interval=0.05)
+            in_flight_at_stop.append(requests.get(f"http://{ip}:8100/v1/worker/load", headers=d.auth,
+                                                  timeout=5).json()["in_flight"])
             t0 = time.monotonic()
             run(["docker", "stop", "-t", "40", c], timeout=60)
             stops.append(round(time.monotonic() - t0, 1))
@@ -366,15 +368,17 @@ def test_worker_with_another_block_size_is_refused(require_dns_discovery, deploy
     d = up(deployment, "fb", prefill=1, decode=1)
     name = f"{d.project}_decode_bs32"
     d.extra.append(name)
+    # With the cluster's token, so the head's refusal is about its block size, not a stranger's 401.
     run(["docker", "run", "-d", "--name", name, "--network", d.network("backend"), "--network-alias", "decode",
-         "-v", f"{d.env['TANDEM_MODELS']}:/models:ro", CPU_IMAGE,
+         "-v", f"{d.env['TANDEM_MODELS']}:/models:ro", "-e", f"TANDEM_CLUSTER_TOKEN={d.token}", CPU_IMAGE,
          "worker", "--role", "decode", "--worker-id", "decode-bs32", "--model", f"/models/{MODEL_FILE}",
          "--host", "0.0.0.0", "--port", "8100", "--kv-port", "8200", "--block-size", "32"], timeout=60)
     ip = d.wait_for("the block-size-32 worker's address", lambda: d.ip(name), timeout=30)
     url = f"http://{ip}:8100"
     # It answers on the network (so it is refused, not unreachable) ...
     d.wait_for("the block-size-32 worker answering", lambda: run(
-        ["docker", "exec", name, "tandem", "probe", "http://127.0.0.1:8100/v1/worker/info"],
+        ["docker", "exec", "-e", f"TANDEM_API_KEY={d.token}", name, "tandem", "probe",
+         "http://127.0.0.1:8100/v1/worker/info"],
         check=False, timeout=30).returncode == 0, timeout=90)
     # ... and the head, resolving `decode` to it too, refuses it naming the field.
     refusal = d.wait_for("the head refusing it, naming block_size", lambda: [
@@ -386,7 +390,7 @@ def test_worker_with_another_block_size_is_refused(require_dns_discovery, deploy
     assert listed(d, url) is None, f"{url} is listed: {listed(d, url)}"
     assert len(d.healthy_workers("decode")) == 1
     # No traffic: the worker's own counters (read from this host on the project's bridge network).
-    load = requests.get(url + "/v1/worker/load", timeout=5).json()
+    load = requests.get(url + "/v1/worker/load", headers=d.auth, timeout=5).json()
     summary("decode worker with block_size 32", requests=len(results),
             failures=sum(r[0] != "length" for r in results), listed=False,
             its_requests=load["engine"]["requests_finished_total"], refusal=refusal[-1][-160:])
