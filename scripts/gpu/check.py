@@ -25,7 +25,8 @@ import time
 import urllib.request
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 PROMPT_LENS = [1, 7, 64, 65, 150, 300]
 # The guided serve check's constraint: tokens t1..t4xx only, over the word-level vocabulary below.
@@ -34,14 +35,28 @@ DECODE_STEPS = 16
 VOCAB = 1024
 
 
-# The families check.py builds: (config class, model class). Qwen3 adds per-head q/k RMSNorm before RoPE.
-FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+# The families check.py builds: (config class, model class, extra config). Qwen3 adds per-head q/k
+# RMSNorm before RoPE; Qwen3-MoE routes each token to 4 of 16 experts (renormalised), with layer 1 a
+# dense MLP; Qwen2-MoE adds q/k/v biases, un-normalised top-4 weights and a sigmoid-gated shared
+# expert. 300-token prompts give the experts ~75 rows each (the 64-row grouped GEMM), decode steps
+# a few (the 16-row one).
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                  dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,
+                       decoder_sparse_step=1, mlp_only_layers=[1])),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                  dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=False,
+                       shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[])),
+}
 
 
 def build_model(work, family="llama"):
     torch.manual_seed(0)
-    config_cls, model_cls = FAMILIES[family]
+    config_cls, model_cls, extra = FAMILIES[family]
     cfg = config_cls(
+        **extra,
         hidden_size=512,
         intermediate_size=1536,
         num_hidden_layers=4,

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The peer: HF transformers `generate` on the 8B-shaped Llama (random bf16 weights made on the GPU),
-measured the same way as `tandem cuda-bench` (runs on the GPU machine).
+"""The peer: HF transformers `generate` on the 8B-shaped Llama or (--shape qwen3-30b-a3b) Qwen3-30B-A3B's
+mixture of experts (random bf16 weights made on the GPU), measured the same way as `tandem cuda-bench`
+(runs on the GPU machine).
 
 decode tok/s at batch B and context C: (tokens of a 1 + N-token generate minus those of a 1-token
 generate) over the time difference, so the prompt's prefill is not counted. prefill: one forward of
@@ -11,7 +12,18 @@ import json
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+
+def moe_config(layers):
+    """Qwen3-30B-A3B: 128 experts of 768 features, top-8 renormalised, 32/4 heads of 128."""
+    return Qwen3MoeConfig(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
 
 
 def config(layers):
@@ -36,7 +48,8 @@ def timed(fn):
 @torch.no_grad()
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--shape", choices=["llama3-8b", "qwen3-30b-a3b"], default="llama3-8b")
+    ap.add_argument("--layers", type=int)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -45,8 +58,13 @@ def main():
     a = ap.parse_args()
     t0 = time.time()
     torch.manual_seed(0)
+    # Built in bf16 directly: the 30B model would not fit the GPU in fp32 first.
+    torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config(a.layers)).to(torch.bfloat16).eval()
+        if a.shape == "llama3-8b":
+            model = LlamaForCausalLM(config(a.layers or 32)).eval()
+        else:
+            model = Qwen3MoeForCausalLM(moe_config(a.layers or 48)).eval()
     print(f"hf model ready in {time.time() - t0:.1f} s", flush=True)
     gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     # Warm-up.

@@ -12,13 +12,16 @@
 #   ncu_detail.txt       `detail`: ncu's full section set for a few decode and prefill kernel launches
 #   qwen3/check.json     `qwen3`: check.py's checks on a tiny random Qwen3 (q/k norms)
 #   qwen3_bench.jsonl    `qwen3`: cuda-bench on Qwen3-8B's shape (random bf16 weights made on the GPU)
+#   qwen3_moe/, qwen2_moe/  `moe`: check.py's checks on tiny random Qwen3-MoE and Qwen2-MoE models
+#   moe_bench.jsonl      `moe`: cuda-bench on Qwen3-30B-A3B's shape, then (unless TANDEM_ONLY=1) HF's
+#                        generate on the same shape (hf tagged "peer")
 # and, in the log only, `conformance`: the Backend contract on the CUDA backend (tandem-cuda's
 # tests/conformance.rs, a test executable built elsewhere with
 # `cargo test --release -p tandem-cuda --test conformance --no-run` and given as $CONFORMANCE_BIN,
 # default out/conformance).
 # (The device tool returns at most 8 files: keep it to these plus the caller's log.)
 # The tandem binary is built elsewhere (`cargo build --release --features cuda`, stripped) and given as
-# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [qwen3] [profile] | all
+# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [qwen3] [moe] [profile] | all
 # (TANDEM_ONLY=1 skips the HF peer in bench; `pick` checks $CANDIDATES and benches the first that passes.)
 # `sweep` (only when named) runs `cuda-bench $SWEEP_ARGS` once per entry of $SWEEP, a space-separated
 # list of label:FLAG,FLAG entries (A/B timings of the hidden --cuda-* tuning flags, e.g. --cuda-pdl or
@@ -54,6 +57,22 @@ if want qwen3; then
     --out "$OUT/qwen3" || status=1
   echo "== tandem cuda-bench --shape qwen3-8b"
   timeout 150 "$BIN" cuda-bench --shape qwen3-8b --out "$OUT/qwen3_bench.jsonl" || status=1
+fi
+if want moe; then
+  for fam in qwen3_moe qwen2_moe; do
+    echo "== $fam correctness against HF transformers"
+    timeout 240 python3 "$root/scripts/gpu/check.py" --family "$fam" --bin "$BIN" --work "/tmp/tandem-tiny-$fam" \
+      --out "$OUT/$fam" || status=1
+  done
+  echo "== tandem cuda-bench --shape qwen3-30b-a3b"
+  timeout 300 "$BIN" cuda-bench --shape qwen3-30b-a3b --batches 1,8,64 --prefill 4096 \
+    --out "$OUT/moe_bench.jsonl" || status=1
+  if [ "${TANDEM_ONLY:-0}" != 1 ]; then
+    echo "== HF transformers peer on the same shape"
+    timeout 400 python3 "$root/scripts/gpu/hf-bench.py" --shape qwen3-30b-a3b --batches 1,64 --new-tokens 16 \
+      --prefill 4096 --out /tmp/hf_moe.jsonl || status=1
+    cat /tmp/hf_moe.jsonl >>"$OUT/moe_bench.jsonl"
+  fi
 fi
 if [[ "$what" == *" pick "* ]]; then  # only when named: "all" checks $BIN alone
   # CANDIDATES="bin1 bin2 ...": checks them all at once (each in its own work dir) and keeps the first

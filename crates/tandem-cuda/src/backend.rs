@@ -48,6 +48,14 @@ impl Backend for CudaBackend {
         &self.info
     }
 
+    fn moe_expert_tokens(&self, out: &mut Vec<tandem_model::LayerExpertTokens>) {
+        if let Err(e) = self.model.moe_expert_tokens(out) {
+            // A metric, not a result: a failed read leaves the series where they were.
+            tracing::warn!(error = %e, "could not read the expert token counts");
+            out.clear();
+        }
+    }
+
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
         self.model
             .forward(batch, logits)

@@ -1,6 +1,7 @@
 //! The CUDA C kernel source and its compilation by NVRTC for the device at hand.
 //!
-//! The source lives in `kernels/llama.cu`; the model's shape is prepended as `#define`s so that loops
+//! The source lives in `kernels/llama.cu` and `kernels/moe.cu` (mixture-of-experts layers, which use
+//! llama.cu's helpers); the model's shape is prepended as `#define`s so that loops
 //! over head dimensions and GQA groups unroll at compile time.
 
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
@@ -8,7 +9,10 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use crate::error::CudaError;
 
 /// The kernels' CUDA C source, embedded in the binary.
-pub const SOURCE: &str = include_str!("../kernels/llama.cu");
+pub const SOURCE: &str = concat!(
+    include_str!("../kernels/llama.cu"),
+    include_str!("../kernels/moe.cu")
+);
 
 /// Most keys per decode attention partition (`DEC_PART`, the kernel's shared score buffer).
 pub const DECODE_PARTITION: usize = 256;
@@ -35,7 +39,7 @@ pub fn decode_partition(n_decode: usize, small: usize) -> usize {
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 17] = [
+pub const KERNEL_NAMES: [&str; 22] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -53,6 +57,11 @@ pub const KERNEL_NAMES: [&str; 17] = [
     "attn_decode_small",
     "kv_gather",
     "kv_scatter",
+    "moe_route",
+    "moe_align",
+    "moe_gemm_16",
+    "moe_gemm_64",
+    "moe_combine",
 ];
 
 /// Largest row count the small-batch GEMV kernels (`gemv_1` .. `gemv_8`) handle.

@@ -423,6 +423,18 @@ mod tests {
 
         j["num_experts_per_tok"] = json!(200);
         assert!(ModelConfig::from_hf_json(&j, None).is_err());
+
+        // transformers 5 saves the expert count as num_local_experts.
+        j["num_experts_per_tok"] = json!(8);
+        let n = j.as_object_mut().unwrap().remove("num_experts").unwrap();
+        j["num_local_experts"] = n;
+        assert_eq!(
+            ModelConfig::from_hf_json(&j, None)
+                .unwrap()
+                .moe
+                .map(|m| m.num_experts),
+            Some(128)
+        );
     }
 
     #[test]

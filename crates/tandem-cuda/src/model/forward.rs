@@ -7,7 +7,7 @@ use tandem_model::ForwardBatch;
 
 use super::gemv::{fused_smem_bytes, GemvFamily, GEMV_WARPS};
 use super::launch::{KernelArg, SeqAttnArgs};
-use super::CudaLlama;
+use super::{CudaLlama, FfnBufs};
 use crate::error::CudaError;
 use crate::kernels::{self, DECODE_PARTITION_SMALL};
 use crate::memory::{BF16, STAGING_CHUNK};
@@ -131,6 +131,8 @@ impl CudaLlama {
         let fused = self.fused_step(t);
         let smem = fused_smem_bytes(t, h) as u32;
         let block = (32 * GEMV_WARPS as u32, 1, 1);
+        // The previous layer's last delta, not yet added into x (0: x is complete).
+        let mut pending = 0u64;
         for (l, lw) in self.layers.iter().enumerate() {
             let cache = self.kv.at(l * layer_elems, BF16);
             let bias = lw.bqkv.as_ref().map_or(0u64, |b| b.ptr);
@@ -162,9 +164,7 @@ impl CudaLlama {
                     groups
                 );
             } else {
-                // A fused step keeps the residual complete in x: nothing to add before the norm.
-                let delta = if l == 0 || fused { 0u64 } else { a.delta.ptr };
-                self.enqueue_add_rmsnorm(t, delta, lw.attn_norm.ptr)?;
+                self.enqueue_add_rmsnorm(t, pending, lw.attn_norm.ptr)?;
                 self.gemm(a.xn.ptr, lw.wqkv.ptr, a.qkv.ptr, t, q + 2 * kv, h, false)?;
                 if let Some((qn, kn)) = &lw.qk_norm {
                     // Four heads (warps) a block.
@@ -273,6 +273,22 @@ impl CudaLlama {
                     }
                 }
             }
+            let (gate_up, down) = match &lw.ffn {
+                FfnBufs::Dense { gate_up, down } => (gate_up.ptr, down.ptr),
+                FfnBufs::Moe(moe) => {
+                    if fused {
+                        self.enqueue_gemv_add(t, a.attn.ptr, lw.wo.ptr, a.x.ptr, q)?;
+                        self.enqueue_add_rmsnorm(t, 0, lw.ffn_norm.ptr)?;
+                    } else {
+                        self.gemm(a.attn.ptr, lw.wo.ptr, a.delta.ptr, t, h, q, false)?;
+                        self.enqueue_add_rmsnorm(t, a.delta.ptr, lw.ffn_norm.ptr)?;
+                    }
+                    // The experts' output goes straight into x.
+                    self.enqueue_moe(l, moe, t)?;
+                    pending = 0;
+                    continue;
+                }
+            };
             if fused {
                 // Output projection added into the residual; RMSNorm + gate/up + SiLU·mul; down
                 // projection added into the residual.
@@ -287,40 +303,25 @@ impl CudaLlama {
                     a.x.ptr,
                     lw.ffn_norm.ptr,
                     eps,
-                    lw.w_gate_up.ptr,
+                    gate_up,
                     a.act.ptr,
                     f as i32,
                     h as i32,
                     ks,
                     groups
                 );
-                self.enqueue_gemv_add(t, a.act.ptr, lw.w_down.ptr, a.x.ptr, f)?;
+                self.enqueue_gemv_add(t, a.act.ptr, down, a.x.ptr, f)?;
+                pending = 0;
                 continue;
             }
             self.gemm(a.attn.ptr, lw.wo.ptr, a.delta.ptr, t, h, q, false)?;
             self.enqueue_add_rmsnorm(t, a.delta.ptr, lw.ffn_norm.ptr)?;
-            self.gemm(a.xn.ptr, lw.w_gate_up.ptr, a.gu.ptr, t, 2 * f, h, false)?;
-            // Eight columns per thread: ffn / 2048 blocks cover a row in one pass; one grid row per
-            // token.
-            let col_blocks = f.div_ceil(8 * 256) as u32;
-            launch!(
-                s,
-                self.funcs.silu_mul,
-                (col_blocks, tt, 1),
-                (256, 1, 1),
-                a.gu.ptr,
-                a.act.ptr,
-                f as i32
-            );
-            self.gemm(a.act.ptr, lw.w_down.ptr, a.delta.ptr, t, h, f, false)?;
+            self.gemm(a.xn.ptr, gate_up, a.gu.ptr, t, 2 * f, h, false)?;
+            self.enqueue_silu_mul(a.gu.ptr, a.act.ptr, t, f)?;
+            self.gemm(a.act.ptr, down, a.delta.ptr, t, h, f, false)?;
+            pending = a.delta.ptr;
         }
-        // The fused path adds every delta into x itself.
-        let final_delta = if self.layers.is_empty() || fused {
-            0u64
-        } else {
-            a.delta.ptr
-        };
-        self.enqueue_add_rmsnorm(t, final_delta, self.norm.ptr)
+        self.enqueue_add_rmsnorm(t, pending, self.norm.ptr)
     }
 
     /// Queues `res[t × n] += x[t × k] · w[n × k]ᵀ` through the residual-add GEMV (`n` = hidden size).

@@ -27,6 +27,12 @@ pub(super) struct Funcs {
     pub(super) attn_prefill: CudaFunction,
     pub(super) attn_decode: CudaFunction,
     pub(super) attn_decode_small: CudaFunction,
+    /// Mixture-of-experts routing, grouping, grouped GEMMs (16- and 64-row blocks) and combine.
+    pub(super) moe_route: CudaFunction,
+    pub(super) moe_align: CudaFunction,
+    pub(super) moe_gemm_16: CudaFunction,
+    pub(super) moe_gemm_64: CudaFunction,
+    pub(super) moe_combine: CudaFunction,
     /// `gemv[m - 1]` computes m rows.
     pub(super) gemv: Vec<CudaFunction>,
     /// GEMV adding into the residual stream (`gemv_add_m`).
@@ -61,6 +67,11 @@ impl Funcs {
             attn_prefill: f("attn_prefill")?,
             attn_decode: f("attn_decode")?,
             attn_decode_small: f("attn_decode_small")?,
+            moe_route: f("moe_route")?,
+            moe_align: f("moe_align")?,
+            moe_gemm_16: f("moe_gemm_16")?,
+            moe_gemm_64: f("moe_gemm_64")?,
+            moe_combine: f("moe_combine")?,
             gemv: gemv_family(kernels::GEMV_FAMILIES[0])?,
             gemv_add: gemv_family(kernels::GEMV_FAMILIES[1])?,
             gemv_silu: gemv_family(kernels::GEMV_FAMILIES[2])?,

@@ -14,6 +14,7 @@ mod forward;
 mod gemv;
 mod graphs;
 mod kv_io;
+mod moe;
 mod sample;
 mod stage_io;
 mod upload;
@@ -61,9 +62,15 @@ struct LayerBufs {
     qk_norm: Option<(DeviceBuf, DeviceBuf)>,
     wo: DeviceBuf,
     ffn_norm: DeviceBuf,
-    /// [gate; up] rows fused.
-    w_gate_up: DeviceBuf,
-    w_down: DeviceBuf,
+    ffn: FfnBufs,
+}
+
+/// A layer's feed-forward weights, as its `LayerSpec::mlp` says.
+enum FfnBufs {
+    /// One gated MLP: [gate; up] rows fused, and down.
+    Dense { gate_up: DeviceBuf, down: DeviceBuf },
+    /// A mixture of experts.
+    Moe(moe::MoeBufs),
 }
 
 /// Activation buffers, sized once for the largest step.
@@ -90,6 +97,8 @@ struct Acts {
     /// Finished decode partitions per (sequence, kv head); zero between launches.
     dec_done: DeviceBuf,
     meta: DeviceBuf,
+    /// Routing and grouped-expert buffers (mixture-of-experts models only).
+    moe: Option<moe::MoeActs>,
     _blas_workspace: DeviceBuf,
 }
 
@@ -173,7 +182,6 @@ fn check_structure(c: &ModelConfig) -> Result<(), CudaError> {
     let first = c.layer(0);
     let default_scale = ModelConfig::default_attn_scale(c.head_dim);
     let refused = [
-        (c.has_moe(), "mixture-of-experts layers"),
         (
             c.qk_norm && c.attention_bias,
             "per-head query/key norms (qk_norm) after q/k/v biases",
@@ -253,6 +261,7 @@ impl CudaLlama {
             )));
         }
         check_structure(&config)?;
+        moe::check(&config)?;
         if opts.max_tokens > 65535 {
             return Err(CudaError::Unsupported(
                 "more than 65535 tokens per step".into(),
@@ -396,6 +405,7 @@ impl CudaLlama {
             part_o: bufsz(part_slots * c.head_dim, 4)?,
             dec_done: bufsz(max_seqs.max(GRAPH_SIZES[0]) * c.num_kv_heads, 4)?,
             meta: bufsz(meta_layout.total(), 4)?,
+            moe: moe::MoeActs::new(&ctx, c, range.len(), max_tokens)?,
             _blas_workspace: bufsz(64 << 20, 1)?,
         };
         // An explicit workspace keeps cuBLAS from allocating inside graph capture.
@@ -526,13 +536,29 @@ impl CudaLlama {
         self.last_enqueue
     }
 
-    /// Bytes of weights a decode step reads once: every matrix, the norms, the output head (the
-    /// embedding is only gathered).
-    pub fn weight_bytes_per_step(&self) -> usize {
+    /// Bytes of weights a decode step of `batch` tokens reads once: every matrix, the norms, the
+    /// output head (the embedding is only gathered); of a mixture of experts, the router, the shared
+    /// expert and the routed experts the batch is expected to use (`top_k` at batch 1; for more tokens
+    /// the expected count of distinct experts under uniform routing).
+    pub fn weight_bytes_per_step(&self, batch: usize) -> usize {
         let c = &self.config;
         let (h, q, kv, f, v) = widths(c);
-        let per_layer = (q + 2 * kv) * h + q * h + 2 * f * h + h * f + 2 * h;
-        (self.layers.len() * per_layer + h + v * h) * BF16
+        let attn = (q + 2 * kv) * h + q * h + 2 * h;
+        let per_layer: usize = self
+            .layers()
+            .map(|l| match (c.layer(l).mlp, &c.moe) {
+                (tandem_model::MlpKind::Moe, Some(m)) => {
+                    let e = m.num_experts as f64;
+                    let used = e * (1.0 - (1.0 - m.top_k as f64 / e).powi(batch.max(1) as i32));
+                    let shared = m.shared_ffn.map_or(0, |fs| 3 * fs * h + h);
+                    attn + (m.num_experts * h)
+                        + shared
+                        + (used.round() as usize) * 3 * m.expert_ffn * h
+                }
+                _ => attn + 3 * f * h,
+            })
+            .sum();
+        (per_layer + h + v * h) * BF16
     }
 
     fn limits(&self) -> PlanLimits {

@@ -4,10 +4,11 @@ use std::sync::Arc;
 
 use cudarc::driver::{result as drv_result, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 use tandem_kernels::Matrix;
-use tandem_model::ModelConfig;
+use tandem_model::{MlpKind, MlpWeights, ModelConfig, MoeWeights};
 
 use super::launch::Funcs;
-use super::{widths, LayerBufs, WeightSource};
+use super::moe::MoeBufs;
+use super::{widths, FfnBufs, LayerBufs, WeightSource};
 use crate::error::CudaError;
 use crate::memory::{bf16_bits, DeviceBuf, BF16};
 
@@ -45,6 +46,11 @@ impl Uploader<'_> {
 
     /// Row-concatenates matrices (same column count) into one bf16 device matrix.
     pub(super) fn matrices(&self, ms: &[&Matrix]) -> Result<DeviceBuf, CudaError> {
+        self.upload(&Self::matrix_bits(ms))
+    }
+
+    /// The bf16 bits of matrices (same column count) concatenated by rows.
+    fn matrix_bits(ms: &[&Matrix]) -> Vec<u16> {
         let cols = ms[0].cols();
         let rows: usize = ms.iter().map(|m| m.rows()).sum();
         let mut bits: Vec<u16> = Vec::with_capacity(rows * cols);
@@ -64,7 +70,69 @@ impl Uploader<'_> {
                 }
             }
         }
-        self.upload(&bits)
+        bits
+    }
+
+    /// A mixture of experts' weights: the router with the shared expert's gate row after it, every
+    /// expert's [gate; up] rows and down projections stacked expert after expert.
+    fn moe(&self, w: &MoeWeights) -> Result<MoeBufs, CudaError> {
+        let mut router = Self::matrix_bits(&[&w.router]);
+        if let Some(sh) = &w.shared {
+            router.extend(sh.gate.iter().map(|&x| bf16_bits(x)));
+        }
+        let gate_up: Vec<&Matrix> = w.experts.iter().flat_map(|x| [&x.gate, &x.up]).collect();
+        let down: Vec<&Matrix> = w.experts.iter().map(|x| &x.down).collect();
+        Ok(MoeBufs {
+            router: self.upload(&router)?,
+            gate_up: self.matrices(&gate_up)?,
+            down: self.matrices(&down)?,
+            shared: match &w.shared {
+                Some(sh) => Some((
+                    self.matrices(&[&sh.mlp.gate, &sh.mlp.up])?,
+                    self.matrices(&[&sh.mlp.down])?,
+                )),
+                None => None,
+            },
+        })
+    }
+
+    /// Random feed-forward weights of one layer of `c` (see [`Self::ffn_draws`]).
+    fn random_ffn(&mut self, c: &ModelConfig, l: usize) -> Result<FfnBufs, CudaError> {
+        let h = c.hidden_size;
+        let hs = 1.0 / (h as f32).sqrt();
+        Ok(match (c.layer(l).mlp, &c.moe) {
+            (MlpKind::Moe, Some(m)) => {
+                let (e, f) = (m.num_experts, m.expert_ffn);
+                let width = e + usize::from(m.shared_ffn.is_some());
+                FfnBufs::Moe(MoeBufs {
+                    router: self.random(width * h, hs)?,
+                    gate_up: self.random(e * 2 * f * h, hs)?,
+                    down: self.random(e * h * f, 1.0 / (f as f32).sqrt())?,
+                    shared: match m.shared_ffn {
+                        Some(fs) => Some((
+                            self.random(2 * fs * h, hs)?,
+                            self.random(h * fs, 1.0 / (fs as f32).sqrt())?,
+                        )),
+                        None => None,
+                    },
+                })
+            }
+            _ => {
+                let f = c.intermediate_size;
+                FfnBufs::Dense {
+                    gate_up: self.random(2 * f * h, hs)?,
+                    down: self.random(h * f, 1.0 / (f as f32).sqrt())?,
+                }
+            }
+        })
+    }
+
+    /// Generator draws of [`Self::random_ffn`] for layer `l` (a stage skips another stage's).
+    fn ffn_draws(c: &ModelConfig, l: usize) -> usize {
+        match (c.layer(l).mlp, &c.moe) {
+            (MlpKind::Moe, Some(m)) => 3 + 2 * usize::from(m.shared_ffn.is_some()),
+            _ => 2,
+        }
     }
 
     pub(super) fn fill_random(
@@ -128,7 +196,7 @@ impl Uploader<'_> {
         range: std::ops::Range<usize>,
     ) -> Result<Weights, CudaError> {
         let up = self;
-        let (h, q, kv, f, v) = widths(c);
+        let (h, q, kv, _, v) = widths(c);
         let last = range.end == c.num_layers;
         let want_embed = range.start == 0 || (last && c.tie_word_embeddings);
         Ok(match weights {
@@ -147,10 +215,13 @@ impl Uploader<'_> {
                         }
                         _ => None,
                     };
-                    // check_structure admitted dense layers only.
-                    let mlp = lw.mlp.dense().ok_or_else(|| {
-                        CudaError::Unsupported("mixture-of-experts layers on CUDA".into())
-                    })?;
+                    let ffn = match &lw.mlp {
+                        MlpWeights::Dense(mlp) => FfnBufs::Dense {
+                            gate_up: up.matrices(&[&mlp.gate, &mlp.up])?,
+                            down: up.matrices(&[&mlp.down])?,
+                        },
+                        MlpWeights::Moe(mw) => FfnBufs::Moe(up.moe(mw)?),
+                    };
                     let qk_norm = match (&lw.q_norm, &lw.k_norm) {
                         (Some(qn), Some(kn)) => Some((up.vector(qn)?, up.vector(kn)?)),
                         _ => None,
@@ -162,8 +233,7 @@ impl Uploader<'_> {
                         qk_norm,
                         wo: up.matrices(&[&lw.wo])?,
                         ffn_norm: up.vector(&lw.ffn_norm)?,
-                        w_gate_up: up.matrices(&[&mlp.gate, &mlp.up])?,
-                        w_down: up.matrices(&[&mlp.down])?,
+                        ffn,
                     });
                 }
                 let norm = up.vector(&w.norm)?;
@@ -184,8 +254,8 @@ impl Uploader<'_> {
                 let mut layers = Vec::with_capacity(range.len());
                 for l in 0..c.num_layers {
                     if !range.contains(&l) {
-                        // wqkv, the bias, wo, gate/up and down of a layer another stage holds.
-                        for _ in 0..4 + usize::from(c.attention_bias) {
+                        // wqkv, the bias, wo and the MLP of a layer another stage holds.
+                        for _ in 0..2 + usize::from(c.attention_bias) + Uploader::ffn_draws(c, l) {
                             up.skip_random();
                         }
                         continue;
@@ -206,8 +276,7 @@ impl Uploader<'_> {
                         },
                         wo: up.random(h * q, 1.0 / (q as f32).sqrt())?,
                         ffn_norm: up.constant(h, 1.0)?,
-                        w_gate_up: up.random(2 * f * h, 1.0 / (h as f32).sqrt())?,
-                        w_down: up.random(h * f, 1.0 / (f as f32).sqrt())?,
+                        ffn: up.random_ffn(c, l)?,
                     });
                 }
                 let norm = up.constant(h, 1.0)?;

@@ -288,10 +288,14 @@ fn hf_ropes(json: &Value, gemma: bool) -> Result<(LayerRope, LayerRope), ModelEr
     Ok((global, local))
 }
 
-/// The experts of a Qwen-MoE style config (`num_experts` > 0), else `None`.
+/// The experts of a Qwen-MoE style config (`num_experts` > 0, or `num_local_experts`, the name
+/// transformers 5 saves), else `None`.
 fn hf_moe(json: &Value) -> Result<Option<MoeSpec>, ModelError> {
     let get = |k: &str| json.get(k).and_then(Value::as_u64).map(|v| v as usize);
-    let Some(num_experts) = get("num_experts").filter(|&n| n > 0) else {
+    let Some(num_experts) = get("num_experts")
+        .or_else(|| get("num_local_experts"))
+        .filter(|&n| n > 0)
+    else {
         return Ok(None);
     };
     let need = |k: &str| {

@@ -8,7 +8,9 @@ use anyhow::{bail, Result};
 use clap::Args;
 use serde::Serialize;
 use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
-use tandem_model::{DenseShape, ForwardBatch, LayerRope, LogitsWanted, ModelConfig};
+use tandem_model::{
+    DenseShape, ForwardBatch, LayerRope, LayerSpec, LogitsWanted, MlpKind, ModelConfig, MoeSpec,
+};
 
 use super::io_err;
 use crate::cuda_settings::CudaSettings;
@@ -58,6 +60,10 @@ pub enum BenchShape {
     /// Qwen3-8B: 36 layers, 4096 hidden, 12288 FFN, 32/8 heads, 151936 vocab, per-head q/k norms.
     #[value(name = "qwen3-8b")]
     Qwen3_8b,
+    /// Qwen3-30B-A3B: 48 layers, 2048 hidden, 32/4 heads, 128 experts of 768 features, top-8
+    /// renormalised, per-head q/k norms, 151936 vocab.
+    #[value(name = "qwen3-30b-a3b")]
+    Qwen3_30bA3b,
 }
 
 /// Runs `cuda-bench` on `args.shape` with `args.layers` layers.
@@ -65,6 +71,7 @@ pub fn run(args: CudaBenchArgs) -> Result<()> {
     let mut config = match args.shape {
         BenchShape::Llama3_8b => BenchArgs::llama3_8b_config(),
         BenchShape::Qwen3_8b => BenchArgs::qwen3_8b_config(),
+        BenchShape::Qwen3_30bA3b => BenchArgs::qwen3_30b_a3b_config(),
     };
     if let Some(n) = args.layers {
         // The shape's layer pattern repeated (or cut) to n layers.
@@ -154,6 +161,32 @@ impl BenchArgs {
         c.rms_norm_eps = 1e-6;
         c
     }
+
+    /// Qwen3-30B-A3B's shape (see [`BenchShape::Qwen3_30bA3b`]): Qwen3-8B's attention settings on
+    /// a 2048-wide model whose every MLP is a mixture of experts.
+    pub(super) fn qwen3_30b_a3b_config() -> ModelConfig {
+        let mut c = Self::qwen3_8b_config();
+        c.architecture = "qwen3moe".into();
+        c.hidden_size = 2048;
+        c.num_heads = 32;
+        c.num_kv_heads = 4;
+        c.num_layers = 48;
+        c.intermediate_size = 6144;
+        c.layers = LayerSpec::uniform(
+            48,
+            c.layers[0].attention,
+            c.layers[0].rope.clone(),
+            MlpKind::Moe,
+        );
+        c.moe = Some(MoeSpec {
+            num_experts: 128,
+            top_k: 8,
+            norm_top_k: true,
+            expert_ffn: 768,
+            shared_ffn: None,
+        });
+        c
+    }
 }
 
 /// One measurement, as a JSON line.
@@ -210,7 +243,6 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
         secs = t0.elapsed().as_secs_f64(),
         "random weights generated on the GPU"
     );
-    let weight_bytes = model.weight_bytes_per_step() as f64;
     let kv_per_token = model.kv_layout().bytes_per_token() as f64;
     let mut rows = Vec::new();
     let mut emit = |row: BenchRow| {
@@ -263,7 +295,7 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
             }
             let med = median(&mut times);
             let ctx_avg = args.context as f64 + (warmup + args.steps) as f64 / 2.0;
-            let bytes = weight_bytes + b as f64 * ctx_avg * kv_per_token;
+            let bytes = model.weight_bytes_per_step(b) as f64 + b as f64 * ctx_avg * kv_per_token;
             emit(BenchRow {
                 what: "decode".into(),
                 batch: b,
@@ -303,8 +335,17 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
         let med = median(&mut times);
         let n = len as f64;
         let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let linear = 2.0 * n * (c.num_layers * ((q + 2 * kv) * h + q * h + 3 * f * h)) as f64
-            + 2.0 * (c.vocab_size * h) as f64;
+        // The MLP FLOPs a token costs: its k experts (and the shared one) in a mixture of experts.
+        let mlp = |l: usize| match (c.layer(l).mlp, &c.moe) {
+            (MlpKind::Moe, Some(m)) => {
+                3 * (m.top_k * m.expert_ffn + m.shared_ffn.unwrap_or(0)) * h + m.num_experts * h
+            }
+            _ => 3 * f * h,
+        };
+        let per_token: usize = (0..c.num_layers)
+            .map(|l| (q + 2 * kv) * h + q * h + mlp(l))
+            .sum();
+        let linear = 2.0 * n * per_token as f64 + 2.0 * (c.vocab_size * h) as f64;
         let attn = 4.0 * (c.num_heads * c.head_dim * c.num_layers) as f64 * n * (n + 1.0) / 2.0;
         emit(BenchRow {
             what: "prefill".into(),
