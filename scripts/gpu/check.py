@@ -264,6 +264,29 @@ def main():
     except Exception as e:  # noqa: BLE001
         report["checks"]["graphs_gemv_vs_eager_cublas"] = {"pass": False, "error": str(e)}
 
+    # A decode batch past SMALL_DECODE_BATCH (32) runs `attn_decode`, whose captured graph has a fixed
+    # grid of blocks that loop over partitions: one block a multiprocessor here, so 40 sequences of
+    # 520-990 tokens take two or more partitions per block. Teacher-forced with random tokens, against
+    # eager launches (one block per partition) and cuBLAS.
+    try:
+        g = torch.Generator().manual_seed(2)
+        wide = [{"prompt": torch.randint(3, VOCAB, (int(n),), generator=g).tolist(),
+                 "force": torch.randint(3, VOCAB, (DECODE_STEPS,), generator=g).tolist()}
+                for n in torch.randint(520, 990, (40,), generator=g)]
+        wfile = os.path.join(a.work, "wide.json")
+        with open(wfile, "w") as f:
+            json.dump(wide, f)
+        looped = run_tandem(a.bin, a.work, wfile, os.path.join(a.work, "tandem-wide.json"),
+                            ["--cuda-decode-graph-blocks", "1"])
+        eager = run_tandem(a.bin, a.work, wfile, os.path.join(a.work, "tandem-wide-eager.json"),
+                           ["--no-cuda-graphs", "--no-cuda-gemv"])
+        dec = lambda r: [torch.tensor(p["decode_logits"], dtype=torch.float32) for p in r["prompts"]]  # noqa: E731
+        c = compare(dec(looped), dec(eager))
+        c["pass"] = c["rel_l2"] < 1e-2 and not c["nan"]
+        report["checks"]["wide_batch_looping_graph_attention_vs_eager"] = c
+    except Exception as e:  # noqa: BLE001
+        report["checks"]["wide_batch_looping_graph_attention_vs_eager"] = {"pass": False, "error": str(e)}
+
     try:
         cpu = run_tandem(a.bin, a.work, pfile, os.path.join(a.work, "tandem-cpu.json"), cpu=True)
         c = compare(rows(cpu), ref32)

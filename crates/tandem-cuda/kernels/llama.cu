@@ -1054,7 +1054,10 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_small(
                max_parts, dec_row, part_m, part_l, part_o, done, out);
 }
 
-// The large-batch decode attention: blocks loop over partitions of up to DEC_PART keys.
+// The large-batch decode attention: block (i, kvh, z) takes partitions z, z + gridDim.z, ... of up
+// to part_len (<= DEC_PART) keys of sequence i's context. An eager launch has a z for every partition
+// the batch's longest context needs (one each); a captured graph, which must fit any later context up
+// to the limit, has a fixed z and its blocks loop, so a step's cost follows its real context.
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ dec_row, const int* __restrict__ dec_ctx,
     const int* __restrict__ dec_bt, const int* __restrict__ bt, const bf16* __restrict__ cache,
@@ -1064,54 +1067,57 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     __shared__ float red[VLANES][GQA][HEAD_DIM];
     pdl_wait();
     pdl_trigger();
-    const int i = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+    const int i = blockIdx.x, kvh = blockIdx.y;
     const int ctx = dec_ctx[i];
-    const int start = part * part_len;  // part_len <= DEC_PART, the shared score buffer's size
-    if (start >= ctx) return;
-    const int end = min(ctx, start + part_len);
-    const int n = end - start;
+    if ((int)blockIdx.z * part_len >= ctx) return;
+    const int parts = (ctx + part_len - 1) / part_len;
     const int* tbl = bt + dec_bt[i];
     const int t = threadIdx.x;
-
     // Scoring: thread t covers dims (t % TPK) * 8 .. +8 of key (t / TPK) + KPI * iteration.
     const int c = (t % TPK) * 8, kk = t / TPK;
     float qf[GQA][8];
     dec_load_q(qkv, qkv_width, dec_row[i], kvh, c, scale_log2, qf);
-    // Two keys per thread per iteration keep two 16-byte loads in flight. The loop bound is
-    // block-uniform so that every lane reaches the shuffles; lanes past the end score a zero key and
-    // do not store.
-    for (int j0 = 0; j0 < n; j0 += 2 * KPI) {
-        const int ja = j0 + kk, jb = ja + KPI;
-        uint4 ra = make_uint4(0, 0, 0, 0), rb = make_uint4(0, 0, 0, 0);
-        if (ja < n) ra = *(const uint4*)(kv_row(cache, tbl, start + ja, 0, n_kv, kvh) + c);
-        if (jb < n) rb = *(const uint4*)(kv_row(cache, tbl, start + jb, 0, n_kv, kvh) + c);
-        score_key<DEC_PART>(ra, qf, sc, ja, n, t);
-        score_key<DEC_PART>(rb, qf, sc, jb, n, t);
-    }
-    __syncthreads();
-    const u64 first = ((u64)i * n_heads + kvh * GQA) * max_parts + part;
-    dec_softmax<DEC_PART>(sc, n, first, max_parts, part_m, part_l);
-    __syncthreads();
-    // V pass: thread t accumulates dims (t % VCH) * 8 .. +8 over keys (t / VCH) + VLANES * iteration.
-    const int c8 = (t % VCH) * 8, vl = t / VCH;
-    float acc[GQA][8];
-#pragma unroll
-    for (int g = 0; g < GQA; g++)
-#pragma unroll
-        for (int e = 0; e < 8; e++) acc[g][e] = 0.f;
-    for (int j = vl; j < n; j += VLANES) {
-        uint4 raw = *(const uint4*)(kv_row(cache, tbl, start + j, 1, n_kv, kvh) + c8);
-        float vf[8];
-        unpack8(raw, vf);
-#pragma unroll
-        for (int g = 0; g < GQA; g++) {
-            float p = sc[g][j];
-#pragma unroll
-            for (int e = 0; e < 8; e++) acc[g][e] += p * vf[e];
+    // The loop bound is block-uniform (ctx is the block's sequence's), so every barrier is reached.
+    for (int part = blockIdx.z; part < parts; part += gridDim.z) {
+        const int start = part * part_len;
+        const int n = min(ctx, start + part_len) - start;
+        // Two keys per thread per iteration keep two 16-byte loads in flight. The loop bound is
+        // block-uniform so that every lane reaches the shuffles; lanes past the end score a zero key
+        // and do not store.
+        for (int j0 = 0; j0 < n; j0 += 2 * KPI) {
+            const int ja = j0 + kk, jb = ja + KPI;
+            uint4 ra = make_uint4(0, 0, 0, 0), rb = make_uint4(0, 0, 0, 0);
+            if (ja < n) ra = *(const uint4*)(kv_row(cache, tbl, start + ja, 0, n_kv, kvh) + c);
+            if (jb < n) rb = *(const uint4*)(kv_row(cache, tbl, start + jb, 0, n_kv, kvh) + c);
+            score_key<DEC_PART>(ra, qf, sc, ja, n, t);
+            score_key<DEC_PART>(rb, qf, sc, jb, n, t);
         }
+        __syncthreads();
+        const u64 first = ((u64)i * n_heads + kvh * GQA) * max_parts + part;
+        dec_softmax<DEC_PART>(sc, n, first, max_parts, part_m, part_l);
+        __syncthreads();
+        // V pass: thread t accumulates dims (t % VCH) * 8 .. +8 over keys (t / VCH) + VLANES * iteration.
+        const int c8 = (t % VCH) * 8, vl = t / VCH;
+        float acc[GQA][8];
+#pragma unroll
+        for (int g = 0; g < GQA; g++)
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[g][e] = 0.f;
+        for (int j = vl; j < n; j += VLANES) {
+            uint4 raw = *(const uint4*)(kv_row(cache, tbl, start + j, 1, n_kv, kvh) + c8);
+            float vf[8];
+            unpack8(raw, vf);
+#pragma unroll
+            for (int g = 0; g < GQA; g++) {
+                float p = sc[g][j];
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[g][e] += p * vf[e];
+            }
+        }
+        dec_finish(acc, red, i, kvh, part, parts, n_heads, n_kv, max_parts, dec_row, part_m, part_l, part_o, done,
+                   out);
+        __syncthreads();  // sc and red are rewritten by the next partition
     }
-    dec_finish(acc, red, i, kvh, part, (ctx + part_len - 1) / part_len, n_heads, n_kv, max_parts, dec_row, part_m,
-               part_l, part_o, done, out);
 }
 
 // ---- Small-batch GEMV: y[m][n] = sum_k x[m][k] w[n][k] for M <= 8 rows (decode). ----
@@ -1284,11 +1290,11 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const bf16* 
 }
 
 // Streams the block's groups: rows(it, r0, r1) maps an item to its two weight rows (clamped into
-// the matrix), epi(it, r0, r1, a0, a1) consumes the sums (in the slice-0 warp). The prologue, if
-// any, runs between the first loads and the first item.
-template <int M, bool SMEM_X, class Rows, class Prologue, class Epi>
-__device__ __forceinline__ void gv_run(const bf16* __restrict__ x, const bf16* __restrict__ w, int K, int ks, int groups,
-                                       Rows rows, Prologue prologue, Epi epi) {
+// the matrix), xof(it) to its M activation rows, epi(it, r0, r1, a0, a1) consumes the sums (in the
+// slice-0 warp). The prologue, if any, runs between the first loads and the first item.
+template <int M, bool SMEM_X, class Rows, class XOf, class Prologue, class Epi>
+__device__ __forceinline__ void gv_run_x(const bf16* __restrict__ w, int K, int ks, int groups, Rows rows, XOf xof,
+                                         Prologue prologue, Epi epi) {
     int g = blockIdx.x;
     GvItem it = gv_item(g, K, ks);
     int r0, r1;
@@ -1305,7 +1311,7 @@ __device__ __forceinline__ void gv_run(const bf16* __restrict__ x, const bf16* _
         rows(ni, n0, n1);
         const GvNext nx{w + (u64)n0 * K, w + (u64)n1 * K, ni.kb, gn < groups ? ni.ke : ni.kb};
         float a0[M], a1[M];
-        gv_pair<M, SMEM_X>(x, w + (u64)r0 * K, w + (u64)r1 * K, K, it, ks, nx, c0, c1, a0, a1);
+        gv_pair<M, SMEM_X>(xof(it), w + (u64)r0 * K, w + (u64)r1 * K, K, it, ks, nx, c0, c1, a0, a1);
         if (it.slice == 0) epi(it, r0, r1, a0, a1);
         if (gn >= groups) break;
         g = gn;
@@ -1313,6 +1319,14 @@ __device__ __forceinline__ void gv_run(const bf16* __restrict__ x, const bf16* _
         r0 = n0;
         r1 = n1;
     }
+}
+
+// gv_run_x with the same activation rows x for every item (the dense projections).
+template <int M, bool SMEM_X, class Rows, class Prologue, class Epi>
+__device__ __forceinline__ void gv_run(const bf16* __restrict__ x, const bf16* __restrict__ w, int K, int ks, int groups,
+                                       Rows rows, Prologue prologue, Epi epi) {
+    gv_run_x<M, SMEM_X>(
+        w, K, ks, groups, rows, [x](const GvItem&) { return x; }, prologue, epi);
 }
 
 // The rows of item p of the plain and residual-add GEMVs: 2p and 2p + 1, clamped into the N rows.

@@ -14,10 +14,13 @@
 // floats: E expert logits, then (has_shared) the shared expert's gate logit. Softmax over the E
 // experts; top-k by probability, ties to the lower index (torch.topk's order); renormalised to sum to
 // one when norm != 0 (Qwen3-MoE), else the softmax weights (Qwen2-MoE). E <= 32 * MOE_MAX_PER_LANE.
+// A real token (its KV slot inside the pool: graph padding rows write the scratch block past it) adds
+// one to `counts[e]` for each chosen expert (the layer's tokens-per-expert metric).
 #define MOE_MAX_PER_LANE 32
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int ld, int E, int k, int norm,
-                                     int has_shared, int n_tokens, int* __restrict__ ids,
-                                     float* __restrict__ weights, float* __restrict__ shared_w) {
+                                     int has_shared, int n_tokens, const int* __restrict__ kv_slots, int pool_slots,
+                                     int* __restrict__ ids, float* __restrict__ weights, float* __restrict__ shared_w,
+                                     unsigned long long* __restrict__ counts) {
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= n_tokens) return;
@@ -71,6 +74,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int ld, i
     if (lane < k) {
         ids[(u64)t * k + lane] = mine_id;
         weights[(u64)t * k + lane] = norm ? mine / chosen_sum : mine;
+        if (kv_slots[t] < pool_slots) atomicAdd(&counts[mine_id], 1ull);
     }
     if (has_shared && lane == 0) shared_w[t] = 1.f / (1.f + __expf(-row[E]));
 }
@@ -78,25 +82,20 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int ld, i
 // Groups the n = tokens * k slots by expert (one block of 1024 threads). Expert e's slots fill
 // ceil(count_e / bm) row blocks of bm rows from row block first_e (experts in index order);
 // `sorted[row]` is the slot of each row (-1: padding), `slot_row[slot]` its row, `block_expert[b]`
-// the expert of row block b (-1 past the used ones, up to `max_blocks`). Token counts of real rows
-// (their KV slot inside the pool: graph padding rows write the scratch block past it) are added to
-// `counts` (the layer's tokens-per-expert metric). E <= 1024.
-extern "C" __global__ void __launch_bounds__(1024) moe_align(const int* __restrict__ ids, int n, int k, int E, int bm,
-                                                             int max_blocks, const int* __restrict__ kv_slots,
-                                                             int pool_slots, int* __restrict__ sorted,
-                                                             int* __restrict__ slot_row, int* __restrict__ block_expert,
-                                                             u64* __restrict__ counts) {
-    __shared__ int cnt[1024], real[1024], first[1024], fill[1024], warp_tot[32];
+// the expert of row block b (-1 past the used ones, up to `max_blocks`). E <= 1024.
+extern "C" __global__ void __launch_bounds__(1024) moe_align(const int* __restrict__ ids, int n, int E, int bm,
+                                                             int max_blocks, int* __restrict__ sorted,
+                                                             int* __restrict__ slot_row,
+                                                             int* __restrict__ block_expert) {
+    __shared__ int cnt[1024], first[1024], fill[1024], warp_tot[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     cnt[tid] = 0;
-    real[tid] = 0;
     fill[tid] = 0;
     for (int r = tid; r < max_blocks * bm; r += blockDim.x) sorted[r] = -1;
     __syncthreads();
     for (int i = tid; i < n; i += blockDim.x) {
         const int e = ids[i];
         atomicAdd(&cnt[e], 1);
-        if (kv_slots[i / k] < pool_slots) atomicAdd(&real[e], 1);
     }
     __syncthreads();
     // Exclusive scan of the experts' row-block counts.
@@ -124,7 +123,6 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(const int* __restri
     first[tid] = start;
     if (tid < E) {
         for (int b = 0; b < nb; b++) block_expert[start + b] = tid;
-        if (real[tid]) counts[tid] += (u64)real[tid];
     }
     for (int b = used + tid; b < max_blocks; b += blockDim.x) block_expert[b] = -1;
     __syncthreads();
@@ -245,9 +243,63 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemm_64(const bf16* __rest
     moe_gemm_body<64>(A, sorted, a_div, W, block_expert, out, N, K);
 }
 
+// Decode's experts: the grouped GEMMs above pad each used expert to a row block of 16 rows, and a
+// step of a few tokens reads every weight through tensor-core tiles built for many rows. These two
+// stream each slot's expert rows through the dense GEMV's machinery (gv_run_x: persistent blocks,
+// split-K, loads in flight across items) with the slot's own activation row, so a step reads only
+// its tokens' k experts, at the GEMV's bandwidth. Slot s = token * k + j; an expert chosen by two
+// tokens is read twice (from L2 when they run together). Rounding as the grouped path's.
+
+// act[s][j] = silu(gate) * up for slot s's expert e = ids[s]: rows j and ffn + j of W[e] = [gate; up]
+// over the token's normalised row xn[s / k]. One item per (slot, j).
+extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) moe_gemv_silu(
+    const bf16* __restrict__ xn, const int* __restrict__ ids, int slots, int k, const bf16* __restrict__ w,
+    bf16* __restrict__ act, int ffn, int K, int ks, int groups) {
+    const int lane = threadIdx.x & 31;
+    const int last = slots * ffn - 1;
+    gv_run_x<1, false>(
+        w, K, ks, groups,
+        [&](const GvItem& it, int& r0, int& r1) {
+            const int p = min(it.pair, last);
+            r0 = ids[p / ffn] * 2 * ffn + p % ffn;
+            r1 = r0 + ffn;
+        },
+        [&](const GvItem& it) { return xn + (u64)(min(it.pair, last) / ffn / k) * K; }, [] {},
+        [&](const GvItem& it, int, int, float (&a0)[1], float (&a1)[1]) {
+            if (it.pair > last || lane != 0) return;
+            const float g = round_bf(a0[0]), u = round_bf(a1[0]);
+            act[it.pair] = f2bf(round_bf(g / (1.f + __expf(-g))) * u);
+        });
+}
+
+// y[s][n] = act[s] . W[e][n] for slot s's expert e = ids[s] (the down projection, N = hidden rows of
+// K = ffn values). One item per (slot, row pair).
+extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) moe_gemv_down(
+    const bf16* __restrict__ act, const int* __restrict__ ids, int slots, const bf16* __restrict__ w,
+    bf16* __restrict__ y, int N, int K, int ks, int groups) {
+    const int lane = threadIdx.x & 31;
+    const int pairs = (N + 1) / 2, last = slots * pairs - 1;
+    gv_run_x<1, false>(
+        w, K, ks, groups,
+        [&](const GvItem& it, int& r0, int& r1) {
+            const int p = min(it.pair, last);
+            const int base = ids[p / pairs] * N, n = 2 * (p % pairs);
+            r0 = base + n;
+            r1 = base + min(n + 1, N - 1);
+        },
+        [&](const GvItem& it) { return act + (u64)(min(it.pair, last) / pairs) * K; }, [] {},
+        [&](const GvItem& it, int, int, float (&a0)[1], float (&a1)[1]) {
+            if (it.pair > last || lane != 0) return;
+            const int s = it.pair / pairs, n = 2 * (it.pair % pairs);
+            y[(u64)s * N + n] = f2bf(a0[0]);
+            if (n + 1 < N) y[(u64)s * N + n + 1] = f2bf(a1[0]);
+        });
+}
+
 // x[t] += round_bf(sum_j w[t][j] * y[slot_row[t * k + j]] + shared_w[t] * shared[t]) (one block per
 // token, eight columns per thread): the MoE block's output added into the residual as HF adds its
-// bf16 MLP output. `shared` is 0 when the model has no shared expert.
+// bf16 MLP output. `shared` is 0 when the model has no shared expert; `slot_row` is 0 when y is
+// already in slot order (the GEMV path).
 extern "C" __global__ void moe_combine(bf16* __restrict__ x, const bf16* __restrict__ y,
                                        const int* __restrict__ slot_row, const float* __restrict__ w, int k,
                                        const bf16* __restrict__ shared, const float* __restrict__ shared_w,
@@ -257,7 +309,8 @@ extern "C" __global__ void moe_combine(bf16* __restrict__ x, const bf16* __restr
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, f[8];
         for (int j = 0; j < k; j++) {
             const float wj = w[(u64)t * k + j];
-            unpack8(*(const uint4*)(y + (u64)slot_row[(u64)t * k + j] * h + c), f);
+            const u64 row = slot_row ? slot_row[(u64)t * k + j] : (u64)t * k + j;
+            unpack8(*(const uint4*)(y + row * h + c), f);
 #pragma unroll
             for (int i = 0; i < 8; i++) acc[i] += wj * f[i];
         }

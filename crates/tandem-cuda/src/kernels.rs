@@ -39,7 +39,7 @@ pub fn decode_partition(n_decode: usize, small: usize) -> usize {
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 22] = [
+pub const KERNEL_NAMES: [&str; 24] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -62,6 +62,8 @@ pub const KERNEL_NAMES: [&str; 22] = [
     "moe_gemm_16",
     "moe_gemm_64",
     "moe_combine",
+    "moe_gemv_silu",
+    "moe_gemv_down",
 ];
 
 /// Largest row count the small-batch GEMV kernels (`gemv_1` .. `gemv_8`) handle.

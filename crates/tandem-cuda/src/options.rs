@@ -52,6 +52,12 @@ pub struct CudaOptions {
     /// Persistent GEMV launches: a grid of the blocks the GPU holds at once, each streaming group
     /// after group of rows, instead of one block per group.
     pub gemv_persistent: bool,
+    /// Most (token, expert) slots of a mixture-of-experts step that run on the expert GEMVs (each slot
+    /// streams its expert's rows); larger steps run the grouped GEMMs ([`MOE_GEMV_SLOTS_DEFAULT`]).
+    pub moe_gemv_max_slots: usize,
+    /// Blocks a multiprocessor of the looping decode attention (`attn_decode`) in a captured graph
+    /// ([`DECODE_GRAPH_BLOCKS_DEFAULT`]); fewer make each block take more partitions.
+    pub decode_graph_blocks_per_sm: usize,
     /// Where compiled kernels are cached across restarts (`None`: compile every time).
     pub kernel_cache_dir: Option<std::path::PathBuf>,
     /// Global layers this instance computes (`None`: all of them): a pipeline stage's share. A stage
@@ -85,6 +91,8 @@ impl Default for CudaOptions {
             gemv_target_warps: GEMV_TARGET_WARPS,
             gemv_tuning: kernels::GemvTuning::default(),
             gemv_persistent: false,
+            moe_gemv_max_slots: MOE_GEMV_SLOTS_DEFAULT,
+            decode_graph_blocks_per_sm: DECODE_GRAPH_BLOCKS_DEFAULT,
             kernel_cache_dir: None,
             layers: None,
             num_blocks: None,
@@ -103,6 +111,15 @@ pub const GEMV_ROWS_DEFAULT: usize = 1;
 /// the 8B shape): 2,048 (no split for any of its projections) 4.53 ms per step, 8,192 4.68 ms,
 /// 16,384 5.33 ms — more, shorter warps lose to the ramp of each wave.
 pub const GEMV_TARGET_WARPS: usize = 2048;
+
+/// Blocks a multiprocessor the looping decode attention of a captured graph is launched with: two
+/// waves of `attn_decode` at eight resident blocks, so a short context leaves few blocks idle and a
+/// long one still fills the GPU.
+pub const DECODE_GRAPH_BLOCKS_DEFAULT: usize = 16;
+
+/// Mixture-of-experts steps of up to this many (token, expert) slots run on the expert GEMVs by
+/// default: a decode batch of 8 tokens at top-8.
+pub const MOE_GEMV_SLOTS_DEFAULT: usize = 64;
 
 #[cfg(test)]
 mod tests {

@@ -120,6 +120,12 @@ pub struct CudaTuning {
         default_missing_value = "true"
     )]
     pub gemv_persistent: Option<bool>,
+    /// Most (token, expert) slots of a MoE step on the expert GEMVs; 0: grouped GEMMs always (A/B timings).
+    #[arg(long = "cuda-moe-gemv-slots", hide = true, value_parser = parse_count("moe_gemv_slots"))]
+    pub moe_gemv_slots: Option<usize>,
+    /// Blocks a multiprocessor of the looping decode attention in captured graphs (A/B timings, checks).
+    #[arg(long = "cuda-decode-graph-blocks", hide = true, value_parser = parse_positive("decode_graph_blocks"))]
+    pub decode_graph_blocks: Option<usize>,
 }
 
 /// `n` if it lies in `min..=max`, else an error naming `key`.
@@ -153,6 +159,10 @@ fn parse_gemv_max_rows(s: &str) -> Result<usize, String> {
 
 fn parse_decode_partition(s: &str) -> Result<usize, String> {
     ranged(s, "decode_partition_small", 1, DECODE_PARTITION_SMALL)
+}
+
+fn parse_count(key: &'static str) -> impl Fn(&str) -> Result<usize, String> + Clone {
+    move |s| ranged(s, key, 0, usize::MAX)
 }
 
 fn parse_positive(key: &'static str) -> impl Fn(&str) -> Result<usize, String> + Clone {
@@ -210,6 +220,10 @@ impl CudaSettings {
                 min_blocks: t.gemv_min_blocks.unwrap_or(base.gemv_tuning.min_blocks),
             },
             gemv_persistent: t.gemv_persistent.unwrap_or(base.gemv_persistent),
+            moe_gemv_max_slots: t.moe_gemv_slots.unwrap_or(base.moe_gemv_max_slots),
+            decode_graph_blocks_per_sm: t
+                .decode_graph_blocks
+                .unwrap_or(base.decode_graph_blocks_per_sm),
             ..base
         }
     }

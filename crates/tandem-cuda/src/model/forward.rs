@@ -85,8 +85,9 @@ impl CudaLlama {
     }
 
     /// Queues the whole forward pass over the uploaded plan up to the final norm (into `xn`).
-    /// `graph`: launch the decode attention over every partition the context limit allows, so that
-    /// the captured launch fits any later step of the same size.
+    /// `graph`: launch the decode attention so that it covers every partition the context limit
+    /// allows (`attn_decode`'s blocks loop; `attn_decode_small` gets a block for each), so that the
+    /// captured launch fits any later step of the same size.
     pub(super) fn enqueue_body(&self, t: usize, graph: bool) -> Result<(), CudaError> {
         let c = &self.config;
         let (h, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
@@ -103,10 +104,17 @@ impl CudaLlama {
         let p = &self.plan;
         let part_len = kernels::decode_partition(p.dec_row.len(), self.opts.decode_partition_small);
         let stride = self.max_model_len.div_ceil(part_len);
-        let decode_parts = if graph {
-            stride
-        } else {
+        let decode_parts = if !graph {
             p.max_dec_ctx.div_ceil(part_len)
+        } else if part_len > DECODE_PARTITION_SMALL {
+            // `attn_decode` loops over partitions: a fixed grid of about
+            // `decode_graph_blocks_per_sm` blocks a multiprocessor, whatever the limit.
+            let pairs = p.dec_row.len() * c.num_kv_heads;
+            (self.sms * self.opts.decode_graph_blocks_per_sm.max(1))
+                .div_ceil(pairs.max(1))
+                .clamp(1, stride)
+        } else {
+            stride
         };
         if p.dec_row.len() * c.num_heads * stride > self.part_slots {
             return Err(CudaError::Batch(format!(

@@ -33,6 +33,8 @@ pub(super) struct Funcs {
     pub(super) moe_gemm_16: CudaFunction,
     pub(super) moe_gemm_64: CudaFunction,
     pub(super) moe_combine: CudaFunction,
+    pub(super) moe_gemv_silu: CudaFunction,
+    pub(super) moe_gemv_down: CudaFunction,
     /// `gemv[m - 1]` computes m rows.
     pub(super) gemv: Vec<CudaFunction>,
     /// GEMV adding into the residual stream (`gemv_add_m`).
@@ -72,6 +74,8 @@ impl Funcs {
             moe_gemm_16: f("moe_gemm_16")?,
             moe_gemm_64: f("moe_gemm_64")?,
             moe_combine: f("moe_combine")?,
+            moe_gemv_silu: f("moe_gemv_silu")?,
+            moe_gemv_down: f("moe_gemv_down")?,
             gemv: gemv_family(kernels::GEMV_FAMILIES[0])?,
             gemv_add: gemv_family(kernels::GEMV_FAMILIES[1])?,
             gemv_silu: gemv_family(kernels::GEMV_FAMILIES[2])?,

@@ -149,6 +149,8 @@ pub struct CudaLlama {
     /// Blocks of each GEMV kernel (`[family][rows - 1]`) the GPU holds at once: the grid of a
     /// persistent launch.
     gemv_caps: [[u32; kernels::GEMV_MAX_ROWS]; 4],
+    /// Multiprocessors of the device (sizes the looping decode-attention grid of captured graphs).
+    sms: usize,
     /// Host time of the last `forward_greedy` from its start until the body's kernels were queued
     /// (benchmarks: tells host-side stalls from GPU time).
     last_enqueue: std::time::Duration,
@@ -301,6 +303,9 @@ impl CudaLlama {
         let funcs = Funcs::load(&module)?;
         funcs.allow_norm_smem(config.hidden_size)?;
         let gemv_caps = funcs.gemv_caps(&ctx, config.hidden_size)?;
+        let sms = ctx
+            .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            as usize;
         funcs.attn_prefill.set_attribute(
             drv::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             kernels::prefill_smem_bytes(config.head_dim) as i32,
@@ -485,6 +490,7 @@ impl CudaLlama {
             mover,
             device_name,
             gemv_caps,
+            sms,
             last_enqueue: std::time::Duration::ZERO,
         })
     }

@@ -1,6 +1,8 @@
-//! Mixture-of-experts layers on the GPU: the router on our GEMV or cuBLAS, then `moe_route`,
-//! `moe_align`, one grouped GEMM per projection over every expert the step uses (`moe_gemm_16` /
-//! `moe_gemm_64` in `kernels/moe.cu`) and `moe_combine` into the residual stream. The shared expert
+//! Mixture-of-experts layers on the GPU: the router on our GEMV or cuBLAS, then `moe_route`; for a
+//! decode step of a few tokens the expert GEMVs (`moe_gemv_silu`, `moe_gemv_down`: each (token,
+//! expert) slot streams its expert's rows), otherwise `moe_align` and one grouped GEMM per projection
+//! over every expert the step uses (`moe_gemm_16` / `moe_gemm_64` in `kernels/moe.cu`); then
+//! `moe_combine` into the residual stream. The shared expert
 //! (Qwen2-MoE) is a dense gated MLP on the normalised rows, scaled by its own sigmoid gate, which is
 //! one more row of the router matrix.
 
@@ -9,6 +11,7 @@ use std::sync::Arc;
 use cudarc::driver::{result as drv_result, CudaContext, LaunchConfig, PushKernelArg};
 use tandem_model::{LayerExpertTokens, MlpKind, ModelConfig, MoeSpec};
 
+use super::gemv::{GemvFamily, GEMV_WARPS};
 use super::{CudaLlama, FfnBufs};
 use crate::error::CudaError;
 use crate::memory::{DeviceBuf, BF16};
@@ -160,12 +163,13 @@ impl CudaLlama {
         })?;
         let m = &ma.spec;
         let c = &self.config;
-        let (h, e, k, f) = (c.hidden_size, m.num_experts, m.top_k, m.expert_ffn);
+        let (h, e, k) = (c.hidden_size, m.num_experts, m.top_k);
         let s = &self.stream;
         let a = &self.acts;
         let has_shared = w.shared.is_some();
         let width = e + usize::from(has_shared);
         self.gemm(a.xn.ptr, w.router.ptr, ma.logits.ptr, t, width, h, true)?;
+        let pool_slots = (self.layout.num_blocks * self.layout.block_size) as i32;
         // Four tokens (warps) a block.
         launch!(
             s,
@@ -179,14 +183,109 @@ impl CudaLlama {
             m.norm_top_k as i32,
             has_shared as i32,
             t as i32,
+            self.meta(Region::Slots),
+            pool_slots,
             ma.ids.ptr,
             ma.weights.ptr,
-            ma.shared_w.ptr
+            ma.shared_w.ptr,
+            ma.counts.at(l * e, 8)
         );
         let slots = t * k;
+        let slot_row = if self.opts.gemv && slots <= self.opts.moe_gemv_max_slots {
+            self.enqueue_expert_gemvs(ma, w, slots)?;
+            0u64
+        } else {
+            self.enqueue_expert_gemms(ma, w, slots)?;
+            ma.slot_row.ptr
+        };
+        let shared_out = match (&w.shared, &ma.shared, m.shared_ffn) {
+            (Some((gu_w, down_w)), Some((gu, act, out)), Some(fs)) => {
+                self.gemm(a.xn.ptr, gu_w.ptr, gu.ptr, t, 2 * fs, h, false)?;
+                self.enqueue_silu_mul(gu.ptr, act.ptr, t, fs)?;
+                self.gemm(act.ptr, down_w.ptr, out.ptr, t, h, fs, false)?;
+                out.ptr
+            }
+            _ => 0u64,
+        };
+        let threads = (h / 8).div_ceil(32).clamp(1, 8) as u32 * 32;
+        launch!(
+            s,
+            self.funcs.moe_combine,
+            (t as u32, 1, 1),
+            (threads, 1, 1),
+            a.x.ptr,
+            ma.y.ptr,
+            slot_row,
+            ma.weights.ptr,
+            k as i32,
+            shared_out,
+            ma.shared_w.ptr,
+            h as i32
+        );
+        Ok(())
+    }
+
+    /// Queues the routed experts of a few slots (decode) on the GEMV kernels: gate/up + SiLU·mul,
+    /// then down, each slot's rows of `y` in slot order.
+    fn enqueue_expert_gemvs(
+        &self,
+        ma: &MoeActs,
+        w: &MoeBufs,
+        slots: usize,
+    ) -> Result<(), CudaError> {
+        let m = &ma.spec;
+        let (h, k, f) = (self.config.hidden_size, m.top_k, m.expert_ffn);
+        let block = (32 * GEMV_WARPS as u32, 1, 1);
+        let (grid, ks, groups) = self.gemv_shape(GemvFamily::Plain, 1, slots * f, h);
+        launch!(
+            self.stream,
+            self.funcs.moe_gemv_silu,
+            (grid, 1, 1),
+            block,
+            self.acts.xn.ptr,
+            ma.ids.ptr,
+            slots as i32,
+            k as i32,
+            w.gate_up.ptr,
+            ma.act.ptr,
+            f as i32,
+            h as i32,
+            ks,
+            groups
+        );
+        let (grid, ks, groups) = self.gemv_shape(GemvFamily::Plain, 1, slots * h.div_ceil(2), f);
+        launch!(
+            self.stream,
+            self.funcs.moe_gemv_down,
+            (grid, 1, 1),
+            block,
+            ma.act.ptr,
+            ma.ids.ptr,
+            slots as i32,
+            w.down.ptr,
+            ma.y.ptr,
+            h as i32,
+            f as i32,
+            ks,
+            groups
+        );
+        Ok(())
+    }
+
+    /// Queues the routed experts of many slots (prefill, large batches) as one grouped GEMM per
+    /// projection: the slots grouped by expert into row blocks, gate/up, SiLU·mul, down; `y` in
+    /// sorted-row order (`slot_row` maps a slot to its row).
+    fn enqueue_expert_gemms(
+        &self,
+        ma: &MoeActs,
+        w: &MoeBufs,
+        slots: usize,
+    ) -> Result<(), CudaError> {
+        let m = &ma.spec;
+        let (h, e, f) = (self.config.hidden_size, m.num_experts, m.expert_ffn);
+        let s = &self.stream;
         let bm = block_rows(slots, e);
         let blocks = max_blocks(slots, e, bm);
-        let pool_slots = (self.layout.num_blocks * self.layout.block_size) as i32;
         launch!(
             s,
             self.funcs.moe_align,
@@ -194,16 +293,12 @@ impl CudaLlama {
             (1024, 1, 1),
             ma.ids.ptr,
             slots as i32,
-            k as i32,
             e as i32,
             bm as i32,
             blocks as i32,
-            self.meta(Region::Slots),
-            pool_slots,
             ma.sorted.ptr,
             ma.slot_row.ptr,
-            ma.block_expert.ptr,
-            ma.counts.at(l * e, 8)
+            ma.block_expert.ptr
         );
         let gemm = if bm == 16 {
             &self.funcs.moe_gemm_16
@@ -216,9 +311,9 @@ impl CudaLlama {
             gemm,
             (blocks as u32, tiles(2 * f), 1),
             (128, 1, 1),
-            a.xn.ptr,
+            self.acts.xn.ptr,
             ma.sorted.ptr,
-            k as i32,
+            m.top_k as i32,
             w.gate_up.ptr,
             ma.block_expert.ptr,
             ma.gu.ptr,
@@ -239,30 +334,6 @@ impl CudaLlama {
             ma.y.ptr,
             h as i32,
             f as i32
-        );
-        let shared_out = match (&w.shared, &ma.shared, m.shared_ffn) {
-            (Some((gu_w, down_w)), Some((gu, act, out)), Some(fs)) => {
-                self.gemm(a.xn.ptr, gu_w.ptr, gu.ptr, t, 2 * fs, h, false)?;
-                self.enqueue_silu_mul(gu.ptr, act.ptr, t, fs)?;
-                self.gemm(act.ptr, down_w.ptr, out.ptr, t, h, fs, false)?;
-                out.ptr
-            }
-            _ => 0u64,
-        };
-        let threads = (h / 8).div_ceil(32).clamp(1, 8) as u32 * 32;
-        launch!(
-            s,
-            self.funcs.moe_combine,
-            (t as u32, 1, 1),
-            (threads, 1, 1),
-            a.x.ptr,
-            ma.y.ptr,
-            ma.slot_row.ptr,
-            ma.weights.ptr,
-            k as i32,
-            shared_out,
-            ma.shared_w.ptr,
-            h as i32
         );
         Ok(())
     }
