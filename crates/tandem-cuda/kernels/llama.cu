@@ -197,26 +197,28 @@ extern "C" __global__ void gather_rows(const bf16* __restrict__ x, const int* __
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
 }
 
-// act = silu(gate) * up over rows of [gate | up] (each ffn wide), rounded like HF's bf16 MLP.
-// grid = (column blocks, rows); eight columns per thread with 16-byte loads (ffn % 8 == 0, checked
-// by the host), no 64-bit index division.
-extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ act, int ffn) {
-    const int row = blockIdx.y;
-    const bf16* g = gu + (u64)row * 2 * ffn;
-    const bf16* u = g + ffn;
-    bf16* o = act + (u64)row * ffn;
-    for (int c = 8 * (blockIdx.x * blockDim.x + threadIdx.x); c < ffn; c += 8 * gridDim.x * blockDim.x) {
-        float gf[8], uf[8], r[8];
-        unpack8(*(const uint4*)(g + c), gf);
-        unpack8(*(const uint4*)(u + c), uf);
+// act = silu(gate) * up over `rows` rows of [gate | up] (each ffn wide), rounded like HF's bf16 MLP.
+// grid = (column blocks, row blocks): blocks stride over the rows, since a grid's y is at most 65,535
+// and a large prefill's expert rows (tokens x top-k) can be more; eight columns per thread with
+// 16-byte loads (ffn % 8 == 0, checked by the host), no 64-bit index division.
+extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ act, int ffn, int rows) {
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        const bf16* g = gu + (u64)row * 2 * ffn;
+        const bf16* u = g + ffn;
+        bf16* o = act + (u64)row * ffn;
+        for (int c = 8 * (blockIdx.x * blockDim.x + threadIdx.x); c < ffn; c += 8 * gridDim.x * blockDim.x) {
+            float gf[8], uf[8], r[8];
+            unpack8(*(const uint4*)(g + c), gf);
+            unpack8(*(const uint4*)(u + c), uf);
 #pragma unroll
-        for (int e = 0; e < 8; e++) r[e] = round_bf(gf[e] / (1.f + __expf(-gf[e]))) * uf[e];
-        uint4 pk;
-        pk.x = pack_bf2(r[0], r[1]);
-        pk.y = pack_bf2(r[2], r[3]);
-        pk.z = pack_bf2(r[4], r[5]);
-        pk.w = pack_bf2(r[6], r[7]);
-        *(uint4*)(o + c) = pk;
+            for (int e = 0; e < 8; e++) r[e] = round_bf(gf[e] / (1.f + __expf(-gf[e]))) * uf[e];
+            uint4 pk;
+            pk.x = pack_bf2(r[0], r[1]);
+            pk.y = pack_bf2(r[2], r[3]);
+            pk.z = pack_bf2(r[4], r[5]);
+            pk.w = pack_bf2(r[6], r[7]);
+            *(uint4*)(o + c) = pk;
+        }
     }
 }
 

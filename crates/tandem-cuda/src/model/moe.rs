@@ -21,6 +21,9 @@ use crate::plan::Region;
 /// `moe_route` holds 32 per lane).
 pub(super) const MAX_EXPERTS: usize = 1024;
 
+/// Largest y dimension of a CUDA grid.
+const MAX_GRID_Y: usize = 65_535;
+
 /// Most experts a token may be sent to (`moe_route` gives each chosen expert a lane).
 pub(super) const MAX_TOP_K: usize = 32;
 
@@ -346,15 +349,21 @@ impl CudaLlama {
         rows: usize,
         ffn: usize,
     ) -> Result<(), CudaError> {
-        // Eight columns per thread: ffn / 2048 blocks cover a row in one pass; one grid row per row.
+        // Eight columns per thread: ffn / 2048 blocks cover a row in one pass; one grid row per row
+        // up to the grid's y limit, past it the blocks stride over the rows.
         launch!(
             self.stream,
             self.funcs.silu_mul,
-            (ffn.div_ceil(8 * 256) as u32, rows as u32, 1),
+            (
+                ffn.div_ceil(8 * 256) as u32,
+                rows.clamp(1, MAX_GRID_Y) as u32,
+                1
+            ),
             (256, 1, 1),
             gu,
             act,
-            ffn as i32
+            ffn as i32,
+            rows as i32
         );
         Ok(())
     }
