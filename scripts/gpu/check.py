@@ -25,8 +25,10 @@ import time
 import urllib.request
 
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+import transformers
+from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 PROMPT_LENS = [1, 7, 64, 65, 150, 300]
 # The guided serve check's constraint: tokens t1..t4xx only, over the word-level vocabulary below.
@@ -39,7 +41,19 @@ VOCAB = 1024
 # RMSNorm before RoPE; Qwen3-MoE routes each token to 4 of 16 experts (renormalised), with layer 1 a
 # dense MLP; Qwen2-MoE adds q/k/v biases, un-normalised top-4 weights and a sigmoid-gated shared
 # expert. 300-token prompts give the experts ~75 rows each (the 64-row grouped GEMM), decode steps
-# a few (the 16-row one).
+# a few (the 16-row one). Gemma 3 (text): sliding-window layers (window 48, rope base 1e4) around a
+# global one (1e6), (1 + w) norms around attention and MLP, GELU-tanh, sqrt(hidden)-scaled embeddings,
+# an attention scale of 1/sqrt(96) (not the head's), and final logit soft-capping (Gemma 2's; off in
+# Gemma 3 checkpoints, on here so the kernel is checked); gemma3_hd256 has Gemma 3 270M's 256-wide
+# heads, 4 on one KV head (prompt steps on the reference attention kernel, decode on the fast one).
+GEMMA3 = dict(
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    sliding_window=48, query_pre_attn_scalar=96, final_logit_softcapping=30.0, attn_logit_softcapping=None,
+    hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
+    **({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+       if int(transformers.__version__.split(".")[0]) >= 5
+       else {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0}))
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
@@ -49,14 +63,16 @@ FAMILIES = {
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
                   dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=False,
                        shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[])),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3),
+    "gemma3_hd256": (Gemma3TextConfig, Gemma3ForCausalLM,
+                     dict(GEMMA3, head_dim=256, num_key_value_heads=1, query_pre_attn_scalar=256)),
 }
 
 
 def build_model(work, family="llama"):
     torch.manual_seed(0)
     config_cls, model_cls, extra = FAMILIES[family]
-    cfg = config_cls(
-        **extra,
+    kw = dict(
         hidden_size=512,
         intermediate_size=1536,
         num_hidden_layers=4,
@@ -72,6 +88,10 @@ def build_model(work, family="llama"):
         eos_token_id=2,
         initializer_range=0.05,
     )
+    kw.update(extra)
+    if "rope_parameters" in kw:
+        del kw["rope_theta"]
+    cfg = config_cls(**kw)
     model = model_cls(cfg).to(torch.bfloat16)
     # Non-trivial norm weights so that a missing norm multiply shows.
     with torch.no_grad():

@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--prefill", default="1024,4096")
+    ap.add_argument("--prefill", default="1024,4096", help="prompt lengths, comma-separated; 0: none")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     t0 = time.time()
@@ -86,7 +86,8 @@ def main():
             rows.append({"what": "decode", "batch": b, "context": a.context, "error": str(e)[:200]})
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
-    for p in [int(x) for x in a.prefill.split(",") if x]:
+    # "0" (or nothing) asks for no prefill timing, as cuda-bench's --prefill does.
+    for p in [int(x) for x in a.prefill.split(",") if x and int(x) > 0]:
         ids = torch.randint(3, 128000, (1, p), device="cuda")
         times = []
         for i in range(6):

@@ -15,13 +15,16 @@
 #   qwen3_moe/, qwen2_moe/  `moe`: check.py's checks on tiny random Qwen3-MoE and Qwen2-MoE models
 #   moe_bench.jsonl      `moe`: cuda-bench on Qwen3-30B-A3B's shape, then (unless TANDEM_ONLY=1) HF's
 #                        generate on the same shape (hf tagged "peer")
+#   gemma3/, gemma3_hd256/  `gemma`: check.py's checks on tiny random Gemma 3 models (windows, two ropes,
+#                        sandwich norms, GELU, scaled embedding, soft-capping; 128- and 256-wide heads)
+#   gemma_bench.jsonl    `gemma`: cuda-bench on Gemma-3-27B's shape (random bf16 weights made on the GPU)
 # and, in the log only, `conformance`: the Backend contract on the CUDA backend (tandem-cuda's
 # tests/conformance.rs, a test executable built elsewhere with
 # `cargo test --release -p tandem-cuda --test conformance --no-run` and given as $CONFORMANCE_BIN,
 # default out/conformance).
 # (The device tool returns at most 8 files: keep it to these plus the caller's log.)
 # The tandem binary is built elsewhere (`cargo build --release --features cuda`, stripped) and given as
-# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [qwen3] [moe] [profile] | all
+# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [qwen3] [moe] [gemma] [profile] | all
 # (TANDEM_ONLY=1 skips the HF peer in bench; `pick` checks $CANDIDATES and benches the first that passes.)
 # `sweep` (only when named) runs `cuda-bench $SWEEP_ARGS` once per entry of $SWEEP, a space-separated
 # list of label:FLAG,FLAG entries (A/B timings of the hidden --cuda-* tuning flags, e.g. --cuda-pdl or
@@ -57,6 +60,18 @@ if want qwen3; then
     --out "$OUT/qwen3" || status=1
   echo "== tandem cuda-bench --shape qwen3-8b"
   timeout 150 "$BIN" cuda-bench --shape qwen3-8b --out "$OUT/qwen3_bench.jsonl" || status=1
+fi
+if want gemma; then
+  for fam in gemma3 gemma3_hd256; do
+    echo "== $fam correctness against HF transformers"
+    timeout 240 python3 "$root/scripts/gpu/check.py" --family "$fam" --bin "$BIN" --work "/tmp/tandem-tiny-$fam" \
+      --out "$OUT/$fam" || status=1
+  done
+  echo "== tandem cuda-bench --shape gemma3-27b"
+  # Half the layers (27 GB of weights), so that 32 sequences of 4k tokens fit an H100 beside them.
+  timeout 300 "$BIN" cuda-bench --shape gemma3-27b --layers 31 --batches 1,8,32 --context 4096 --max-model-len 8192 \
+    --prefill 4096 \
+    --out "$OUT/gemma_bench.jsonl" || status=1
 fi
 if want moe; then
   for fam in qwen3_moe qwen2_moe; do

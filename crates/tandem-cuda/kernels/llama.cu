@@ -123,23 +123,26 @@ extern "C" __global__ void fill_bf16(bf16* out, u64 n, float value) {
         out[i] = v;
 }
 
-// x[t] = embed[tokens[t]] (one block per token).
+// x[t] = embed[tokens[t]] * scale, rounded to bf16 (one block per token; scale 1 copies exactly;
+// Gemma scales by sqrt(hidden)).
 extern "C" __global__ void embed_gather(const bf16* __restrict__ embed, const int* __restrict__ tokens,
-                                        bf16* __restrict__ x, int hidden) {
+                                        bf16* __restrict__ x, int hidden, float scale) {
     const bf16* src = embed + (u64)tokens[blockIdx.x] * hidden;
     bf16* dst = x + (u64)blockIdx.x * hidden;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = f2bf(bf2f(src[i]) * scale);
 }
 
 // residual += delta (rounded to bf16, as a bf16 model adds), then out = RMSNorm(residual) * w with
 // HF's rounding: normalise in fp32, round to bf16, multiply by the bf16 weight, round again.
-// delta may be null (the first layer's norm). One block per row; each thread keeps its (at most
-// NORM_CHUNKS) 16-byte chunks of the row in registers between the two passes. hidden % 8 == 0 and
+// delta may be null (the first layer's norm). With `post` (Gemma's post-attention and post-MLP
+// norms) the delta is first normalised itself: RMSNorm(delta) * post, in fp32 and rounded once (as
+// Gemma's norm rounds). One block per row; each thread keeps its (at most NORM_CHUNKS) 16-byte
+// chunks of the row in registers between the passes. hidden % 8 == 0 and
 // hidden <= 8 * NORM_CHUNKS * blockDim.x (checked by the host).
 #define NORM_CHUNKS 2
 extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* __restrict__ delta,
                                        const bf16* __restrict__ w, bf16* __restrict__ out, int hidden,
-                                       float eps) {
+                                       float eps, const bf16* __restrict__ post) {
     __shared__ float red[32];
     pdl_wait();
     pdl_trigger();
@@ -147,6 +150,22 @@ extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* 
     const bf16* d = delta ? delta + (u64)blockIdx.x * hidden : 0;
     bf16* o = out + (u64)blockIdx.x * hidden;
     float v[NORM_CHUNKS][8];
+    float dv[NORM_CHUNKS][8];
+    float post_inv = 1.f;
+    if (d && post) {
+        float dss = 0.f;
+#pragma unroll
+        for (int c = 0; c < NORM_CHUNKS; c++) {
+            const int k = (threadIdx.x + c * blockDim.x) * 8;
+            if (k < hidden) {
+                unpack8(*(const uint4*)(d + k), dv[c]);
+#pragma unroll
+                for (int e = 0; e < 8; e++) dss += dv[c][e] * dv[c][e];
+            }
+        }
+        dss = block_sum(dss, red);
+        post_inv = rsqrtf(dss / (float)hidden + eps);
+    }
     float ss = 0.f;
 #pragma unroll
     for (int c = 0; c < NORM_CHUNKS; c++) {
@@ -154,10 +173,16 @@ extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* 
         if (k < hidden) {
             unpack8(*(const uint4*)(r + k), v[c]);
             if (d) {
-                float dv[8];
-                unpack8(*(const uint4*)(d + k), dv);
+                if (post) {
+                    float g[8];
+                    unpack8(*(const uint4*)(post + k), g);
 #pragma unroll
-                for (int e = 0; e < 8; e++) v[c][e] = round_bf(v[c][e] + dv[e]);
+                    for (int e = 0; e < 8; e++) dv[c][e] = round_bf(dv[c][e] * post_inv * g[e]);
+                } else {
+                    unpack8(*(const uint4*)(d + k), dv[c]);
+                }
+#pragma unroll
+                for (int e = 0; e < 8; e++) v[c][e] = round_bf(v[c][e] + dv[c][e]);
                 uint4 pk;
                 pk.x = pack_bf2(v[c][0], v[c][1]);
                 pk.y = pack_bf2(v[c][2], v[c][3]);
@@ -197,11 +222,13 @@ extern "C" __global__ void gather_rows(const bf16* __restrict__ x, const int* __
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
 }
 
-// act = silu(gate) * up over `rows` rows of [gate | up] (each ffn wide), rounded like HF's bf16 MLP.
+// act = silu(gate) * up (gelu != 0: GELU with the tanh approximation, Gemma's) over `rows` rows of
+// [gate | up] (each ffn wide), rounded like HF's bf16 MLP.
 // grid = (column blocks, row blocks): blocks stride over the rows, since a grid's y is at most 65,535
 // and a large prefill's expert rows (tokens x top-k) can be more; eight columns per thread with
 // 16-byte loads (ffn % 8 == 0, checked by the host), no 64-bit index division.
-extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ act, int ffn, int rows) {
+extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ act, int ffn, int rows,
+                                    int gelu) {
     for (int row = blockIdx.y; row < rows; row += gridDim.y) {
         const bf16* g = gu + (u64)row * 2 * ffn;
         const bf16* u = g + ffn;
@@ -211,7 +238,12 @@ extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restric
             unpack8(*(const uint4*)(g + c), gf);
             unpack8(*(const uint4*)(u + c), uf);
 #pragma unroll
-            for (int e = 0; e < 8; e++) r[e] = round_bf(gf[e] / (1.f + __expf(-gf[e]))) * uf[e];
+            for (int e = 0; e < 8; e++) {
+                const float x = gf[e];
+                const float a = gelu ? 0.5f * x * (1.f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)))
+                                     : x / (1.f + __expf(-x));
+                r[e] = round_bf(a) * uf[e];
+            }
             uint4 pk;
             pk.x = pack_bf2(r[0], r[1]);
             pk.y = pack_bf2(r[2], r[3]);
@@ -272,6 +304,14 @@ extern "C" __global__ void rope_kv_write(bf16* __restrict__ qkv, const bf16* __r
         if (bias) v = round_bf(v + bf2f(bias[vbase + e]));
         cache[((blk * 2 + 1) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM + d] = f2bf(v);
     }
+}
+
+// x = cap * tanh(x / cap) over n fp32 logits, in place (final-logit soft-capping).
+extern "C" __global__ void softcap(float* __restrict__ x, u64 n, float cap) {
+    pdl_wait();
+    pdl_trigger();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] = cap * tanhf(x[i] / cap);
 }
 
 // Per-head RMSNorm of q and k before RoPE (Qwen3's q_norm / k_norm), in place in the qkv rows: one warp
@@ -504,7 +544,7 @@ extern "C" __global__ void attn_simple(const bf16* __restrict__ qkv, int qkv_wid
                                        const int* __restrict__ seq_nq, const int* __restrict__ seq_pos,
                                        const int* __restrict__ seq_bt, const int* __restrict__ bt,
                                        const bf16* __restrict__ cache, bf16* __restrict__ out, int n_heads,
-                                       int n_kv, float scale) {
+                                       int n_kv, float scale, int window) {
     const int s = blockIdx.y;
     const int qi = blockIdx.x;
     const int h = threadIdx.y + blockDim.y * blockIdx.z;
@@ -523,7 +563,7 @@ extern "C" __global__ void attn_simple(const bf16* __restrict__ qkv, int qkv_wid
         acc[j] = 0.f;
     }
     float m = NEG_INF, l = 0.f;
-    for (int key = 0; key <= last; key++) {
+    for (int key = window > 0 ? max(0, last - window + 1) : 0; key <= last; key++) {
         const bf16* k = kv_row(cache, tbl, key, 0, n_kv, kvh);
         float dot = 0.f;
         for (int j = 0; j < PER; j++) {
@@ -632,7 +672,7 @@ __device__ __forceinline__ void pf_load_tile(u32 stage, const bf16* cache, const
 template <bool MASK>
 __device__ __forceinline__ void pf_tile(float (&o)[PF_MT][HEAD_DIM / 8][4], float (&m_r)[PF_MT][2],
                                         float (&l_r)[PF_MT][2], u32 qa_base, u32 k_base, u32 v_base, int k0,
-                                        int row_g, int pos, int nq, int tq, float scale_log2) {
+                                        int row_g, int pos, int nq, int tq, float scale_log2, int window) {
     // S = Q K^T for this warp's 32 rows x 64 keys: per k-step, A of both m-tiles from the Q tile and
     // B of two key blocks per ldmatrix.x4, each B used by both m-tiles.
     float sc[PF_MT][PF_KEYS / 8][4];
@@ -671,7 +711,7 @@ __device__ __forceinline__ void pf_tile(float (&o)[PF_MT][HEAD_DIM / 8][4], floa
                 if (MASK) {
                     const int key = k0 + nt * 8 + tq * 2 + (e & 1);
                     const int lim = pos + min(row_g + mt * 16 + (e >> 1) * 8, nq - 1);
-                    if (key > lim) sc[mt][nt][e] = NEG_INF;
+                    if (key > lim || (window > 0 && key <= lim - window)) sc[mt][nt][e] = NEG_INF;
                 }
                 tm[e >> 1] = fmaxf(tm[e >> 1], sc[mt][nt][e]);
             }
@@ -729,7 +769,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
     const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ tile_seq,
     const int* __restrict__ tile_q0, const int* __restrict__ seq_qrow, const int* __restrict__ seq_nq,
     const int* __restrict__ seq_pos, const int* __restrict__ seq_bt, const int* __restrict__ bt,
-    const bf16* __restrict__ cache, bf16* __restrict__ out, int n_heads, int n_kv, float scale_log2) {
+    const bf16* __restrict__ cache, bf16* __restrict__ out, int n_heads, int n_kv, float scale_log2, int window) {
     extern __shared__ uint4 pf_smem[];
     // Shared-space byte addresses: two K/V stages, then the PF_ROWS query rows (pitch K_PITCH).
     const u32 stages = smem_addr(pf_smem);
@@ -752,6 +792,11 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
     const int row_g = q0 + warp * 16 * PF_MT + g;  // chunk row of (m-tile 0, fragment row g)
     // Keys up to this one are visible to every row of the warp: tiles below it need no mask.
     const int warp_min_lim = pos + min(q0 + warp * 16 * PF_MT, nq - 1);
+    // A window (0: none) hides keys at or below each row's limit - window: tiles wholly below the
+    // block's first row's visible keys are skipped, and tiles reaching below the warp's last row's
+    // first visible key are masked.
+    const int warp_max_lo = window > 0 ? pos + min(q0 + warp * 16 * PF_MT + 16 * PF_MT - 1, nq - 1) - window + 1 : 0;
+    const int it0 = window > 0 ? max(0, pos + q0 - window + 1) / PF_KEYS : 0;
 
     // Q rows of the tile (clamped to the chunk's last row) and the first K/V tile.
     {
@@ -762,7 +807,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
             cp_async16(qs + 2 * (j * K_PITCH + c), src, true);
         }
     }
-    pf_load_tile(stages, cache, tbl, 0, n_keys, n_kv, kvh);
+    pf_load_tile(stages + (it0 & 1) * (2 * PF_STAGE), cache, tbl, it0 * PF_KEYS, n_keys, n_kv, kvh);
     cp_async_commit();
 
     float o[PF_MT][HEAD_DIM / 8][4];
@@ -778,7 +823,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
     const u32 k_lane = 2 * (((mi >> 1) * 8 + r8) * K_PITCH + (mi & 1) * 8);
     const u32 v_lane = 2 * ((PF_KEYS + (mi & 1) * 8 + r8) * K_PITCH + (mi >> 1) * 8);
 
-    for (int it = 0; it < n_tiles; it++) {
+    for (int it = it0; it < n_tiles; it++) {
         const int k0 = it * PF_KEYS;
         if (it + 1 < n_tiles)
             pf_load_tile(stages + ((it + 1) & 1) * (2 * PF_STAGE), cache, tbl, k0 + PF_KEYS, n_keys, n_kv, kvh);
@@ -786,10 +831,10 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
         cp_async_wait1();
         __syncthreads();
         const u32 st = stages + (it & 1) * (2 * PF_STAGE);
-        if (k0 + PF_KEYS - 1 > warp_min_lim)
-            pf_tile<true>(o, m_r, l_r, qa_base, st + k_lane, st + v_lane, k0, row_g, pos, nq, tq, scale_log2);
+        if (k0 + PF_KEYS - 1 > warp_min_lim || k0 < warp_max_lo)
+            pf_tile<true>(o, m_r, l_r, qa_base, st + k_lane, st + v_lane, k0, row_g, pos, nq, tq, scale_log2, window);
         else
-            pf_tile<false>(o, m_r, l_r, qa_base, st + k_lane, st + v_lane, k0, row_g, pos, nq, tq, scale_log2);
+            pf_tile<false>(o, m_r, l_r, qa_base, st + k_lane, st + v_lane, k0, row_g, pos, nq, tq, scale_log2, window);
         __syncthreads();
     }
     const int stride = n_heads * HEAD_DIM;
@@ -971,13 +1016,15 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_small(
     const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ dec_row, const int* __restrict__ dec_ctx,
     const int* __restrict__ dec_bt, const int* __restrict__ bt, const bf16* __restrict__ cache,
     float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_o, int* __restrict__ done,
-    bf16* __restrict__ out, int n_heads, int n_kv, int max_parts, int part_len, float scale_log2) {
+    bf16* __restrict__ out, int n_heads, int n_kv, int max_parts, int part_len, float scale_log2, int window) {
     __shared__ float sc[GQA][DS_KEYS];
     // K rows, then V rows (DS_KEYS x HEAD_DIM each); after the V pass, dec_finish's partial sums.
     __shared__ __align__(16) unsigned char buf[DS_BUF_BYTES];
     __shared__ __align__(16) bf16 qs[GQA * HEAD_DIM];
     const int i = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
-    const int ctx = dec_ctx[i];
+    // Partitions cover the visible keys lo..ctx: all of them, or the last `window` (0: none).
+    const int lo = window > 0 ? max(0, dec_ctx[i] - window) : 0;
+    const int ctx = dec_ctx[i] - lo;
     const int start = part * part_len;
     if (start >= ctx) {
         // Graph launches cover every partition the context limit allows; the unused ones only let
@@ -996,7 +1043,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_small(
 #pragma unroll
     for (int u = 0; u < DS_KL; u++) {
         const int j = kk + KPI * u;
-        kp[u] = kv_row(cache, tbl, start + (j < n ? j : 0), 0, n_kv, kvh) + c;
+        kp[u] = kv_row(cache, tbl, lo + start + (j < n ? j : 0), 0, n_kv, kvh) + c;
     }
     const u64 plane = (u64)n_kv * KV_BLOCK * HEAD_DIM;  // K plane to V plane of a block
     const u32 ks = smem_addr(buf), vs = ks + DS_KEYS * HEAD_DIM * 2;
@@ -1064,13 +1111,15 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ dec_row, const int* __restrict__ dec_ctx,
     const int* __restrict__ dec_bt, const int* __restrict__ bt, const bf16* __restrict__ cache,
     float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_o, int* __restrict__ done,
-    bf16* __restrict__ out, int n_heads, int n_kv, int max_parts, int part_len, float scale_log2) {
+    bf16* __restrict__ out, int n_heads, int n_kv, int max_parts, int part_len, float scale_log2, int window) {
     __shared__ float sc[GQA][DEC_PART];
     __shared__ float red[VLANES][GQA][HEAD_DIM];
     pdl_wait();
     pdl_trigger();
     const int i = blockIdx.x, kvh = blockIdx.y;
-    const int ctx = dec_ctx[i];
+    // Partitions cover the visible keys lo..ctx: all of them, or the last `window` (0: none).
+    const int lo = window > 0 ? max(0, dec_ctx[i] - window) : 0;
+    const int ctx = dec_ctx[i] - lo;
     if ((int)blockIdx.z * part_len >= ctx) return;
     const int parts = (ctx + part_len - 1) / part_len;
     const int* tbl = bt + dec_bt[i];
@@ -1081,8 +1130,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     dec_load_q(qkv, qkv_width, dec_row[i], kvh, c, scale_log2, qf);
     // The loop bound is block-uniform (ctx is the block's sequence's), so every barrier is reached.
     for (int part = blockIdx.z; part < parts; part += gridDim.z) {
-        const int start = part * part_len;
-        const int n = min(ctx, start + part_len) - start;
+        const int start = lo + part * part_len;
+        const int n = min(ctx, part * part_len + part_len) - part * part_len;
         // Two keys per thread per iteration keep two 16-byte loads in flight. The loop bound is
         // block-uniform so that every lane reaches the shuffles; lanes past the end score a zero key
         // and do not store.

@@ -39,7 +39,7 @@ pub fn decode_partition(n_decode: usize, small: usize) -> usize {
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 24] = [
+pub const KERNEL_NAMES: [&str; 25] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -48,6 +48,7 @@ pub const KERNEL_NAMES: [&str; 24] = [
     "silu_mul",
     "rope_kv_write",
     "qk_norm",
+    "softcap",
     "argmax_rows",
     "sample_rows",
     "mask_rows",

@@ -30,6 +30,12 @@ fn compiles_for_hopper_when_nvrtc_is_present() {
             gqa: 3,
             block_size: 16,
         },
+        // Gemma 3 270M and 1B (4 query heads on 1 KV head of 256 dims).
+        KernelShape {
+            head_dim: 256,
+            gqa: 4,
+            block_size: 16,
+        },
     ] {
         let ptx = compile(&shape, &GemvTuning::default(), 9, 0)
             .unwrap_or_else(|e| panic!("{shape:?}: {e}"));

@@ -98,7 +98,7 @@ impl CudaLlama {
         let eps = c.rms_norm_eps;
         let qkv_w = (q + 2 * kv) as i32;
         let neox = matches!(c.rope_style, tandem_kernels::RopeStyle::Neox) as i32;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let scale = c.attn_scale;
         let scale_log2 = scale * std::f32::consts::LOG2_E;
         let layer_elems = (self.layout.num_blocks + 1) * self.layout.block_elems();
         let p = &self.plan;
@@ -133,16 +133,25 @@ impl CudaLlama {
                 embed.ptr,
                 self.meta(Region::Tokens),
                 a.x.ptr,
-                h as i32
+                h as i32,
+                c.embedding_scale.unwrap_or(1.0)
             );
         }
         let fused = self.fused_step(t);
         let smem = fused_smem_bytes(t, h) as u32;
         let block = (32 * GEMV_WARPS as u32, 1, 1);
-        // The previous layer's last delta, not yet added into x (0: x is complete).
-        let mut pending = 0u64;
+        // The previous layer's last delta, not yet added into x (0: x is complete), and the norm it
+        // takes first (0: none; Gemma's post-MLP norm).
+        let mut pending = (0u64, 0u64);
         for (l, lw) in self.layers.iter().enumerate() {
             let cache = self.kv.at(l * layer_elems, BF16);
+            let (rope_cos, rope_sin) = &self.ropes[self.layer_rope[l]];
+            let window = c
+                .layer(self.first_layer + l)
+                .attention
+                .window()
+                .map_or(0, |w| w as i32);
+            let post = |n: &Option<crate::memory::DeviceBuf>| n.as_ref().map_or(0u64, |b| b.ptr);
             let bias = lw.bqkv.as_ref().map_or(0u64, |b| b.ptr);
             if fused && lw.qk_norm.is_none() {
                 // RMSNorm + QKV + bias + RoPE + K/V write; the residual is complete in x.
@@ -160,8 +169,8 @@ impl CudaLlama {
                     bias,
                     self.meta(Region::Positions),
                     self.meta(Region::Slots),
-                    self.rope_cos.ptr,
-                    self.rope_sin.ptr,
+                    rope_cos.ptr,
+                    rope_sin.ptr,
                     cache,
                     a.qkv.ptr,
                     nh,
@@ -198,8 +207,8 @@ impl CudaLlama {
                     bias,
                     self.meta(Region::Positions),
                     self.meta(Region::Slots),
-                    self.rope_cos.ptr,
-                    self.rope_sin.ptr,
+                    rope_cos.ptr,
+                    rope_sin.ptr,
                     cache,
                     nh,
                     nkv,
@@ -217,68 +226,72 @@ impl CudaLlama {
                 nh,
                 nkv,
             };
-            match self.opts.attn {
-                AttnMode::Simple => {
-                    let n_seq = p.seq_qrow.len() as u32;
-                    launch!(
+            // Heads wider than the tensor-core prefill takes: a step with prompt rows runs the
+            // reference kernel for all its rows; decode-only steps keep the decode kernels.
+            let simple = self.opts.attn == AttnMode::Simple
+                || (!p.tile_seq.is_empty() && !self.shape.tensor_core_prefill());
+            if simple {
+                let n_seq = p.seq_qrow.len() as u32;
+                launch!(
+                    s,
+                    self.funcs.attn_simple,
+                    (p.max_nq as u32, n_seq, (nh as u32).div_ceil(4)),
+                    (32, 4, 1),
+                    a.qkv.ptr,
+                    qkv_w,
+                    @seq &seq,
+                    scale,
+                    window
+                );
+            } else {
+                if !p.tile_seq.is_empty() {
+                    launch_smem!(
                         s,
-                        self.funcs.attn_simple,
-                        (p.max_nq as u32, n_seq, (nh as u32).div_ceil(4)),
-                        (32, 4, 1),
+                        self.funcs.attn_prefill,
+                        (p.tile_seq.len() as u32, nh as u32, 1),
+                        (128, 1, 1),
+                        kernels::prefill_smem_bytes(c.head_dim) as u32,
                         a.qkv.ptr,
                         qkv_w,
+                        self.meta(Region::TileSeq),
+                        self.meta(Region::TileQ0),
                         @seq &seq,
-                        scale
+                        scale_log2,
+                        window
                     );
                 }
-                AttnMode::Fast => {
-                    if !p.tile_seq.is_empty() {
-                        launch_smem!(
-                            s,
-                            self.funcs.attn_prefill,
-                            (p.tile_seq.len() as u32, nh as u32, 1),
-                            (128, 1, 1),
-                            kernels::prefill_smem_bytes(c.head_dim) as u32,
-                            a.qkv.ptr,
-                            qkv_w,
-                            self.meta(Region::TileSeq),
-                            self.meta(Region::TileQ0),
-                            @seq &seq,
-                            scale_log2
-                        );
-                    }
-                    if !p.dec_row.is_empty() {
-                        let nd = p.dec_row.len() as u32;
-                        let kernel = if part_len <= DECODE_PARTITION_SMALL {
-                            &self.funcs.attn_decode_small
-                        } else {
-                            &self.funcs.attn_decode
-                        };
-                        launch_pdl!(
-                            self,
-                            kernel,
-                            (nd, nkv as u32, decode_parts as u32),
-                            (128, 1, 1),
-                            0,
-                            a.qkv.ptr,
-                            qkv_w,
-                            self.meta(Region::DecRow),
-                            self.meta(Region::DecCtx),
-                            self.meta(Region::DecBt),
-                            self.meta(Region::BlockTables),
-                            cache,
-                            a.part_m.ptr,
-                            a.part_l.ptr,
-                            a.part_o.ptr,
-                            a.dec_done.ptr,
-                            a.attn.ptr,
-                            nh,
-                            nkv,
-                            stride as i32,
-                            part_len as i32,
-                            scale_log2
-                        );
-                    }
+                if !p.dec_row.is_empty() {
+                    let nd = p.dec_row.len() as u32;
+                    let kernel = if part_len <= DECODE_PARTITION_SMALL {
+                        &self.funcs.attn_decode_small
+                    } else {
+                        &self.funcs.attn_decode
+                    };
+                    launch_pdl!(
+                        self,
+                        kernel,
+                        (nd, nkv as u32, decode_parts as u32),
+                        (128, 1, 1),
+                        0,
+                        a.qkv.ptr,
+                        qkv_w,
+                        self.meta(Region::DecRow),
+                        self.meta(Region::DecCtx),
+                        self.meta(Region::DecBt),
+                        self.meta(Region::BlockTables),
+                        cache,
+                        a.part_m.ptr,
+                        a.part_l.ptr,
+                        a.part_o.ptr,
+                        a.dec_done.ptr,
+                        a.attn.ptr,
+                        nh,
+                        nkv,
+                        stride as i32,
+                        part_len as i32,
+                        scale_log2,
+                        window
+                    );
                 }
             }
             let (gate_up, down) = match &lw.ffn {
@@ -286,14 +299,18 @@ impl CudaLlama {
                 FfnBufs::Moe(moe) => {
                     if fused {
                         self.enqueue_gemv_add(t, a.attn.ptr, lw.wo.ptr, a.x.ptr, q)?;
-                        self.enqueue_add_rmsnorm(t, 0, lw.ffn_norm.ptr)?;
+                        self.enqueue_add_rmsnorm(t, (0, 0), lw.ffn_norm.ptr)?;
                     } else {
                         self.gemm(a.attn.ptr, lw.wo.ptr, a.delta.ptr, t, h, q, false)?;
-                        self.enqueue_add_rmsnorm(t, a.delta.ptr, lw.ffn_norm.ptr)?;
+                        self.enqueue_add_rmsnorm(
+                            t,
+                            (a.delta.ptr, post(&lw.post_attn_norm)),
+                            lw.ffn_norm.ptr,
+                        )?;
                     }
                     // The experts' output goes straight into x.
                     self.enqueue_moe(l, moe, t)?;
-                    pending = 0;
+                    pending = (0, 0);
                     continue;
                 }
             };
@@ -319,15 +336,15 @@ impl CudaLlama {
                     groups
                 );
                 self.enqueue_gemv_add(t, a.act.ptr, down, a.x.ptr, f)?;
-                pending = 0;
+                pending = (0, 0);
                 continue;
             }
             self.gemm(a.attn.ptr, lw.wo.ptr, a.delta.ptr, t, h, q, false)?;
-            self.enqueue_add_rmsnorm(t, a.delta.ptr, lw.ffn_norm.ptr)?;
+            self.enqueue_add_rmsnorm(t, (a.delta.ptr, post(&lw.post_attn_norm)), lw.ffn_norm.ptr)?;
             self.gemm(a.xn.ptr, gate_up, a.gu.ptr, t, 2 * f, h, false)?;
             self.enqueue_silu_mul(a.gu.ptr, a.act.ptr, t, f)?;
             self.gemm(a.act.ptr, down, a.delta.ptr, t, h, f, false)?;
-            pending = a.delta.ptr;
+            pending = (a.delta.ptr, post(&lw.post_ffn_norm));
         }
         self.enqueue_add_rmsnorm(t, pending, self.norm.ptr)
     }
@@ -360,11 +377,12 @@ impl CudaLlama {
         Ok(())
     }
 
-    /// Queues `x += delta` (delta 0: none) and `xn = RMSNorm(x) · weight` over `t` rows.
+    /// Queues `x += delta` (delta 0: none) and `xn = RMSNorm(x) · weight` over `t` rows; `delta`
+    /// is `(delta, post)`, and a non-zero `post` norm weight normalises the delta before the add.
     pub(super) fn enqueue_add_rmsnorm(
         &self,
         t: usize,
-        delta: u64,
+        (delta, post): (u64, u64),
         weight: u64,
     ) -> Result<(), CudaError> {
         let h = self.config.hidden_size;
@@ -381,7 +399,8 @@ impl CudaLlama {
             weight,
             self.acts.xn.ptr,
             h as i32,
-            self.config.rms_norm_eps
+            self.config.rms_norm_eps,
+            post
         );
         Ok(())
     }
@@ -427,7 +446,21 @@ impl CudaLlama {
                     self.layers()
                 ))
             })?;
-        self.gemm(head_in, head.ptr, a.logits.ptr, n, c.vocab_size, h, true)
+        self.gemm(head_in, head.ptr, a.logits.ptr, n, c.vocab_size, h, true)?;
+        if let Some(cap) = c.final_logit_softcap {
+            let len = n * c.vocab_size;
+            launch_pdl!(
+                self,
+                self.funcs.softcap,
+                (len.div_ceil(256).min(4096) as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                a.logits.ptr,
+                len as u64,
+                cap
+            );
+        }
+        Ok(())
     }
 
     /// Runs one step and returns `batch.logits_rows()` rows of fp32 logits on the host.

@@ -1,11 +1,6 @@
 //! Launch shapes of the small-batch GEMV kernels: split-K, block groups, persistent grids, and which
 //! steps run them.
 
-use std::sync::Arc;
-
-use cudarc::driver::sys as drv;
-use cudarc::driver::CudaContext;
-
 use super::launch::Funcs;
 use super::CudaLlama;
 use crate::error::CudaError;
@@ -17,12 +12,9 @@ impl Funcs {
     /// multiprocessor at the kernel's registers and shared memory).
     pub(super) fn gemv_caps(
         &self,
-        ctx: &Arc<CudaContext>,
+        sms: u32,
         hidden: usize,
     ) -> Result<[[u32; kernels::GEMV_MAX_ROWS]; 4], CudaError> {
-        let sms = ctx
-            .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
-            as u32;
         let mut caps = [[1u32; kernels::GEMV_MAX_ROWS]; 4];
         for (fam, funcs) in [&self.gemv, &self.gemv_add, &self.gemv_silu, &self.gemv_qkv]
             .into_iter()
@@ -114,10 +106,13 @@ impl CudaLlama {
     }
 
     /// Whether a step of `t` tokens runs the fused GEMV kernels (norm, RoPE, K/V write, SiLU and
-    /// residual adds inside the projections): our GEMV on, few rows, shapes the kernels take.
+    /// residual adds inside the projections): our GEMV on, few rows, shapes the kernels take, and a
+    /// structure they compute (SiLU, no norm between a projection and its residual add).
     pub(super) fn fused_step(&self, t: usize) -> bool {
         let c = &self.config;
-        self.gemv_rows(t)
+        !c.sandwich_norms
+            && c.activation == tandem_model::Activation::Silu
+            && self.gemv_rows(t)
             && c.hidden_size.is_multiple_of(8)
             && c.intermediate_size.is_multiple_of(8)
             && fused_smem_bytes(t, c.hidden_size) <= FUSED_SMEM_MAX

@@ -20,6 +20,8 @@ pub(super) struct Funcs {
     pub(super) silu_mul: CudaFunction,
     pub(super) rope_kv_write: CudaFunction,
     pub(super) qk_norm: CudaFunction,
+    /// Final-logit soft-capping (`cap · tanh(x / cap)`).
+    pub(super) softcap: CudaFunction,
     pub(super) argmax_rows: CudaFunction,
     pub(super) sample_rows: CudaFunction,
     pub(super) mask_rows: CudaFunction,
@@ -62,6 +64,7 @@ impl Funcs {
             silu_mul: f("silu_mul")?,
             rope_kv_write: f("rope_kv_write")?,
             qk_norm: f("qk_norm")?,
+            softcap: f("softcap")?,
             argmax_rows: f("argmax_rows")?,
             sample_rows: f("sample_rows")?,
             mask_rows: f("mask_rows")?,

@@ -62,6 +62,9 @@ struct LayerBufs {
     qk_norm: Option<(DeviceBuf, DeviceBuf)>,
     wo: DeviceBuf,
     ffn_norm: DeviceBuf,
+    /// Gemma's norms of the attention and MLP outputs before their residual adds.
+    post_attn_norm: Option<DeviceBuf>,
+    post_ffn_norm: Option<DeviceBuf>,
     ffn: FfnBufs,
 }
 
@@ -118,8 +121,10 @@ pub struct CudaLlama {
     layers: Vec<LayerBufs>,
     norm: DeviceBuf,
     lm_head: Option<DeviceBuf>,
-    rope_cos: DeviceBuf,
-    rope_sin: DeviceBuf,
+    /// Cos and sin tables of each distinct rope of the model (Gemma 3: local and global layers).
+    ropes: Vec<(DeviceBuf, DeviceBuf)>,
+    /// Index into `ropes` of each of this instance's layers.
+    layer_rope: Vec<usize>,
     kv: DeviceBuf,
     layout: KvLayout,
     acts: Acts,
@@ -177,35 +182,16 @@ fn widths(c: &ModelConfig) -> (usize, usize, usize, usize, usize) {
     )
 }
 
-/// Refuses, at load and naming the feature, a model structure the CUDA kernels do not compute yet:
-/// they run dense SiLU-gated layers that all share one rope and one attention span, unscaled
-/// embeddings and logits, 1/sqrt(head_dim) attention, no per-head or post-block norms.
+/// Refuses, at load and naming the feature, a model structure the CUDA kernels do not compute yet.
 fn check_structure(c: &ModelConfig) -> Result<(), CudaError> {
-    let first = c.layer(0);
-    let default_scale = ModelConfig::default_attn_scale(c.head_dim);
     let refused = [
         (
             c.qk_norm && c.attention_bias,
             "per-head query/key norms (qk_norm) after q/k/v biases",
         ),
-        (c.sandwich_norms, "post-attention and post-MLP norms"),
         (
-            c.activation != tandem_model::Activation::Silu,
-            "an MLP activation other than SiLU",
-        ),
-        (c.embedding_scale.is_some(), "a scaled embedding"),
-        (c.final_logit_softcap.is_some(), "logit soft-capping"),
-        (
-            (c.attn_scale - default_scale).abs() > f32::EPSILON * default_scale,
-            "an attention scale other than 1/sqrt(head_dim)",
-        ),
-        (
-            c.layers.iter().any(|l| l.rope != first.rope),
-            "a rope that differs between layers",
-        ),
-        (
-            c.layers.iter().any(|l| l.attention != first.attention),
-            "attention spans that differ between layers (local and global layers)",
+            c.has_moe() && (c.sandwich_norms || c.activation != tandem_model::Activation::Silu),
+            "mixture-of-experts layers with post-block norms or a non-SiLU activation",
         ),
     ];
     match refused.iter().find(|r| r.0) {
@@ -275,13 +261,11 @@ impl CudaLlama {
             block_size: opts.block_size,
         };
         shape.validate()?;
-        let mut opts = opts;
         if !shape.tensor_core_prefill() && opts.attn == AttnMode::Fast {
             tracing::warn!(
                 head_dim = config.head_dim,
-                "head_dim above 128: using the reference attention kernel"
+                "head_dim above 128: prompt steps use the reference attention kernel"
             );
-            opts.attn = AttnMode::Simple;
         }
         let ctx = CudaContext::new(opts.device)?;
         // We order all work on one stream ourselves; cudarc's per-buffer events would only add calls.
@@ -302,10 +286,10 @@ impl CudaLlama {
         let module = ctx.load_module(ptx)?;
         let funcs = Funcs::load(&module)?;
         funcs.allow_norm_smem(config.hidden_size)?;
-        let gemv_caps = funcs.gemv_caps(&ctx, config.hidden_size)?;
         let sms = ctx
             .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             as usize;
+        let gemv_caps = funcs.gemv_caps(sms as u32, config.hidden_size)?;
         funcs.attn_prefill.set_attribute(
             drv::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             kernels::prefill_smem_bytes(config.head_dim) as i32,
@@ -315,18 +299,10 @@ impl CudaLlama {
 
         let c = &config;
         let (h, q, kv, f, v) = widths(c);
-        let mut max_model_len = opts
+        let max_model_len = opts
             .max_model_len
             .unwrap_or(c.max_position_embeddings)
             .min(c.max_position_embeddings);
-        if let Some(w) = c.layer(0).attention.window().filter(|&w| w < max_model_len) {
-            // Our attention kernels are dense: capping the context at the window keeps them exact.
-            tracing::warn!(
-                window = w,
-                "sliding-window model: context capped at the window on CUDA"
-            );
-            max_model_len = w;
-        }
         let max_tokens = opts.max_tokens.max(1);
         let max_seqs = opts.max_seqs.max(1);
 
@@ -346,16 +322,25 @@ impl CudaLlama {
         }
         let (embed, layers, norm, lm_head) = up.weights(weights, c, range.clone())?;
 
-        // RoPE tables.
-        let rope = RopeTable::new(
-            c.head_dim,
-            c.layer(0).rope.theta,
-            &c.layer(0).rope.scaling,
-            max_model_len,
-            c.rope_style,
-        );
-        let rope_cos = up.upload(rope.cos())?;
-        let rope_sin = up.upload(rope.sin())?;
+        // RoPE tables: one per distinct rope among this instance's layers.
+        let mut distinct: Vec<&tandem_model::LayerRope> = Vec::new();
+        let mut layer_rope = Vec::with_capacity(range.len());
+        for l in range.clone() {
+            let r = &c.layer(l).rope;
+            let i = distinct.iter().position(|d| *d == r).unwrap_or_else(|| {
+                distinct.push(r);
+                distinct.len() - 1
+            });
+            layer_rope.push(i);
+        }
+        let ropes = distinct
+            .iter()
+            .map(|r| {
+                let t =
+                    RopeTable::new(c.head_dim, r.theta, &r.scaling, max_model_len, c.rope_style);
+                Ok((up.upload(t.cos())?, up.upload(t.sin())?))
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
 
         // KV cache: one extra block at the end is the scratch target of padded graph rows.
         let mut layout =
@@ -470,8 +455,8 @@ impl CudaLlama {
             layers,
             norm,
             lm_head,
-            rope_cos,
-            rope_sin,
+            ropes,
+            layer_rope,
             kv: kv_buf,
             layout,
             acts,
@@ -611,5 +596,61 @@ impl CudaLlama {
     /// The kernel shape this instance was compiled for.
     pub fn kernel_shape(&self) -> KernelShape {
         self.shape
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_model::{Activation, AttentionSpan, DenseShape, LayerRope, MlpKind, MoeSpec};
+
+    fn dense() -> ModelConfig {
+        ModelConfig::dense(DenseShape {
+            hidden: 64,
+            ffn: 128,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            vocab: 32,
+            max_positions: 64,
+            rope: LayerRope {
+                theta: 10_000.0,
+                scaling: tandem_kernels::RopeScaling::None,
+            },
+        })
+    }
+
+    #[test]
+    fn gemma_structure_loads_and_moe_with_gelu_is_refused_by_name() {
+        let mut c = dense();
+        c.sandwich_norms = true;
+        c.qk_norm = true;
+        c.activation = Activation::GeluTanh;
+        c.embedding_scale = Some(8.0);
+        c.final_logit_softcap = Some(30.0);
+        c.attn_scale = 0.1;
+        c.layers[0].attention = AttentionSpan::Window(8);
+        c.layers[0].rope.theta = 1e6;
+        check_structure(&c).expect("every Gemma 3 feature runs on CUDA");
+
+        for l in &mut c.layers {
+            l.mlp = MlpKind::Moe;
+        }
+        c.moe = Some(MoeSpec {
+            num_experts: 4,
+            top_k: 2,
+            norm_top_k: true,
+            expert_ffn: 32,
+            shared_ffn: None,
+        });
+        let err = check_structure(&c).unwrap_err().to_string();
+        assert!(err.contains("non-SiLU activation"), "{err}");
+
+        c.sandwich_norms = false;
+        c.activation = Activation::Silu;
+        c.attention_bias = true;
+        let err = check_structure(&c).unwrap_err().to_string();
+        assert!(err.contains("qk_norm"), "{err}");
     }
 }

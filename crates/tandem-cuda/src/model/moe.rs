@@ -363,7 +363,8 @@ impl CudaLlama {
             gu,
             act,
             ffn as i32,
-            rows as i32
+            rows as i32,
+            (self.config.activation == tandem_model::Activation::GeluTanh) as i32
         );
         Ok(())
     }

@@ -226,6 +226,8 @@ impl Uploader<'_> {
                         (Some(qn), Some(kn)) => Some((up.vector(qn)?, up.vector(kn)?)),
                         _ => None,
                     };
+                    let optional =
+                        |n: &Option<Vec<f32>>| n.as_deref().map(|n| up.vector(n)).transpose();
                     layers.push(LayerBufs {
                         attn_norm: up.vector(&lw.attn_norm)?,
                         wqkv: up.matrices(&[&lw.wq, &lw.wk, &lw.wv])?,
@@ -233,6 +235,8 @@ impl Uploader<'_> {
                         qk_norm,
                         wo: up.matrices(&[&lw.wo])?,
                         ffn_norm: up.vector(&lw.ffn_norm)?,
+                        post_attn_norm: optional(&lw.post_attn_norm)?,
+                        post_ffn_norm: optional(&lw.post_ffn_norm)?,
                         ffn,
                     });
                 }
@@ -276,6 +280,11 @@ impl Uploader<'_> {
                         },
                         wo: up.random(h * q, 1.0 / (q as f32).sqrt())?,
                         ffn_norm: up.constant(h, 1.0)?,
+                        post_attn_norm: c
+                            .sandwich_norms
+                            .then(|| up.constant(h, 1.0))
+                            .transpose()?,
+                        post_ffn_norm: c.sandwich_norms.then(|| up.constant(h, 1.0)).transpose()?,
                         ffn: up.random_ffn(c, l)?,
                     });
                 }

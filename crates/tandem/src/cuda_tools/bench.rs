@@ -9,7 +9,8 @@ use clap::Args;
 use serde::Serialize;
 use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
 use tandem_model::{
-    DenseShape, ForwardBatch, LayerRope, LayerSpec, LogitsWanted, MlpKind, ModelConfig, MoeSpec,
+    AttentionSpan, DenseShape, ForwardBatch, LayerRope, LayerSpec, LogitsWanted, MlpKind,
+    ModelConfig, MoeSpec,
 };
 
 use super::io_err;
@@ -64,6 +65,11 @@ pub enum BenchShape {
     /// renormalised, per-head q/k norms, 151936 vocab.
     #[value(name = "qwen3-30b-a3b")]
     Qwen3_30bA3b,
+    /// Gemma-3-27B: 62 layers, 5376 hidden, 21504 FFN (GELU), 32/16 heads of 128, 262208 vocab
+    /// (tied), sandwich and per-head norms, five 1024-token sliding-window layers (rope base 1e4)
+    /// to one global layer (rope base 1e6, linear scaling 8), attention scale 1/sqrt(168).
+    #[value(name = "gemma3-27b")]
+    Gemma3_27b,
 }
 
 /// Runs `cuda-bench` on `args.shape` with `args.layers` layers.
@@ -72,6 +78,7 @@ pub fn run(args: CudaBenchArgs) -> Result<()> {
         BenchShape::Llama3_8b => BenchArgs::llama3_8b_config(),
         BenchShape::Qwen3_8b => BenchArgs::qwen3_8b_config(),
         BenchShape::Qwen3_30bA3b => BenchArgs::qwen3_30b_a3b_config(),
+        BenchShape::Gemma3_27b => BenchArgs::gemma3_27b_config(),
     };
     if let Some(n) = args.layers {
         // The shape's layer pattern repeated (or cut) to n layers.
@@ -187,6 +194,53 @@ impl BenchArgs {
         });
         c
     }
+
+    /// Gemma-3-27B's shape (see [`BenchShape::Gemma3_27b`]).
+    pub(super) fn gemma3_27b_config() -> ModelConfig {
+        let global = LayerRope {
+            theta: 1_000_000.0,
+            scaling: tandem_kernels::RopeScaling::Linear { factor: 8.0 },
+        };
+        let local = LayerRope {
+            theta: 10_000.0,
+            scaling: tandem_kernels::RopeScaling::None,
+        };
+        let mut c = ModelConfig::dense(DenseShape {
+            hidden: 5376,
+            ffn: 21504,
+            layers: 62,
+            heads: 32,
+            kv_heads: 16,
+            head_dim: 128,
+            vocab: 262208,
+            max_positions: 131072,
+            rope: global.clone(),
+        });
+        c.architecture = "gemma3".into();
+        c.layers = (0..62)
+            .map(|l| {
+                if l % 6 == 5 {
+                    LayerSpec::uniform(1, AttentionSpan::Global, global.clone(), MlpKind::Dense)
+                } else {
+                    LayerSpec::uniform(
+                        1,
+                        AttentionSpan::Window(1024),
+                        local.clone(),
+                        MlpKind::Dense,
+                    )
+                }
+                .remove(0)
+            })
+            .collect();
+        c.tie_word_embeddings = true;
+        c.qk_norm = true;
+        c.sandwich_norms = true;
+        c.activation = tandem_model::Activation::GeluTanh;
+        c.embedding_scale = Some((5376f32).sqrt());
+        c.attn_scale = 1.0 / 168f32.sqrt();
+        c.rms_norm_eps = 1e-6;
+        c
+    }
 }
 
 /// One measurement, as a JSON line.
@@ -295,7 +349,14 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
             }
             let med = median(&mut times);
             let ctx_avg = args.context as f64 + (warmup + args.steps) as f64 / 2.0;
-            let bytes = model.weight_bytes_per_step(b) as f64 + b as f64 * ctx_avg * kv_per_token;
+            // A windowed layer reads at most its window of each sequence's keys and values.
+            let kv_read: f64 = (0..c.num_layers)
+                .map(|l| {
+                    let w = c.layer(l).attention.window().map_or(f64::MAX, |w| w as f64);
+                    ctx_avg.min(w) * kv_per_token / c.num_layers as f64
+                })
+                .sum();
+            let bytes = model.weight_bytes_per_step(b) as f64 + b as f64 * kv_read;
             emit(BenchRow {
                 what: "decode".into(),
                 batch: b,
@@ -346,7 +407,14 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
             .map(|l| (q + 2 * kv) * h + q * h + mlp(l))
             .sum();
         let linear = 2.0 * n * per_token as f64 + 2.0 * (c.vocab_size * h) as f64;
-        let attn = 4.0 * (c.num_heads * c.head_dim * c.num_layers) as f64 * n * (n + 1.0) / 2.0;
+        // Keys each query scores, summed: n(n+1)/2 on a global layer, fewer on a windowed one.
+        let keys: f64 = (0..c.num_layers)
+            .map(|l| match c.layer(l).attention.window() {
+                Some(w) if w < len => (w * (w + 1) / 2 + (len - w) * w) as f64,
+                _ => n * (n + 1.0) / 2.0,
+            })
+            .sum();
+        let attn = 4.0 * (c.num_heads * c.head_dim) as f64 * keys;
         emit(BenchRow {
             what: "prefill".into(),
             batch: 1,
