@@ -167,26 +167,60 @@ def free_port():
     return port
 
 
-def serve_check(bin_, work, prompt, n, log_path):
+def start_serve(cmd, log_path):
+    """Starts `tandem serve` (cmd after the binary, without the port) and waits for its model list:
+    (process, base URL, served model name, log file)."""
     port = free_port()
     log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [bin_, "serve", work, "--device", "cuda", "--port", str(port), "--kv-cache-memory", "256MiB",
-         "--max-num-seqs", "8"],
-        stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd[:2] + ["--port", str(port)] + cmd[2:], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        try:
+            with urllib.request.urlopen(base + "/v1/models", timeout=1) as r:
+                return proc, base, json.load(r)["data"][0]["id"], log
+        except Exception:
+            if proc.poll() is not None:
+                raise RuntimeError("tandem serve exited; see " + log_path)
+            time.sleep(0.1)
+    proc.terminate()
+    raise RuntimeError("tandem serve did not come up")
+
+
+def greedy_text(base, name, prompt, n):
+    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": n, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)["choices"][0]["text"]
+
+
+def serve_pd_check(bin_, work, prompts_, n, log_path):
+    """The same greedy completions through 1P1D on this one GPU (two worker processes, KV over TCP):
+    the texts, and the head's count of requests prefilled remotely (their KV pulled, not recomputed)."""
+    cfg = os.path.join(work, "pd.yaml")
+    with open(cfg, "w") as f:
+        f.write(f"model: {work}\nengine: {{device: cuda, kv_cache_memory: 256MiB, max_num_seqs: 8}}\n"
+                "deployment:\n  mode: pd\n  prefill: {replicas: 1}\n  decode: {replicas: 1}\n"
+                "  kv_transfer: {transport: tcp}\n  routing: {local_prefill_threshold: 4}\n")
+    proc, base, name, log = start_serve([bin_, "serve", "--config", cfg], log_path)
     try:
-        base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(base + "/v1/models", timeout=1) as r:
-                    name = json.load(r)["data"][0]["id"]
-                break
-            except Exception:
-                if proc.poll() is not None:
-                    raise RuntimeError("tandem serve exited; see " + log_path)
-                time.sleep(0.1)
-        else:
-            raise RuntimeError("tandem serve did not come up")
+        texts = [greedy_text(base, name, p, n) for p in prompts_]
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+            page = r.read().decode()
+        m = re.search(r'tandem:pd_requests_total\{prefill="remote"\} (\d+)', page)
+        return texts, int(m.group(1)) if m else 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def serve_check(bin_, work, prompt, n, log_path, more=()):
+    """Greedy, seeded and guided completions of `prompt` on one colocated server, and the greedy texts
+    of the prompts in `more`."""
+    proc, base, name, log = start_serve(
+        [bin_, "serve", work, "--device", "cuda", "--kv-cache-memory", "256MiB", "--max-num-seqs", "8"], log_path)
+    try:
         def complete(**extra):
             body = json.dumps({"model": name, "prompt": prompt, "max_tokens": n, "ignore_eos": True,
                                **extra}).encode()
@@ -202,7 +236,8 @@ def serve_check(bin_, work, prompt, n, log_path):
         # greedy and drawn.
         fmt = {"type": "regex", "regex": GUIDED_REGEX}
         guided = [complete(temperature=t, seed=seed, response_format=fmt) for t, seed in ((0, 0), (0.8, 5), (1.5, 6))]
-        return [int(x) for x in re.findall(r"t(\d+)", text)], text, drawn, guided
+        more_texts = [greedy_text(base, name, m, n) for m in more]
+        return [int(x) for x in re.findall(r"t(\d+)", text)], text, drawn, guided, more_texts
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -321,7 +356,9 @@ def main():
     try:
         i = 3
         p = ps[i]
-        toks, text, drawn, guided = serve_check(a.bin, a.work, p, DECODE_STEPS, os.path.join(a.out, "serve.log"))
+        longer = [ps[4], ps[5]]
+        toks, text, drawn, guided, more = serve_check(a.bin, a.work, p, DECODE_STEPS,
+                                                      os.path.join(a.out, "serve.log"), longer)
         ids = [[int(x) for x in re.findall(r"t(\d+)", g)] for g in guided]
         report["checks"]["engine_serve_guided_device_mask"] = {
             "texts": guided, "pass": all(len(t) == DECODE_STEPS and all(str(i)[0] in "1234" for i in t) for t in ids)}
@@ -337,8 +374,16 @@ def main():
         report["checks"]["engine_serve_greedy"] = {"tandem": toks, "hf": hf, "text": text,
                                                    "matching_prefix": same, "consistent_with_forced_argmax": consistent,
                                                    "pass": len(toks) == DECODE_STEPS and consistent}
+        # 1P1D: the same prompts' greedy texts equal to the colocated server's, every prompt's KV pulled.
+        pd_texts, remote = serve_pd_check(a.bin, a.work, [p] + longer, DECODE_STEPS,
+                                          os.path.join(a.out, "serve_pd.log"))
+        coloc = [text] + more
+        report["checks"]["engine_pd_greedy_equals_colocated"] = {
+            "pd": pd_texts, "colocated": coloc, "remote_prefills": remote,
+            "pass": pd_texts == coloc and remote == len(coloc)}
     except Exception as e:  # noqa: BLE001
-        report["checks"]["engine_serve_greedy"] = {"pass": False, "error": str(e)}
+        report["checks"].setdefault("engine_serve_greedy", {"pass": False, "error": str(e)})
+        report["checks"]["engine_pd_greedy_equals_colocated"] = {"pass": False, "error": str(e)}
 
     for name, c in report["checks"].items():
         ok &= bool(c.get("pass"))
