@@ -7,6 +7,7 @@ use crate::error::ModelError;
 use crate::gguf::{GgufFile, GgufValue};
 use crate::identity::ModelIdentity;
 use crate::tokenizer::Tokenizer;
+use crate::weights::fp8::fp8_scales_of;
 use crate::weights::{
     gguf_tensor_descs, load_gguf_weights, load_safetensors_weights, LlamaWeights, SafetensorsSet,
     TensorDesc,
@@ -133,7 +134,12 @@ fn load_hf_dir(dir: &Path, opts: &LoadOptions) -> Result<Parts, ModelError> {
         }
         None => None,
     };
-    let set = SafetensorsSet::open(dir)?;
+    let cfg_path = dir.join("config.json");
+    let raw: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?,
+    )
+    .map_err(|e| ModelError::Config(format!("{}: {e}", cfg_path.display())))?;
+    let set = SafetensorsSet::open(dir)?.with_fp8(fp8_scales_of(&raw)?);
     let weights = load_safetensors_weights(&set, &config, opts.progress)?;
     Ok(Parts {
         config,

@@ -15,6 +15,7 @@ use crate::error::ModelError;
 use crate::gguf::GgufFile;
 
 mod assemble;
+pub mod fp8;
 
 use assemble::{assemble, Names, TensorSource};
 
@@ -252,6 +253,9 @@ struct StTensor {
 pub struct SafetensorsSet {
     shards: Vec<(PathBuf, Arc<Mmap>)>,
     tensors: HashMap<String, StTensor>,
+    /// How FP8 weights are scaled (from config.json's `quantization_config`); `None`: an FP8
+    /// tensor is refused.
+    fp8: Option<fp8::Fp8Scales>,
 }
 
 impl SafetensorsSet {
@@ -313,7 +317,68 @@ impl SafetensorsSet {
             }
             shards.push((path, Arc::new(map)));
         }
-        Ok(SafetensorsSet { shards, tensors })
+        Ok(SafetensorsSet {
+            shards,
+            tensors,
+            fp8: None,
+        })
+    }
+
+    /// The same set, reading its FP8 (E4M3) weights with `scales` (dequantized to bf16 at load).
+    pub fn with_fp8(mut self, scales: Option<fp8::Fp8Scales>) -> SafetensorsSet {
+        self.fp8 = scales;
+        self
+    }
+
+    /// The FP8 weight `name` (`rows × cols`) dequantized to bf16 with its `_scale_inv` or `_scale`
+    /// tensor.
+    fn fp8_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
+        let t = self.get(name)?;
+        if t.shape != [rows, cols] {
+            return Err(ModelError::Shape {
+                tensor: name.to_string(),
+                expected: vec![rows, cols],
+                actual: t.shape.clone(),
+            });
+        }
+        let scheme = self.fp8.ok_or_else(|| {
+            ModelError::Config(format!(
+                "tensor {name} is FP8 (F8_E4M3) but config.json has no quantization_config"
+            ))
+        })?;
+        let scale_name = [format!("{name}_scale_inv"), format!("{name}_scale")]
+            .into_iter()
+            .find(|n| self.tensors.contains_key(n))
+            .ok_or_else(|| {
+                ModelError::MissingTensor(format!("{name}_scale_inv (or {name}_scale)"))
+            })?;
+        let st = self.get(&scale_name)?;
+        let dtype = match st.dtype {
+            StDtype::F32 => DType::F32,
+            StDtype::F16 => DType::F16,
+            StDtype::BF16 => DType::BF16,
+            other => {
+                return Err(ModelError::UnsupportedDtype {
+                    tensor: scale_name,
+                    dtype: other.to_string(),
+                })
+            }
+        };
+        let mut scales = vec![0.0; st.shape.iter().product()];
+        dequantize(dtype, self.bytes(st), &mut scales);
+        let scale = fp8::ScaleTensor {
+            name: &scale_name,
+            values: &scales,
+            shape: &st.shape,
+        };
+        let bits = fp8::dequantize_fp8(name, self.bytes(t), (rows, cols), scheme, scale)?;
+        let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+        Ok(Matrix::new(
+            DType::BF16,
+            rows,
+            cols,
+            WeightBytes::Owned(Arc::new(bytes)),
+        )?)
     }
 
     /// A matrix over the tensor's bytes in its memory-mapped shard (no copy).
@@ -390,6 +455,9 @@ impl SafetensorsSet {
 
 impl TensorSource for SafetensorsSet {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
+        if self.get(name)?.dtype == StDtype::F8_E4M3 {
+            return self.fp8_matrix(name, rows, cols);
+        }
         let (t, dtype) = self.checked(name, &[rows, cols])?;
         self.mapped(t, dtype, rows, cols)
     }
