@@ -333,3 +333,82 @@ async fn pd_over_tls_serves_and_refuses_strangers() {
     assert_eq!(stats.bytes, handle.total_bytes());
     drop(server);
 }
+
+/// A child process killed on drop.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_stage_under_cluster_tls_serves_only_an_engine_of_its_ca() {
+    use std::io::{BufRead, BufReader};
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::generate(dir.path());
+    let mut stage = Killed(
+        Command::new(BIN)
+            .args(["stage", "--stage", "1", "--stages", "2", "--threads", "1"])
+            .arg("--model")
+            .arg(&model)
+            .env("TANDEM_CLUSTER_TLS_CA", &pki.ca)
+            .env("TANDEM_CLUSTER_TLS_CERT", &pki.cert)
+            .env("TANDEM_CLUSTER_TLS_KEY", &pki.key)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    BufReader::new(stage.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("TANDEM_STAGE_READY ")
+        .unwrap_or_else(|| panic!("no ready line: {line:?}"))
+        .to_owned();
+    let config = |ca: &Path, cert: &Path, key: &Path| {
+        format!(
+            "model: {}\nengine: {{block_size: 16, kv_cache_memory: 64MiB, threads: 1, max_num_seqs: 4, \
+             pipeline_parallel_size: 2, pipeline_stages: ['{addr}']}}\n\
+             deployment: {{mode: colocated, cluster_tls: {{ca: {}, cert: {}, key: {}}}}}\n",
+            model.display(),
+            ca.display(),
+            cert.display(),
+            key.display()
+        )
+    };
+
+    // An engine whose certificate another CA signed cannot link the stage, and stops.
+    let stranger = dir.path().join("stranger.yaml");
+    std::fs::write(
+        &stranger,
+        config(&pki.wrong_ca, &pki.wrong_cert, &pki.wrong_key),
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--port", "0", "--config"])
+        .arg(&stranger)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("TLS handshake"), "{err}");
+
+    // One of the stage's CA links it and serves.
+    let server = tandem_testkit::Server::with_config(BIN, &config(&pki.ca, &pki.cert, &pki.key));
+    let answer = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(server.complete("The capital of France is", 6));
+    assert!(answer["choices"][0]["text"].as_str().is_some(), "{answer}");
+    drop(server);
+}
