@@ -47,10 +47,10 @@ pub struct ServerSettings {
 #[serde(deny_unknown_fields)]
 pub struct TlsSettings {
     /// PEM certificate chain (leaf first) the API presents; with --tls-key, the API speaks HTTPS.
-    #[arg(long = "tls-cert", id = "tls_cert")]
+    #[arg(long = "tls-cert", id = "tls_cert", value_name = "PATH")]
     pub cert: Option<PathBuf>,
     /// PEM private key of --tls-cert.
-    #[arg(long = "tls-key", id = "tls_key")]
+    #[arg(long = "tls-key", id = "tls_key", value_name = "PATH")]
     pub key: Option<PathBuf>,
 }
 
