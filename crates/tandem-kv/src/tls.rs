@@ -288,10 +288,9 @@ impl ClusterTls {
                 })),
             None => builder.with_webpki_verifier(web),
         };
-        let mut client = builder
+        let client = builder
             .with_client_auth_cert(certs, key)
             .map_err(rustls_err(pair.cert_setting))?;
-        client.alpn_protocols = Vec::new();
         Ok(ClusterTls {
             server: Arc::new(server),
             client: Arc::new(client),
