@@ -61,6 +61,7 @@ fn served() -> &'static Served {
                     * m.config.head_dim
                     * 4,
                 key: None,
+                tls: None,
             },
         )
         .expect("stage server");

@@ -215,6 +215,71 @@ def test_an_existing_secret_replaces_the_charts_own(tmp_path):
     test_every_object_is_valid_kubernetes_1_31_strict(m)
 
 
+def cluster_tls_env(m, component):
+    return {e["name"]: e.get("value") for e in m.container(component).get("env", []) if "CLUSTER_TLS" in e["name"]}
+
+
+def test_cluster_tls_is_off_by_default(m):
+    for component in ("head",) + ROLES:
+        assert not cluster_tls_env(m, component), f"{m.profile} {component}"
+    assert not m.all("Certificate")
+
+
+def test_cluster_tls_from_a_secret_reaches_every_pod(tmp_path):
+    """clusterTls with an existing Secret: every pod mounts it and names its files in TANDEM_CLUSTER_TLS_*
+    (with the one server name peers check), and the workers' probes run `tandem probe https://...` in the pod,
+    since their port asks for a cluster certificate the kubelet does not have."""
+    f = values_file(tmp_path, {"clusterTls": {"enabled": True, "existingSecret": "my-tls", "serverName": "tandem.internal"}})
+    m = Manifests("custom", render_with(["cpu", "-f", f]))
+    for component in ("head",) + ROLES:
+        env = cluster_tls_env(m, component)
+        assert env == {
+            "TANDEM_CLUSTER_TLS_CA": "/etc/tandem-tls/ca.crt",
+            "TANDEM_CLUSTER_TLS_CERT": "/etc/tandem-tls/tls.crt",
+            "TANDEM_CLUSTER_TLS_KEY": "/etc/tandem-tls/tls.key",
+            "TANDEM_CLUSTER_TLS_SERVER_NAME": "tandem.internal",
+        }, component
+        spec = m.deployment(component)["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["cluster-tls"]["secret"]["secretName"] == "my-tls", component
+        mounts = {v["name"]: v for v in m.container(component)["volumeMounts"]}
+        assert mounts["cluster-tls"]["mountPath"] == "/etc/tandem-tls" and mounts["cluster-tls"]["readOnly"]
+    for role in ROLES:
+        c = m.container(role)
+        rpc = flag(c["args"], "--port")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["exec"]["command"] == ["tandem", "probe", f"https://127.0.0.1:{rpc}/health"], probe
+    assert not m.all("Certificate"), "a Certificate beside the Secret given"
+    test_every_object_is_valid_kubernetes_1_31_strict(m)
+    test_every_command_line_parses_with_the_binary(m)
+
+
+def test_cluster_tls_from_cert_manager(tmp_path):
+    f = values_file(tmp_path, {"clusterTls": {"enabled": True, "certManager": {"enabled": True, "issuerRef": {"name": "tandem-ca"}}}})
+    m = Manifests("custom", render_with(["cpu", "-f", f]))
+    cert = m.get("Certificate", "tandem-cluster-tls")
+    assert cert["apiVersion"] == "cert-manager.io/v1"
+    spec = cert["spec"]
+    assert spec["secretName"] == "tandem-cluster-tls"
+    assert spec["dnsNames"] == ["tandem-cluster"]
+    assert {"server auth", "client auth"} <= set(spec["usages"])
+    assert spec["issuerRef"] == {"name": "tandem-ca", "kind": "Issuer", "group": "cert-manager.io"}
+    for component in ("head",) + ROLES:
+        volumes = {v["name"]: v for v in m.deployment(component)["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["cluster-tls"]["secret"]["secretName"] == "tandem-cluster-tls", component
+
+
+def test_cluster_tls_needs_a_source_of_certificates(tmp_path):
+    for values, wanted in (
+        ({"clusterTls": {"enabled": True}}, "clusterTls.existingSecret or clusterTls.certManager.enabled"),
+        ({"clusterTls": {"enabled": True, "certManager": {"enabled": True}}}, "clusterTls.certManager.issuerRef.name"),
+    ):
+        out = subprocess.run(
+            ["bash", str(RENDER), "cpu", "-f", values_file(tmp_path, values)], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode != 0 and wanted in out.stderr, (values, out.stderr)
+
+
 def test_pdbs_select_their_pool(m):
     for component in ("head",) + ROLES:
         pdb = m.get("PodDisruptionBudget", f"{m.prefix}-{component}")

@@ -34,7 +34,7 @@ pub use backend::{BackendError, GenerateBackend, GenerateRequest, TokenStream};
 pub use cluster::{ClusterSnapshot, ClusterView, RoutingCounts, WorkerView};
 pub use codec::{CodecError, ModelCodec, StreamDecoder, TextCodec};
 pub use error::ApiError;
-pub use listen::{serve_router, ServeLimits};
+pub use listen::{serve_router, serve_router_tls, ServeLimits};
 pub use request_log::current_request_id;
 pub use routes::router;
 pub use state::{ApiConfig, AppState, DEFAULT_MAX_BODY_BYTES};

@@ -2,6 +2,8 @@
 //! (the OpenAI API, the P/D head, the worker RPC): a deadline for a request's header, one for its body,
 //! and a cap on open connections.
 //!
+//! With a rustls `ServerConfig` ([`serve_router_tls`]) every connection is TLS first.
+//!
 //! Built on hyper's HTTP/1.1 connection (the protocol `axum::serve` spoke here too: no client of tandem
 //! uses HTTP/2, and hyper-util's `auto` builder would pull in `h2` for none).
 //!
@@ -29,10 +31,12 @@ use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::time::{Instant, Sleep};
+use tokio_rustls::rustls::ServerConfig;
+use tokio_rustls::TlsAcceptor;
 use tower::Service;
 use tracing::{debug, warn};
 
@@ -128,11 +132,26 @@ pub async fn serve_router(
     limits: ServeLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_router_tls(listener, router, limits, None, shutdown).await
+}
+
+/// [`serve_router`] over TLS when `tls` is given (`server.tls`, or the cluster's mutual TLS on a
+/// worker's port): each connection's handshake must finish within the header deadline, and one that
+/// fails (plain HTTP, an untrusted client certificate) is closed before any request is read. Without
+/// `tls` the sockets are served as they are.
+pub async fn serve_router_tls(
+    listener: TcpListener,
+    router: axum::Router,
+    limits: ServeLimits,
+    tls: Option<Arc<ServerConfig>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let graceful = GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout);
+    let acceptor = tls.map(TlsAcceptor::from);
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -147,7 +166,19 @@ pub async fn serve_router(
         };
         let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
             debug!(%peer, limit = limits.max_connections, "connection refused: too many open");
-            tokio::spawn(refuse(stream));
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                match acceptor {
+                    None => refuse(stream).await,
+                    Some(a) => {
+                        if let Ok(Ok(s)) =
+                            tokio::time::timeout(REFUSE_LINGER, a.accept(stream)).await
+                        {
+                            refuse(s).await;
+                        }
+                    }
+                }
+            });
             continue;
         };
         let _ = stream.set_nodelay(true);
@@ -157,9 +188,34 @@ pub async fn serve_router(
             let req = req.map(|body| Body::new(DeadlineBody::new(body, body_limit)));
             router.clone().call(req)
         });
-        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        let watcher = graceful.watcher();
+        let http = http.clone();
+        let acceptor = acceptor.clone();
+        let handshake_limit = limits.header_read_timeout;
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            let served = match acceptor {
+                None => {
+                    watcher
+                        .watch(http.serve_connection(TokioIo::new(stream), service))
+                        .await
+                }
+                Some(a) => match tokio::time::timeout(handshake_limit, a.accept(stream)).await {
+                    Ok(Ok(tls)) => {
+                        watcher
+                            .watch(http.serve_connection(TokioIo::new(tls), service))
+                            .await
+                    }
+                    Ok(Err(e)) => {
+                        debug!(%peer, error = %e, "TLS handshake refused");
+                        Ok(())
+                    }
+                    Err(_) => {
+                        debug!(%peer, "TLS handshake timed out");
+                        Ok(())
+                    }
+                },
+            };
+            if let Err(e) = served {
                 debug!(%peer, error = %e, "connection ended with an error");
             }
             drop(permit);
@@ -188,7 +244,7 @@ async fn accept_failed(e: std::io::Error) {
 /// most [`REFUSE_LINGER`]) for the request head first, since HTTP clients drop an answer that comes
 /// before their request went out, and afterwards reads (and drops) what else comes for as long again,
 /// so the close does not reset the connection before the client read the answer.
-async fn refuse(mut stream: TcpStream) {
+async fn refuse<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S) {
     let mut error = ApiError::overloaded("Too many open connections; retry shortly.", 1);
     error.code = Some("too_many_connections");
     let body = error.body_json();
@@ -224,6 +280,7 @@ mod tests {
     use axum::routing::{get, post};
     use futures::StreamExt;
     use std::net::SocketAddr;
+    use tokio::net::TcpStream;
 
     /// A router with a body-reading echo and a plain GET, served under `limits` on a loopback port.
     async fn start(limits: ServeLimits) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {

@@ -75,6 +75,7 @@ pub(crate) async fn worker_with(
         max_num_seqs: 8,
         gpu: false,
         cluster_key: key,
+        tls: None,
         metrics_need_token,
     };
     let service = WorkerService::start(engine.clone(), peer, config)

@@ -152,10 +152,15 @@ impl Ingress {
     /// the new addresses (handshake first), then removes drained workers with nothing in flight.
     pub async fn discover_once(&self, config: &DiscoveryConfig, resolver: &dyn Resolver) {
         for (role, name) in config.names() {
+            let scheme = if self.inner.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            };
             match resolver.resolve(name).await {
                 Ok(addrs) => {
                     let urls: HashSet<String> =
-                        addrs.iter().map(|a| format!("http://{a}")).collect();
+                        addrs.iter().map(|a| format!("{scheme}://{a}")).collect();
                     self.follow(role, name, &urls).await;
                 }
                 Err(e) => {

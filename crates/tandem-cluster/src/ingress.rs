@@ -84,6 +84,8 @@ pub(crate) struct Inner {
     pub(crate) metrics: ClusterMetrics,
     /// The cluster secret its calls carry and registrations must carry (`crate::auth`).
     pub(crate) cluster_key: Option<tandem_kv::ClusterKey>,
+    /// The cluster's mutual TLS, when on: worker URLs are `https://`.
+    pub(crate) tls: Option<Arc<tandem_kv::ClusterTls>>,
     /// Requests waiting for decode KV room before their prefill.
     pub(crate) admission: Admission,
     /// Checks guided requests' constraints before routing, so one that does not compile is a 400
@@ -111,7 +113,27 @@ impl Ingress {
         cluster_key: Option<tandem_kv::ClusterKey>,
         worker_idle_close: Duration,
     ) -> Result<Self, ClusterError> {
-        let http = reqwest::Client::builder()
+        Self::with_tls(
+            routing,
+            timeouts,
+            model_id,
+            cluster_key,
+            worker_idle_close,
+            None,
+        )
+    }
+
+    /// [`Self::new`] under the cluster's mutual TLS: every call to a worker is HTTPS presenting this
+    /// process's certificate, and workers found by DNS are dialled at `https://`.
+    pub fn with_tls(
+        routing: RoutingConfig,
+        timeouts: TimeoutConfig,
+        model_id: Option<String>,
+        cluster_key: Option<tandem_kv::ClusterKey>,
+        worker_idle_close: Duration,
+        tls: Option<Arc<tandem_kv::ClusterTls>>,
+    ) -> Result<Self, ClusterError> {
+        let http = crate::rpc::with_cluster_tls(reqwest::Client::builder(), tls.as_deref())
             .default_headers(crate::auth::token_headers(cluster_key.as_ref()))
             .connect_timeout(secs(timeouts.connect_secs))
             // A worker closes a connection left idle for `worker_idle_close`; a request sent on it just
@@ -139,6 +161,7 @@ impl Ingress {
                 model_id,
                 metrics,
                 cluster_key,
+                tls,
                 admission: Admission::default(),
                 guide: std::sync::OnceLock::new(),
                 model_len: std::sync::OnceLock::new(),

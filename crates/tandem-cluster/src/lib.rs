@@ -56,7 +56,8 @@ pub use error::ClusterError;
 pub use ingress::{Ingress, TimeoutConfig, WorkerStatus};
 pub use protocol::{Role, WorkerInfo, WorkerLoad};
 pub use routing::RoutingConfig;
-pub use tandem_kv::{ClusterKey, NixlBackend};
+pub use rpc::with_cluster_tls;
+pub use tandem_kv::{ClusterKey, ClusterTls, NixlBackend};
 pub use worker::{peer_info, KvTransferConfig, TransportKind, WorkerConfig, WorkerService};
 
 #[cfg(test)]

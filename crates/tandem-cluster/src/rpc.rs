@@ -8,6 +8,20 @@ use serde::Serialize;
 use crate::error::ClusterError;
 use crate::protocol::{ErrorBody, ReleaseRequest, PATH_RELEASE};
 
+/// `builder` speaking the cluster's mutual TLS when `tls` is given (presenting this process's certificate,
+/// trusting only the cluster's CA, no system roots); unchanged otherwise.
+pub fn with_cluster_tls(
+    builder: reqwest::ClientBuilder,
+    tls: Option<&tandem_kv::ClusterTls>,
+) -> reqwest::ClientBuilder {
+    match tls {
+        Some(tls) => builder
+            .use_preconfigured_tls((*tls.client_config()).clone())
+            .https_only(true),
+        None => builder,
+    }
+}
+
 pub(crate) async fn get_json<T: serde::de::DeserializeOwned>(
     http: &reqwest::Client,
     url: &str,

@@ -160,6 +160,7 @@ impl WorkerService {
                         pin_timeout: config.kv.pin_timeout(),
                         io_timeout: config.kv.io_timeout(),
                         cluster_key: config.cluster_key.clone(),
+                        tls: config.tls.clone(),
                         ..KvServerConfig::default()
                     },
                     peer.clone(),
@@ -181,6 +182,7 @@ impl WorkerService {
                     io_timeout: config.kv.io_timeout(),
                     checksum: config.kv.checksum,
                     cluster_key: config.cluster_key.clone(),
+                    tls: config.tls.clone(),
                     ..TcpConfig::default()
                 };
                 let agent = config.kv.nixl_agent(&config.worker_id, config.gpu)?;

@@ -4,10 +4,11 @@
 //! Without thread counts, shared memory runs with 1 copy thread per side (the serial path) and with the
 //! default (`KvServerConfig::default().shm_copy_threads`, half the cores, at most 8). With
 //! `TANDEM_NIXL_LIB` naming the unpacked nixl-cu13 wheel (or the directory of libnixl_capi.so), NIXL
-//! READs between two agents of the process are measured too.
+//! READs between two agents of the process are measured too. TCP runs in plain and under mutual TLS
+//! (`tls xN`, certificates made at start), in the same run, for what TLS costs a pull.
 
 use tandem_kv::bench::{run, BenchConfig, BenchTransport};
-use tandem_kv::{KvServerConfig, NixlConfig};
+use tandem_kv::{ClusterTlsPaths, KvServerConfig, NixlConfig};
 
 #[tokio::main]
 async fn main() -> Result<(), tandem_kv::KvError> {
@@ -27,11 +28,25 @@ async fn main() -> Result<(), tandem_kv::KvError> {
         ),
         ("large (30 x 1456 x 24 KiB = 1.0 GiB)", 30, 1456, 24_576),
     ];
+    let pki_dir = tempfile::tempdir().map_err(|e| tandem_kv::KvError::Io {
+        context: "making the certificates' directory",
+        source: e,
+    })?;
+    let pki = tandem_testkit::TestPki::generate(pki_dir.path());
+    let tls = ClusterTlsPaths {
+        ca: pki.ca,
+        cert: pki.cert,
+        key: pki.key,
+        server_name: None,
+    };
     let transports = [
         BenchTransport::InProc,
         BenchTransport::Tcp(1),
+        BenchTransport::TcpTls(1),
         BenchTransport::Tcp(4),
+        BenchTransport::TcpTls(4),
         BenchTransport::Tcp(8),
+        BenchTransport::TcpTls(8),
     ]
     .into_iter()
     .chain(shm_threads.into_iter().map(BenchTransport::Shm));
@@ -60,6 +75,7 @@ async fn main() -> Result<(), tandem_kv::KvError> {
                 transport,
                 iters,
                 nixl: nixl.clone(),
+                tls: Some(tls.clone()),
             })
             .await?;
             println!(

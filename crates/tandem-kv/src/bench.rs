@@ -7,9 +7,9 @@ use serde::Serialize;
 
 use crate::mem::{MemSink, MemSource};
 use crate::{
-    InProcTransport, KvClient, KvError, KvServer, KvServerConfig, KvTransport, NixlAgent,
-    NixlConfig, NixlTransport, PeerInfo, ShmTransport, TcpConfig, TcpTransport, WireDtype,
-    WireLayout,
+    ClusterTls, ClusterTlsPaths, InProcTransport, KvClient, KvError, KvServer, KvServerConfig,
+    KvTransport, NixlAgent, NixlConfig, NixlTransport, PeerInfo, ShmTransport, TcpConfig,
+    TcpTransport, WireDtype, WireLayout,
 };
 
 /// Which transport a benchmark run exercises.
@@ -19,6 +19,8 @@ pub enum BenchTransport {
     InProc,
     /// Loopback TCP with this many connections.
     Tcp(usize),
+    /// Loopback TCP under mutual TLS ([`BenchConfig::tls`]) with this many connections.
+    TcpTls(usize),
     /// Shared memory, with this many copy threads on each side (server and client).
     Shm(usize),
     /// NIXL READs between two agents of this process (UCX backend); needs [`BenchConfig::nixl`].
@@ -30,6 +32,7 @@ impl std::fmt::Display for BenchTransport {
         match self {
             BenchTransport::InProc => f.write_str("in-proc"),
             BenchTransport::Tcp(s) => write!(f, "tcp x{s}"),
+            BenchTransport::TcpTls(s) => write!(f, "tls x{s}"),
             BenchTransport::Shm(t) => write!(f, "shm {t}thr"),
             BenchTransport::Nixl => f.write_str("nixl"),
         }
@@ -51,6 +54,8 @@ pub struct BenchConfig {
     pub iters: usize,
     /// Settings of the two NIXL agents, for [`BenchTransport::Nixl`].
     pub nixl: Option<NixlConfig>,
+    /// The certificates both sides use, for [`BenchTransport::TcpTls`].
+    pub tls: Option<ClusterTlsPaths>,
 }
 
 /// Measured throughput of one case.
@@ -88,11 +93,22 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, KvError> {
         BenchTransport::Shm(t) => t.max(1),
         _ => KvServerConfig::default().shm_copy_threads,
     };
+    let tls = match cfg.transport {
+        BenchTransport::TcpTls(_) => {
+            let paths = cfg
+                .tls
+                .as_ref()
+                .ok_or_else(|| KvError::Protocol("the TLS benchmark needs certificates".into()))?;
+            Some(Arc::new(ClusterTls::load(paths)?))
+        }
+        _ => None,
+    };
     let server = KvServer::new(
         KvServerConfig {
             pin_timeout: Duration::from_secs(120),
             io_timeout: Duration::from_secs(60),
             shm_copy_threads: shm_threads,
+            tls: tls.clone(),
             ..KvServerConfig::default()
         },
         info.clone(),
@@ -102,11 +118,14 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, KvError> {
     let tcp = |streams| TcpConfig {
         streams,
         io_timeout: Duration::from_secs(60),
+        tls: tls.clone(),
         ..TcpConfig::default()
     };
     let transport: Arc<dyn KvTransport> = match cfg.transport {
         BenchTransport::InProc => Arc::new(InProcTransport::new(server.clone(), info.clone())),
-        BenchTransport::Tcp(s) => Arc::new(TcpTransport::new(info.clone(), tcp(s))),
+        BenchTransport::Tcp(s) | BenchTransport::TcpTls(s) => {
+            Arc::new(TcpTransport::new(info.clone(), tcp(s)))
+        }
         BenchTransport::Shm(_) => Arc::new(
             ShmTransport::new(info.clone(), tcp(1), crate::default_shm_dir())
                 .with_copy_threads(shm_threads),

@@ -71,6 +71,9 @@ pub enum KvError {
     /// The `KvSink` refused or failed to store block bytes.
     #[error("KV sink failed: {0}")]
     Sink(String),
+    /// A TLS configuration could not be built from its files (names the setting and file).
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     /// NIXL could not be loaded or one of its calls failed; names the library, symbol, plugin or call.
     #[error(transparent)]
     Nixl(#[from] crate::nixl::NixlError),

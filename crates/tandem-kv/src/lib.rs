@@ -79,6 +79,7 @@ mod selection;
 mod server;
 mod shm_pool;
 mod source;
+pub mod tls;
 pub mod transport;
 pub mod wire;
 
@@ -92,6 +93,7 @@ pub use peer::{check_field, PeerInfo, WireDtype, WireLayout};
 pub use selection::{BlockSelection, PullSelection};
 pub use server::{default_shm_dir, KvListener, KvServer, KvServerConfig};
 pub use source::{KvSink, KvSource, TransferHandle};
+pub use tls::{ClusterTls, ClusterTlsPaths, TlsError};
 pub use transport::inproc::InProcTransport;
 pub use transport::nixl::NixlTransport;
 pub use transport::shm::ShmTransport;

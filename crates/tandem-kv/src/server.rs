@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::tls::MaybeTls;
 use tokio::task::JoinSet;
 
 use crate::metrics::ReleaseReason;
@@ -42,6 +44,9 @@ pub struct KvServerConfig {
     pub shm_copy_threads: usize,
     /// The cluster secret every client must prove it holds ([`crate::auth`]); `None` serves anyone.
     pub cluster_key: Option<crate::ClusterKey>,
+    /// Mutual TLS on every connection (`deployment.cluster_tls`): a client without a certificate from the
+    /// cluster's CA is refused in the handshake. `None` serves plain TCP.
+    pub tls: Option<Arc<crate::ClusterTls>>,
 }
 
 impl Default for KvServerConfig {
@@ -55,6 +60,7 @@ impl Default for KvServerConfig {
             shm_cache_bytes: 2 << 30,
             shm_copy_threads: default_copy_threads(),
             cluster_key: None,
+            tls: None,
         }
     }
 }
@@ -284,6 +290,18 @@ async fn serve_conn(inner: &Arc<ServerInner>, stream: TcpStream) -> Result<(), K
         .set_nodelay(true)
         .map_err(KvError::io("setting TCP_NODELAY"))?;
     let io = inner.config.io_timeout;
+    let stream = match &inner.config.tls {
+        None => MaybeTls::Plain(stream),
+        Some(tls) => {
+            let tls = crate::error::timed(io, "the TLS handshake", async {
+                tls.accept(stream)
+                    .await
+                    .map_err(KvError::io("the TLS handshake"))
+            })
+            .await?;
+            MaybeTls::Tls(Box::new(tls.into()))
+        }
+    };
     let mut r = FrameReader::new(stream, io);
     let mut st = ConnState {
         control: None,
@@ -313,7 +331,7 @@ async fn serve_conn(inner: &Arc<ServerInner>, stream: TcpStream) -> Result<(), K
 
 async fn conn_loop(
     inner: &Arc<ServerInner>,
-    r: &mut FrameReader<TcpStream>,
+    r: &mut FrameReader<MaybeTls>,
     st: &mut ConnState,
 ) -> Result<(), KvError> {
     let io = inner.config.io_timeout;
@@ -395,7 +413,7 @@ async fn conn_loop(
 
 async fn send_layers(
     inner: &ServerInner,
-    w: &mut TcpStream,
+    w: &mut MaybeTls,
     tid: u64,
     req: &PullRequest,
     blocks: &[u32],
@@ -471,7 +489,7 @@ pub(crate) fn packed_len(layers: &[Vec<u32>], block_bytes: usize) -> usize {
 /// mid-copy, the copy drops the segment when it stops, which unlinks its file).
 async fn send_shm(
     inner: &Arc<ServerInner>,
-    w: &mut TcpStream,
+    w: &mut MaybeTls,
     tid: u64,
     guard: ReadGuard,
     layers: Vec<Vec<u32>>,
@@ -502,7 +520,7 @@ async fn send_shm(
 /// thread writes it any more, with the first failure. Err only when the copy task itself died.
 pub(crate) async fn copy_and_announce<B: AsMut<[u8]> + Send + 'static>(
     inner: &Arc<ServerInner>,
-    w: &mut TcpStream,
+    w: &mut MaybeTls,
     tid: u64,
     guard: ReadGuard,
     layers: Vec<Vec<u32>>,

@@ -283,7 +283,9 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
         h = &h[from_h..];
         p = &p[n - from_h..];
     }
-    w.write_all(p).await
+    w.write_all(p).await?;
+    // A no-op on a plain socket; over TLS it pushes out the last record rustls still holds.
+    w.flush().await
 }
 
 /// Writes a control frame with a JSON body, bounded by `io`.

@@ -98,6 +98,7 @@ fn main() {
             io: Duration::from_secs(60),
             kv_cache_memory: budget,
             key: None,
+            tls: None,
         },
     )
     .unwrap();
@@ -108,6 +109,7 @@ fn main() {
         kv_cache_memory: budget,
         timeouts: StageTimeouts::default(),
         cluster_key: None,
+        tls: None,
     };
     let mut pp =
         PipelineBackend::connect(stage(0), &m.identity, &[server.addr().to_string()], &cfg)

@@ -129,13 +129,18 @@ impl PipelineBackend {
                 (stage, stages),
                 (cfg.block_size, num_blocks),
             );
-            let client =
-                StageClient::connect(addr.as_str(), &h, cfg.timeouts, cfg.cluster_key.as_ref())
-                    .map_err(|source| PipelineError::Link {
-                        stage,
-                        addr: addr.clone(),
-                        source,
-                    })?;
+            let client = StageClient::connect_tls(
+                addr.as_str(),
+                &h,
+                cfg.timeouts,
+                cfg.cluster_key.as_ref(),
+                cfg.tls.as_deref(),
+            )
+            .map_err(|source| PipelineError::Link {
+                stage,
+                addr: addr.clone(),
+                source,
+            })?;
             tracing::info!(stage, addr = %addr, layers = ?part.layers, "pipeline stage connected");
             links.push(Link {
                 stage,

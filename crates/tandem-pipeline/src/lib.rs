@@ -100,6 +100,8 @@ pub struct PipelineConfig {
     pub timeouts: StageTimeouts,
     /// The cluster secret to prove to every stage server (which must then ask for it).
     pub cluster_key: Option<tandem_kv::ClusterKey>,
+    /// Mutual TLS on every stage link (`deployment.cluster_tls`); `None` speaks plain TCP.
+    pub tls: Option<std::sync::Arc<tandem_kv::ClusterTls>>,
 }
 
 /// The handshake both ends of the link to `stage` of `stages` agree on: `model` gives the model and

@@ -48,8 +48,9 @@ use tandem_engine::{Activations, DeviceSampling};
 use tandem_model::ForwardBatch;
 
 use tandem_kv::auth::{self, AuthChallenge, AuthProof};
+use tandem_kv::tls::BlockingStream;
 use tandem_kv::wire::{FrameHeader, FrameKind, WireError, HEADER_LEN, MAX_CONTROL_LEN};
-use tandem_kv::{check_field, ClusterKey, KvError};
+use tandem_kv::{check_field, ClusterKey, ClusterTls, KvError};
 
 pub use client::StageClient;
 pub use server::{StageHandler, StageServer};
@@ -162,14 +163,20 @@ fn io_err(context: &'static str, timeout: Duration) -> impl FnOnce(std::io::Erro
 
 /// One end of a stage connection: header + payload framing over a blocking socket with deadlines.
 struct Conn {
-    stream: TcpStream,
+    stream: BlockingStream,
     io: Duration,
     /// Reused receive buffer for control payloads and block bytes.
     buf: Vec<u8>,
 }
 
 impl Conn {
-    fn new(stream: TcpStream, io: Duration) -> Result<Conn, KvError> {
+    /// A connection over `stream` with deadlines of `io`; with `tls` its handshake runs first (as the
+    /// client of `peer`, or as the server when `peer` is `None`), bounded by the same deadlines.
+    fn new(
+        stream: TcpStream,
+        io: Duration,
+        tls: Option<(&ClusterTls, Option<&str>)>,
+    ) -> Result<Conn, KvError> {
         let to = io_err("configuring a stage socket", io);
         stream.set_nodelay(true).map_err(to)?;
         stream
@@ -178,6 +185,15 @@ impl Conn {
         stream
             .set_write_timeout(Some(io))
             .map_err(io_err("configuring a stage socket", io))?;
+        let stream = match tls {
+            None => BlockingStream::Plain(stream),
+            Some((tls, Some(peer))) => tls
+                .connect_blocking(peer, stream)
+                .map_err(io_err("the stage link's TLS handshake", io))?,
+            Some((tls, None)) => tls
+                .accept_blocking(stream)
+                .map_err(io_err("the stage link's TLS handshake", io))?,
+        };
         Ok(Conn {
             stream,
             io,
@@ -197,7 +213,10 @@ impl Conn {
                 .write_all(p)
                 .map_err(io_err("writing a stage frame", io))?;
         }
-        Ok(())
+        // A no-op on a plain socket; over TLS it sends what rustls still buffers.
+        self.stream
+            .flush()
+            .map_err(io_err("writing a stage frame", io))
     }
 
     fn send_json<T: Serialize>(&mut self, kind: FrameKind, body: &T) -> Result<(), KvError> {

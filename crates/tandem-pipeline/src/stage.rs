@@ -131,6 +131,8 @@ pub struct StageServing {
     pub kv_cache_memory: usize,
     /// The cluster secret a worker must prove, if any.
     pub key: Option<ClusterKey>,
+    /// Mutual TLS on the link: only a worker with a certificate from the cluster's CA connects.
+    pub tls: Option<std::sync::Arc<tandem_kv::ClusterTls>>,
 }
 
 /// Hosts stage `stage` (≥ 1) of `stages` on `listener`: serves `model` (that stage's layers, on any
@@ -165,13 +167,11 @@ pub fn serve_stage(
         stages,
         kv_cache_memory: serving.kv_cache_memory,
     };
-    let server =
-        StageServer::start(listener, handler, serving.io, serving.key).map_err(|source| {
-            PipelineError::Link {
-                stage,
-                addr: "listener".into(),
-                source,
-            }
+    let server = StageServer::start_tls(listener, handler, serving.io, serving.key, serving.tls)
+        .map_err(|source| PipelineError::Link {
+            stage,
+            addr: "listener".into(),
+            source,
         })?;
     tracing::info!(stage, stages, ?layers, addr = %server.addr(), "pipeline stage serving");
     Ok(server)

@@ -23,6 +23,7 @@ fn serving(m: &LoadedModel, io: Duration) -> StageServing {
         io,
         kv_cache_memory: budget(m),
         key: None,
+        tls: None,
     }
 }
 
@@ -58,6 +59,7 @@ fn config(m: &LoadedModel, micro_batches: usize, timeouts: StageTimeouts) -> Pip
         kv_cache_memory: budget(m),
         timeouts,
         cluster_key: None,
+        tls: None,
     }
 }
 

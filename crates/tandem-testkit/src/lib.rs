@@ -1,6 +1,6 @@
 //! Test support for tandem's crates (a dev-dependency only, never published): the default model with one
 //! rule for when it is missing, the mock backend, the checks of the `Backend` contract that every
-//! backend runs, greedy request bodies, free ports, health polling, a `tandem serve` child process
+//! backend runs, greedy request bodies, free ports, health polling, certificates for the TLS tests, a `tandem serve` child process
 //! killed on drop with HTTP helpers that assert on its answers, and a `tandem worker` started by hand.
 //!
 //! It depends only on `tandem-model` and `tandem-engine`, so every crate above them may use it in its unit
@@ -9,11 +9,13 @@
 pub mod conformance;
 mod mock;
 mod model;
+pub mod pki;
 mod server;
 mod worker;
 
 pub use mock::{mock_guide, mock_pieces, mock_text, MockBackend, MockCounts, MOCK_PIECES};
 pub use model::{default_model, model, model_path, root, DEFAULT_MODEL, DEFAULT_MODEL_NAME};
+pub use pki::TestPki;
 pub use server::{free_port, greedy_body, health_status, healthy, json_of, signal, text, Server};
 pub use worker::Worker;
 

@@ -29,7 +29,8 @@ use serde_json::Value;
 pub use bytes::ByteSize;
 pub use parse::parse_settings;
 pub use sections::{
-    DeploymentSettings, EngineSettings, ListenSettings, RoleSettings, ServerSettings,
+    ClusterTlsSettings, DeploymentSettings, EngineSettings, ListenSettings, RoleSettings,
+    ServerSettings,
 };
 
 use crate::cuda_settings::CudaSettings;

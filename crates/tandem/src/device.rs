@@ -111,6 +111,7 @@ pub fn pipeline_backend(
         kv_cache_memory: config.kv_cache_memory,
         timeouts: Default::default(),
         cluster_key: crate::token::key(),
+        tls: crate::tls::cluster()?,
     };
     let identity = loaded.identity.clone();
     let part = Partition::stage(&loaded.config, 0, n)?;

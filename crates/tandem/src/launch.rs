@@ -115,6 +115,9 @@ pub fn run(flags: &Settings, file: Settings, token: crate::token::Origin) -> Res
     let cuda = &settings.cuda;
     // First, so a busy port fails before a model is fetched or a worker started.
     let listener = crate::process::bind_api(&settings.host(), settings.port())?;
+    // The files are checked before any worker starts, so a bad one fails at once naming its setting.
+    let api_tls = settings.server.tls.server_config()?;
+    crate::tls::cluster()?;
     let model_path = resolve_model(settings.model.as_deref())?;
     let model_path: PathBuf = std::fs::canonicalize(&model_path).unwrap_or(model_path);
     let exe = std::env::current_exe().context("locating the tandem binary")?;
@@ -189,12 +192,13 @@ pub fn run(flags: &Settings, file: Settings, token: crate::token::Origin) -> Res
             }
         }
     }
-    let ingress = Ingress::new(
+    let ingress = Ingress::with_tls(
         dep.routing.clone().unwrap_or_default(),
         timeouts,
         Some(loaded.identity.0.clone()),
         cluster_key,
         settings.server.listen.limits().header_read_timeout,
+        crate::tls::cluster()?,
     )?;
     ingress.assume_max_model_len(loaded.config.max_position_embeddings);
     match tandem_engine::GuideEnv::new(
@@ -241,9 +245,9 @@ pub fn run(flags: &Settings, file: Settings, token: crate::token::Origin) -> Res
         let listener = tokio::net::TcpListener::from_std(listener).context("the API's listener")?;
         let address = listener.local_addr()?;
         info!(%address, model = %served_name, workers = urls.len(), "serving the OpenAI API (prefill/decode disaggregated)");
-        crate::process::print_serving(address, &served_name, settings.server.api_key.is_some());
+        crate::process::print_serving(address, &served_name, settings.server.api_key.is_some(), api_tls.is_some());
         let app = tandem_api::router(state).merge(ingress.routes());
-        tandem_api::serve_router(listener, app, settings.server.listen.limits(), shutdown_signal()).await.context("HTTP server")
+        tandem_api::serve_router_tls(listener, app, settings.server.listen.limits(), api_tls, shutdown_signal()).await.context("HTTP server")
     });
     drop(children);
     result

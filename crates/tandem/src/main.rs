@@ -14,6 +14,7 @@ mod probe;
 mod process;
 mod serve;
 mod stage;
+mod tls;
 mod token;
 mod worker;
 
@@ -189,6 +190,7 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(deployment) = pd {
                 let (token, origin) = token::for_head(deployment)?;
                 token::export(token.as_deref());
+                tls::export(deployment.cluster_tls.as_ref());
                 let head = ProcessTag {
                     name: "head".into(),
                     role: "head".into(),
@@ -199,6 +201,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             if let Some(deployment) = &file.deployment {
                 token::export(deployment.cluster_token()?.as_deref());
+                tls::export(deployment.cluster_tls.as_ref());
             }
             let settings = config::Settings::colocated(&args.settings, file)?;
             init_logging(format.or(settings.log_format).unwrap_or_default(), None);

@@ -1,6 +1,7 @@
 //! `tandem probe [URL]`: one HTTP GET that exits 0 when the answer is 2xx and 1 otherwise (refused,
 //! timed out, or another status), saying why on stderr. It is the container images' HEALTHCHECK: their
-//! Debian base has no curl, and the binary is already there.
+//! Debian base has no curl, and the binary is already there. With cluster TLS in its environment
+//! (`TANDEM_CLUSTER_TLS_*`) an `https://` URL is probed with the cluster's certificate.
 
 use std::time::Duration;
 
@@ -43,10 +44,17 @@ pub fn run(args: &ProbeArgs) -> Result<()> {
 }
 
 async fn get(url: &str, timeout: Duration, api_key: Option<&str>) -> Result<()> {
-    let client = reqwest::Client::builder()
-        .timeout(timeout)
-        .build()
-        .context("building the HTTP client")?;
+    // An https URL under cluster TLS (TANDEM_CLUSTER_TLS_*, as in a worker's container) is probed as a
+    // cluster member: the worker's port asks for a certificate from the cluster CA.
+    let cluster_tls = match url.starts_with("https://") {
+        true => crate::tls::cluster()?,
+        false => None,
+    };
+    let client =
+        tandem_cluster::with_cluster_tls(reqwest::Client::builder(), cluster_tls.as_deref())
+            .timeout(timeout)
+            .build()
+            .context("building the HTTP client")?;
     let mut request = client.get(url);
     if let Some(key) = api_key {
         request = request.bearer_auth(key);

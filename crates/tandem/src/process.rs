@@ -34,23 +34,25 @@ pub fn bind_api(host: &str, port: u16) -> Result<std::net::TcpListener> {
     Ok(listener)
 }
 
-/// Where a person reaches a server listening on `addr`: a wildcard address is reached over loopback.
-pub fn local_url(addr: std::net::SocketAddr) -> String {
+/// Where a person reaches a server listening on `addr` (over HTTPS when `tls`): a wildcard address is
+/// reached over loopback.
+pub fn local_url(addr: std::net::SocketAddr, tls: bool) -> String {
     let ip = match addr.ip() {
         std::net::IpAddr::V4(ip) if ip.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
         std::net::IpAddr::V6(ip) if ip.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
         ip => ip,
     };
-    format!("http://{}", std::net::SocketAddr::new(ip, addr.port()))
+    let scheme = if tls { "https" } else { "http" };
+    format!("{scheme}://{}", std::net::SocketAddr::new(ip, addr.port()))
 }
 
 /// Tells the person who started `tandem serve` where it serves and what to paste to try it (stdout, and
 /// only with text logs: JSON log streams are read by machines, and the log line has the address).
-pub fn print_serving(addr: std::net::SocketAddr, model: &str, api_key: bool) {
+pub fn print_serving(addr: std::net::SocketAddr, model: &str, api_key: bool, tls: bool) {
     if crate::logging::format() != crate::config::LogFormat::Text {
         return;
     }
-    let url = local_url(addr);
+    let url = local_url(addr, tls);
     let exe = std::env::current_exe().map_or_else(|_| "tandem".into(), |p| p.display().to_string());
     let auth = if api_key {
         " -H \"authorization: Bearer $TANDEM_API_KEY\""

@@ -129,6 +129,7 @@ fn http_runtime() -> Result<tokio::runtime::Runtime> {
 pub fn run(settings: Settings) -> Result<()> {
     // First, so a busy port fails before a model is fetched or loaded.
     let listener = crate::process::bind_api(&settings.host(), settings.port())?;
+    let tls = settings.server.tls.server_config()?;
     let Prepared {
         engine,
         state,
@@ -138,11 +139,17 @@ pub fn run(settings: Settings) -> Result<()> {
         let listener = tokio::net::TcpListener::from_std(listener).context("the API's listener")?;
         let address = listener.local_addr()?;
         info!(%address, model = %served_name, "serving the OpenAI API");
-        crate::process::print_serving(address, &served_name, settings.server.api_key.is_some());
-        tandem_api::serve(
+        crate::process::print_serving(
+            address,
+            &served_name,
+            settings.server.api_key.is_some(),
+            tls.is_some(),
+        );
+        tandem_api::serve_router_tls(
             listener,
-            state,
+            tandem_api::router(state),
             settings.server.listen.limits(),
+            tls,
             shutdown_signal(),
         )
         .await

@@ -177,6 +177,7 @@ pub fn run(args: StageArgs, settings: StageSettings) -> Result<()> {
             io: Duration::from_secs_f64(settings.io_timeout),
             kv_cache_memory: engine.kv_cache_memory,
             key: crate::token::key(),
+            tls: crate::tls::cluster()?,
         },
     )?;
     let mut out = std::io::stdout().lock();

@@ -230,7 +230,13 @@ enum Registration {
 
 /// Asks the ingress to add this worker; a refusal (e.g. a `block_size` mismatch) is an error naming the field.
 async fn register(ingress: &str, url: &str) -> Result<Registration> {
-    let sent = reqwest::Client::new()
+    let client = tandem_cluster::with_cluster_tls(
+        reqwest::Client::builder(),
+        crate::tls::cluster()?.as_deref(),
+    )
+    .build()
+    .context("building the registration client")?;
+    let sent = client
         .post(format!("{}{PATH_REGISTER}", ingress.trim_end_matches('/')))
         .headers(tandem_cluster::auth::token_headers(
             crate::token::key().as_ref(),
@@ -425,6 +431,8 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         exit_when_parent_goes("the launcher")?;
     }
     settings.listen.validate()?;
+    // Checked before anything slow: a bad file fails at once, naming its setting.
+    let cluster_tls = crate::tls::cluster()?;
     let role = settings.role.context("--role is required")?;
     // The RPC port first (and a prefill worker's KV port), so a busy one fails before a model is fetched
     // or loaded.
@@ -492,6 +500,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             max_num_seqs: engine_config.max_num_seqs,
             gpu: settings.engine.device.unwrap_or_default() != crate::config::Device::Cpu,
             cluster_key: crate::token::key(),
+            tls: cluster_tls.clone(),
             metrics_need_token: settings.metrics_need_token,
         };
         let peer = peer_info(&engine, model_id, n_heads);
@@ -500,13 +509,18 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             .context("starting the KV side")?;
         let listener =
             tokio::net::TcpListener::from_std(listener).context("the worker's listener")?;
-        let url = format!("http://{advertise}:{}", listener.local_addr()?.port());
+        let url = format!(
+            "{}://{advertise}:{}",
+            crate::tls::scheme(cluster_tls.as_deref()),
+            listener.local_addr()?.port()
+        );
         info!(%url, worker = %worker_id, %role, kv = %service.info().kv_endpoint, "worker serving");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tandem_api::serve_router(
+        let server = tandem_api::serve_router_tls(
             listener,
             Arc::clone(&service).router(),
             settings.listen.limits(),
+            cluster_tls.as_ref().map(|t| t.server_config()),
             async move {
                 let _ = stopped.await;
             },

@@ -143,6 +143,8 @@ pub struct WorkerConfig {
     pub gpu: bool,
     /// The cluster secret callers and KV peers must prove (`crate::auth`); `None` leaves the ports open.
     pub cluster_key: Option<tandem_kv::ClusterKey>,
+    /// Mutual TLS on the KV port and the KV client (`deployment.cluster_tls`); `None` speaks plain TCP.
+    pub tls: Option<std::sync::Arc<tandem_kv::ClusterTls>>,
     /// `/metrics` asks for the cluster token too (with one set); by default it is open, like `/health`.
     pub metrics_need_token: bool,
 }

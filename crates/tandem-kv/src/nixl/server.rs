@@ -4,7 +4,6 @@
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use tokio::net::TcpStream;
 
 use super::{MemRegion, PoolLease};
 use crate::registry::ReadGuard;
@@ -53,7 +52,7 @@ pub(crate) enum NixlHold {
 /// transfer ends.
 pub(crate) async fn send_nixl(
     inner: &Arc<ServerInner>,
-    w: &mut TcpStream,
+    w: &mut crate::tls::MaybeTls,
     tid: u64,
     req: &NixlPullRequest,
     guard: ReadGuard,
@@ -154,7 +153,7 @@ pub(crate) fn staged_layers(
 /// has landed (the waits run on the blocking pool, in layer order).
 async fn announce_staged(
     inner: &Arc<ServerInner>,
-    w: &mut TcpStream,
+    w: &mut crate::tls::MaybeTls,
     tid: u64,
     counts: &[usize],
 ) -> Result<(), KvError> {

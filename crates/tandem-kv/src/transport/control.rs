@@ -4,8 +4,8 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use crate::tls::MaybeTls;
 use serde::Serialize;
-use tokio::net::TcpStream;
 
 use crate::transport::tcp::{ack_only, connect, finish_on_control, TcpConfig};
 use crate::wire::{self, FrameKind, FrameReader};
@@ -25,7 +25,7 @@ pub(crate) trait ControlPull: Send + Sync {
     /// `sink.complete()` is left to [`pull`].
     fn receive(
         &self,
-        c: &mut FrameReader<TcpStream>,
+        c: &mut FrameReader<MaybeTls>,
         handle: &TransferHandle,
         selection: &PullSelection,
         sink: &Arc<dyn KvSink>,

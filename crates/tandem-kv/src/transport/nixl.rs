@@ -82,7 +82,7 @@ impl ControlPull for NixlTransport {
     /// delivers it. Every READ is released (or its buffer leaked) before this returns.
     async fn receive(
         &self,
-        c: &mut FrameReader<tokio::net::TcpStream>,
+        c: &mut FrameReader<crate::tls::MaybeTls>,
         handle: &TransferHandle,
         selection: &PullSelection,
         sink: &Arc<dyn KvSink>,

@@ -59,7 +59,7 @@ impl ShmTransport {
     /// Reads `ShmOpen` and then every `ShmLayer` up to `PullDone`, handing each layer to `copies`.
     async fn announced(
         &self,
-        c: &mut wire::FrameReader<tokio::net::TcpStream>,
+        c: &mut wire::FrameReader<crate::tls::MaybeTls>,
         handle: &TransferHandle,
         selection: &PullSelection,
         sink: &Arc<dyn KvSink>,
@@ -238,7 +238,7 @@ impl ControlPull for ShmTransport {
     /// sink is never written after the pull has ended (or acked/aborted).
     async fn receive(
         &self,
-        c: &mut wire::FrameReader<tokio::net::TcpStream>,
+        c: &mut wire::FrameReader<crate::tls::MaybeTls>,
         handle: &TransferHandle,
         selection: &PullSelection,
         sink: &Arc<dyn KvSink>,

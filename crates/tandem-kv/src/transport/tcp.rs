@@ -4,6 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpStream;
+
+use crate::tls::MaybeTls;
 use tokio::task::JoinSet;
 
 use crate::error::timed;
@@ -23,6 +25,8 @@ pub struct TcpConfig {
     pub checksum: bool,
     /// The cluster secret to prove to the server, which must ask for it ([`crate::auth`]).
     pub cluster_key: Option<crate::ClusterKey>,
+    /// Mutual TLS to the server (`deployment.cluster_tls`); `None` connects in plain TCP.
+    pub tls: Option<Arc<crate::ClusterTls>>,
 }
 
 impl Default for TcpConfig {
@@ -33,6 +37,7 @@ impl Default for TcpConfig {
             io_timeout: Duration::from_secs(10),
             checksum: false,
             cluster_key: None,
+            tls: None,
         }
     }
 }
@@ -121,7 +126,7 @@ impl TcpTransport {
 
 /// Acks on success (waiting for `AckOk`) or aborts on failure over the control connection.
 pub(crate) async fn finish_on_control(
-    c: &mut FrameReader<TcpStream>,
+    c: &mut FrameReader<MaybeTls>,
     tid: u64,
     err: Option<KvError>,
     io: Duration,
@@ -189,7 +194,7 @@ pub(crate) async fn connect(
     endpoint: &str,
     local: &PeerInfo,
     config: &TcpConfig,
-) -> Result<FrameReader<TcpStream>, KvError> {
+) -> Result<FrameReader<MaybeTls>, KvError> {
     let stream = timed(
         config.connect_timeout,
         "connecting to the KV server",
@@ -203,6 +208,18 @@ pub(crate) async fn connect(
     stream
         .set_nodelay(true)
         .map_err(KvError::io("setting TCP_NODELAY"))?;
+    let stream = match &config.tls {
+        None => MaybeTls::Plain(stream),
+        Some(tls) => {
+            let tls = timed(config.io_timeout, "the TLS handshake", async {
+                tls.connect(endpoint, stream)
+                    .await
+                    .map_err(KvError::io("the TLS handshake"))
+            })
+            .await?;
+            MaybeTls::Tls(Box::new(tls.into()))
+        }
+    };
     let mut r = FrameReader::new(stream, config.io_timeout);
     wire::client_handshake(
         &mut r,
@@ -230,7 +247,7 @@ struct StreamJob {
 
 impl StreamJob {
     /// Receives this connection's layers into the sink; returns the connection if it carries the ack.
-    async fn run(self) -> Result<(Option<FrameReader<TcpStream>>, u64), KvError> {
+    async fn run(self) -> Result<(Option<FrameReader<MaybeTls>>, u64), KvError> {
         let mut r = connect(&self.endpoint, &self.local, &self.config).await?;
         let req = PullRequest {
             layers: self.layers.clone(),

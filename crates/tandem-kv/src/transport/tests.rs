@@ -69,6 +69,7 @@ fn tcp_config(streams: usize, checksum: bool) -> TcpConfig {
         io_timeout: Duration::from_secs(5),
         connect_timeout: Duration::from_secs(5),
         cluster_key: None,
+        tls: None,
     }
 }
 /// Connects to the handle's server as `f`'s decode side and sends one raw request frame, for tests that
@@ -78,7 +79,7 @@ async fn send_request<T: serde::Serialize>(
     handle: &TransferHandle,
     kind: FrameKind,
     req: &T,
-) -> FrameReader<tokio::net::TcpStream> {
+) -> FrameReader<crate::tls::MaybeTls> {
     let cfg = tcp_config(1, false);
     let mut c = crate::transport::tcp::connect(&handle.endpoint, &f.info, &cfg)
         .await

@@ -5,7 +5,7 @@ use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 
 use tandem_engine::DeviceSampling;
 use tandem_kv::wire::{FrameHeader, FrameKind};
-use tandem_kv::{ClusterKey, KvError};
+use tandem_kv::{ClusterKey, ClusterTls, KvError};
 use tandem_model::ForwardBatch;
 
 use super::{io_err, Conn, StageHello, StageTimeouts};
@@ -35,6 +35,18 @@ impl StageClient {
         timeouts: StageTimeouts,
         key: Option<&ClusterKey>,
     ) -> Result<StageClient, KvError> {
+        Self::connect_tls(addr, hello, timeouts, key, None)
+    }
+
+    /// [`Self::connect`] under the cluster's mutual TLS when `tls` is given: the handshake (this
+    /// process's certificate, the server's checked against the CA) comes before the hello.
+    pub fn connect_tls(
+        addr: impl ToSocketAddrs,
+        hello: &StageHello,
+        timeouts: StageTimeouts,
+        key: Option<&ClusterKey>,
+        tls: Option<&ClusterTls>,
+    ) -> Result<StageClient, KvError> {
         let peer = addr
             .to_socket_addrs()
             .map_err(io_err("resolving a stage address", timeouts.connect))?
@@ -42,7 +54,12 @@ impl StageClient {
             .ok_or_else(|| KvError::Protocol("stage address resolves to nothing".into()))?;
         let stream = TcpStream::connect_timeout(&peer, timeouts.connect)
             .map_err(io_err("connecting to a stage", timeouts.connect))?;
-        let mut conn = Conn::new(stream, timeouts.io)?;
+        let endpoint = peer.to_string();
+        let mut conn = Conn::new(
+            stream,
+            timeouts.io,
+            tls.map(|t| (t, Some(endpoint.as_str()))),
+        )?;
         conn.send_json(FrameKind::StageHello, hello)?;
         let h = conn.answer_challenge(key)?;
         if h.kind != FrameKind::StageHelloReply {
@@ -92,7 +109,7 @@ impl StageClient {
         let r = f(&mut self.conn, id, &expect);
         if let Err(e) = &r {
             self.failed = Some(e.to_string());
-            let _ = self.conn.stream.shutdown(Shutdown::Both);
+            let _ = self.conn.stream.tcp().shutdown(Shutdown::Both);
         }
         r
     }

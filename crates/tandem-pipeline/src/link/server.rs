@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tandem_engine::{DeviceSampling, LayerBlocks, StageInput, StageOutput};
 use tandem_kv::wire::{FrameHeader, FrameKind, WireError, MAX_CONTROL_LEN};
-use tandem_kv::{ClusterKey, KvError};
+use tandem_kv::{ClusterKey, ClusterTls, KvError};
 use tandem_model::ForwardBatch;
 
 use super::{io_err, Conn, StageHello};
@@ -56,6 +56,18 @@ impl StageServer {
         io: Duration,
         key: Option<ClusterKey>,
     ) -> Result<StageServer, KvError> {
+        Self::start_tls(listener, handler, io, key, None)
+    }
+
+    /// [`Self::start`] under the cluster's mutual TLS when `tls` is given: a client without a certificate
+    /// from the cluster's CA is refused in the handshake, before its hello is read.
+    pub fn start_tls<H: StageHandler>(
+        listener: TcpListener,
+        handler: H,
+        io: Duration,
+        key: Option<ClusterKey>,
+        tls: Option<Arc<ClusterTls>>,
+    ) -> Result<StageServer, KvError> {
         let addr = listener
             .local_addr()
             .map_err(io_err("reading the stage listener address", io))?;
@@ -64,7 +76,7 @@ impl StageServer {
         let (s, c) = (stop.clone(), current.clone());
         let thread = std::thread::Builder::new()
             .name(format!("stage-{addr}"))
-            .spawn(move || accept_loop(listener, handler, io, key, s, c))
+            .spawn(move || accept_loop(listener, handler, io, key, tls, s, c))
             .map_err(io_err("spawning the stage server thread", io))?;
         Ok(StageServer {
             addr,
@@ -117,6 +129,7 @@ fn accept_loop<H: StageHandler>(
     mut handler: H,
     io: Duration,
     key: Option<ClusterKey>,
+    tls: Option<Arc<ClusterTls>>,
     stop: Arc<AtomicBool>,
     current: Arc<Mutex<Option<TcpStream>>>,
 ) {
@@ -142,7 +155,7 @@ fn accept_loop<H: StageHandler>(
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        match serve_conn(stream, &mut handler, io, key.as_ref()) {
+        match serve_conn(stream, &mut handler, io, key.as_ref(), tls.as_deref()) {
             Ok(()) => tracing::info!(?peer, "stage client disconnected"),
             Err(e) => tracing::warn!(?peer, error = %e, "stage connection ended"),
         }
@@ -155,8 +168,9 @@ fn serve_conn<H: StageHandler>(
     handler: &mut H,
     io: Duration,
     key: Option<&ClusterKey>,
+    tls: Option<&ClusterTls>,
 ) -> Result<(), KvError> {
-    let mut c = Conn::new(stream, io)?;
+    let mut c = Conn::new(stream, io, tls.map(|t| (t, None)))?;
     // The handshake is bounded; afterwards the link may idle between steps.
     let h = c.expect(FrameKind::StageHello)?;
     let client: StageHello = c.json(&h)?;
@@ -177,6 +191,7 @@ fn serve_conn<H: StageHandler>(
     }
     c.send_json(FrameKind::StageHelloReply, &mine)?;
     c.stream
+        .tcp()
         .set_read_timeout(None)
         .map_err(io_err("configuring a stage socket", io))?;
     let mut hidden: Vec<u8> = Vec::new();
@@ -187,6 +202,7 @@ fn serve_conn<H: StageHandler>(
     loop {
         let Some(h) = c.header()? else { return Ok(()) };
         c.stream
+            .tcp()
             .set_read_timeout(Some(io))
             .map_err(io_err("configuring a stage socket", io))?;
         let reply = match h.kind {
@@ -293,6 +309,7 @@ fn serve_conn<H: StageHandler>(
             Err(e) => return refuse(&mut c, KvError::Remote(e.to_string())),
         }
         c.stream
+            .tcp()
             .set_read_timeout(None)
             .map_err(io_err("configuring a stage socket", io))?;
     }

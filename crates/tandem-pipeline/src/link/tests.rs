@@ -2,6 +2,7 @@
 //! and failures that must be errors, not hangs.
 
 use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
 
 use tandem_engine::{LayerBlocks, StageInput, StageOutput};
 
@@ -184,6 +185,63 @@ fn only_clients_with_the_cluster_secret_get_a_stage_and_they_need_it_asked() {
     open.shutdown();
 }
 
+fn cluster_tls(ca: &std::path::Path, cert: &std::path::Path, key: &std::path::Path) -> ClusterTls {
+    ClusterTls::load(&tandem_kv::ClusterTlsPaths {
+        ca: ca.to_owned(),
+        cert: cert.to_owned(),
+        key: key.to_owned(),
+        server_name: None,
+    })
+    .unwrap()
+}
+
+#[test]
+fn a_tls_link_round_trips_and_refuses_strangers() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = tandem_testkit::TestPki::generate(dir.path());
+    let good = cluster_tls(&pki.ca, &pki.cert, &pki.key);
+    let s = StageServer::start_tls(
+        TcpListener::bind("127.0.0.1:0").unwrap(),
+        Doubler {
+            sized: false,
+            kv: Vec::new(),
+            stall: Duration::ZERO,
+        },
+        Duration::from_secs(5),
+        None,
+        Some(Arc::new(good.clone())),
+    )
+    .unwrap();
+    let to = StageTimeouts::default();
+    let strangers = [
+        (
+            "wrong CA",
+            Some(cluster_tls(&pki.wrong_ca, &pki.wrong_cert, &pki.wrong_key)),
+        ),
+        (
+            "wrong cert",
+            Some(cluster_tls(&pki.ca, &pki.wrong_cert, &pki.wrong_key)),
+        ),
+        ("plain TCP", None),
+    ];
+    for (who, tls) in &strangers {
+        let r = StageClient::connect_tls(s.addr(), &hello(), to, None, tls.as_ref());
+        assert!(r.is_err(), "{who} got a stage link");
+    }
+    let mut c = StageClient::connect_tls(s.addr(), &hello(), to, None, Some(&good)).unwrap();
+    c.import_block(3, 5, &[9, 8, 7, 6]).unwrap();
+    let mut out = [0u8; 4];
+    c.export_block(3, 5, &mut out).unwrap();
+    assert_eq!(out, [9, 8, 7, 6]);
+    let mut b = ForwardBatch::default();
+    b.push(&[1, 2], 0, vec![0], tandem_model::LogitsWanted::Last);
+    let mut buf = bytes(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.5]);
+    c.forward(&b, &mut buf).unwrap();
+    assert_eq!(floats(&buf), [2.0, 4.0, 6.0, 8.0, 10.0, 13.0]);
+    drop(c);
+    s.shutdown();
+}
+
 #[test]
 fn forward_and_blocks_round_trip() {
     let s = server();
@@ -339,7 +397,7 @@ fn lying_server(lengths: Vec<u64>) -> (SocketAddr, std::thread::JoinHandle<()>) 
     let t = std::thread::spawn(move || {
         for stated in lengths {
             let (s, _) = l.accept().unwrap();
-            let mut c = Conn::new(s, Duration::from_secs(5)).unwrap();
+            let mut c = Conn::new(s, Duration::from_secs(5), None).unwrap();
             let h = c.expect(FrameKind::StageHello).unwrap();
             let hello: StageHello = c.json(&h).unwrap();
             c.send_json(FrameKind::StageHelloReply, &hello).unwrap();

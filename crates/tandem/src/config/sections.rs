@@ -35,6 +35,71 @@ pub struct ServerSettings {
     #[command(flatten)]
     #[serde(flatten)]
     pub listen: ListenSettings,
+    /// `server.tls: {cert, key}`: serve the API (and console) over HTTPS.
+    #[command(flatten)]
+    #[serde(default, skip_serializing_if = "TlsSettings::is_empty")]
+    pub tls: TlsSettings,
+}
+
+/// `server.tls`: the PEM certificate chain and key the public API presents (HTTPS); unset, it serves
+/// plain HTTP.
+#[derive(Clone, Debug, Default, PartialEq, Args, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSettings {
+    /// PEM certificate chain (leaf first) the API presents; with --tls-key, the API speaks HTTPS.
+    #[arg(long = "tls-cert", id = "tls_cert", value_name = "PATH")]
+    pub cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long = "tls-key", id = "tls_key", value_name = "PATH")]
+    pub key: Option<PathBuf>,
+}
+
+impl TlsSettings {
+    /// Whether neither file is set (plain HTTP).
+    pub fn is_empty(&self) -> bool {
+        self.cert.is_none() && self.key.is_none()
+    }
+
+    /// The rustls configuration of these files, `None` when unset; a missing, unreadable or mismatched
+    /// file is an error naming `server.tls.cert` or `server.tls.key`.
+    pub fn server_config(&self) -> Result<Option<std::sync::Arc<rustls::ServerConfig>>> {
+        match (&self.cert, &self.key) {
+            (None, None) => Ok(None),
+            (Some(cert), Some(key)) => Ok(Some(tandem_kv::tls::server_config(
+                &tandem_kv::tls::CertPaths {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    cert_setting: "server.tls.cert",
+                    key_setting: "server.tls.key",
+                },
+            )?)),
+            (Some(_), None) => Err(bad_value(
+                "server.tls.key",
+                "is missing: set it with server.tls.cert",
+            )),
+            (None, Some(_)) => Err(bad_value(
+                "server.tls.cert",
+                "is missing: set it with server.tls.key",
+            )),
+        }
+    }
+}
+
+/// `deployment.cluster_tls: {ca, cert, key}`: mutual TLS on every internal link (control calls, KV,
+/// stage links). Every process presents `cert` and accepts only peers whose certificate `ca` signed.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterTlsSettings {
+    /// The cluster's CA certificate (PEM).
+    pub ca: PathBuf,
+    /// This process's certificate (PEM), signed by `ca`, with the SANs peers dial it by.
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// A name every peer's certificate carries, checked instead of the dialled address (for peers found
+    /// by IP, e.g. DNS discovery's pod addresses).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<String>,
 }
 
 /// The limits of one HTTP listener against slow or numerous clients: keys of the `server:` section, and
@@ -56,6 +121,7 @@ impl ServerSettings {
     /// Checks what parsing cannot: the listener's limits, and that closed probes have a key to open them.
     pub fn validate(&self) -> Result<()> {
         self.listen.validate()?;
+        self.tls.server_config()?;
         if self.probes_need_key == Some(true) && self.api_key.is_none() {
             return Err(bad_value(
                 "server.probes_need_key",
@@ -226,6 +292,8 @@ pub struct DeploymentSettings {
     /// and workers bound beyond loopback start open (`tandem worker --allow-unauthenticated`).
     #[serde(default)]
     pub allow_unauthenticated: bool,
+    /// Mutual TLS on the cluster's internal links; the head hands the paths to the workers it starts.
+    pub cluster_tls: Option<ClusterTlsSettings>,
 }
 
 impl DeploymentSettings {
@@ -256,6 +324,9 @@ impl DeploymentSettings {
                 "deployment.cluster_token_file",
                 "and deployment.cluster_token are both set: set one",
             ));
+        }
+        if let Some(tls) = &self.cluster_tls {
+            crate::tls::load(tls)?;
         }
         if let Some(discovery) = &self.discovery {
             discovery.validate().map_err(|e| match e {

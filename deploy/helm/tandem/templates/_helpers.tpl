@@ -71,6 +71,53 @@ helm.sh/chart: {{ printf "%s-%s" $.Chart.Name $.Chart.Version }}
     secretKeyRef: {name: {{ include "tandem.clusterTokenSecret" . }}, key: {{ .Values.clusterToken.key }}}
 {{- end -}}
 
+{{/* The Secret holding the cluster TLS files: the one named in values, else the one cert-manager makes. */}}
+{{- define "tandem.clusterTlsSecret" -}}
+{{- default (printf "%s-cluster-tls" (include "tandem.fullname" .)) .Values.clusterTls.existingSecret -}}
+{{- end -}}
+
+{{/* With cluster TLS on, the env entries naming the mounted files (empty otherwise). */}}
+{{- define "tandem.clusterTlsEnv" -}}
+{{- if .Values.clusterTls.enabled }}
+{{- if not (or .Values.clusterTls.existingSecret .Values.clusterTls.certManager.enabled) }}
+{{- fail "clusterTls.enabled needs clusterTls.existingSecret or clusterTls.certManager.enabled" }}
+{{- end }}
+- {name: TANDEM_CLUSTER_TLS_CA, value: /etc/tandem-tls/ca.crt}
+- {name: TANDEM_CLUSTER_TLS_CERT, value: /etc/tandem-tls/tls.crt}
+- {name: TANDEM_CLUSTER_TLS_KEY, value: /etc/tandem-tls/tls.key}
+- {name: TANDEM_CLUSTER_TLS_SERVER_NAME, value: {{ .Values.clusterTls.serverName | quote }}}
+{{- end }}
+{{- end -}}
+
+{{/* With cluster TLS on, the volume of its Secret, named cluster-tls (empty otherwise). */}}
+{{- define "tandem.clusterTlsVolume" -}}
+{{- if .Values.clusterTls.enabled }}
+- name: cluster-tls
+  secret:
+    secretName: {{ include "tandem.clusterTlsSecret" . }}
+{{- end }}
+{{- end -}}
+
+{{/* With cluster TLS on, its volume's mount (empty otherwise). */}}
+{{- define "tandem.clusterTlsMount" -}}
+{{- if .Values.clusterTls.enabled }}
+- {name: cluster-tls, mountPath: /etc/tandem-tls, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/* How a worker's probe asks /health: an HTTP GET, or under cluster TLS `tandem probe` in the pod with the
+cluster certificate (the kubelet has none). Takes (list $ port). */}}
+{{- define "tandem.workerProbe" -}}
+{{- $ := index . 0 -}}
+{{- $port := index . 1 -}}
+{{- if $.Values.clusterTls.enabled }}
+exec:
+  command: [tandem, probe, "https://127.0.0.1:{{ $port }}/health"]
+{{- else }}
+httpGet: {path: /health, port: rpc}
+{{- end }}
+{{- end -}}
+
 {{/* The model volume, named models: the PVC or the node folder. */}}
 {{- define "tandem.modelVolume" -}}
 - name: models
