@@ -12,7 +12,9 @@ mod launch;
 mod logging;
 mod probe;
 mod process;
+mod profile;
 mod serve;
+mod sim;
 mod stage;
 mod token;
 mod worker;
@@ -54,6 +56,10 @@ enum Command {
     BenchEngine(bench_engine::BenchEngineArgs),
     /// Benchmark an OpenAI-compatible server (or several) with vLLM-compatible serving metrics.
     Bench(bench::BenchArgs),
+    /// Measure one worker's step times, KV size and transfer rates on this machine into a profile for `tandem sim`.
+    Profile(profile::ProfileArgs),
+    /// Simulate a deployment (colocated or N prefill / M decode) on a workload, from a profile.
+    Sim(Box<sim::SimArgs>),
     /// GET a URL (default: this host's /health) and exit 0 on a 2xx answer, 1 otherwise: the images' health check.
     Probe(probe::ProbeArgs),
     /// Host one later pipeline stage (a worker with pipeline_parallel_size > 1 starts its own; run it on another host for `pipeline_stages`).
@@ -243,6 +249,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => {
             init_logging_at(format.unwrap_or_default(), "warn", None);
             bench::run(args)
+        }
+        Command::Profile(args) => {
+            init_logging_at(format.unwrap_or_default(), "warn", None);
+            profile::run(args)
+        }
+        Command::Sim(args) => {
+            init_logging_at(format.unwrap_or_default(), "warn", None);
+            sim::run(*args)
         }
         Command::Probe(args) => probe::run(&args),
     }
