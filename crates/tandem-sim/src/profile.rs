@@ -2,10 +2,11 @@
 //! or written by hand from datasheet figures, and read by the simulator.
 //!
 //! A step's time is modelled the way the engine runs it: one forward pass over a flat batch. Pure
-//! decode steps follow [`StepCurve`] `decode` (seconds by batch size, piecewise linear, plus a cost per
-//! context token attended); steps with any prefill follow `prefill` (seconds by batched tokens, plus a
-//! cost per query-key pair of attention). Both are fitted from a grid of measured points
-//! ([`fit_curve`]).
+//! decode steps follow [`StepCurve`] `decode` (seconds by batch size, piecewise linear); steps with any
+//! prefill follow `prefill` (seconds by batched tokens of prompts that start at position 0, piecewise
+//! linear). Both add a cost per unit of context already in the cache: each new token attends to every
+//! earlier position, so a chunk of n tokens at position p adds n·p. Both are fitted from a grid of
+//! measured points ([`fit_curve`]).
 
 use std::path::{Path, PathBuf};
 
@@ -61,12 +62,12 @@ pub struct ProfileModel {
 pub struct StepCurve {
     /// `[x, seconds]` at no context, ascending in x.
     pub points: Vec<[f64; 2]>,
-    /// Seconds per unit of attention work (decode: context token attended; prefill: query-key pair).
+    /// Seconds per new token per position cached before its chunk.
     pub per_context_s: f64,
 }
 
 impl StepCurve {
-    /// Seconds of a step at `x` with `context` units of attention work.
+    /// Seconds of a step at `x` over `context` (Σ n·p) of cached context.
     pub fn at(&self, x: f64, context: f64) -> f64 {
         interpolate(&self.points, x) + self.per_context_s * context
     }
@@ -293,8 +294,7 @@ impl Profile {
     }
 
     /// Seconds of one step: `tokens` new tokens over `seqs` sequences, of which `prefill_tokens` are
-    /// prompt tokens; `context` is the attention work (per decode token its context, per prefill chunk
-    /// of n tokens at position p, n·(p + (n+1)/2) query-key pairs).
+    /// prompt tokens; `context` is Σ n·p over its chunks of n tokens at position p.
     pub fn step_time(
         &self,
         tokens: usize,
@@ -315,7 +315,7 @@ impl Profile {
 pub struct Measured {
     /// Batch size (decode) or batched tokens (prefill).
     pub x: f64,
-    /// Attention work of the step (see [`Profile::step_time`]).
+    /// Cached context of the step (see [`Profile::step_time`]).
     pub context: f64,
     /// Seconds it took.
     pub seconds: f64,

@@ -513,7 +513,7 @@ impl Sim<'_> {
             if s.len > 1 || pos < seq.prompt_len {
                 prefill += s.len;
             }
-            context += s.len as f64 * (pos as f64 + (s.len as f64 + 1.0) / 2.0);
+            context += (s.len * pos) as f64;
         }
         let seqs = worker.sched.scheduled().len();
         let dt = self.profile.step_time(tokens, seqs, prefill, context);
@@ -703,7 +703,7 @@ mod tests {
         let r = &out.records[0];
         assert!(r.success);
         assert_eq!(r.output_len, 5);
-        let prefill = p.prefill.at(100.0, 100.0 * 50.5);
+        let prefill = p.prefill.at(100.0, 0.0);
         assert!(close(r.ttft_s, prefill), "{} vs {prefill}", r.ttft_s);
         assert_eq!(r.itl_s.len(), 4);
         assert!(r.itl_s.iter().all(|&t| close(t, p.decode.at(1.0, 0.0))));
@@ -747,9 +747,9 @@ mod tests {
         off.prefix_caching = false;
         let uncached = simulate(&p, &off, reqs, None).unwrap();
         // Six cached blocks: only the last 4 tokens run, at positions 96..100.
-        let four = p.prefill.at(4.0, 4.0 * (96.0 + 2.5));
+        let four = p.prefill.at(4.0, 4.0 * 96.0);
         assert!(close(ttft(&out), four), "{} vs {four}", ttft(&out));
-        let all = p.prefill.at(100.0, 100.0 * 50.5);
+        let all = p.prefill.at(100.0, 0.0);
         assert!(close(ttft(&uncached), all), "{} vs {all}", ttft(&uncached));
     }
 

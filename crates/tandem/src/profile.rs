@@ -43,7 +43,7 @@ pub struct ProfileArgs {
     /// `engine.max_num_batched_tokens` of the workers simulated.
     #[arg(long, default_value_t = 512)]
     pub max_num_batched_tokens: usize,
-    /// Timed repetitions per grid point (the median counts).
+    /// Timed passes over the grid (each point's median counts), after one warm-up pass.
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
     /// A smaller grid (for tests and quick looks).
@@ -85,27 +85,19 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
     let mut timer = StepTimer {
         backend: &mut backend,
         rng: rand_chacha::ChaCha8Rng::seed_from_u64(0),
-        repeats: args.repeats.max(1),
         capacity: layout.num_blocks * layout.block_size,
         block_size: layout.block_size,
     };
 
+    let mut grid: Vec<GridPoint> = Vec::new();
     let (batches, contexts): (&[usize], &[usize]) = if args.quick {
         (&[1, 4, 16], &[32, 256])
     } else {
         (&[1, 2, 4, 8, 16, 32, 64], &[32, 256, 512])
     };
-    let mut decode = Vec::new();
     for &b in batches.iter().filter(|&&b| b <= args.max_num_seqs) {
         for &c in contexts {
-            let chunks = vec![(1, c); b];
-            if let Some(seconds) = timer.time(&chunks)? {
-                decode.push(Measured {
-                    x: b as f64,
-                    context: (b * (c + 1)) as f64,
-                    seconds,
-                });
-            }
+            grid.push((true, b as f64, (b * c) as f64, vec![(1, c); b]));
         }
     }
     let (lens, positions): (&[usize], &[usize]) = if args.quick {
@@ -113,19 +105,39 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
     } else {
         (&[16, 32, 64, 128, 256, 512], &[0, 512, 1024])
     };
-    let mut prefill = Vec::new();
     for &n in lens
         .iter()
         .filter(|&&n| n <= args.max_num_batched_tokens.max(16))
     {
         for &pos in positions {
-            if let Some(seconds) = timer.time(&[(n, pos)])? {
-                prefill.push(Measured {
-                    x: n as f64,
-                    context: n as f64 * (pos as f64 + (n as f64 + 1.0) / 2.0),
-                    seconds,
-                });
+            grid.push((false, n as f64, (n * pos) as f64, vec![(n, pos)]));
+        }
+    }
+    grid.retain(|(.., chunks)| timer.fits(chunks));
+    // Passes over the whole grid rather than repeats of one point: on a shared machine the load
+    // changes over seconds, and every point should see the same mix of it.
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); grid.len()];
+    for pass in 0..=args.repeats.max(1) {
+        for (i, (.., chunks)) in grid.iter().enumerate() {
+            let t = timer.time(chunks)?;
+            // The first pass warms up (page faults, grow-only scratch) and is not counted.
+            if pass > 0 {
+                times[i].push(t);
             }
+        }
+    }
+    let (mut decode, mut prefill) = (Vec::new(), Vec::new());
+    for ((is_decode, x, context, _), mut t) in grid.into_iter().zip(times) {
+        t.sort_by(f64::total_cmp);
+        let m = Measured {
+            x,
+            context,
+            seconds: t[t.len() / 2],
+        };
+        if is_decode {
+            decode.push(m);
+        } else {
+            prefill.push(m);
         }
     }
     anyhow::ensure!(
@@ -180,43 +192,47 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
     Ok(profile)
 }
 
+/// One step of the grid: whether it decodes, its x, its context, its chunks of (tokens, position).
+type GridPoint = (bool, f64, f64, Vec<(usize, usize)>);
+
 /// Times forward steps of made-up batches on the backend's own KV cache.
 struct StepTimer<'a, B: Backend> {
     backend: &'a mut B,
     rng: rand_chacha::ChaCha8Rng,
-    repeats: usize,
     capacity: usize,
     block_size: usize,
 }
 
 impl<B: Backend> StepTimer<'_, B> {
-    /// Median seconds of one step running `(tokens, position)` per sequence; `None` when the cache
-    /// cannot hold the batch.
-    fn time(&mut self, chunks: &[(usize, usize)]) -> Result<Option<f64>> {
+    /// Whether the cache holds a batch of `(tokens, position)` per sequence.
+    fn fits(&self, chunks: &[(usize, usize)]) -> bool {
+        let blocks: usize = chunks
+            .iter()
+            .map(|&(n, pos)| (pos + n).div_ceil(self.block_size))
+            .sum();
+        blocks * self.block_size <= self.capacity
+    }
+
+    /// Seconds of one step running `(tokens, position)` per sequence (which must fit).
+    fn time(&mut self, chunks: &[(usize, usize)]) -> Result<f64> {
         let vocab = self.backend.vocab_size() as u32;
         let mut batch = ForwardBatch::default();
         let mut next_block = 0u32;
         for &(n, pos) in chunks {
-            let blocks = (pos + n).div_ceil(self.block_size);
-            if (next_block as usize + blocks) * self.block_size > self.capacity {
-                return Ok(None);
-            }
+            let blocks = (pos + n).div_ceil(self.block_size) as u32;
             let tokens: Vec<u32> = (0..n).map(|_| self.rng.random_range(256..vocab)).collect();
-            let table = (next_block..next_block + blocks as u32).collect();
-            next_block += blocks as u32;
-            batch.push(&tokens, pos, table, LogitsWanted::Last);
+            batch.push(
+                &tokens,
+                pos,
+                (next_block..next_block + blocks).collect(),
+                LogitsWanted::Last,
+            );
+            next_block += blocks;
         }
         let mut logits = Vec::new();
-        // One untimed run first: page faults and grow-only scratch.
+        let t = Instant::now();
         self.backend.forward(&batch, &mut logits)?;
-        let mut times = Vec::with_capacity(self.repeats);
-        for _ in 0..self.repeats {
-            let t = Instant::now();
-            self.backend.forward(&batch, &mut logits)?;
-            times.push(t.elapsed().as_secs_f64());
-        }
-        times.sort_by(f64::total_cmp);
-        Ok(Some(times[times.len() / 2]))
+        Ok(t.elapsed().as_secs_f64())
     }
 }
 
