@@ -8,6 +8,7 @@
 //! and charts report a simulated run and a measured one.
 
 pub mod error;
+pub mod plan;
 pub mod profile;
 pub mod sim;
 
@@ -61,24 +62,13 @@ pub fn run(
             b.steady_rate = spec.request_rate;
         }
     }
-    let generated = workload
-        .generate(builder, spec.num_prompts, PromptFormat::Tokens, spec.seed)
-        .map_err(|e| SimError::Config(format!("building the workload: {e}")))?;
-    let times = send_times(&generated.requests, spec.request_rate, spec.seed);
-    let requests = generated
-        .requests
-        .iter()
-        .zip(times)
-        .map(|(r, at_s)| SimRequest {
-            prompt: match &r.prompt {
-                Prompt::Tokens(ids) => ids.clone(),
-                Prompt::Text(_) => unreachable!("built with PromptFormat::Tokens"),
-            },
-            max_tokens: r.max_tokens,
-            class: r.class,
-            at_s,
-        })
-        .collect();
+    let (requests, burst_times_s) = build_requests(
+        builder,
+        &workload,
+        spec.num_prompts,
+        spec.request_rate,
+        spec.seed,
+    )?;
     let outcome = simulate(profile, cfg, requests, spec.max_concurrency)?;
     let config = RunConfig {
         endpoint: format!("sim {}", cfg.topology.label()),
@@ -99,9 +89,38 @@ pub fn run(
             started_at: String::new(),
             load_avg_before: None,
             load_avg_after: None,
-            burst_times_s: generated.burst_times_s,
+            burst_times_s,
             requests: outcome.records,
         },
         stats: outcome.stats,
     })
+}
+
+/// The requests `tandem bench` would send for `workload` (token ids, send times) and its burst times.
+pub fn build_requests(
+    builder: &PromptBuilder,
+    workload: &WorkloadSpec,
+    num_prompts: usize,
+    request_rate: f64,
+    seed: u64,
+) -> Result<(Vec<SimRequest>, Vec<f64>), SimError> {
+    let generated = workload
+        .generate(builder, num_prompts, PromptFormat::Tokens, seed)
+        .map_err(|e| SimError::Config(format!("building the workload: {e}")))?;
+    let times = send_times(&generated.requests, request_rate, seed);
+    let requests = generated
+        .requests
+        .iter()
+        .zip(times)
+        .map(|(r, at_s)| SimRequest {
+            prompt: match &r.prompt {
+                Prompt::Tokens(ids) => ids.clone(),
+                Prompt::Text(_) => unreachable!("built with PromptFormat::Tokens"),
+            },
+            max_tokens: r.max_tokens,
+            class: r.class,
+            at_s,
+        })
+        .collect();
+    Ok((requests, generated.burst_times_s))
 }
