@@ -53,6 +53,10 @@ pub struct Capacity {
     pub prefill: f64,
     /// One decode worker (ITL bound).
     pub decode: f64,
+    /// TTFT p90 (ms) of the best unit at the lowest load: the floor no deployment goes below.
+    pub floor_ttft_p90_ms: f64,
+    /// ITL p90 (ms) of the best unit at the lowest load.
+    pub floor_itl_p90_ms: f64,
 }
 
 /// One candidate deployment.
@@ -81,7 +85,7 @@ pub struct Plan {
     pub why: String,
 }
 
-/// Short simulations of one unit at `rate`: whether it meets the SLOs.
+/// Short simulations of one unit at `rate`: whether it meets the SLOs, its TTFT p90 and ITL p90 (ms).
 fn meets(
     profile: &Profile,
     topology: Topology,
@@ -90,7 +94,7 @@ fn meets(
     slo: &PlanSlo,
     check_ttft: bool,
     check_itl: bool,
-) -> Result<bool, SimError> {
+) -> Result<(bool, f64, f64), SimError> {
     // The workload's prompts at evenly spaced sends of `rate`: a steady stream, so the calibration
     // measures capacity rather than one Poisson draw's luck.
     let reqs: Vec<SimRequest> = requests
@@ -113,7 +117,9 @@ fn meets(
         .iter()
         .flat_map(|r| r.itl_s.iter().copied())
         .collect());
-    Ok(ok && (!check_ttft || ttft <= slo.ttft_p90_ms) && (!check_itl || itl <= slo.itl_p90_ms))
+    let within =
+        ok && (!check_ttft || ttft <= slo.ttft_p90_ms) && (!check_itl || itl <= slo.itl_p90_ms);
+    Ok((within, ttft, itl))
 }
 
 /// The highest rate (requests/s, to 2%) at which `topology` meets the SLOs, 0 if none does.
@@ -125,7 +131,9 @@ fn max_rate(
     check_ttft: bool,
     check_itl: bool,
 ) -> Result<f64, SimError> {
-    let test = |r: f64| meets(profile, topology, requests, r, slo, check_ttft, check_itl);
+    let test = |r: f64| {
+        meets(profile, topology, requests, r, slo, check_ttft, check_itl).map(|(ok, ..)| ok)
+    };
     let mut lo = 0.01;
     if !test(lo)? {
         return Ok(0.0);
@@ -164,7 +172,15 @@ pub fn calibrate(
     }
     // "Ample" partners: enough that they never bind at the unit's own limit.
     const AMPLE: usize = 8;
+    let floor = |topology| meets(profile, topology, requests, 0.01, slo, true, true);
+    let (_, ct, ci) = floor(Topology::Colocated { replicas: 1 })?;
+    let (_, dt, di) = floor(Topology::Disaggregated {
+        prefill: AMPLE,
+        decode: AMPLE,
+    })?;
     Ok(Capacity {
+        floor_ttft_p90_ms: ct.min(dt),
+        floor_itl_p90_ms: ci.min(di),
         colocated: max_rate(
             profile,
             Topology::Colocated { replicas: 1 },
@@ -199,7 +215,12 @@ pub fn calibrate(
 }
 
 /// The best deployment of `gpus` GPUs for these capacities: colocated, or the best prefill:decode split.
-pub fn plan(profile: &Profile, capacity: Capacity, gpus: usize) -> Result<Plan, SimError> {
+pub fn plan(
+    profile: &Profile,
+    capacity: Capacity,
+    slo: &PlanSlo,
+    gpus: usize,
+) -> Result<Plan, SimError> {
     let per = profile.hardware.devices_per_worker.max(1);
     let workers = gpus / per;
     if workers == 0 {
@@ -254,11 +275,8 @@ pub fn plan(profile: &Profile, capacity: Capacity, gpus: usize) -> Result<Plan, 
     };
     let why = if choice.goodput <= 0.0 {
         format!(
-            "no configuration meets the SLOs: one colocated worker sustains {:.3} req/s, one prefill worker {:.3}, one decode worker {:.3} within them; {} comes closest",
-            capacity.colocated,
-            capacity.prefill,
-            capacity.decode,
-            if capacity.prefill.min(capacity.decode) > capacity.colocated { "disaggregation" } else { "colocation" }
+            "no configuration meets the SLOs (TTFT p90 {} ms, ITL p90 {} ms): even at the lowest load the closest any deployment comes is TTFT p90 {:.1} ms and ITL p90 {:.1} ms",
+            slo.ttft_p90_ms, slo.itl_p90_ms, capacity.floor_ttft_p90_ms, capacity.floor_itl_p90_ms
         )
     } else {
         match &runner_up {
@@ -330,8 +348,8 @@ mod tests {
             cap.colocated > 0.0 && cap.prefill > 0.0 && cap.decode > 0.0,
             "{cap:?}"
         );
-        let small = plan(&p, cap, 8).unwrap();
-        let big = plan(&p, cap, 10_000).unwrap();
+        let small = plan(&p, cap, &slo, 8).unwrap();
+        let big = plan(&p, cap, &slo, 10_000).unwrap();
         assert!(small.runner_up.is_some());
         assert!(small.choice.goodput >= small.runner_up.as_ref().unwrap().goodput);
         assert!(big.choice.gpus <= 10_000);
@@ -348,7 +366,7 @@ mod tests {
             itl_p90_ms: 0.001,
         };
         let cap = calibrate(&p, &requests(8, 64, 8), &impossible).unwrap();
-        let none = plan(&p, cap, 8).unwrap();
+        let none = plan(&p, cap, &impossible, 8).unwrap();
         assert_eq!(none.choice.goodput, 0.0);
         assert!(none.why.contains("no configuration meets"), "{}", none.why);
         assert!(PlanSlo {

@@ -10,6 +10,7 @@ mod cuda_tools;
 mod device;
 mod launch;
 mod logging;
+mod plan;
 mod probe;
 mod process;
 mod profile;
@@ -60,6 +61,8 @@ enum Command {
     Profile(profile::ProfileArgs),
     /// Simulate a deployment (colocated or N prefill / M decode) on a workload, from a profile.
     Sim(Box<sim::SimArgs>),
+    /// The deployment (colocated or prefill:decode split) with the most goodput per GPU for a profile, a workload and SLOs.
+    Plan(Box<plan::PlanArgs>),
     /// GET a URL (default: this host's /health) and exit 0 on a 2xx answer, 1 otherwise: the images' health check.
     Probe(probe::ProbeArgs),
     /// Host one later pipeline stage (a worker with pipeline_parallel_size > 1 starts its own; run it on another host for `pipeline_stages`).
@@ -257,6 +260,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Sim(args) => {
             init_logging_at(format.unwrap_or_default(), "warn", None);
             sim::run(*args)
+        }
+        Command::Plan(args) => {
+            init_logging_at(format.unwrap_or_default(), "warn", None);
+            plan::run(*args)
         }
         Command::Probe(args) => probe::run(&args),
     }

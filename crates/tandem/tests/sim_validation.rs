@@ -153,3 +153,121 @@ fn sim_predicts_a_colocated_server_within_25_percent() {
     assert!(passed, "no attempt within {TOLERANCE}:\n{report}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A profile written by hand from (made-up, round) datasheet-style figures: no identity, so the model
+/// is checked by name.
+fn datasheet_profile(model_name: &str) -> Value {
+    serde_json::json!({
+        "source": "datasheet",
+        "hardware": {"name": "test accelerator", "device": "cuda", "devices_per_worker": 1},
+        "model": {"name": model_name},
+        "block_size": 16,
+        "kv_blocks": 4096,
+        "kv_bytes_per_token": 46080.0,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 512,
+        "decode": {"points": [[1.0, 0.004], [64.0, 0.012]], "per_context_s": 1e-8},
+        "prefill": {"points": [[16.0, 0.005], [512.0, 0.04]], "per_context_s": 1e-8},
+        "transfer": [{"transport": "tcp", "bytes_per_s": 1e9, "latency_s": 0.0005}],
+        "overheads": {"request_s": 0.001, "rpc_s": 0.0005},
+        "startup_s": 30.0
+    })
+}
+
+/// Runs `tandem <args>` expecting failure; returns its stderr.
+fn tandem_fails(args: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("tandem runs");
+    assert!(!out.status.success(), "tandem {args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn plan_sizes_ten_thousand_gpus_from_a_datasheet_profile_and_refuses_bad_input() {
+    let Some(model) = model_path() else { return };
+    let stem = model.file_stem().unwrap().to_str().unwrap().to_string();
+    let model = model.to_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("tandem-plan-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let profile = dir.join("datasheet.json");
+    std::fs::write(&profile, datasheet_profile(&stem).to_string()).unwrap();
+    let yaml = dir.join("plan.yaml");
+    let started = std::time::Instant::now();
+    let out = tandem(&[
+        "plan",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--model",
+        model,
+        "--num-prompts",
+        "64",
+        "--input-len",
+        "512",
+        "--output-len",
+        "128",
+        "--ttft-p90-ms",
+        "500",
+        "--itl-p90-ms",
+        "30",
+        "--gpus",
+        "8,10000",
+        "--output",
+        yaml.to_str().unwrap(),
+    ]);
+    assert!(
+        started.elapsed().as_secs() < 60,
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        out.contains("| 10000 |") && out.contains("runner-up"),
+        "{out}"
+    );
+    // The deployment file is one `tandem serve` accepts.
+    tandem(&["serve", "--check-config", yaml.to_str().unwrap()]);
+
+    let none = tandem(&[
+        "plan",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--model",
+        model,
+        "--num-prompts",
+        "8",
+        "--ttft-p90-ms",
+        "0.01",
+        "--itl-p90-ms",
+        "0.01",
+        "--gpus",
+        "8",
+    ]);
+    assert!(none.contains("no configuration meets the SLOs"), "{none}");
+
+    let mut missing = datasheet_profile(&stem);
+    missing
+        .as_object_mut()
+        .unwrap()
+        .remove("kv_bytes_per_token");
+    std::fs::write(&profile, missing.to_string()).unwrap();
+    let err = tandem_fails(&[
+        "sim",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--model",
+        model,
+    ]);
+    assert!(err.contains("kv_bytes_per_token"), "{err}");
+    std::fs::write(&profile, datasheet_profile("another-model").to_string()).unwrap();
+    let err = tandem_fails(&[
+        "sim",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--model",
+        model,
+    ]);
+    assert!(err.contains("another-model"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
