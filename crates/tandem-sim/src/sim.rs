@@ -7,8 +7,9 @@
 //! prefill pins its blocks on the prefill worker until the decode worker, having reserved room through
 //! its prefix cache like `import_prefilled`, has pulled the blocks it lacks at the profile's transfer rate.
 //!
-//! Simplifications, each small next to a step: load reports are fresh (the head polls every 0.5 s), the
-//! head's admission wait is the decode worker's own wait for KV room, and no request fails or retries.
+//! Simplifications: load reports are fresh (the head polls every 0.5 s), the head's admission wait is
+//! the decode worker's own wait for KV room, requests fail only when a worker's whole pool cannot hold
+//! them (no crashes, retries or timeouts), and every worker is its own hardware.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
