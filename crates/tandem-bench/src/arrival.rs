@@ -1,6 +1,6 @@
 //! Arrival processes: when each request of a run is sent.
 
-use rand::Rng;
+use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp};
 
 /// Send times in seconds after the start for `n` requests arriving as a Poisson process of `rate`
@@ -19,6 +19,17 @@ pub fn poisson_offsets(n: usize, rate: f64, rng: &mut impl Rng) -> Vec<f64> {
             t
         })
         .collect()
+}
+
+/// When each of a run's requests is sent: the workload's own times where it fixes every one (bursty),
+/// else a Poisson process of `rate` seeded with `seed`. Shared by the benchmark and the simulator.
+pub fn send_times(requests: &[crate::workload::BenchRequest], rate: f64, seed: u64) -> Vec<f64> {
+    if requests.iter().all(|r| r.at_s.is_some()) {
+        requests.iter().filter_map(|r| r.at_s).collect()
+    } else {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        poisson_offsets(requests.len(), rate, &mut rng)
+    }
 }
 
 /// Parses a request rate: a positive number, or `inf` for all requests at once.

@@ -6,12 +6,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use crate::arrival::poisson_offsets;
+use crate::arrival::send_times;
 use crate::client::{Client, Endpoint};
 use crate::error::BenchError;
 use crate::metrics::{summarize, RequestRecord, Slo};
@@ -143,12 +141,7 @@ async fn run_point(
     }
     let generated = workload.generate(builder, plan.num_prompts, plan.prompt_format, seed)?;
     let n = generated.requests.len();
-    let arrivals = if generated.requests.iter().all(|r| r.at_s.is_some()) {
-        generated.requests.iter().filter_map(|r| r.at_s).collect()
-    } else {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        poisson_offsets(n, point.request_rate, &mut rng)
-    };
+    let arrivals = send_times(&generated.requests, point.request_rate, seed);
     let config = RunConfig {
         endpoint: client.endpoint().name.clone(),
         base_url: client.endpoint().base_url.clone(),

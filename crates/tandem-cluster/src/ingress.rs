@@ -28,7 +28,9 @@ use crate::protocol::{
 };
 use crate::registry::InFlight;
 pub use crate::registry::{WorkerEntry, WorkerStatus};
-use crate::routing::{pick_decode, pick_prefill, DecodeLoad, PrefillCandidate, RoutingConfig};
+use crate::routing::{
+    pick_decode, pick_prefill, wants_remote_prefill, DecodeLoad, PrefillCandidate, RoutingConfig,
+};
 use crate::rpc::{check_status, post_json, rpc, with_request_id, RemotePin};
 
 /// Time limits of the ingress (YAML `timeouts:`), in seconds.
@@ -297,9 +299,11 @@ impl Job {
         // KV room claimed on the decode worker until its decode starts (remote prefills only: a local
         // prefill pins nothing and queues in the decode engine itself).
         let mut reserved = None;
-        if uncached >= inner.routing.local_prefill_threshold
-            && !self.ingress.routable(Role::Prefill).is_empty()
-        {
+        if wants_remote_prefill(
+            uncached,
+            self.ingress.routable(Role::Prefill).len(),
+            &inner.routing,
+        ) {
             let (chosen, reservation) = self.admit(&d, &hashes).await?;
             if !Arc::ptr_eq(&chosen, &d) {
                 busy = chosen.track();

@@ -24,6 +24,13 @@ impl Default for RoutingConfig {
     }
 }
 
+/// The local-prefill rule: whether a prompt with `uncached` tokens not already cached on the chosen
+/// decode worker goes to a prefill worker (`prefill_workers` of them routable) rather than being
+/// prefilled on the decode worker itself. Shared by the ingress and the simulator (`tandem-sim`).
+pub fn wants_remote_prefill(uncached: usize, prefill_workers: usize, cfg: &RoutingConfig) -> bool {
+    uncached >= cfg.local_prefill_threshold && prefill_workers > 0
+}
+
 /// What the decode policy weighs for one worker.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodeLoad {
@@ -122,6 +129,18 @@ mod tests {
         }
         assert_eq!(pick_decode(&[], &mut rng), None);
         assert_eq!(pick_decode(&loads[..1], &mut rng), Some(0));
+    }
+
+    #[test]
+    fn short_uncached_prompts_stay_on_the_decode_worker() {
+        let cfg = RoutingConfig::default();
+        assert!(!wants_remote_prefill(
+            cfg.local_prefill_threshold - 1,
+            2,
+            &cfg
+        ));
+        assert!(wants_remote_prefill(cfg.local_prefill_threshold, 2, &cfg));
+        assert!(!wants_remote_prefill(1000, 0, &cfg), "no prefill worker");
     }
 
     #[test]

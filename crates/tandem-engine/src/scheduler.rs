@@ -151,6 +151,17 @@ impl<E> Scheduler<E> {
         self.waiting.remove(i)
     }
 
+    /// Applies a chunk of the last plan once the model has run it: the sequence's KV now covers the
+    /// chunk's tokens, whose full blocks become reusable prefix. Returns the chunk's first position.
+    /// Shared by the engine thread and the simulator (`tandem-sim`), so both advance sequences alike.
+    pub fn advance(&mut self, pool: &mut BlockPool, s: Scheduled) -> usize {
+        let seq = &mut self.running[s.index];
+        let start = seq.num_computed;
+        seq.num_computed += s.len;
+        pool.register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
+        start
+    }
+
     fn preempt_newest(&mut self, pool: &mut BlockPool) {
         let mut seq = self.running.pop().expect("preempt with nothing running");
         pool.release(&mut seq.table);
@@ -360,11 +371,9 @@ mod tests {
     fn apply(s: &mut Scheduler<()>, pool: &mut BlockPool) {
         let plan = s.scheduled().to_vec();
         for p in plan {
-            let seq = &mut s.running[p.index];
-            seq.num_computed += p.len;
-            pool.register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
+            s.advance(pool, p);
             if p.sample {
-                seq.tokens.push(7);
+                s.running[p.index].tokens.push(7);
             }
         }
     }

@@ -383,12 +383,9 @@ impl<B: Backend> Worker<B> {
         let mut failed = Vec::new();
         for k in 0..self.sched.scheduled().len() {
             let s = self.sched.scheduled()[k];
+            let start = self.sched.advance(&mut self.pool, s);
             let seq = &mut self.sched.running[s.index];
-            let start = seq.num_computed;
-            seq.num_computed += s.len;
             seq.ext.retries = 0;
-            self.pool
-                .register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
             let rows = match self.batch.seqs[k].logits {
                 LogitsWanted::None => 0,
                 LogitsWanted::Last => 1,

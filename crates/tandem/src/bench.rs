@@ -34,7 +34,7 @@ enum BenchCommand {
 
 /// Which workload to send.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum WorkloadKind {
+pub(crate) enum WorkloadKind {
     /// Random prompts of --input-len tokens, --output-len tokens out.
     Random,
     /// Prompts that share one of --num-prefixes system prompts of --prefix-len tokens, then --input-len
@@ -45,6 +45,47 @@ enum WorkloadKind {
     Bursty,
     /// Prompts from --dataset (JSONL: {"prompt": "...", "max_tokens": N} per line).
     Jsonl,
+}
+
+/// The workload flags, shared by `tandem bench` and `tandem sim`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct WorkloadArgs {
+    /// Workload.
+    #[arg(long, value_enum, default_value_t = WorkloadKind::Random)]
+    pub(crate) workload: WorkloadKind,
+    /// Requests per run (for bursty: steady requests; bursts come on top).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) num_prompts: usize,
+    /// Prompt tokens (for shared-prefix: after the prefix; for bursty: of the steady requests).
+    #[arg(long, default_value_t = 256)]
+    pub(crate) input_len: usize,
+    /// Output tokens (for bursty: of the steady requests).
+    #[arg(long, default_value_t = 128)]
+    pub(crate) output_len: usize,
+    /// Draw input and output lengths uniformly within ±this fraction of --input-len/--output-len.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) range_ratio: f64,
+    /// Shared-prefix: tokens of each shared prefix.
+    #[arg(long, default_value_t = 512)]
+    pub(crate) prefix_len: usize,
+    /// Shared-prefix: distinct prefixes.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) num_prefixes: usize,
+    /// Bursty: prompt tokens of each burst request.
+    #[arg(long, default_value_t = 1024)]
+    pub(crate) burst_input_len: usize,
+    /// Bursty: output tokens of each burst request.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) burst_output_len: usize,
+    /// Bursty: requests per burst.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) burst_size: usize,
+    /// Bursty: seconds between bursts.
+    #[arg(long, default_value_t = 5.0)]
+    pub(crate) burst_interval: f64,
+    /// JSONL prompt file for --workload jsonl.
+    #[arg(long)]
+    pub(crate) dataset: Option<PathBuf>,
 }
 
 /// Options of a benchmark run.
@@ -65,42 +106,8 @@ struct RunArgs {
     /// Tokenizer of the served model: GGUF file or HF folder (default: the default model).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    /// Workload.
-    #[arg(long, value_enum, default_value_t = WorkloadKind::Random)]
-    workload: WorkloadKind,
-    /// Requests per run (for bursty: steady requests; bursts come on top).
-    #[arg(long, default_value_t = 100)]
-    num_prompts: usize,
-    /// Prompt tokens (for shared-prefix: after the prefix; for bursty: of the steady requests).
-    #[arg(long, default_value_t = 256)]
-    input_len: usize,
-    /// Output tokens (for bursty: of the steady requests).
-    #[arg(long, default_value_t = 128)]
-    output_len: usize,
-    /// Draw input and output lengths uniformly within ±this fraction of --input-len/--output-len.
-    #[arg(long, default_value_t = 0.0)]
-    range_ratio: f64,
-    /// Shared-prefix: tokens of each shared prefix.
-    #[arg(long, default_value_t = 512)]
-    prefix_len: usize,
-    /// Shared-prefix: distinct prefixes.
-    #[arg(long, default_value_t = 1)]
-    num_prefixes: usize,
-    /// Bursty: prompt tokens of each burst request.
-    #[arg(long, default_value_t = 1024)]
-    burst_input_len: usize,
-    /// Bursty: output tokens of each burst request.
-    #[arg(long, default_value_t = 16)]
-    burst_output_len: usize,
-    /// Bursty: requests per burst.
-    #[arg(long, default_value_t = 4)]
-    burst_size: usize,
-    /// Bursty: seconds between bursts.
-    #[arg(long, default_value_t = 5.0)]
-    burst_interval: f64,
-    /// JSONL prompt file for --workload jsonl.
-    #[arg(long)]
-    dataset: Option<PathBuf>,
+    #[command(flatten)]
+    workload: WorkloadArgs,
     /// Poisson arrival rate in requests/s, or inf to send all at once (bursty: the steady rate; inf
     /// there means 2/s).
     #[arg(long, default_value = "inf", value_parser = parse_rate)]
@@ -198,8 +205,9 @@ fn points(a: &RunArgs) -> Vec<SweepPoint> {
     }
 }
 
-/// The workload the flags describe.
-fn workload(a: &RunArgs) -> Result<WorkloadSpec> {
+/// The workload the flags describe; `request_rate` is the run's (bursty: the steady stream's, 2/s when
+/// infinite).
+pub(crate) fn workload(a: &WorkloadArgs, request_rate: f64) -> Result<WorkloadSpec> {
     let len = |len| LengthSpec {
         len,
         range_ratio: a.range_ratio,
@@ -218,8 +226,8 @@ fn workload(a: &RunArgs) -> Result<WorkloadSpec> {
         WorkloadKind::Bursty => WorkloadSpec::Bursty(BurstySpec {
             steady_input: len(a.input_len),
             steady_output: len(a.output_len),
-            steady_rate: if a.request_rate.is_finite() {
-                a.request_rate
+            steady_rate: if request_rate.is_finite() {
+                request_rate
             } else {
                 2.0
             },
@@ -239,7 +247,7 @@ fn workload(a: &RunArgs) -> Result<WorkloadSpec> {
 }
 
 fn run_bench(a: RunArgs) -> Result<()> {
-    if !(0.0..1.0).contains(&a.range_ratio) {
+    if !(0.0..1.0).contains(&a.workload.range_ratio) {
         bail!("--range-ratio must be in [0, 1)");
     }
     if !a.request_timeout.is_finite() || a.request_timeout <= 0.0 {
@@ -258,8 +266,8 @@ fn run_bench(a: RunArgs) -> Result<()> {
         endpoints,
         model: a.model.clone(),
         api_key: a.api_key.clone(),
-        workload: workload(&a)?,
-        num_prompts: a.num_prompts,
+        workload: workload(&a.workload, a.request_rate)?,
+        num_prompts: a.workload.num_prompts,
         points: points(&a),
         warmup: a.warmup,
         seed: a.seed,
@@ -358,7 +366,7 @@ mod tests {
             [Some(1), Some(4), Some(16)]
         );
         assert_eq!(a.goodput, ["ttft:500", "tpot:50"]);
-        let WorkloadSpec::Bursty(b) = workload(&a).unwrap() else {
+        let WorkloadSpec::Bursty(b) = workload(&a.workload, a.request_rate).unwrap() else {
             panic!("expected bursty")
         };
         assert_eq!(b.steady_rate, 3.0);
@@ -377,6 +385,7 @@ mod tests {
         let cli = Cli::try_parse_from(["bench", "plot", "a.json", "b.json"]).unwrap();
         assert!(matches!(cli.bench.command, Some(BenchCommand::Plot(ref p)) if p.files.len() == 2));
         let cli = Cli::try_parse_from(["bench", "--workload", "jsonl"]).unwrap();
-        assert!(workload(&cli.bench.run).is_err());
+        let run = &cli.bench.run;
+        assert!(workload(&run.workload, run.request_rate).is_err());
     }
 }

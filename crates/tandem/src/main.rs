@@ -10,9 +10,12 @@ mod cuda_tools;
 mod device;
 mod launch;
 mod logging;
+mod plan;
 mod probe;
 mod process;
+mod profile;
 mod serve;
+mod sim;
 mod stage;
 mod tls;
 mod token;
@@ -55,6 +58,12 @@ enum Command {
     BenchEngine(bench_engine::BenchEngineArgs),
     /// Benchmark an OpenAI-compatible server (or several) with vLLM-compatible serving metrics.
     Bench(bench::BenchArgs),
+    /// Measure one worker's step times, KV size and transfer rates on this machine into a profile for `tandem sim`.
+    Profile(profile::ProfileArgs),
+    /// Simulate a deployment (colocated or N prefill / M decode) on a workload, from a profile.
+    Sim(Box<sim::SimArgs>),
+    /// The deployment (colocated or prefill:decode split) with the most goodput per GPU for a profile, a workload and SLOs.
+    Plan(Box<plan::PlanArgs>),
     /// GET a URL (default: this host's /health) and exit 0 on a 2xx answer, 1 otherwise: the images' health check.
     Probe(probe::ProbeArgs),
     /// Host one later pipeline stage (a worker with pipeline_parallel_size > 1 starts its own; run it on another host for `pipeline_stages`).
@@ -246,6 +255,18 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => {
             init_logging_at(format.unwrap_or_default(), "warn", None);
             bench::run(args)
+        }
+        Command::Profile(args) => {
+            init_logging_at(format.unwrap_or_default(), "warn", None);
+            profile::run(args)
+        }
+        Command::Sim(args) => {
+            init_logging_at(format.unwrap_or_default(), "warn", None);
+            sim::run(*args)
+        }
+        Command::Plan(args) => {
+            init_logging_at(format.unwrap_or_default(), "warn", None);
+            plan::run(*args)
         }
         Command::Probe(args) => probe::run(&args),
     }

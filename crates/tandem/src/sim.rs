@@ -1,0 +1,132 @@
+//! `tandem sim`: a deployment simulated on a virtual clock (`tandem-sim`) with `tandem bench`'s
+//! workloads and reports, calibrated by a profile from `tandem profile`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use tandem_bench::arrival::parse_rate;
+use tandem_bench::report::{self, BenchFile, Machine};
+use tandem_bench::{PromptBuilder, Slo};
+use tandem_model::LoadOptions;
+use tandem_sim::{Profile, SimConfig, SimRun, Topology};
+
+use crate::bench::{workload, WorkloadArgs};
+use crate::process::resolve_model;
+
+/// Options of `tandem sim`.
+#[derive(Args, Debug)]
+pub struct SimArgs {
+    /// The profile (`tandem profile`'s output, or one written from datasheet figures).
+    #[arg(long)]
+    pub profile: PathBuf,
+    /// The model (GGUF file or HF folder) whose tokenizer builds the prompts and whose identity the
+    /// profile must match; absent means the default model.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    /// Poisson arrival rate in requests/s, or inf to send all at once (bursty: the steady rate).
+    #[arg(long, default_value = "inf", value_parser = parse_rate)]
+    pub request_rate: f64,
+    /// Requests in flight at most.
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Seed of prompts, arrivals and routing choices (the same as `tandem bench --seed` gives the same
+    /// prompts).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Colocated workers (ignored with --prefill/--decode).
+    #[arg(long, default_value_t = 1)]
+    pub colocated: usize,
+    /// Prefill workers of a disaggregated deployment.
+    #[arg(long, requires = "decode")]
+    pub prefill: Option<usize>,
+    /// Decode workers of a disaggregated deployment.
+    #[arg(long, requires = "prefill")]
+    pub decode: Option<usize>,
+    /// KV transport between prefill and decode workers (a rate the profile lists).
+    #[arg(long, default_value = "tcp")]
+    pub transport: String,
+    /// KV blocks per worker, instead of the profile's.
+    #[arg(long)]
+    pub kv_blocks: Option<usize>,
+    /// Goodput objectives in ms, e.g. --goodput ttft:500 tpot:50 (keys: ttft, tpot, e2el).
+    #[arg(long, num_args = 1.., value_name = "KEY:MS")]
+    pub goodput: Vec<String>,
+    /// Print the run (summary, every request, the simulator's counters) as JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the run as a `tandem bench --output` result file (for `tandem bench plot`).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+}
+
+/// Runs `tandem sim`.
+pub fn run(a: SimArgs) -> Result<()> {
+    if !(0.0..1.0).contains(&a.workload.range_ratio) {
+        bail!("--range-ratio must be in [0, 1)");
+    }
+    let mut profile = Profile::load(&a.profile)?;
+    if let Some(blocks) = a.kv_blocks {
+        profile.kv_blocks = blocks;
+    }
+    let path = resolve_model(a.model.as_deref())?;
+    let loaded = tandem_model::load(&path, &LoadOptions { progress: false })
+        .with_context(|| format!("loading {}", path.display()))?;
+    profile
+        .check_model(&loaded.name, &loaded.identity.0)
+        .with_context(|| format!("profile {}", a.profile.display()))?;
+    let builder = PromptBuilder::new(loaded.tokenizer)
+        .with_context(|| format!("the tokenizer of {}", path.display()))?;
+    let topology = match (a.prefill, a.decode) {
+        (Some(prefill), Some(decode)) => Topology::Disaggregated { prefill, decode },
+        _ => Topology::Colocated {
+            replicas: a.colocated,
+        },
+    };
+    let mut cfg = SimConfig::new(topology);
+    cfg.transport = a.transport.clone();
+    cfg.seed = a.seed;
+    let spec = SimRun {
+        workload: workload(&a.workload, a.request_rate)?,
+        num_prompts: a.workload.num_prompts,
+        request_rate: a.request_rate,
+        max_concurrency: a.max_concurrency,
+        seed: a.seed,
+        slo: Slo::parse(&a.goodput).map_err(anyhow::Error::msg)?,
+    };
+    let result = tandem_sim::run(&profile, &cfg, &builder, &spec)?;
+    if a.json {
+        let mut json = serde_json::to_value(&result.run)?;
+        json["sim"] = serde_json::to_value(&result.stats)?;
+        json["profile"] = serde_json::json!({
+            "path": a.profile,
+            "source": profile.source,
+            "hardware": profile.hardware.name,
+        });
+        println!("{json}");
+    } else {
+        println!("{}", report::render_run(&result.run));
+        let s = &result.stats;
+        println!(
+            "simulated: {} steps, {} preemptions, {} remote / {} local prefills, {:.1} MiB of KV moved",
+            s.steps,
+            s.preemptions,
+            s.remote_prefills,
+            s.local_prefills,
+            s.kv_bytes_moved / (1 << 20) as f64
+        );
+    }
+    if let Some(out) = &a.output {
+        BenchFile {
+            tool: format!("tandem sim {}", env!("CARGO_PKG_VERSION")),
+            machine: Machine::current(),
+            command: std::env::args().collect::<Vec<_>>().join(" "),
+            runs: vec![result.run],
+        }
+        .save(out)?;
+        eprintln!("results written to {}", out.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,273 @@
+//! `tandem sim` against the real thing, small: a colocated `tandem serve` (default model) on a free
+//! loopback port measured with `tandem bench`, this machine profiled with `tandem profile --quick`, and
+//! `tandem sim` on the same workload (same seed, so the same prompts and send times). Output throughput
+//! and median TTFT and ITL must agree within 25%.
+//!
+//! The development machine is shared, and its speed changes several-fold within seconds as other
+//! builds come and go: server and profile run on one thread each (so contention slows them in
+//! proportion rather than through a stalled partner thread), each attempt profiles immediately before
+//! it measures, and the test passes when one of five attempts agrees.
+
+use std::process::Command;
+
+use serde_json::Value;
+use tandem_testkit::{model_path, root, Server};
+
+/// The `tandem` binary cargo built for these tests.
+const BIN: &str = env!("CARGO_BIN_EXE_tandem");
+
+/// The largest relative error accepted.
+const TOLERANCE: f64 = 0.25;
+
+/// Runs `tandem <args>` to completion and returns its stdout; panics with its output when it fails.
+fn tandem(args: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("tandem runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "tandem {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// The workload flags both `tandem bench` and `tandem sim` get.
+const WORKLOAD: &[&str] = &[
+    "--workload",
+    "random",
+    "--num-prompts",
+    "12",
+    "--input-len",
+    "64",
+    "--output-len",
+    "16",
+    "--request-rate",
+    "4",
+];
+
+/// (name, measured, predicted) of the compared figures.
+fn figures(measured: &Value, predicted: &Value) -> Vec<(&'static str, f64, f64)> {
+    let get = |v: &Value, a: &str, b: Option<&str>| {
+        let x = &v[a];
+        b.map_or(x, |b| &x[b]).as_f64().unwrap()
+    };
+    [
+        ("output tok/s", "output_throughput", None),
+        ("TTFT p50 ms", "ttft_ms", Some("median")),
+        ("ITL p50 ms", "itl_ms", Some("median")),
+    ]
+    .into_iter()
+    .map(|(name, a, b)| (name, get(measured, a, b), get(predicted, a, b)))
+    .collect()
+}
+
+#[test]
+fn sim_predicts_a_colocated_server_within_25_percent() {
+    let Some(model) = model_path() else { return };
+    let model = model.to_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("tandem-sim-validation-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let server = Server::start(
+        BIN,
+        &[model, "--kv-cache-memory", "128MiB", "--threads", "1"],
+        &dir.join("serve.log"),
+    );
+    let bench_out = dir.join("bench.json");
+    let profile = dir.join("profile.json");
+    let mut report = String::new();
+    let mut passed = false;
+    for attempt in 1..=5 {
+        tandem(&[
+            "profile",
+            model,
+            "--quick",
+            "--threads",
+            "1",
+            "--kv-cache-mib",
+            "128",
+            "--repeats",
+            "3",
+            "--output",
+            profile.to_str().unwrap(),
+        ]);
+        let mut args = vec![
+            "bench",
+            "--base-url",
+            &server.url,
+            "--tokenizer",
+            model,
+            "--warmup",
+            "1",
+            "--prompt-format",
+            "tokens",
+            "--no-progress",
+            "--output",
+            bench_out.to_str().unwrap(),
+        ];
+        // A fresh seed per attempt: the server's prefix cache holds every earlier attempt's prompts.
+        let seed = attempt.to_string();
+        args.extend_from_slice(WORKLOAD);
+        args.extend_from_slice(&["--seed", &seed]);
+        tandem(&args);
+        let mut args = vec![
+            "sim",
+            "--profile",
+            profile.to_str().unwrap(),
+            "--model",
+            model,
+            "--json",
+        ];
+        args.extend_from_slice(WORKLOAD);
+        args.extend_from_slice(&["--seed", &seed]);
+        let predicted: Value = serde_json::from_str(&tandem(&args)).unwrap();
+        let measured: Value =
+            serde_json::from_str(&std::fs::read_to_string(&bench_out).unwrap()).unwrap();
+        let measured = &measured["runs"][0]["summary"];
+        let predicted = &predicted["summary"];
+        assert_eq!(measured["completed"], 12, "{measured}");
+        assert_eq!(predicted["completed"], 12, "{predicted}");
+        assert_eq!(
+            predicted["total_output_tokens"],
+            measured["total_output_tokens"]
+        );
+        let mut ok = true;
+        for (name, m, p) in figures(measured, predicted) {
+            let err = (p - m).abs() / m.abs().max(1e-9);
+            ok &= err <= TOLERANCE;
+            report += &format!(
+                "attempt {attempt}: {name}: measured {m:.2}, predicted {p:.2} ({:+.0}%)\n",
+                (p - m) / m * 100.0
+            );
+        }
+        if ok {
+            passed = true;
+            break;
+        }
+    }
+    drop(server);
+    eprintln!("{report}");
+    assert!(passed, "no attempt within {TOLERANCE}:\n{report}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A profile written by hand from (made-up, round) datasheet-style figures: no identity, so the model
+/// is checked by name.
+fn datasheet_profile(model_name: &str) -> Value {
+    serde_json::json!({
+        "source": "datasheet",
+        "hardware": {"name": "test accelerator", "device": "cuda", "devices_per_worker": 1},
+        "model": {"name": model_name},
+        "block_size": 16,
+        "kv_blocks": 4096,
+        "kv_bytes_per_token": 46080.0,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 512,
+        "decode": {"points": [[1.0, 0.004], [64.0, 0.012]], "per_context_s": 1e-8},
+        "prefill": {"points": [[16.0, 0.005], [512.0, 0.04]], "per_context_s": 1e-8},
+        "transfer": [{"transport": "tcp", "bytes_per_s": 1e9, "latency_s": 0.0005}],
+        "overheads": {"request_s": 0.001, "rpc_s": 0.0005},
+        "startup_s": 30.0
+    })
+}
+
+/// Runs `tandem <args>` expecting failure; returns its stderr.
+fn tandem_fails(args: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("tandem runs");
+    assert!(!out.status.success(), "tandem {args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn plan_sizes_ten_thousand_gpus_from_a_datasheet_profile_and_refuses_bad_input() {
+    let Some(model) = model_path() else { return };
+    let stem = model.file_stem().unwrap().to_str().unwrap().to_string();
+    let model = model.to_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("tandem-plan-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let profile = dir.join("datasheet.json");
+    std::fs::write(&profile, datasheet_profile(&stem).to_string()).unwrap();
+    let yaml = dir.join("plan.yaml");
+    let started = std::time::Instant::now();
+    let out = tandem(&[
+        "plan",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--model",
+        model,
+        "--num-prompts",
+        "64",
+        "--input-len",
+        "512",
+        "--output-len",
+        "128",
+        "--ttft-p90-ms",
+        "500",
+        "--itl-p90-ms",
+        "30",
+        "--gpus",
+        "8,10000",
+        "--output",
+        yaml.to_str().unwrap(),
+    ]);
+    assert!(
+        started.elapsed().as_secs() < 60,
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        out.contains("| 10000 |") && out.contains("runner-up"),
+        "{out}"
+    );
+    // The deployment file is one `tandem serve` accepts.
+    tandem(&["serve", "--check-config", yaml.to_str().unwrap()]);
+
+    let none = tandem(&[
+        "plan",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--model",
+        model,
+        "--num-prompts",
+        "8",
+        "--ttft-p90-ms",
+        "0.01",
+        "--itl-p90-ms",
+        "0.01",
+        "--gpus",
+        "8",
+    ]);
+    assert!(none.contains("no configuration meets the SLOs"), "{none}");
+
+    let mut missing = datasheet_profile(&stem);
+    missing
+        .as_object_mut()
+        .unwrap()
+        .remove("kv_bytes_per_token");
+    std::fs::write(&profile, missing.to_string()).unwrap();
+    let err = tandem_fails(&[
+        "sim",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--model",
+        model,
+    ]);
+    assert!(err.contains("kv_bytes_per_token"), "{err}");
+    std::fs::write(&profile, datasheet_profile("another-model").to_string()).unwrap();
+    let err = tandem_fails(&[
+        "sim",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--model",
+        model,
+    ]);
+    assert!(err.contains("another-model"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
