@@ -15,6 +15,7 @@ on the GPU in bf16 and in fp32 (the same bf16 weights, upcast). Checks:
 Writes check.json under --out and exits non-zero when a check fails.
 """
 import argparse
+import copy
 import json
 import os
 import re
@@ -64,6 +65,9 @@ FAMILIES = {
                   dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=False,
                        shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[])),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3),
+    # Qwen3 saved as an FP8 checkpoint with 128 x 128 block scales (Qwen3-FP8's layout): the HF
+    # references run the same weights dequantized, which is what tandem must compute.
+    "qwen3_fp8": (Qwen3Config, Qwen3ForCausalLM, {}),
     "gemma3_hd256": (Gemma3TextConfig, Gemma3ForCausalLM,
                      dict(GEMMA3, head_dim=256, num_key_value_heads=1, query_pre_attn_scalar=256)),
 }
@@ -99,6 +103,8 @@ def build_model(work, family="llama"):
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p.float()).to(p.dtype))
     model.save_pretrained(work, safe_serialization=True)
+    if family.endswith("_fp8"):
+        save_fp8(model, work, (128, 128))
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
@@ -107,6 +113,38 @@ def build_model(work, family="llama"):
     with open(os.path.join(work, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": "t1", "eos_token": "t2"}, f)
     return model.cuda().eval()
+
+
+@torch.no_grad()
+def save_fp8(model, work, block):
+    """Rewrites work's checkpoint with every projection in FP8 E4M3 and its per-block fp32 scale
+    (`<name>_scale_inv`, amax / 448), and sets the model's own weights to the dequantized values."""
+    from safetensors.torch import save_file
+
+    br, bc = block
+    sd = {}
+    for name, p in model.named_parameters():
+        if not name.endswith("proj.weight"):
+            sd[name] = p.detach().cpu().contiguous()
+            continue
+        r, c = p.shape
+        rp, cp = -(-r // br) * br, -(-c // bc) * bc
+        w = torch.zeros(rp, cp, device=p.device)
+        w[:r, :c] = p.float()
+        blocks = w.view(rp // br, br, cp // bc, bc)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        p.copy_((q.float() * scale[:, None, :, None]).view(rp, cp)[:r, :c].to(p.dtype))
+        sd[name] = q.view(rp, cp)[:r, :c].contiguous().cpu()
+        sd[name + "_scale_inv"] = scale.contiguous().cpu()
+    save_file(sd, os.path.join(work, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(work, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    with open(path, "w") as f:
+        json.dump(cfg, f)
 
 
 def prompts():
@@ -264,7 +302,12 @@ def main():
         json.dump([{"prompt": p, "force": c[:DECODE_STEPS]} for p, c in zip(ps, conts)], f)
     seqs = [p + c[:DECODE_STEPS] for p, c in zip(ps, conts)]
     ref16 = hf_rows(model, seqs)
-    model32 = AutoModelForCausalLM.from_pretrained(a.work, dtype=torch.float32).cuda().eval()
+    if a.family.endswith("_fp8"):
+        # transformers would load the FP8 checkpoint through its own quantizer: the reference is the
+        # dequantized weights in fp32 instead.
+        model32 = copy.deepcopy(model).float().eval()
+    else:
+        model32 = AutoModelForCausalLM.from_pretrained(a.work, dtype=torch.float32).cuda().eval()
     ref32 = hf_rows(model32, seqs)
     hf16 = compare(ref16, ref32)
     report["checks"]["hf_bf16_vs_hf_fp32"] = dict(hf16, **{"pass": True, "note": "the bf16 noise floor"})

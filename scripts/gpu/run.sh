@@ -18,6 +18,7 @@
 #   gemma3/, gemma3_hd256/  `gemma`: check.py's checks on tiny random Gemma 3 models (windows, two ropes,
 #                        sandwich norms, GELU, scaled embedding, soft-capping; 128- and 256-wide heads)
 #   gemma_bench.jsonl    `gemma`: cuda-bench on Gemma-3-27B's shape (random bf16 weights made on the GPU)
+#   qwen3_fp8/           `gemma`: check.py's checks on a tiny Qwen3 saved as a block-scaled FP8 checkpoint
 # and, in the log only, `conformance`: the Backend contract on the CUDA backend (tandem-cuda's
 # tests/conformance.rs, a test executable built elsewhere with
 # `cargo test --release -p tandem-cuda --test conformance --no-run` and given as $CONFORMANCE_BIN,
@@ -62,7 +63,7 @@ if want qwen3; then
   timeout 150 "$BIN" cuda-bench --shape qwen3-8b --out "$OUT/qwen3_bench.jsonl" || status=1
 fi
 if want gemma; then
-  for fam in gemma3 gemma3_hd256; do
+  for fam in gemma3 gemma3_hd256 qwen3_fp8; do
     echo "== $fam correctness against HF transformers"
     timeout 240 python3 "$root/scripts/gpu/check.py" --family "$fam" --bin "$BIN" --work "/tmp/tandem-tiny-$fam" \
       --out "$OUT/$fam" || status=1
