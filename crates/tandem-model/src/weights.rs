@@ -353,17 +353,7 @@ impl SafetensorsSet {
                 ModelError::MissingTensor(format!("{name}_scale_inv (or {name}_scale)"))
             })?;
         let st = self.get(&scale_name)?;
-        let dtype = match st.dtype {
-            StDtype::F32 => DType::F32,
-            StDtype::F16 => DType::F16,
-            StDtype::BF16 => DType::BF16,
-            other => {
-                return Err(ModelError::UnsupportedDtype {
-                    tensor: scale_name,
-                    dtype: other.to_string(),
-                })
-            }
-        };
+        let dtype = float_dtype(&scale_name, st.dtype)?;
         let mut scales = vec![0.0; st.shape.iter().product()];
         dequantize(dtype, self.bytes(st), &mut scales);
         let scale = fp8::ScaleTensor {
@@ -438,18 +428,20 @@ impl SafetensorsSet {
                 actual: t.shape.clone(),
             });
         }
-        let dtype = match t.dtype {
-            StDtype::F32 => DType::F32,
-            StDtype::F16 => DType::F16,
-            StDtype::BF16 => DType::BF16,
-            other => {
-                return Err(ModelError::UnsupportedDtype {
-                    tensor: name.to_string(),
-                    dtype: other.to_string(),
-                })
-            }
-        };
-        Ok((t, dtype))
+        Ok((t, float_dtype(name, t.dtype)?))
+    }
+}
+
+/// The kernels' element type of the float tensor `name` stored as `dtype` (others are refused).
+fn float_dtype(name: &str, dtype: StDtype) -> Result<DType, ModelError> {
+    match dtype {
+        StDtype::F32 => Ok(DType::F32),
+        StDtype::F16 => Ok(DType::F16),
+        StDtype::BF16 => Ok(DType::BF16),
+        other => Err(ModelError::UnsupportedDtype {
+            tensor: name.to_string(),
+            dtype: other.to_string(),
+        }),
     }
 }
 

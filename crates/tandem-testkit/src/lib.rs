@@ -14,7 +14,9 @@ mod server;
 mod worker;
 
 pub use mock::{mock_guide, mock_pieces, mock_text, MockBackend, MockCounts, MOCK_PIECES};
-pub use model::{default_model, model, model_path, root, DEFAULT_MODEL, DEFAULT_MODEL_NAME};
+pub use model::{
+    default_model, model, model_path, root, run_ok, DEFAULT_MODEL, DEFAULT_MODEL_NAME,
+};
 pub use pki::TestPki;
 pub use server::{free_port, greedy_body, health_status, healthy, json_of, signal, text, Server};
 pub use worker::Worker;

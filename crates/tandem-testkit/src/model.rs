@@ -36,6 +36,23 @@ pub fn model_path() -> Option<PathBuf> {
     Some(path)
 }
 
+/// Runs the binary `bin` with `args` from the repository root to completion and returns its stdout;
+/// panics with its stdout and stderr when it fails (the CLI tests' one way to run a command).
+pub fn run_ok(bin: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new(bin)
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("the binary runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{bin} {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 /// The default model, loaded once per test binary; `None` (the test skips) when it is absent.
 pub fn model() -> Option<&'static LoadedModel> {
     static MODEL: OnceLock<Option<LoadedModel>> = OnceLock::new();

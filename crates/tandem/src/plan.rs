@@ -6,24 +6,16 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use tandem_bench::PromptBuilder;
-use tandem_model::LoadOptions;
 use tandem_sim::plan::{calibrate, deployment_yaml, plan, PlanSlo};
-use tandem_sim::Profile;
 
 use crate::bench::{workload, WorkloadArgs};
-use crate::process::resolve_model;
+use crate::sim::ProfiledModel;
 
 /// Options of `tandem plan`.
 #[derive(Args, Debug)]
 pub struct PlanArgs {
-    /// The profile (`tandem profile`'s output, or one written from datasheet figures).
-    #[arg(long)]
-    pub profile: PathBuf,
-    /// The model whose tokenizer builds the workload's prompts (and whose identity the profile must
-    /// match); absent means the default model.
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub source: ProfiledModel,
     #[command(flatten)]
     pub workload: WorkloadArgs,
     /// 90th percentile time to first token, ms.
@@ -49,14 +41,7 @@ pub struct PlanArgs {
 /// Runs `tandem plan`.
 pub fn run(a: PlanArgs) -> Result<()> {
     let started = Instant::now();
-    let profile = Profile::load(&a.profile)?;
-    let path = resolve_model(a.model.as_deref())?;
-    let loaded = tandem_model::load(&path, &LoadOptions { progress: false })
-        .with_context(|| format!("loading {}", path.display()))?;
-    profile
-        .check_model(&loaded.name, &loaded.identity.0)
-        .with_context(|| format!("profile {}", a.profile.display()))?;
-    let builder = PromptBuilder::new(loaded.tokenizer)?;
+    let (profile, builder, path) = a.source.load()?;
     let spec = workload(&a.workload, f64::INFINITY)?;
     let (requests, _) = tandem_sim::build_requests(
         &builder,

@@ -14,9 +14,9 @@ use tandem_sim::{Profile, SimConfig, SimRun, Topology};
 use crate::bench::{workload, WorkloadArgs};
 use crate::process::resolve_model;
 
-/// Options of `tandem sim`.
+/// The profile and the model `tandem sim` and `tandem plan` read.
 #[derive(Args, Debug)]
-pub struct SimArgs {
+pub struct ProfiledModel {
     /// The profile (`tandem profile`'s output, or one written from datasheet figures).
     #[arg(long)]
     pub profile: PathBuf,
@@ -24,6 +24,29 @@ pub struct SimArgs {
     /// profile must match; absent means the default model.
     #[arg(long)]
     pub model: Option<PathBuf>,
+}
+
+impl ProfiledModel {
+    /// The profile, checked against the model, the model's prompt builder and its path.
+    pub fn load(&self) -> Result<(Profile, PromptBuilder, PathBuf)> {
+        let profile = Profile::load(&self.profile)?;
+        let path = resolve_model(self.model.as_deref())?;
+        let loaded = tandem_model::load(&path, &LoadOptions { progress: false })
+            .with_context(|| format!("loading {}", path.display()))?;
+        profile
+            .check_model(&loaded.name, &loaded.identity.0)
+            .with_context(|| format!("profile {}", self.profile.display()))?;
+        let builder = PromptBuilder::new(loaded.tokenizer)
+            .with_context(|| format!("the tokenizer of {}", path.display()))?;
+        Ok((profile, builder, path))
+    }
+}
+
+/// Options of `tandem sim`.
+#[derive(Args, Debug)]
+pub struct SimArgs {
+    #[command(flatten)]
+    pub source: ProfiledModel,
     #[command(flatten)]
     pub workload: WorkloadArgs,
     /// Poisson arrival rate in requests/s, or inf to send all at once (bursty: the steady rate).
@@ -67,18 +90,10 @@ pub fn run(a: SimArgs) -> Result<()> {
     if !(0.0..1.0).contains(&a.workload.range_ratio) {
         bail!("--range-ratio must be in [0, 1)");
     }
-    let mut profile = Profile::load(&a.profile)?;
+    let (mut profile, builder, _) = a.source.load()?;
     if let Some(blocks) = a.kv_blocks {
         profile.kv_blocks = blocks;
     }
-    let path = resolve_model(a.model.as_deref())?;
-    let loaded = tandem_model::load(&path, &LoadOptions { progress: false })
-        .with_context(|| format!("loading {}", path.display()))?;
-    profile
-        .check_model(&loaded.name, &loaded.identity.0)
-        .with_context(|| format!("profile {}", a.profile.display()))?;
-    let builder = PromptBuilder::new(loaded.tokenizer)
-        .with_context(|| format!("the tokenizer of {}", path.display()))?;
     let topology = match (a.prefill, a.decode) {
         (Some(prefill), Some(decode)) => Topology::Disaggregated { prefill, decode },
         _ => Topology::Colocated {
@@ -101,7 +116,7 @@ pub fn run(a: SimArgs) -> Result<()> {
         let mut json = serde_json::to_value(&result.run)?;
         json["sim"] = serde_json::to_value(&result.stats)?;
         json["profile"] = serde_json::json!({
-            "path": a.profile,
+            "path": a.source.profile,
             "source": profile.source,
             "hardware": profile.hardware.name,
         });

@@ -3,10 +3,9 @@
 //! files. Checks request and token counts, that nothing failed, and that the charts are PNG files.
 
 use std::path::Path;
-use std::process::Command;
 
 use serde_json::Value;
-use tandem_testkit::{model_path, root, Server};
+use tandem_testkit::{model_path, Server};
 
 /// The `tandem` binary cargo built for these tests.
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -26,18 +25,7 @@ fn serve(model: &Path, dir: &Path) -> Server {
 
 /// Runs `tandem <args>` to completion; panics with its output when it fails.
 fn tandem(args: &[&str]) -> String {
-    let out = Command::new(BIN)
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("tandem runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "tandem {args:?} failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    tandem_testkit::run_ok(BIN, args)
 }
 
 fn load(path: &Path) -> Value {

@@ -30,18 +30,7 @@ const TTFT_TOLERANCE: f64 = 0.45;
 
 /// Runs `tandem <args>` to completion and returns its stdout; panics with its output when it fails.
 fn tandem(args: &[&str]) -> String {
-    let out = Command::new(BIN)
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("tandem runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "tandem {args:?} failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    tandem_testkit::run_ok(BIN, args)
 }
 
 /// The workload flags both `tandem bench` and `tandem sim` get.
