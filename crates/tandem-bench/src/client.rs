@@ -187,11 +187,8 @@ impl Client {
             e2e_s: 0.0,
             error: None,
         };
-        let outcome = tokio::time::timeout(
-            self.timeout,
-            self.stream(req, start, &mut rec, text),
-        )
-        .await;
+        let outcome =
+            tokio::time::timeout(self.timeout, self.stream(req, start, &mut rec, text)).await;
         rec.e2e_s = start.elapsed().as_secs_f64();
         match outcome {
             Ok(Ok(())) => rec.success = true,

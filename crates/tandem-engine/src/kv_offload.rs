@@ -49,6 +49,11 @@ impl<B: Backend> Worker<B> {
 
     /// Restores, for the waiting requests the next step could admit, the leading blocks of their
     /// prompts that the pool no longer holds but a tier does, as cached blocks of the pool.
+    ///
+    /// Only requests whose whole prompt fits in the blocks obtainable now are considered, in queue
+    /// order, stopping at the first that does not fit (with what the ones before it need counted):
+    /// restoring for a request that cannot be admitted would evict another's restored prefix, and the
+    /// two would copy each other's blocks up on every step.
     pub(crate) fn restore_from_tiers(&mut self) {
         if self.tiers.is_none() || !self.pool.caching() {
             return;
@@ -59,11 +64,17 @@ impl<B: Backend> Worker<B> {
             .config()
             .max_num_seqs
             .saturating_sub(self.sched.running.len());
+        let mut room = self.pool.num_available();
         let mut wanted: Vec<Vec<u64>> = Vec::new();
         for seq in self.sched.waiting.iter().take(admit) {
             if !seq.table.is_empty() || seq.num_computed != 0 || seq.scoring_prompt() {
                 continue;
             }
+            let need = self.pool.blocks_for(seq.tokens.len() + 1);
+            if need > room {
+                break;
+            }
+            room -= need;
             let tiers = self.tiers.as_ref().expect("checked above");
             let max_blocks = seq.tokens.len().saturating_sub(1) / bs;
             let mut parent = ROOT_HASH;
@@ -85,9 +96,7 @@ impl<B: Backend> Worker<B> {
         for chain in wanted {
             let started = Instant::now();
             let mut restored = 0usize;
-            // Restoring more than the pool can hand out would evict this prefix's own head.
-            let room = self.pool.num_available();
-            for hash in chain.into_iter().take(room) {
+            for hash in chain {
                 if !self.restore_block(hash) {
                     break;
                 }
