@@ -95,9 +95,16 @@ impl BlockPool {
         std::mem::take(&mut self.evicted)
     }
 
-    /// Whether the pool holds the block named `hash`.
-    pub fn holds(&self, hash: u64) -> bool {
-        self.cache.lookup(hash).is_some()
+    /// Whether the pool holds the block named `hash`; an unreferenced one becomes the most recently
+    /// freed (a restore about to evict must not take a prefix block it builds on).
+    pub fn holds(&mut self, hash: u64) -> bool {
+        match self.cache.lookup(hash) {
+            Some(b) => {
+                self.cache.refresh(b);
+                true
+            }
+            None => false,
+        }
     }
 
     /// A block for restoring content from a KV tier (referenced until [`Self::finish_restore`] or

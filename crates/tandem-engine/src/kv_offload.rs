@@ -50,10 +50,11 @@ impl<B: Backend> Worker<B> {
     /// Restores, for the waiting requests the next step could admit, the leading blocks of their
     /// prompts that the pool no longer holds but a tier does, as cached blocks of the pool.
     ///
-    /// Only requests whose whole prompt fits in the blocks obtainable now are considered, in queue
-    /// order, stopping at the first that does not fit (with what the ones before it need counted):
-    /// restoring for a request that cannot be admitted would evict another's restored prefix, and the
-    /// two would copy each other's blocks up on every step.
+    /// Requests are taken in queue order (the order the scheduler admits them), and all restores of a
+    /// step, with the cached prefix blocks they build on, take fewer blocks than were obtainable when it
+    /// began (each request also keeps one for its first chunk); those prefix blocks and the restored
+    /// ones are made the most recently freed, so the pool evicts only other content to make room and
+    /// one request's restore never evicts another's (or its own prefix).
     pub(crate) fn restore_from_tiers(&mut self) {
         if self.tiers.is_none() || !self.pool.caching() {
             return;
@@ -70,18 +71,22 @@ impl<B: Backend> Worker<B> {
             if !seq.table.is_empty() || seq.num_computed != 0 || seq.scoring_prompt() {
                 continue;
             }
-            let need = self.pool.blocks_for(seq.tokens.len() + 1);
-            if need > room {
+            if room <= 1 {
                 break;
             }
-            room -= need;
             let tiers = self.tiers.as_ref().expect("checked above");
             let max_blocks = seq.tokens.len().saturating_sub(1) / bs;
             let mut parent = ROOT_HASH;
             let mut chain = Vec::new();
+            let mut held = 0;
             for chunk in seq.tokens.chunks_exact(bs).take(max_blocks) {
                 let h = hash_block(parent, chunk);
-                if !self.pool.holds(h) {
+                if chain.len() + held + 1 >= room {
+                    break;
+                }
+                if self.pool.holds(h) {
+                    held += 1;
+                } else {
                     if !tiers.contains(h) {
                         break;
                     }
@@ -89,6 +94,7 @@ impl<B: Backend> Worker<B> {
                 }
                 parent = h;
             }
+            room -= chain.len() + held + 1;
             if !chain.is_empty() {
                 wanted.push(chain);
             }

@@ -142,6 +142,14 @@ impl PrefixCache {
         }
     }
 
+    /// Makes an evictable block the most recently freed, so eviction takes older ones first.
+    pub fn refresh(&mut self, block: u32) {
+        if let Some(tick) = self.lru_tick[block as usize].take() {
+            self.lru.remove(&tick);
+            self.on_free(block);
+        }
+    }
+
     /// Forgets the least recently freed cached block and hands it back for reuse.
     pub fn evict(&mut self) -> Option<u32> {
         self.evict_named().map(|(block, _)| block)
