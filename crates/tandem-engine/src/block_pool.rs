@@ -95,16 +95,14 @@ impl BlockPool {
         std::mem::take(&mut self.evicted)
     }
 
-    /// Whether the pool holds the block named `hash`; an unreferenced one becomes the most recently
-    /// freed (a restore about to evict must not take a prefix block it builds on).
-    pub fn holds(&mut self, hash: u64) -> bool {
-        match self.cache.lookup(hash) {
-            Some(b) => {
-                self.cache.refresh(b);
-                true
-            }
-            None => false,
-        }
+    /// Whether the pool holds the block named `hash`: `Some(true)` when nobody references it (it is
+    /// evictable, and becomes the most recently freed: a restore about to evict must not take a prefix
+    /// block it builds on), `Some(false)` when referenced, `None` when not held.
+    pub fn holds(&mut self, hash: u64) -> Option<bool> {
+        let b = self.cache.lookup(hash)?;
+        let evictable = self.cache.is_evictable(b);
+        self.cache.refresh(b);
+        Some(evictable)
     }
 
     /// A block for restoring content from a KV tier (referenced until [`Self::finish_restore`] or

@@ -84,13 +84,14 @@ impl<B: Backend> Worker<B> {
                 if chain.len() + held + 1 >= room {
                     break;
                 }
-                if self.pool.holds(h) {
-                    held += 1;
-                } else {
-                    if !tiers.contains(h) {
-                        break;
+                match self.pool.holds(h) {
+                    Some(evictable) => held += usize::from(evictable),
+                    None => {
+                        if !tiers.contains(h) {
+                            break;
+                        }
+                        chain.push(h);
                     }
-                    chain.push(h);
                 }
                 parent = h;
             }
