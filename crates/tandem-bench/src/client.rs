@@ -163,6 +163,17 @@ impl Client {
     /// Sends one request and records its timings; `run_start` is the run's time zero. Never fails: a
     /// failed request is a record with `success: false` and the error message.
     pub async fn send(&self, req: &BenchRequest, run_start: Instant) -> RequestRecord {
+        self.send_keeping_text(req, run_start, None).await
+    }
+
+    /// Like [`Self::send`], appending the streamed text to `text` when given (a multi-turn run sends
+    /// each answer back in the next turn's prompt).
+    pub async fn send_keeping_text(
+        &self,
+        req: &BenchRequest,
+        run_start: Instant,
+        text: Option<&mut String>,
+    ) -> RequestRecord {
         let start = Instant::now();
         let mut rec = RequestRecord {
             class: req.class,
@@ -176,7 +187,8 @@ impl Client {
             e2e_s: 0.0,
             error: None,
         };
-        let outcome = tokio::time::timeout(self.timeout, self.stream(req, start, &mut rec)).await;
+        let outcome =
+            tokio::time::timeout(self.timeout, self.stream(req, start, &mut rec, text)).await;
         rec.e2e_s = start.elapsed().as_secs_f64();
         match outcome {
             Ok(Ok(())) => rec.success = true,
@@ -192,6 +204,7 @@ impl Client {
         req: &BenchRequest,
         start: Instant,
         rec: &mut RequestRecord,
+        mut text: Option<&mut String>,
     ) -> Result<(), String> {
         let mut builder = self
             .http
@@ -233,13 +246,16 @@ impl Client {
                 usage_tokens = count("completion_tokens");
                 rec.server_prompt_tokens = count("prompt_tokens");
             }
-            let has_text = chunk
+            let chunk_text = chunk
                 .get("choices")
                 .and_then(|c| c.get(0))
                 .and_then(|c| c.get("text"))
                 .and_then(Value::as_str)
-                .is_some_and(|t| !t.is_empty());
-            if has_text {
+                .unwrap_or("");
+            if let Some(out) = text.as_deref_mut() {
+                out.push_str(chunk_text);
+            }
+            if !chunk_text.is_empty() {
                 if chunks == 0 {
                     rec.ttft_s = now.duration_since(start).as_secs_f64();
                 } else {

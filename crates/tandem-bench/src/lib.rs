@@ -12,6 +12,7 @@ pub mod arrival;
 pub mod client;
 pub mod error;
 pub mod metrics;
+pub mod multiturn;
 pub mod plot;
 pub mod report;
 pub mod runner;

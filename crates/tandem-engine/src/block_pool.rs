@@ -55,6 +55,11 @@ pub struct BlockPool {
     used: usize,
     cache: PrefixCache,
     caching: bool,
+    /// Whether evicted cached blocks are recorded in `evicted` (KV tiers are on).
+    record_evictions: bool,
+    /// Cached blocks evicted since the last [`BlockPool::take_evicted`], with the name of the content
+    /// they still hold until the next write: what the engine copies down to its KV tiers.
+    evicted: Vec<(u32, u64)>,
 }
 
 impl BlockPool {
@@ -69,7 +74,54 @@ impl BlockPool {
             used: 0,
             cache: PrefixCache::new(num_blocks),
             caching,
+            record_evictions: false,
+            evicted: Vec::new(),
         }
+    }
+
+    /// Makes the pool record each evicted cached block (see [`Self::take_evicted`]).
+    pub fn record_evictions(&mut self) {
+        self.record_evictions = true;
+    }
+
+    /// Whether prefix caching is on.
+    pub fn caching(&self) -> bool {
+        self.caching
+    }
+
+    /// The cached blocks evicted since the last call, each with its content's name. Their KV is intact
+    /// until the next step or import writes them, so the caller copies them down before that.
+    pub fn take_evicted(&mut self) -> Vec<(u32, u64)> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// Whether the pool holds the block named `hash`: `Some(true)` when nobody references it (it is
+    /// evictable, and becomes the most recently freed: a restore about to evict must not take a prefix
+    /// block it builds on), `Some(false)` when referenced, `None` when not held.
+    pub fn holds(&mut self, hash: u64) -> Option<bool> {
+        let b = self.cache.lookup(hash)?;
+        let evictable = self.cache.is_evictable(b);
+        self.cache.refresh(b);
+        Some(evictable)
+    }
+
+    /// A block for restoring content from a KV tier (referenced until [`Self::finish_restore`] or
+    /// [`Self::abort_restore`]); None when none is obtainable.
+    pub fn take_for_restore(&mut self) -> Option<u32> {
+        self.take_block()
+    }
+
+    /// Names a restored block `hash` and leaves it cached and unreferenced, so the next prefix lookup
+    /// finds it like any other cached block.
+    pub fn finish_restore(&mut self, block: u32, hash: u64) {
+        let named = self.cache.insert(block, hash);
+        debug_assert!(named, "restored a block the pool already holds");
+        self.decref(block);
+    }
+
+    /// Gives back a block whose restore failed: it holds nothing.
+    pub fn abort_restore(&mut self, block: u32) {
+        self.decref(block);
     }
 
     /// Tokens per block.
@@ -110,7 +162,13 @@ impl BlockPool {
     fn take_block(&mut self) -> Option<u32> {
         let b = match self.free.pop() {
             Some(b) => b,
-            None => self.cache.evict()?,
+            None => {
+                let (b, hash) = self.cache.evict_named()?;
+                if self.record_evictions {
+                    self.evicted.push((b, hash));
+                }
+                b
+            }
         };
         debug_assert_eq!(self.refcount[b as usize], 0);
         self.refcount[b as usize] = 1;

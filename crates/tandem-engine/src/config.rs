@@ -31,6 +31,41 @@ pub struct EngineConfig {
     pub pipeline_micro_batches: usize,
     /// Addresses of stage servers 1.. of a pipeline; empty = the launcher starts them on this host.
     pub pipeline_stages: Vec<String>,
+    /// Tiers that blocks evicted from the KV pool are copied down to (`engine.kv_offload`); off by
+    /// default.
+    pub kv_offload: KvOffloadConfig,
+}
+
+/// KV cache tiers under the pool (see `kv_tiers`): host memory and a directory on disk, each LRU
+/// under its own byte budget.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvOffloadConfig {
+    /// Bytes of host memory for evicted blocks; None: no host tier.
+    pub host: Option<usize>,
+    /// The disk tier; None: none.
+    pub disk: Option<DiskOffloadConfig>,
+    /// The served model's identity, written into and checked against every block file (the binary
+    /// sets it from the loaded model; a disk tier refuses to start without it).
+    #[serde(skip)]
+    pub model_identity: String,
+}
+
+impl KvOffloadConfig {
+    /// Whether any tier is configured.
+    pub fn enabled(&self) -> bool {
+        self.host.is_some() || self.disk.is_some()
+    }
+}
+
+/// The disk tier: a directory of block files and the bytes it may hold.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskOffloadConfig {
+    /// The directory (created if missing; kept across restarts).
+    pub path: std::path::PathBuf,
+    /// Bytes of block files the directory may hold.
+    pub size: usize,
 }
 
 impl Default for EngineConfig {
@@ -49,6 +84,7 @@ impl Default for EngineConfig {
             pipeline_parallel_size: 1,
             pipeline_micro_batches: 0,
             pipeline_stages: Vec::new(),
+            kv_offload: KvOffloadConfig::default(),
         }
     }
 }

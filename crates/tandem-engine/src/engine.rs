@@ -8,7 +8,7 @@
 //! This module starts that thread; the caller's side is in `handle`, the thread's loop in `worker`, and
 //! its P/D pins, export and import in `kv_manager`.
 
-pub use crate::config::EngineConfig;
+pub use crate::config::{DiskOffloadConfig, EngineConfig, KvOffloadConfig};
 pub use crate::error::EngineError;
 pub use crate::handle::{EngineHandle, Pending, RequestStream};
 pub use crate::kv_manager::{ExportedKv, ImportPlan};
@@ -18,6 +18,7 @@ use crate::backend::Backend;
 use crate::block_pool::BlockPool;
 use crate::guide::GuideEnv;
 use crate::handle::Shared;
+use crate::kv_tiers::KvTiers;
 use crate::sampler::Sampler;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::worker::Worker;
@@ -64,6 +65,29 @@ impl Engine {
                 "max_num_seqs and max_num_batched_tokens must be positive".into(),
             ));
         }
+        if config.kv_offload.disk.is_some() && config.kv_offload.model_identity.is_empty() {
+            return Err(EngineError::Config(
+                "engine.kv_offload.disk needs the model's identity to label its block files".into(),
+            ));
+        }
+        let tiers = KvTiers::open(&config.kv_offload, layout).map_err(|e| {
+            EngineError::Config(format!(
+                "engine.kv_offload.disk.path {}: {e}",
+                config
+                    .kv_offload
+                    .disk
+                    .as_ref()
+                    .map_or(String::new(), |d| d.path.display().to_string())
+            ))
+        })?;
+        let mut pool = BlockPool::new(
+            layout.num_blocks,
+            layout.block_size,
+            config.enable_prefix_caching,
+        );
+        if tiers.is_some() {
+            pool.record_evictions();
+        }
         let model_len = backend.max_model_len();
         let max_model_len = config.max_model_len.map_or(model_len, |m| m.min(model_len));
         let shared = Arc::new(Shared {
@@ -89,11 +113,7 @@ impl Engine {
             eos: backend.eos_token_ids().to_vec(),
             vocab: backend.vocab_size(),
             backend,
-            pool: BlockPool::new(
-                layout.num_blocks,
-                layout.block_size,
-                config.enable_prefix_caching,
-            ),
+            pool,
             sched: Scheduler::new(SchedulerConfig {
                 max_num_seqs: config.max_num_seqs,
                 max_num_batched_tokens: config.max_num_batched_tokens,
@@ -121,6 +141,7 @@ impl Engine {
             shared: shared.clone(),
             rx,
             failure: None,
+            tiers,
         };
         let thread = std::thread::Builder::new()
             .name("tandem-engine".into())

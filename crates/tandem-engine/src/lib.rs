@@ -14,7 +14,9 @@ pub mod guide;
 mod handle;
 pub mod kv_host;
 mod kv_manager;
+mod kv_offload;
 pub mod kv_staging;
+pub mod kv_tiers;
 pub mod prefix_cache;
 pub mod sampler;
 pub mod scheduler;
@@ -29,13 +31,14 @@ pub use backend::{
     LayerBlocks, MaskSource, SampledStep,
 };
 pub use engine::{
-    Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv, ImportPlan, Pending,
-    RequestStream,
+    DiskOffloadConfig, Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportedKv,
+    ImportPlan, KvOffloadConfig, Pending, RequestStream,
 };
 pub use guide::GuideEnv;
 pub use kv_host::{HostBuf, HostMem, HostPool, KvExport, ReadyExport, StagedExport, VecPool};
 pub use kv_staging::{HostStaging, KvStaging, StagedLayer, StagingKind, StagingMem, StagingSlice};
 pub use stage::{Activations, SizedPool, StageError, StageInput, StageModel, StageOutput};
+pub use stats::{KvTierStats, RestoreHistogram};
 /// Part of [`EngineStats`]: what a mixture-of-experts backend counted per layer.
 pub use tandem_model::LayerExpertTokens;
 pub use types::*;

@@ -142,14 +142,29 @@ impl PrefixCache {
         }
     }
 
+    /// Makes an evictable block the most recently freed, so eviction takes older ones first.
+    pub fn refresh(&mut self, block: u32) {
+        if let Some(tick) = self.lru_tick[block as usize].take() {
+            self.lru.remove(&tick);
+            self.on_free(block);
+        }
+    }
+
     /// Forgets the least recently freed cached block and hands it back for reuse.
     pub fn evict(&mut self) -> Option<u32> {
+        self.evict_named().map(|(block, _)| block)
+    }
+
+    /// Like [`Self::evict`], also returning the name the block's content had (for copying it down to
+    /// a KV tier before it is overwritten).
+    pub fn evict_named(&mut self) -> Option<(u32, u64)> {
         let (_, block) = self.lru.pop_first()?;
         self.lru_tick[block as usize] = None;
-        if let Some(h) = self.hash_of[block as usize].take() {
-            self.by_hash.remove(&h);
-        }
-        Some(block)
+        let h = self.hash_of[block as usize]
+            .take()
+            .expect("only named blocks are in the LRU");
+        self.by_hash.remove(&h);
+        Some((block, h))
     }
 
     /// Whether `block` is cached and unreferenced (waiting in the LRU).

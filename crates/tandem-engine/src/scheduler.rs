@@ -112,6 +112,11 @@ impl<E> Scheduler<E> {
         }
     }
 
+    /// The knobs this scheduler runs with.
+    pub fn config(&self) -> SchedulerConfig {
+        self.cfg
+    }
+
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()

@@ -41,4 +41,73 @@ pub struct EngineStats {
     /// load (empty for a dense model); the backend's own count, copied as the other counters are.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub moe_expert_tokens: Vec<LayerExpertTokens>,
+    /// The KV tiers under the pool (host, then disk; empty when `kv_offload` is off).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kv_tiers: Vec<KvTierStats>,
+    /// Time to restore one request's prefix from the tiers.
+    #[serde(default)]
+    pub kv_restore_seconds: RestoreHistogram,
+}
+
+/// One KV tier's occupancy and traffic since start.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct KvTierStats {
+    /// `host` or `disk`.
+    pub tier: String,
+    /// Whether the tier takes blocks (a disk tier turns off after a write error).
+    pub enabled: bool,
+    /// Blocks held.
+    pub blocks: u64,
+    /// Bytes held.
+    pub bytes: u64,
+    /// Block lookups this tier answered.
+    pub hits: u64,
+    /// Block lookups that consulted this tier and missed.
+    pub misses: u64,
+    /// Bytes copied down into this tier.
+    pub bytes_down: u64,
+    /// Bytes copied back up from this tier.
+    pub bytes_up: u64,
+    /// Block files dropped because they failed their checks when read.
+    pub corrupt: u64,
+}
+
+/// A fixed-bucket histogram of restore times, cumulative like Prometheus's.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RestoreHistogram {
+    /// Upper bounds of the buckets, seconds.
+    pub bounds: Vec<f64>,
+    /// Observations at or below each bound.
+    pub counts: Vec<u64>,
+    /// Sum of all observations, seconds.
+    pub sum: f64,
+    /// Observations.
+    pub count: u64,
+}
+
+impl Default for RestoreHistogram {
+    fn default() -> Self {
+        let bounds = vec![
+            0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+        ];
+        Self {
+            counts: vec![0; bounds.len()],
+            bounds,
+            sum: 0.0,
+            count: 0,
+        }
+    }
+}
+
+impl RestoreHistogram {
+    /// Records one restore of `seconds`.
+    pub fn observe(&mut self, seconds: f64) {
+        for (b, c) in self.bounds.iter().zip(&mut self.counts) {
+            if seconds <= *b {
+                *c += 1;
+            }
+        }
+        self.sum += seconds;
+        self.count += 1;
+    }
 }

@@ -10,6 +10,7 @@ use crate::guide::{Guide, Mask};
 use crate::handle::{Command, Item, Shared};
 use crate::kv_manager::Pin;
 use crate::kv_staging::KvStaging;
+use crate::kv_tiers::KvTiers;
 use crate::sampler::{argmax, logprobs_of, Sampled, Sampler, SeqRng};
 use crate::scheduler::{Scheduler, Sequence};
 use crate::stats::EngineStats;
@@ -120,6 +121,8 @@ pub(crate) struct Worker<B: Backend> {
     pub(crate) rx: Receiver<Command>,
     /// The backend failure that ended serving (worker lost or fatal); the loop stops once it is set.
     pub(crate) failure: Option<Arc<BackendError>>,
+    /// The KV tiers evicted blocks go down to (`kv_offload`), if any.
+    pub(crate) tiers: Option<KvTiers>,
 }
 
 impl<B: Backend> Worker<B> {
@@ -298,6 +301,8 @@ impl<B: Backend> Worker<B> {
             }
             Command::Shutdown => return false,
         }
+        // An import may have evicted cached blocks that later commands overwrite.
+        self.offload_evicted();
         self.failure.is_none()
     }
 
@@ -323,7 +328,13 @@ impl<B: Backend> Worker<B> {
 
     /// Runs one scheduled step; false if nothing could be scheduled.
     fn step(&mut self) -> bool {
+        self.restore_from_tiers();
+        if self.failure.is_some() {
+            return false;
+        }
         self.sched.schedule(&mut self.pool, &mut self.batch);
+        // Blocks evicted to make room for this step go down to the tiers before it overwrites them.
+        self.offload_evicted();
         self.counters.preemptions_total += self.sched.preempted().len() as u64;
         for &id in self.sched.preempted() {
             if let Some(seq) = self.sched.waiting.iter().find(|s| s.id == id) {
@@ -760,6 +771,10 @@ impl<B: Backend> Worker<B> {
         c.kv_blocks_cached = self.pool.num_cached();
         (c.prefix_cache_queries, c.prefix_cache_hits) = self.pool.prefix_counters();
         self.backend.moe_expert_tokens(&mut c.moe_expert_tokens);
+        if let Some(tiers) = &self.tiers {
+            c.kv_tiers = tiers.stats();
+            c.kv_restore_seconds.clone_from(&tiers.restore_seconds);
+        }
         self.shared.stats.lock().clone_from(c);
     }
 }

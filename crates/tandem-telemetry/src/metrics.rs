@@ -4,13 +4,15 @@
 //! an [`EngineStats`] snapshot at scrape time.
 
 use parking_lot::Mutex;
-use prometheus::core::{Collector, Metric};
+use prometheus::core::{Collector, Desc, Metric};
+use prometheus::proto::{self, MetricFamily, MetricType};
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 use serde::{Deserialize, Serialize};
-use tandem_engine::EngineStats;
+use std::sync::Arc;
+use tandem_engine::{EngineStats, RestoreHistogram};
 
 /// Buckets for time to first token, in seconds (a CPU model: milliseconds to tens of seconds).
 const TTFT_BUCKETS: &[f64] = &[
@@ -52,6 +54,18 @@ pub struct Metrics {
     success: IntCounterVec,
     /// Token rows routed per (layer, expert) of a mixture-of-experts model; no series for a dense one.
     moe_expert_tokens: IntCounterVec,
+    /// Blocks and bytes each KV tier holds (`tier` = host, disk); no series with tiers off.
+    kv_tier_blocks: IntGaugeVec,
+    kv_tier_bytes: IntGaugeVec,
+    /// Block lookups each KV tier answered or missed, bytes copied down into and up from it, and
+    /// block files dropped as corrupt.
+    kv_tier_hits: IntCounterVec,
+    kv_tier_misses: IntCounterVec,
+    kv_tier_bytes_down: IntCounterVec,
+    kv_tier_bytes_up: IntCounterVec,
+    kv_tier_corrupt: IntCounterVec,
+    /// The engine's histogram of prefix restore times, as of the last render.
+    kv_restore: Arc<Mutex<RestoreHistogram>>,
     /// The engine counters as of the last scrape; Prometheus counters only move by increments.
     last: Mutex<EngineStats>,
 }
@@ -101,7 +115,46 @@ impl Metrics {
             &["layer", "expert"],
         )?;
         registry.register(Box::new(moe_expert_tokens.clone()))?;
+        let tier_gauge = |name: &str, help: &str| -> Result<IntGaugeVec, MetricsError> {
+            let g = IntGaugeVec::new(Opts::new(name, help), &["tier"])?;
+            registry.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
+        let tier_counter = |name: &str, help: &str| -> Result<IntCounterVec, MetricsError> {
+            let c = IntCounterVec::new(Opts::new(name, help), &["tier"])?;
+            registry.register(Box::new(c.clone()))?;
+            Ok(c)
+        };
+        let kv_restore = Arc::new(Mutex::new(RestoreHistogram::default()));
+        registry.register(Box::new(SnapshotHistogram::new(
+            "tandem:kv_tier_restore_seconds",
+            "Time to restore one request's cached prefix from the KV tiers.",
+            kv_restore.clone(),
+        )?))?;
         Ok(Self {
+            kv_tier_blocks: tier_gauge("tandem:kv_tier_blocks", "KV blocks held by each tier.")?,
+            kv_tier_bytes: tier_gauge("tandem:kv_tier_bytes", "Bytes of KV held by each tier.")?,
+            kv_tier_hits: tier_counter(
+                "tandem:kv_tier_hits_total",
+                "KV block lookups that missed the pool and were answered by this tier.",
+            )?,
+            kv_tier_misses: tier_counter(
+                "tandem:kv_tier_misses_total",
+                "KV block lookups that consulted this tier and missed.",
+            )?,
+            kv_tier_bytes_down: tier_counter(
+                "tandem:kv_tier_bytes_down_total",
+                "Bytes of evicted KV copied down into this tier.",
+            )?,
+            kv_tier_bytes_up: tier_counter(
+                "tandem:kv_tier_bytes_up_total",
+                "Bytes of KV copied back up from this tier.",
+            )?,
+            kv_tier_corrupt: tier_counter(
+                "tandem:kv_tier_corrupt_total",
+                "Block files dropped because they failed their checks when read.",
+            )?,
+            kv_restore,
             running: gauge(
                 "tandem:num_requests_running",
                 "Requests in the running batch.",
@@ -230,6 +283,41 @@ impl Metrics {
                     bump(&series, now, before.get(expert).copied().unwrap_or(0));
                 }
             }
+            for t in &stats.kv_tiers {
+                let l = [t.tier.as_str()];
+                self.kv_tier_blocks
+                    .with_label_values(&l)
+                    .set(t.blocks as i64);
+                self.kv_tier_bytes.with_label_values(&l).set(t.bytes as i64);
+                let before = last.kv_tiers.iter().find(|b| b.tier == t.tier);
+                let was = |f: fn(&tandem_engine::KvTierStats) -> u64| before.map_or(0, f);
+                bump(
+                    &self.kv_tier_hits.with_label_values(&l),
+                    t.hits,
+                    was(|b| b.hits),
+                );
+                bump(
+                    &self.kv_tier_misses.with_label_values(&l),
+                    t.misses,
+                    was(|b| b.misses),
+                );
+                bump(
+                    &self.kv_tier_bytes_down.with_label_values(&l),
+                    t.bytes_down,
+                    was(|b| b.bytes_down),
+                );
+                bump(
+                    &self.kv_tier_bytes_up.with_label_values(&l),
+                    t.bytes_up,
+                    was(|b| b.bytes_up),
+                );
+                bump(
+                    &self.kv_tier_corrupt.with_label_values(&l),
+                    t.corrupt,
+                    was(|b| b.corrupt),
+                );
+            }
+            self.kv_restore.lock().clone_from(&stats.kv_restore_seconds);
             *last = stats.clone();
         }
         let mut buf = Vec::new();
@@ -256,6 +344,57 @@ impl Metrics {
         let mut buf = Vec::new();
         TextEncoder::new().encode(&families, &mut buf)?;
         Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+}
+
+/// A histogram whose counts the engine keeps (a [`RestoreHistogram`] copied at each render), exposed
+/// as a Prometheus histogram: the engine thread cannot observe into a registry it does not know.
+struct SnapshotHistogram {
+    desc: Desc,
+    snap: Arc<Mutex<RestoreHistogram>>,
+}
+
+impl SnapshotHistogram {
+    fn new(
+        name: &str,
+        help: &str,
+        snap: Arc<Mutex<RestoreHistogram>>,
+    ) -> Result<Self, MetricsError> {
+        let desc = Desc::new(name.into(), help.into(), Vec::new(), Default::default())?;
+        Ok(Self { desc, snap })
+    }
+}
+
+impl Collector for SnapshotHistogram {
+    fn desc(&self) -> Vec<&Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let snap = self.snap.lock().clone();
+        let mut h = proto::Histogram::default();
+        h.set_sample_count(snap.count);
+        h.set_sample_sum(snap.sum);
+        h.set_bucket(
+            snap.bounds
+                .iter()
+                .zip(&snap.counts)
+                .map(|(&le, &n)| {
+                    let mut b = proto::Bucket::default();
+                    b.set_upper_bound(le);
+                    b.set_cumulative_count(n);
+                    b
+                })
+                .collect(),
+        );
+        let mut m = proto::Metric::default();
+        m.set_histogram(h);
+        let mut f = MetricFamily::default();
+        f.set_name(self.desc.fq_name.clone());
+        f.set_help(self.desc.help.clone());
+        f.set_field_type(MetricType::HISTOGRAM);
+        f.mut_metric().push(m);
+        vec![f]
     }
 }
 
@@ -308,6 +447,59 @@ mod tests {
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
+    }
+
+    #[test]
+    fn kv_tier_series_follow_the_engine() {
+        let m = Metrics::new().unwrap();
+        let text = m.render(&EngineStats::default()).unwrap();
+        assert!(
+            !text.contains("tandem:kv_tier_hits_total{"),
+            "no tier series with tiers off"
+        );
+        let mut s = EngineStats {
+            kv_tiers: vec![tandem_engine::KvTierStats {
+                tier: "disk".into(),
+                enabled: true,
+                blocks: 7,
+                bytes: 700,
+                hits: 3,
+                misses: 1,
+                bytes_down: 900,
+                bytes_up: 300,
+                corrupt: 0,
+            }],
+            ..EngineStats::default()
+        };
+        s.kv_restore_seconds.observe(0.002);
+        let text = m.render(&s).unwrap();
+        assert_eq!(value_of(&text, "tandem:kv_tier_blocks{tier=\"disk\"}"), 7.0);
+        assert_eq!(
+            value_of(&text, "tandem:kv_tier_hits_total{tier=\"disk\"}"),
+            3.0
+        );
+        assert_eq!(
+            value_of(&text, "tandem:kv_tier_bytes_up_total{tier=\"disk\"}"),
+            300.0
+        );
+        assert_eq!(value_of(&text, "tandem:kv_tier_restore_seconds_count"), 1.0);
+        assert_eq!(
+            value_of(
+                &text,
+                "tandem:kv_tier_restore_seconds_bucket{le=\"0.0025\"}"
+            ),
+            1.0
+        );
+        assert_eq!(
+            value_of(&text, "tandem:kv_tier_restore_seconds_bucket{le=\"0.001\"}"),
+            0.0
+        );
+        s.kv_tiers[0].hits = 5;
+        let text = m.render(&s).unwrap();
+        assert_eq!(
+            value_of(&text, "tandem:kv_tier_hits_total{tier=\"disk\"}"),
+            5.0
+        );
     }
 
     #[test]

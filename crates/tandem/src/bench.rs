@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use tandem_bench::arrival::parse_rate;
+use tandem_bench::multiturn::{self, MultiTurnSpec};
 use tandem_bench::workload::LengthSpec;
 use tandem_bench::{
     plot, report, BenchFile, BenchPlan, BurstySpec, Endpoint, PromptBuilder, PromptFormat, Slo,
@@ -45,6 +46,11 @@ pub(crate) enum WorkloadKind {
     Bursty,
     /// Prompts from --dataset (JSONL: {"prompt": "...", "max_tokens": N} per line).
     Jsonl,
+    /// --conversations conversations of --turns turns at once, each turn's prompt the whole history
+    /// (a shared --doc-len document, the user turns of --user-len tokens, the answers the server
+    /// returned, --answer-len tokens each), --think-time seconds between turns; or the conversations
+    /// of a ShareGPT-style JSONL --conversations-file. Reports TTFT per turn index.
+    MultiTurn,
 }
 
 /// The workload flags, shared by `tandem bench` and `tandem sim`.
@@ -149,6 +155,28 @@ struct RunArgs {
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
+    /// Multi-turn: conversations running at once.
+    #[arg(long, default_value_t = 16)]
+    conversations: usize,
+    /// Multi-turn: turns per conversation.
+    #[arg(long, default_value_t = 8)]
+    turns: usize,
+    /// Multi-turn: tokens of the document every conversation starts with.
+    #[arg(long, default_value_t = 1500)]
+    doc_len: usize,
+    /// Multi-turn: tokens of each user turn.
+    #[arg(long, default_value_t = 100)]
+    user_len: usize,
+    /// Multi-turn: tokens of each answer (with --conversations-file: the most an answer gets).
+    #[arg(long, default_value_t = 64)]
+    answer_len: usize,
+    /// Multi-turn: seconds between an answer and the conversation's next turn.
+    #[arg(long, default_value_t = 0.0)]
+    think_time: f64,
+    /// Multi-turn: ShareGPT-style JSONL ({"conversations": [{"from": "human", "value": ...}, ...]} per
+    /// line) instead of synthetic conversations.
+    #[arg(long)]
+    conversations_file: Option<PathBuf>,
 }
 
 /// How prompts travel.
@@ -236,6 +264,7 @@ pub(crate) fn workload(a: &WorkloadArgs, request_rate: f64) -> Result<WorkloadSp
             burst_size: a.burst_size,
             burst_interval_s: a.burst_interval,
         }),
+        WorkloadKind::MultiTurn => bail!("the multi-turn workload has no request list"),
         WorkloadKind::Jsonl => WorkloadSpec::Jsonl {
             path: a
                 .dataset
@@ -262,6 +291,9 @@ fn run_bench(a: RunArgs) -> Result<()> {
     } else {
         a.endpoints.iter().map(|e| Endpoint::parse(e)).collect()
     };
+    if a.workload.workload == WorkloadKind::MultiTurn {
+        return run_multi_turn(&a, &builder, endpoints);
+    }
     let plan = BenchPlan {
         endpoints,
         model: a.model.clone(),
@@ -299,6 +331,105 @@ fn run_bench(a: RunArgs) -> Result<()> {
     }
     if let Some(dir) = &a.plot_dir {
         write_charts(&file.runs, dir)?;
+    }
+    Ok(())
+}
+
+/// What a multi-turn run of one endpoint writes with `--output`.
+#[derive(serde::Serialize)]
+struct MultiTurnResult {
+    endpoint: String,
+    spec: MultiTurnSpec,
+    conversations_file: Option<PathBuf>,
+    ttft_by_turn: Vec<multiturn::TurnStats>,
+    ttft_p50_turn2_on_s: f64,
+    answers_digest: String,
+    turns: Vec<multiturn::TurnRecord>,
+}
+
+/// `--workload multi-turn`: every endpoint in turn, the same conversations.
+fn run_multi_turn(a: &RunArgs, builder: &PromptBuilder, endpoints: Vec<Endpoint>) -> Result<()> {
+    if !a.think_time.is_finite() || a.think_time < 0.0 {
+        bail!("--think-time must be a non-negative number of seconds");
+    }
+    let spec = MultiTurnSpec {
+        conversations: a.conversations,
+        turns: a.turns,
+        shared_len: a.doc_len,
+        user_len: a.user_len,
+        answer_len: a.answer_len,
+        think_s: a.think_time,
+    };
+    let (shared, convs) = match &a.conversations_file {
+        Some(path) => (
+            Vec::new(),
+            multiturn::load_sharegpt(path, builder, a.answer_len)?,
+        ),
+        None => spec.generate(builder, a.seed),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut results = Vec::new();
+    for endpoint in endpoints {
+        let name = endpoint.name.clone();
+        let records = runtime.block_on(async {
+            let client = tandem_bench::Client::connect(
+                endpoint,
+                a.model.clone(),
+                a.api_key.clone(),
+                Duration::from_secs_f64(a.request_timeout),
+            )
+            .await?;
+            multiturn::run(
+                &client,
+                builder,
+                &shared,
+                &convs,
+                Duration::from_secs_f64(a.think_time),
+            )
+            .await
+        })?;
+        let by_turn = multiturn::ttft_by_turn(&records);
+        let failed = records.iter().filter(|r| !r.success).count();
+        println!(
+            "multi-turn {name}: {} conversations, {} turns sent, {failed} failed",
+            convs.len(),
+            records.len()
+        );
+        println!("| turn | ok | TTFT p50 (ms) | TTFT p99 (ms) |\n|---|---|---|---|");
+        for t in &by_turn {
+            println!(
+                "| {} | {} | {:.1} | {:.1} |",
+                t.turn,
+                t.count,
+                t.ttft_p50_s * 1e3,
+                t.ttft_p99_s * 1e3
+            );
+        }
+        let p50 = multiturn::ttft_p50_from(&records, 2);
+        let digest = multiturn::answers_digest(&records);
+        println!(
+            "TTFT p50 of turns 2+: {:.1} ms; answers digest {digest}",
+            p50 * 1e3
+        );
+        if let Some(r) = records.iter().find(|r| !r.success) {
+            eprintln!("first failure: {:?}", r.error);
+        }
+        results.push(MultiTurnResult {
+            endpoint: name,
+            spec: spec.clone(),
+            conversations_file: a.conversations_file.clone(),
+            ttft_by_turn: by_turn,
+            ttft_p50_turn2_on_s: p50,
+            answers_digest: digest,
+            turns: records,
+        });
+    }
+    if let Some(path) = &a.output {
+        let json = serde_json::to_string_pretty(&results)?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("results written to {}", path.display());
     }
     Ok(())
 }

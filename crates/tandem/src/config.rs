@@ -30,7 +30,7 @@ pub use bytes::ByteSize;
 pub use parse::parse_settings;
 pub use sections::{
     ClusterTlsSettings, DeploymentSettings, EngineSettings, ListenSettings, RoleSettings,
-    ServerSettings,
+    ServerSettings, ENGINE_FLAG_IDS,
 };
 
 use crate::cuda_settings::CudaSettings;
@@ -165,6 +165,7 @@ impl Settings {
             .and_then(|s| {
                 // The checks `resolved` makes again after the flags, here so a bad value gets its line.
                 s.server.validate()?;
+                s.engine.validate()?;
                 if let Some(d) = &s.deployment {
                     d.validate()?;
                 }
@@ -194,6 +195,7 @@ impl Settings {
         }
         let settings = Settings::layered(&file, flags)?;
         settings.server.validate()?;
+        settings.engine.validate()?;
         Ok(settings)
     }
 

@@ -320,6 +320,8 @@ mod tests {
         for cmd in ["worker", "stage"] {
             for flag in [
                 &["--kv-cache-memory", "1GiB"][..],
+                &["--kv-offload-host", "1GiB"],
+                &["--kv-offload-disk", "/tmp/kv"],
                 &["--cuda-device", "1"],
                 &["--no-cuda-graphs"],
                 &["--cuda-gemv-max-rows", "2"],

@@ -78,7 +78,9 @@ fn prepare(settings: &Settings) -> Result<Prepared> {
     );
     let model_root = loaded.name.clone();
 
-    let engine_config = settings.engine.engine_config();
+    settings.engine.validate()?;
+    let mut engine_config = settings.engine.engine_config();
+    engine_config.kv_offload.model_identity = loaded.identity.0.clone();
     let engine = crate::device::start_engine(
         loaded,
         &model_path,

@@ -89,7 +89,7 @@ pub struct StageArgs {
     pub parent: Option<String>,
 }
 
-/// What `--settings-json` conflicts with: every settings flag (the engine section by its group, the
+/// What `--settings-json` conflicts with: every settings flag (the engine section by its flag ids, the
 /// visible CUDA flags by their ids).
 fn with_flags() -> impl Iterator<Item = &'static str> {
     [
@@ -99,9 +99,9 @@ fn with_flags() -> impl Iterator<Item = &'static str> {
         "listen",
         "io_timeout",
         "allow_unauthenticated",
-        "EngineSettings",
     ]
     .into_iter()
+    .chain(crate::config::ENGINE_FLAG_IDS)
     .chain(CudaSettings::FLAG_IDS)
 }
 

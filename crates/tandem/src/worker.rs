@@ -135,7 +135,7 @@ pub struct KvTransferFlags {
     pub staging_mib: usize,
 }
 
-/// What `--settings-json` conflicts with: every settings flag (the flattened sections by their group,
+/// What `--settings-json` conflicts with: every settings flag (the flattened sections by their group, the engine's by its flag ids,
 /// the visible CUDA flags by their ids).
 fn with_flags() -> impl Iterator<Item = &'static str> {
     [
@@ -151,10 +151,10 @@ fn with_flags() -> impl Iterator<Item = &'static str> {
         "allow_unauthenticated",
         "drain_grace_secs",
         "KvTransferFlags",
-        "EngineSettings",
         "ListenSettings",
     ]
     .into_iter()
+    .chain(crate::config::ENGINE_FLAG_IDS)
     .chain(crate::cuda_settings::CudaSettings::FLAG_IDS)
 }
 
@@ -460,7 +460,9 @@ pub fn run(args: WorkerArgs) -> Result<()> {
     info!(path = %model_path.display(), %role, "loading model");
     let loaded = tandem_model::load(&model_path, &LoadOptions { progress: false })
         .with_context(|| format!("loading {}", model_path.display()))?;
-    let engine_config = settings.engine.engine_config();
+    settings.engine.validate()?;
+    let mut engine_config = settings.engine.engine_config();
+    engine_config.kv_offload.model_identity = loaded.identity.0.clone();
     let n_heads = loaded.config.num_heads;
     let model_id = loaded.identity.0.clone();
     let engine = crate::device::start_engine(

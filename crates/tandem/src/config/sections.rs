@@ -225,9 +225,125 @@ pub struct EngineSettings {
     /// Backend: cpu, or cuda in binaries built with the `cuda` feature.
     #[arg(long, value_enum)]
     pub device: Option<Device>,
+    /// KV cache tiers that blocks evicted from the pool are copied down to
+    /// (`kv_offload: {host: 64GiB, disk: {path: DIR, size: 500GiB}}`); off unless set.
+    #[command(flatten)]
+    #[serde(default, skip_serializing_if = "KvOffloadSettings::is_unset")]
+    pub kv_offload: KvOffloadSettings,
+}
+
+/// `engine.kv_offload`: the KV tiers under the pool. Flat as flags (`--kv-offload-host`,
+/// `--kv-offload-disk`, `--kv-offload-disk-size`), nested in YAML (`{host, disk: {path, size}}`).
+#[derive(Clone, Debug, Default, PartialEq, Args, Deserialize, Serialize)]
+#[serde(from = "KvOffloadDoc", into = "KvOffloadDoc")]
+pub struct KvOffloadSettings {
+    /// Host memory for KV blocks evicted from the pool, e.g. 64GiB (default: no host tier).
+    #[arg(long = "kv-offload-host", id = "kv_offload_host", value_name = "SIZE")]
+    pub host: Option<ByteSize>,
+    /// Directory of the disk KV tier, kept across restarts (needs --kv-offload-disk-size).
+    #[arg(long = "kv-offload-disk", id = "kv_offload_disk", value_name = "DIR")]
+    pub disk_path: Option<PathBuf>,
+    /// Bytes of block files the disk KV tier may hold, e.g. 500GiB.
+    #[arg(
+        long = "kv-offload-disk-size",
+        id = "kv_offload_disk_size",
+        value_name = "SIZE"
+    )]
+    pub disk_size: Option<ByteSize>,
+}
+
+/// The ids of every flag of [`EngineSettings`], which `--settings-json` of worker and stage conflicts
+/// with. Named one by one because clap leaves the group of a struct with a flattened part
+/// (`kv_offload`) empty; `tests::engine_flag_ids_are_every_engine_flag` keeps the list complete.
+pub const ENGINE_FLAG_IDS: [&str; 17] = [
+    "block_size",
+    "kv_cache_memory",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "max_model_len",
+    "max_waiting",
+    "threads",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "pipeline_micro_batches",
+    "pipeline_stages",
+    "device",
+    "kv_offload_host",
+    "kv_offload_disk",
+    "kv_offload_disk_size",
+];
+
+/// How `engine.kv_offload` is written in YAML.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct KvOffloadDoc {
+    host: Option<ByteSize>,
+    disk: Option<DiskOffloadDoc>,
+}
+
+/// How `engine.kv_offload.disk` is written in YAML.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct DiskOffloadDoc {
+    path: Option<PathBuf>,
+    size: Option<ByteSize>,
+}
+
+impl From<KvOffloadDoc> for KvOffloadSettings {
+    fn from(d: KvOffloadDoc) -> Self {
+        let disk = d.disk.unwrap_or_default();
+        KvOffloadSettings {
+            host: d.host,
+            disk_path: disk.path,
+            disk_size: disk.size,
+        }
+    }
+}
+
+impl From<KvOffloadSettings> for KvOffloadDoc {
+    fn from(s: KvOffloadSettings) -> Self {
+        let disk = (s.disk_path.is_some() || s.disk_size.is_some()).then_some(DiskOffloadDoc {
+            path: s.disk_path,
+            size: s.disk_size,
+        });
+        KvOffloadDoc { host: s.host, disk }
+    }
+}
+
+impl KvOffloadSettings {
+    /// Whether no tier is set.
+    pub fn is_unset(&self) -> bool {
+        *self == KvOffloadSettings::default()
+    }
+
+    /// Checks what parsing cannot: a disk tier needs both its directory and its size.
+    pub fn validate(&self) -> Result<()> {
+        match (&self.disk_path, self.disk_size) {
+            (Some(_), None) => Err(bad_value(
+                "engine.kv_offload.disk.size",
+                "is needed with disk.path (--kv-offload-disk-size): the bytes the disk tier may hold",
+            )),
+            (None, Some(_)) => Err(bad_value(
+                "engine.kv_offload.disk.path",
+                "is needed with disk.size (--kv-offload-disk): the directory of the disk tier",
+            )),
+            (Some(p), _) if p.as_os_str().is_empty() => Err(bad_value(
+                "engine.kv_offload.disk.path",
+                "must name a directory",
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 impl EngineSettings {
+    /// Checks the values parsing cannot, naming the key of a bad one.
+    pub fn validate(&self) -> Result<()> {
+        self.kv_offload.validate()
+    }
+
     /// Engine defaults with these settings applied. The keys of this section are `EngineConfig`'s
     /// fields (`device` aside, which picks the backend), so the mapping is serde's: the defaults as a
     /// document, this section's set keys over them (`tests::every_engine_key_reaches_the_engine` keeps

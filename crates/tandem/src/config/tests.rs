@@ -571,3 +571,97 @@ fn reasoning_parser_is_a_key_and_a_flag_and_auto_reads_the_template() {
     assert!(ReasoningParserMode::On.enabled(Some(plain)));
     assert!(!ReasoningParserMode::Off.enabled(Some(qwen3)));
 }
+
+#[test]
+fn kv_offload_is_a_nested_key_and_three_flags_checked_naming_the_field() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let off = Settings::colocated(&Settings::default(), Settings::default()).unwrap();
+    let e = off.engine.engine_config();
+    assert!(!e.kv_offload.enabled(), "off by default");
+
+    let file = Settings::from_yaml(
+        "engine: {kv_offload: {host: 64GiB, disk: {path: /var/kv, size: 500GiB}}}\n",
+    )
+    .unwrap();
+    let e = Settings::colocated(&Settings::default(), file.clone())
+        .unwrap()
+        .engine
+        .engine_config();
+    assert_eq!(e.kv_offload.host, Some(64 << 30));
+    let disk = e.kv_offload.disk.clone().unwrap();
+    assert_eq!(
+        (disk.path, disk.size),
+        (PathBuf::from("/var/kv"), 500 << 30)
+    );
+    // A launcher hands the same tiers to a process it starts.
+    let back = EngineSettings::of(&e, Device::Cpu).engine_config();
+    assert_eq!(back.kv_offload, e.kv_offload);
+
+    let cli = <Cli as clap::Parser>::try_parse_from([
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--kv-offload-host",
+        "1GiB",
+        "--kv-offload-disk-size",
+        "2GiB",
+    ])
+    .unwrap()
+    .serve
+    .settings;
+    let e = Settings::colocated(&cli, file)
+        .unwrap()
+        .engine
+        .engine_config();
+    assert_eq!(e.kv_offload.host, Some(1 << 30));
+    assert_eq!(cli.host(), "0.0.0.0", "distinct from the server's --host");
+    let disk = e.kv_offload.disk.unwrap();
+    assert_eq!((disk.path, disk.size), (PathBuf::from("/var/kv"), 2 << 30));
+
+    let cli = <Cli as clap::Parser>::try_parse_from(["serve", "--kv-offload-disk", "/tmp/kv"])
+        .unwrap()
+        .serve
+        .settings;
+    let err = format!(
+        "{:#}",
+        Settings::colocated(&cli, Settings::default()).unwrap_err()
+    );
+    assert!(err.contains("engine.kv_offload.disk.size"), "{err}");
+
+    let err = format!(
+        "{:#}",
+        Settings::from_yaml("engine: {kv_offload: {host: lots}}\n").unwrap_err()
+    );
+    assert!(err.contains("kv_offload"), "{err}");
+    let err = format!(
+        "{:#}",
+        Settings::from_yaml("engine: {kv_offload: {disk: {path: /x, size: 1GiB, speed: 9}}}\n")
+            .unwrap_err()
+    );
+    assert!(err.contains("speed"), "{err}");
+
+    let dir = std::env::temp_dir().join(format!("tandem-config-kv-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("c.yaml");
+    std::fs::write(&path, "engine:\n  kv_offload:\n    disk: {size: 1GiB}\n").unwrap();
+    let err = format!("{:#}", Settings::load(&path).unwrap_err());
+    assert!(err.contains("engine.kv_offload.disk.path"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn engine_flag_ids_are_every_engine_flag() {
+    let cmd = <EngineSettings as clap::Args>::augment_args(clap::Command::new("t"));
+    let mut ids: Vec<String> = cmd
+        .get_arguments()
+        .map(|a| a.get_id().to_string())
+        .collect();
+    ids.sort();
+    let mut listed: Vec<String> = ENGINE_FLAG_IDS.iter().map(|s| s.to_string()).collect();
+    listed.sort();
+    assert_eq!(ids, listed);
+}
