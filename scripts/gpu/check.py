@@ -15,7 +15,6 @@ on the GPU in bf16 and in fp32 (the same bf16 weights, upcast). Checks:
 Writes check.json under --out and exits non-zero when a check fails.
 """
 import argparse
-import copy
 import json
 import os
 import re
@@ -302,12 +301,14 @@ def main():
         json.dump([{"prompt": p, "force": c[:DECODE_STEPS]} for p, c in zip(ps, conts)], f)
     seqs = [p + c[:DECODE_STEPS] for p, c in zip(ps, conts)]
     ref16 = hf_rows(model, seqs)
+    ref_dir = a.work
     if a.family.endswith("_fp8"):
-        # transformers would load the FP8 checkpoint through its own quantizer: the reference is the
-        # dequantized weights in fp32 instead.
-        model32 = copy.deepcopy(model).float().eval()
-    else:
-        model32 = AutoModelForCausalLM.from_pretrained(a.work, dtype=torch.float32).cuda().eval()
+        # transformers would load the FP8 checkpoint through its own quantizer: the fp32 reference
+        # is the dequantized weights, saved and loaded as any bf16 checkpoint (so that its rope
+        # tables are made in fp32, not cast from the bf16 model's).
+        ref_dir = a.work + "-dequantized"
+        model.save_pretrained(ref_dir, safe_serialization=True)
+    model32 = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).cuda().eval()
     ref32 = hf_rows(model32, seqs)
     hf16 = compare(ref16, ref32)
     report["checks"]["hf_bf16_vs_hf_fp32"] = dict(hf16, **{"pass": True, "note": "the bf16 noise floor"})
