@@ -188,6 +188,28 @@ impl ModelConfig {
         &self.layers[l]
     }
 
+    /// The distinct ropes of layers `layers`, in first-use order, and each of those layers' index
+    /// into them: what a backend builds one RoPE table for.
+    pub fn distinct_ropes(
+        &self,
+        layers: std::ops::Range<usize>,
+    ) -> (Vec<&crate::spec::LayerRope>, Vec<usize>) {
+        let mut distinct: Vec<&crate::spec::LayerRope> = Vec::new();
+        let index = self.layers[layers]
+            .iter()
+            .map(|spec| {
+                distinct
+                    .iter()
+                    .position(|r| **r == spec.rope)
+                    .unwrap_or_else(|| {
+                        distinct.push(&spec.rope);
+                        distinct.len() - 1
+                    })
+            })
+            .collect();
+        (distinct, index)
+    }
+
     /// Whether any layer's MLP is a mixture of experts.
     pub fn has_moe(&self) -> bool {
         self.layers.iter().any(|l| l.mlp == MlpKind::Moe)

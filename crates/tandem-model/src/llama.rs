@@ -13,7 +13,7 @@ use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::kv::KvCache;
 use crate::partition::{shard_weights, Partition, RankShare};
-use crate::spec::{Activation, LayerRope, MlpKind};
+use crate::spec::{Activation, MlpKind};
 use crate::weights::{GatedMlp, LlamaWeights, MlpWeights};
 
 mod moe;
@@ -152,19 +152,7 @@ impl CpuLlama {
         collective: Option<Box<dyn Collective>>,
     ) -> CpuLlama {
         let threads = resolve_threads(threads);
-        let mut distinct: Vec<&LayerRope> = Vec::new();
-        let layer_rope = config.layers[part.layers.clone()]
-            .iter()
-            .map(
-                |spec| match distinct.iter().position(|r| **r == spec.rope) {
-                    Some(i) => i,
-                    None => {
-                        distinct.push(&spec.rope);
-                        distinct.len() - 1
-                    }
-                },
-            )
-            .collect();
+        let (distinct, layer_rope) = config.distinct_ropes(part.layers.clone());
         let ropes = distinct
             .iter()
             .map(|r| {

@@ -323,16 +323,7 @@ impl CudaLlama {
         let (embed, layers, norm, lm_head) = up.weights(weights, c, range.clone())?;
 
         // RoPE tables: one per distinct rope among this instance's layers.
-        let mut distinct: Vec<&tandem_model::LayerRope> = Vec::new();
-        let mut layer_rope = Vec::with_capacity(range.len());
-        for l in range.clone() {
-            let r = &c.layer(l).rope;
-            let i = distinct.iter().position(|d| *d == r).unwrap_or_else(|| {
-                distinct.push(r);
-                distinct.len() - 1
-            });
-            layer_rope.push(i);
-        }
+        let (distinct, layer_rope) = c.distinct_ropes(range.clone());
         let ropes = distinct
             .iter()
             .map(|r| {
