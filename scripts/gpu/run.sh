@@ -18,14 +18,17 @@
 #   gemma3/, gemma3_hd256/  `gemma`: check.py's checks on tiny random Gemma 3 models (windows, two ropes,
 #                        sandwich norms, GELU, scaled embedding, soft-capping; 128- and 256-wide heads)
 #   gemma_bench.jsonl    `gemma`: cuda-bench on Gemma-3-27B's shape (random bf16 weights made on the GPU)
-#   qwen3_fp8/           `gemma`: check.py's checks on a tiny Qwen3 saved as a block-scaled FP8 checkpoint
+#   qwen3_fp8/           `gemma`, `fp8`: check.py's checks on a tiny Qwen3 saved as a block-scaled FP8 checkpoint
+#                        (served in FP8 on the GPU)
+#   fp8_bench.jsonl      `fp8`: cuda-bench on the 8B shape with bf16 and then FP8 weights (random, made on the GPU)
+#   fp8_agreement.json   `fp8`: a real model quantized to FP8 at load against its bf16 run (top-1, KL)
 # and, in the log only, `conformance`: the Backend contract on the CUDA backend (tandem-cuda's
 # tests/conformance.rs, a test executable built elsewhere with
 # `cargo test --release -p tandem-cuda --test conformance --no-run` and given as $CONFORMANCE_BIN,
 # default out/conformance).
 # (The device tool returns at most 8 files: keep it to these plus the caller's log.)
 # The tandem binary is built elsewhere (`cargo build --release --features cuda`, stripped) and given as
-# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [qwen3] [moe] [gemma] [profile] | all
+# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [qwen3] [moe] [gemma] [fp8] [profile] | all
 # (TANDEM_ONLY=1 skips the HF peer in bench; `pick` checks $CANDIDATES and benches the first that passes.)
 # `sweep` (only when named) runs `cuda-bench $SWEEP_ARGS` once per entry of $SWEEP, a space-separated
 # list of label:FLAG,FLAG entries (A/B timings of the hidden --cuda-* tuning flags, e.g. --cuda-pdl or
@@ -73,6 +76,47 @@ if want gemma; then
   timeout 300 "$BIN" cuda-bench --shape gemma3-27b --layers 31 --batches 1,8,32 --context 4096 --max-model-len 8192 \
     --prefill 4096 \
     --out "$OUT/gemma_bench.jsonl" || status=1
+fi
+if want fp8; then
+  # FP8 weights (E4M3, 128 x 128 block scales): the kernels against a float32 reference on the same
+  # dequantized weights (tandem-cuda's tests/fp8.rs, built elsewhere as $FP8_TEST_BIN, default out/fp8),
+  # the block-scaled FP8 checkpoint served in FP8 against HF, the 8B shape's speed in bf16 and FP8 in
+  # one run (fp8_bench.jsonl), and a real model quantized at load against its own bf16 run over real
+  # text ($FP8_MODEL, default models/SmolLM2-135M-Instruct.Q4_1.gguf; fp8_agreement.json).
+  echo "== FP8 kernels against float32 on the dequantized weights"
+  fp8t="${FP8_TEST_BIN:-$root/out/fp8}"
+  if [ -x "$fp8t" ]; then
+    timeout 120 "$fp8t" --nocapture || status=1
+  else
+    echo "FAIL $fp8t is missing: cargo test --release -p tandem-cuda --test fp8 --no-run, then copy the executable it names"
+    status=1
+  fi
+  echo "== qwen3_fp8 (block-scaled FP8 checkpoint, FP8 on the GPU) against HF transformers"
+  timeout 240 python3 "$root/scripts/gpu/check.py" --family qwen3_fp8 --bin "$BIN" --work /tmp/tandem-tiny-qwen3_fp8 \
+    --out "$OUT/qwen3_fp8" || status=1
+  echo "== tandem cuda-bench, 8B shape, bf16 then FP8 weights"
+  for q in "" "--quantization fp8"; do
+    # shellcheck disable=SC2086
+    timeout 240 "$BIN" cuda-bench --batches 1,8,64 --prefill 4096 $q --out "$OUT/fp8_bench.jsonl" || status=1
+  done
+  model="${FP8_MODEL:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+  if [ -f "$model" ]; then
+    echo "== $model quantized to FP8 at load against its own bf16 run (teacher-forced real text)"
+    # Eight passages of ARCHITECTURE.md: their first part is one prefill step (cuBLAS over the
+    # dequantized FP8 tiles), their last 128 tokens are fed one decode step at a time, eight rows a
+    # step through the FP8 GEMV kernels (--cuda-gemv-max-rows 8).
+    python3 - "$root/ARCHITECTURE.md" /tmp/fp8_text.json <<'PY'
+import json, sys
+text = open(sys.argv[1]).read()
+step = 1400
+json.dump([{"text": text[i * step:(i + 1) * step]} for i in range(8)], open(sys.argv[2], "w"))
+PY
+    timeout 240 "$BIN" cuda-check "$model" --prompts /tmp/fp8_text.json --decode-steps 128 --agreement \
+      --quantization fp8 --cuda-gemv-max-rows 8 --out "$OUT/fp8_agreement.json" || status=1
+    cat "$OUT/fp8_agreement.json"
+  else
+    echo "skipped the agreement run: $model is not here (carry it, or set FP8_MODEL)"
+  fi
 fi
 if want moe; then
   for fam in qwen3_moe qwen2_moe; do

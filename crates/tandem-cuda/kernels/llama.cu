@@ -1201,33 +1201,73 @@ struct GvItem {
     int pair, slice, kb, ke;
 };
 
-// The item of warp `wib` of block-group `group`.
+// The item of warp `wib` of block-group `group` (slices start at multiples of the format's V).
+template <class WT>
 __device__ __forceinline__ GvItem gv_item(int group, int K, int ks) {
     GvItem it;
     const int w = group * GV_WARPS + (threadIdx.x >> 5);
     it.pair = w / ks;
     it.slice = w % ks;
-    const int len = ((K + ks - 1) / ks + 7) & ~7;
+    const int len = ((K + ks - 1) / ks + WT::V - 1) & ~(WT::V - 1);
     it.kb = min(K, it.slice * len);
     it.ke = min(K, it.kb + len);
     return it;
 }
 
-// Chunks k0 + u * 256 (u < GV_U) of rows w0 and w1; zero at or past ke.
-__device__ __forceinline__ void gv_load(uint4 (&c0)[GV_U], uint4 (&c1)[GV_U], const bf16* w0, const bf16* w1, int k0,
-                                        int ke) {
+// The weight formats of the GEMV kernels. A 16-byte chunk holds V values; a lane takes one chunk
+// of each of its rows per unrolled step, so a warp covers 32 * V values of K. WFp8: FP8 E4M3 codes
+// with one fp32 scale per 128 x 128 block (`sc`, `kb` blocks along K), the layout of block-scaled
+// FP8 checkpoints and of `quant_fp8`; a chunk never straddles a block (V divides 128).
+struct WBf16 {
+    typedef bf16 T;
+    static constexpr int V = 8;
+    const float* sc;
+    int kb;
+};
+struct WFp8 {
+    typedef unsigned char T;
+    static constexpr int V = 16;
+    const float* sc;
+    int kb;
+};
+
+// Sixteen E4M3 codes as floats times 2^-8: each code's sign and 7 exponent/mantissa bits, moved
+// into a half's layout, are that half exactly (subnormals included); the caller's scale carries
+// the 2^8. Integer ops and exact conversions only, so any architecture runs it.
+__device__ __forceinline__ void unpack16_e4m3(const uint4& v, float* f) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const u32 x = __byte_perm(w[i], 0, j ? 0x3424 : 0x1404);
+            const u32 h = ((x >> 1) & 0x3f803f80u) | (x & 0x80008000u);
+            float lo, hi;
+            asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h & 0xffffu)));
+            asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h >> 16)));
+            f[i * 4 + j * 2] = lo;
+            f[i * 4 + j * 2 + 1] = hi;
+        }
+    }
+}
+
+// Chunks k0 + u * 32 * V (u < GV_U) of rows w0 and w1; zero at or past ke.
+template <class WT>
+__device__ __forceinline__ void gv_load(uint4 (&c0)[GV_U], uint4 (&c1)[GV_U], const typename WT::T* w0,
+                                        const typename WT::T* w1, int k0, int ke) {
 #pragma unroll
     for (int u = 0; u < GV_U; u++) {
-        int k = k0 + u * 256;
-        c0[u] = k < ke ? ld_stream(w0 + k) : make_uint4(0, 0, 0, 0);
-        c1[u] = k < ke ? ld_stream(w1 + k) : make_uint4(0, 0, 0, 0);
+        int k = k0 + u * 32 * WT::V;
+        c0[u] = k < ke ? ld_stream((const bf16*)(w0 + k)) : make_uint4(0, 0, 0, 0);
+        c1[u] = k < ke ? ld_stream((const bf16*)(w1 + k)) : make_uint4(0, 0, 0, 0);
     }
 }
 
 // The next item a warp streams after the current one: its two rows and K slice (empty when none).
+template <class WT>
 struct GvNext {
-    const bf16* w0;
-    const bf16* w1;
+    const typename WT::T* w0;
+    const typename WT::T* w1;
     int kb, ke;
 };
 
@@ -1270,37 +1310,60 @@ __device__ __forceinline__ void gv_norm(const bf16* __restrict__ res, const bf16
 // over the ks warps of the pair: the result is valid in the slice-0 warp (every lane). c0/c1 hold
 // the item's first chunks on entry (loaded before any prologue, so that they are in flight while it
 // runs) and the next item's first chunks on return: they are loaded in the last step, so the warp
-// keeps loads in flight through its reductions and epilogue. Every thread of the block must call
-// it (it has barriers when ks > 1); the trip count is warp-uniform.
-template <int M, bool SMEM_X>
-__device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const bf16* __restrict__ w0,
-                                        const bf16* __restrict__ w1, int K, const GvItem& it, int ks,
-                                        const GvNext& nx, uint4 (&c0)[GV_U], uint4 (&c1)[GV_U], float (&a0)[M],
-                                        float (&a1)[M]) {
+// keeps loads in flight through its reductions and epilogue. FP8 rows take their block scales
+// (s0, s1: the rows' scale rows) chunk by chunk. Every thread of the block must call it (it has
+// barriers when ks > 1); the trip count is warp-uniform.
+template <int M, bool SMEM_X, class WT>
+__device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const typename WT::T* __restrict__ w0,
+                                        const typename WT::T* __restrict__ w1, const float* s0, const float* s1,
+                                        int K, const GvItem& it, int ks, const GvNext<WT>& nx, uint4 (&c0)[GV_U],
+                                        uint4 (&c1)[GV_U], float (&a0)[M], float (&a1)[M]) {
+    constexpr int V = WT::V, STEP = 32 * V;
     __shared__ float part[GV_WARPS][2][M];
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int m = 0; m < M; m++) a0[m] = a1[m] = 0.f;
-    for (int kw = it.kb; kw < it.ke; kw += 256 * GV_U) {
+    for (int kw = it.kb; kw < it.ke; kw += STEP * GV_U) {
         uint4 n0[GV_U], n1[GV_U];
-        if (kw + 256 * GV_U < it.ke) gv_load(n0, n1, w0, w1, kw + 256 * GV_U + lane * 8, it.ke);
-        else gv_load(n0, n1, nx.w0, nx.w1, nx.kb + lane * 8, nx.ke);
+        if (kw + STEP * GV_U < it.ke) gv_load<WT>(n0, n1, w0, w1, kw + STEP * GV_U + lane * V, it.ke);
+        else gv_load<WT>(n0, n1, nx.w0, nx.w1, nx.kb + lane * V, nx.ke);
 #pragma unroll
         for (int u = 0; u < GV_U; u++) {
-            const int k = kw + lane * 8 + u * 256;
+            const int k = kw + lane * V + u * STEP;
             if (k < it.ke) {
-                float f0[8], f1[8];
-                unpack8(c0[u], f0);
-                unpack8(c1[u], f1);
+                float f0[V], f1[V], g0 = 1.f, g1 = 1.f;
+                if constexpr (V == 8) {
+                    unpack8(c0[u], f0);
+                    unpack8(c1[u], f1);
+                } else {
+                    unpack16_e4m3(c0[u], f0);
+                    unpack16_e4m3(c1[u], f1);
+                    g0 = s0[k >> 7] * 256.f;
+                    g1 = s1[k >> 7] * 256.f;
+                }
 #pragma unroll
                 for (int m = 0; m < M; m++) {
-                    float xf[8];
-                    if (SMEM_X) unpack8(*(const uint4*)(x + m * K + k), xf);
-                    else unpack8(__ldg((const uint4*)(x + (u64)m * K + k)), xf);
+                    float xf[V];
 #pragma unroll
-                    for (int e = 0; e < 8; e++) {
-                        a0[m] += f0[e] * xf[e];
-                        a1[m] += f1[e] * xf[e];
+                    for (int h = 0; h < V / 8; h++) {
+                        if (SMEM_X) unpack8(*(const uint4*)(x + m * K + k + 8 * h), xf + 8 * h);
+                        else unpack8(__ldg((const uint4*)(x + (u64)m * K + k + 8 * h)), xf + 8 * h);
+                    }
+                    if constexpr (V == 8) {
+#pragma unroll
+                        for (int e = 0; e < 8; e++) {
+                            a0[m] += f0[e] * xf[e];
+                            a1[m] += f1[e] * xf[e];
+                        }
+                    } else {
+                        float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+                        for (int e = 0; e < V; e++) {
+                            d0 += f0[e] * xf[e];
+                            d1 += f1[e] * xf[e];
+                        }
+                        a0[m] += g0 * d0;
+                        a1[m] += g1 * d1;
                     }
                 }
             }
@@ -1311,7 +1374,7 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const bf16* 
             c1[u] = n1[u];
         }
     }
-    if (it.kb >= it.ke) gv_load(c0, c1, nx.w0, nx.w1, nx.kb + lane * 8, nx.ke);  // an empty slice
+    if (it.kb >= it.ke) gv_load<WT>(c0, c1, nx.w0, nx.w1, nx.kb + lane * V, nx.ke);  // an empty slice
 #pragma unroll
     for (int m = 0; m < M; m++) {
         a0[m] = warp_sum(a0[m]);
@@ -1342,27 +1405,30 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const bf16* 
 
 // Streams the block's groups: rows(it, r0, r1) maps an item to its two weight rows (clamped into
 // the matrix), xof(it) to its M activation rows, epi(it, r0, r1, a0, a1) consumes the sums (in the
-// slice-0 warp). The prologue, if any, runs between the first loads and the first item.
-template <int M, bool SMEM_X, class Rows, class XOf, class Prologue, class Epi>
-__device__ __forceinline__ void gv_run_x(const bf16* __restrict__ w, int K, int ks, int groups, Rows rows, XOf xof,
-                                         Prologue prologue, Epi epi) {
+// slice-0 warp). The prologue, if any, runs between the first loads and the first item. `wf` is
+// the weights' format (and an FP8 matrix's scales).
+template <int M, bool SMEM_X, class WT, class Rows, class XOf, class Prologue, class Epi>
+__device__ __forceinline__ void gv_run_x(const typename WT::T* __restrict__ w, WT wf, int K, int ks, int groups,
+                                         Rows rows, XOf xof, Prologue prologue, Epi epi) {
     int g = blockIdx.x;
-    GvItem it = gv_item(g, K, ks);
+    GvItem it = gv_item<WT>(g, K, ks);
     int r0, r1;
     rows(it, r0, r1);
     uint4 c0[GV_U], c1[GV_U];
-    gv_load(c0, c1, w + (u64)r0 * K, w + (u64)r1 * K, it.kb + (threadIdx.x & 31) * 8, it.ke);
+    gv_load<WT>(c0, c1, w + (u64)r0 * K, w + (u64)r1 * K, it.kb + (threadIdx.x & 31) * WT::V, it.ke);
     pdl_wait();
     pdl_trigger();
     prologue();
     while (true) {
         const int gn = g + gridDim.x;
-        const GvItem ni = gv_item(gn, K, ks);
+        const GvItem ni = gv_item<WT>(gn, K, ks);
         int n0, n1;
         rows(ni, n0, n1);
-        const GvNext nx{w + (u64)n0 * K, w + (u64)n1 * K, ni.kb, gn < groups ? ni.ke : ni.kb};
+        const GvNext<WT> nx{w + (u64)n0 * K, w + (u64)n1 * K, ni.kb, gn < groups ? ni.ke : ni.kb};
         float a0[M], a1[M];
-        gv_pair<M, SMEM_X>(xof(it), w + (u64)r0 * K, w + (u64)r1 * K, K, it, ks, nx, c0, c1, a0, a1);
+        const float* s0 = wf.sc ? wf.sc + (u64)(r0 >> 7) * wf.kb : nullptr;
+        const float* s1 = wf.sc ? wf.sc + (u64)(r1 >> 7) * wf.kb : nullptr;
+        gv_pair<M, SMEM_X, WT>(xof(it), w + (u64)r0 * K, w + (u64)r1 * K, s0, s1, K, it, ks, nx, c0, c1, a0, a1);
         if (it.slice == 0) epi(it, r0, r1, a0, a1);
         if (gn >= groups) break;
         g = gn;
@@ -1373,11 +1439,11 @@ __device__ __forceinline__ void gv_run_x(const bf16* __restrict__ w, int K, int 
 }
 
 // gv_run_x with the same activation rows x for every item (the dense projections).
-template <int M, bool SMEM_X, class Rows, class Prologue, class Epi>
-__device__ __forceinline__ void gv_run(const bf16* __restrict__ x, const bf16* __restrict__ w, int K, int ks, int groups,
-                                       Rows rows, Prologue prologue, Epi epi) {
-    gv_run_x<M, SMEM_X>(
-        w, K, ks, groups, rows, [x](const GvItem&) { return x; }, prologue, epi);
+template <int M, bool SMEM_X, class WT, class Rows, class Prologue, class Epi>
+__device__ __forceinline__ void gv_run(const bf16* __restrict__ x, const typename WT::T* __restrict__ w, WT wf, int K,
+                                       int ks, int groups, Rows rows, Prologue prologue, Epi epi) {
+    gv_run_x<M, SMEM_X, WT>(
+        w, wf, K, ks, groups, rows, [x](const GvItem&) { return x; }, prologue, epi);
 }
 
 // The rows of item p of the plain and residual-add GEMVs: 2p and 2p + 1, clamped into the N rows.
@@ -1390,12 +1456,12 @@ struct GvAdjacentRows {
 };
 
 // Plain GEMV: rows 2p and 2p + 1 of y (bf16, or fp32 for logits).
-template <int M>
-__device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y,
-                                          int N, int K, int f32_out, int ks, int groups) {
+template <int M, class WT>
+__device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const typename WT::T* __restrict__ w, WT wf,
+                                          void* __restrict__ y, int N, int K, int f32_out, int ks, int groups) {
     const int lane = threadIdx.x & 31;
-    gv_run<M, false>(
-        x, w, K, ks, groups,
+    gv_run<M, false, WT>(
+        x, w, wf, K, ks, groups,
         GvAdjacentRows{N}, [] {},
         [&](const GvItem& it, int r0, int r1, float (&a0)[M], float (&a1)[M]) {
             if (2 * it.pair >= N) return;
@@ -1416,12 +1482,12 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16
 
 // res[m][n] += y[m][n] (y rounded to bf16 first, as a bf16 model adds): the output projection and
 // the down projection add straight into the residual stream.
-template <int M>
-__device__ __forceinline__ void gemv_add_body(const bf16* __restrict__ x, const bf16* __restrict__ w,
+template <int M, class WT>
+__device__ __forceinline__ void gemv_add_body(const bf16* __restrict__ x, const typename WT::T* __restrict__ w, WT wf,
                                               bf16* __restrict__ res, int N, int K, int ks, int groups) {
     const int lane = threadIdx.x & 31;
-    gv_run<M, false>(
-        x, w, K, ks, groups,
+    gv_run<M, false, WT>(
+        x, w, wf, K, ks, groups,
         GvAdjacentRows{N}, [] {},
         [&](const GvItem& it, int r0, int r1, float (&a0)[M], float (&a1)[M]) {
             if (2 * it.pair >= N) return;
@@ -1439,13 +1505,13 @@ __device__ __forceinline__ void gemv_add_body(const bf16* __restrict__ x, const 
 // act[m][j] = silu(gate) * up with gate = row j and up = row ffn + j of [gate; up], over
 // RMSNorm(res) * nw: the FFN's norm, gate/up projection and activation in one pass. Dynamic shared
 // memory M * K * 2 bytes.
-template <int M>
+template <int M, class WT>
 __device__ __forceinline__ void gemv_silu_body(const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps,
-                                               const bf16* __restrict__ w, bf16* __restrict__ act, int ffn, int K,
-                                               int ks, int groups) {
+                                               const typename WT::T* __restrict__ w, WT wf, bf16* __restrict__ act,
+                                               int ffn, int K, int ks, int groups) {
     const int lane = threadIdx.x & 31;
-    gv_run<M, true>(
-        (const bf16*)gv_smem, w, K, ks, groups,
+    gv_run<M, true, WT>(
+        (const bf16*)gv_smem, w, wf, K, ks, groups,
         [&](const GvItem& it, int& r0, int& r1) {
             r0 = min(it.pair, ffn - 1);
             r1 = ffn + r0;
@@ -1468,9 +1534,10 @@ __device__ __forceinline__ void gemv_silu_body(const bf16* __restrict__ res, con
 // the optional bias, RoPE on q and k, q into its qkv row and k, v into the paged cache at slots[m].
 // Pair p < (n_heads + n_kv) * HEAD_DIM / 2 is one rotated pair of a q or k head, the rest are two
 // adjacent v rows. Rounding as rope_kv_write. Dynamic shared memory M * K * 2 bytes.
-template <int M>
+template <int M, class WT>
 __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps,
-                                              const bf16* __restrict__ w, const bf16* __restrict__ bias,
+                                              const typename WT::T* __restrict__ w, WT wf,
+                                              const bf16* __restrict__ bias,
                                               const int* __restrict__ positions, const int* __restrict__ slots,
                                               const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                               bf16* __restrict__ cache, bf16* __restrict__ qkv, int n_heads, int n_kv,
@@ -1480,8 +1547,8 @@ __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, cons
     const int total = pairs + n_kv * half;
     const int width = (n_heads + 2 * n_kv) * HEAD_DIM;
     const int lane = threadIdx.x & 31;
-    gv_run<M, true>(
-        (const bf16*)gv_smem, w, K, ks, groups,
+    gv_run<M, true, WT>(
+        (const bf16*)gv_smem, w, wf, K, ks, groups,
         [&](const GvItem& it, int& r0, int& r1) {
             const int ww = min(it.pair, total - 1);
             if (ww < pairs) {
@@ -1535,30 +1602,35 @@ __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, cons
         });
 }
 
-#define GEMV(MM) \
-    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_##MM( \
-        const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, int N, int K, int f32_out, \
-        int ks, int groups) { \
-        gemv_body<MM>(x, w, y, N, K, f32_out, ks, groups); \
+// One format's four GEMV kernels of MM rows: `gemv_<P>MM`, `gemv_add_<P>MM`, ... with P empty for
+// bf16 weights and `f8_` for FP8 (the same parameters: `scale` and `kb` are an FP8 matrix's block
+// scales, unused for bf16).
+#define GEMV_FMT(MM, P, WT) \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_##P##MM( \
+        const bf16* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale, int kb, \
+        void* __restrict__ y, int N, int K, int f32_out, int ks, int groups) { \
+        gemv_body<MM, WT>(x, (const WT::T*)w, WT{scale, kb}, y, N, K, f32_out, ks, groups); \
     } \
-    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_add_##MM( \
-        const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ res, int N, int K, int ks, \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_add_##P##MM( \
+        const bf16* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale, int kb, \
+        bf16* __restrict__ res, int N, int K, int ks, int groups) { \
+        gemv_add_body<MM, WT>(x, (const WT::T*)w, WT{scale, kb}, res, N, K, ks, groups); \
+    } \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_silu_##P##MM( \
+        const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, const void* __restrict__ w, \
+        const float* __restrict__ scale, int kb, bf16* __restrict__ act, int ffn, int K, int ks, int groups) { \
+        gemv_silu_body<MM, WT>(res, nw, eps, (const WT::T*)w, WT{scale, kb}, act, ffn, K, ks, groups); \
+    } \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_qkv_##P##MM( \
+        const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, const void* __restrict__ w, \
+        const float* __restrict__ scale, int kb, const bf16* __restrict__ bias, const int* __restrict__ positions, \
+        const int* __restrict__ slots, const float* __restrict__ cos_t, const float* __restrict__ sin_t, \
+        bf16* __restrict__ cache, bf16* __restrict__ qkv, int n_heads, int n_kv, int neox, int K, int ks, \
         int groups) { \
-        gemv_add_body<MM>(x, w, res, N, K, ks, groups); \
-    } \
-    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_silu_##MM( \
-        const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, const bf16* __restrict__ w, \
-        bf16* __restrict__ act, int ffn, int K, int ks, int groups) { \
-        gemv_silu_body<MM>(res, nw, eps, w, act, ffn, K, ks, groups); \
-    } \
-    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_qkv_##MM( \
-        const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, const bf16* __restrict__ w, \
-        const bf16* __restrict__ bias, const int* __restrict__ positions, const int* __restrict__ slots, \
-        const float* __restrict__ cos_t, const float* __restrict__ sin_t, bf16* __restrict__ cache, \
-        bf16* __restrict__ qkv, int n_heads, int n_kv, int neox, int K, int ks, int groups) { \
-        gemv_qkv_body<MM>(res, nw, eps, w, bias, positions, slots, cos_t, sin_t, cache, qkv, n_heads, n_kv, neox, K, \
-                          ks, groups); \
+        gemv_qkv_body<MM, WT>(res, nw, eps, (const WT::T*)w, WT{scale, kb}, bias, positions, slots, cos_t, sin_t, \
+                              cache, qkv, n_heads, n_kv, neox, K, ks, groups); \
     }
+#define GEMV(MM) GEMV_FMT(MM, , WBf16) GEMV_FMT(MM, f8_, WFp8)
 GEMV(1)
 GEMV(2)
 GEMV(3)
@@ -1567,6 +1639,81 @@ GEMV(5)
 GEMV(6)
 GEMV(7)
 GEMV(8)
+
+// ---- FP8 (E4M3) weights: quantization at load and the bf16 tiles of large-batch steps. ----
+
+// The E4M3 code of f (round to nearest even, saturating at +-448; f is finite): the encoding
+// `quant_fp8` writes, the OCP FP8 format of HF FP8 checkpoints.
+__device__ unsigned char e4m3_of(float f) {
+    const u32 sign = f < 0.f ? 0x80u : 0u;
+    const float a = fabsf(f);
+    if (!(a < 464.f)) return (unsigned char)(sign | 0x7e);  // rounds past 448 (or NaN): saturate
+    if (a < 0.015625f) {
+        // Subnormal: m x 2^-9, m in 0..8 (8 is the smallest normal, 0x08).
+        return (unsigned char)(sign | (u32)rintf(a * 512.f));
+    }
+    int e;
+    const float mant = frexpf(a, &e);  // a = mant x 2^e, mant in [0.5, 1)
+    u32 m = (u32)rintf((mant * 2.f - 1.f) * 8.f);
+    int ex = e - 1 + 7;
+    if (m == 8) {
+        m = 0;
+        ex += 1;
+    }
+    u32 code = ((u32)ex << 3) | m;
+    if (code > 0x7e) code = 0x7e;
+    return (unsigned char)(sign | code);
+}
+
+// Quantizes a bf16 matrix [N x K] to E4M3 codes with one fp32 scale per 128 x 128 block (scale =
+// the block's largest magnitude / 448; an all-zero block gets scale 1): block (bx, by) of the grid
+// is the tile at rows 128 by, columns 128 bx; 256 threads.
+extern "C" __global__ void quant_fp8(const bf16* __restrict__ w, unsigned char* __restrict__ q,
+                                     float* __restrict__ scale, int N, int K) {
+    __shared__ float red[32];
+    const int r0 = blockIdx.y * 128, c0 = blockIdx.x * 128;
+    const int rows = min(128, N - r0), cols = min(128, K - c0);
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
+        amax = fmaxf(amax, fabsf(bf2f(w[(u64)(r0 + i / cols) * K + c0 + i % cols])));
+    }
+    amax = warp_max(amax);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0.f;
+        v = warp_max(v);
+        if (threadIdx.x == 0) red[0] = v;
+    }
+    __syncthreads();
+    amax = red[0];
+    const float s = amax > 0.f ? amax / 448.f : 1.f;
+    if (threadIdx.x == 0) scale[(u64)blockIdx.y * gridDim.x + blockIdx.x] = s;
+    for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
+        const u64 at = (u64)(r0 + i / cols) * K + c0 + i % cols;
+        q[at] = e4m3_of(bf2f(w[at]) / s);
+    }
+}
+
+// w[n][k] = bf16(code x scale) of an FP8 matrix (the bf16 tile steps of more rows than the GEMV
+// kernels take hand to cuBLAS): 16 codes a thread, K a multiple of 16.
+extern "C" __global__ void dequant_fp8(const unsigned char* __restrict__ q, const float* __restrict__ scale,
+                                       bf16* __restrict__ w, int N, int K) {
+    const int kb = (K + 127) / 128;
+    const u64 chunks = (u64)N * (K / 16);
+    for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += (u64)gridDim.x * blockDim.x) {
+        const u64 n = c / (K / 16), k = (c % (K / 16)) * 16;
+        float f[16];
+        unpack16_e4m3(*(const uint4*)(q + n * K + k), f);
+        const float s = scale[(n >> 7) * kb + (k >> 7)] * 256.f;
+        uint4 o[2];
+        u32* ow = (u32*)o;
+#pragma unroll
+        for (int e = 0; e < 8; e++) ow[e] = pack_bf2(f[2 * e] * s, f[2 * e + 1] * s);
+        *(uint4*)(w + n * K + k) = o[0];
+        *(uint4*)(w + n * K + k + 8) = o[1];
+    }
+}
 
 // Bulk KV movement for P/D transfers: whole blocks of one layer between the paged cache and a
 // contiguous buffer, one CUDA block per KV block, 16-byte accesses (a block is a multiple of 16

@@ -257,8 +257,8 @@ extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) moe_gemv_si
     bf16* __restrict__ act, int ffn, int K, int ks, int groups) {
     const int lane = threadIdx.x & 31;
     const int last = slots * ffn - 1;
-    gv_run_x<1, false>(
-        w, K, ks, groups,
+    gv_run_x<1, false, WBf16>(
+        w, WBf16{nullptr, 0}, K, ks, groups,
         [&](const GvItem& it, int& r0, int& r1) {
             const int p = min(it.pair, last);
             r0 = ids[p / ffn] * 2 * ffn + p % ffn;
@@ -279,8 +279,8 @@ extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) moe_gemv_do
     bf16* __restrict__ y, int N, int K, int ks, int groups) {
     const int lane = threadIdx.x & 31;
     const int pairs = (N + 1) / 2, last = slots * pairs - 1;
-    gv_run_x<1, false>(
-        w, K, ks, groups,
+    gv_run_x<1, false, WBf16>(
+        w, WBf16{nullptr, 0}, K, ks, groups,
         [&](const GvItem& it, int& r0, int& r1) {
             const int p = min(it.pair, last);
             const int base = ids[p / pairs] * N, n = 2 * (p % pairs);

@@ -39,7 +39,7 @@ pub fn decode_partition(n_decode: usize, small: usize) -> usize {
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 25] = [
+pub const KERNEL_NAMES: [&str; 27] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -65,6 +65,8 @@ pub const KERNEL_NAMES: [&str; 25] = [
     "moe_combine",
     "moe_gemv_silu",
     "moe_gemv_down",
+    "quant_fp8",
+    "dequant_fp8",
 ];
 
 /// Largest row count the small-batch GEMV kernels (`gemv_1` .. `gemv_8`) handle.
@@ -79,6 +81,10 @@ pub fn prefill_smem_bytes(head_dim: usize) -> usize {
 /// Name prefixes of the GEMV kernels, each instantiated for 1..=GEMV_MAX_ROWS rows (`gemv_add_3`):
 /// plain, residual add, RMSNorm + gate/up + SiLU·mul, RMSNorm + QKV + RoPE + K/V write.
 pub const GEMV_FAMILIES: [&str; 4] = ["gemv_", "gemv_add_", "gemv_silu_", "gemv_qkv_"];
+
+/// The same four families over FP8 E4M3 weights with 128 × 128 block scales (`gemv_f8_3`).
+pub const GEMV_FP8_FAMILIES: [&str; 4] =
+    ["gemv_f8_", "gemv_add_f8_", "gemv_silu_f8_", "gemv_qkv_f8_"];
 
 /// Compile-time tuning of the small-batch GEMV kernels (`GV_U`, `GV_MINB` in llama.cu), settable
 /// for A/B timings on the device; the defaults are the measured best.

@@ -67,6 +67,11 @@ pub struct CudaOptions {
     /// Blocks of the KV pool (`None`: what `kv_cache_memory` holds for the whole model): a pipeline's
     /// stages all size their pools to the worker's block count.
     pub num_blocks: Option<usize>,
+    /// Hold the layers' projection matrices as FP8 E4M3 with one scale per 128 × 128 block
+    /// (quantized at load; an FP8 checkpoint's dequantized weights are quantized again in its own
+    /// block layout): half the bytes each decode step streams. Embeddings, the output head, norms
+    /// and mixture-of-experts experts stay bf16.
+    pub fp8_weights: bool,
 }
 
 /// The kernel settings at their defaults; the block size and KV budget are the engine's defaults
@@ -96,6 +101,7 @@ impl Default for CudaOptions {
             kernel_cache_dir: None,
             layers: None,
             num_blocks: None,
+            fp8_weights: false,
         }
     }
 }

@@ -4,7 +4,8 @@
 //! keeps the PTX for reading.
 
 use tandem_cuda::kernels::{
-    compile, nvrtc_available, GemvTuning, KernelShape, GEMV_FAMILIES, GEMV_MAX_ROWS, KERNEL_NAMES,
+    compile, nvrtc_available, GemvTuning, KernelShape, GEMV_FAMILIES, GEMV_FP8_FAMILIES,
+    GEMV_MAX_ROWS, KERNEL_NAMES,
 };
 
 /// Compiles the real source for sm_90 when NVRTC is installed (it needs no GPU); skipped otherwise.
@@ -44,7 +45,7 @@ fn compiles_for_hopper_when_nvrtc_is_present() {
             assert!(text.contains(name), "{name} missing from the PTX");
         }
         for m in 1..=GEMV_MAX_ROWS {
-            for family in GEMV_FAMILIES {
+            for family in GEMV_FAMILIES.iter().chain(&GEMV_FP8_FAMILIES) {
                 assert!(
                     text.contains(&format!(".entry {family}{m}(")),
                     "{family}{m} missing from the PTX"

@@ -27,6 +27,8 @@ pub struct LoadedModel {
     pub chat_template: Option<String>,
     /// Stable hash of config + tensor names/shapes/dtypes.
     pub identity: ModelIdentity,
+    /// The checkpoint stores FP8 weights (dequantized here; the CUDA backend keeps them in FP8).
+    pub fp8_checkpoint: bool,
 }
 
 impl std::fmt::Debug for LoadedModel {
@@ -67,6 +69,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel, ModelError> 
         tokenizer: parts.tokenizer,
         chat_template: parts.chat_template,
         identity,
+        fp8_checkpoint: parts.fp8_checkpoint,
     })
 }
 
@@ -77,6 +80,7 @@ struct Parts {
     tokenizer: Tokenizer,
     chat_template: Option<String>,
     tensors: Vec<TensorDesc>,
+    fp8_checkpoint: bool,
 }
 
 fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<Parts, ModelError> {
@@ -95,6 +99,7 @@ fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<Parts, ModelError> {
         tokenizer,
         chat_template,
         tensors: gguf_tensor_descs(&gguf),
+        fp8_checkpoint: false,
     })
 }
 
@@ -139,7 +144,8 @@ fn load_hf_dir(dir: &Path, opts: &LoadOptions) -> Result<Parts, ModelError> {
         &std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?,
     )
     .map_err(|e| ModelError::Config(format!("{}: {e}", cfg_path.display())))?;
-    let set = SafetensorsSet::open(dir)?.with_fp8(fp8_scales_of(&raw)?);
+    let fp8 = fp8_scales_of(&raw)?;
+    let set = SafetensorsSet::open(dir)?.with_fp8(fp8);
     let weights = load_safetensors_weights(&set, &config, opts.progress)?;
     Ok(Parts {
         config,
@@ -147,6 +153,7 @@ fn load_hf_dir(dir: &Path, opts: &LoadOptions) -> Result<Parts, ModelError> {
         tokenizer,
         chat_template,
         tensors: set.tensor_descs(),
+        fp8_checkpoint: fp8.is_some(),
     })
 }
 

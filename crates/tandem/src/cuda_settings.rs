@@ -42,6 +42,22 @@ impl std::fmt::Display for CudaAttention {
     }
 }
 
+/// How the CUDA backend stores the layers' projection weights beyond what the checkpoint holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize, ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Quantization {
+    /// FP8 E4M3 with one scale per 128 × 128 block, quantized at load: half the bytes per decode step.
+    Fp8,
+}
+
+impl std::fmt::Display for Quantization {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Quantization::Fp8 => "fp8",
+        })
+    }
+}
+
 /// `cuda:` section, and the `--cuda-*` flags of every command that can run the CUDA backend: unset keys
 /// keep the backend's defaults. Layers (the file, then the flags) merge with `crate::config::overlay`;
 /// the tuning knobs come from this process's flags only.
@@ -83,6 +99,9 @@ pub struct CudaSettings {
     #[arg(id = "cuda_gemv_max_rows", long = "cuda-gemv-max-rows", value_parser = parse_gemv_max_rows)]
     #[serde(default, deserialize_with = "gemv_max_rows")]
     pub gemv_max_rows: Option<usize>,
+    /// Quantize a bf16 checkpoint's projection weights at load: fp8 (FP8 checkpoints are FP8 already).
+    #[arg(id = "cuda_quantization", long = "quantization", value_enum)]
+    pub quantization: Option<Quantization>,
     /// The A/B tuning knobs (hidden flags only).
     #[command(flatten)]
     #[serde(skip)]
@@ -173,13 +192,14 @@ impl CudaSettings {
     /// The clap ids of the visible `--cuda-*` flags: a command that takes its settings as one document
     /// (`--settings-json`) refuses them beside it. The hidden tuning flags are not among them: they are
     /// the process's own and may come with the document.
-    pub const FLAG_IDS: [&'static str; 6] = [
+    pub const FLAG_IDS: [&'static str; 7] = [
         "cuda_device",
         "cuda_pipeline_devices",
         "cuda_attention",
         "cuda_graphs",
         "cuda_gemv",
         "cuda_gemv_max_rows",
+        "cuda_quantization",
     ];
 
     /// The device ordinal of each of `stages` pipeline stages: `pipeline_devices`, else `device` (0)
@@ -224,6 +244,7 @@ impl CudaSettings {
             decode_graph_blocks_per_sm: t
                 .decode_graph_blocks
                 .unwrap_or(base.decode_graph_blocks_per_sm),
+            fp8_weights: base.fp8_weights || self.quantization == Some(Quantization::Fp8),
             ..base
         }
     }
@@ -297,6 +318,7 @@ mod tests {
             ("cuda: {graphs: maybe}\n", "graphs"),
             ("cuda: {attention: slow}\n", "attention"),
             ("cuda: {device: -1}\n", "device"),
+            ("cuda: {quantization: int4}\n", "quantization"),
         ] {
             let err = FileConfig::from_yaml(yaml).unwrap_err();
             assert!(format!("{err:#}").contains(key), "{yaml}: {err:#}");
@@ -346,6 +368,22 @@ mod tests {
                 ..cli
             }
         );
+    }
+
+    #[test]
+    fn fp8_quantization_is_a_key_and_a_flag() {
+        let file = FileConfig::from_yaml("cuda: {quantization: fp8}\n").unwrap();
+        assert_eq!(file.cuda.quantization, Some(Quantization::Fp8));
+        let cli = flags(&["--quantization", "fp8"]).unwrap();
+        assert_eq!(cli.quantization, Some(Quantization::Fp8));
+        let err = flags(&["--quantization", "gptq"]).unwrap_err();
+        assert!(err.to_string().contains("fp8"), "{err}");
+        #[cfg(feature = "cuda")]
+        {
+            let base = tandem_cuda::CudaOptions::default();
+            assert!(!CudaSettings::default().options(base.clone()).fp8_weights);
+            assert!(cli.options(base).fp8_weights);
+        }
     }
 
     #[test]

@@ -21,6 +21,12 @@ pub fn start_engine(
     cuda: &CudaSettings,
 ) -> Result<EngineHandle> {
     let pieces = loaded.tokenizer.token_pieces();
+    if device == Device::Cpu && cuda.quantization.is_some() {
+        bail!(
+            "cuda.quantization (--quantization) quantizes weights on the GPU (--device cuda); on the CPU, \
+             serve a quantized GGUF (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) instead"
+        );
+    }
     if config.pipeline_parallel_size > 1 {
         if config.tensor_parallel_size > 1 {
             bail!(
@@ -196,6 +202,7 @@ fn cuda_stage(
 ) -> Result<Box<dyn StageModel>> {
     let mut opts = cuda_options(cuda, limits);
     opts.device = cuda_device;
+    opts.fp8_weights |= loaded.fp8_checkpoint;
     Ok(Box::new(tandem_cuda::CudaStage::new(
         loaded.config,
         loaded.weights,
@@ -259,6 +266,9 @@ fn start_cuda(
     let mut opts = cuda_options(cuda, limits);
     opts.block_size = config.block_size;
     opts.kv_cache_memory = config.kv_cache_memory;
+    // An FP8 checkpoint stays FP8 on the GPU (its dequantized weights are quantized again in the
+    // checkpoint's own 128 × 128 block layout).
+    opts.fp8_weights |= loaded.fp8_checkpoint;
     let model = CudaLlama::new(
         loaded.config.clone(),
         WeightSource::Host(&loaded.weights),

@@ -7,7 +7,7 @@ use tandem_model::ForwardBatch;
 
 use super::gemv::{fused_smem_bytes, GemvFamily, GEMV_WARPS};
 use super::launch::{KernelArg, SeqAttnArgs};
-use super::{CudaLlama, FfnBufs};
+use super::{CudaLlama, FfnBufs, Weight};
 use crate::error::CudaError;
 use crate::kernels::{self, DECODE_PARTITION_SMALL};
 use crate::memory::{BF16, STAGING_CHUNK};
@@ -31,24 +31,83 @@ impl CudaLlama {
         f32_out: bool,
     ) -> Result<(), CudaError> {
         if self.gemv_rows(t) && k.is_multiple_of(8) {
-            let (grid, ks, groups) = self.gemv_shape(GemvFamily::Plain, t, n.div_ceil(2), k);
-            launch_pdl!(
-                self,
-                self.funcs.gemv[t - 1],
-                (grid, 1, 1),
-                (32 * GEMV_WARPS as u32, 1, 1),
-                0,
-                x,
-                w,
-                y,
-                n as i32,
-                k as i32,
-                f32_out as i32,
-                ks,
-                groups
-            );
+            self.enqueue_gemv(x, (w, 0, 0, false), y, t, n, k, f32_out)?;
             return Ok(());
         }
+        self.blas_gemm(x, w, y, t, n, k, f32_out)
+    }
+
+    /// y[t × n] = x[t × k] · wᵀ for a layer's projection `w` (bf16 or FP8) into bf16 y: a GEMV over
+    /// the stored format for few rows, else cuBLAS (over a bf16 copy of an FP8 matrix, made on the
+    /// stream just before).
+    pub(super) fn project(&self, x: u64, w: &Weight, y: u64, t: usize) -> Result<(), CudaError> {
+        let (n, k) = (w.rows, w.cols);
+        if self.gemv_rows(t) {
+            return self.enqueue_gemv(x, gemv_weight(w), y, t, n, k, false);
+        }
+        if !w.fp8() {
+            return self.blas_gemm(x, w.buf.ptr, y, t, n, k, false);
+        }
+        let chunks = n * k / 16;
+        launch!(
+            self.stream,
+            self.funcs.dequant_fp8,
+            (chunks.div_ceil(256).min(65535) as u32, 1, 1),
+            (256, 1, 1),
+            w.buf.ptr,
+            w.scale_ptr(),
+            self.acts.wtile.ptr,
+            n as i32,
+            k as i32
+        );
+        self.blas_gemm(x, self.acts.wtile.ptr, y, t, n, k, false)
+    }
+
+    /// The plain GEMV y[t × n] = x · wᵀ over `w` = (pointer, scales, scale blocks per row, FP8).
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue_gemv(
+        &self,
+        x: u64,
+        w: (u64, u64, i32, bool),
+        y: u64,
+        t: usize,
+        n: usize,
+        k: usize,
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
+        let (grid, ks, groups) = self.gemv_shape(GemvFamily::Plain, w.3, t, n.div_ceil(2), k);
+        launch_pdl!(
+            self,
+            self.funcs.gemv_family(GemvFamily::Plain as usize, w.3)[t - 1],
+            (grid, 1, 1),
+            (32 * GEMV_WARPS as u32, 1, 1),
+            0,
+            x,
+            w.0,
+            w.1,
+            w.2,
+            y,
+            n as i32,
+            k as i32,
+            f32_out as i32,
+            ks,
+            groups
+        );
+        Ok(())
+    }
+
+    /// cuBLAS y[t × n] = x[t × k] · w[n × k]ᵀ over bf16 w.
+    #[allow(clippy::too_many_arguments)]
+    fn blas_gemm(
+        &self,
+        x: u64,
+        w: u64,
+        y: u64,
+        t: usize,
+        n: usize,
+        k: usize,
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
         let alpha = 1.0f32;
         let beta = 0.0f32;
         let c_type = if f32_out {
@@ -155,17 +214,21 @@ impl CudaLlama {
             let bias = lw.bqkv.as_ref().map_or(0u64, |b| b.ptr);
             if fused && lw.qk_norm.is_none() {
                 // RMSNorm + QKV + bias + RoPE + K/V write; the residual is complete in x.
-                let (grid, ks, groups) = self.gemv_shape(GemvFamily::Qkv, t, (q + 2 * kv) / 2, h);
+                let w = &lw.wqkv;
+                let (grid, ks, groups) =
+                    self.gemv_shape(GemvFamily::Qkv, w.fp8(), t, (q + 2 * kv) / 2, h);
                 launch_pdl!(
                     self,
-                    self.funcs.gemv_qkv[t - 1],
+                    self.funcs.gemv_family(GemvFamily::Qkv as usize, w.fp8())[t - 1],
                     (grid, 1, 1),
                     block,
                     smem,
                     a.x.ptr,
                     lw.attn_norm.ptr,
                     eps,
-                    lw.wqkv.ptr,
+                    w.buf.ptr,
+                    w.scale_ptr(),
+                    w.kb(),
                     bias,
                     self.meta(Region::Positions),
                     self.meta(Region::Slots),
@@ -182,7 +245,7 @@ impl CudaLlama {
                 );
             } else {
                 self.enqueue_add_rmsnorm(t, pending, lw.attn_norm.ptr)?;
-                self.gemm(a.xn.ptr, lw.wqkv.ptr, a.qkv.ptr, t, q + 2 * kv, h, false)?;
+                self.project(a.xn.ptr, &lw.wqkv, a.qkv.ptr, t)?;
                 if let Some((qn, kn)) = &lw.qk_norm {
                     // Four heads (warps) a block.
                     launch!(
@@ -295,13 +358,13 @@ impl CudaLlama {
                 }
             }
             let (gate_up, down) = match &lw.ffn {
-                FfnBufs::Dense { gate_up, down } => (gate_up.ptr, down.ptr),
+                FfnBufs::Dense { gate_up, down } => (gate_up, down),
                 FfnBufs::Moe(moe) => {
                     if fused {
-                        self.enqueue_gemv_add(t, a.attn.ptr, lw.wo.ptr, a.x.ptr, q)?;
+                        self.enqueue_gemv_add(t, a.attn.ptr, &lw.wo, a.x.ptr)?;
                         self.enqueue_add_rmsnorm(t, (0, 0), lw.ffn_norm.ptr)?;
                     } else {
-                        self.gemm(a.attn.ptr, lw.wo.ptr, a.delta.ptr, t, h, q, false)?;
+                        self.project(a.attn.ptr, &lw.wo, a.delta.ptr, t)?;
                         self.enqueue_add_rmsnorm(
                             t,
                             (a.delta.ptr, post(&lw.post_attn_norm)),
@@ -317,33 +380,36 @@ impl CudaLlama {
             if fused {
                 // Output projection added into the residual; RMSNorm + gate/up + SiLU·mul; down
                 // projection added into the residual.
-                self.enqueue_gemv_add(t, a.attn.ptr, lw.wo.ptr, a.x.ptr, q)?;
-                let (grid, ks, groups) = self.gemv_shape(GemvFamily::Silu, t, f, h);
+                self.enqueue_gemv_add(t, a.attn.ptr, &lw.wo, a.x.ptr)?;
+                let (grid, ks, groups) = self.gemv_shape(GemvFamily::Silu, gate_up.fp8(), t, f, h);
                 launch_pdl!(
                     self,
-                    self.funcs.gemv_silu[t - 1],
+                    self.funcs
+                        .gemv_family(GemvFamily::Silu as usize, gate_up.fp8())[t - 1],
                     (grid, 1, 1),
                     block,
                     smem,
                     a.x.ptr,
                     lw.ffn_norm.ptr,
                     eps,
-                    gate_up,
+                    gate_up.buf.ptr,
+                    gate_up.scale_ptr(),
+                    gate_up.kb(),
                     a.act.ptr,
                     f as i32,
                     h as i32,
                     ks,
                     groups
                 );
-                self.enqueue_gemv_add(t, a.act.ptr, down, a.x.ptr, f)?;
+                self.enqueue_gemv_add(t, a.act.ptr, down, a.x.ptr)?;
                 pending = (0, 0);
                 continue;
             }
-            self.gemm(a.attn.ptr, lw.wo.ptr, a.delta.ptr, t, h, q, false)?;
+            self.project(a.attn.ptr, &lw.wo, a.delta.ptr, t)?;
             self.enqueue_add_rmsnorm(t, (a.delta.ptr, post(&lw.post_attn_norm)), lw.ffn_norm.ptr)?;
-            self.gemm(a.xn.ptr, gate_up, a.gu.ptr, t, 2 * f, h, false)?;
+            self.project(a.xn.ptr, gate_up, a.gu.ptr, t)?;
             self.enqueue_silu_mul(a.gu.ptr, a.act.ptr, t, f)?;
-            self.gemm(a.act.ptr, down, a.delta.ptr, t, h, f, false)?;
+            self.project(a.act.ptr, down, a.delta.ptr, t)?;
             pending = (a.delta.ptr, post(&lw.post_ffn_norm));
         }
         self.enqueue_add_rmsnorm(t, pending, self.norm.ptr)
@@ -354,20 +420,21 @@ impl CudaLlama {
         &self,
         t: usize,
         x: u64,
-        w: u64,
+        w: &Weight,
         res: u64,
-        k: usize,
     ) -> Result<(), CudaError> {
-        let n = self.config.hidden_size;
-        let (grid, ks, groups) = self.gemv_shape(GemvFamily::Add, t, n.div_ceil(2), k);
+        let (n, k) = (w.rows, w.cols);
+        let (grid, ks, groups) = self.gemv_shape(GemvFamily::Add, w.fp8(), t, n.div_ceil(2), k);
         launch_pdl!(
             self,
-            self.funcs.gemv_add[t - 1],
+            self.funcs.gemv_family(GemvFamily::Add as usize, w.fp8())[t - 1],
             (grid, 1, 1),
             (32 * GEMV_WARPS as u32, 1, 1),
             0,
             x,
-            w,
+            w.buf.ptr,
+            w.scale_ptr(),
+            w.kb(),
             res,
             n as i32,
             k as i32,
@@ -547,4 +614,9 @@ impl CudaLlama {
         }
         Ok(())
     }
+}
+
+/// A projection's GEMV operands: pointer, scales, scale blocks per row, FP8.
+fn gemv_weight(w: &Weight) -> (u64, u64, i32, bool) {
+    (w.buf.ptr, w.scale_ptr(), w.kb(), w.fp8())
 }

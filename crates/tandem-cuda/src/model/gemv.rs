@@ -9,18 +9,16 @@ use crate::memory::BF16;
 
 impl Funcs {
     /// Blocks of each GEMV kernel one GPU runs at once (multiprocessors × blocks per
-    /// multiprocessor at the kernel's registers and shared memory).
+    /// multiprocessor at the kernel's registers and shared memory): `[family + 4 · fp8][rows - 1]`.
     pub(super) fn gemv_caps(
         &self,
         sms: u32,
         hidden: usize,
-    ) -> Result<[[u32; kernels::GEMV_MAX_ROWS]; 4], CudaError> {
-        let mut caps = [[1u32; kernels::GEMV_MAX_ROWS]; 4];
-        for (fam, funcs) in [&self.gemv, &self.gemv_add, &self.gemv_silu, &self.gemv_qkv]
-            .into_iter()
-            .enumerate()
-        {
-            for (i, f) in funcs.iter().enumerate() {
+    ) -> Result<[[u32; kernels::GEMV_MAX_ROWS]; 8], CudaError> {
+        let mut caps = [[1u32; kernels::GEMV_MAX_ROWS]; 8];
+        for (slot, caps) in caps.iter_mut().enumerate() {
+            let fam = slot % 4;
+            for (i, f) in self.gemv_family(fam, slot >= 4).iter().enumerate() {
                 let smem = if fam >= 2 {
                     fused_smem_bytes(i + 1, hidden)
                 } else {
@@ -35,7 +33,7 @@ impl Funcs {
                 } else {
                     1
                 };
-                caps[fam][i] = (sms * per_sm).max(1);
+                caps[i] = (sms * per_sm).max(1);
             }
         }
         Ok(caps)
@@ -91,6 +89,7 @@ impl CudaLlama {
     pub(super) fn gemv_shape(
         &self,
         family: GemvFamily,
+        fp8: bool,
         t: usize,
         pairs: usize,
         k: usize,
@@ -98,7 +97,7 @@ impl CudaLlama {
         let ks = gemv_split(pairs, k, self.opts.gemv_target_warps);
         let groups = gemv_blocks(pairs * ks);
         let grid = if self.opts.gemv_persistent {
-            groups.min(self.gemv_caps[family as usize][t - 1])
+            groups.min(self.gemv_caps[family as usize + 4 * usize::from(fp8)][t - 1])
         } else {
             groups
         };

@@ -45,6 +45,11 @@ pub(super) struct Funcs {
     pub(super) gemv_silu: Vec<CudaFunction>,
     /// RMSNorm + QKV GEMV + bias + RoPE + K/V write (`gemv_qkv_m`).
     pub(super) gemv_qkv: Vec<CudaFunction>,
+    /// The four GEMV families over FP8 weights (`gemv_f8_m`, ...), in `GemvFamily` order.
+    pub(super) gemv_f8: [Vec<CudaFunction>; 4],
+    /// bf16 → FP8 block quantization at load, and FP8 → bf16 for the cuBLAS steps.
+    pub(super) quant_fp8: CudaFunction,
+    pub(super) dequant_fp8: CudaFunction,
 }
 
 impl Funcs {
@@ -83,16 +88,40 @@ impl Funcs {
             gemv_add: gemv_family(kernels::GEMV_FAMILIES[1])?,
             gemv_silu: gemv_family(kernels::GEMV_FAMILIES[2])?,
             gemv_qkv: gemv_family(kernels::GEMV_FAMILIES[3])?,
+            gemv_f8: [
+                gemv_family(kernels::GEMV_FP8_FAMILIES[0])?,
+                gemv_family(kernels::GEMV_FP8_FAMILIES[1])?,
+                gemv_family(kernels::GEMV_FP8_FAMILIES[2])?,
+                gemv_family(kernels::GEMV_FP8_FAMILIES[3])?,
+            ],
+            quant_fp8: f("quant_fp8")?,
+            dequant_fp8: f("dequant_fp8")?,
         })
+    }
+
+    /// The kernels of GEMV `family` over bf16 or FP8 weights, `[rows - 1]`.
+    pub(super) fn gemv_family(&self, family: usize, fp8: bool) -> &[CudaFunction] {
+        match (fp8, family) {
+            (true, f) => &self.gemv_f8[f],
+            (false, 0) => &self.gemv,
+            (false, 1) => &self.gemv_add,
+            (false, 2) => &self.gemv_silu,
+            _ => &self.gemv_qkv,
+        }
     }
 
     /// Lets the fused-norm GEMVs of m rows take m × `hidden` bf16 values of dynamic shared memory
     /// (above the default 48 KiB for m × hidden > 24,576).
     pub(super) fn allow_norm_smem(&self, hidden: usize) -> Result<(), CudaError> {
-        for (i, (silu, qkv)) in self.gemv_silu.iter().zip(&self.gemv_qkv).enumerate() {
+        for i in 0..kernels::GEMV_MAX_ROWS {
             let bytes = fused_smem_bytes(i + 1, hidden);
             if bytes <= FUSED_SMEM_MAX {
-                for func in [silu, qkv] {
+                for func in [
+                    &self.gemv_silu[i],
+                    &self.gemv_qkv[i],
+                    &self.gemv_f8[2][i],
+                    &self.gemv_f8[3][i],
+                ] {
                     func.set_attribute(
                         drv::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         bytes as i32,

@@ -52,15 +52,50 @@ pub enum WeightSource<'a> {
     },
 }
 
+/// A projection matrix on the device: bf16 rows, or FP8 E4M3 codes with one fp32 scale per 128 × 128
+/// block (`CudaOptions::fp8_weights`): decode's GEMVs read the codes, larger steps take a bf16 copy.
+struct Weight {
+    buf: DeviceBuf,
+    /// The FP8 block scales, `rows.div_ceil(128)` × `cols.div_ceil(128)` (`None`: bf16).
+    scales: Option<DeviceBuf>,
+    rows: usize,
+    cols: usize,
+}
+
+impl Weight {
+    /// The scales' pointer for the GEMV kernels (0 for bf16, whose kernels ignore it).
+    fn scale_ptr(&self) -> u64 {
+        self.scales.as_ref().map_or(0, |s| s.ptr)
+    }
+
+    /// Scale blocks along a row (the kernels' `kb`).
+    fn kb(&self) -> i32 {
+        self.cols.div_ceil(FP8_BLOCK) as i32
+    }
+
+    /// Whether the matrix holds FP8 codes.
+    fn fp8(&self) -> bool {
+        self.scales.is_some()
+    }
+
+    /// Bytes a step that streams the matrix once reads (codes or bf16, and the scales).
+    fn bytes(&self) -> usize {
+        self.buf.bytes + self.scales.as_ref().map_or(0, |s| s.bytes)
+    }
+}
+
+/// Rows and columns of one FP8 scale block (the layout of block-scaled FP8 checkpoints).
+const FP8_BLOCK: usize = 128;
+
 /// One layer's device weights.
 struct LayerBufs {
     attn_norm: DeviceBuf,
     /// [q; k; v] rows fused into one matrix: one GEMM per layer for the three projections.
-    wqkv: DeviceBuf,
+    wqkv: Weight,
     bqkv: Option<DeviceBuf>,
     /// Per-head q and k norm weights (Qwen3), applied between the projection and RoPE.
     qk_norm: Option<(DeviceBuf, DeviceBuf)>,
-    wo: DeviceBuf,
+    wo: Weight,
     ffn_norm: DeviceBuf,
     /// Gemma's norms of the attention and MLP outputs before their residual adds.
     post_attn_norm: Option<DeviceBuf>,
@@ -71,7 +106,7 @@ struct LayerBufs {
 /// A layer's feed-forward weights, as its `LayerSpec::mlp` says.
 enum FfnBufs {
     /// One gated MLP: [gate; up] rows fused, and down.
-    Dense { gate_up: DeviceBuf, down: DeviceBuf },
+    Dense { gate_up: Weight, down: Weight },
     /// A mixture of experts.
     Moe(moe::MoeBufs),
 }
@@ -102,6 +137,9 @@ struct Acts {
     meta: DeviceBuf,
     /// Routing and grouped-expert buffers (mixture-of-experts models only).
     moe: Option<moe::MoeActs>,
+    /// bf16 copy of one FP8 matrix for the cuBLAS steps (the largest FP8 matrix's size; empty
+    /// without FP8 weights).
+    wtile: DeviceBuf,
     _blas_workspace: DeviceBuf,
 }
 
@@ -153,7 +191,7 @@ pub struct CudaLlama {
     device_name: String,
     /// Blocks of each GEMV kernel (`[family][rows - 1]`) the GPU holds at once: the grid of a
     /// persistent launch.
-    gemv_caps: [[u32; kernels::GEMV_MAX_ROWS]; 4],
+    gemv_caps: [[u32; kernels::GEMV_MAX_ROWS]; 8],
     /// Multiprocessors of the device (sizes the looping decode-attention grid of captured graphs).
     sms: usize,
     /// Host time of the last `forward_greedy` from its start until the body's kernels were queued
@@ -180,6 +218,24 @@ fn widths(c: &ModelConfig) -> (usize, usize, usize, usize, usize) {
         c.intermediate_size,
         c.vocab_size,
     )
+}
+
+/// Elements of the largest FP8 matrix among `layers` (0 when every matrix is bf16): the size of the
+/// bf16 tile the cuBLAS steps dequantize into.
+fn largest_fp8(layers: &[LayerBufs]) -> usize {
+    layers
+        .iter()
+        .flat_map(|l| {
+            let ffn: Vec<&Weight> = match &l.ffn {
+                FfnBufs::Dense { gate_up, down } => vec![gate_up, down],
+                FfnBufs::Moe(_) => vec![],
+            };
+            [&l.wqkv, &l.wo].into_iter().chain(ffn)
+        })
+        .filter(|w| w.fp8())
+        .map(|w| w.rows * w.cols)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Refuses, at load and naming the feature, a model structure the CUDA kernels do not compute yet.
@@ -250,6 +306,19 @@ impl CudaLlama {
         }
         check_structure(&config)?;
         moe::check(&config)?;
+        if opts.fp8_weights
+            && !(config.hidden_size.is_multiple_of(16)
+                && config.intermediate_size.is_multiple_of(16)
+                && config.q_dim().is_multiple_of(16))
+        {
+            return Err(CudaError::Unsupported(format!(
+                "FP8 weights need hidden ({}), intermediate ({}) and attention ({}) widths that are \
+                 multiples of 16; serve this model in bf16",
+                config.hidden_size,
+                config.intermediate_size,
+                config.q_dim()
+            )));
+        }
         if opts.max_tokens > 65535 {
             return Err(CudaError::Unsupported(
                 "more than 65535 tokens per step".into(),
@@ -312,6 +381,7 @@ impl CudaLlama {
             stream: &stream,
             funcs: &funcs,
             seed: 0,
+            fp8: opts.fp8_weights,
         };
         let range = opts.layers.clone().unwrap_or(0..c.num_layers);
         if range.is_empty() || range.end > c.num_layers {
@@ -387,6 +457,7 @@ impl CudaLlama {
             dec_done: bufsz(max_seqs.max(GRAPH_SIZES[0]) * c.num_kv_heads, 4)?,
             meta: bufsz(meta_layout.total(), 4)?,
             moe: moe::MoeActs::new(&ctx, c, range.len(), max_tokens)?,
+            wtile: bufsz(largest_fp8(&layers), BF16)?,
             _blas_workspace: bufsz(64 << 20, 1)?,
         };
         // An explicit workspace keeps cuBLAS from allocating inside graph capture.
@@ -524,23 +595,31 @@ impl CudaLlama {
     /// the expected count of distinct experts under uniform routing).
     pub fn weight_bytes_per_step(&self, batch: usize) -> usize {
         let c = &self.config;
-        let (h, q, kv, f, v) = widths(c);
-        let attn = (q + 2 * kv) * h + q * h + 2 * h;
+        let (h, _, _, _, v) = widths(c);
         let per_layer: usize = self
-            .layers()
-            .map(|l| match (c.layer(l).mlp, &c.moe) {
-                (tandem_model::MlpKind::Moe, Some(m)) => {
-                    let e = m.num_experts as f64;
-                    let used = e * (1.0 - (1.0 - m.top_k as f64 / e).powi(batch.max(1) as i32));
-                    let shared = m.shared_ffn.map_or(0, |fs| 3 * fs * h + h);
-                    attn + (m.num_experts * h)
-                        + shared
-                        + (used.round() as usize) * 3 * m.expert_ffn * h
+            .layers
+            .iter()
+            .zip(self.layers())
+            .map(|(lw, l)| {
+                let attn = lw.wqkv.bytes() + lw.wo.bytes() + 2 * h * BF16;
+                match (&lw.ffn, c.layer(l).mlp, &c.moe) {
+                    (_, tandem_model::MlpKind::Moe, Some(m)) => {
+                        let e = m.num_experts as f64;
+                        let used = e * (1.0 - (1.0 - m.top_k as f64 / e).powi(batch.max(1) as i32));
+                        let shared = m.shared_ffn.map_or(0, |fs| 3 * fs * h + h);
+                        attn + (m.num_experts * h
+                            + shared
+                            + (used.round() as usize) * 3 * m.expert_ffn * h)
+                            * BF16
+                    }
+                    (FfnBufs::Dense { gate_up, down }, _, _) => {
+                        attn + gate_up.bytes() + down.bytes()
+                    }
+                    (FfnBufs::Moe(_), _, _) => attn,
                 }
-                _ => attn + 3 * f * h,
             })
             .sum();
-        (per_layer + h + v * h) * BF16
+        per_layer + (h + v * h) * BF16
     }
 
     fn limits(&self) -> PlanLimits {

@@ -8,7 +8,7 @@ use tandem_model::{MlpKind, MlpWeights, ModelConfig, MoeWeights};
 
 use super::launch::Funcs;
 use super::moe::MoeBufs;
-use super::{widths, FfnBufs, LayerBufs, WeightSource};
+use super::{widths, FfnBufs, LayerBufs, Weight, WeightSource, FP8_BLOCK};
 use crate::error::CudaError;
 use crate::memory::{bf16_bits, DeviceBuf, BF16};
 
@@ -28,6 +28,8 @@ pub(super) struct Uploader<'a> {
     pub(super) stream: &'a Arc<CudaStream>,
     pub(super) funcs: &'a Funcs,
     pub(super) seed: u64,
+    /// Quantize the layers' projection matrices to FP8 (`CudaOptions::fp8_weights`).
+    pub(super) fp8: bool,
 }
 
 impl Uploader<'_> {
@@ -47,6 +49,54 @@ impl Uploader<'_> {
     /// Row-concatenates matrices (same column count) into one bf16 device matrix.
     pub(super) fn matrices(&self, ms: &[&Matrix]) -> Result<DeviceBuf, CudaError> {
         self.upload(&Self::matrix_bits(ms))
+    }
+
+    /// A projection: matrices (same column count) row-concatenated, in the upload's format.
+    fn weight(&self, ms: &[&Matrix]) -> Result<Weight, CudaError> {
+        let rows = ms.iter().map(|m| m.rows()).sum();
+        self.finish(self.matrices(ms)?, rows, ms[0].cols())
+    }
+
+    /// A random projection of `rows` × `cols` (see [`Self::random`]), in the upload's format.
+    fn random_weight(&mut self, rows: usize, cols: usize, scale: f32) -> Result<Weight, CudaError> {
+        let buf = self.random(rows * cols, scale)?;
+        self.finish(buf, rows, cols)
+    }
+
+    /// `bf16` as a [`Weight`]: kept, or with `fp8` quantized on the device (`quant_fp8`: E4M3 codes,
+    /// one scale per 128 × 128 block) and the bf16 copy freed.
+    fn finish(&self, bf16: DeviceBuf, rows: usize, cols: usize) -> Result<Weight, CudaError> {
+        if !self.fp8 {
+            return Ok(Weight {
+                buf: bf16,
+                scales: None,
+                rows,
+                cols,
+            });
+        }
+        let (rb, kb) = (rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK));
+        let codes = DeviceBuf::new(self.ctx, rows * cols)?;
+        let scales = DeviceBuf::new(self.ctx, rb * kb * 4)?;
+        launch!(
+            self.stream,
+            self.funcs.quant_fp8,
+            (kb as u32, rb as u32, 1),
+            (256, 1, 1),
+            bf16.ptr,
+            codes.ptr,
+            scales.ptr,
+            rows as i32,
+            cols as i32
+        );
+        // The bf16 copy is freed only after the kernel has read it.
+        self.stream.synchronize()?;
+        drop(bf16);
+        Ok(Weight {
+            buf: codes,
+            scales: Some(scales),
+            rows,
+            cols,
+        })
     }
 
     /// The bf16 bits of matrices (same column count) concatenated by rows.
@@ -120,8 +170,8 @@ impl Uploader<'_> {
             _ => {
                 let f = c.intermediate_size;
                 FfnBufs::Dense {
-                    gate_up: self.random(2 * f * h, hs)?,
-                    down: self.random(h * f, 1.0 / (f as f32).sqrt())?,
+                    gate_up: self.random_weight(2 * f, h, hs)?,
+                    down: self.random_weight(h, f, 1.0 / (f as f32).sqrt())?,
                 }
             }
         })
@@ -217,8 +267,8 @@ impl Uploader<'_> {
                     };
                     let ffn = match &lw.mlp {
                         MlpWeights::Dense(mlp) => FfnBufs::Dense {
-                            gate_up: up.matrices(&[&mlp.gate, &mlp.up])?,
-                            down: up.matrices(&[&mlp.down])?,
+                            gate_up: up.weight(&[&mlp.gate, &mlp.up])?,
+                            down: up.weight(&[&mlp.down])?,
                         },
                         MlpWeights::Moe(mw) => FfnBufs::Moe(up.moe(mw)?),
                     };
@@ -230,10 +280,10 @@ impl Uploader<'_> {
                         |n: &Option<Vec<f32>>| n.as_deref().map(|n| up.vector(n)).transpose();
                     layers.push(LayerBufs {
                         attn_norm: up.vector(&lw.attn_norm)?,
-                        wqkv: up.matrices(&[&lw.wq, &lw.wk, &lw.wv])?,
+                        wqkv: up.weight(&[&lw.wq, &lw.wk, &lw.wv])?,
                         bqkv,
                         qk_norm,
-                        wo: up.matrices(&[&lw.wo])?,
+                        wo: up.weight(&[&lw.wo])?,
                         ffn_norm: up.vector(&lw.ffn_norm)?,
                         post_attn_norm: optional(&lw.post_attn_norm)?,
                         post_ffn_norm: optional(&lw.post_ffn_norm)?,
@@ -266,7 +316,7 @@ impl Uploader<'_> {
                     }
                     layers.push(LayerBufs {
                         attn_norm: up.constant(h, 1.0)?,
-                        wqkv: up.random((q + 2 * kv) * h, 1.0 / (h as f32).sqrt())?,
+                        wqkv: up.random_weight(q + 2 * kv, h, 1.0 / (h as f32).sqrt())?,
                         bqkv: if c.attention_bias {
                             Some(up.random(q + 2 * kv, 0.02)?)
                         } else {
@@ -278,7 +328,7 @@ impl Uploader<'_> {
                         } else {
                             None
                         },
-                        wo: up.random(h * q, 1.0 / (q as f32).sqrt())?,
+                        wo: up.random_weight(h, q, 1.0 / (q as f32).sqrt())?,
                         ffn_norm: up.constant(h, 1.0)?,
                         post_attn_norm: c
                             .sandwich_norms

@@ -132,6 +132,61 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     sign * mag
 }
 
+/// The E4M3 code of finite `x`, rounded to nearest even and saturated at ±448 (NaN saturates too):
+/// the encoding the CUDA backend's `quant_fp8` kernel writes, step for step, so that a host
+/// reference can hold exactly the weights the GPU holds.
+pub fn e4m3_of(x: f32) -> u8 {
+    let sign = if x < 0.0 { 0x80u8 } else { 0 };
+    let a = x.abs();
+    if a.is_nan() || a >= 464.0 {
+        return sign | 0x7e;
+    }
+    if a < 0.015625 {
+        // Subnormal: m × 2^-9, m in 0..=8 (8 is the smallest normal, 0x08).
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let mut e = ((a.to_bits() >> 23) & 0xff) as i32 - 127;
+    let mut m = ((a / 2f32.powi(e) - 1.0) * 8.0).round_ties_even() as u32;
+    if m == 8 {
+        m = 0;
+        e += 1;
+    }
+    let code = (((e + 7) as u32) << 3 | m).min(0x7e);
+    sign | code as u8
+}
+
+/// Rows and columns of one FP8 scale block (the layout of block-scaled FP8 checkpoints, and of
+/// FP8 weights quantized at load).
+pub const FP8_BLOCK: usize = 128;
+
+/// Quantizes a row-major `rows × cols` matrix to E4M3 codes with one scale per 128 × 128 block
+/// (the block's largest magnitude / 448, 1 for an all-zero block; blocks at the edges are partial),
+/// as the CUDA backend does at load: the codes, and the scales row-major by block.
+pub fn quantize_fp8_blocks(values: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    assert_eq!(values.len(), rows * cols, "values are rows × cols");
+    let (rb, kb) = (rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK));
+    let mut scales = vec![1f32; rb * kb];
+    let mut codes = vec![0u8; rows * cols];
+    for br in 0..rb {
+        for bc in 0..kb {
+            let r = br * FP8_BLOCK..((br + 1) * FP8_BLOCK).min(rows);
+            let c = bc * FP8_BLOCK..((bc + 1) * FP8_BLOCK).min(cols);
+            let amax = r
+                .clone()
+                .flat_map(|i| values[i * cols + c.start..i * cols + c.end].iter())
+                .fold(0f32, |m, v| m.max(v.abs()));
+            let s = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+            scales[br * kb + bc] = s;
+            for i in r {
+                for j in c.clone() {
+                    codes[i * cols + j] = e4m3_of(values[i * cols + j] / s);
+                }
+            }
+        }
+    }
+    (codes, scales)
+}
+
 /// The scale tensor of an FP8 weight, as read from the checkpoint.
 #[derive(Clone, Copy, Debug)]
 pub struct ScaleTensor<'a> {
@@ -192,6 +247,73 @@ pub fn dequantize_fp8(
 
 #[cfg(test)]
 mod tests {
+    /// Every finite code encodes back to itself, values between two codes round to the nearer one
+    /// (ties to the even code), and the range saturates at ±448.
+    #[test]
+    fn e4m3_encoding_round_trips_and_rounds_to_nearest_even() {
+        for b in 0u8..=255 {
+            let v = super::e4m3_to_f32(b);
+            if v.is_nan() {
+                continue;
+            }
+            let back = super::e4m3_of(v);
+            // -0 encodes as 0x80 and +0 as 0x00; every other code is its own.
+            assert_eq!(super::e4m3_to_f32(back), v, "code {b:#04x} ({v})");
+        }
+        for b in 0u8..0x7e {
+            let (lo, hi) = (super::e4m3_to_f32(b), super::e4m3_to_f32(b + 1));
+            let mid = (lo + hi) / 2.0;
+            let even = if b % 2 == 0 { b } else { b + 1 };
+            assert_eq!(
+                super::e4m3_of(mid),
+                even,
+                "tie between {b:#04x} and the next"
+            );
+            assert_eq!(super::e4m3_of(lo + (hi - lo) * 0.25), b);
+            assert_eq!(super::e4m3_of(lo + (hi - lo) * 0.75), b + 1);
+        }
+        assert_eq!(super::e4m3_of(1000.0), 0x7e);
+        assert_eq!(super::e4m3_of(-1000.0), 0xfe);
+        assert_eq!(super::e4m3_of(f32::NAN) & 0x7f, 0x7e);
+        assert_eq!(super::e4m3_to_f32(super::e4m3_of(450.0)), 448.0);
+    }
+
+    /// Block scales are each block's largest magnitude / 448 (partial blocks at the edges), and
+    /// every weight comes back within half a code step of its block.
+    #[test]
+    fn block_quantization_scales_each_block_by_its_largest_value() {
+        let (rows, cols) = (130, 200);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                ((i * 7919 % 1000) as f32 - 500.0) / 100.0 * if i % cols < 128 { 1.0 } else { 0.01 }
+            })
+            .collect();
+        let (codes, scales) = super::quantize_fp8_blocks(&values, rows, cols);
+        assert_eq!(scales.len(), 2 * 2);
+        for (bi, &s) in scales.iter().enumerate() {
+            let (br, bc) = (bi / 2, bi % 2);
+            let mut amax = 0f32;
+            for r in br * 128..((br + 1) * 128).min(rows) {
+                for c in bc * 128..((bc + 1) * 128).min(cols) {
+                    amax = amax.max(values[r * cols + c].abs());
+                }
+            }
+            assert_eq!(s, amax / 448.0);
+        }
+        for r in 0..rows {
+            for c in 0..cols {
+                let s = scales[(r / 128) * 2 + c / 128];
+                let back = super::e4m3_to_f32(codes[r * cols + c]) * s;
+                let v = values[r * cols + c];
+                // E4M3 keeps 3 mantissa bits: a relative step of 2^-3, or the subnormal step 2^-9·s.
+                assert!(
+                    (back - v).abs() <= (v.abs() / 16.0).max(s / 1024.0) * 1.0001,
+                    "{v} -> {back}"
+                );
+            }
+        }
+    }
+
     use super::*;
     use serde_json::json;
 

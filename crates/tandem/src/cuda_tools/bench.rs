@@ -253,6 +253,8 @@ struct BenchRow {
     logits_to_host: bool,
     /// Our GEMV kernel for projections of at most 8 rows (false: cuBLAS).
     gemv: bool,
+    /// How the layers' projections are stored: bf16, or fp8 (`--quantization fp8`).
+    weights: &'static str,
     median_step_ms: f64,
     tokens_per_s: f64,
     /// Bytes of weights + KV read per step over the step time, against `peak_bandwidth`.
@@ -298,6 +300,7 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
         "random weights generated on the GPU"
     );
     let kv_per_token = model.kv_layout().bytes_per_token() as f64;
+    let weights = if opts.fp8_weights { "fp8" } else { "bf16" };
     let mut rows = Vec::new();
     let mut emit = |row: BenchRow| {
         let line = serde_json::to_string(&row).unwrap_or_default();
@@ -358,6 +361,7 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
                 .sum();
             let bytes = model.weight_bytes_per_step(b) as f64 + b as f64 * kv_read;
             emit(BenchRow {
+                weights,
                 what: "decode".into(),
                 batch: b,
                 context: args.context,
@@ -416,6 +420,7 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
             .sum();
         let attn = 4.0 * (c.num_heads * c.head_dim) as f64 * keys;
         emit(BenchRow {
+            weights,
             what: "prefill".into(),
             batch: 1,
             context: len,

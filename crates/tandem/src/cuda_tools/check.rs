@@ -8,7 +8,7 @@ use clap::Args;
 use serde::Serialize;
 use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
 use tandem_engine::sampler::argmax;
-use tandem_model::{CpuLlama, ForwardBatch, KvCache, LoadOptions, LogitsWanted};
+use tandem_model::{CpuLlama, ForwardBatch, KvCache, LoadOptions, LoadedModel, LogitsWanted};
 
 use super::io_err;
 use crate::cuda_settings::CudaSettings;
@@ -32,6 +32,10 @@ pub struct CudaCheckArgs {
     /// Run the CPU backend instead (same output), for CPU/CUDA agreement.
     #[arg(long)]
     pub cpu: bool,
+    /// Write, instead of logits, how this run's CUDA settings (e.g. `--quantization fp8`) agree with
+    /// the plain bf16 run of the same prompts: top-1 agreement and KL(bf16 ‖ this) per logits row.
+    #[arg(long, conflicts_with = "cpu")]
+    pub agreement: bool,
     /// CUDA backend flags (e.g. the reference attention kernel).
     #[command(flatten)]
     pub cuda: CudaSettings,
@@ -86,11 +90,25 @@ pub fn run(args: &CudaCheckArgs) -> Result<()> {
         serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
     let mut prompts: Vec<Vec<u32>> = Vec::with_capacity(items.len());
     let mut forced: Vec<Option<Vec<u32>>> = Vec::with_capacity(items.len());
+    let loaded = tandem_model::load(&args.model, &LoadOptions::default())?;
     for item in items {
         let ids = |v: &serde_json::Value| -> Result<Vec<u32>> {
             serde_json::from_value(v.clone()).map_err(|e| bad(e.to_string()))
         };
-        if item.is_array() {
+        if let Some(text) = item.get("text").and_then(|t| t.as_str()) {
+            // Real text, teacher-forced: its last `decode_steps` tokens are fed one step at a time.
+            let toks = loaded.tokenizer.encode(text, false)?;
+            if toks.len() <= args.decode_steps {
+                return Err(bad(format!(
+                    "a text of {} tokens leaves no prompt before {} forced steps",
+                    toks.len(),
+                    args.decode_steps
+                )));
+            }
+            let cut = toks.len() - args.decode_steps;
+            prompts.push(toks[..cut].to_vec());
+            forced.push(Some(toks[cut..].to_vec()));
+        } else if item.is_array() {
             prompts.push(ids(&item)?);
             forced.push(None);
         } else {
@@ -106,8 +124,7 @@ pub fn run(args: &CudaCheckArgs) -> Result<()> {
             forced.push(Some(f));
         }
     }
-    let loaded = tandem_model::load(&args.model, &LoadOptions::default())?;
-    let block_size = 16;
+    let block_size = BLOCK_SIZE;
     let per_seq = prompts
         .iter()
         .map(|p| (p.len() + args.decode_steps + 1).div_ceil(block_size))
@@ -116,73 +133,40 @@ pub fn run(args: &CudaCheckArgs) -> Result<()> {
     // One spare block past the prompts' tables: the KV round trip imports into it.
     let num_blocks = per_seq * prompts.len().max(1) + 1;
     let total_tokens: usize = prompts.iter().map(Vec::len).sum();
-    let (mut runner, backend, device) = if args.cpu {
-        let model = CpuLlama::new(loaded.config.clone(), loaded.weights, 0);
-        let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
-        (Runner::Cpu(Box::new(model), kv), "cpu", "cpu".to_string())
-    } else {
-        let c = &loaded.config;
-        let bytes = num_blocks * c.num_layers * 2 * c.num_kv_heads * block_size * c.head_dim * 2;
-        let opts = args.cuda.options(CudaOptions {
-            block_size,
-            kv_cache_memory: bytes,
-            max_tokens: total_tokens.max(prompts.len().next_power_of_two()).max(1),
-            // A power of two so that the decode steps also run through captured graphs.
-            max_seqs: prompts.len().max(1).next_power_of_two(),
-            logits_chunk_rows: 256,
-            ..CudaOptions::default()
-        });
-        let model = CudaLlama::new(
-            loaded.config.clone(),
-            WeightSource::Host(&loaded.weights),
-            opts,
-        )?;
-        let device = model.device_name().to_string();
-        (Runner::Cuda(Box::new(model)), "cuda", device)
+    let max_tokens = total_tokens.max(prompts.len().next_power_of_two()).max(1);
+    let cuda_runner = |cuda: &CudaSettings, loaded: &LoadedModel| {
+        cuda_runner(loaded, cuda, num_blocks, max_tokens, prompts.len())
     };
     let vocab = loaded.config.vocab_size;
     let tables: Vec<Vec<u32>> = (0..prompts.len())
         .map(|i| ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect())
         .collect();
-    let mut results: Vec<PromptResult> = prompts
-        .iter()
-        .map(|p| PromptResult {
-            prompt: p.clone(),
-            fed: Vec::new(),
-            prefill_logits: Vec::new(),
-            generated: Vec::new(),
-            decode_logits: Vec::new(),
-        })
-        .collect();
-    let mut batch = ForwardBatch::default();
-    let mut logits = Vec::new();
-    for (p, t) in prompts.iter().zip(&tables) {
-        batch.push(p, 0, t.clone(), LogitsWanted::All);
+    let steps = args.decode_steps;
+    if args.agreement {
+        let plain = CudaSettings {
+            quantization: None,
+            ..args.cuda.clone()
+        };
+        let (mut base, device) = cuda_runner(&plain, &loaded)?;
+        let want = run_prompts(&mut base, &prompts, &forced, &tables, steps, vocab)?;
+        drop(base);
+        let (mut runner, _) = cuda_runner(&args.cuda, &loaded)?;
+        let got = run_prompts(&mut runner, &prompts, &forced, &tables, steps, vocab)?;
+        let report = Agreement::of(&want, &got, device);
+        std::fs::write(&args.out, serde_json::to_string_pretty(&report)?)
+            .map_err(io_err(&args.out))?;
+        tracing::info!(out = %args.out.display(), top1 = report.top1, kl = report.kl_mean, "agreement written");
+        return Ok(());
     }
-    runner.forward(&batch, &mut logits)?;
-    let mut rows = logits.chunks_exact(vocab);
-    for r in results.iter_mut() {
-        for _ in 0..r.prompt.len() {
-            let row = rows.next().expect("one row per prompt token");
-            r.prefill_logits.push(row.to_vec());
-        }
-        let last = r.prefill_logits.last().map(|l| argmax(l)).unwrap_or(0);
-        r.generated.push(last);
-    }
-    for step in 0..args.decode_steps {
-        batch.clear();
-        for ((r, t), f) in results.iter_mut().zip(&tables).zip(&forced) {
-            let pos = r.prompt.len() + step;
-            let tok = f.as_ref().map_or(r.generated[step], |f| f[step]);
-            r.fed.push(tok);
-            batch.push(&[tok], pos, t.clone(), LogitsWanted::Last);
-        }
-        runner.forward(&batch, &mut logits)?;
-        for (r, row) in results.iter_mut().zip(logits.chunks_exact(vocab)) {
-            r.decode_logits.push(row.to_vec());
-            r.generated.push(argmax(row));
-        }
-    }
+    let (mut runner, backend, device) = if args.cpu {
+        let model = CpuLlama::new(loaded.config.clone(), loaded.weights, 0);
+        let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
+        (Runner::Cpu(Box::new(model), kv), "cpu", "cpu".to_string())
+    } else {
+        let (runner, device) = cuda_runner(&args.cuda, &loaded)?;
+        (runner, "cuda", device)
+    };
+    let results = run_prompts(&mut runner, &prompts, &forced, &tables, steps, vocab)?;
     let kv_roundtrip = match &mut runner {
         Runner::Cuda(m) => {
             let layout = m.kv_layout();
@@ -208,6 +192,159 @@ pub fn run(args: &CudaCheckArgs) -> Result<()> {
     Ok(())
 }
 
+/// KV blocks of 16 tokens, as the CPU runner's.
+const BLOCK_SIZE: usize = 16;
+
+/// The CUDA model of `loaded` under `cuda`, sized for `seqs` sequences of `num_blocks` blocks in all
+/// and `max_tokens` prompt tokens in one step; and the device's name.
+fn cuda_runner(
+    loaded: &LoadedModel,
+    cuda: &CudaSettings,
+    num_blocks: usize,
+    max_tokens: usize,
+    seqs: usize,
+) -> Result<(Runner, String)> {
+    let c = &loaded.config;
+    let bytes = num_blocks * c.num_layers * 2 * c.num_kv_heads * BLOCK_SIZE * c.head_dim * 2;
+    let opts = cuda.options(CudaOptions {
+        block_size: BLOCK_SIZE,
+        kv_cache_memory: bytes,
+        max_tokens,
+        // A power of two so that the decode steps also run through captured graphs.
+        max_seqs: seqs.max(1).next_power_of_two(),
+        logits_chunk_rows: 256,
+        fp8_weights: loaded.fp8_checkpoint,
+        ..CudaOptions::default()
+    });
+    let model = CudaLlama::new(
+        loaded.config.clone(),
+        WeightSource::Host(&loaded.weights),
+        opts,
+    )?;
+    let device = model.device_name().to_string();
+    Ok((Runner::Cuda(Box::new(model)), device))
+}
+
+/// Runs all prompts as one prefill step (every row's logits), then `steps` decode steps of all
+/// sequences together (greedy, or the forced tokens).
+fn run_prompts(
+    runner: &mut Runner,
+    prompts: &[Vec<u32>],
+    forced: &[Option<Vec<u32>>],
+    tables: &[Vec<u32>],
+    steps: usize,
+    vocab: usize,
+) -> Result<Vec<PromptResult>> {
+    let mut results: Vec<PromptResult> = prompts
+        .iter()
+        .map(|p| PromptResult {
+            prompt: p.clone(),
+            fed: Vec::new(),
+            prefill_logits: Vec::new(),
+            generated: Vec::new(),
+            decode_logits: Vec::new(),
+        })
+        .collect();
+    let mut batch = ForwardBatch::default();
+    let mut logits = Vec::new();
+    for (p, t) in prompts.iter().zip(tables) {
+        batch.push(p, 0, t.clone(), LogitsWanted::All);
+    }
+    runner.forward(&batch, &mut logits)?;
+    let mut rows = logits.chunks_exact(vocab);
+    for r in results.iter_mut() {
+        for _ in 0..r.prompt.len() {
+            let row = rows.next().expect("one row per prompt token");
+            r.prefill_logits.push(row.to_vec());
+        }
+        let last = r.prefill_logits.last().map(|l| argmax(l)).unwrap_or(0);
+        r.generated.push(last);
+    }
+    for step in 0..steps {
+        batch.clear();
+        for ((r, t), f) in results.iter_mut().zip(tables).zip(forced) {
+            let pos = r.prompt.len() + step;
+            let tok = f.as_ref().map_or(r.generated[step], |f| f[step]);
+            r.fed.push(tok);
+            batch.push(&[tok], pos, t.clone(), LogitsWanted::Last);
+        }
+        runner.forward(&batch, &mut logits)?;
+        for (r, row) in results.iter_mut().zip(logits.chunks_exact(vocab)) {
+            r.decode_logits.push(row.to_vec());
+            r.generated.push(argmax(row));
+        }
+    }
+    Ok(results)
+}
+
+/// How a run's logits agree with a baseline run's over the same (teacher-forced) inputs.
+#[derive(Serialize)]
+struct Agreement {
+    device: String,
+    /// Logits rows compared: every prompt row (the prefill step) and every decode row.
+    positions: usize,
+    /// Share of rows whose argmax equals the baseline's, all rows / prefill rows / decode rows.
+    top1: f64,
+    top1_prefill: f64,
+    top1_decode: f64,
+    /// KL(baseline ‖ run) of the softmax distributions in nats: mean and largest over the rows.
+    kl_mean: f64,
+    kl_max: f64,
+}
+
+impl Agreement {
+    fn of(want: &[PromptResult], got: &[PromptResult], device: String) -> Agreement {
+        let mut n = [0usize; 2];
+        let mut same = [0usize; 2];
+        let (mut kl_sum, mut kl_max) = (0.0f64, 0.0f64);
+        for (w, g) in want.iter().zip(got) {
+            let pairs = w
+                .prefill_logits
+                .iter()
+                .zip(&g.prefill_logits)
+                .map(|p| (0, p))
+                .chain(w.decode_logits.iter().zip(&g.decode_logits).map(|p| (1, p)));
+            for (kind, (a, b)) in pairs {
+                n[kind] += 1;
+                same[kind] += usize::from(argmax(a) == argmax(b));
+                let kl = kl_divergence(a, b);
+                kl_sum += kl;
+                kl_max = kl_max.max(kl);
+            }
+        }
+        let share = |s: usize, n: usize| if n == 0 { 1.0 } else { s as f64 / n as f64 };
+        let total = n[0] + n[1];
+        Agreement {
+            device,
+            positions: total,
+            top1: share(same[0] + same[1], total),
+            top1_prefill: share(same[0], n[0]),
+            top1_decode: share(same[1], n[1]),
+            kl_mean: if total == 0 {
+                0.0
+            } else {
+                kl_sum / total as f64
+            },
+            kl_max,
+        }
+    }
+}
+
+/// KL(softmax(p) ‖ softmax(q)) in nats, in f64.
+fn kl_divergence(p: &[f32], q: &[f32]) -> f64 {
+    let log_softmax = |x: &[f32]| -> Vec<f64> {
+        let m = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+        let lse = x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln() + m;
+        x.iter().map(|&v| v as f64 - lse).collect()
+    };
+    let (lp, lq) = (log_softmax(p), log_softmax(q));
+    lp.iter()
+        .zip(&lq)
+        .map(|(a, b)| a.exp() * (a - b))
+        .sum::<f64>()
+        .max(0.0)
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::Path;
@@ -231,6 +368,7 @@ mod tests {
             decode_steps: steps,
             out: out.clone(),
             cpu: true,
+            agreement: false,
             cuda: CudaSettings::default(),
         })
         .unwrap();
