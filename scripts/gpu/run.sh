@@ -94,8 +94,8 @@ if want fp8; then
   echo "== qwen3_fp8 (block-scaled FP8 checkpoint, FP8 on the GPU) against HF transformers"
   timeout 240 python3 "$root/scripts/gpu/check.py" --family qwen3_fp8 --bin "$BIN" --work /tmp/tandem-tiny-qwen3_fp8 \
     --out "$OUT/qwen3_fp8" || status=1
-  echo "== tandem cuda-bench, 8B shape, bf16 then FP8 weights"
-  for q in "" "--quantization fp8"; do
+  echo "== tandem cuda-bench, 8B shape, bf16, FP8 weights, FP8 weights with FP8 tensor-core GEMMs"
+  for q in "" "--quantization fp8" "--quantization fp8 --cuda-fp8-gemm"; do
     # shellcheck disable=SC2086
     timeout 240 "$BIN" cuda-bench --batches 1,8,64 --prefill 4096 $q --out "$OUT/fp8_bench.jsonl" || status=1
   done

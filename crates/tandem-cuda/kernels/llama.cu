@@ -1695,6 +1695,32 @@ extern "C" __global__ void quant_fp8(const bf16* __restrict__ w, unsigned char* 
     }
 }
 
+// The activations x [M x K] (bf16) as E4M3 codes for the FP8 tensor-core GEMMs, with one scale per
+// token and 128-value group (its largest magnitude / 448, 1 when all zero): group g of token m at
+// m * groups + g (`row_major` 0) or g * M + m (1), the order cuBLASLt was found to read at load.
+// One warp per (token, group), four values a lane.
+extern "C" __global__ void quant_act_fp8(const bf16* __restrict__ x, unsigned char* __restrict__ q,
+                                         float* __restrict__ scale, int M, int K, int row_major) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    const int groups = (K + 127) / 128;
+    if (warp >= M * groups) return;
+    const int m = warp / groups, g = warp % groups;
+    const int k0 = g * 128 + lane * 4;
+    float v[4], amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[i] = k0 + i < K ? bf2f(x[(u64)m * K + k0 + i]) : 0.f;
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    amax = warp_max(amax);
+    const float s = amax > 0.f ? amax / 448.f : 1.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (k0 + i < K) q[(u64)m * K + k0 + i] = e4m3_of(v[i] / s);
+    }
+    if (lane == 0) scale[row_major ? (u64)g * M + m : (u64)m * groups + g] = s;
+}
+
 // w[n][k] = bf16(code x scale) of an FP8 matrix (the bf16 tile steps of more rows than the GEMV
 // kernels take hand to cuBLAS): 16 codes a thread, K a multiple of 16.
 extern "C" __global__ void dequant_fp8(const unsigned char* __restrict__ q, const float* __restrict__ scale,

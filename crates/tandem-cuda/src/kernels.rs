@@ -39,7 +39,7 @@ pub fn decode_partition(n_decode: usize, small: usize) -> usize {
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 27] = [
+pub const KERNEL_NAMES: [&str; 28] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -67,6 +67,7 @@ pub const KERNEL_NAMES: [&str; 27] = [
     "moe_gemv_down",
     "quant_fp8",
     "dequant_fp8",
+    "quant_act_fp8",
 ];
 
 /// Largest row count the small-batch GEMV kernels (`gemv_1` .. `gemv_8`) handle.

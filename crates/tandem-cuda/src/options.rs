@@ -72,6 +72,9 @@ pub struct CudaOptions {
     /// block layout): half the bytes each decode step streams. Embeddings, the output head, norms
     /// and mixture-of-experts experts stay bf16.
     pub fp8_weights: bool,
+    /// Run FP8 matrices in steps too large for the GEMVs as FP8 tensor-core GEMMs (cuBLASLt, block
+    /// scales; checked at load) instead of cuBLAS on bf16 tiles.
+    pub fp8_gemm: bool,
 }
 
 /// The kernel settings at their defaults; the block size and KV budget are the engine's defaults
@@ -102,6 +105,7 @@ impl Default for CudaOptions {
             layers: None,
             num_blocks: None,
             fp8_weights: false,
+            fp8_gemm: false,
         }
     }
 }

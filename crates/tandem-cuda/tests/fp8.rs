@@ -13,10 +13,11 @@
 use std::path::Path;
 
 use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
-use tandem_kernels::Matrix;
+use tandem_kernels::{Matrix, RopeScaling};
 use tandem_model::weights::fp8::{e4m3_to_f32, quantize_fp8_blocks};
 use tandem_model::{
-    CpuLlama, ForwardBatch, KvCache, LlamaWeights, LoadOptions, LogitsWanted, MlpWeights,
+    CpuLlama, DenseShape, ForwardBatch, GatedMlp, KvCache, LayerRope, LayerWeights, LlamaWeights,
+    LoadOptions, LogitsWanted, MlpWeights, ModelConfig,
 };
 
 const BLOCK: usize = 16;
@@ -140,15 +141,71 @@ fn compare(a: &Rows, b: &Rows, range: std::ops::Range<usize>) -> (f64, usize) {
     ((num / den).sqrt(), same)
 }
 
-#[test]
-fn fp8_weights_match_a_float32_reference_on_the_dequantized_weights() {
-    if !tandem_cuda::driver_available() {
-        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
-        return;
-    }
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/tiny-llama");
-    let loaded = tandem_model::load(&dir, &LoadOptions::default()).expect("the fixture loads");
-    let c = loaded.config.clone();
+/// A small Llama whose widths are whole 128-value blocks (what the FP8 tensor-core GEMMs take), with
+/// random weights.
+fn blocky_model() -> (ModelConfig, LlamaWeights) {
+    let c = ModelConfig::dense(DenseShape {
+        hidden: 256,
+        ffn: 512,
+        layers: 2,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 128,
+        vocab: 512,
+        max_positions: 256,
+        rope: LayerRope {
+            theta: 10000.0,
+            scaling: RopeScaling::None,
+        },
+    });
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut matrix = |rows: usize, cols: usize| {
+        let scale = 1.0 / (cols as f32).sqrt();
+        let v = (0..rows * cols)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale * 1.7
+            })
+            .collect();
+        Matrix::from_f32(rows, cols, v)
+    };
+    let (h, f, q, kv) = (256, 512, 256, 128);
+    let layers = (0..c.num_layers)
+        .map(|_| LayerWeights {
+            attn_norm: vec![1.0; h],
+            wq: matrix(q, h),
+            wk: matrix(kv, h),
+            wv: matrix(kv, h),
+            wo: matrix(h, q),
+            bq: None,
+            bk: None,
+            bv: None,
+            q_norm: None,
+            k_norm: None,
+            post_attn_norm: None,
+            ffn_norm: vec![1.0; h],
+            mlp: MlpWeights::Dense(GatedMlp {
+                gate: matrix(f, h),
+                up: matrix(f, h),
+                down: matrix(h, f),
+            }),
+            post_ffn_norm: None,
+        })
+        .collect();
+    let w = LlamaWeights {
+        embed: matrix(512, h),
+        layers,
+        norm: vec![1.0; h],
+        lm_head: Some(matrix(512, h)),
+    };
+    (c, w)
+}
+
+/// The errors against the float32 reference (prefill rows, decode rows) with bf16 weights and with
+/// FP8 weights (`gemm`: large steps on the FP8 tensor-core GEMMs).
+fn errors(c: &ModelConfig, weights: &LlamaWeights, gemm: bool) -> [(f64, f64); 2] {
     let vocab = c.vocab_size;
     let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % vocab as u32).collect();
     let steps: Vec<u32> = (0..6).map(|i| (i * 53 + 5) % vocab as u32).collect();
@@ -156,7 +213,7 @@ fn fp8_weights_match_a_float32_reference_on_the_dequantized_weights() {
     let mut errors = Vec::new();
     for fp8 in [false, true] {
         let reference = {
-            let mut model = CpuLlama::new(c.clone(), gpu_weights(&loaded.weights, fp8), 1);
+            let mut model = CpuLlama::new(c.clone(), gpu_weights(weights, fp8), 1);
             let mut kv = KvCache::new(model.kv_layout(BLOCK, BLOCKS));
             run(
                 |b, l| model.forward(b, &mut kv, l).expect("CPU step"),
@@ -173,9 +230,10 @@ fn fp8_weights_match_a_float32_reference_on_the_dequantized_weights() {
             max_model_len: Some(BLOCK * BLOCKS),
             graphs: false,
             fp8_weights: fp8,
+            fp8_gemm: gemm,
             ..CudaOptions::default()
         };
-        let mut gpu = CudaLlama::new(c.clone(), WeightSource::Host(&loaded.weights), opts)
+        let mut gpu = CudaLlama::new(c.clone(), WeightSource::Host(weights), opts)
             .expect("the CUDA model loads");
         let got = run(
             |b, l| gpu.forward(b, l).expect("CUDA step"),
@@ -189,12 +247,48 @@ fn fp8_weights_match_a_float32_reference_on_the_dequantized_weights() {
             prefill.0, prefill.1, decode.0, decode.1, steps.len());
         errors.push((prefill.0, decode.0));
     }
-    let (floor, fp8) = (errors[0], errors[1]);
+    [errors[0], errors[1]]
+}
+
+#[test]
+fn fp8_weights_match_a_float32_reference_on_the_dequantized_weights() {
+    if !tandem_cuda::driver_available() {
+        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/tiny-llama");
+    let loaded = tandem_model::load(&dir, &LoadOptions::default()).expect("the fixture loads");
+    let [floor, fp8] = errors(&loaded.config, &loaded.weights, false);
     // What separates the GPU from its float32 reference is the bf16 activations, with FP8 weights as
     // with bf16 ones: a wrong code, scale or block index would put the FP8 run far past the floor.
     assert!(
         fp8.0 <= 2.0 * floor.0 + 0.01,
         "prefill: FP8 {:.4} vs bf16 floor {:.4}",
+        fp8.0,
+        floor.0
+    );
+    assert!(
+        fp8.1 <= 2.0 * floor.1 + 0.01,
+        "decode: FP8 {:.4} vs bf16 floor {:.4}",
+        fp8.1,
+        floor.1
+    );
+}
+
+/// Prompt steps on FP8 tensor-core GEMMs (cuBLASLt, activations quantized per token and 128-value
+/// group): their error is the activations' E4M3 rounding on top of the bf16 floor, a few times
+/// that floor, never the O(1) of a wrong scale order (which the load-time check must have refused).
+#[test]
+fn fp8_tensor_core_gemms_stay_near_the_reference() {
+    if !tandem_cuda::driver_available() {
+        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
+        return;
+    }
+    let (c, w) = blocky_model();
+    let [floor, fp8] = errors(&c, &w, true);
+    assert!(
+        fp8.0 <= 6.0 * floor.0 + 0.04,
+        "prefill: FP8 GEMMs {:.4} vs bf16 floor {:.4}",
         fp8.0,
         floor.0
     );

@@ -142,6 +142,15 @@ pub struct CudaTuning {
     /// Most (token, expert) slots of a MoE step on the expert GEMVs; 0: grouped GEMMs always (A/B timings).
     #[arg(long = "cuda-moe-gemv-slots", hide = true, value_parser = parse_count("moe_gemv_slots"))]
     pub moe_gemv_slots: Option<usize>,
+    /// FP8 matrices in large steps as FP8 tensor-core GEMMs (cuBLASLt, checked at load) instead of
+    /// cuBLAS on bf16 tiles (A/B timings).
+    #[arg(
+        long = "cuda-fp8-gemm",
+        hide = true,
+        num_args = 0,
+        default_missing_value = "true"
+    )]
+    pub fp8_gemm: Option<bool>,
     /// Blocks a multiprocessor of the looping decode attention in captured graphs (A/B timings, checks).
     #[arg(long = "cuda-decode-graph-blocks", hide = true, value_parser = parse_positive("decode_graph_blocks"))]
     pub decode_graph_blocks: Option<usize>,
@@ -245,6 +254,7 @@ impl CudaSettings {
                 .decode_graph_blocks
                 .unwrap_or(base.decode_graph_blocks_per_sm),
             fp8_weights: base.fp8_weights || self.quantization == Some(Quantization::Fp8),
+            fp8_gemm: t.fp8_gemm.unwrap_or(base.fp8_gemm),
             ..base
         }
     }

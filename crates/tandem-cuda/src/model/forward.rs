@@ -7,7 +7,7 @@ use tandem_model::ForwardBatch;
 
 use super::gemv::{fused_smem_bytes, GemvFamily, GEMV_WARPS};
 use super::launch::{KernelArg, SeqAttnArgs};
-use super::{CudaLlama, FfnBufs, Weight};
+use super::{fp8_gemm, CudaLlama, FfnBufs, Weight};
 use crate::error::CudaError;
 use crate::kernels::{self, DECODE_PARTITION_SMALL};
 use crate::memory::{BF16, STAGING_CHUNK};
@@ -47,6 +47,33 @@ impl CudaLlama {
         }
         if !w.fp8() {
             return self.blas_gemm(x, w.buf.ptr, y, t, n, k, false);
+        }
+        if let Some(g) = self.fp8_gemm.as_ref().filter(|_| fp8_gemm::fits(n, k)) {
+            let a = &self.acts;
+            let warps = t * k.div_ceil(128);
+            launch!(
+                self.stream,
+                self.funcs.quant_act_fp8,
+                (warps.div_ceil(8) as u32, 1, 1),
+                (256, 1, 1),
+                x,
+                a.aq.ptr,
+                a.aq_scales.ptr,
+                t as i32,
+                k as i32,
+                i32::from(g.act_order == fp8_gemm::ScaleOrder::RowMajor)
+            );
+            return g.matmul(
+                &self.stream,
+                w.buf.ptr,
+                w.lt_scale_ptr(),
+                a.aq.ptr,
+                a.aq_scales.ptr,
+                y,
+                t,
+                n,
+                k,
+            );
         }
         let chunks = n * k / 16;
         launch!(

@@ -50,6 +50,8 @@ pub(super) struct Funcs {
     /// bf16 → FP8 block quantization at load, and FP8 → bf16 for the cuBLAS steps.
     pub(super) quant_fp8: CudaFunction,
     pub(super) dequant_fp8: CudaFunction,
+    /// Activations to E4M3 per token and 128-value group, for the FP8 tensor-core GEMMs.
+    pub(super) quant_act_fp8: CudaFunction,
 }
 
 impl Funcs {
@@ -96,6 +98,7 @@ impl Funcs {
             ],
             quant_fp8: f("quant_fp8")?,
             dequant_fp8: f("dequant_fp8")?,
+            quant_act_fp8: f("quant_act_fp8")?,
         })
     }
 

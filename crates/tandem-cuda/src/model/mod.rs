@@ -11,6 +11,7 @@
 mod launch;
 
 mod forward;
+mod fp8_gemm;
 mod gemv;
 mod graphs;
 mod kv_io;
@@ -58,6 +59,9 @@ struct Weight {
     buf: DeviceBuf,
     /// The FP8 block scales, `rows.div_ceil(128)` × `cols.div_ceil(128)` (`None`: bf16).
     scales: Option<DeviceBuf>,
+    /// The same scales ordered row block by row block along K's blocks, when the FP8 GEMMs read
+    /// them so (`fp8_gemm::ScaleOrder::RowMajor`).
+    lt_scales: Option<DeviceBuf>,
     rows: usize,
     cols: usize,
 }
@@ -66,6 +70,11 @@ impl Weight {
     /// The scales' pointer for the GEMV kernels (0 for bf16, whose kernels ignore it).
     fn scale_ptr(&self) -> u64 {
         self.scales.as_ref().map_or(0, |s| s.ptr)
+    }
+
+    /// The scales in the order the FP8 GEMMs read.
+    fn lt_scale_ptr(&self) -> u64 {
+        self.lt_scales.as_ref().map_or(self.scale_ptr(), |s| s.ptr)
     }
 
     /// Scale blocks along a row (the kernels' `kb`).
@@ -86,6 +95,48 @@ impl Weight {
 
 /// Rows and columns of one FP8 scale block (the layout of block-scaled FP8 checkpoints).
 const FP8_BLOCK: usize = 128;
+
+impl Weight {
+    /// Adds the scales ordered by row blocks along K's blocks (`lt_scales`): copied through the host,
+    /// once at load.
+    fn order_scales_by_rows(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), CudaError> {
+        let Some(sc) = &self.scales else {
+            return Ok(());
+        };
+        let (rb, kb) = (self.rows.div_ceil(FP8_BLOCK), self.cols.div_ceil(FP8_BLOCK));
+        let mut host = vec![0f32; rb * kb];
+        // SAFETY: sc holds rb × kb f32; the copy completes before the synchronize returns.
+        unsafe { drv_result::memcpy_dtoh_async(&mut host, sc.ptr, stream.cu_stream()) }?;
+        stream.synchronize()?;
+        let by_rows: Vec<f32> = (0..rb * kb).map(|i| host[(i % rb) * kb + i / rb]).collect();
+        let buf = DeviceBuf::new(ctx, by_rows.len() * 4)?;
+        // SAFETY: buf holds exactly these values; synchronised before they drop.
+        unsafe { drv_result::memcpy_htod_async(buf.ptr, &by_rows, stream.cu_stream()) }?;
+        stream.synchronize()?;
+        self.lt_scales = Some(buf);
+        Ok(())
+    }
+}
+
+impl LayerBufs {
+    /// Calls `f` on each of the layer's projection matrices (the dense ones: MoE experts are bf16).
+    fn for_each_weight(
+        &mut self,
+        mut f: impl FnMut(&mut Weight) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        f(&mut self.wqkv)?;
+        f(&mut self.wo)?;
+        if let FfnBufs::Dense { gate_up, down } = &mut self.ffn {
+            f(gate_up)?;
+            f(down)?;
+        }
+        Ok(())
+    }
+}
 
 /// One layer's device weights.
 struct LayerBufs {
@@ -140,6 +191,9 @@ struct Acts {
     /// bf16 copy of one FP8 matrix for the cuBLAS steps (the largest FP8 matrix's size; empty
     /// without FP8 weights).
     wtile: DeviceBuf,
+    /// A step's activations as E4M3 codes and their per-token group scales (FP8 GEMMs only).
+    aq: DeviceBuf,
+    aq_scales: DeviceBuf,
     _blas_workspace: DeviceBuf,
 }
 
@@ -152,6 +206,9 @@ pub struct CudaLlama {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     funcs: Funcs,
+    /// FP8 tensor-core GEMMs (`CudaOptions::fp8_gemm` with FP8 weights, when the load-time check
+    /// passed).
+    fp8_gemm: Option<fp8_gemm::Fp8Gemm>,
     /// The token embedding: absent on a pipeline stage that neither embeds nor reads a tied head.
     embed: Option<DeviceBuf>,
     /// Global index of `layers[0]` (0 unless this is a later pipeline stage).
@@ -390,7 +447,20 @@ impl CudaLlama {
                 c.num_layers
             )));
         }
-        let (embed, layers, norm, lm_head) = up.weights(weights, c, range.clone())?;
+        let (embed, mut layers, norm, lm_head) = up.weights(weights, c, range.clone())?;
+        let fp8_gemm = if opts.fp8_weights && opts.fp8_gemm {
+            fp8_gemm::Fp8Gemm::new(&ctx, &stream)?
+        } else {
+            None
+        };
+        if fp8_gemm
+            .as_ref()
+            .is_some_and(|g| g.weight_order == fp8_gemm::ScaleOrder::RowMajor)
+        {
+            for l in &mut layers {
+                l.for_each_weight(|w| w.order_scales_by_rows(&ctx, &stream))?;
+            }
+        }
 
         // RoPE tables: one per distinct rope among this instance's layers.
         let (distinct, layer_rope) = c.distinct_ropes(range.clone());
@@ -458,6 +528,22 @@ impl CudaLlama {
             meta: bufsz(meta_layout.total(), 4)?,
             moe: moe::MoeActs::new(&ctx, c, range.len(), max_tokens)?,
             wtile: bufsz(largest_fp8(&layers), BF16)?,
+            aq: bufsz(
+                if fp8_gemm.is_some() {
+                    max_tokens * h.max(q).max(f)
+                } else {
+                    0
+                },
+                1,
+            )?,
+            aq_scales: bufsz(
+                if fp8_gemm.is_some() {
+                    max_tokens * h.max(q).max(f).div_ceil(FP8_BLOCK)
+                } else {
+                    0
+                },
+                4,
+            )?,
             _blas_workspace: bufsz(64 << 20, 1)?,
         };
         // An explicit workspace keeps cuBLAS from allocating inside graph capture.
@@ -512,6 +598,7 @@ impl CudaLlama {
             stream,
             blas,
             funcs,
+            fp8_gemm,
             embed,
             first_layer: range.start,
             layers,

@@ -70,6 +70,7 @@ impl Uploader<'_> {
             return Ok(Weight {
                 buf: bf16,
                 scales: None,
+                lt_scales: None,
                 rows,
                 cols,
             });
@@ -94,6 +95,7 @@ impl Uploader<'_> {
         Ok(Weight {
             buf: codes,
             scales: Some(scales),
+            lt_scales: None,
             rows,
             cols,
         })
