@@ -18,8 +18,10 @@ pub use model::{
     default_model, model, model_path, root, run_ok, DEFAULT_MODEL, DEFAULT_MODEL_NAME,
 };
 pub use pki::TestPki;
-pub use server::{free_port, greedy_body, health_status, healthy, json_of, signal, text, Server};
-pub use worker::Worker;
+pub use server::{
+    free_port, greedy_body, health_status, healthy, json_of, signal, text, worker_urls, Server,
+};
+pub use worker::{spawn_ready, Killed, Worker};
 
 use serde_json::Value;
 use tandem_model::Tokenizer;
