@@ -1,7 +1,8 @@
 //! Test support for tandem's crates (a dev-dependency only, never published): the default model with one
 //! rule for when it is missing, the mock backend, the checks of the `Backend` contract that every
-//! backend runs, greedy request bodies, free ports, health polling, certificates for the TLS tests, a `tandem serve` child process
-//! killed on drop with HTTP helpers that assert on its answers, and a `tandem worker` started by hand.
+//! backend runs, greedy request bodies, free ports, health polling, certificates for the TLS tests, a
+//! `tandem serve` child process (plain or HTTPS) killed on drop with HTTP helpers that assert on its
+//! answers, a `tandem worker` started by hand, and any child read up to its ready line (`spawn_ready`).
 //!
 //! It depends only on `tandem-model` and `tandem-engine`, so every crate above them may use it in its unit
 //! tests without a dependency cycle; the engine itself uses it from its integration tests only.
