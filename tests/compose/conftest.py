@@ -81,15 +81,19 @@ def image_config(image: str) -> dict:
 
 
 class Deployment:
-    """One compose project made of `files` (relative to deploy/compose/), on a free loopback port."""
+    """One compose project made of `files` (relative to deploy/compose/), on a free loopback port. With
+    `tls_dir` (the certificates deploy/compose/tls-certs.sh made, for compose.tls.yaml) the head is
+    reached over HTTPS, trusting that folder's ca.crt."""
 
-    def __init__(self, files, name, head_config=None):
+    def __init__(self, files, name, head_config=None, tls_dir=None):
         require_image(CPU_IMAGE)
         require_model()
         self.compose = compose_command()
         self.project = f"tandemct{os.getpid()}{name}"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # What `requests` checks the head's certificate against (its default roots without TLS).
+        self.verify = True
         # The cluster token compose.yaml requires, and the bearer of the tests' calls to control routes.
         self.token = secrets.token_hex(32)
         self.auth = {"Authorization": f"Bearer {self.token}"}
@@ -98,6 +102,10 @@ class Deployment:
         if head_config:
             # The head's YAML (TANDEM_HEAD_CONFIG in compose.yaml), e.g. tests/compose/head-faults.yaml.
             self.env["TANDEM_HEAD_CONFIG"] = str(pathlib.Path(head_config).resolve())
+        if tls_dir:
+            self.env["TANDEM_TLS_DIR"] = str(pathlib.Path(tls_dir).resolve())
+            self.url = f"https://127.0.0.1:{self.port}"
+            self.verify = str(pathlib.Path(tls_dir).resolve() / "ca.crt")
         # Containers started beside the project (`docker run` on its network): removed before `down`,
         # which could not remove the network while they are attached to it.
         self.extra = []
@@ -151,7 +159,7 @@ class Deployment:
 
     def metrics(self) -> dict:
         """The head's /metrics as {name{labels}: value}."""
-        r = requests.get(self.url + "/metrics", timeout=5)
+        r = requests.get(self.url + "/metrics", timeout=5, verify=self.verify)
         r.raise_for_status()
         out = {}
         for line in r.text.splitlines():
@@ -187,24 +195,32 @@ class Deployment:
         self.fail(f"{what}: not within {timeout:.0f}s (last: {last!r})")
 
     def healthy(self):
-        return self.wait_for("the head's /health", lambda: requests.get(self.url + "/health", timeout=3).ok)
+        return self.wait_for("the head's /health",
+                             lambda: requests.get(self.url + "/health", timeout=3, verify=self.verify).ok)
 
     def workers(self) -> list:
-        r = requests.get(self.url + "/v1/cluster/workers", headers=self.auth, timeout=5)
+        r = requests.get(self.url + "/v1/cluster/workers", headers=self.auth, timeout=5, verify=self.verify)
         r.raise_for_status()
         return r.json()
 
     def healthy_workers(self, role) -> list:
         return [w for w in self.workers() if w["info"]["role"] == role and w["healthy"]]
 
+    def wait_workers(self, prefill, decode, timeout=120):
+        """Waits until the head lists exactly `prefill` and `decode` healthy workers of each role."""
+        return self.wait_for(f"{prefill} prefill and {decode} decode workers healthy",
+                             lambda: len(self.healthy_workers("prefill")) == prefill
+                             and len(self.healthy_workers("decode")) == decode, timeout=timeout)
+
 
 @pytest.fixture
 def deployment(request):
-    """Factory: deployment(files, name[, head_config]) -> an up-able Deployment, taken down after the test."""
+    """Factory: deployment(files, name[, head_config, tls_dir]) -> an up-able Deployment, taken down after
+    the test."""
     made = []
 
-    def make(files, name, head_config=None):
-        d = Deployment(files, name, head_config)
+    def make(files, name, head_config=None, tls_dir=None):
+        d = Deployment(files, name, head_config, tls_dir)
         made.append(d)
         return d
 

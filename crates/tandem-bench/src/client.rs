@@ -64,17 +64,23 @@ struct ModelEntry {
 }
 
 impl Client {
-    /// Connects to `endpoint`; `model` defaults to the first model of its `GET /v1/models`.
+    /// Connects to `endpoint`; `model` defaults to the first model of its `GET /v1/models`. `roots` are
+    /// the CA certificates an https endpoint's certificate may chain to (`--ca-cert`).
     pub async fn connect(
         endpoint: Endpoint,
         model: Option<String>,
         api_key: Option<String>,
         timeout: Duration,
+        roots: &[reqwest::Certificate],
     ) -> Result<Client, BenchError> {
         // No connection reuse: a server may close an idle kept-alive connection just as a request goes
         // out on it (llama-server does after 5 s), which would count as a failed request. A loopback
         // connect costs well under a millisecond of the TTFT.
-        let http = reqwest::Client::builder()
+        let http = roots
+            .iter()
+            .fold(reqwest::Client::builder(), |b, cert| {
+                b.add_root_certificate(cert.clone())
+            })
             .pool_max_idle_per_host(0)
             .build()
             .map_err(|e| BenchError::Endpoint {

@@ -34,6 +34,8 @@ pub struct BenchPlan {
     pub model: Option<String>,
     /// Bearer token.
     pub api_key: Option<String>,
+    /// CA certificates an https endpoint's certificate may chain to (`--ca-cert`; a private CA).
+    pub ca_certs: Vec<reqwest::Certificate>,
     /// What to send.
     pub workload: WorkloadSpec,
     /// Requests per point.
@@ -79,6 +81,7 @@ pub async fn run_plan(
             plan.model.clone(),
             plan.api_key.clone(),
             plan.request_timeout,
+            &plan.ca_certs,
         )
         .await?
         .with_response_format(plan.response_format.clone());

@@ -1,7 +1,8 @@
 //! Test support for tandem's crates (a dev-dependency only, never published): the default model with one
 //! rule for when it is missing, the mock backend, the checks of the `Backend` contract that every
-//! backend runs, greedy request bodies, free ports, health polling, certificates for the TLS tests, a `tandem serve` child process
-//! killed on drop with HTTP helpers that assert on its answers, and a `tandem worker` started by hand.
+//! backend runs, greedy request bodies, free ports, health polling, certificates for the TLS tests, a
+//! `tandem serve` child process (plain or HTTPS) killed on drop with HTTP helpers that assert on its
+//! answers, a `tandem worker` started by hand, and any child read up to its ready line (`spawn_ready`).
 //!
 //! It depends only on `tandem-model` and `tandem-engine`, so every crate above them may use it in its unit
 //! tests without a dependency cycle; the engine itself uses it from its integration tests only.
@@ -18,8 +19,10 @@ pub use model::{
     default_model, model, model_path, root, run_ok, DEFAULT_MODEL, DEFAULT_MODEL_NAME,
 };
 pub use pki::TestPki;
-pub use server::{free_port, greedy_body, health_status, healthy, json_of, signal, text, Server};
-pub use worker::Worker;
+pub use server::{
+    free_port, greedy_body, health_status, healthy, json_of, signal, text, worker_urls, Server,
+};
+pub use worker::{spawn_ready, Killed, Worker};
 
 use serde_json::Value;
 use tandem_model::Tokenizer;

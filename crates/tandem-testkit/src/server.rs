@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::model::DEFAULT_MODEL_NAME;
+use Listen::{Https, Plain};
 
 /// How long a server may take to answer `/health` (it loads the model, and P/D workers load it again).
 const STARTUP: Duration = Duration::from_secs(300);
@@ -73,6 +74,13 @@ impl Drop for TempDir {
     }
 }
 
+/// Where a server listens: plain HTTP on a port, or HTTPS on a port with the PEM CA its certificate
+/// chains to.
+enum Listen<'a> {
+    Plain(u16),
+    Https(u16, &'a Path),
+}
+
 /// A running `tandem serve`, killed on drop (its workers and stages exit when their pipes close).
 pub struct Server {
     /// The server process.
@@ -98,33 +106,51 @@ impl Server {
     /// 300 s) until it answers `/health`; panics with its log when it exits first. `bin` is the `tandem`
     /// binary (`env!("CARGO_BIN_EXE_tandem")` in the binary's tests).
     pub fn start<S: AsRef<OsStr>>(bin: &str, args: &[S], log: &Path) -> Server {
-        Self::spawn(bin, args, &[], log, None, free_port(), healthy)
+        let port = free_port();
+        Self::spawn(bin, args, &[], log, None, Plain(port), &healthy)
     }
 
     /// Like [`Server::with_config`] on `port`, but returns as soon as `/health` answers at all: a P/D
     /// head waiting for its workers (to register, or to be discovered) answers 503 until one is there.
     pub fn starting(bin: &str, yaml: &str, port: u16) -> Server {
-        Self::with_config_on(bin, yaml, &[], port, |url| health_status(url).is_some())
+        Self::with_config_on(bin, yaml, &[], Plain(port), &|url| {
+            health_status(url).is_some()
+        })
     }
 
     /// Starts `BIN serve --config <yaml written to a scratch directory>` like [`Server::start`]; the
     /// directory (config and log) goes when the server does.
     pub fn with_config(bin: &str, yaml: &str) -> Server {
-        Self::with_config_on(bin, yaml, &[], free_port(), healthy)
+        Self::with_config_on(bin, yaml, &[], Plain(free_port()), &healthy)
     }
 
     /// Like [`Server::with_config`], with environment variables set for the server and the processes it
     /// starts (e.g. `RUST_LOG` for a test that reads debug lines).
     pub fn with_config_env(bin: &str, yaml: &str, env: &[(&str, &str)]) -> Server {
-        Self::with_config_on(bin, yaml, env, free_port(), healthy)
+        Self::with_config_on(bin, yaml, env, Plain(free_port()), &healthy)
+    }
+
+    /// Like [`Server::with_config`] for a `yaml` with `server.tls`: the URL is `https://`, [`Server::http`]
+    /// trusts only the PEM CA `ca`, and readiness is `BIN probe --ca-cert CA` answering 2xx.
+    pub fn with_tls_config(bin: &str, yaml: &str, ca: &Path) -> Server {
+        let ready = |url: &str| {
+            Command::new(bin)
+                .args(["probe", "--ca-cert"])
+                .arg(ca)
+                .arg(format!("{url}/health"))
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        Self::with_config_on(bin, yaml, &[], Https(free_port(), ca), &ready)
     }
 
     fn with_config_on(
         bin: &str,
         yaml: &str,
         env: &[(&str, &str)],
-        port: u16,
-        ready: fn(&str) -> bool,
+        listen: Listen,
+        ready: &dyn Fn(&str) -> bool,
     ) -> Server {
         let dir = std::env::temp_dir().join(format!(
             "tandem-test-{}-{}",
@@ -141,7 +167,7 @@ impl Server {
             env,
             &log,
             Some(TempDir(dir)),
-            port,
+            listen,
             ready,
         )
     }
@@ -152,9 +178,25 @@ impl Server {
         env: &[(&str, &str)],
         log: &Path,
         dir: Option<TempDir>,
-        port: u16,
-        ready: fn(&str) -> bool,
+        listen: Listen,
+        ready: &dyn Fn(&str) -> bool,
     ) -> Server {
+        let (port, url, http) = match listen {
+            Plain(port) => (
+                port,
+                format!("http://127.0.0.1:{port}"),
+                reqwest::Client::new(),
+            ),
+            Https(port, ca) => {
+                let ca = reqwest::Certificate::from_pem(&std::fs::read(ca).expect("the test CA"))
+                    .expect("a PEM CA");
+                let http = reqwest::Client::builder()
+                    .add_root_certificate(ca)
+                    .build()
+                    .expect("an HTTPS client");
+                (port, format!("https://127.0.0.1:{port}"), http)
+            }
+        };
         let child = Command::new(bin)
             .arg("serve")
             .args(args)
@@ -167,9 +209,9 @@ impl Server {
             .expect("tandem serve starts");
         let mut server = Server {
             child,
-            url: format!("http://127.0.0.1:{port}"),
+            url,
             log: log.to_path_buf(),
-            http: reqwest::Client::new(),
+            http,
             _dir: dir,
         };
         let deadline = Instant::now() + STARTUP;
@@ -270,6 +312,20 @@ impl Server {
         };
         json_of(self.http.get(url)).await
     }
+}
+
+/// The URLs of the prefill and the decode worker in a head's `/v1/cluster/workers` listing (the first
+/// of each role); panics when a role is missing.
+pub fn worker_urls(workers: &[Value]) -> (String, String) {
+    let url_of = |role: &str| {
+        workers
+            .iter()
+            .find(|w| w["info"]["role"] == role)
+            .and_then(|w| w["url"].as_str())
+            .unwrap_or_else(|| panic!("no {role} worker in {workers:?}"))
+            .to_owned()
+    };
+    (url_of("prefill"), url_of("decode"))
 }
 
 /// Sends `req` and reads its answer as JSON of type `T`, panicking on a transport or parse failure.

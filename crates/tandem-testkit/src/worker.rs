@@ -91,3 +91,43 @@ impl Drop for Worker {
         let _ = std::fs::remove_file(&self.log);
     }
 }
+
+/// A child process a test started by hand (a stage, a worker), killed and reaped on drop; it keeps the
+/// read end of the child's stdout open, so a child printing after its ready line is not cut off.
+pub struct Killed {
+    /// The process.
+    pub child: Child,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Spawns `cmd` (stdin closed, stdout piped) and reads its stdout up to the line starting with `prefix`,
+/// a ready line such as `TANDEM_STAGE_READY `; returns the child, killed on drop, and the rest of that
+/// line. Panics when the child closes its stdout first.
+pub fn spawn_ready(cmd: &mut Command, prefix: &str) -> (Killed, String) {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("the child starts");
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut killed = Killed { child, stdout };
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = killed.stdout.read_line(&mut line).unwrap();
+        assert!(
+            n > 0,
+            "{cmd:?} closed its stdout without a line starting {prefix:?}"
+        );
+        if let Some(rest) = line.trim().strip_prefix(prefix) {
+            return (killed, rest.to_owned());
+        }
+    }
+}

@@ -109,6 +109,9 @@ struct RunArgs {
     /// Bearer token for the server.
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// PEM CA certificate(s) to trust for https servers (whose certificates a private CA signed).
+    #[arg(long, value_name = "FILE")]
+    ca_cert: Option<PathBuf>,
     /// Tokenizer of the served model: GGUF file or HF folder (default: the default model).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
@@ -208,6 +211,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
 }
 
 /// The sweep points the flags describe.
+/// The roots of `--ca-cert` (none without it).
+fn ca_certs(a: &RunArgs) -> Result<Vec<reqwest::Certificate>> {
+    match &a.ca_cert {
+        Some(path) => crate::tls::ca_certs(path),
+        None => Ok(Vec::new()),
+    }
+}
+
 fn points(a: &RunArgs) -> Vec<SweepPoint> {
     if !a.request_rates.is_empty() {
         a.request_rates
@@ -298,6 +309,7 @@ fn run_bench(a: RunArgs) -> Result<()> {
         endpoints,
         model: a.model.clone(),
         api_key: a.api_key.clone(),
+        ca_certs: ca_certs(&a)?,
         workload: workload(&a.workload, a.request_rate)?,
         num_prompts: a.workload.num_prompts,
         points: points(&a),
@@ -367,6 +379,7 @@ fn run_multi_turn(a: &RunArgs, builder: &PromptBuilder, endpoints: Vec<Endpoint>
         ),
         None => spec.generate(builder, a.seed),
     };
+    let roots = ca_certs(a)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -379,6 +392,7 @@ fn run_multi_turn(a: &RunArgs, builder: &PromptBuilder, endpoints: Vec<Endpoint>
                 a.model.clone(),
                 a.api_key.clone(),
                 Duration::from_secs_f64(a.request_timeout),
+                &roots,
             )
             .await?;
             multiturn::run(

@@ -35,6 +35,9 @@ pub struct ChatArgs {
     /// Bearer token, if the server requires one.
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// PEM CA certificate(s) to trust for an https --url (a server whose certificate a private CA signed).
+    #[arg(long, value_name = "FILE")]
+    pub ca_cert: Option<std::path::PathBuf>,
     /// System prompt that starts the conversation.
     #[arg(long)]
     pub system: Option<String>,
@@ -215,7 +218,9 @@ pub fn run(mut args: ChatArgs) -> Result<()> {
         .enable_all()
         .build()?;
     let client = Client {
-        http: reqwest::Client::new(),
+        http: crate::tls::trusting(reqwest::Client::builder(), args.ca_cert.as_deref())?
+            .build()
+            .context("building the HTTP client")?,
         args,
     };
     let model = match &client.args.model {

@@ -1,7 +1,8 @@
 //! `tandem probe [URL]`: one HTTP GET that exits 0 when the answer is 2xx and 1 otherwise (refused,
 //! timed out, or another status), saying why on stderr. It is the container images' HEALTHCHECK: their
 //! Debian base has no curl, and the binary is already there. With cluster TLS in its environment
-//! (`TANDEM_CLUSTER_TLS_*`) an `https://` URL is probed with the cluster's certificate.
+//! (`TANDEM_CLUSTER_TLS_*`) an `https://` URL is probed with the cluster's certificate; with `--ca-cert`
+//! it is checked against that CA alone and no certificate is presented (a head's HTTPS API).
 
 use std::time::Duration;
 
@@ -23,6 +24,10 @@ pub struct ProbeArgs {
     /// Sent as `Authorization: Bearer KEY`, for a server with `probes_need_key`.
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// PEM CA certificate(s) to trust for an https URL instead of the cluster TLS of the environment;
+    /// no client certificate is presented (a head's `server.tls` API signed by a private CA).
+    #[arg(long, value_name = "FILE")]
+    pub ca_cert: Option<std::path::PathBuf>,
 }
 
 /// GETs `args.url` once; `Ok` when it answers 2xx in time, an error saying what happened otherwise.
@@ -40,23 +45,26 @@ pub fn run(args: &ProbeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("building the tokio runtime")?;
-    runtime.block_on(get(&args.url, timeout, args.api_key.as_deref()))
+    runtime.block_on(get(args, timeout))
 }
 
-async fn get(url: &str, timeout: Duration, api_key: Option<&str>) -> Result<()> {
+async fn get(args: &ProbeArgs, timeout: Duration) -> Result<()> {
+    let url = args.url.as_str();
     // An https URL under cluster TLS (TANDEM_CLUSTER_TLS_*, as in a worker's container) is probed as a
-    // cluster member: the worker's port asks for a certificate from the cluster CA.
-    let cluster_tls = match url.starts_with("https://") {
+    // cluster member: the worker's port asks for a certificate from the cluster CA. `--ca-cert` instead
+    // probes as an outsider trusting that CA.
+    let cluster_tls = match url.starts_with("https://") && args.ca_cert.is_none() {
         true => crate::tls::cluster()?,
         false => None,
     };
-    let client =
-        tandem_cluster::with_cluster_tls(reqwest::Client::builder(), cluster_tls.as_deref())
-            .timeout(timeout)
-            .build()
-            .context("building the HTTP client")?;
+    let builder =
+        tandem_cluster::with_cluster_tls(reqwest::Client::builder(), cluster_tls.as_deref());
+    let client = crate::tls::trusting(builder, args.ca_cert.as_deref())?
+        .timeout(timeout)
+        .build()
+        .context("building the HTTP client")?;
     let mut request = client.get(url);
-    if let Some(key) = api_key {
+    if let Some(key) = &args.api_key {
         request = request.bearer_auth(key);
     }
     let resp = request.send().await.with_context(|| format!("GET {url}"))?;
@@ -122,6 +130,7 @@ mod tests {
             url,
             timeout,
             api_key: None,
+            ca_cert: None,
         })
     }
 
@@ -135,6 +144,7 @@ mod tests {
                 url: url.clone(),
                 timeout: 5.0,
                 api_key: Some(key.to_owned()),
+                ca_cert: None,
             })
         };
         keyed("k1").unwrap();

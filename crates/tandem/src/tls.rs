@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use tandem_kv::{ClusterTls, ClusterTlsPaths};
 
 use crate::config::ClusterTlsSettings;
@@ -91,4 +91,31 @@ pub fn scheme(tls: Option<&ClusterTls>) -> &'static str {
     } else {
         "http"
     }
+}
+
+/// The CA certificates in the PEM file `path` (`--ca-cert` of `tandem chat`, `bench` and `probe`): the
+/// roots those clients trust, so they can reach an HTTPS server whose certificate a private CA signed
+/// (the binary carries no public roots).
+pub fn ca_certs(path: &Path) -> Result<Vec<reqwest::Certificate>> {
+    let pem = std::fs::read(path)
+        .with_context(|| format!("--ca-cert: cannot read {}", path.display()))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .with_context(|| format!("--ca-cert: {} is not PEM", path.display()))?;
+    if certs.is_empty() {
+        bail!("--ca-cert: {} holds no PEM certificate", path.display());
+    }
+    Ok(certs)
+}
+
+/// `builder` trusting the CA certificates in `path` when given (`--ca-cert`), else unchanged.
+pub fn trusting(
+    builder: reqwest::ClientBuilder,
+    path: Option<&Path>,
+) -> Result<reqwest::ClientBuilder> {
+    let Some(path) = path else {
+        return Ok(builder);
+    };
+    Ok(ca_certs(path)?
+        .into_iter()
+        .fold(builder, |b, cert| b.add_root_certificate(cert)))
 }

@@ -4,18 +4,16 @@
 //! from the prefill worker's KV port; a pipeline stage serves only an engine proving the token;
 //! `--check-config` and the logs never show the token. Without the default model the tests skip.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tandem_cluster::protocol::{PrefillRequest, PrefillResponse, ReleaseRequest, WorkerInfo};
-use tandem_cluster::Role;
 use tandem_engine::SamplingParams;
 use tandem_kv::mem::MemSink;
 use tandem_kv::{ClusterKey, KvClient, TcpConfig, TcpTransport};
-use tandem_testkit::{default_model, model_path, Server};
+use tandem_testkit::{default_model, model_path, spawn_ready, worker_urls, Server};
 
 /// The `tandem` binary cargo built for these tests.
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -98,14 +96,7 @@ async fn strangers_are_refused_and_the_deployment_with_the_token_serves() {
         "a stranger cannot register a worker"
     );
 
-    let url_of = |role: Role| {
-        workers
-            .iter()
-            .find(|w| w["info"]["role"] == json!(role))
-            .map(|w| w["url"].as_str().unwrap().to_owned())
-            .expect("a worker of that role")
-    };
-    let (prefill, decode) = (url_of(Role::Prefill), url_of(Role::Decode));
+    let (prefill, decode) = worker_urls(&workers);
     let request = PrefillRequest {
         prompt: (1..40).collect(),
         params: SamplingParams::greedy(4),
@@ -186,39 +177,18 @@ async fn strangers_are_refused_and_the_deployment_with_the_token_serves() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A child process killed on drop.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn a_stage_serves_only_an_engine_proving_the_token() {
     let Some(model) = model_path() else { return };
-    let mut stage = Killed(
+    let (_stage, addr) = spawn_ready(
         Command::new(BIN)
             .args(["stage", "--stage", "1", "--stages", "2", "--threads", "1"])
             .arg("--model")
             .arg(&model)
             .env("TANDEM_CLUSTER_TOKEN", TOKEN)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+            .stderr(Stdio::null()),
+        "TANDEM_STAGE_READY ",
     );
-    let mut line = String::new();
-    BufReader::new(stage.0.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("TANDEM_STAGE_READY ")
-        .unwrap_or_else(|| panic!("no ready line: {line:?}"))
-        .to_owned();
     let dir = std::env::temp_dir().join(format!("tandem-token-pp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = |token: &str| {

@@ -5,15 +5,14 @@
 //! settings, unless `--allow-unauthenticated` says the user chose it. Without the default model the tests
 //! that load it skip.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tandem_cluster::protocol::PrefillRequest;
 use tandem_engine::SamplingParams;
 use tandem_kv::wire::{client_handshake, FrameReader};
 use tandem_kv::{ClusterKey, PeerInfo, WireDtype, WireLayout};
-use tandem_testkit::{default_model, model_path, root, Server};
+use tandem_testkit::{default_model, model_path, root, spawn_ready, Server};
 
 /// The `tandem` binary cargo built for these tests.
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -165,16 +164,6 @@ async fn the_embedded_default_refuses_a_stranger_with_no_configuration() {
     assert_eq!(again["choices"], answer["choices"]);
 }
 
-/// A child process killed on drop.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Runs `tandem <args>` without a cluster token until it exits (at most 60 s): its status and stderr.
 fn refused(args: &[&str]) -> (std::process::ExitStatus, String) {
     let mut child = Command::new(BIN)
@@ -265,22 +254,12 @@ fn a_worker_or_stage_bound_beyond_loopback_needs_a_token_or_the_users_choice() {
     names_the_settings(&stderr);
 
     // The user's choice: the same worker starts and serves (its ready line), open.
-    let mut child = Killed(
+    let (_worker, url) = spawn_ready(
         Command::new(BIN)
             .args(worker(&["--allow-unauthenticated"]))
             .env_remove(TOKEN_ENV)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+            .stderr(Stdio::null()),
+        "TANDEM_WORKER_READY ",
     );
-    let mut line = String::new();
-    BufReader::new(child.0.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(
-        line.starts_with("TANDEM_WORKER_READY "),
-        "no ready line from the worker allowed to run open: {line:?}"
-    );
+    assert!(url.starts_with("http://"), "{url}");
 }

@@ -2,21 +2,24 @@
 //! `deployment.cluster_tls` answers a chat completion over HTTPS end to end (the KV moving over the
 //! mutual-TLS TCP transport), while a client with a certificate from another CA, or with none, is refused
 //! on a worker's control port and on the prefill worker's KV port, and plain HTTP to a TLS port gets no
-//! answer. Bad certificate files stop `tandem serve` at start, naming the setting. Without the default
-//! model the end-to-end test skips.
+//! answer; `tandem probe https://…` passes as a member and is refused as a stranger. `tandem chat`,
+//! `bench` and `probe` reach an HTTPS server of a private CA with `--ca-cert`. Bad certificate files stop
+//! `tandem serve` at start, naming the setting. Without the default model the end-to-end tests skip.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use tandem_cluster::protocol::{PrefillRequest, PrefillResponse, WorkerInfo, WorkerLoad};
-use tandem_cluster::Role;
 use tandem_engine::SamplingParams;
 use tandem_kv::mem::MemSink;
 use tandem_kv::{ClusterKey, ClusterTls, ClusterTlsPaths, KvClient, TcpConfig, TcpTransport};
-use tandem_testkit::{default_model, free_port, model_path, TestPki, DEFAULT_MODEL_NAME};
+use tandem_testkit::{
+    default_model, json_of, model_path, spawn_ready, worker_urls, Server, TestPki,
+    DEFAULT_MODEL_NAME,
+};
 
 /// The `tandem` binary cargo built for these tests.
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -50,16 +53,24 @@ fn cluster_tls(ca: &Path, cert: &Path, key: &Path) -> ClusterTls {
     .unwrap()
 }
 
-/// An HTTPS client trusting only `ca` and presenting no certificate (what an API user runs).
-fn api_client(ca: &Path) -> reqwest::Client {
-    let ca = reqwest::Certificate::from_pem(&std::fs::read(ca).unwrap()).unwrap();
-    reqwest::Client::builder()
-        .tls_built_in_root_certs(false)
-        .add_root_certificate(ca)
-        .use_rustls_tls()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap()
+/// `tandem probe URL`, with `cluster` (CA, certificate, key) as its environment's cluster TLS and
+/// `--ca-cert` when given.
+fn probe(url: &str, cluster: Option<[&Path; 3]>, ca_cert: Option<&Path>) -> Output {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["probe", url]);
+    if let Some([ca, cert, key]) = cluster {
+        cmd.env("TANDEM_CLUSTER_TLS_CA", ca)
+            .env("TANDEM_CLUSTER_TLS_CERT", cert)
+            .env("TANDEM_CLUSTER_TLS_KEY", key);
+    }
+    if let Some(ca) = ca_cert {
+        cmd.arg("--ca-cert").arg(ca);
+    }
+    cmd.output().unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// A client speaking the cluster's mutual TLS with `tls`.
@@ -68,41 +79,6 @@ fn member_client(tls: &ClusterTls) -> reqwest::Client {
         .timeout(Duration::from_secs(60))
         .build()
         .unwrap()
-}
-
-/// `tandem serve` killed on drop, its stderr in a file.
-struct Serve {
-    child: Child,
-    log: std::path::PathBuf,
-}
-
-impl Serve {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve(dir: &Path, config: &str, port: u16) -> Serve {
-    let path = dir.join("config.yaml");
-    std::fs::write(&path, config).unwrap();
-    let log = dir.join("serve.log");
-    let child = Command::new(BIN)
-        .args(["serve", "--config"])
-        .arg(&path)
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    Serve { child, log }
 }
 
 #[test]
@@ -164,24 +140,9 @@ async fn pd_over_tls_serves_and_refuses_strangers() {
     }
     let dir = tempfile::tempdir().unwrap();
     let pki = TestPki::generate(dir.path());
-    let port = free_port();
-    let server = serve(dir.path(), &yaml(&pki), port);
-    let url = format!("https://127.0.0.1:{port}");
-    let api = api_client(&pki.ca);
-
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        let up = api.get(format!("{url}/health")).send().await;
-        if up.is_ok_and(|r| r.status() == 200) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "never healthy:\n{}",
-            server.log()
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    let server = Server::with_tls_config(BIN, &yaml(&pki), &pki.ca);
+    let url = server.url.clone();
+    let api = &server.http;
 
     // A chat completion over HTTPS, through a prefill worker, the KV over mutual TLS, a decode worker.
     let prompt =
@@ -207,7 +168,7 @@ async fn pd_over_tls_serves_and_refuses_strangers() {
     let plain = reqwest::Client::new();
     assert!(
         plain
-            .get(format!("http://127.0.0.1:{port}/health"))
+            .get(url.replacen("https://", "http://", 1) + "/health")
             .send()
             .await
             .is_err(),
@@ -215,36 +176,18 @@ async fn pd_over_tls_serves_and_refuses_strangers() {
     );
 
     let listing = format!("{url}/v1/cluster/workers");
-    let workers: Vec<Value> = api
-        .get(&listing)
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let url_of = |role: Role| {
-        workers
-            .iter()
-            .find(|w| w["info"]["role"] == json!(role))
-            .map(|w| w["url"].as_str().unwrap().to_owned())
-            .expect("a worker of that role")
-    };
-    let (prefill, decode) = (url_of(Role::Prefill), url_of(Role::Decode));
+    let workers: Vec<Value> = json_of(api.get(&listing).bearer_auth(TOKEN)).await;
+    let (prefill, decode) = worker_urls(&workers);
     assert!(prefill.starts_with("https://"), "{prefill}");
 
     // The prefill worker moved the completion's KV over its TLS'd KV port.
     let member = member_client(&cluster_tls(&pki.ca, &pki.cert, &pki.key));
-    let load: WorkerLoad = member
-        .get(format!("{prefill}/v1/worker/load"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let load: WorkerLoad = json_of(
+        member
+            .get(format!("{prefill}/v1/worker/load"))
+            .bearer_auth(TOKEN),
+    )
+    .await;
     assert!(
         load.kv.bytes_sent > 0,
         "no KV left the prefill worker: {load:?}"
@@ -254,7 +197,7 @@ async fn pd_over_tls_serves_and_refuses_strangers() {
     // HTTP. Each is refused before any HTTP answer, even with the token.
     let wrong_ca = member_client(&cluster_tls(&pki.wrong_ca, &pki.wrong_cert, &pki.wrong_key));
     let wrong_cert = member_client(&cluster_tls(&pki.ca, &pki.wrong_cert, &pki.wrong_key));
-    let no_cert = api_client(&pki.ca);
+    let no_cert = api.clone();
     for worker in [&prefill, &decode] {
         let info = format!("{worker}/v1/worker/info");
         for (who, client) in [
@@ -277,29 +220,56 @@ async fn pd_over_tls_serves_and_refuses_strangers() {
         assert!(r.is_err(), "plain HTTP answered on {info}");
     }
 
+    // `tandem probe` over TLS, as the Helm chart's worker probes run it in the pod: with the cluster TLS
+    // in its environment it is answered; with another CA's, or trusting the CA but with no certificate of
+    // its own (`--ca-cert`, how it probes the head's HTTPS API), it is refused in the handshake.
+    let member_env = [pki.ca.as_path(), &pki.cert, &pki.key];
+    for worker in [&prefill, &decode] {
+        let health = format!("{worker}/health");
+        let out = probe(&health, Some(member_env), None);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let out = probe(
+            &health,
+            Some([pki.wrong_ca.as_path(), &pki.wrong_cert, &pki.wrong_key]),
+            None,
+        );
+        assert!(!out.status.success(), "a stranger's probe passed");
+        let out = probe(&health, None, Some(&pki.ca));
+        assert!(
+            !out.status.success(),
+            "a probe without a certificate passed"
+        );
+        assert!(
+            stderr(&out).contains("CertificateRequired"),
+            "{}",
+            stderr(&out)
+        );
+    }
+    let out = probe(&format!("{url}/health"), None, Some(&pki.ca));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = probe(&format!("{url}/health"), None, Some(&pki.wrong_ca));
+    assert!(
+        !out.status.success(),
+        "the head's API passed a probe trusting another CA"
+    );
+
     // A member pins a prompt's KV; a stranger cannot pull it from the KV port.
-    let info: WorkerInfo = member
-        .get(format!("{prefill}/v1/worker/info"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let pinned: PrefillResponse = member
-        .post(format!("{prefill}/v1/worker/prefill"))
-        .bearer_auth(TOKEN)
-        .json(&PrefillRequest {
-            prompt: (1..40).collect(),
-            params: SamplingParams::greedy(4),
-        })
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info: WorkerInfo = json_of(
+        member
+            .get(format!("{prefill}/v1/worker/info"))
+            .bearer_auth(TOKEN),
+    )
+    .await;
+    let pinned: PrefillResponse = json_of(
+        member
+            .post(format!("{prefill}/v1/worker/prefill"))
+            .bearer_auth(TOKEN)
+            .json(&PrefillRequest {
+                prompt: (1..40).collect(),
+                params: SamplingParams::greedy(4),
+            }),
+    )
+    .await;
     let handle = pinned.handle.expect("KV pinned");
     let pull = |tls: Option<ClusterTls>| {
         let transport = TcpTransport::new(
@@ -334,23 +304,12 @@ async fn pd_over_tls_serves_and_refuses_strangers() {
     drop(server);
 }
 
-/// A child process killed on drop.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn a_stage_under_cluster_tls_serves_only_an_engine_of_its_ca() {
-    use std::io::{BufRead, BufReader};
     let Some(model) = model_path() else { return };
     let dir = tempfile::tempdir().unwrap();
     let pki = TestPki::generate(dir.path());
-    let mut stage = Killed(
+    let (_stage, addr) = spawn_ready(
         Command::new(BIN)
             .args(["stage", "--stage", "1", "--stages", "2", "--threads", "1"])
             .arg("--model")
@@ -358,20 +317,9 @@ fn a_stage_under_cluster_tls_serves_only_an_engine_of_its_ca() {
             .env("TANDEM_CLUSTER_TLS_CA", &pki.ca)
             .env("TANDEM_CLUSTER_TLS_CERT", &pki.cert)
             .env("TANDEM_CLUSTER_TLS_KEY", &pki.key)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+            .stderr(Stdio::null()),
+        "TANDEM_STAGE_READY ",
     );
-    let mut line = String::new();
-    BufReader::new(stage.0.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("TANDEM_STAGE_READY ")
-        .unwrap_or_else(|| panic!("no ready line: {line:?}"))
-        .to_owned();
     let config = |ca: &Path, cert: &Path, key: &Path| {
         format!(
             "model: {}\nengine: {{block_size: 16, kv_cache_memory: 64MiB, threads: 1, max_num_seqs: 4, \
@@ -403,12 +351,99 @@ fn a_stage_under_cluster_tls_serves_only_an_engine_of_its_ca() {
     assert!(err.contains("TLS handshake"), "{err}");
 
     // One of the stage's CA links it and serves.
-    let server = tandem_testkit::Server::with_config(BIN, &config(&pki.ca, &pki.cert, &pki.key));
+    let server = Server::with_config(BIN, &config(&pki.ca, &pki.cert, &pki.key));
     let answer = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap()
         .block_on(server.complete("The capital of France is", 6));
     assert!(answer["choices"][0]["text"].as_str().is_some(), "{answer}");
+    drop(server);
+}
+
+#[test]
+fn chat_bench_and_probe_trust_a_private_ca() {
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::generate(dir.path());
+    let config = format!(
+        "model: {}\nengine: {{block_size: 16, kv_cache_memory: 64MiB, threads: 1, max_num_seqs: 4}}\n\
+         server:\n  tls: {{cert: {}, key: {}}}\n",
+        model.display(),
+        pki.cert.display(),
+        pki.key.display()
+    );
+    let server = Server::with_tls_config(BIN, &config, &pki.ca);
+    let url = server.url.as_str();
+    let run = |args: &[&str], ca: Option<&Path>, stdin: &str| {
+        use std::io::Write;
+        let mut cmd = Command::new(BIN);
+        cmd.args(args);
+        if let Some(ca) = ca {
+            cmd.arg("--ca-cert").arg(ca);
+        }
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(stdin.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+
+    let chat = [
+        "chat",
+        "--url",
+        url,
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+    ];
+    let out = run(&chat, Some(&pki.ca), "Name a colour.\n");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let answer = String::from_utf8_lossy(&out.stdout);
+    assert!(!answer.trim().is_empty(), "no answer: {}", stderr(&out));
+    for ca in [None, Some(pki.wrong_ca.as_path())] {
+        let out = run(&chat, ca, "Name a colour.\n");
+        assert!(!out.status.success(), "chat trusted a server of another CA");
+    }
+
+    let bench = [
+        "bench",
+        "--base-url",
+        url,
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+        "--warmup",
+        "0",
+        "--no-progress",
+    ];
+    let out = run(&bench, Some(&pki.ca), "");
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{report}{}", stderr(&out));
+    let ok = report
+        .lines()
+        .find_map(|l| l.strip_prefix("Successful requests:"))
+        .map(str::trim);
+    assert_eq!(ok, Some("2"), "{report}");
+    let out = run(&bench, Some(&pki.wrong_ca), "");
+    assert!(
+        !out.status.success(),
+        "bench trusted a server of another CA"
+    );
+
+    let out = run(&["probe", &format!("{url}/health")], Some(&pki.ca), "");
+    assert!(out.status.success(), "{}", stderr(&out));
     drop(server);
 }
