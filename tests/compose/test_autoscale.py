@@ -121,5 +121,14 @@ def test_load_step_scales_decode_up_and_drains_it_down(deployment):
     assert changes == [("decode", 1, 2), ("decode", 2, 1)], changes
     logs = run(["docker", "logs", running(d, "autoscaler")[0]], timeout=30).stdout
     assert "replica drained and removed" in logs and "exit_code=0" in logs, logs[-3000:]
+    # The drain broke no stream (none had to be resumed elsewhere), and the head exported the per-role
+    # waits the autoscaler reads.
+    m = d.metrics()
+    assert m["tandem:decode_failures_total"] == 0 and m["tandem:decode_resumes_total"] == 0, m
+    for role in ("prefill", "decode"):
+        assert m[f'tandem:role_wait_seconds_count{{role="{role}"}}'] > 0, role
+    for r in records(d):
+        for c in r["decisions"]:
+            print(f"t={r['t']:.0f}s {c['role']} {c['from']}->{c['to']}: {c['reason']}")
     print(f"scale-up {up_s:.1f} s after the step, scale-down {down_s:.1f} s after it; "
           f"{heavy_ok} heavy and {light_ok} light requests, none failed")
