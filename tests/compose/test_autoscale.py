@@ -73,7 +73,7 @@ def records(d):
     return [json.loads(line) for line in out.splitlines() if line.startswith("{\"t\":")]
 
 
-def test_load_step_scales_decode_up_and_drains_it_down(deployment):
+def test_load_step_scales_decode_up_and_drains_it_down(deployment, tmp_path):
     d = deployment(["compose.yaml", "compose.autoscale.yaml"], "as")
     d.env["TANDEM_PROFILE"] = str(HERE / "autoscale-profile.yaml")
     d.env["TANDEM_AUTOSCALE_CONFIG"] = str(HERE / "autoscale.yaml")
@@ -130,5 +130,18 @@ def test_load_step_scales_decode_up_and_drains_it_down(deployment):
     for r in records(d):
         for c in r["decisions"]:
             print(f"t={r['t']:.0f}s {c['role']} {c['from']}->{c['to']}: {c['reason']}")
+
+    # A profile of another model is refused at start-up, naming the field, before anything is scaled.
+    other = tmp_path / "profile.yaml"
+    other.write_text((HERE / "autoscale-profile.yaml").read_text().replace(
+        "name: SmolLM2-135M-Instruct.Q4_1", "name: another-model"))
+    p = run(["docker", "run", "--rm", "--user", "0:0", "--network", d.network("backend"),
+             "-v", "/var/run/docker.sock:/var/run/docker.sock",
+             "-v", f"{HERE / 'autoscale.yaml'}:/etc/tandem/autoscale.yaml:ro",
+             "-v", f"{other}:/etc/tandem/profile.yaml:ro", "-e", f"TANDEM_CLUSTER_TOKEN={d.token}",
+             d.env["TANDEM_IMAGE"], "autoscale", "--config", "/etc/tandem/autoscale.yaml", "--project", d.project],
+            check=False, timeout=60)
+    assert p.returncode != 0 and "field `profile`" in p.stdout and "another-model" in p.stdout, p.stdout[-2000:]
+    assert len(running(d, "decode")) == 1
     print(f"scale-up {up_s:.1f} s after the step, scale-down {down_s:.1f} s after it; "
           f"{heavy_ok} heavy and {light_ok} light requests, none failed")

@@ -298,12 +298,13 @@ pub fn run(a: AutoscaleArgs) -> Result<()> {
         return Ok(());
     }
     let scaler = Scaler::new(settings.scaling.clone(), capacity, settings.slo())?;
+    let model = profile.model.name.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("building the tokio runtime")?;
-    runtime.block_on(Loop::start(settings, scaler)?.run())
+    runtime.block_on(Loop::start(settings, scaler, model)?.run())
 }
 
 /// The running loop's state.
@@ -314,10 +315,12 @@ struct Loop {
     http: reqwest::Client,
     /// Containers being drained (stopped and removed in the background): not counted as replicas.
     draining: Arc<Mutex<HashSet<String>>>,
+    /// The profile's model, which the head must serve.
+    model: String,
 }
 
 impl Loop {
-    fn start(settings: AutoscaleSettings, scaler: Scaler) -> Result<Loop> {
+    fn start(settings: AutoscaleSettings, scaler: Scaler, model: String) -> Result<Loop> {
         let docker = Docker::new(&settings.docker.socket);
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(10))
@@ -331,7 +334,39 @@ impl Loop {
             docker,
             http,
             draining: Arc::default(),
+            model,
         })
+    }
+
+    /// Refuses a head that serves another model than the profile's (its capacity would be another's);
+    /// a head whose model list needs an API key this process lacks is taken on trust, with a warning.
+    async fn check_model(&self) -> Result<()> {
+        let url = format!("{}/v1/models", self.settings.head.trim_end_matches('/'));
+        let resp = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .with_context(|| format!("GET {url}"))?;
+        if !resp.status().is_success() {
+            warn!(status = %resp.status(), "the head's model list is not readable; the profile's model is not checked");
+            return Ok(());
+        }
+        let list: serde_json::Value = resp.json().await?;
+        let ids: Vec<&str> = list["data"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|m| m["id"].as_str())
+            .collect();
+        if !ids.contains(&self.model.as_str()) {
+            bail!(
+                "field `profile`: the profile is of model {:?}, the head at {} serves {ids:?}",
+                self.model,
+                self.settings.head
+            );
+        }
+        Ok(())
     }
 
     async fn scrape(&self) -> Result<Scrape> {
@@ -390,6 +425,7 @@ impl Loop {
                 }
             }
         };
+        self.check_model().await?;
         let mut tick = tokio::time::interval(window);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
