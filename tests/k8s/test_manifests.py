@@ -613,3 +613,49 @@ def test_render_runs_the_helm_command_where_there_is_one(tmp_path):
         "template", "llm", str(CHART), "--namespace", "default", "--kube-version", "1.31.0",
         "-f", str(CHART / "values-gpu.yaml"), "-f", str(CHART / "ci" / "efa-monitoring-values.yaml"), "-f", mine,
     ]
+
+
+def test_autoscaling_is_off_by_default_and_keda_scales_each_pool_when_on(tmp_path):
+    """autoscaling.enabled (off by default) adds one KEDA ScaledObject per pool: it targets the pool's
+    Deployment (which then carries no replica count of its own), within the bounds, on the heads'
+    per-role token rate (the planner's tokens per replica as threshold) and queue depth, with the HPA's
+    stabilization windows as hysteresis. KEDA's CRD has no bundled schema: its shape is checked here."""
+    assert not Manifests("cpu").all("ScaledObject")
+    for role in ROLES:
+        assert Manifests("cpu").deployment(role)["spec"]["replicas"] >= 1
+    f = values_file(tmp_path, {"autoscaling": {"enabled": True,
+                                               "decode": {"minReplicas": 2, "maxReplicas": 6,
+                                                          "tokensPerSecondPerReplica": 320}}})
+    m = Manifests("custom", render_with(["cpu", "-f", f]))
+    for role in ROLES:
+        so = m.get("ScaledObject", f"{m.prefix}-{role}")
+        assert so["apiVersion"] == "keda.sh/v1alpha1"
+        assert set(so) <= {"apiVersion", "kind", "metadata", "spec"}, sorted(so)
+        spec = so["spec"]
+        assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval",
+                             "cooldownPeriod", "advanced", "triggers"}, sorted(spec)
+        target = spec["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("Deployment", f"{m.prefix}-{role}")
+        assert "replicas" not in m.deployment(role)["spec"], f"{role}: the HPA owns the replica count"
+        behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] > behavior["scaleUp"]["stabilizationWindowSeconds"]
+        assert behavior["scaleDown"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 300}]
+        tokens, queue = spec["triggers"]
+        assert tokens["type"] == queue["type"] == "prometheus"
+        metric = "tandem:worker_prompt_tokens_total" if role == "prefill" else "tandem:worker_generation_tokens_total"
+        assert metric in tokens["metadata"]["query"] and 'service="tandem-head"' in tokens["metadata"]["query"]
+        assert f'tandem:role_queue_depth{{role="{role}"' in queue["metadata"]["query"]
+        # The HPA's own object (built by KEDA) must be valid Kubernetes: check the behavior section.
+        hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "x"},
+               "spec": {"scaleTargetRef": target, "minReplicas": spec["minReplicaCount"],
+                        "maxReplicas": spec["maxReplicaCount"], "behavior": behavior}}
+        kubernetes_validate.validate(hpa, K8S_VERSION, strict=True)
+    decode = m.get("ScaledObject", f"{m.prefix}-decode")["spec"]
+    assert (decode["minReplicaCount"], decode["maxReplicaCount"]) == (2, 6)
+    assert decode["triggers"][0]["metadata"]["threshold"] == "320"
+    bad = values_file(tmp_path, {"autoscaling": {"enabled": True, "decode": {"minReplicas": 5, "maxReplicas": 2}}})
+    out = subprocess.run(["bash", str(RENDER), "cpu", "-f", bad], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "autoscaling.decode.minReplicas" in out.stderr, out.stderr
+    bad = values_file(tmp_path, {"autoscaling": {"decode": {"maxReplica": 2}}})
+    out = subprocess.run(["bash", str(RENDER), "cpu", "-f", bad], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "'maxReplica'" in out.stderr, out.stderr

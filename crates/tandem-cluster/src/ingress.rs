@@ -276,6 +276,9 @@ impl Job {
 
     async fn route(self) -> Result<(), ClusterError> {
         let inner = &self.ingress.inner;
+        let arrived = std::time::Instant::now();
+        // Time spent in the prefill RPC, which `tandem:role_wait_seconds` charges to prefill.
+        let mut prefill_time = std::time::Duration::ZERO;
         let hashes = block_hashes(&self.prompt, self.ingress.block_size());
         let decoders = self.ingress.routable(Role::Decode);
         let loads: Vec<DecodeLoad> = decoders.iter().map(|w| w.decode_load()).collect();
@@ -311,7 +314,15 @@ impl Job {
             }
             reserved = Some(reservation);
             path = PrefillPath::Fallback;
-            if let Some((p, resp)) = self.remote_prefill(&hashes).await {
+            let prefill_start = std::time::Instant::now();
+            let prefilled_remotely = self.remote_prefill(&hashes).await;
+            prefill_time = prefill_start.elapsed();
+            if prefilled_remotely.is_some() {
+                inner
+                    .metrics
+                    .observe_wait(Role::Prefill, prefill_time.as_secs_f64());
+            }
+            if let Some((p, resp)) = prefilled_remotely {
                 let finished = resp.first.finish.is_some();
                 // The first token goes to the client now, before any KV moves.
                 if self.tx.send(Ok(resp.first.clone().into())).is_err() || finished {
@@ -400,6 +411,12 @@ impl Job {
         };
         // Started (its blocks now count in the worker's own load) or failed: the claim has done its job.
         drop(reserved);
+        if resp.is_ok() {
+            inner.metrics.observe_wait(
+                Role::Decode,
+                arrived.elapsed().saturating_sub(prefill_time).as_secs_f64(),
+            );
+        }
         let resp = match resp {
             // The decode worker answered, so it has acked or aborted the pull itself.
             Ok(r) => {

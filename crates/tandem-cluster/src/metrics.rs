@@ -2,8 +2,8 @@
 //! appends their text to the API's /metrics.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::protocol::{Role, WorkerLoad};
@@ -11,6 +11,11 @@ use crate::protocol::{Role, WorkerLoad};
 /// Buckets of KV pull durations, in seconds (loopback milliseconds to cross-host seconds).
 const TRANSFER_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// Buckets of the per-role wait, in seconds (a cached prompt's milliseconds to a long queue's minute).
+const WAIT_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 ];
 
 /// Errors only come from bad metric names, i.e. programming mistakes.
@@ -54,6 +59,7 @@ pub struct ClusterMetrics {
     running: IntGaugeVec,
     healthy: IntGaugeVec,
     admission_waiting: IntGauge,
+    role_wait: HistogramVec,
     worker_prompt_tokens: IntCounterVec,
     worker_generation_tokens: IntCounterVec,
     worker_kv_used: IntGaugeVec,
@@ -133,6 +139,18 @@ impl ClusterMetrics {
             "Requests waiting at the head, before their prefill, for KV room on a decode worker.",
         )?;
         registry.register(Box::new(admission_waiting.clone()))?;
+        // What an autoscaler charges a missed TTFT to: the role where requests spent longer.
+        let role_wait = HistogramVec::new(
+            HistogramOpts::new(
+                "tandem:role_wait_seconds",
+                "Seconds a request spent with each role before its result: prefill = the prefill RPC \
+                 (its queue and the prompt's compute), decode = the rest until the decode worker's stream \
+                 started (KV room at the head, the KV pull, the decode queue).",
+            )
+            .buckets(WAIT_BUCKETS.to_vec()),
+            &["role"],
+        )?;
+        registry.register(Box::new(role_wait.clone()))?;
         // Per worker and role, so a dashboard can sum throughput and KV use by role: the head's
         // unlabelled engine series cover only the decode workers.
         let worker_prompt_tokens = IntCounterVec::new(
@@ -203,6 +221,7 @@ impl ClusterMetrics {
             running,
             healthy,
             admission_waiting,
+            role_wait,
             worker_prompt_tokens,
             worker_generation_tokens,
             worker_kv_used,
@@ -213,6 +232,13 @@ impl ClusterMetrics {
     /// Records how many requests wait for decode KV room now (`crate::admission`).
     pub fn set_admission_waiting(&self, n: usize) {
         self.admission_waiting.set(n as i64);
+    }
+
+    /// Records the seconds a request spent with `role` before its result (`tandem:role_wait_seconds`).
+    pub fn observe_wait(&self, role: Role, secs: f64) {
+        self.role_wait
+            .with_label_values(&[&role.to_string()])
+            .observe(secs);
     }
 
     /// Records a finished KV pull: its bytes, wall time, blocks moved and prompt blocks found cached.
@@ -334,6 +360,7 @@ mod tests {
         m.observe_transfer(1000, 0.01, 2, 5);
         m.transfer_failed();
         m.request(PrefillPath::Remote);
+        m.observe_wait(Role::Prefill, 0.3);
         let mut load = WorkerLoad {
             pinned_blocks: 3,
             ..WorkerLoad::default()
@@ -373,6 +400,14 @@ mod tests {
         );
         assert!(
             text.contains("tandem:pd_requests_total{prefill=\"remote\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tandem:role_wait_seconds_bucket{role=\"prefill\",le=\"0.5\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tandem:role_wait_seconds_bucket{role=\"prefill\",le=\"0.25\"} 0"),
             "{text}"
         );
     }

@@ -31,6 +31,14 @@ pub enum SimError {
         /// What is wrong.
         message: String,
     },
+    /// A scaling setting is unusable; `field` names it as the settings file does (`decode.min`).
+    #[error("scaling setting `{field}`: {message}")]
+    Setting {
+        /// The field.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
     /// The simulated deployment or run is impossible as asked.
     #[error("{0}")]
     Config(String),

@@ -10,6 +10,7 @@
 pub mod error;
 pub mod plan;
 pub mod profile;
+pub mod scale;
 pub mod sim;
 
 pub use error::SimError;

@@ -1,5 +1,6 @@
 //! The `tandem` command: `serve` runs the OpenAI-compatible server, `chat` talks to one.
 
+mod autoscale;
 mod bench;
 mod bench_engine;
 mod chat;
@@ -64,6 +65,8 @@ enum Command {
     Sim(Box<sim::SimArgs>),
     /// The deployment (colocated or prefill:decode split) with the most goodput per GPU for a profile, a workload and SLOs.
     Plan(Box<plan::PlanArgs>),
+    /// Drive a compose deployment's prefill and decode replica counts from the head's metrics, with the planner's model.
+    Autoscale(Box<autoscale::AutoscaleArgs>),
     /// GET a URL (default: this host's /health) and exit 0 on a 2xx answer, 1 otherwise: the images' health check.
     Probe(probe::ProbeArgs),
     /// Host one later pipeline stage (a worker with pipeline_parallel_size > 1 starts its own; run it on another host for `pipeline_stages`).
@@ -267,6 +270,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Plan(args) => {
             init_logging_at(format.unwrap_or_default(), "warn", None);
             plan::run(*args)
+        }
+        Command::Autoscale(args) => {
+            init_logging(format.unwrap_or_default(), None);
+            autoscale::run(*args)
         }
         Command::Probe(args) => probe::run(&args),
     }
