@@ -97,7 +97,9 @@ if want fp8; then
   echo "== tandem cuda-bench, 8B shape, bf16, FP8 weights, FP8 weights with FP8 tensor-core GEMMs"
   for q in "" "--quantization fp8" "--quantization fp8 --cuda-fp8-gemm"; do
     # shellcheck disable=SC2086
-    timeout 240 "$BIN" cuda-bench --batches 1,8,64 --prefill 4096 $q --out "$OUT/fp8_bench.jsonl" || status=1
+    # cuda-bench rewrites its --out file: each run's rows are appended to fp8_bench.jsonl.
+    timeout 240 "$BIN" cuda-bench --batches 1,8,64 --prefill 4096 $q --out /tmp/fp8_bench_one.jsonl || status=1
+    cat /tmp/fp8_bench_one.jsonl >>"$OUT/fp8_bench.jsonl"
   done
   model="${FP8_MODEL:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
   if [ -f "$model" ]; then

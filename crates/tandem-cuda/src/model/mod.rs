@@ -659,6 +659,12 @@ impl CudaLlama {
         self.max_model_len
     }
 
+    /// Whether FP8 matrices in large steps run on FP8 tensor-core GEMMs (asked for, and the load-time
+    /// check passed) rather than on bf16 tiles.
+    pub fn fp8_tensor_cores(&self) -> bool {
+        self.fp8_gemm.is_some()
+    }
+
     /// The GPU's name, as the driver reports it.
     pub fn device_name(&self) -> &str {
         &self.device_name

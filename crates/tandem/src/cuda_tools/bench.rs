@@ -253,7 +253,8 @@ struct BenchRow {
     logits_to_host: bool,
     /// Our GEMV kernel for projections of at most 8 rows (false: cuBLAS).
     gemv: bool,
-    /// How the layers' projections are stored: bf16, or fp8 (`--quantization fp8`).
+    /// How the layers' projections are stored: bf16, or fp8 (`--quantization fp8`; with the FP8
+    /// tensor-core GEMMs when `--cuda-fp8-gemm` was asked for and passed its load-time check).
     weights: &'static str,
     median_step_ms: f64,
     tokens_per_s: f64,
@@ -300,7 +301,11 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
         "random weights generated on the GPU"
     );
     let kv_per_token = model.kv_layout().bytes_per_token() as f64;
-    let weights = if opts.fp8_weights { "fp8" } else { "bf16" };
+    let weights = match (opts.fp8_weights, model.fp8_tensor_cores()) {
+        (false, _) => "bf16",
+        (true, false) => "fp8",
+        (true, true) => "fp8, FP8 tensor-core GEMMs",
+    };
     let mut rows = Vec::new();
     let mut emit = |row: BenchRow| {
         let line = serde_json::to_string(&row).unwrap_or_default();
