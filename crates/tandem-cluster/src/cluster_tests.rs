@@ -109,9 +109,13 @@ pub(crate) fn closing(router: axum::Router) -> axum::Router {
     ))
 }
 
+/// An ingress whose local-prefill rule is `threshold` alone: prompts continuing a prefix the decode
+/// worker caches go to a prefill worker like any other (the continuation rule has its own tests in
+/// `routing` and `tests/pd_processes.rs`), so these tests see the prefill workers' prefix affinity.
 pub(crate) fn ingress(threshold: usize) -> Ingress {
     let routing = RoutingConfig {
         local_prefill_threshold: threshold,
+        local_continuation_threshold: 0,
         ..RoutingConfig::default()
     };
     Ingress::new(

@@ -29,7 +29,8 @@ use crate::protocol::{
 use crate::registry::InFlight;
 pub use crate::registry::{WorkerEntry, WorkerStatus};
 use crate::routing::{
-    pick_decode, pick_prefill, wants_remote_prefill, DecodeLoad, PrefillCandidate, RoutingConfig,
+    pick_decode, pick_decode_cached, pick_prefill, wants_remote_prefill, DecodeLoad,
+    PrefillCandidate, RoutingConfig,
 };
 use crate::rpc::{check_status, post_json, rpc, with_request_id, RemotePin};
 
@@ -282,7 +283,11 @@ impl Job {
         let hashes = block_hashes(&self.prompt, self.ingress.block_size());
         let decoders = self.ingress.routable(Role::Decode);
         let loads: Vec<DecodeLoad> = decoders.iter().map(|w| w.decode_load()).collect();
-        let Some(i) = pick_decode(&loads, &mut rand::rng()) else {
+        let matched: Vec<usize> = decoders
+            .iter()
+            .map(|w| w.prefix.lock().matched_blocks(&hashes) * self.ingress.block_size())
+            .collect();
+        let Some(i) = pick_decode_cached(&loads, &matched, &inner.routing, &mut rand::rng()) else {
             return Err(ClusterError::Protocol {
                 url: String::new(),
                 message: "no healthy decode worker".into(),
@@ -290,8 +295,8 @@ impl Job {
         };
         let d = Arc::clone(&decoders[i]);
         let busy = d.track();
-        let cached = d.prefix.lock().matched_blocks(&hashes) * self.ingress.block_size();
-        let uncached = self.prompt.len().saturating_sub(cached);
+        let cached = matched[i].min(self.prompt.len());
+        let uncached = self.prompt.len() - cached;
 
         // Tokens delivered to the client so far: what a replacement decode worker resumes after.
         let mut sent: Vec<u32> = Vec::new();
@@ -304,6 +309,7 @@ impl Job {
         let mut reserved = None;
         if wants_remote_prefill(
             uncached,
+            cached,
             self.ingress.routable(Role::Prefill).len(),
             &inner.routing,
         ) {
@@ -459,7 +465,10 @@ impl Job {
         loop {
             let err = match resp {
                 Ok(r) => match self.forward(&d.url, r, skip_first, &mut sent).await {
-                    Ok(()) => return Ok(()),
+                    Ok(()) => {
+                        self.remember_answer(&d, &sent);
+                        return Ok(());
+                    }
                     Err(e) => e,
                 },
                 Err(e) => e,
@@ -500,6 +509,21 @@ impl Job {
             next.prefix.lock().insert(hashes);
             (d, _busy, resp, skip_first) = (next, next_busy, Ok(r), false);
         }
+    }
+
+    /// Records that decode worker `d` now caches the prompt followed by the answer it streamed (all
+    /// but the last token, whose KV is never computed): a chat client's next turn sends exactly that
+    /// history again, and the routing finds it there.
+    fn remember_answer(&self, d: &WorkerEntry, answer: &[u32]) {
+        let Some((_, computed)) = answer.split_last() else {
+            return;
+        };
+        let mut history = Vec::with_capacity(self.prompt.len() + computed.len());
+        history.extend_from_slice(&self.prompt);
+        history.extend_from_slice(computed);
+        d.prefix
+            .lock()
+            .insert(&block_hashes(&history, self.ingress.block_size()));
     }
 
     /// Waits (`crate::admission`) until `preferred` or another decode worker has KV room for the

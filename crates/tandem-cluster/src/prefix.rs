@@ -64,6 +64,17 @@ impl PrefixTracker {
         }
     }
 
+    /// Changes how many blocks are remembered (a worker's KV tiers grow what it holds), forgetting the
+    /// oldest past a smaller bound.
+    pub fn set_capacity(&mut self, capacity: usize) {
+        self.capacity = capacity.max(1);
+        while self.order.len() > self.capacity {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+    }
+
     /// Blocks currently remembered.
     pub fn len(&self) -> usize {
         self.set.len()
@@ -89,6 +100,19 @@ mod tests {
         assert_ne!(a[2], b[2]);
         // Same block content at another position hashes differently (the chain).
         assert_ne!(block_hashes(&[5, 6], 2)[0], a[2]);
+    }
+
+    #[test]
+    fn capacity_follows_what_the_worker_holds() {
+        let mut t = PrefixTracker::new(2);
+        let a = block_hashes(&[1, 1, 2, 2, 3, 3, 4, 4], 2);
+        t.insert(&a);
+        assert_eq!(t.matched_blocks(&a), 0, "the head was forgotten");
+        t.set_capacity(4);
+        t.insert(&a);
+        assert_eq!(t.matched_blocks(&a), 4, "tiers hold the whole prompt");
+        t.set_capacity(1);
+        assert_eq!(t.len(), 1);
     }
 
     #[test]

@@ -284,12 +284,16 @@ impl Ingress {
                     }
                 }
                 Ok(load) => {
-                    if let Some(cap) =
-                        (load.engine.kv_blocks_total > 0).then_some(load.engine.kv_blocks_total)
-                    {
+                    if load.engine.kv_blocks_total > 0 {
+                        // What the worker can give back without computing: its pool and the blocks its
+                        // KV tiers (host, disk) hold under it.
+                        let tiers: u64 = load.engine.kv_tiers.iter().map(|t| t.blocks).sum();
+                        let cap = load.engine.kv_blocks_total + tiers as usize;
                         let mut p = w.prefix.lock();
                         if p.is_empty() {
                             *p = PrefixTracker::new(cap);
+                        } else {
+                            p.set_capacity(cap);
                         }
                     }
                     let draining = load.draining;

@@ -13,6 +13,17 @@ pub struct RoutingConfig {
     /// A prefill worker is only preferred for its cached prefix while its in-flight requests exceed
     /// the least-loaded prefill worker's by at most this many (keeps one hot prefix from burying a worker).
     pub prefill_load_bound: usize,
+    /// A prompt that continues what the chosen decode worker already caches (at least as many cached
+    /// tokens as uncached ones: the next turn of a conversation it answered, a question on a document
+    /// it holds) is prefilled there when its uncached part is shorter than this many tokens: a
+    /// prefill worker would have to compute the answer tokens it never saw as well, and the KV would
+    /// cross the transport, to save the decode worker one short chunk. 0 turns the rule off.
+    pub local_continuation_threshold: usize,
+    /// A decode worker caching more of a prompt than the load-based choice gets the request only
+    /// when it caches at least this many more tokens: a few shared blocks (a chat template's system
+    /// prompt, a repeated short question) are cheap to recompute, and following them would pile
+    /// every request onto whichever worker served first. 0 follows any cached block.
+    pub decode_affinity_min_tokens: usize,
 }
 
 impl Default for RoutingConfig {
@@ -20,15 +31,57 @@ impl Default for RoutingConfig {
         RoutingConfig {
             local_prefill_threshold: 16,
             prefill_load_bound: 2,
+            local_continuation_threshold: 512,
+            decode_affinity_min_tokens: 256,
         }
     }
 }
 
 /// The local-prefill rule: whether a prompt with `uncached` tokens not already cached on the chosen
-/// decode worker goes to a prefill worker (`prefill_workers` of them routable) rather than being
-/// prefilled on the decode worker itself. Shared by the ingress and the simulator (`tandem-sim`).
-pub fn wants_remote_prefill(uncached: usize, prefill_workers: usize, cfg: &RoutingConfig) -> bool {
-    uncached >= cfg.local_prefill_threshold && prefill_workers > 0
+/// decode worker (and `cached` that are) goes to a prefill worker (`prefill_workers` of them
+/// routable) rather than being prefilled on the decode worker itself. Shared by the ingress and the
+/// simulator (`tandem-sim`).
+pub fn wants_remote_prefill(
+    uncached: usize,
+    cached: usize,
+    prefill_workers: usize,
+    cfg: &RoutingConfig,
+) -> bool {
+    let continuation = cached >= uncached && uncached < cfg.local_continuation_threshold;
+    uncached >= cfg.local_prefill_threshold && !continuation && prefill_workers > 0
+}
+
+/// How much worse (in [`DecodeLoad::score`]) than the load-based choice a decode worker may be and
+/// still get a request for the longer prefix it caches: a quarter of its KV or batch slots.
+pub const DECODE_AFFINITY_BOUND: f64 = 0.25;
+
+/// The decode choice: [`pick_decode`] by load, unless another worker caches at least
+/// [`RoutingConfig::decode_affinity_min_tokens`] more of the prompt's leading tokens
+/// (`matched_tokens[i]` for `loads[i]`) and is loaded at most [`DECODE_AFFINITY_BOUND`] more, so a
+/// conversation's next turn goes where its KV is. `None` if there are no candidates.
+pub fn pick_decode_cached(
+    loads: &[DecodeLoad],
+    matched_tokens: &[usize],
+    cfg: &RoutingConfig,
+    rng: &mut impl Rng,
+) -> Option<usize> {
+    let matched = matched_tokens;
+    let by_load = pick_decode(loads, rng)?;
+    let best = (0..loads.len()).max_by(|&i, &j| {
+        matched[i]
+            .cmp(&matched[j])
+            .then(loads[j].score().total_cmp(&loads[i].score()))
+            .then(j.cmp(&i))
+    })?;
+    let near = loads[best].score() <= loads[by_load].score() + DECODE_AFFINITY_BOUND;
+    let gain = matched[best].saturating_sub(matched[by_load]);
+    Some(
+        if gain > 0 && gain >= cfg.decode_affinity_min_tokens && near {
+            best
+        } else {
+            by_load
+        },
+    )
 }
 
 /// What the decode policy weighs for one worker.
@@ -134,13 +187,69 @@ mod tests {
     #[test]
     fn short_uncached_prompts_stay_on_the_decode_worker() {
         let cfg = RoutingConfig::default();
-        assert!(!wants_remote_prefill(
-            cfg.local_prefill_threshold - 1,
-            2,
-            &cfg
-        ));
-        assert!(wants_remote_prefill(cfg.local_prefill_threshold, 2, &cfg));
-        assert!(!wants_remote_prefill(1000, 0, &cfg), "no prefill worker");
+        let t = cfg.local_prefill_threshold;
+        assert!(!wants_remote_prefill(t - 1, 0, 2, &cfg));
+        assert!(wants_remote_prefill(t, 0, 2, &cfg));
+        assert!(!wants_remote_prefill(1000, 0, 0, &cfg), "no prefill worker");
+        // A continuation of what the decode worker holds: its suffix stays there while short.
+        let c = cfg.local_continuation_threshold;
+        assert!(!wants_remote_prefill(c - 1, 2000, 2, &cfg));
+        assert!(wants_remote_prefill(c, 2000, 2, &cfg), "a long suffix");
+        assert!(
+            wants_remote_prefill(200, 100, 2, &cfg),
+            "more uncached than cached: not a continuation"
+        );
+        let off = RoutingConfig {
+            local_continuation_threshold: 0,
+            ..cfg
+        };
+        assert!(wants_remote_prefill(100, 2000, 2, &off));
+    }
+
+    #[test]
+    fn decode_choice_follows_the_cached_prefix_within_the_bound() {
+        let cfg = RoutingConfig::default();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let loads = [load(10, 1), load(20, 1), load(10, 1)];
+        for _ in 0..20 {
+            assert_eq!(
+                pick_decode_cached(&loads, &[0, 1024, 0], &cfg, &mut rng),
+                Some(1)
+            );
+        }
+        let loads = [load(0, 0), load(90, 9)];
+        for _ in 0..20 {
+            assert_eq!(
+                pick_decode_cached(&loads, &[0, 1024], &cfg, &mut rng),
+                Some(0),
+                "too loaded for its prefix"
+            );
+        }
+        assert_eq!(pick_decode_cached(&[], &[], &cfg, &mut rng), None);
+    }
+
+    #[test]
+    fn a_short_shared_prefix_does_not_pull_every_request_to_one_worker() {
+        // Two idle workers, one caching a chat template's system prompt: requests spread by load
+        // (the power of two choices picks each about half the time) instead of all following it.
+        let cfg = RoutingConfig::default();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let loads = [load(0, 0), load(0, 0)];
+        let short = cfg.decode_affinity_min_tokens - 1;
+        let to_cached = (0..200)
+            .filter(|_| pick_decode_cached(&loads, &[short, 0], &cfg, &mut rng) == Some(0))
+            .count();
+        assert!((50..150).contains(&to_cached), "{to_cached} of 200");
+        let any = RoutingConfig {
+            decode_affinity_min_tokens: 0,
+            ..cfg
+        };
+        for _ in 0..20 {
+            assert_eq!(
+                pick_decode_cached(&loads, &[short, 0], &any, &mut rng),
+                Some(0)
+            );
+        }
     }
 
     #[test]

@@ -44,6 +44,18 @@ impl BlockTable {
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }
+
+    /// The name of the table's last named block (the root's for none): what the next full block's
+    /// name chains from.
+    pub fn last_hash(&self) -> u64 {
+        self.hashes.last().copied().unwrap_or(ROOT_HASH)
+    }
+
+    /// Whether every block of the table is named (a prefix match leaves it so): only then can restored
+    /// blocks be appended with [`BlockPool::finish_restore`].
+    pub fn all_named(&self) -> bool {
+        !self.unnamed && self.hashes.len() == self.blocks.len()
+    }
 }
 
 /// The pool of blocks shared by all sequences of one engine.
@@ -95,28 +107,27 @@ impl BlockPool {
         std::mem::take(&mut self.evicted)
     }
 
-    /// Whether the pool holds the block named `hash`: `Some(true)` when nobody references it (it is
-    /// evictable, and becomes the most recently freed: a restore about to evict must not take a prefix
-    /// block it builds on), `Some(false)` when referenced, `None` when not held.
-    pub fn holds(&mut self, hash: u64) -> Option<bool> {
-        let b = self.cache.lookup(hash)?;
-        let evictable = self.cache.is_evictable(b);
-        self.cache.refresh(b);
-        Some(evictable)
+    /// Whether the pool holds the block named `hash` (referenced or cached).
+    pub fn holds(&self, hash: u64) -> bool {
+        self.cache.lookup(hash).is_some()
     }
 
-    /// A block for restoring content from a KV tier (referenced until [`Self::finish_restore`] or
-    /// [`Self::abort_restore`]); None when none is obtainable.
+    /// A block for restoring content from a KV tier into `table` (referenced by it); None when none is
+    /// obtainable. The caller copies evicted blocks down before writing it, then names it with
+    /// [`Self::finish_restore`] or gives it back with [`Self::abort_restore`].
     pub fn take_for_restore(&mut self) -> Option<u32> {
         self.take_block()
     }
 
-    /// Names a restored block `hash` and leaves it cached and unreferenced, so the next prefix lookup
-    /// finds it like any other cached block.
-    pub fn finish_restore(&mut self, block: u32, hash: u64) {
+    /// Appends a restored block, now holding the content named `hash`, to `table`, whose named blocks
+    /// must be exactly the prefix `hash` extends: the block is then the table's next full block, named
+    /// like a computed one, so later lookups find it.
+    pub fn finish_restore(&mut self, table: &mut BlockTable, block: u32, hash: u64) {
+        debug_assert_eq!(table.hashes.len(), table.blocks.len());
         let named = self.cache.insert(block, hash);
         debug_assert!(named, "restored a block the pool already holds");
-        self.decref(block);
+        table.blocks.push(block);
+        table.hashes.push(hash);
     }
 
     /// Gives back a block whose restore failed: it holds nothing.
@@ -239,8 +250,27 @@ impl BlockPool {
     /// Fills an empty `table` with the longest cached prefix of `tokens`, always leaving at least one
     /// token uncached so the model computes logits; returns the number of cached tokens.
     pub fn match_prefix(&mut self, table: &mut BlockTable, tokens: &[u32]) -> usize {
+        let hit = self.match_prefix_unrecorded(table, tokens);
+        self.cache.record(tokens.len(), hit);
+        hit
+    }
+
+    /// [`Self::match_prefix`] without counting the lookup in [`Self::prefix_counters`]: for a waiting
+    /// request that may not be admitted this step (and would be looked up again next step); the
+    /// scheduler counts it with [`Self::record_lookup`] once it is admitted.
+    pub fn match_prefix_unrecorded(&mut self, table: &mut BlockTable, tokens: &[u32]) -> usize {
         let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
-        self.match_blocks(table, tokens, max_blocks)
+        if !self.caching {
+            return 0;
+        }
+        self.match_blocks_unrecorded(table, tokens, max_blocks)
+    }
+
+    /// Counts one prefix lookup of `queried` prompt tokens, `hit` of them found in the pool.
+    pub fn record_lookup(&mut self, queried: usize, hit: usize) {
+        if self.caching {
+            self.cache.record(queried, hit);
+        }
     }
 
     /// Like [`Self::match_prefix`] but may cover every full block of `tokens`: for a prompt whose KV is
@@ -251,6 +281,20 @@ impl BlockPool {
     }
 
     fn match_blocks(&mut self, table: &mut BlockTable, tokens: &[u32], max_blocks: usize) -> usize {
+        if !self.caching {
+            return 0;
+        }
+        let hit = self.match_blocks_unrecorded(table, tokens, max_blocks);
+        self.cache.record(tokens.len(), hit);
+        hit
+    }
+
+    fn match_blocks_unrecorded(
+        &mut self,
+        table: &mut BlockTable,
+        tokens: &[u32],
+        max_blocks: usize,
+    ) -> usize {
         debug_assert!(table.is_empty());
         if !self.caching || tokens.is_empty() {
             return 0;
@@ -264,9 +308,7 @@ impl BlockPool {
             table.hashes.push(h);
             parent = h;
         }
-        let hit = table.blocks.len() * self.block_size;
-        self.cache.record(tokens.len(), hit);
-        hit
+        table.blocks.len() * self.block_size
     }
 
     /// Names every full block among the first `num_computed` tokens (whose KV is now written) so that

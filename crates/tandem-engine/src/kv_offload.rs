@@ -1,162 +1,232 @@
 //! The engine thread's side of the KV tiers (`kv_tiers`): blocks the pool evicts are copied down
-//! before anything overwrites them, and a waiting request's prefix that the pool lost is copied back
-//! up from the tiers before the scheduler looks it up, so the lookup finds it cached.
+//! before anything overwrites them, and when the scheduler admits a request whose prefix the pool
+//! lost but a tier holds, those blocks are copied back up into the request's own block table
+//! ([`TierRestore`], a [`PrefixSource`]), so no token a tier holds is computed again. A preempted
+//! request re-admitted later restores the same way.
 //!
-//! Bytes move through the backend's per-layer KV export/import (the calls P/D transfer uses), so this
-//! works on every backend. Restores run on the engine thread, synchronously, before the step that
-//! admits the request.
+//! Bytes move through the backend's bulk KV calls (`export_kv`, `import_kv`: the ones P/D transfer
+//! uses), a whole batch of blocks per layer, so a GPU moves them in a few large DMAs through its
+//! page-locked pool instead of one synchronous copy per (layer, block); every backend has them. A
+//! restore runs on the engine thread inside the scheduling of the step that admits the request (only
+//! for requests that step admits, only into blocks the scheduler could give them): copy threads
+//! gather each layer's blocks into one host buffer while the engine thread hands finished layers to
+//! the backend, whose copies (on a GPU) run asynchronously and are ordered before the next step by
+//! `import_fence`.
 
 use std::time::Instant;
 
-use crate::backend::{Backend, LayerBlocks};
-use crate::prefix_cache::{hash_block, ROOT_HASH};
+use crate::backend::{Backend, BackendError, LayerBlocks};
+use crate::block_pool::{BlockPool, BlockTable};
+use crate::kv_tiers::{KvTiers, Tier};
+use crate::prefix_cache::hash_block;
+use crate::scheduler::PrefixSource;
 use crate::worker::Worker;
 
 impl<B: Backend> Worker<B> {
     /// Copies every block the pool evicted since the last call down to the tiers (one that a tier
     /// already holds is only refreshed). Must run before a step or import writes the evicted blocks.
     pub(crate) fn offload_evicted(&mut self) {
-        let Some(tiers) = self.tiers.as_mut() else {
-            return;
-        };
-        let evicted = self.pool.take_evicted();
-        if evicted.is_empty() {
-            return;
-        }
-        let layout = self.backend.kv_layout();
-        let bb = layout.block_bytes();
-        for (block, hash) in evicted {
-            if tiers.refresh_if_held(hash) {
-                continue;
-            }
-            let mut bytes = vec![0u8; layout.n_layers * bb];
-            let exported =
-                bytes
-                    .chunks_exact_mut(bb.max(1))
-                    .enumerate()
-                    .try_for_each(|(layer, out)| {
-                        self.backend
-                            .export_layer(LayerBlocks::new(layer, &[block]), out)
-                    });
-            match exported {
-                Ok(()) => tiers.offload(hash, bytes),
-                Err(e) => {
-                    tracing::warn!(block, error = %e, "KV tier: could not copy an evicted block down; it is dropped");
-                }
-            }
+        if let Some(tiers) = self.tiers.as_mut() {
+            offload(&mut self.backend, tiers, self.pool.take_evicted());
         }
     }
+}
 
-    /// Restores, for the waiting requests the next step could admit, the leading blocks of their
-    /// prompts that the pool no longer holds but a tier does, as cached blocks of the pool.
-    ///
-    /// Requests are taken in queue order (the order the scheduler admits them), and all restores of a
-    /// step, with the cached prefix blocks they build on, take fewer blocks than were obtainable when it
-    /// began (each request also keeps one for its first chunk); those prefix blocks and the restored
-    /// ones are made the most recently freed, so the pool evicts only other content to make room and
-    /// one request's restore never evicts another's (or its own prefix).
-    pub(crate) fn restore_from_tiers(&mut self) {
-        if self.tiers.is_none() || !self.pool.caching() {
-            return;
-        }
-        let bs = self.pool.block_size();
-        let admit = self
-            .sched
-            .config()
-            .max_num_seqs
-            .saturating_sub(self.sched.running.len());
-        let mut room = self.pool.num_available();
-        let mut wanted: Vec<Vec<u64>> = Vec::new();
-        for seq in self.sched.waiting.iter().take(admit) {
-            if !seq.table.is_empty() || seq.num_computed != 0 || seq.scoring_prompt() {
-                continue;
-            }
-            if room <= 1 {
-                break;
-            }
-            let tiers = self.tiers.as_ref().expect("checked above");
-            let max_blocks = seq.tokens.len().saturating_sub(1) / bs;
-            let mut parent = ROOT_HASH;
-            let mut chain = Vec::new();
-            let mut held = 0;
-            for chunk in seq.tokens.chunks_exact(bs).take(max_blocks) {
-                let h = hash_block(parent, chunk);
-                if chain.len() + held + 1 >= room {
-                    break;
-                }
-                match self.pool.holds(h) {
-                    Some(evictable) => held += usize::from(evictable),
-                    None => {
-                        if !tiers.contains(h) {
-                            break;
-                        }
-                        chain.push(h);
-                    }
-                }
-                parent = h;
-            }
-            room -= chain.len() + held + 1;
-            if !chain.is_empty() {
-                wanted.push(chain);
-            }
-        }
-        for chain in wanted {
-            let started = Instant::now();
-            let mut restored = 0usize;
-            for hash in chain {
-                if !self.restore_block(hash) {
-                    break;
-                }
-                restored += 1;
-            }
-            if restored > 0 {
-                if let Err(e) = self.backend.import_fence() {
-                    self.backend_failed(e);
-                    return;
-                }
-                if let Some(tiers) = self.tiers.as_mut() {
-                    tiers
-                        .restore_seconds
-                        .observe(started.elapsed().as_secs_f64());
-                }
-                tracing::debug!(blocks = restored, "KV tier: restored a prefix");
-            }
-            if self.failure.is_some() {
-                return;
-            }
-        }
+/// Copies `evicted` blocks (block, name) down to `tiers` in one bulk export; a block a tier already
+/// holds is only refreshed. If the export fails the blocks are dropped with a warning (their
+/// prefixes are computed again when they return).
+fn offload<B: Backend>(backend: &mut B, tiers: &mut KvTiers, evicted: Vec<(u32, u64)>) {
+    let todo: Vec<(u32, u64)> = evicted
+        .into_iter()
+        .filter(|&(_, hash)| !tiers.refresh_if_held(hash))
+        .collect();
+    if todo.is_empty() {
+        return;
     }
-
-    /// Copies block `hash` up from the tiers into a pool block and names it; false when it could not
-    /// (not there any more, a corrupt file, no free block, a backend failure).
-    fn restore_block(&mut self, hash: u64) -> bool {
-        let Some((bytes, _tier)) = self.tiers.as_mut().and_then(|t| t.fetch(hash)) else {
-            return false;
-        };
-        let Some(block) = self.pool.take_for_restore() else {
-            return false;
-        };
-        // The block may have just been evicted: its old content goes down before it is overwritten.
-        self.offload_evicted();
-        let bb = self.backend.kv_layout().block_bytes();
-        let imported = bytes
-            .chunks_exact(bb.max(1))
-            .enumerate()
-            .try_for_each(|(layer, data)| {
-                self.backend
-                    .import_layer(LayerBlocks::new(layer, &[block]), data)
-            });
-        match imported {
-            Ok(()) => {
-                self.pool.finish_restore(block, hash);
-                true
+    let layout = backend.kv_layout();
+    // A bulk export moves at most a request's worth of blocks (a GPU stages one layer of them).
+    let most = backend
+        .max_model_len()
+        .div_ceil(layout.block_size.max(1))
+        .min(layout.num_blocks)
+        .max(1);
+    for part in todo.chunks(most) {
+        let ids: Vec<u32> = part.iter().map(|&(b, _)| b).collect();
+        match export_layer_major(backend, &ids) {
+            Ok(out) => {
+                for (&(_, hash), bytes) in part.iter().zip(out) {
+                    tiers.offload(hash, bytes);
+                }
             }
             Err(e) => {
-                self.pool.abort_restore(block);
-                tracing::warn!(error = %e, "KV tier: restoring a block failed; its prefix is recomputed");
-                self.backend_failed(e);
-                false
+                tracing::warn!(blocks = part.len(), error = %e, "KV tier: could not copy evicted blocks down; they are dropped");
             }
         }
+    }
+}
+
+/// Every layer of `ids` through the backend's bulk export, one vector per block holding its layers
+/// back to back, as the KV tiers hold a block. The tiers' offload path; public so `cuda-bench`
+/// measures with it.
+pub fn export_layer_major<B: Backend>(
+    backend: &mut B,
+    ids: &[u32],
+) -> Result<Vec<Vec<u8>>, BackendError> {
+    let layout = backend.kv_layout();
+    let (bb, layers) = (layout.block_bytes(), layout.n_layers);
+    let export = backend.export_kv(ids)?;
+    let mut out: Vec<Vec<u8>> = vec![vec![0u8; layers * bb]; ids.len()];
+    for layer in 0..layers {
+        let bytes = export.layer(layer)?;
+        for (o, b) in out.iter_mut().zip(bytes.chunks_exact(bb.max(1))) {
+            o[layer * bb..(layer + 1) * bb].copy_from_slice(b);
+        }
+    }
+    Ok(out)
+}
+
+/// Copy threads a restore gathers layers with: enough to outrun a host-to-device DMA, few enough
+/// to leave the host's other work alone.
+const GATHER_THREADS: usize = 4;
+
+/// Copies `sources` (each every layer of one block, layer-major, as the KV tiers hold them) into
+/// pool blocks `blocks` through the backend's bulk import, one layer at a time: copy threads gather
+/// a layer's slices of every block into one buffer from the backend's host pool while the calling
+/// thread imports the layers already gathered, then fences the imports before the next step. The
+/// tiers' restore path; public so `cuda-bench` times exactly it.
+pub fn restore_layer_major<B: Backend>(
+    backend: &mut B,
+    blocks: &[u32],
+    sources: &[std::sync::Arc<Vec<u8>>],
+) -> Result<(), BackendError> {
+    let layout = backend.kv_layout();
+    let (bb, layers) = (layout.block_bytes(), layout.n_layers);
+    let pool = backend.host_pool();
+    let threads = GATHER_THREADS.min(layers).max(1);
+    let result = std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel(threads);
+        for t in 0..threads {
+            let (tx, pool) = (tx.clone(), &pool);
+            scope.spawn(move || {
+                for layer in (t..layers).step_by(threads) {
+                    let gathered = pool.take(blocks.len() * bb).map(|mut buf| {
+                        let dst = buf.as_mut_slice();
+                        for (d, src) in dst.chunks_exact_mut(bb.max(1)).zip(sources) {
+                            d.copy_from_slice(&src[layer * bb..(layer + 1) * bb]);
+                        }
+                        buf
+                    });
+                    let failed = gathered.is_err();
+                    if tx.send((layer, gathered)).is_err() || failed {
+                        return;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        let mut imported = 0;
+        for (layer, gathered) in rx {
+            backend.import_kv(LayerBlocks::new(layer, blocks), gathered?)?;
+            imported += 1;
+        }
+        if imported == layers {
+            Ok(())
+        } else {
+            Err(BackendError::fatal(format!(
+                "KV tier restore gathered {imported} of {layers} layers"
+            )))
+        }
+    });
+    result?;
+    backend.import_fence()
+}
+
+/// Restores an admitted request's prefix from the KV tiers during scheduling (see the module docs).
+pub(crate) struct TierRestore<'a, B: Backend> {
+    backend: &'a mut B,
+    tiers: &'a mut KvTiers,
+    /// The backend error that stopped a restore, for the engine to handle after scheduling.
+    pub(crate) failure: Option<BackendError>,
+}
+
+impl<'a, B: Backend> TierRestore<'a, B> {
+    /// A restorer moving blocks from `tiers` into `backend`'s cache.
+    pub(crate) fn new(backend: &'a mut B, tiers: &'a mut KvTiers) -> Self {
+        Self {
+            backend,
+            tiers,
+            failure: None,
+        }
+    }
+}
+
+impl<B: Backend> PrefixSource for TierRestore<'_, B> {
+    fn extend(
+        &mut self,
+        pool: &mut BlockPool,
+        table: &mut BlockTable,
+        tokens: &[u32],
+        max_blocks: usize,
+    ) -> usize {
+        if self.failure.is_some() || !table.all_named() {
+            return 0;
+        }
+        let bs = pool.block_size();
+        let started = Instant::now();
+        let mut parent = table.last_hash();
+        // First every block this restore takes (name, bytes, tier, pool block), then one bulk import.
+        let mut plan: Vec<(u64, Tier, u32)> = Vec::new();
+        let mut sources = Vec::new();
+        while table.blocks.len() + plan.len() < max_blocks {
+            let i = table.blocks.len() + plan.len();
+            let Some(chunk) = tokens.get(i * bs..(i + 1) * bs) else {
+                break;
+            };
+            let hash = hash_block(parent, chunk);
+            // A block the pool holds past the matched prefix is another sequence's (still being
+            // computed): it is not copied in twice.
+            if pool.holds(hash) || !self.tiers.contains(hash) {
+                break;
+            }
+            let Some((bytes, tier)) = self.tiers.fetch(hash) else {
+                break;
+            };
+            let Some(block) = pool.take_for_restore() else {
+                break;
+            };
+            plan.push((hash, tier, block));
+            sources.push(bytes);
+            parent = hash;
+        }
+        if plan.is_empty() {
+            return 0;
+        }
+        // Blocks just evicted to make room go down before the import overwrites them.
+        offload(self.backend, self.tiers, pool.take_evicted());
+        let blocks: Vec<u32> = plan.iter().map(|&(_, _, b)| b).collect();
+        if let Err(e) = restore_layer_major(self.backend, &blocks, &sources) {
+            for &b in &blocks {
+                pool.abort_restore(b);
+            }
+            tracing::warn!(error = %e, "KV tier: restoring a prefix failed; it is recomputed");
+            self.failure = Some(e);
+            return 0;
+        }
+        let mut from = [0usize; 2];
+        for &(hash, tier, block) in &plan {
+            pool.finish_restore(table, block, hash);
+            from[usize::from(tier == Tier::Disk)] += 1;
+        }
+        let restored = from[0] + from[1];
+        let seconds = started.elapsed().as_secs_f64();
+        self.tiers.restore_seconds.observe(seconds);
+        tracing::debug!(
+            pool_blocks = table.blocks.len() - restored,
+            host_blocks = from[0],
+            disk_blocks = from[1],
+            seconds,
+            "KV tier: restored a prefix at admission"
+        );
+        restored
     }
 }

@@ -18,6 +18,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tandem_model::{KvDtype, KvLayout};
 
@@ -229,7 +230,8 @@ impl Lru {
 pub struct HostTier {
     budget: usize,
     lru: Lru,
-    data: HashMap<u64, Vec<u8>, FxBuildHasher>,
+    /// Shared so a restore reads a block's bytes on its copy threads without copying them out first.
+    data: HashMap<u64, Arc<Vec<u8>>, FxBuildHasher>,
 }
 
 impl HostTier {
@@ -248,15 +250,15 @@ impl HostTier {
     }
 
     /// Block `hash`'s bytes, now the most recently used.
-    pub fn get(&mut self, hash: u64) -> Option<&[u8]> {
+    pub fn get(&mut self, hash: u64) -> Option<&Arc<Vec<u8>>> {
         let size = self.data.get(&hash)?.len();
         self.lru.touch(hash, size);
-        self.data.get(&hash).map(Vec::as_slice)
+        self.data.get(&hash)
     }
 
     /// Stores block `hash`; returns the blocks evicted to make room (oldest first). A block larger
     /// than the whole budget is not kept.
-    pub fn put(&mut self, hash: u64, bytes: Vec<u8>) -> Vec<(u64, Vec<u8>)> {
+    pub fn put(&mut self, hash: u64, bytes: Vec<u8>) -> Vec<(u64, Arc<Vec<u8>>)> {
         let mut evicted = Vec::new();
         if bytes.len() > self.budget {
             return evicted;
@@ -272,7 +274,7 @@ impl HostTier {
             evicted.push((old, b));
         }
         self.lru.touch(hash, bytes.len());
-        self.data.insert(hash, bytes);
+        self.data.insert(hash, Arc::new(bytes));
         evicted
     }
 
@@ -605,14 +607,14 @@ impl KvTiers {
 
     /// Block `hash`'s bytes from the highest tier holding it, counting a hit or miss per tier
     /// consulted. None when no tier has it or the disk copy failed its checks.
-    pub fn fetch(&mut self, hash: u64) -> Option<(Vec<u8>, Tier)> {
+    pub fn fetch(&mut self, hash: u64) -> Option<(Arc<Vec<u8>>, Tier)> {
         let mut got = None;
         if let Some(host) = &mut self.host {
             match host.get(hash) {
                 Some(b) => {
                     self.stats[0].hits += 1;
                     self.stats[0].bytes_up += b.len() as u64;
-                    got = Some((b.to_vec(), Tier::Host));
+                    got = Some((Arc::clone(b), Tier::Host));
                 }
                 None => self.stats[0].misses += 1,
             }
@@ -623,7 +625,7 @@ impl KvTiers {
                     Some(b) => {
                         self.stats[1].hits += 1;
                         self.stats[1].bytes_up += b.len() as u64;
-                        got = Some((b, Tier::Disk));
+                        got = Some((Arc::new(b), Tier::Disk));
                     }
                     None => self.stats[1].misses += 1,
                 }
@@ -826,10 +828,10 @@ mod tests {
             t.offload(h, payload(h as u8));
         }
         assert!(t.contains(1) && t.contains(2) && t.contains(3) && !t.contains(4));
-        assert_eq!(t.fetch(3), Some((payload(3), Tier::Host)));
+        assert_eq!(t.fetch(3), Some((Arc::new(payload(3)), Tier::Host)));
         assert_eq!(
             t.fetch(1),
-            Some((payload(1), Tier::Disk)),
+            Some((Arc::new(payload(1)), Tier::Disk)),
             "host evicted it to disk"
         );
         assert_eq!(t.fetch(4), None);

@@ -36,6 +36,7 @@ pub use engine::{
 };
 pub use guide::GuideEnv;
 pub use kv_host::{HostBuf, HostMem, HostPool, KvExport, ReadyExport, StagedExport, VecPool};
+pub use kv_offload::{export_layer_major, restore_layer_major};
 pub use kv_staging::{HostStaging, KvStaging, StagedLayer, StagingKind, StagingMem, StagingSlice};
 pub use stage::{Activations, SizedPool, StageError, StageInput, StageModel, StageOutput};
 pub use stats::{KvTierStats, RestoreHistogram};

@@ -11,6 +11,32 @@ use crate::types::RequestId;
 use std::collections::VecDeque;
 use tandem_model::{ForwardBatch, LogitsWanted};
 
+/// Where a newly admitted request's cached prefix may continue beyond the blocks the pool holds: the
+/// engine's KV tiers copy evicted blocks back up at admission, so that no token a tier holds is
+/// recomputed (and a preempted request's KV comes back the same way).
+pub trait PrefixSource {
+    /// Appends to `table` (which holds exactly the pool's cached prefix of `tokens`, every block named)
+    /// restored full blocks of `tokens` that follow it, taking each from `pool`, until `table` holds
+    /// `max_blocks` blocks or the next block is not held; returns how many it appended.
+    fn extend(
+        &mut self,
+        pool: &mut BlockPool,
+        table: &mut BlockTable,
+        tokens: &[u32],
+        max_blocks: usize,
+    ) -> usize;
+}
+
+/// No source beyond the pool.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PoolOnly;
+
+impl PrefixSource for PoolOnly {
+    fn extend(&mut self, _: &mut BlockPool, _: &mut BlockTable, _: &[u32], _: usize) -> usize {
+        0
+    }
+}
+
 /// Scheduling knobs taken from the engine config.
 #[derive(Clone, Copy, Debug)]
 pub struct SchedulerConfig {
@@ -178,11 +204,21 @@ impl<E> Scheduler<E> {
     /// Plans the next step and writes it into `batch` (cleared first). The plan is then available from
     /// [`Self::scheduled`]; an empty plan means nothing can run until blocks are released.
     pub fn schedule(&mut self, pool: &mut BlockPool, batch: &mut ForwardBatch) {
+        self.schedule_with(pool, batch, &mut PoolOnly);
+    }
+
+    /// [`Self::schedule`] where an admitted request's cached prefix continues in `source` (KV tiers).
+    pub fn schedule_with(
+        &mut self,
+        pool: &mut BlockPool,
+        batch: &mut ForwardBatch,
+        source: &mut dyn PrefixSource,
+    ) {
         self.scheduled.clear();
         self.preempted.clear();
         self.out_of_room.clear();
         loop {
-            self.plan(pool);
+            self.plan(pool, source);
             if !self.scheduled.is_empty() || self.running.len() <= 1 {
                 break;
             }
@@ -192,7 +228,7 @@ impl<E> Scheduler<E> {
         self.fill_batch(pool.block_size(), batch);
     }
 
-    fn plan(&mut self, pool: &mut BlockPool) {
+    fn plan(&mut self, pool: &mut BlockPool, source: &mut dyn PrefixSource) {
         let bs = pool.block_size();
         let mut budget = self.cfg.max_num_batched_tokens;
 
@@ -268,16 +304,33 @@ impl<E> Scheduler<E> {
             let Some(seq) = self.waiting.front_mut() else {
                 break;
             };
+            let mut looked_up = false;
             if seq.table.is_empty() && seq.num_computed == 0 && !seq.scoring_prompt() {
-                seq.num_computed = pool.match_prefix(&mut seq.table, &seq.tokens);
+                pool.match_prefix_unrecorded(&mut seq.table, &seq.tokens);
+                looked_up = true;
+                // Blocks past the pool's prefix come back from the tiers, keeping one obtainable block
+                // for the first chunk, and never past the prompt's last full block before its final
+                // token (which the model must compute to sample).
+                let max_blocks = (seq.tokens.len().saturating_sub(1) / bs)
+                    .min(seq.table.blocks.len() + pool.num_available().saturating_sub(1));
+                if pool.caching() && seq.table.blocks.len() < max_blocks {
+                    source.extend(pool, &mut seq.table, &seq.tokens, max_blocks);
+                }
+                seq.num_computed = seq.table.blocks.len() * bs;
             }
             let Some(len) = chunk_len(&self.cfg, seq, budget, pool, bs, !self.scheduled.is_empty())
             else {
-                // Give matched prefix blocks back so they stay evictable while this request waits.
+                // Give matched prefix blocks back so they stay evictable while this request waits
+                // (restored ones stay cached in the pool: the next lookup finds them there).
                 pool.release(&mut seq.table);
                 seq.num_computed = 0;
                 break;
             };
+            if looked_up {
+                // Counted once, when admitted, however many steps the request waited; restored
+                // tokens count as hits (the tiers count theirs per tier too).
+                pool.record_lookup(seq.tokens.len(), seq.num_computed);
+            }
             pool.ensure_capacity(&mut seq.table, seq.num_computed + len)
                 .expect("chunk sized to fit");
             let sample = seq.num_computed + len == seq.tokens.len();
@@ -457,6 +510,79 @@ mod tests {
         s2.add(Sequence::new(3, vec![1; 20], ()));
         s2.schedule(&mut pool, &mut b);
         assert_eq!(s2.scheduled(), &[planned(0, 20, true)]);
+    }
+
+    /// A tier holding every block of one token sequence: restores them by name.
+    struct Tier(Vec<u32>);
+
+    impl PrefixSource for Tier {
+        fn extend(
+            &mut self,
+            pool: &mut BlockPool,
+            table: &mut BlockTable,
+            tokens: &[u32],
+            max_blocks: usize,
+        ) -> usize {
+            let bs = pool.block_size();
+            let mut n = 0;
+            while table.blocks.len() < max_blocks {
+                let i = table.blocks.len();
+                if tokens[..(i + 1) * bs] != self.0[..((i + 1) * bs).min(self.0.len())] {
+                    break;
+                }
+                let h = crate::prefix_cache::hash_block(
+                    table.last_hash(),
+                    &tokens[i * bs..(i + 1) * bs],
+                );
+                let b = pool.take_for_restore().expect("room was checked");
+                pool.finish_restore(table, b, h);
+                n += 1;
+            }
+            n
+        }
+    }
+
+    #[test]
+    fn admission_restores_from_the_source_and_counts_lookups_once() {
+        let toks: Vec<u32> = (0..13).collect();
+        let mut pool = BlockPool::new(16, 4, true);
+        let mut s: Scheduler<()> = Scheduler::new(cfg(8, 64, true));
+        let mut b = ForwardBatch::default();
+        let mut tier = Tier(toks.clone());
+        s.add(Sequence::new(1, toks.clone(), ()));
+        s.schedule_with(&mut pool, &mut b, &mut tier);
+        // 12 of 13 tokens in three full blocks come from the source; the last token is computed.
+        assert_eq!(s.scheduled(), &[planned(0, 1, true)]);
+        assert_eq!(b.seqs[0].pos, 12);
+        assert_eq!(b.seqs[0].blocks.len(), 4);
+        assert_eq!(pool.prefix_counters(), (13, 12), "restored tokens are hits");
+        apply(&mut s, &mut pool);
+        let mut done = s.running.pop().unwrap();
+        pool.release(&mut done.table);
+        // The restored blocks are named: a second request finds them in the pool.
+        s.add(Sequence::new(2, toks.clone(), ()));
+        s.schedule(&mut pool, &mut b);
+        assert_eq!(b.seqs[0].pos, 12);
+        assert_eq!(pool.prefix_counters(), (26, 24));
+
+        // A request that waits several steps (no room) is counted once, when admitted.
+        let mut pool = BlockPool::new(4, 4, true);
+        let mut s: Scheduler<()> = Scheduler::new(cfg(8, 64, false));
+        s.add(Sequence::new(1, vec![9; 15], ()));
+        s.schedule(&mut pool, &mut b);
+        apply(&mut s, &mut pool);
+        s.add(Sequence::new(2, vec![8; 6], ()));
+        for _ in 0..3 {
+            s.schedule(&mut pool, &mut b);
+            assert_eq!(s.running.len(), 1, "no room for the second prompt yet");
+            apply(&mut s, &mut pool);
+        }
+        assert_eq!(pool.prefix_counters(), (15, 0));
+        let mut done = s.running.pop().unwrap();
+        pool.release(&mut done.table);
+        s.schedule(&mut pool, &mut b);
+        assert_eq!(s.running.len(), 1);
+        assert_eq!(pool.prefix_counters(), (21, 0));
     }
 
     #[test]

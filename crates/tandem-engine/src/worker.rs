@@ -9,6 +9,7 @@ use crate::error::EngineError;
 use crate::guide::{Guide, Mask};
 use crate::handle::{Command, Item, Shared};
 use crate::kv_manager::Pin;
+use crate::kv_offload::TierRestore;
 use crate::kv_staging::KvStaging;
 use crate::kv_tiers::KvTiers;
 use crate::sampler::{argmax, logprobs_of, Sampled, Sampler, SeqRng};
@@ -328,11 +329,25 @@ impl<B: Backend> Worker<B> {
 
     /// Runs one scheduled step; false if nothing could be scheduled.
     fn step(&mut self) -> bool {
-        self.restore_from_tiers();
-        if self.failure.is_some() {
-            return false;
+        let restore_failed = match self.tiers.as_mut() {
+            Some(tiers) => {
+                let mut source = TierRestore::new(&mut self.backend, tiers);
+                self.sched
+                    .schedule_with(&mut self.pool, &mut self.batch, &mut source);
+                source.failure
+            }
+            None => {
+                self.sched.schedule(&mut self.pool, &mut self.batch);
+                None
+            }
+        };
+        if let Some(e) = restore_failed {
+            // The plan holds only blocks restored whole, so the step can run unless the backend is gone.
+            self.backend_failed(e);
+            if self.failure.is_some() {
+                return false;
+            }
         }
-        self.sched.schedule(&mut self.pool, &mut self.batch);
         // Blocks evicted to make room for this step go down to the tiers before it overwrites them.
         self.offload_evicted();
         self.counters.preemptions_total += self.sched.preempted().len() as u64;

@@ -3,7 +3,7 @@
 //! Every worker holds the engine's own [`Scheduler`] and [`BlockPool`] and steps them exactly as the
 //! engine thread does (plan, run, [`Scheduler::advance`], sample, reap), except that a step's duration
 //! comes from the [`Profile`] instead of a model. The head routes with `tandem-cluster`'s policies
-//! ([`pick_decode`], [`pick_prefill`] over its [`PrefixTracker`]s, [`wants_remote_prefill`]); a remote
+//! ([`pick_decode_cached`], [`pick_prefill`] over its [`PrefixTracker`]s, [`wants_remote_prefill`]); a remote
 //! prefill pins its blocks on the prefill worker until the decode worker, having reserved room through
 //! its prefix cache like `import_prefilled`, has pulled the blocks it lacks at the profile's transfer rate.
 //!
@@ -21,7 +21,7 @@ use tandem_bench::workload::RequestClass;
 use tandem_bench::RequestRecord;
 use tandem_cluster::prefix::{block_hashes, PrefixTracker};
 use tandem_cluster::routing::{
-    pick_decode, pick_prefill, wants_remote_prefill, DecodeLoad, PrefillCandidate,
+    pick_decode_cached, pick_prefill, wants_remote_prefill, DecodeLoad, PrefillCandidate,
 };
 use tandem_cluster::RoutingConfig;
 use tandem_engine::block_pool::{BlockPool, BlockTable};
@@ -445,14 +445,23 @@ impl Sim<'_> {
     fn route(&mut self, r: usize) {
         let decoders = self.decoders();
         let loads: Vec<DecodeLoad> = decoders.iter().map(|&w| self.workers[w].load()).collect();
-        let d = decoders[pick_decode(&loads, &mut self.rng).expect("decode workers exist")];
+        let matched: Vec<usize> = decoders
+            .iter()
+            .map(|&w| {
+                self.workers[w].prefix.matched_blocks(&self.reqs[r].hashes)
+                    * self.profile.block_size
+            })
+            .collect();
+        let i = pick_decode_cached(&loads, &matched, &self.cfg.routing, &mut self.rng)
+            .expect("decode workers exist");
+        let d = decoders[i];
         self.workers[d].in_flight += 1;
         self.reqs[r].decode = d;
         let req = &self.reqs[r];
-        let cached = self.workers[d].prefix.matched_blocks(&req.hashes) * self.profile.block_size;
-        let uncached = req.prompt.len().saturating_sub(cached);
+        let cached = matched[i].min(req.prompt.len());
+        let uncached = req.prompt.len() - cached;
         let prefillers = self.prefillers();
-        if !wants_remote_prefill(uncached, prefillers.len(), &self.cfg.routing) {
+        if !wants_remote_prefill(uncached, cached, prefillers.len(), &self.cfg.routing) {
             self.stats.local_prefills += 1;
             let hashes = std::mem::take(&mut self.reqs[r].hashes);
             self.workers[d].prefix.insert(&hashes);

@@ -36,11 +36,32 @@ fn pd_yaml_with(prefill: usize, decode: usize) -> String {
 }
 
 /// Open on loopback (`allow_unauthenticated`: no generated token): the tests list and call the workers
-/// directly, and register workers started by hand.
+/// directly, and register workers started by hand. Prompts that continue a cached prefix go to the
+/// prefill worker like any other (`local_continuation_threshold: 0`), so these tests see transfers;
+/// [`pd_yaml_continuations`] keeps the default rule.
 fn pd_yaml_timeouts(prefill: usize, decode: usize, timeouts: &str) -> String {
+    pd_yaml_routing(
+        prefill,
+        decode,
+        timeouts,
+        "local_prefill_threshold: 16, local_continuation_threshold: 0",
+    )
+}
+
+/// One prefill and one decode worker with the default rule for continuations.
+fn pd_yaml_continuations() -> String {
+    pd_yaml_routing(
+        1,
+        1,
+        "poll_interval_secs: 0.2",
+        "local_prefill_threshold: 16",
+    )
+}
+
+fn pd_yaml_routing(prefill: usize, decode: usize, timeouts: &str, routing: &str) -> String {
     format!(
         "model: {}\n{ENGINE}deployment:\n  mode: pd\n  allow_unauthenticated: true\n  prefill: {{replicas: {prefill}}}\n  decode: {{replicas: {decode}}}\n  \
-         kv_transfer: {{transport: tcp, pin_timeout_secs: 20}}\n  routing: {{local_prefill_threshold: 16}}\n  \
+         kv_transfer: {{transport: tcp, pin_timeout_secs: 20}}\n  routing: {{{routing}}}\n  \
          timeouts: {{{timeouts}}}\n",
         default_model().display()
     )
@@ -259,6 +280,64 @@ async fn a_prefix_cached_on_the_decode_worker_is_not_transferred_again() {
             (6 + 3 + 2) * block_bytes
         ),
         "tandem:pd_requests_total{prefill=\"remote\"} 3",
+    ])
+    .await;
+}
+
+/// The ids `text` encodes to (no special tokens), as a chat client re-encodes an answer.
+async fn encode(server: &Server, text: &str) -> Vec<u32> {
+    let v: Value = server
+        .http
+        .post(format!("{}/tokenize", server.url))
+        .json(&json!({"prompt": text, "add_special_tokens": false}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    serde_json::from_value(v["tokens"].clone()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversations_next_turn_is_prefilled_on_the_decode_worker_that_holds_it() {
+    let Some(_turn) = turn().await else { return };
+    // Turn 1: 100 token ids (prefilled remotely); turn 2: turn 1, its answer, and a 40-token user turn.
+    let first: Vec<u32> = (0..100u32).map(|i| 400 + (i * 97) % 3000).collect();
+    let user: Vec<u32> = (0..40u32).map(|i| 6000 + i * 13).collect();
+    let colocated = Server::with_config(BIN, &colocated_yaml());
+    let answer = text(&colocated.complete_ids(&first, 12).await);
+    let second: Vec<u32> = first
+        .iter()
+        .copied()
+        .chain(encode(&colocated, &answer).await)
+        .chain(user.iter().copied())
+        .collect();
+    let want = text(&colocated.complete_ids(&second, 12).await);
+    drop(colocated);
+
+    let pd = Server::with_config(BIN, &pd_yaml_continuations());
+    let decode = pd.worker(Role::Decode).await;
+    assert_eq!(text(&pd.complete_ids(&first, 12).await), answer);
+    let before = pd.load(&decode.url).await;
+    assert_eq!(
+        text(&pd.complete_ids(&second, 12).await),
+        want,
+        "{}",
+        pd.log()
+    );
+    let after = pd.load(&decode.url).await;
+    assert_eq!(after.kv.pulls_ok, before.kv.pulls_ok, "turn 2 pulled KV");
+    let computed = after.engine.prefill_tokens_computed - before.engine.prefill_tokens_computed;
+    let cached = after.engine.prefix_cache_hits - before.engine.prefix_cache_hits;
+    assert!(
+        cached >= 96 && computed > 0 && computed as usize <= second.len() - 96,
+        "turn 2 on the decode worker: {cached} cached, {computed} computed of {}",
+        second.len()
+    );
+    pd.assert_metrics(&[
+        "tandem:pd_requests_total{prefill=\"remote\"} 1",
+        "tandem:pd_requests_total{prefill=\"local\"} 1",
     ])
     .await;
 }

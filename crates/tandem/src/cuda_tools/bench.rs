@@ -7,7 +7,8 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use clap::Args;
 use serde::Serialize;
-use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
+use tandem_cuda::{CudaBackend, CudaLlama, CudaOptions, WeightSource};
+use tandem_engine::Backend;
 use tandem_model::{
     AttentionSpan, DenseShape, ForwardBatch, LayerRope, LayerSpec, LogitsWanted, MlpKind,
     ModelConfig, MoeSpec,
@@ -44,6 +45,10 @@ pub struct CudaBenchArgs {
     /// Copy bandwidth MBU is measured against, GB/s.
     #[arg(long, default_value_t = 4300.0)]
     pub peak_gbps: f64,
+    /// Also time restoring this many tokens' KV from host memory through the KV tiers' restore path
+    /// (0: skip): the blocks are exported as a tier holds them, imported into other blocks, checked.
+    #[arg(long, default_value_t = 0)]
+    pub kv_restore_tokens: usize,
     /// JSON-lines output file.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -98,6 +103,7 @@ pub fn run(args: CudaBenchArgs) -> Result<()> {
             steps: args.steps,
             prefill: args.prefill,
             peak_bandwidth: args.peak_gbps * 1e9,
+            kv_restore_tokens: args.kv_restore_tokens,
             out: args.out,
         },
         &args.cuda,
@@ -119,6 +125,8 @@ pub(super) struct BenchArgs {
     pub prefill: Vec<usize>,
     /// Copy bandwidth the MBU is computed against, bytes/s.
     pub peak_bandwidth: f64,
+    /// Tokens of KV the host-to-device restore measurement moves (0: not measured).
+    pub kv_restore_tokens: usize,
     /// Where the JSON lines go (also printed).
     pub out: Option<PathBuf>,
 }
@@ -281,7 +289,10 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
     let per_seq = (args.context + args.steps + 8).div_ceil(bs);
     let max_prefill = args.prefill.iter().copied().max().unwrap_or(0);
     let prefill_blocks = max_prefill.div_ceil(bs);
-    let num_blocks = (max_b * per_seq).max(prefill_blocks);
+    let restore_blocks = args.kv_restore_tokens.div_ceil(bs);
+    let num_blocks = (max_b * per_seq)
+        .max(prefill_blocks)
+        .max(2 * restore_blocks);
     let block_bytes = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * 2;
     let opts = cuda.options(CudaOptions {
         block_size: bs,
@@ -440,8 +451,65 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
             device: device.clone(),
         });
     }
+    if restore_blocks > 0 {
+        let row = kv_restore(CudaBackend::new(model), restore_blocks, &device)?;
+        let line = serde_json::to_string(&row).unwrap_or_default();
+        println!("{line}");
+        rows.push(line);
+    }
     if let Some(path) = &args.out {
         std::fs::write(path, rows.join("\n") + "\n").map_err(io_err(path))?;
     }
     Ok(())
+}
+
+/// One host-to-device KV restore measurement (`--kv-restore-tokens`).
+#[derive(Serialize)]
+struct KvRestoreRow {
+    what: &'static str,
+    tokens: usize,
+    bytes: usize,
+    median_ms: f64,
+    gb_per_s: f64,
+    device: String,
+}
+
+/// Times the KV tiers' restore path (`tandem_engine::restore_layer_major`, then a device sync) for
+/// `n` blocks: blocks `0..n` are exported and held as a host tier holds them (each block's layers
+/// back to back), then imported into blocks `n..2n`, which must then export the same bytes.
+fn kv_restore(mut backend: CudaBackend, n: usize, device: &str) -> Result<KvRestoreRow> {
+    let layout = backend.kv_layout();
+    let src: Vec<u32> = (0..n as u32).collect();
+    let dst: Vec<u32> = (n as u32..2 * n as u32).collect();
+    let sources: Vec<std::sync::Arc<Vec<u8>>> =
+        tandem_engine::export_layer_major(&mut backend, &src)?
+            .into_iter()
+            .map(std::sync::Arc::new)
+            .collect();
+    let mut times = Vec::new();
+    for rep in 0..6 {
+        let t = Instant::now();
+        tandem_engine::restore_layer_major(&mut backend, &dst, &sources)?;
+        backend.model_mut().synchronize()?;
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    if tandem_engine::export_layer_major(&mut backend, &dst)?
+        .iter()
+        .zip(&sources)
+        .any(|(a, b)| a != &**b)
+    {
+        bail!("the restored KV blocks differ from the exported ones");
+    }
+    let med = median(&mut times);
+    let bytes = n * layout.n_layers * layout.block_bytes();
+    Ok(KvRestoreRow {
+        what: "kv restore host->device (KV tier path)",
+        tokens: n * layout.block_size,
+        bytes,
+        median_ms: med * 1e3,
+        gb_per_s: bytes as f64 / med / 1e9,
+        device: device.to_string(),
+    })
 }
