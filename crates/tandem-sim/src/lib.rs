@@ -8,6 +8,7 @@
 //! and charts report a simulated run and a measured one.
 
 pub mod error;
+pub mod layout;
 pub mod plan;
 pub mod profile;
 pub mod scale;
