@@ -24,6 +24,11 @@ pub struct ProfiledModel {
     /// profile must match; absent means the default model.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// The datasheet profile describes a model that is not here (OPT-66B on A100s): skip the model
+    /// check, and let the model given (or the default) only tokenize the workload, whose lengths are
+    /// what the simulation uses. Refused for measured profiles.
+    #[arg(long)]
+    pub foreign_model: bool,
 }
 
 impl ProfiledModel {
@@ -33,9 +38,18 @@ impl ProfiledModel {
         let path = resolve_model(self.model.as_deref())?;
         let loaded = tandem_model::load(&path, &LoadOptions { progress: false })
             .with_context(|| format!("loading {}", path.display()))?;
-        profile
-            .check_model(&loaded.name, &loaded.identity.0)
-            .with_context(|| format!("profile {}", self.profile.display()))?;
+        if self.foreign_model {
+            if profile.source != tandem_sim::ProfileSource::Datasheet {
+                bail!(
+                    "--foreign-model: profile {} is measured (source: measured), so it must match the model it was measured with",
+                    self.profile.display()
+                );
+            }
+        } else {
+            profile
+                .check_model(&loaded.name, &loaded.identity.0)
+                .with_context(|| format!("profile {}", self.profile.display()))?;
+        }
         let builder = PromptBuilder::new(loaded.tokenizer)
             .with_context(|| format!("the tokenizer of {}", path.display()))?;
         Ok((profile, builder, path))
