@@ -11,7 +11,7 @@ use tandem_bench::{PromptBuilder, Slo};
 use tandem_model::LoadOptions;
 use tandem_sim::{Profile, SimConfig, SimRun, Topology};
 
-use crate::bench::{workload, WorkloadArgs};
+use crate::bench::{workload, MultiTurnArgs, WorkloadArgs, WorkloadKind};
 use crate::process::resolve_model;
 
 /// The profile and the model `tandem sim` and `tandem plan` read.
@@ -63,6 +63,8 @@ pub struct SimArgs {
     pub source: ProfiledModel,
     #[command(flatten)]
     pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub multi_turn: MultiTurnArgs,
     /// Poisson arrival rate in requests/s, or inf to send all at once (bursty: the steady rate).
     #[arg(long, default_value = "inf", value_parser = parse_rate)]
     pub request_rate: f64,
@@ -117,6 +119,9 @@ pub fn run(a: SimArgs) -> Result<()> {
     let mut cfg = SimConfig::new(topology);
     cfg.transport = a.transport.clone();
     cfg.seed = a.seed;
+    if a.workload.workload == WorkloadKind::MultiTurn {
+        return run_multi_turn(&a, &profile, &builder, &cfg);
+    }
     let spec = SimRun {
         workload: workload(&a.workload, a.request_rate)?,
         num_prompts: a.workload.num_prompts,
@@ -157,5 +162,80 @@ pub fn run(a: SimArgs) -> Result<()> {
         .save(out)?;
         eprintln!("results written to {}", out.display());
     }
+    Ok(())
+}
+
+/// `tandem sim --workload multi-turn`: `tandem bench`'s conversations on the simulated deployment, each
+/// turn sent after the answer before it and the think time, reported as bench reports them (TTFT per
+/// turn index).
+fn run_multi_turn(
+    a: &SimArgs,
+    profile: &Profile,
+    builder: &PromptBuilder,
+    cfg: &SimConfig,
+) -> Result<()> {
+    let spec = a.multi_turn.spec()?;
+    let turns = match &a.multi_turn.conversations_file {
+        Some(path) => tandem_sim::multi_turn_requests(
+            &[],
+            &tandem_bench::multiturn::load_sharegpt(path, builder, spec.answer_len)?,
+            spec.think_s,
+        ),
+        None => tandem_sim::multi_turn_spec_requests(&spec, builder, a.seed),
+    };
+    let out = tandem_sim::simulate_turns(
+        profile,
+        cfg,
+        turns.requests,
+        turns.follow_ups,
+        a.max_concurrency,
+    )?;
+    let records: Vec<tandem_bench::multiturn::TurnRecord> = out
+        .records
+        .iter()
+        .zip(&out.record_requests)
+        .map(|(r, &i)| tandem_bench::multiturn::TurnRecord {
+            conversation: turns.turns[i].0,
+            turn: turns.turns[i].1,
+            prompt_len: r.prompt_len,
+            ttft_s: r.ttft_s,
+            success: r.success,
+            answer: String::new(),
+            error: r.error.clone(),
+        })
+        .collect();
+    let failed = records.iter().filter(|r| !r.success).count();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "spec": spec,
+                "topology": cfg.topology,
+                "turns": tandem_bench::multiturn::ttft_by_turn(&records),
+                "failed": failed,
+                "sim": out.stats,
+            })
+        );
+        return Ok(());
+    }
+    println!(
+        "multi-turn sim {}: {} turns simulated, {failed} failed",
+        cfg.topology.label(),
+        records.len()
+    );
+    println!("| turn | ok | TTFT p50 (ms) | TTFT p99 (ms) |\n|---|---|---|---|");
+    for t in tandem_bench::multiturn::ttft_by_turn(&records) {
+        println!(
+            "| {} | {} | {:.1} | {:.1} |",
+            t.turn,
+            t.count,
+            t.ttft_p50_s * 1e3,
+            t.ttft_p99_s * 1e3
+        );
+    }
+    println!(
+        "TTFT p50 of turns 2+: {:.1} ms",
+        tandem_bench::multiturn::ttft_p50_from(&records, 2) * 1e3
+    );
     Ok(())
 }
