@@ -1,6 +1,11 @@
 """deploy/compose/compose.autoscale.yaml: `tandem autoscale` driving the compose deployment.
 
-One test (about a minute past start-up): with one prefill and one decode worker and the autoscaler
+Two tests. The prefill one: with decode fixed at one worker and prefill 1..2 on a profile whose prompt
+steps are slow on purpose (tests/compose/autoscale-prefill.yaml, autoscale-prefill-profile.yaml), a
+stream of long prompts with short answers makes the autoscaler add a prefill worker (and no decode
+worker), and short prompts afterwards drain it away with every request answered.
+
+The decode one (about a minute past start-up): with one prefill and one decode worker and the autoscaler
 (tests/compose/autoscale.yaml: 2 s windows, up after 2, down after 4, decode 1..2, prefill fixed at
 1, on the slow datasheet profile tests/compose/autoscale-profile.yaml), a load step makes the
 autoscaler add a decode replica (a container the head discovers and routes to), a steady load keeps it
@@ -22,11 +27,14 @@ HERE = ROOT / "tests" / "compose"
 
 class Load:
     """`clients` threads sending streamed chat requests until stopped, `pause` seconds apart each;
-    every request's outcome is counted (a failure keeps its error)."""
+    every request's outcome is counted (a failure keeps its error). `filler` words of text after the
+    request's own opening make a long prompt (distinct per request from its first block, so no prefix
+    cache serves it)."""
 
-    def __init__(self, url, clients, max_tokens, pause=0.0):
+    def __init__(self, url, clients, max_tokens, pause=0.0, filler=0):
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
         self.max_tokens, self.pause = max_tokens, pause
+        self.filler = " ".join(f"item{k % 97}" for k in range(filler))
         self.stop = threading.Event()
         self.ok, self.errors = 0, []
         self.lock = threading.Lock()
@@ -41,7 +49,8 @@ class Load:
             try:
                 text, finish = "", None
                 for chunk in self.client.chat.completions.create(
-                        model=MODEL, messages=[{"role": "user", "content": f"Count to ten, client {i} try {n}."}],
+                        model=MODEL, messages=[{"role": "user",
+                                                "content": f"Client {i} try {n}: count to ten. {self.filler}"}],
                         max_tokens=self.max_tokens, temperature=0, stream=True):
                     for c in chunk.choices:
                         text += c.delta.content or ""
@@ -144,4 +153,53 @@ def test_load_step_scales_decode_up_and_drains_it_down(deployment, tmp_path):
     assert p.returncode != 0 and "field `profile`" in p.stdout and "another-model" in p.stdout, p.stdout[-2000:]
     assert len(running(d, "decode")) == 1
     print(f"scale-up {up_s:.1f} s after the step, scale-down {down_s:.1f} s after it; "
+          f"{heavy_ok} heavy and {light_ok} light requests, none failed")
+
+
+def test_long_prompts_scale_prefill_up_and_drain_it_down(deployment):
+    d = deployment(["compose.yaml", "compose.autoscale.yaml"], "asp")
+    d.env["TANDEM_PROFILE"] = str(HERE / "autoscale-prefill-profile.yaml")
+    d.env["TANDEM_AUTOSCALE_CONFIG"] = str(HERE / "autoscale-prefill.yaml")
+    d.up()
+    d.healthy()
+    d.wait_workers(1, 1)
+    d.wait_for("the autoscaler's first window", lambda: records(d), timeout=60)
+
+    # Long prompts (a few hundred tokens each), four tokens out: prompt tokens/s above what the
+    # profile's prefill worker takes at 80%, generated tokens/s far below one decode worker's.
+    heavy = Load(d.url, clients=3, max_tokens=4, filler=300)
+    t0 = time.monotonic()
+    try:
+        d.wait_for("a second prefill container", lambda: len(running(d, "prefill")) == 2, timeout=60)
+        up_s = time.monotonic() - t0
+        d.wait_for("the head routing to two prefill workers", lambda: len(d.healthy_workers("prefill")) == 2,
+                   timeout=60)
+        time.sleep(4)
+    finally:
+        heavy_ok, heavy_errors = heavy.end()
+
+    light = Load(d.url, clients=1, max_tokens=4, pause=1.0)
+    t1 = time.monotonic()
+    try:
+        d.wait_for("back to one prefill container", lambda: len(running(d, "prefill")) == 1, timeout=90)
+        down_s = time.monotonic() - t1
+        d.wait_for("the head back to one prefill worker",
+                   lambda: len(d.healthy_workers("prefill")) == 1 and len(d.workers()) == 2, timeout=60)
+        time.sleep(2)
+    finally:
+        light_ok, light_errors = light.end()
+
+    assert not heavy_errors and not light_errors, (heavy_errors + light_errors)[:5]
+    assert heavy_ok > 3 and light_ok > 0, (heavy_ok, light_ok)
+    changes = [(c["role"], c["from"], c["to"]) for r in records(d) for c in r["decisions"]]
+    assert changes == [("prefill", 1, 2), ("prefill", 2, 1)], changes
+    assert len(running(d, "decode")) == 1
+    logs = run(["docker", "logs", running(d, "autoscaler")[0]], timeout=30).stdout
+    assert "replica drained and removed" in logs and "exit_code=0" in logs, logs[-3000:]
+    m = d.metrics()
+    assert m["tandem:decode_failures_total"] == 0, m
+    for r in records(d):
+        for c in r["decisions"]:
+            print(f"t={r['t']:.0f}s {c['role']} {c['from']}->{c['to']}: {c['reason']}")
+    print(f"prefill scale-up {up_s:.1f} s after the step, scale-down {down_s:.1f} s after it; "
           f"{heavy_ok} heavy and {light_ok} light requests, none failed")

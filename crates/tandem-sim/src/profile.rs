@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::SimError;
+use crate::layout::{LayoutProfile, Parallelism, ScalingModel};
 
 /// Where a profile's figures come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,7 +73,7 @@ impl StepCurve {
         interpolate(&self.points, x) + self.per_context_s * context
     }
 
-    fn check(&self, field: &str) -> Result<(), SimError> {
+    pub(crate) fn check(&self, field: &str) -> Result<(), SimError> {
         let bad = |why: &str| SimError::Profile {
             field: field.to_string(),
             message: why.to_string(),
@@ -169,6 +170,17 @@ pub struct Profile {
     pub overheads: Overheads,
     /// Seconds from starting a worker to its first request (model load, KV allocation).
     pub startup_s: f64,
+    /// The tensor × pipeline layout the curves above were measured with; absent, tensor parallel over
+    /// `hardware.devices_per_worker` devices and one stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallelism: Option<Parallelism>,
+    /// Step curves of other layouts of one worker, for the planner to search per role.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layouts: Vec<LayoutProfile>,
+    /// A model that derives more layouts from the curves above and interconnect and memory figures
+    /// (datasheet work, marked as such in every layout it derives).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaling: Option<ScalingModel>,
 }
 
 impl Profile {
@@ -244,6 +256,7 @@ impl Profile {
                 return bad(&format!("transfer[{i}].latency_s"), "must be non-negative");
             }
         }
+        crate::layout::check(self)?;
         for (field, v) in [
             ("overheads.request_s", self.overheads.request_s),
             ("overheads.rpc_s", self.overheads.rpc_s),
@@ -307,6 +320,14 @@ impl Profile {
         } else {
             self.prefill.at(tokens as f64, context)
         }
+    }
+
+    /// The layout of the profile's own curves.
+    pub fn parallelism(&self) -> Parallelism {
+        self.parallelism.unwrap_or(Parallelism {
+            tp: self.hardware.devices_per_worker,
+            pp: 1,
+        })
     }
 }
 
@@ -398,6 +419,9 @@ pub(crate) mod tests {
                 rpc_s: 0.0,
             },
             startup_s: 1.0,
+            parallelism: None,
+            layouts: Vec::new(),
+            scaling: None,
         }
     }
 

@@ -133,6 +133,8 @@ pub struct SimStats {
 pub struct SimOutcome {
     /// One record per request, in completion order, as `tandem bench` records them.
     pub records: Vec<RequestRecord>,
+    /// The request (index into the input) of each record.
+    pub record_requests: Vec<usize>,
     /// Seconds from the first send to the last completion.
     pub duration_s: f64,
     /// Counters.
@@ -247,7 +249,21 @@ struct Sim<'a> {
     slots: Option<usize>,
     queued: VecDeque<usize>,
     records: Vec<RequestRecord>,
+    record_requests: Vec<usize>,
     stats: SimStats,
+    /// For each request, the later turn that waits for it (its index and think time).
+    next_turn: Vec<Option<(usize, f64)>>,
+}
+
+/// A turn of a conversation that waits for the one before it: sent `think_s` after turn `after` ends,
+/// its prompt that turn's prompt and answer followed by its own tokens, as a chat client sends the
+/// whole history (`tandem bench --workload multi-turn`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FollowUp {
+    /// Index of the earlier turn.
+    pub after: usize,
+    /// Seconds between that turn's end and this one's send.
+    pub think_s: f64,
 }
 
 /// Simulates `requests` on the deployment of `cfg` with the costs of `profile`; `max_concurrency`
@@ -259,7 +275,45 @@ pub fn simulate(
     requests: Vec<SimRequest>,
     max_concurrency: Option<usize>,
 ) -> Result<SimOutcome, SimError> {
+    let n = requests.len();
+    simulate_turns(profile, cfg, requests, vec![None; n], max_concurrency)
+}
+
+/// [`simulate`] with conversations: `follow_ups[i]` makes request `i` a later turn (its `prompt` then
+/// holds only its own tokens and its `at_s` is ignored; it is sent once the earlier turn ends, and
+/// fails if that one failed).
+pub fn simulate_turns(
+    profile: &Profile,
+    cfg: &SimConfig,
+    requests: Vec<SimRequest>,
+    follow_ups: Vec<Option<FollowUp>>,
+    max_concurrency: Option<usize>,
+) -> Result<SimOutcome, SimError> {
     profile.check()?;
+    if follow_ups.len() != requests.len() {
+        return Err(SimError::Config(format!(
+            "{} follow-ups for {} requests",
+            follow_ups.len(),
+            requests.len()
+        )));
+    }
+    let mut next_turn = vec![None; requests.len()];
+    for (i, f) in follow_ups.iter().enumerate() {
+        let Some(f) = f else { continue };
+        if f.after >= i || !(f.think_s.is_finite() && f.think_s >= 0.0) {
+            return Err(SimError::Config(format!(
+                "request {i} follows request {} after {} s: a turn follows an earlier one, after a non-negative think time",
+                f.after, f.think_s
+            )));
+        }
+        if next_turn[f.after].is_some() {
+            return Err(SimError::Config(format!(
+                "request {} has two later turns",
+                f.after
+            )));
+        }
+        next_turn[f.after] = Some((i, f.think_s));
+    }
     let (n_prefill, n_decode) = match cfg.topology {
         Topology::Colocated { replicas } => (0, replicas),
         Topology::Disaggregated { prefill, decode } => {
@@ -314,7 +368,9 @@ pub fn simulate(
         slots: max_concurrency.map(|c| c.max(1)),
         queued: VecDeque::new(),
         records: Vec::with_capacity(requests.len()),
+        record_requests: Vec::with_capacity(requests.len()),
         stats: SimStats::default(),
+        next_turn,
     };
     for (i, r) in requests.into_iter().enumerate() {
         if r.prompt.is_empty() || r.max_tokens == 0 {
@@ -322,7 +378,9 @@ pub fn simulate(
                 "request {i} has an empty prompt or asks for no tokens"
             )));
         }
-        sim.push(r.at_s, Event::Send(i));
+        if follow_ups[i].is_none() {
+            sim.push(r.at_s, Event::Send(i));
+        }
         sim.reqs.push(Req {
             at: r.at_s,
             hashes: block_hashes(&r.prompt, profile.block_size),
@@ -362,6 +420,7 @@ pub fn simulate(
     sim.stats.busy_s = sim.workers.iter().map(|w| w.busy_s).collect();
     Ok(SimOutcome {
         records: sim.records,
+        record_requests: sim.record_requests,
         duration_s,
         stats: sim.stats,
     })
@@ -399,6 +458,7 @@ impl Sim<'_> {
         let req = &mut self.reqs[r];
         let times = &req.token_times;
         let ok = req.error.is_none();
+        self.record_requests.push(r);
         let ttft = times.first().map_or(0.0, |t| t - req.at);
         let e2e = times.last().map_or(self.now - req.at, |t| t - req.at);
         self.records.push(RequestRecord {
@@ -422,6 +482,51 @@ impl Sim<'_> {
                 self.start(next);
             }
         }
+        if let Some((next, think_s)) = self.next_turn[r].take() {
+            if ok {
+                self.send_turn(r, next, think_s);
+            } else {
+                self.drop_turn(next, format!("the turn before it (request {r}) failed"));
+            }
+        }
+    }
+
+    /// A turn never sent because the one before it failed: its failed record, and the same for the
+    /// turns after it.
+    fn drop_turn(&mut self, r: usize, message: String) {
+        let req = &mut self.reqs[r];
+        req.error = Some(message.clone());
+        self.record_requests.push(r);
+        self.records.push(RequestRecord {
+            class: req.class,
+            start_s: self.now,
+            success: false,
+            prompt_len: req.prompt.len(),
+            server_prompt_tokens: None,
+            output_len: 0,
+            ttft_s: 0.0,
+            itl_s: Vec::new(),
+            e2e_s: 0.0,
+            error: Some(message),
+        });
+        if let Some((next, _)) = self.next_turn[r].take() {
+            self.drop_turn(next, format!("the turn before it (request {r}) failed"));
+        }
+    }
+
+    /// The conversation's next turn: the history (prompt and the answer the engine sampled) before its
+    /// own tokens, sent after the think time.
+    fn send_turn(&mut self, prev: usize, next: usize, think_s: f64) {
+        let before = &self.reqs[prev];
+        let mut prompt = before.prompt.clone();
+        let len = prompt.len();
+        prompt.extend((0..before.max_tokens).map(|i| sampled_token(prev, len + i)));
+        prompt.extend_from_slice(&self.reqs[next].prompt);
+        let req = &mut self.reqs[next];
+        req.hashes = block_hashes(&prompt, self.profile.block_size);
+        req.prompt = prompt;
+        req.at = self.now + think_s;
+        self.push(self.now + think_s, Event::Send(next));
     }
 
     fn fail(&mut self, r: usize, message: String) {

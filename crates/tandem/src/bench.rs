@@ -94,6 +94,50 @@ pub(crate) struct WorkloadArgs {
     pub(crate) dataset: Option<PathBuf>,
 }
 
+/// The multi-turn workload's flags, shared by `tandem bench` and `tandem sim`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct MultiTurnArgs {
+    /// Multi-turn: conversations running at once.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) conversations: usize,
+    /// Multi-turn: turns per conversation.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) turns: usize,
+    /// Multi-turn: tokens of the document every conversation starts with.
+    #[arg(long, default_value_t = 1500)]
+    pub(crate) doc_len: usize,
+    /// Multi-turn: tokens of each user turn.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) user_len: usize,
+    /// Multi-turn: tokens of each answer (with --conversations-file: the most an answer gets).
+    #[arg(long, default_value_t = 64)]
+    pub(crate) answer_len: usize,
+    /// Multi-turn: seconds between an answer and the conversation's next turn.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) think_time: f64,
+    /// Multi-turn: ShareGPT-style JSONL ({"conversations": [{"from": "human", "value": ...}, ...]} per
+    /// line) instead of synthetic conversations.
+    #[arg(long)]
+    pub(crate) conversations_file: Option<PathBuf>,
+}
+
+impl MultiTurnArgs {
+    /// The synthetic conversations' spec, with the think time checked.
+    pub(crate) fn spec(&self) -> Result<MultiTurnSpec> {
+        if !self.think_time.is_finite() || self.think_time < 0.0 {
+            bail!("--think-time must be a non-negative number of seconds");
+        }
+        Ok(MultiTurnSpec {
+            conversations: self.conversations,
+            turns: self.turns,
+            shared_len: self.doc_len,
+            user_len: self.user_len,
+            answer_len: self.answer_len,
+            think_s: self.think_time,
+        })
+    }
+}
+
 /// Options of a benchmark run.
 #[derive(Args, Debug)]
 struct RunArgs {
@@ -158,28 +202,8 @@ struct RunArgs {
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
-    /// Multi-turn: conversations running at once.
-    #[arg(long, default_value_t = 16)]
-    conversations: usize,
-    /// Multi-turn: turns per conversation.
-    #[arg(long, default_value_t = 8)]
-    turns: usize,
-    /// Multi-turn: tokens of the document every conversation starts with.
-    #[arg(long, default_value_t = 1500)]
-    doc_len: usize,
-    /// Multi-turn: tokens of each user turn.
-    #[arg(long, default_value_t = 100)]
-    user_len: usize,
-    /// Multi-turn: tokens of each answer (with --conversations-file: the most an answer gets).
-    #[arg(long, default_value_t = 64)]
-    answer_len: usize,
-    /// Multi-turn: seconds between an answer and the conversation's next turn.
-    #[arg(long, default_value_t = 0.0)]
-    think_time: f64,
-    /// Multi-turn: ShareGPT-style JSONL ({"conversations": [{"from": "human", "value": ...}, ...]} per
-    /// line) instead of synthetic conversations.
-    #[arg(long)]
-    conversations_file: Option<PathBuf>,
+    #[command(flatten)]
+    multi_turn: MultiTurnArgs,
 }
 
 /// How prompts travel.
@@ -361,21 +385,11 @@ struct MultiTurnResult {
 
 /// `--workload multi-turn`: every endpoint in turn, the same conversations.
 fn run_multi_turn(a: &RunArgs, builder: &PromptBuilder, endpoints: Vec<Endpoint>) -> Result<()> {
-    if !a.think_time.is_finite() || a.think_time < 0.0 {
-        bail!("--think-time must be a non-negative number of seconds");
-    }
-    let spec = MultiTurnSpec {
-        conversations: a.conversations,
-        turns: a.turns,
-        shared_len: a.doc_len,
-        user_len: a.user_len,
-        answer_len: a.answer_len,
-        think_s: a.think_time,
-    };
-    let (shared, convs) = match &a.conversations_file {
+    let spec = a.multi_turn.spec()?;
+    let (shared, convs) = match &a.multi_turn.conversations_file {
         Some(path) => (
             Vec::new(),
-            multiturn::load_sharegpt(path, builder, a.answer_len)?,
+            multiturn::load_sharegpt(path, builder, a.multi_turn.answer_len)?,
         ),
         None => spec.generate(builder, a.seed),
     };
@@ -400,7 +414,7 @@ fn run_multi_turn(a: &RunArgs, builder: &PromptBuilder, endpoints: Vec<Endpoint>
                 builder,
                 &shared,
                 &convs,
-                Duration::from_secs_f64(a.think_time),
+                Duration::from_secs_f64(a.multi_turn.think_time),
             )
             .await
         })?;
@@ -433,7 +447,7 @@ fn run_multi_turn(a: &RunArgs, builder: &PromptBuilder, endpoints: Vec<Endpoint>
         results.push(MultiTurnResult {
             endpoint: name,
             spec: spec.clone(),
-            conversations_file: a.conversations_file.clone(),
+            conversations_file: a.multi_turn.conversations_file.clone(),
             ttft_by_turn: by_turn,
             ttft_p50_turn2_on_s: p50,
             answers_digest: digest,

@@ -1,12 +1,13 @@
 //! `tandem plan`: for a profile, a workload and SLOs, the deployment with the most goodput per GPU at
-//! each fleet size from 8 to 10,000 GPUs (`tandem_sim::plan`), and its deployment YAML.
+//! each fleet size from 8 to 10,000 GPUs (`tandem_sim::plan`), a tensor/pipeline layout per role where
+//! the profile has several, and its deployment YAML and Helm values.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use tandem_sim::plan::{calibrate, deployment_yaml, plan, PlanSlo};
+use tandem_sim::plan::{calibrate_layouts, deployment_yaml, helm_values, plan, PlanSlo};
 
 use crate::bench::{workload, WorkloadArgs};
 use crate::sim::ProfiledModel;
@@ -30,9 +31,16 @@ pub struct PlanArgs {
     /// Write the deployment YAML of the largest fleet's choice here.
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Write Helm values (`deploy/helm/tandem`: pool sizes, GPUs per pod, parallelism flags) of the
+    /// largest fleet's choice here (its best prefill/decode deployment when the choice is colocated).
+    #[arg(long)]
+    pub helm_values: Option<PathBuf>,
     /// Print the plans as JSON.
     #[arg(long)]
     pub json: bool,
+    /// KV transport between prefill and decode workers (a rate the profile lists).
+    #[arg(long, default_value = "tcp")]
+    pub transport: String,
     /// Seed of the calibration workload's prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -54,10 +62,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
         ttft_p90_ms: a.ttft_p90_ms,
         itl_p90_ms: a.itl_p90_ms,
     };
-    let capacity = calibrate(&profile, &requests, &slo)?;
+    let capacities = calibrate_layouts(&profile, &requests, &slo, &a.transport)?;
     let mut plans = Vec::new();
     for &gpus in &a.gpus {
-        plans.push((gpus, plan(&profile, capacity, &slo, gpus)?));
+        plans.push((gpus, plan(&capacities, &slo, gpus)?));
     }
     let secs = started.elapsed().as_secs_f64();
     if a.json {
@@ -76,15 +84,34 @@ pub fn run(a: PlanArgs) -> Result<()> {
             profile.hardware.name,
             profile.source
         );
-        println!("| GPUs | choice | req/s | req/s/GPU | runner-up | req/s | req/s/GPU |");
-        println!("|---|---|---|---|---|---|---|");
+        println!(
+            "| layout | GPUs/worker | source | colocated req/s | prefill req/s | decode req/s |"
+        );
+        println!("|---|---|---|---|---|---|");
+        for l in &capacities {
+            println!(
+                "| {} | {} | {:?} | {:.3} | {:.3} | {:.3} |",
+                l.parallelism.label(),
+                l.devices,
+                l.source,
+                l.capacity.colocated,
+                l.capacity.prefill,
+                l.capacity.decode
+            );
+        }
+        println!();
+        println!(
+            "| GPUs | choice | GPUs used | req/s | req/s/GPU | runner-up | req/s | req/s/GPU |"
+        );
+        println!("|---|---|---|---|---|---|---|---|");
         for (gpus, p) in &plans {
             let (ru, rg, rpg) = p.runner_up.as_ref().map_or(("–".into(), 0.0, 0.0), |r| {
-                (r.topology.label(), r.goodput, r.goodput_per_gpu)
+                (r.label(), r.goodput, r.goodput_per_gpu)
             });
             println!(
-                "| {gpus} | {} | {:.2} | {:.4} | {ru} | {rg:.2} | {rpg:.4} |",
-                p.choice.topology.label(),
+                "| {gpus} | {} | {} | {:.2} | {:.4} | {ru} | {rg:.2} | {rpg:.4} |",
+                p.choice.label(),
+                p.choice.gpus,
                 p.choice.goodput,
                 p.choice.goodput_per_gpu
             );
@@ -98,6 +125,16 @@ pub fn run(a: PlanArgs) -> Result<()> {
         std::fs::write(out, deployment_yaml(&path.display().to_string(), p))
             .with_context(|| format!("writing {}", out.display()))?;
         eprintln!("deployment written to {}", out.display());
+    }
+    if let (Some(out), Some((_, p))) = (&a.helm_values, plans.last()) {
+        let values = helm_values(p).with_context(|| {
+            format!(
+                "no Helm values for {}: the chart runs prefill/decode pools and no such deployment fits",
+                p.choice.label()
+            )
+        })?;
+        std::fs::write(out, values).with_context(|| format!("writing {}", out.display()))?;
+        eprintln!("Helm values written to {}", out.display());
     }
     Ok(())
 }

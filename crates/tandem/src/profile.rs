@@ -187,6 +187,9 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
             rpc_s: rtt,
         },
         startup_s,
+        parallelism: None,
+        layouts: Vec::new(),
+        scaling: None,
     };
     profile.check()?;
     Ok(profile)

@@ -11,7 +11,7 @@ use tandem_bench::{PromptBuilder, Slo};
 use tandem_model::LoadOptions;
 use tandem_sim::{Profile, SimConfig, SimRun, Topology};
 
-use crate::bench::{workload, WorkloadArgs};
+use crate::bench::{workload, MultiTurnArgs, WorkloadArgs, WorkloadKind};
 use crate::process::resolve_model;
 
 /// The profile and the model `tandem sim` and `tandem plan` read.
@@ -24,6 +24,11 @@ pub struct ProfiledModel {
     /// profile must match; absent means the default model.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// The datasheet profile describes a model that is not here (OPT-66B on A100s): skip the model
+    /// check, and let the model given (or the default) only tokenize the workload, whose lengths are
+    /// what the simulation uses. Refused for measured profiles.
+    #[arg(long)]
+    pub foreign_model: bool,
 }
 
 impl ProfiledModel {
@@ -33,9 +38,18 @@ impl ProfiledModel {
         let path = resolve_model(self.model.as_deref())?;
         let loaded = tandem_model::load(&path, &LoadOptions { progress: false })
             .with_context(|| format!("loading {}", path.display()))?;
-        profile
-            .check_model(&loaded.name, &loaded.identity.0)
-            .with_context(|| format!("profile {}", self.profile.display()))?;
+        if self.foreign_model {
+            if profile.source != tandem_sim::ProfileSource::Datasheet {
+                bail!(
+                    "--foreign-model: profile {} is measured (source: measured), so it must match the model it was measured with",
+                    self.profile.display()
+                );
+            }
+        } else {
+            profile
+                .check_model(&loaded.name, &loaded.identity.0)
+                .with_context(|| format!("profile {}", self.profile.display()))?;
+        }
         let builder = PromptBuilder::new(loaded.tokenizer)
             .with_context(|| format!("the tokenizer of {}", path.display()))?;
         Ok((profile, builder, path))
@@ -49,6 +63,8 @@ pub struct SimArgs {
     pub source: ProfiledModel,
     #[command(flatten)]
     pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub multi_turn: MultiTurnArgs,
     /// Poisson arrival rate in requests/s, or inf to send all at once (bursty: the steady rate).
     #[arg(long, default_value = "inf", value_parser = parse_rate)]
     pub request_rate: f64,
@@ -103,6 +119,9 @@ pub fn run(a: SimArgs) -> Result<()> {
     let mut cfg = SimConfig::new(topology);
     cfg.transport = a.transport.clone();
     cfg.seed = a.seed;
+    if a.workload.workload == WorkloadKind::MultiTurn {
+        return run_multi_turn(&a, &profile, &builder, &cfg);
+    }
     let spec = SimRun {
         workload: workload(&a.workload, a.request_rate)?,
         num_prompts: a.workload.num_prompts,
@@ -143,5 +162,80 @@ pub fn run(a: SimArgs) -> Result<()> {
         .save(out)?;
         eprintln!("results written to {}", out.display());
     }
+    Ok(())
+}
+
+/// `tandem sim --workload multi-turn`: `tandem bench`'s conversations on the simulated deployment, each
+/// turn sent after the answer before it and the think time, reported as bench reports them (TTFT per
+/// turn index).
+fn run_multi_turn(
+    a: &SimArgs,
+    profile: &Profile,
+    builder: &PromptBuilder,
+    cfg: &SimConfig,
+) -> Result<()> {
+    let spec = a.multi_turn.spec()?;
+    let turns = match &a.multi_turn.conversations_file {
+        Some(path) => tandem_sim::multi_turn_requests(
+            &[],
+            &tandem_bench::multiturn::load_sharegpt(path, builder, spec.answer_len)?,
+            spec.think_s,
+        ),
+        None => tandem_sim::multi_turn_spec_requests(&spec, builder, a.seed),
+    };
+    let out = tandem_sim::simulate_turns(
+        profile,
+        cfg,
+        turns.requests,
+        turns.follow_ups,
+        a.max_concurrency,
+    )?;
+    let records: Vec<tandem_bench::multiturn::TurnRecord> = out
+        .records
+        .iter()
+        .zip(&out.record_requests)
+        .map(|(r, &i)| tandem_bench::multiturn::TurnRecord {
+            conversation: turns.turns[i].0,
+            turn: turns.turns[i].1,
+            prompt_len: r.prompt_len,
+            ttft_s: r.ttft_s,
+            success: r.success,
+            answer: String::new(),
+            error: r.error.clone(),
+        })
+        .collect();
+    let failed = records.iter().filter(|r| !r.success).count();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "spec": spec,
+                "topology": cfg.topology,
+                "turns": tandem_bench::multiturn::ttft_by_turn(&records),
+                "failed": failed,
+                "sim": out.stats,
+            })
+        );
+        return Ok(());
+    }
+    println!(
+        "multi-turn sim {}: {} turns simulated, {failed} failed",
+        cfg.topology.label(),
+        records.len()
+    );
+    println!("| turn | ok | TTFT p50 (ms) | TTFT p99 (ms) |\n|---|---|---|---|");
+    for t in tandem_bench::multiturn::ttft_by_turn(&records) {
+        println!(
+            "| {} | {} | {:.1} | {:.1} |",
+            t.turn,
+            t.count,
+            t.ttft_p50_s * 1e3,
+            t.ttft_p99_s * 1e3
+        );
+    }
+    println!(
+        "TTFT p50 of turns 2+: {:.1} ms",
+        tandem_bench::multiturn::ttft_p50_from(&records, 2) * 1e3
+    );
     Ok(())
 }

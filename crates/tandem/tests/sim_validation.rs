@@ -195,6 +195,7 @@ fn plan_sizes_ten_thousand_gpus_from_a_datasheet_profile_and_refuses_bad_input()
     let profile = dir.join("datasheet.json");
     std::fs::write(&profile, datasheet_profile(&stem).to_string()).unwrap();
     let yaml = dir.join("plan.yaml");
+    let values = dir.join("values.yaml");
     let started = std::time::Instant::now();
     let out = tandem(&[
         "plan",
@@ -216,6 +217,8 @@ fn plan_sizes_ten_thousand_gpus_from_a_datasheet_profile_and_refuses_bad_input()
         "8,10000",
         "--output",
         yaml.to_str().unwrap(),
+        "--helm-values",
+        values.to_str().unwrap(),
     ]);
     assert!(
         started.elapsed().as_secs() < 60,
@@ -228,6 +231,41 @@ fn plan_sizes_ten_thousand_gpus_from_a_datasheet_profile_and_refuses_bad_input()
     );
     // The deployment file is one `tandem serve` accepts.
     tandem(&["serve", "--check-config", yaml.to_str().unwrap()]);
+    // The Helm values size both pools, with GPUs per pod and the parallelism flags.
+    let v = std::fs::read_to_string(&values).unwrap();
+    assert!(
+        v.contains("prefill:\n  replicas:")
+            && v.contains("decode:\n  replicas:")
+            && v.contains("--tensor-parallel-size"),
+        "{v}"
+    );
+
+    // Multi-turn conversations run closed-loop: every turn of every conversation is simulated.
+    let turns = tandem(&[
+        "sim",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--model",
+        model,
+        "--workload",
+        "multi-turn",
+        "--conversations",
+        "4",
+        "--turns",
+        "3",
+        "--doc-len",
+        "256",
+        "--user-len",
+        "32",
+        "--answer-len",
+        "8",
+        "--think-time",
+        "0.5",
+    ]);
+    assert!(
+        turns.contains("12 turns simulated, 0 failed") && turns.contains("| 3 | 4 |"),
+        "{turns}"
+    );
 
     let none = tandem(&[
         "plan",
