@@ -417,6 +417,15 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
         )
     };
     let mut j = ms.start;
+    // Prefill: one weight row's unpacked sub-blocks and header serve 8 activation rows (the integer sums
+    // take 8 registers; the f32 accumulators, touched once a block, may live in memory).
+    while j + 8 <= ms.end {
+        for i in rows.clone() {
+            let (w0, q, d, s, o) = args(i, j);
+            tile_qk::<1, 8, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+        }
+        j += 8;
+    }
     while j + 4 <= ms.end {
         for i in rows.clone() {
             let (w0, q, d, s, o) = args(i, j);
@@ -534,14 +543,20 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
                 }
             }
         }
+        // The weight mins (per 16) as one vector per row, for the `Σ min·bsum` integer dot below.
+        let mut mnv = [_mm256_setzero_si256(); RW];
+        for (v, h) in mnv.iter_mut().zip(&hdr) {
+            *v = _mm256_loadu_si256(h.3.as_ptr().cast());
+        }
         for t in 0..MT {
             let d = *dx.add(t * nb + b);
-            let bs = std::slice::from_raw_parts(bsums.add(t * cols / 16 + 16 * b), 16);
+            let bs = _mm256_loadu_si256(bsums.add(t * cols / 16 + 16 * b).cast());
             for r in 0..RW {
-                let (wd, wmin, _, mn) = &hdr[r];
+                let (wd, wmin, _, _) = &hdr[r];
                 let scale = _mm256_set1_ps(wd * d);
                 acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]), scale, acc[r][t]);
-                let msum: i32 = mn.iter().zip(bs).map(|(&m, &s)| m as i32 * s as i32).sum();
+                // An exact integer (|min·bsum| < 2^17 each): any summation order gives the same value.
+                let msum = hsum_epi32(_mm256_madd_epi16(mnv[r], bs));
                 let mfac = if FMT == Q4K { *wmin } else { *wd };
                 acc_min[r][t] += mfac * d * msum as f32;
             }
@@ -552,6 +567,14 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
             *out.add(t * out_stride + r) = super::hsum(acc[r][t]) - acc_min[r][t];
         }
     }
+}
+
+/// The sum of a vector's 8 int32 lanes.
+#[inline(always)]
+unsafe fn hsum_epi32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01)))
 }
 
 fn run_float<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<usize>) {
@@ -655,6 +678,45 @@ mod tests {
                     b.iter().map(|v| v.to_bits()).collect(),
                 );
                 assert_eq!(a, b, "{dt:?} {rows}x{cols} m={m}");
+            }
+        }
+    }
+
+    /// The AVX2 K-quant kernels give every activation row the same bits whatever tile it falls in (8, 4 or 1
+    /// rows at a time): a batch of 13 rows against each row alone.
+    #[test]
+    fn avx2_kquant_tiles_agree_bitwise() {
+        if cpu_isa() < Isa::Avx2 {
+            return;
+        }
+        let pool = ThreadPool::new(2);
+        for dt in [DType::Q4K, DType::Q6K] {
+            let (rows, cols, m) = (21, 768, 13);
+            let w = quantized_matrix(dt, rows, cols, 5);
+            let x = rand_vec(m * cols, 6);
+            let mut scratch = MatmulScratch::default();
+            let mut all = vec![f32::NAN; m * rows];
+            with_isa(Isa::Avx2, || {
+                matmul(&pool, &w, &x, m, &mut all, &mut scratch)
+            });
+            for t in 0..m {
+                let mut one = vec![f32::NAN; rows];
+                with_isa(Isa::Avx2, || {
+                    matmul(
+                        &pool,
+                        &w,
+                        &x[t * cols..(t + 1) * cols],
+                        1,
+                        &mut one,
+                        &mut scratch,
+                    )
+                });
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&all[t * rows..(t + 1) * rows]),
+                    bits(&one),
+                    "{dt:?} row {t}"
+                );
             }
         }
     }
