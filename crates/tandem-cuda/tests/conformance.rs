@@ -6,36 +6,14 @@
 //! The model is a small Llama of SmolLM2-135M's width with random bf16 weights made on the device, so
 //! the test needs no model file there.
 
+mod common;
+
 use tandem_cuda::{CudaBackend, CudaLlama, CudaOptions, WeightSource};
-use tandem_kernels::RopeScaling;
-use tandem_model::{DenseShape, LayerRope, ModelConfig};
 use tandem_testkit::conformance::{self, MIN_BLOCKS};
 
 /// Largest logit difference between differently shaped steps over the same tokens: bf16 activations
 /// round differently when cuBLAS picks another kernel for another number of rows.
 const TOLERANCE: f32 = 0.05;
-
-/// SmolLM2-135M's shape, cut to four layers.
-fn config() -> ModelConfig {
-    ModelConfig {
-        tie_word_embeddings: true,
-        eos_token_ids: vec![2],
-        ..ModelConfig::dense(DenseShape {
-            hidden: 576,
-            ffn: 1536,
-            layers: 4,
-            heads: 9,
-            kv_heads: 3,
-            head_dim: 64,
-            vocab: 49152,
-            max_positions: 2048,
-            rope: LayerRope {
-                theta: 100000.0,
-                scaling: RopeScaling::None,
-            },
-        })
-    }
-}
 
 /// The contract with bf16 or FP8 weights (`fp8`), within `tolerance`.
 fn conforms(fp8: bool, tolerance: f32) {
@@ -54,8 +32,12 @@ fn conforms(fp8: bool, tolerance: f32) {
     };
     conformance::run(
         || {
-            let model = CudaLlama::new(config(), WeightSource::Random { seed: 7 }, opts.clone())
-                .expect("the CUDA model loads");
+            let model = CudaLlama::new(
+                common::small_llama(),
+                WeightSource::Random { seed: 7 },
+                opts.clone(),
+            )
+            .expect("the CUDA model loads");
             CudaBackend::new(model)
         },
         tolerance,

@@ -1,41 +1,19 @@
 //! The KV tiers on the CUDA backend: blocks evicted from the GPU's pool go down to page-locked host
 //! memory through the bulk export, and come back up through the bulk import when their prefix
 //! returns; the greedy output equals the same run with tiers off, where the prefix is computed again.
-//! It needs an NVIDIA GPU (skips with a message elsewhere); on the GPU machine `scripts/gpu/run.sh
-//! tiers` runs it (built here with `cargo test --release -p tandem-cuda --test kv_tiers --no-run`).
+//! It needs an NVIDIA GPU (skips with a message elsewhere); on the GPU machine
+//! `scripts/gpu/tiers_bench.sh test` runs it (built here with `cargo test --release -p tandem-cuda --test kv_tiers --no-run`).
+
+mod common;
 
 use tandem_cuda::{CudaBackend, CudaLlama, CudaOptions, WeightSource};
 use tandem_engine::{
     Engine, EngineConfig, EngineHandle, EngineRequest, EngineStats, KvOffloadConfig, SamplingParams,
 };
-use tandem_kernels::RopeScaling;
-use tandem_model::{DenseShape, LayerRope, ModelConfig};
 
 const BLOCK: usize = 16;
 /// Pool blocks: prompt B with its answer takes most of them, so A's blocks are evicted.
 const BLOCKS: usize = 24;
-
-/// SmolLM2-135M's shape, cut to four layers (random weights made on the device).
-fn config() -> ModelConfig {
-    ModelConfig {
-        tie_word_embeddings: true,
-        eos_token_ids: vec![2],
-        ..ModelConfig::dense(DenseShape {
-            hidden: 576,
-            ffn: 1536,
-            layers: 4,
-            heads: 9,
-            kv_heads: 3,
-            head_dim: 64,
-            vocab: 49152,
-            max_positions: 2048,
-            rope: LayerRope {
-                theta: 100000.0,
-                scaling: RopeScaling::None,
-            },
-        })
-    }
-}
 
 fn start(offload: KvOffloadConfig) -> EngineHandle {
     let opts = CudaOptions {
@@ -46,8 +24,12 @@ fn start(offload: KvOffloadConfig) -> EngineHandle {
         max_model_len: Some(512),
         ..CudaOptions::default()
     };
-    let model = CudaLlama::new(config(), WeightSource::Random { seed: 11 }, opts)
-        .expect("the CUDA model loads");
+    let model = CudaLlama::new(
+        common::small_llama(),
+        WeightSource::Random { seed: 11 },
+        opts,
+    )
+    .expect("the CUDA model loads");
     let config = EngineConfig {
         block_size: BLOCK,
         kv_offload: offload,
