@@ -1,8 +1,9 @@
-//! The KV tiers on the CUDA backend: blocks evicted from the GPU's pool go down to page-locked host
-//! memory through the bulk export, and come back up through the bulk import when their prefix
-//! returns; the greedy output equals the same run with tiers off, where the prefix is computed again.
-//! It needs an NVIDIA GPU (skips with a message elsewhere); on the GPU machine
-//! `scripts/gpu/tiers_bench.sh test` runs it (built here with `cargo test --release -p tandem-cuda --test kv_tiers --no-run`).
+//! The KV tiers on the CUDA backend: blocks evicted from the GPU's pool go down to the host tier
+//! through the bulk export (a device gather and a DMA into the page-locked pool), and come back up
+//! through the bulk import when their prefix returns; the greedy output equals the same run with
+//! tiers off, where the prefix is computed again. It needs an NVIDIA GPU (skips with a message
+//! elsewhere); on the GPU machine `scripts/gpu/tiers_bench.sh test` runs it (built here with
+//! `cargo test --release -p tandem-cuda --test kv_tiers --no-run`).
 
 mod common;
 
