@@ -83,7 +83,7 @@ pub fn prefill_smem_bytes(head_dim: usize) -> usize {
 /// plain, residual add, RMSNorm + gate/up + SiLU·mul, RMSNorm + QKV + RoPE + K/V write.
 pub const GEMV_FAMILIES: [&str; 4] = ["gemv_", "gemv_add_", "gemv_silu_", "gemv_qkv_"];
 
-/// The same four families over FP8 E4M3 weights with 128 × 128 block scales (`gemv_f8_3`).
+/// The same four families over FP8 E4M3 weights with one scale per row and 128 columns (`gemv_f8_3`).
 pub const GEMV_FP8_FAMILIES: [&str; 4] =
     ["gemv_f8_", "gemv_add_f8_", "gemv_silu_f8_", "gemv_qkv_f8_"];
 
