@@ -307,7 +307,11 @@ mod tests {
                     if want.is_nan() {
                         continue;
                     }
-                    assert_eq!(f64::from(got), f64::from(want) * 2f64.powi(-120), "code {b:#04x}");
+                    assert_eq!(
+                        f64::from(got),
+                        f64::from(want) * 2f64.powi(-120),
+                        "code {b:#04x}"
+                    );
                     assert_eq!(got * unscale * unscale, want, "code {b:#04x} restored");
                 }
             }
