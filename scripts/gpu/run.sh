@@ -78,7 +78,7 @@ if want gemma; then
     --out "$OUT/gemma_bench.jsonl" || status=1
 fi
 if want fp8; then
-  # FP8 weights (E4M3, 128 x 128 block scales): the kernels against a float32 reference on the same
+  # FP8 weights (E4M3, one scale per row and 128 columns): the kernels against a float32 reference on the same
   # dequantized weights (tandem-cuda's tests/fp8.rs, built elsewhere as $FP8_TEST_BIN, default out/fp8),
   # the block-scaled FP8 checkpoint served in FP8 against HF, the 8B shape's speed in bf16 and FP8 in
   # one run (fp8_bench.jsonl), and a real model quantized at load against its own bf16 run over real

@@ -1216,8 +1216,8 @@ __device__ __forceinline__ GvItem gv_item(int group, int K, int ks) {
 
 // The weight formats of the GEMV kernels. A 16-byte chunk holds V values; a lane takes one chunk
 // of each of its rows per unrolled step, so a warp covers 32 * V values of K. WFp8: FP8 E4M3 codes
-// with one fp32 scale per 128 x 128 block (`sc`, `kb` blocks along K), the layout of block-scaled
-// FP8 checkpoints and of `quant_fp8`; a chunk never straddles a block (V divides 128).
+// with one fp32 scale per row and 128 columns (`sc`, `kb` scales a row), the layout `quant_fp8`
+// writes; a chunk never straddles a group (V divides 128).
 struct WBf16 {
     typedef bf16 T;
     static constexpr int V = 8;
@@ -1231,25 +1231,30 @@ struct WFp8 {
     int kb;
 };
 
-// Sixteen E4M3 codes as floats times 2^-8: each code's sign and 7 exponent/mantissa bits, moved
-// into a half's layout, are that half exactly (subnormals included); the caller's scale carries
-// the 2^8. Integer ops and exact conversions only, so any architecture runs it.
+// Sixteen E4M3 codes as floats times 2^-120, with integer ops only (no conversion instructions,
+// whose pipe is a quarter of the integer one's: it bounded the FP8 GEMVs). A code's sign and 7
+// exponent/mantissa bits placed at a float's sign and at bits 26..20 are that float exactly, scaled
+// by 2^-120 (its 4 exponent bits are the low ones of the float's, biased by 127 instead of 7); the
+// subnormal codes become float denormals, which the kernels keep (no flush to zero). Two codes a
+// step: one byte permute puts them at bits 31..24 and 15..8, a shift and a mask move their 7 bits
+// down by 4 (the upper code is then its float, the lower one a bf16, widened by a shift). The caller
+// scales by 2^120, in two factors of 2^60 (`FP8_UNSCALE`) so that no product overflows.
 __device__ __forceinline__ void unpack16_e4m3(const uint4& v, float* f) {
     const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            const u32 x = __byte_perm(w[i], 0, j ? 0x3424 : 0x1404);
-            const u32 h = ((x >> 1) & 0x3f803f80u) | (x & 0x80008000u);
-            float lo, hi;
-            asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h & 0xffffu)));
-            asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h >> 16)));
-            f[i * 4 + j * 2] = lo;
-            f[i * 4 + j * 2 + 1] = hi;
+            const u32 y = __byte_perm(w[i], 0, j ? 0x3424 : 0x1404);
+            const u32 z = ((y >> 4) & 0x07f007f0u) | (y & 0x80008000u);
+            f[i * 4 + j * 2] = __uint_as_float(z << 16);
+            f[i * 4 + j * 2 + 1] = __uint_as_float(z & 0xffff0000u);
         }
     }
 }
+
+// One of the two factors that undo `unpack16_e4m3`'s 2^-120: 2^60.
+#define FP8_UNSCALE 1152921504606846976.f
 
 // Chunks k0 + u * 32 * V (u < GV_U) of rows w0 and w1; zero at or past ke.
 template <class WT>
@@ -1310,8 +1315,8 @@ __device__ __forceinline__ void gv_norm(const bf16* __restrict__ res, const bf16
 // over the ks warps of the pair: the result is valid in the slice-0 warp (every lane). c0/c1 hold
 // the item's first chunks on entry (loaded before any prologue, so that they are in flight while it
 // runs) and the next item's first chunks on return: they are loaded in the last step, so the warp
-// keeps loads in flight through its reductions and epilogue. FP8 rows take their block scales
-// (s0, s1: the rows' scale rows) chunk by chunk. Every thread of the block must call it (it has
+// keeps loads in flight through its reductions and epilogue. FP8 rows take their group scales
+// (s0, s1: the rows' scales) chunk by chunk. Every thread of the block must call it (it has
 // barriers when ks > 1); the trip count is warp-uniform.
 template <int M, bool SMEM_X, class WT>
 __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const typename WT::T* __restrict__ w0,
@@ -1338,8 +1343,8 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const typena
                 } else {
                     unpack16_e4m3(c0[u], f0);
                     unpack16_e4m3(c1[u], f1);
-                    g0 = s0[k >> 7] * 256.f;
-                    g1 = s1[k >> 7] * 256.f;
+                    g0 = s0[k >> 7] * FP8_UNSCALE;
+                    g1 = s1[k >> 7] * FP8_UNSCALE;
                 }
 #pragma unroll
                 for (int m = 0; m < M; m++) {
@@ -1362,8 +1367,8 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const typena
                             d0 += f0[e] * xf[e];
                             d1 += f1[e] * xf[e];
                         }
-                        a0[m] += g0 * d0;
-                        a1[m] += g1 * d1;
+                        a0[m] += g0 * (d0 * FP8_UNSCALE);
+                        a1[m] += g1 * (d1 * FP8_UNSCALE);
                     }
                 }
             }
@@ -1426,8 +1431,8 @@ __device__ __forceinline__ void gv_run_x(const typename WT::T* __restrict__ w, W
         rows(ni, n0, n1);
         const GvNext<WT> nx{w + (u64)n0 * K, w + (u64)n1 * K, ni.kb, gn < groups ? ni.ke : ni.kb};
         float a0[M], a1[M];
-        const float* s0 = wf.sc ? wf.sc + (u64)(r0 >> 7) * wf.kb : nullptr;
-        const float* s1 = wf.sc ? wf.sc + (u64)(r1 >> 7) * wf.kb : nullptr;
+        const float* s0 = wf.sc ? wf.sc + (u64)r0 * wf.kb : nullptr;
+        const float* s1 = wf.sc ? wf.sc + (u64)r1 * wf.kb : nullptr;
         gv_pair<M, SMEM_X, WT>(xof(it), w + (u64)r0 * K, w + (u64)r1 * K, s0, s1, K, it, ks, nx, c0, c1, a0, a1);
         if (it.slice == 0) epi(it, r0, r1, a0, a1);
         if (gn >= groups) break;
@@ -1603,8 +1608,8 @@ __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, cons
 }
 
 // One format's four GEMV kernels of MM rows: `gemv_<P>MM`, `gemv_add_<P>MM`, ... with P empty for
-// bf16 weights and `f8_` for FP8 (the same parameters: `scale` and `kb` are an FP8 matrix's block
-// scales, unused for bf16).
+// bf16 weights and `f8_` for FP8 (the same parameters: `scale` and `kb` are an FP8 matrix's per-row
+// group scales, unused for bf16).
 #define GEMV_FMT(MM, P, WT) \
     extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_##P##MM( \
         const bf16* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale, int kb, \
@@ -1665,42 +1670,12 @@ __device__ unsigned char e4m3_of(float f) {
     return (unsigned char)(sign | code);
 }
 
-// Quantizes a bf16 matrix [N x K] to E4M3 codes with one fp32 scale per 128 x 128 block (scale =
-// the block's largest magnitude / 448; an all-zero block gets scale 1): block (bx, by) of the grid
-// is the tile at rows 128 by, columns 128 bx; 256 threads.
-extern "C" __global__ void quant_fp8(const bf16* __restrict__ w, unsigned char* __restrict__ q,
-                                     float* __restrict__ scale, int N, int K) {
-    __shared__ float red[32];
-    const int r0 = blockIdx.y * 128, c0 = blockIdx.x * 128;
-    const int rows = min(128, N - r0), cols = min(128, K - c0);
-    float amax = 0.f;
-    for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
-        amax = fmaxf(amax, fabsf(bf2f(w[(u64)(r0 + i / cols) * K + c0 + i % cols])));
-    }
-    amax = warp_max(amax);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0.f;
-        v = warp_max(v);
-        if (threadIdx.x == 0) red[0] = v;
-    }
-    __syncthreads();
-    amax = red[0];
-    const float s = amax > 0.f ? amax / 448.f : 1.f;
-    if (threadIdx.x == 0) scale[(u64)blockIdx.y * gridDim.x + blockIdx.x] = s;
-    for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
-        const u64 at = (u64)(r0 + i / cols) * K + c0 + i % cols;
-        q[at] = e4m3_of(bf2f(w[at]) / s);
-    }
-}
-
-// The activations x [M x K] (bf16) as E4M3 codes for the FP8 tensor-core GEMMs, with one scale per
-// token and 128-value group (its largest magnitude / 448, 1 when all zero): group g of token m at
-// m * groups + g (`row_major` 0) or g * M + m (1), the order cuBLASLt was found to read at load.
-// One warp per (token, group), four values a lane.
-extern "C" __global__ void quant_act_fp8(const bf16* __restrict__ x, unsigned char* __restrict__ q,
-                                         float* __restrict__ scale, int M, int K, int row_major) {
+// Rows of a bf16 matrix x [M x K] as E4M3 codes with one fp32 scale per row and 128-value group of
+// columns (its largest magnitude / 448, 1 when all zero): group g of row m at m * groups + g
+// (`row_major` 0) or g * M + m (1). One warp per (row, group), four values a lane; every thread of
+// the grid calls it.
+__device__ __forceinline__ void quant_rows_fp8(const bf16* __restrict__ x, unsigned char* __restrict__ q,
+                                               float* __restrict__ scale, int M, int K, int row_major) {
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     const int groups = (K + 127) / 128;
     if (warp >= M * groups) return;
@@ -1721,6 +1696,22 @@ extern "C" __global__ void quant_act_fp8(const bf16* __restrict__ x, unsigned ch
     if (lane == 0) scale[row_major ? (u64)g * M + m : (u64)m * groups + g] = s;
 }
 
+// Quantizes a projection matrix w [N x K] (bf16) at load: E4M3 codes with one fp32 scale per row
+// and 128 columns, row by row (scale[n * kb + k / 128]), the layout the GEMVs and `dequant_fp8`
+// read. Finer than 128 x 128 blocks: a row's outliers no longer coarsen its 127 neighbours' codes.
+extern "C" __global__ void quant_fp8(const bf16* __restrict__ w, unsigned char* __restrict__ q,
+                                     float* __restrict__ scale, int N, int K) {
+    quant_rows_fp8(w, q, scale, N, K, 0);
+}
+
+// The activations x [M x K] (bf16) as E4M3 codes for the FP8 tensor-core GEMMs, with one scale per
+// token and 128-value group; `row_major` 1 puts the tokens of one group next to each other (the
+// outer-dimension-major order cuBLASLt's VEC128 scales take).
+extern "C" __global__ void quant_act_fp8(const bf16* __restrict__ x, unsigned char* __restrict__ q,
+                                         float* __restrict__ scale, int M, int K, int row_major) {
+    quant_rows_fp8(x, q, scale, M, K, row_major);
+}
+
 // w[n][k] = bf16(code x scale) of an FP8 matrix (the bf16 tile steps of more rows than the GEMV
 // kernels take hand to cuBLAS): 16 codes a thread, K a multiple of 16.
 extern "C" __global__ void dequant_fp8(const unsigned char* __restrict__ q, const float* __restrict__ scale,
@@ -1731,11 +1722,13 @@ extern "C" __global__ void dequant_fp8(const unsigned char* __restrict__ q, cons
         const u64 n = c / (K / 16), k = (c % (K / 16)) * 16;
         float f[16];
         unpack16_e4m3(*(const uint4*)(q + n * K + k), f);
-        const float s = scale[(n >> 7) * kb + (k >> 7)] * 256.f;
+        const float s = scale[n * kb + (k >> 7)] * FP8_UNSCALE;
         uint4 o[2];
         u32* ow = (u32*)o;
 #pragma unroll
-        for (int e = 0; e < 8; e++) ow[e] = pack_bf2(f[2 * e] * s, f[2 * e + 1] * s);
+        for (int e = 0; e < 8; e++) {
+            ow[e] = pack_bf2(f[2 * e] * FP8_UNSCALE * s, f[2 * e + 1] * FP8_UNSCALE * s);
+        }
         *(uint4*)(w + n * K + k) = o[0];
         *(uint4*)(w + n * K + k + 8) = o[1];
     }

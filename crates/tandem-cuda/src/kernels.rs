@@ -83,7 +83,7 @@ pub fn prefill_smem_bytes(head_dim: usize) -> usize {
 /// plain, residual add, RMSNorm + gate/up + SiLU·mul, RMSNorm + QKV + RoPE + K/V write.
 pub const GEMV_FAMILIES: [&str; 4] = ["gemv_", "gemv_add_", "gemv_silu_", "gemv_qkv_"];
 
-/// The same four families over FP8 E4M3 weights with 128 × 128 block scales (`gemv_f8_3`).
+/// The same four families over FP8 E4M3 weights with one scale per row and 128 columns (`gemv_f8_3`).
 pub const GEMV_FP8_FAMILIES: [&str; 4] =
     ["gemv_f8_", "gemv_add_f8_", "gemv_silu_f8_", "gemv_qkv_f8_"];
 
@@ -276,5 +276,45 @@ mod tests {
             decode_partition(SMALL_DECODE_BATCH + 1, 32),
             DECODE_PARTITION
         );
+    }
+
+    /// `unpack16_e4m3`'s integer decode, step for step on the host (the source must still hold
+    /// those steps): every code pair comes out as its E4M3 values times 2^-120 exactly, subnormal
+    /// codes as float denormals, and the two 2^60 factors the kernels apply restore the values.
+    #[test]
+    fn the_integer_e4m3_decode_is_exact_for_every_code() {
+        let body = &SOURCE[SOURCE.find("void unpack16_e4m3(").expect("unpack16_e4m3")..];
+        let body = &body[..body.find("\n}\n").expect("end of unpack16_e4m3")];
+        for step in [
+            "__byte_perm(w[i], 0, j ? 0x3424 : 0x1404)",
+            "((y >> 4) & 0x07f007f0u) | (y & 0x80008000u)",
+            "__uint_as_float(z << 16)",
+            "__uint_as_float(z & 0xffff0000u)",
+        ] {
+            assert!(body.contains(step), "unpack16_e4m3 no longer does {step}");
+        }
+        assert!(SOURCE.contains("#define FP8_UNSCALE 1152921504606846976.f"));
+        let unscale = 2f32.powi(60);
+        use tandem_model::weights::fp8::e4m3_to_f32;
+        for b0 in 0u32..=255 {
+            for b1 in [b0, b0 ^ 0x80, 0x7e, 0x01] {
+                // Selector 0x1404: byte 0 of the word to bits 15..8, byte 1 to bits 31..24.
+                let y = (b1 << 24) | (b0 << 8);
+                let z = ((y >> 4) & 0x07f0_07f0) | (y & 0x8000_8000);
+                let (lo, hi) = (f32::from_bits(z << 16), f32::from_bits(z & 0xffff_0000));
+                for (b, got) in [(b0, lo), (b1, hi)] {
+                    let want = e4m3_to_f32(b as u8);
+                    if want.is_nan() {
+                        continue;
+                    }
+                    assert_eq!(
+                        f64::from(got),
+                        f64::from(want) * 2f64.powi(-120),
+                        "code {b:#04x}"
+                    );
+                    assert_eq!(got * unscale * unscale, want, "code {b:#04x} restored");
+                }
+            }
+        }
     }
 }

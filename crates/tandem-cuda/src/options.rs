@@ -67,13 +67,13 @@ pub struct CudaOptions {
     /// Blocks of the KV pool (`None`: what `kv_cache_memory` holds for the whole model): a pipeline's
     /// stages all size their pools to the worker's block count.
     pub num_blocks: Option<usize>,
-    /// Hold the layers' projection matrices as FP8 E4M3 with one scale per 128 × 128 block
-    /// (quantized at load; an FP8 checkpoint's dequantized weights are quantized again in its own
-    /// block layout): half the bytes each decode step streams. Embeddings, the output head, norms
-    /// and mixture-of-experts experts stay bf16.
+    /// Hold the layers' projection matrices as FP8 E4M3 with one scale per row and 128 columns
+    /// (quantized at load; an FP8 checkpoint's dequantized weights are quantized again the same way,
+    /// each row of its 128 × 128 blocks getting its own scale): half the bytes each decode step
+    /// streams. Embeddings, the output head, norms and mixture-of-experts experts stay bf16.
     pub fp8_weights: bool,
-    /// Run FP8 matrices in steps too large for the GEMVs as FP8 tensor-core GEMMs (cuBLASLt, block
-    /// scales; checked at load) instead of cuBLAS on bf16 tiles.
+    /// Run FP8 matrices in steps too large for the GEMVs as FP8 tensor-core GEMMs (cuBLASLt, VEC128
+    /// scales on weights and activations; checked at load) instead of cuBLAS on bf16 tiles.
     pub fp8_gemm: bool,
 }
 

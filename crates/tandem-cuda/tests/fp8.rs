@@ -4,7 +4,7 @@
 //! `cargo test --release -p tandem-cuda --test fp8 --no-run`).
 //!
 //! The reference quantizes the tiny Llama fixture's projections exactly as the GPU does at load
-//! (`tandem_model::weights::fp8::quantize_fp8_blocks`, the host twin of `quant_fp8`, over the same
+//! (`tandem_model::weights::fp8::quantize_fp8_rows`, the host twin of `quant_fp8`, over the same
 //! fused [q; k; v] and [gate; up] matrices), dequantizes them to float32 and runs the CPU model on
 //! them: what is left between the two is the GPU's bf16 activations. The same comparison with bf16
 //! weights gives that floor; the FP8 run must stay near it, in its prefill step (FP8 matrices
@@ -14,7 +14,7 @@ use std::path::Path;
 
 use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
 use tandem_kernels::{Matrix, RopeScaling};
-use tandem_model::weights::fp8::{e4m3_to_f32, quantize_fp8_blocks};
+use tandem_model::weights::fp8::{e4m3_to_f32, quantize_fp8_rows};
 use tandem_model::{
     CpuLlama, DenseShape, ForwardBatch, GatedMlp, KvCache, LayerRope, LayerWeights, LlamaWeights,
     LoadOptions, LogitsWanted, MlpWeights, ModelConfig,
@@ -28,8 +28,8 @@ fn bf16_round(x: f32) -> f32 {
     half::bf16::from_f32(x).to_f32()
 }
 
-/// Matrices (same columns) row-concatenated, rounded to bf16, quantized to FP8 blocks and
-/// dequantized: returned split back into the inputs' row counts.
+/// Matrices (same columns) row-concatenated, rounded to bf16, quantized to FP8 (one scale per row
+/// and 128 columns) and dequantized: returned split back into the inputs' row counts.
 fn fp8_roundtrip(ms: &[&Matrix]) -> Vec<Matrix> {
     let cols = ms[0].cols();
     let rows: usize = ms.iter().map(|m| m.rows()).sum();
@@ -41,12 +41,12 @@ fn fp8_roundtrip(ms: &[&Matrix]) -> Vec<Matrix> {
             values.extend(row.iter().map(|&x| bf16_round(x)));
         }
     }
-    let (codes, scales) = quantize_fp8_blocks(&values, rows, cols);
+    let (codes, scales) = quantize_fp8_rows(&values, rows, cols);
     let kb = cols.div_ceil(128);
     let deq: Vec<f32> = codes
         .iter()
         .enumerate()
-        .map(|(i, &c)| e4m3_to_f32(c) * scales[(i / cols / 128) * kb + (i % cols) / 128])
+        .map(|(i, &c)| e4m3_to_f32(c) * scales[(i / cols) * kb + (i % cols) / 128])
         .collect();
     let mut out = Vec::new();
     let mut at = 0;
@@ -235,6 +235,16 @@ fn errors(c: &ModelConfig, weights: &LlamaWeights, gemm: bool) -> [(f64, f64); 2
         };
         let mut gpu = CudaLlama::new(c.clone(), WeightSource::Host(weights), opts)
             .expect("the CUDA model loads");
+        if fp8 && gemm {
+            eprintln!(
+                "FP8 tensor-core GEMMs: {}",
+                if gpu.fp8_tensor_cores() {
+                    "on"
+                } else {
+                    "off (the load-time check failed; large steps ran on bf16 tiles)"
+                }
+            );
+        }
         let got = run(
             |b, l| gpu.forward(b, l).expect("CUDA step"),
             vocab,

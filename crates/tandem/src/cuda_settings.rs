@@ -46,7 +46,8 @@ impl std::fmt::Display for CudaAttention {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize, ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Quantization {
-    /// FP8 E4M3 with one scale per 128 × 128 block, quantized at load: half the bytes per decode step.
+    /// FP8 E4M3 with one scale per row and 128 columns, quantized at load: half the bytes per decode
+    /// step.
     Fp8,
 }
 

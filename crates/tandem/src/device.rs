@@ -266,8 +266,8 @@ fn start_cuda(
     let mut opts = cuda_options(cuda, limits);
     opts.block_size = config.block_size;
     opts.kv_cache_memory = config.kv_cache_memory;
-    // An FP8 checkpoint stays FP8 on the GPU (its dequantized weights are quantized again in the
-    // checkpoint's own 128 × 128 block layout).
+    // An FP8 checkpoint stays FP8 on the GPU (its dequantized weights are quantized again, one scale
+    // per row and 128 columns: each row of its 128 × 128 blocks gets its own).
     opts.fp8_weights |= loaded.fp8_checkpoint;
     let model = CudaLlama::new(
         loaded.config.clone(),

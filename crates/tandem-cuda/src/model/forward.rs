@@ -48,7 +48,11 @@ impl CudaLlama {
         if !w.fp8() {
             return self.blas_gemm(x, w.buf.ptr, y, t, n, k, false);
         }
-        if let Some(g) = self.fp8_gemm.as_ref().filter(|_| fp8_gemm::fits(n, k)) {
+        if let Some(g) = self
+            .fp8_gemm
+            .as_ref()
+            .filter(|g| fp8_gemm::fits(n, k) && g.takes_rows(t))
+        {
             let a = &self.acts;
             let warps = t * k.div_ceil(128);
             launch!(
@@ -61,7 +65,7 @@ impl CudaLlama {
                 a.aq_scales.ptr,
                 t as i32,
                 k as i32,
-                i32::from(g.act_order == fp8_gemm::ScaleOrder::RowMajor)
+                i32::from(g.act_order == fp8_gemm::ScaleOrder::GroupMajor)
             );
             return g.matmul(
                 &self.stream,

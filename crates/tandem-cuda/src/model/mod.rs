@@ -53,14 +53,15 @@ pub enum WeightSource<'a> {
     },
 }
 
-/// A projection matrix on the device: bf16 rows, or FP8 E4M3 codes with one fp32 scale per 128 × 128
-/// block (`CudaOptions::fp8_weights`): decode's GEMVs read the codes, larger steps take a bf16 copy.
+/// A projection matrix on the device: bf16 rows, or FP8 E4M3 codes with one fp32 scale per row and
+/// 128 columns (`CudaOptions::fp8_weights`): decode's GEMVs read the codes, larger steps take a bf16
+/// copy or the FP8 tensor-core GEMMs.
 struct Weight {
     buf: DeviceBuf,
-    /// The FP8 block scales, `rows.div_ceil(128)` × `cols.div_ceil(128)` (`None`: bf16).
+    /// The FP8 scales, `rows` × `cols.div_ceil(128)`, row by row (`None`: bf16).
     scales: Option<DeviceBuf>,
-    /// The same scales ordered row block by row block along K's blocks, when the FP8 GEMMs read
-    /// them so (`fp8_gemm::ScaleOrder::RowMajor`).
+    /// The same scales group by group (the rows of one 128-column group next to each other): the
+    /// outer-dimension-major order of cuBLASLt's VEC128 scales, made when the FP8 GEMMs run.
     lt_scales: Option<DeviceBuf>,
     rows: usize,
     cols: usize,
@@ -77,7 +78,7 @@ impl Weight {
         self.lt_scales.as_ref().map_or(self.scale_ptr(), |s| s.ptr)
     }
 
-    /// Scale blocks along a row (the kernels' `kb`).
+    /// Scale groups along a row (the kernels' `kb`).
     fn kb(&self) -> i32 {
         self.cols.div_ceil(FP8_BLOCK) as i32
     }
@@ -93,13 +94,13 @@ impl Weight {
     }
 }
 
-/// Rows and columns of one FP8 scale block (the layout of block-scaled FP8 checkpoints).
+/// Columns of one FP8 scale group (and rows and columns of a block-scaled checkpoint's blocks).
 const FP8_BLOCK: usize = 128;
 
 impl Weight {
-    /// Adds the scales ordered by row blocks along K's blocks (`lt_scales`): copied through the host,
-    /// once at load.
-    fn order_scales_by_rows(
+    /// Adds the scales ordered group by group (`lt_scales`, for the FP8 GEMMs): transposed through
+    /// the host, once at load.
+    fn order_scales_by_groups(
         &mut self,
         ctx: &Arc<CudaContext>,
         stream: &Arc<CudaStream>,
@@ -107,15 +108,17 @@ impl Weight {
         let Some(sc) = &self.scales else {
             return Ok(());
         };
-        let (rb, kb) = (self.rows.div_ceil(FP8_BLOCK), self.cols.div_ceil(FP8_BLOCK));
-        let mut host = vec![0f32; rb * kb];
-        // SAFETY: sc holds rb × kb f32; the copy completes before the synchronize returns.
+        let (rows, kb) = (self.rows, self.cols.div_ceil(FP8_BLOCK));
+        let mut host = vec![0f32; rows * kb];
+        // SAFETY: sc holds rows × kb f32; the copy completes before the synchronize returns.
         unsafe { drv_result::memcpy_dtoh_async(&mut host, sc.ptr, stream.cu_stream()) }?;
         stream.synchronize()?;
-        let by_rows: Vec<f32> = (0..rb * kb).map(|i| host[(i % rb) * kb + i / rb]).collect();
-        let buf = DeviceBuf::new(ctx, by_rows.len() * 4)?;
+        let by_groups: Vec<f32> = (0..rows * kb)
+            .map(|i| host[(i % rows) * kb + i / rows])
+            .collect();
+        let buf = DeviceBuf::new(ctx, by_groups.len() * 4)?;
         // SAFETY: buf holds exactly these values; synchronised before they drop.
-        unsafe { drv_result::memcpy_htod_async(buf.ptr, &by_rows, stream.cu_stream()) }?;
+        unsafe { drv_result::memcpy_htod_async(buf.ptr, &by_groups, stream.cu_stream()) }?;
         stream.synchronize()?;
         self.lt_scales = Some(buf);
         Ok(())
@@ -455,10 +458,10 @@ impl CudaLlama {
         };
         if fp8_gemm
             .as_ref()
-            .is_some_and(|g| g.weight_order == fp8_gemm::ScaleOrder::RowMajor)
+            .is_some_and(|g| g.weight_order == fp8_gemm::ScaleOrder::GroupMajor)
         {
             for l in &mut layers {
-                l.for_each_weight(|w| w.order_scales_by_rows(&ctx, &stream))?;
+                l.for_each_weight(|w| w.order_scales_by_groups(&ctx, &stream))?;
             }
         }
 

@@ -64,7 +64,7 @@ impl Uploader<'_> {
     }
 
     /// `bf16` as a [`Weight`]: kept, or with `fp8` quantized on the device (`quant_fp8`: E4M3 codes,
-    /// one scale per 128 × 128 block) and the bf16 copy freed.
+    /// one scale per row and 128 columns) and the bf16 copy freed.
     fn finish(&self, bf16: DeviceBuf, rows: usize, cols: usize) -> Result<Weight, CudaError> {
         if !self.fp8 {
             return Ok(Weight {
@@ -75,13 +75,14 @@ impl Uploader<'_> {
                 cols,
             });
         }
-        let (rb, kb) = (rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK));
+        let kb = cols.div_ceil(FP8_BLOCK);
         let codes = DeviceBuf::new(self.ctx, rows * cols)?;
-        let scales = DeviceBuf::new(self.ctx, rb * kb * 4)?;
+        let scales = DeviceBuf::new(self.ctx, rows * kb * 4)?;
+        // One warp per (row, group), eight warps a block.
         launch!(
             self.stream,
             self.funcs.quant_fp8,
-            (kb as u32, rb as u32, 1),
+            ((rows * kb).div_ceil(8) as u32, 1, 1),
             (256, 1, 1),
             bf16.ptr,
             codes.ptr,

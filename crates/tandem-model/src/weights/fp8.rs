@@ -155,32 +155,31 @@ pub fn e4m3_of(x: f32) -> u8 {
     sign | code as u8
 }
 
-/// Rows and columns of one FP8 scale block (the layout of block-scaled FP8 checkpoints, and of
-/// FP8 weights quantized at load).
+/// Rows and columns of one FP8 scale block of a block-scaled checkpoint, and the columns of one
+/// scale group of FP8 weights quantized at load.
 pub const FP8_BLOCK: usize = 128;
 
-/// Quantizes a row-major `rows × cols` matrix to E4M3 codes with one scale per 128 × 128 block
-/// (the block's largest magnitude / 448, 1 for an all-zero block; blocks at the edges are partial),
-/// as the CUDA backend does at load: the codes, and the scales row-major by block.
-pub fn quantize_fp8_blocks(values: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+/// Quantizes a row-major `rows × cols` matrix to E4M3 codes with one scale per row and 128-column
+/// group (the group's largest magnitude / 448, 1 for an all-zero group; the last group of a row may
+/// be partial), as the CUDA backend's `quant_fp8` does at load: the codes, and the scales row by
+/// row (`scales[r * cols.div_ceil(128) + c / 128]`). One scale per row rather than per 128 × 128
+/// block: a row's outliers coarsen only its own codes.
+pub fn quantize_fp8_rows(values: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
     assert_eq!(values.len(), rows * cols, "values are rows × cols");
-    let (rb, kb) = (rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK));
-    let mut scales = vec![1f32; rb * kb];
+    let kb = cols.div_ceil(FP8_BLOCK);
+    let mut scales = vec![1f32; rows * kb];
     let mut codes = vec![0u8; rows * cols];
-    for br in 0..rb {
-        for bc in 0..kb {
-            let r = br * FP8_BLOCK..((br + 1) * FP8_BLOCK).min(rows);
-            let c = bc * FP8_BLOCK..((bc + 1) * FP8_BLOCK).min(cols);
-            let amax = r
-                .clone()
-                .flat_map(|i| values[i * cols + c.start..i * cols + c.end].iter())
+    for r in 0..rows {
+        for g in 0..kb {
+            let c = g * FP8_BLOCK..((g + 1) * FP8_BLOCK).min(cols);
+            let span = r * cols + c.start..r * cols + c.end;
+            let amax = values[span.clone()]
+                .iter()
                 .fold(0f32, |m, v| m.max(v.abs()));
             let s = if amax > 0.0 { amax / 448.0 } else { 1.0 };
-            scales[br * kb + bc] = s;
-            for i in r {
-                for j in c.clone() {
-                    codes[i * cols + j] = e4m3_of(values[i * cols + j] / s);
-                }
+            scales[r * kb + g] = s;
+            for i in span {
+                codes[i] = e4m3_of(values[i] / s);
             }
         }
     }
@@ -278,31 +277,37 @@ mod tests {
         assert_eq!(super::e4m3_to_f32(super::e4m3_of(450.0)), 448.0);
     }
 
-    /// Block scales are each block's largest magnitude / 448 (partial blocks at the edges), and
-    /// every weight comes back within half a code step of its block.
+    /// Scales are each row's 128-column group's largest magnitude / 448 (a partial group at the
+    /// end), a row's outlier leaves the next row's scale alone, and every weight comes back within
+    /// half a code step of its group.
     #[test]
-    fn block_quantization_scales_each_block_by_its_largest_value() {
+    fn row_quantization_scales_each_row_group_by_its_largest_value() {
         let (rows, cols) = (130, 200);
-        let values: Vec<f32> = (0..rows * cols)
+        let mut values: Vec<f32> = (0..rows * cols)
             .map(|i| {
                 ((i * 7919 % 1000) as f32 - 500.0) / 100.0 * if i % cols < 128 { 1.0 } else { 0.01 }
             })
             .collect();
-        let (codes, scales) = super::quantize_fp8_blocks(&values, rows, cols);
-        assert_eq!(scales.len(), 2 * 2);
-        for (bi, &s) in scales.iter().enumerate() {
-            let (br, bc) = (bi / 2, bi % 2);
-            let mut amax = 0f32;
-            for r in br * 128..((br + 1) * 128).min(rows) {
-                for c in bc * 128..((bc + 1) * 128).min(cols) {
-                    amax = amax.max(values[r * cols + c].abs());
-                }
+        values[5 * cols + 3] = 1000.0;
+        let (codes, scales) = super::quantize_fp8_rows(&values, rows, cols);
+        assert_eq!(scales.len(), rows * 2);
+        for r in 0..rows {
+            for g in 0..2 {
+                let c = g * 128..((g + 1) * 128).min(cols);
+                let amax = values[r * cols + c.start..r * cols + c.end]
+                    .iter()
+                    .fold(0f32, |m, v| m.max(v.abs()));
+                assert_eq!(scales[r * 2 + g], amax / 448.0, "row {r} group {g}");
             }
-            assert_eq!(s, amax / 448.0);
         }
+        assert_eq!(scales[5 * 2], 1000.0 / 448.0);
+        assert!(
+            scales[6 * 2] < 5.0 / 448.0 * 1.0001,
+            "the outlier stays in its row"
+        );
         for r in 0..rows {
             for c in 0..cols {
-                let s = scales[(r / 128) * 2 + c / 128];
+                let s = scales[r * 2 + c / 128];
                 let back = super::e4m3_to_f32(codes[r * cols + c]) * s;
                 let v = values[r * cols + c];
                 // E4M3 keeps 3 mantissa bits: a relative step of 2^-3, or the subnormal step 2^-9·s.
