@@ -61,10 +61,6 @@ pub(super) enum GemvFamily {
     Qkv,
 }
 
-/// Most rows the GEMVs take in steps of FP8 weights on bf16 tiles. Measured on an H100 (2026-12-07,
-/// 8B shape, batch 8, graphs): FP8 GEMVs 9.49 ms a step against 14.65 ms on bf16 tiles.
-pub(super) const FP8_GEMV_ROWS: usize = 8;
-
 /// Block-groups of a GEMV launch with one warp per work item.
 pub(super) fn gemv_blocks(warps: usize) -> u32 {
     warps.div_ceil(GEMV_WARPS) as u32
@@ -82,16 +78,9 @@ pub(super) fn gemv_split(pairs: usize, k: usize, target: usize) -> usize {
 }
 
 impl CudaLlama {
-    /// Whether projections of `t` rows run on our GEMV kernels (else cuBLAS). FP8 weights without
-    /// the FP8 tensor-core GEMMs take the GEMVs up to [`FP8_GEMV_ROWS`] rows whatever
-    /// `gemv_max_rows` says: their other path, bf16 tiles for cuBLAS, reads five bytes a weight.
+    /// Whether projections of `t` rows run on our GEMV kernels (else cuBLAS).
     pub(super) fn gemv_rows(&self, t: usize) -> bool {
-        let max = if self.opts.fp8_weights && self.fp8_gemm.is_none() {
-            self.opts.gemv_max_rows.max(FP8_GEMV_ROWS)
-        } else {
-            self.opts.gemv_max_rows
-        };
-        self.opts.gemv && t >= 1 && t <= max.min(kernels::GEMV_MAX_ROWS)
+        self.opts.gemv && t >= 1 && t <= self.opts.gemv_max_rows.min(kernels::GEMV_MAX_ROWS)
     }
 
     /// The launch shape of a GEMV over `t` rows with `pairs` work items (row pairs) of `k` values:
