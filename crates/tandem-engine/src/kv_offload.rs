@@ -75,12 +75,22 @@ pub fn export_layer_major<B: Backend>(
     let layout = backend.kv_layout();
     let (bb, layers) = (layout.block_bytes(), layout.n_layers);
     let export = backend.export_kv(ids)?;
-    let mut out: Vec<Vec<u8>> = vec![vec![0u8; layers * bb]; ids.len()];
+    // Filled layer by layer without zeroing first: each byte of a block's (fresh, page-faulting)
+    // memory is written once.
+    let mut out: Vec<Vec<u8>> = (0..ids.len())
+        .map(|_| Vec::with_capacity(layers * bb))
+        .collect();
     for layer in 0..layers {
         let bytes = export.layer(layer)?;
         for (o, b) in out.iter_mut().zip(bytes.chunks_exact(bb.max(1))) {
-            o[layer * bb..(layer + 1) * bb].copy_from_slice(b);
+            o.extend_from_slice(b);
         }
+    }
+    if out.iter().any(|o| o.len() != layers * bb) {
+        return Err(BackendError::fatal(format!(
+            "KV export of {} blocks returned short layers",
+            ids.len()
+        )));
     }
     Ok(out)
 }
