@@ -22,13 +22,15 @@
 #                        (served in FP8 on the GPU)
 #   fp8_bench.jsonl      `fp8`: cuda-bench on the 8B shape with bf16 and then FP8 weights (random, made on the GPU)
 #   fp8_agreement.json   `fp8`: a real model quantized to FP8 at load against its bf16 run (top-1, KL)
+#   gguf_greedy.json, gguf_agreement.json, gguf_bench.jsonl  `gguf`: the default GGUF model with its blocks
+#                        packed on the GPU: greedy against the CPU, agreement with its bf16 upload, speed
 # and, in the log only, `conformance`: the Backend contract on the CUDA backend (tandem-cuda's
 # tests/conformance.rs, a test executable built elsewhere with
 # `cargo test --release -p tandem-cuda --test conformance --no-run` and given as $CONFORMANCE_BIN,
 # default out/conformance).
 # (The device tool returns at most 8 files: keep it to these plus the caller's log.)
 # The tandem binary is built elsewhere (`cargo build --release --features cuda`, stripped) and given as
-# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [qwen3] [moe] [gemma] [fp8] [profile] | all
+# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [qwen3] [moe] [gemma] [fp8] [gguf] [profile] | all
 # (TANDEM_ONLY=1 skips the HF peer in bench; `pick` checks $CANDIDATES and benches the first that passes.)
 # `sweep` (only when named) runs `cuda-bench $SWEEP_ARGS` once per entry of $SWEEP, a space-separated
 # list of label:FLAG,FLAG entries (A/B timings of the hidden --cuda-* tuning flags, e.g. --cuda-pdl or
@@ -118,6 +120,51 @@ PY
     cat "$OUT/fp8_agreement.json"
   else
     echo "skipped the agreement run: $model is not here (carry it, or set FP8_MODEL)"
+  fi
+fi
+if want gguf; then
+  # GGUF weights packed for the GPU (4-bit codes for Q4_0/Q4_1/Q4_K, 8-bit for the rest, a (scale, min)
+  # pair per 16-byte chunk): the kernels against a float32 reference on the decoded values (tandem-cuda's
+  # tests/gguf.rs, built elsewhere as $GGUF_TEST_BIN, default out/gguf); then the default model
+  # ($GGUF_MODEL, default models/SmolLM2-135M-Instruct.Q4_1.gguf): greedy tokens against the CPU
+  # backend's (8 prompts x 64 tokens, gguf_greedy.json), agreement with its bf16 upload over real text
+  # (gguf_agreement.json), and decode/prefill speed packed and bf16 in one run (gguf_bench.jsonl).
+  echo "== packed GGUF kernels against float32 on the decoded weights"
+  ggt="${GGUF_TEST_BIN:-$root/out/gguf}"
+  if [ -x "$ggt" ]; then
+    timeout 120 "$ggt" --nocapture || status=1
+  else
+    echo "FAIL $ggt is missing: cargo test --release -p tandem-cuda --test gguf --no-run, then copy the executable it names"
+    status=1
+  fi
+  model="${GGUF_MODEL:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+  if [ -f "$model" ]; then
+    # Eight passages of README.md and ARCHITECTURE.md: greedy prompts (their first 600 characters),
+    # and teacher-forced texts (1,400 characters, the last 128 tokens fed one decode step at a time).
+    python3 - "$root/README.md" "$root/ARCHITECTURE.md" /tmp/gguf_prompts.json /tmp/gguf_text.json <<'PY'
+import json, sys
+readme, arch = open(sys.argv[1]).read(), open(sys.argv[2]).read()
+json.dump([{"prompt_text": t[i * 900:i * 900 + 600]} for t in (readme, arch) for i in range(4)], open(sys.argv[3], "w"))
+json.dump([{"text": arch[i * 1400:(i + 1) * 1400]} for i in range(8)], open(sys.argv[4], "w"))
+PY
+    echo "== $model: CUDA greedy (packed GGUF) against the CPU backend's"
+    timeout 240 "$BIN" cuda-check "$model" --prompts /tmp/gguf_prompts.json --decode-steps 63 --greedy-vs-cpu \
+      --out "$OUT/gguf_greedy.json" || status=1
+    cat "$OUT/gguf_greedy.json"
+    echo "== $model: packed GGUF against its bf16 upload (teacher-forced real text, 8-row GEMVs)"
+    timeout 240 "$BIN" cuda-check "$model" --prompts /tmp/gguf_text.json --decode-steps 128 --agreement \
+      --cuda-gemv-max-rows 8 --out "$OUT/gguf_agreement.json" || status=1
+    cat "$OUT/gguf_agreement.json"
+    echo "== $model: cuda-bench packed GGUF, then bf16"
+    for q in "" "--quantization bf16"; do
+      # shellcheck disable=SC2086
+      timeout 240 "$BIN" cuda-bench --model "$model" --batches 1,8,64 --context 1024 --prefill 512,2048 $q \
+        --out /tmp/gguf_bench_one.jsonl || status=1
+      cat /tmp/gguf_bench_one.jsonl >>"$OUT/gguf_bench.jsonl"
+    done
+  else
+    echo "FAIL $model is not here (carry models/, or set GGUF_MODEL)"
+    status=1
   fi
 fi
 if want moe; then

@@ -6,6 +6,7 @@
 //   DEC_PART   keys per split of the decode attention (flash-decoding partition)
 //   DS_KEYS    most keys per split of the small-batch decode attention
 //   GV_U, GV_MINB  GEMV tuning: chunks per row a lane loads per step; blocks per SM to fit
+//   GV_FORMATS weight formats whose GEMVs are compiled (a bit mask; bf16 always)
 // bf16 values travel as raw 16-bit patterns (no header dependency); arithmetic is in fp32.
 //
 // Paged KV layout per layer: block b holds [K|V][kv_head][slot][HEAD_DIM] contiguously, the layout the
@@ -1214,22 +1215,73 @@ __device__ __forceinline__ GvItem gv_item(int group, int K, int ks) {
     return it;
 }
 
+// One of the two factors that undo `unpack16_e4m3`'s 2^-120: 2^60.
+#define FP8_UNSCALE 1152921504606846976.f
+
 // The weight formats of the GEMV kernels. A 16-byte chunk holds V values; a lane takes one chunk
-// of each of its rows per unrolled step, so a warp covers 32 * V values of K. WFp8: FP8 E4M3 codes
-// with one fp32 scale per row and 128 columns (`sc`, `kb` scales a row), the layout `quant_fp8`
-// writes; a chunk never straddles a group (V divides 128).
+// of each of its rows per unrolled step, so a warp covers 32 * V values of K. VPT values share one
+// element of T (two 4-bit codes a byte). WFp8: FP8 E4M3 codes with one fp32 scale per row and 128
+// columns (`sc`, `kb` scales a row), the layout `quant_fp8` writes; a chunk never straddles a group
+// (V divides 128). WQ4 / WQ8: GGUF weights packed at load (the crate's `packed` module): codes and
+// one (scale, min) float pair per chunk, element = scale * code + min (`kb` = 2 * chunks a row).
+// Each format decodes a chunk into V floats (`unpack`) and, unless PLAIN, gives the chunk's scale
+// g and min h (`group`); a row's dot product over the chunk is then g * (sum f x) * POST + h * sum x.
 struct WBf16 {
     typedef bf16 T;
-    static constexpr int V = 8;
+    static constexpr int V = 8, VPT = 1;
+    static constexpr bool PLAIN = true, MIN = false;
+    static constexpr float POST = 1.f;
     const float* sc;
     int kb;
+    static __device__ __forceinline__ void unpack(const uint4& c, float* f) { unpack8(c, f); }
+    static __device__ __forceinline__ void group(const float*, int, float&, float&) {}
 };
 struct WFp8 {
     typedef unsigned char T;
-    static constexpr int V = 16;
+    static constexpr int V = 16, VPT = 1;
+    static constexpr bool PLAIN = false, MIN = false;
+    static constexpr float POST = FP8_UNSCALE;
     const float* sc;
     int kb;
+    static __device__ __forceinline__ void unpack(const uint4& c, float* f);
+    static __device__ __forceinline__ void group(const float* s, int k, float& g, float&) {
+        g = s[k >> 7] * POST;
+    }
 };
+struct WQ4 {
+    typedef unsigned char T;
+    static constexpr int V = 32, VPT = 2;
+    static constexpr bool PLAIN = false, MIN = true;
+    static constexpr float POST = 1.f;
+    const float* sc;
+    int kb;
+    static __device__ __forceinline__ void unpack(const uint4& c, float* f);
+    static __device__ __forceinline__ void group(const float* s, int k, float& g, float& h) {
+        const float2 p = *(const float2*)(s + 2 * (k >> 5));
+        g = p.x;
+        h = p.y;
+    }
+};
+struct WQ8 {
+    typedef signed char T;
+    static constexpr int V = 16, VPT = 1;
+    static constexpr bool PLAIN = false, MIN = true;
+    static constexpr float POST = 1.f;
+    const float* sc;
+    int kb;
+    static __device__ __forceinline__ void unpack(const uint4& c, float* f);
+    static __device__ __forceinline__ void group(const float* s, int k, float& g, float& h) {
+        const float2 p = *(const float2*)(s + 2 * (k >> 4));
+        g = p.x;
+        h = p.y;
+    }
+};
+
+// Row r of a matrix of K values a row in format WT.
+template <class WT>
+__device__ __forceinline__ const typename WT::T* gv_row(const typename WT::T* w, int r, int K) {
+    return w + (u64)r * K / WT::VPT;
+}
 
 // Sixteen E4M3 codes as floats times 2^-120, with integer ops only (no conversion instructions,
 // whose pipe is a quarter of the integer one's: it bounded the FP8 GEMVs). A code's sign and 7
@@ -1253,8 +1305,39 @@ __device__ __forceinline__ void unpack16_e4m3(const uint4& v, float* f) {
     }
 }
 
-// One of the two factors that undo `unpack16_e4m3`'s 2^-120: 2^60.
-#define FP8_UNSCALE 1152921504606846976.f
+
+__device__ __forceinline__ void WFp8::unpack(const uint4& c, float* f) { unpack16_e4m3(c, f); }
+
+// Small unsigned integers as floats without conversion instructions: a byte b placed in the low
+// mantissa bits of 2^23 is the float 2^23 + b exactly (one byte permute and one subtraction).
+#define MAGIC_2_23 8388608.f
+__device__ __forceinline__ float byte_as_float(u32 w, int j) {
+    return __uint_as_float(__byte_perm(w, 0x4b000000u, 0x7540 | j)) - MAGIC_2_23;
+}
+
+// 32 4-bit codes: byte j of the chunk holds element j (low nibble) and element j + 16 (high).
+__device__ __forceinline__ void WQ4::unpack(const uint4& c, float* f) {
+    const u32 w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const u32 lo = w[i] & 0x0f0f0f0fu, hi = (w[i] >> 4) & 0x0f0f0f0fu;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            f[4 * i + j] = byte_as_float(lo, j);
+            f[16 + 4 * i + j] = byte_as_float(hi, j);
+        }
+    }
+}
+
+// 16 signed 8-bit codes: flipping each byte's sign bit makes it code + 128, unsigned.
+__device__ __forceinline__ void WQ8::unpack(const uint4& c, float* f) {
+    const u32 w[4] = {c.x ^ 0x80808080u, c.y ^ 0x80808080u, c.z ^ 0x80808080u, c.w ^ 0x80808080u};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) f[4 * i + j] = __uint_as_float(__byte_perm(w[i], 0x4b000000u, 0x7540 | j)) - (MAGIC_2_23 + 128.f);
+    }
+}
 
 // Chunks k0 + u * 32 * V (u < GV_U) of rows w0 and w1; zero at or past ke.
 template <class WT>
@@ -1263,8 +1346,8 @@ __device__ __forceinline__ void gv_load(uint4 (&c0)[GV_U], uint4 (&c1)[GV_U], co
 #pragma unroll
     for (int u = 0; u < GV_U; u++) {
         int k = k0 + u * 32 * WT::V;
-        c0[u] = k < ke ? ld_stream((const bf16*)(w0 + k)) : make_uint4(0, 0, 0, 0);
-        c1[u] = k < ke ? ld_stream((const bf16*)(w1 + k)) : make_uint4(0, 0, 0, 0);
+        c0[u] = k < ke ? ld_stream((const bf16*)(w0 + k / WT::VPT)) : make_uint4(0, 0, 0, 0);
+        c1[u] = k < ke ? ld_stream((const bf16*)(w1 + k / WT::VPT)) : make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -1336,16 +1419,11 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const typena
         for (int u = 0; u < GV_U; u++) {
             const int k = kw + lane * V + u * STEP;
             if (k < it.ke) {
-                float f0[V], f1[V], g0 = 1.f, g1 = 1.f;
-                if constexpr (V == 8) {
-                    unpack8(c0[u], f0);
-                    unpack8(c1[u], f1);
-                } else {
-                    unpack16_e4m3(c0[u], f0);
-                    unpack16_e4m3(c1[u], f1);
-                    g0 = s0[k >> 7] * FP8_UNSCALE;
-                    g1 = s1[k >> 7] * FP8_UNSCALE;
-                }
+                float f0[V], f1[V], g0 = 1.f, g1 = 1.f, h0 = 0.f, h1 = 0.f;
+                WT::unpack(c0[u], f0);
+                WT::unpack(c1[u], f1);
+                WT::group(s0, k, g0, h0);
+                WT::group(s1, k, g1, h1);
 #pragma unroll
                 for (int m = 0; m < M; m++) {
                     float xf[V];
@@ -1354,9 +1432,9 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const typena
                         if (SMEM_X) unpack8(*(const uint4*)(x + m * K + k + 8 * h), xf + 8 * h);
                         else unpack8(__ldg((const uint4*)(x + (u64)m * K + k + 8 * h)), xf + 8 * h);
                     }
-                    if constexpr (V == 8) {
+                    if constexpr (WT::PLAIN) {
 #pragma unroll
-                        for (int e = 0; e < 8; e++) {
+                        for (int e = 0; e < V; e++) {
                             a0[m] += f0[e] * xf[e];
                             a1[m] += f1[e] * xf[e];
                         }
@@ -1367,8 +1445,15 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const typena
                             d0 += f0[e] * xf[e];
                             d1 += f1[e] * xf[e];
                         }
-                        a0[m] += g0 * (d0 * FP8_UNSCALE);
-                        a1[m] += g1 * (d1 * FP8_UNSCALE);
+                        a0[m] += g0 * (d0 * WT::POST);
+                        a1[m] += g1 * (d1 * WT::POST);
+                        if constexpr (WT::MIN) {
+                            float sx = 0.f;
+#pragma unroll
+                            for (int e = 0; e < V; e++) sx += xf[e];
+                            a0[m] += h0 * sx;
+                            a1[m] += h1 * sx;
+                        }
                     }
                 }
             }
@@ -1420,7 +1505,7 @@ __device__ __forceinline__ void gv_run_x(const typename WT::T* __restrict__ w, W
     int r0, r1;
     rows(it, r0, r1);
     uint4 c0[GV_U], c1[GV_U];
-    gv_load<WT>(c0, c1, w + (u64)r0 * K, w + (u64)r1 * K, it.kb + (threadIdx.x & 31) * WT::V, it.ke);
+    gv_load<WT>(c0, c1, gv_row<WT>(w, r0, K), gv_row<WT>(w, r1, K), it.kb + (threadIdx.x & 31) * WT::V, it.ke);
     pdl_wait();
     pdl_trigger();
     prologue();
@@ -1429,11 +1514,12 @@ __device__ __forceinline__ void gv_run_x(const typename WT::T* __restrict__ w, W
         const GvItem ni = gv_item<WT>(gn, K, ks);
         int n0, n1;
         rows(ni, n0, n1);
-        const GvNext<WT> nx{w + (u64)n0 * K, w + (u64)n1 * K, ni.kb, gn < groups ? ni.ke : ni.kb};
+        const GvNext<WT> nx{gv_row<WT>(w, n0, K), gv_row<WT>(w, n1, K), ni.kb, gn < groups ? ni.ke : ni.kb};
         float a0[M], a1[M];
         const float* s0 = wf.sc ? wf.sc + (u64)r0 * wf.kb : nullptr;
         const float* s1 = wf.sc ? wf.sc + (u64)r1 * wf.kb : nullptr;
-        gv_pair<M, SMEM_X, WT>(xof(it), w + (u64)r0 * K, w + (u64)r1 * K, s0, s1, K, it, ks, nx, c0, c1, a0, a1);
+        gv_pair<M, SMEM_X, WT>(xof(it), gv_row<WT>(w, r0, K), gv_row<WT>(w, r1, K), s0, s1, K, it, ks, nx, c0, c1,
+                               a0, a1);
         if (it.slice == 0) epi(it, r0, r1, a0, a1);
         if (gn >= groups) break;
         g = gn;
@@ -1608,8 +1694,8 @@ __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, cons
 }
 
 // One format's four GEMV kernels of MM rows: `gemv_<P>MM`, `gemv_add_<P>MM`, ... with P empty for
-// bf16 weights and `f8_` for FP8 (the same parameters: `scale` and `kb` are an FP8 matrix's per-row
-// group scales, unused for bf16).
+// bf16 weights, `f8_` for FP8 and `q4_` / `q8_` for packed GGUF weights (the same parameters:
+// `scale` and `kb` are the format's per-row group parameters, unused for bf16).
 #define GEMV_FMT(MM, P, WT) \
     extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, GV_MINB) gemv_##P##MM( \
         const bf16* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale, int kb, \
@@ -1635,7 +1721,24 @@ __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, cons
         gemv_qkv_body<MM, WT>(res, nw, eps, (const WT::T*)w, WT{scale, kb}, bias, positions, slots, cos_t, sin_t, \
                               cache, qkv, n_heads, n_kv, neox, K, ks, groups); \
     }
-#define GEMV(MM) GEMV_FMT(MM, , WBf16) GEMV_FMT(MM, f8_, WFp8)
+// GV_FORMATS (bit 1 FP8, 2 packed 4-bit, 3 packed 8-bit) says which formats besides bf16 the model
+// uses; the others are not compiled.
+#if GV_FORMATS & 2
+#define GEMV_F8(MM) GEMV_FMT(MM, f8_, WFp8)
+#else
+#define GEMV_F8(MM)
+#endif
+#if GV_FORMATS & 4
+#define GEMV_Q4(MM) GEMV_FMT(MM, q4_, WQ4)
+#else
+#define GEMV_Q4(MM)
+#endif
+#if GV_FORMATS & 8
+#define GEMV_Q8(MM) GEMV_FMT(MM, q8_, WQ8)
+#else
+#define GEMV_Q8(MM)
+#endif
+#define GEMV(MM) GEMV_FMT(MM, , WBf16) GEMV_F8(MM) GEMV_Q4(MM) GEMV_Q8(MM)
 GEMV(1)
 GEMV(2)
 GEMV(3)
@@ -1732,6 +1835,37 @@ extern "C" __global__ void dequant_fp8(const unsigned char* __restrict__ q, cons
         *(uint4*)(w + n * K + k) = o[0];
         *(uint4*)(w + n * K + k + 8) = o[1];
     }
+}
+
+// w[n][k] = bf16(scale * code + min) of a packed GGUF matrix (WQ4 or WQ8: one (scale, min) pair per
+// 16-byte chunk of codes, chunks row after row), for the cuBLAS steps. One thread a chunk.
+template <class WT>
+__device__ __forceinline__ void dequant_packed(const uint4* __restrict__ q, const float2* __restrict__ params,
+                                               bf16* __restrict__ out, u64 chunks) {
+    constexpr int V = WT::V;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (u64)gridDim.x * blockDim.x) {
+        float f[V];
+        WT::unpack(q[i], f);
+        const float2 p = params[i];
+        uint4* o = (uint4*)(out + i * V);
+#pragma unroll
+        for (int c = 0; c < V / 8; c++) {
+            uint4 v;
+            v.x = pack_bf2(p.x * f[8 * c + 0] + p.y, p.x * f[8 * c + 1] + p.y);
+            v.y = pack_bf2(p.x * f[8 * c + 2] + p.y, p.x * f[8 * c + 3] + p.y);
+            v.z = pack_bf2(p.x * f[8 * c + 4] + p.y, p.x * f[8 * c + 5] + p.y);
+            v.w = pack_bf2(p.x * f[8 * c + 6] + p.y, p.x * f[8 * c + 7] + p.y);
+            o[c] = v;
+        }
+    }
+}
+extern "C" __global__ void dequant_q4(const uint4* __restrict__ q, const float2* __restrict__ params,
+                                      bf16* __restrict__ out, u64 chunks) {
+    dequant_packed<WQ4>(q, params, out, chunks);
+}
+extern "C" __global__ void dequant_q8(const uint4* __restrict__ q, const float2* __restrict__ params,
+                                      bf16* __restrict__ out, u64 chunks) {
+    dequant_packed<WQ8>(q, params, out, chunks);
 }
 
 // Bulk KV movement for P/D transfers: whole blocks of one layer between the paged cache and a

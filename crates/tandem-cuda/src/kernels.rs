@@ -39,7 +39,7 @@ pub fn decode_partition(n_decode: usize, small: usize) -> usize {
 }
 
 /// Every kernel the backend launches, by its `extern "C"` name.
-pub const KERNEL_NAMES: [&str; 28] = [
+pub const KERNEL_NAMES: [&str; 30] = [
     "init_uniform",
     "fill_bf16",
     "embed_gather",
@@ -68,6 +68,8 @@ pub const KERNEL_NAMES: [&str; 28] = [
     "quant_fp8",
     "dequant_fp8",
     "quant_act_fp8",
+    "dequant_q4",
+    "dequant_q8",
 ];
 
 /// Largest row count the small-batch GEMV kernels (`gemv_1` .. `gemv_8`) handle.
@@ -86,6 +88,24 @@ pub const GEMV_FAMILIES: [&str; 4] = ["gemv_", "gemv_add_", "gemv_silu_", "gemv_
 /// The same four families over FP8 E4M3 weights with one scale per row and 128 columns (`gemv_f8_3`).
 pub const GEMV_FP8_FAMILIES: [&str; 4] =
     ["gemv_f8_", "gemv_add_f8_", "gemv_silu_f8_", "gemv_qkv_f8_"];
+
+/// The same four families over packed GGUF weights (`crate::packed`): 4-bit codes (`gemv_q4_3`) and
+/// 8-bit codes (`gemv_q8_3`), one (scale, min) pair per 16-byte chunk.
+pub const GEMV_Q4_FAMILIES: [&str; 4] =
+    ["gemv_q4_", "gemv_add_q4_", "gemv_silu_q4_", "gemv_qkv_q4_"];
+
+/// See [`GEMV_Q4_FAMILIES`].
+pub const GEMV_Q8_FAMILIES: [&str; 4] =
+    ["gemv_q8_", "gemv_add_q8_", "gemv_silu_q8_", "gemv_qkv_q8_"];
+
+/// Every GEMV family of every weight format, in the order of the backend's weight formats (bf16,
+/// FP8, packed 4-bit, packed 8-bit).
+pub const GEMV_FORMAT_FAMILIES: [[&str; 4]; 4] = [
+    GEMV_FAMILIES,
+    GEMV_FP8_FAMILIES,
+    GEMV_Q4_FAMILIES,
+    GEMV_Q8_FAMILIES,
+];
 
 /// Compile-time tuning of the small-batch GEMV kernels (`GV_U`, `GV_MINB` in llama.cu), settable
 /// for A/B timings on the device; the defaults are the measured best.
@@ -115,6 +135,10 @@ pub struct KernelShape {
     pub gqa: usize,
     /// Tokens per KV block.
     pub block_size: usize,
+    /// Weight formats whose GEMVs are compiled: bit `f` for format `f` of
+    /// [`GEMV_FORMAT_FAMILIES`] (bf16 is always compiled). Each format adds 32 kernels, so a model
+    /// compiles only the formats its weights use.
+    pub formats: u8,
 }
 
 impl KernelShape {
@@ -149,14 +173,15 @@ impl KernelShape {
     pub fn source(&self, tuning: &GemvTuning) -> String {
         format!(
             "#define HEAD_DIM {}\n#define GQA {}\n#define KV_BLOCK {}\n#define DEC_PART {}\n#define DS_KEYS {}\n\
-             #define GV_U {}\n#define GV_MINB {}\n{SOURCE}",
+             #define GV_U {}\n#define GV_MINB {}\n#define GV_FORMATS {}\n{SOURCE}",
             self.head_dim,
             self.gqa,
             self.block_size,
             DECODE_PARTITION,
             DECODE_PARTITION_SMALL,
             tuning.unroll.clamp(1, 16),
-            tuning.min_blocks.clamp(1, 8)
+            tuning.min_blocks.clamp(1, 8),
+            self.formats | 1
         )
     }
 }
@@ -258,12 +283,13 @@ mod tests {
             head_dim: 128,
             gqa: 4,
             block_size: 16,
+            formats: 0,
         };
         assert!(s.validate().is_ok());
         assert!(s.tensor_core_prefill());
         let src = s.source(&GemvTuning::default());
         assert!(src.starts_with("#define HEAD_DIM 128\n#define GQA 4\n#define KV_BLOCK 16\n"));
-        assert!(src.contains("#define GV_U 2\n#define GV_MINB 2\n"));
+        assert!(src.contains("#define GV_U 2\n#define GV_MINB 2\n#define GV_FORMATS 1\n"));
         assert!(src.contains(&format!("#define DEC_PART {DECODE_PARTITION}")));
         assert!(KernelShape { head_dim: 72, ..s }.validate().is_err());
         assert!(KernelShape { gqa: 0, ..s }.validate().is_err());

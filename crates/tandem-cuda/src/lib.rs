@@ -1,6 +1,6 @@
-//! The CUDA backend of tandem: a bf16 Llama-family model on one NVIDIA GPU behind the engine's
-//! [`tandem_engine::Backend`] seam, with a paged bf16 KV cache in the block layout the CPU backend and
-//! the KV transfer use.
+//! The CUDA backend of tandem: a Llama-family model (bf16, FP8 or GGUF block-quantized weights) on
+//! one NVIDIA GPU behind the engine's [`tandem_engine::Backend`] seam, with a paged bf16 KV cache in
+//! the block layout the CPU backend and the KV transfer use.
 //!
 //! GEMMs run on cuBLAS (bf16 inputs, fp32 accumulation); everything else is our own CUDA C in
 //! `kernels/llama.cu`, compiled at start-up by NVRTC for the device's compute capability. Nothing
@@ -15,6 +15,7 @@ pub mod kv_bulk;
 mod memory;
 pub mod model;
 pub mod options;
+pub mod packed;
 pub mod plan;
 pub mod stage;
 

@@ -75,6 +75,11 @@ pub struct CudaOptions {
     /// Run FP8 matrices in steps too large for the GEMVs as FP8 tensor-core GEMMs (cuBLASLt, VEC128
     /// scales on weights and activations; checked at load) instead of cuBLAS on bf16 tiles.
     pub fp8_gemm: bool,
+    /// Keep a GGUF file's block-quantized projections and output head in their packed GPU layouts
+    /// (`crate::packed`: codes and per-chunk scales, the values the CPU decodes), so decode streams
+    /// a quarter to half of bf16's bytes; false dequantizes them to bf16 at upload. `fp8_weights`
+    /// takes precedence. The embedding gather always reads a bf16 copy.
+    pub gguf_packed: bool,
 }
 
 /// The kernel settings at their defaults; the block size and KV budget are the engine's defaults
@@ -106,6 +111,7 @@ impl Default for CudaOptions {
             num_blocks: None,
             fp8_weights: false,
             fp8_gemm: false,
+            gguf_packed: true,
         }
     }
 }

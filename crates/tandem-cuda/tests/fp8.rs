@@ -16,12 +16,13 @@ use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
 use tandem_kernels::{Matrix, RopeScaling};
 use tandem_model::weights::fp8::{e4m3_to_f32, quantize_fp8_rows};
 use tandem_model::{
-    CpuLlama, DenseShape, ForwardBatch, GatedMlp, KvCache, LayerRope, LayerWeights, LlamaWeights,
-    LoadOptions, LogitsWanted, MlpWeights, ModelConfig,
+    CpuLlama, DenseShape, GatedMlp, KvCache, LayerRope, LayerWeights, LlamaWeights, LoadOptions,
+    MlpWeights, ModelConfig,
 };
 
-const BLOCK: usize = 16;
-const BLOCKS: usize = 8;
+mod common;
+
+use common::{compare, run, BLOCK, BLOCKS};
 
 /// The bf16 value nearest `x` (round to nearest even), as the upload rounds host weights.
 fn bf16_round(x: f32) -> f32 {
@@ -93,52 +94,6 @@ fn gpu_weights(w: &LlamaWeights, fp8: bool) -> LlamaWeights {
         }
     }
     w
-}
-
-/// Logits rows of one prompt's prefill (every row) then `steps` single-token decode steps.
-type Rows = Vec<Vec<f32>>;
-
-fn run(
-    mut step: impl FnMut(&ForwardBatch, &mut Vec<f32>),
-    vocab: usize,
-    prompt: &[u32],
-    steps: &[u32],
-) -> Rows {
-    let table: Vec<u32> = (0..BLOCKS as u32).collect();
-    let mut batch = ForwardBatch::default();
-    let mut logits = Vec::new();
-    batch.push(prompt, 0, table.clone(), LogitsWanted::All);
-    step(&batch, &mut logits);
-    let mut rows: Rows = logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
-    for (i, &t) in steps.iter().enumerate() {
-        batch.clear();
-        batch.push(&[t], prompt.len() + i, table.clone(), LogitsWanted::Last);
-        step(&batch, &mut logits);
-        rows.push(logits[..vocab].to_vec());
-    }
-    rows
-}
-
-/// ‖a − b‖ / ‖b‖ over rows `range`, and how many of those rows' argmaxes agree.
-fn compare(a: &Rows, b: &Rows, range: std::ops::Range<usize>) -> (f64, usize) {
-    let (mut num, mut den, mut same) = (0f64, 0f64, 0);
-    let argmax = |r: &[f32]| {
-        r.iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |m, (i, &v)| if v > m.1 { (i, v) } else { m },
-            )
-            .0
-    };
-    for i in range {
-        for (x, y) in a[i].iter().zip(&b[i]) {
-            num += f64::from(x - y).powi(2);
-            den += f64::from(*y).powi(2);
-        }
-        same += usize::from(argmax(&a[i]) == argmax(&b[i]));
-    }
-    ((num / den).sqrt(), same)
 }
 
 /// A small Llama whose widths are whole 128-value blocks (what the FP8 tensor-core GEMMs take), with
@@ -219,6 +174,7 @@ fn errors(c: &ModelConfig, weights: &LlamaWeights, gemm: bool) -> [(f64, f64); 2
                 |b, l| model.forward(b, &mut kv, l).expect("CPU step"),
                 vocab,
                 &prompt,
+                prompt.len(),
                 &steps,
             )
         };
@@ -249,6 +205,7 @@ fn errors(c: &ModelConfig, weights: &LlamaWeights, gemm: bool) -> [(f64, f64); 2
             |b, l| gpu.forward(b, l).expect("CUDA step"),
             vocab,
             &prompt,
+            prompt.len(),
             &steps,
         );
         let prefill = compare(&got, &reference, 0..n_prefill);

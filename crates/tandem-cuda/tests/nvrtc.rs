@@ -4,9 +4,12 @@
 //! keeps the PTX for reading.
 
 use tandem_cuda::kernels::{
-    compile, nvrtc_available, GemvTuning, KernelShape, GEMV_FAMILIES, GEMV_FP8_FAMILIES,
-    GEMV_MAX_ROWS, KERNEL_NAMES,
+    compile, nvrtc_available, GemvTuning, KernelShape, GEMV_FORMAT_FAMILIES, GEMV_MAX_ROWS,
+    KERNEL_NAMES,
 };
+
+/// Every weight format's GEMVs (see `KernelShape::formats`).
+const ALL_FORMATS: u8 = (1 << GEMV_FORMAT_FAMILIES.len()) - 1;
 
 /// Compiles the real source for sm_90 when NVRTC is installed (it needs no GPU); skipped otherwise.
 #[test]
@@ -25,17 +28,20 @@ fn compiles_for_hopper_when_nvrtc_is_present() {
             head_dim: 128,
             gqa: 4,
             block_size: 16,
+            formats: ALL_FORMATS,
         },
         KernelShape {
             head_dim: 64,
             gqa: 3,
             block_size: 16,
+            formats: ALL_FORMATS,
         },
         // Gemma 3 270M and 1B (4 query heads on 1 KV head of 256 dims).
         KernelShape {
             head_dim: 256,
             gqa: 4,
             block_size: 16,
+            formats: ALL_FORMATS,
         },
     ] {
         let ptx = compile(&shape, &GemvTuning::default(), 9, 0)
@@ -45,7 +51,7 @@ fn compiles_for_hopper_when_nvrtc_is_present() {
             assert!(text.contains(name), "{name} missing from the PTX");
         }
         for m in 1..=GEMV_MAX_ROWS {
-            for family in GEMV_FAMILIES.iter().chain(&GEMV_FP8_FAMILIES) {
+            for family in GEMV_FORMAT_FAMILIES.iter().flatten() {
                 assert!(
                     text.contains(&format!(".entry {family}{m}(")),
                     "{family}{m} missing from the PTX"

@@ -24,7 +24,10 @@ pub use matmul::{matmul, matmul_fused, MatmulScratch};
 pub use ops::{
     add_inplace, gelu_tanh_mul, rms_norm, scale_inplace, silu_mul, softcap_inplace, softmax_inplace,
 };
-pub use quant::{dequantize, quantize_row, DType, Matrix, WeightBytes};
+pub use quant::{
+    affine_codes, affine_codes_are_u4, affine_group, dequantize, quantize_row, DType, Matrix,
+    WeightBytes,
+};
 pub use rope::{apply_rope, RopeScaling, RopeStyle, RopeTable};
 pub use threads::{resolve_threads, ThreadPool};
 

@@ -405,6 +405,100 @@ pub fn dequantize(dtype: DType, src: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Elements sharing one (scale, min) pair in [`affine_codes`]: 32 for the 32-element formats and
+/// Q4_K's sub-blocks, 16 for Q6_K's; `None` for the float types, which have no codes.
+pub fn affine_group(dtype: DType) -> Option<usize> {
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => None,
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q8_0 | DType::Q4K => Some(32),
+        DType::Q6K => Some(16),
+    }
+}
+
+/// Whether every code [`affine_codes`] gives for `dtype` lies in 0..16 (a 4-bit unsigned code).
+pub fn affine_codes_are_u4(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q4K)
+}
+
+/// The blocks in `src` as integer codes and one (scale, min) pair per [`affine_group`] elements:
+/// element i is `scale * codes[i] as f32 + min` of its group, which equals what [`dequantize`] gives
+/// (as floats: a zero may differ in sign). Block formats are decoded once here so that a backend can
+/// lay the codes out its own way (the CUDA backend's GEMVs read them without the GGML block headers).
+pub fn affine_codes(dtype: DType, src: &[u8], codes: &mut [i8], params: &mut Vec<(f32, f32)>) {
+    let group = affine_group(dtype).expect("affine_codes takes a block-quantized dtype");
+    let bl = dtype.block_len();
+    assert_eq!(
+        codes.len() % bl,
+        0,
+        "affine_codes: output is not whole blocks"
+    );
+    assert_eq!(
+        src.len(),
+        codes.len() / bl * dtype.block_bytes(),
+        "affine_codes: source size mismatch"
+    );
+    params.reserve(codes.len() / group);
+    for (o, b) in codes
+        .chunks_exact_mut(bl)
+        .zip(src.chunks_exact(dtype.block_bytes()))
+    {
+        match dtype {
+            DType::Q4_0 | DType::Q4_1 => {
+                let at = if dtype == DType::Q4_0 { 2 } else { 4 };
+                for j in 0..16 {
+                    o[j] = (b[at + j] & 0xF) as i8;
+                    o[j + 16] = (b[at + j] >> 4) as i8;
+                }
+                let d = f16_at(b);
+                // (q - 8) * d is exact in f32 (an f16 times a 4-bit integer), and so is q * d - 8 * d.
+                let min = if dtype == DType::Q4_0 {
+                    -8.0 * d
+                } else {
+                    f16_at(&b[2..])
+                };
+                params.push((d, min));
+            }
+            DType::Q5_0 => {
+                for (j, v) in o.iter_mut().enumerate() {
+                    *v = (q5_0_value(b, j) - 16) as i8;
+                }
+                params.push((f16_at(b), 0.0));
+            }
+            DType::Q8_0 => {
+                for (j, v) in o.iter_mut().enumerate() {
+                    *v = b[2 + j] as i8;
+                }
+                params.push((f16_at(b), 0.0));
+            }
+            DType::Q4K => {
+                let (d, dmin) = (f16_at(b), f16_at(&b[2..]));
+                let (scales, qs) = (&b[4..16], &b[16..144]);
+                for c in 0..4 {
+                    for half in 0..2 {
+                        let (sc, m) = scale_min_k4(2 * c + half, scales);
+                        params.push((d * sc as f32, -(dmin * m as f32)));
+                        for l in 0..32 {
+                            let q = qs[32 * c + l];
+                            o[64 * c + 32 * half + l] =
+                                if half == 0 { q & 0xF } else { q >> 4 } as i8;
+                        }
+                    }
+                }
+            }
+            DType::Q6K => {
+                let d = f16_at(&b[208..]);
+                for g in 0..16 {
+                    params.push((d * b[192 + g] as i8 as f32, 0.0));
+                }
+                for (i, v) in o.iter_mut().enumerate() {
+                    *v = (q6k_value(b, i) - 32) as i8;
+                }
+            }
+            DType::F32 | DType::F16 | DType::BF16 => unreachable!("no codes"),
+        }
+    }
+}
+
 /// Unpacks the 6-bit scale and min of sub-block `j` (0..8) of a Q4_K block (llama.cpp's `get_scale_min_k4`).
 #[inline(always)]
 pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
@@ -643,6 +737,31 @@ mod tests {
     pub(crate) fn random_vec(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    /// Codes and (scale, min) pairs rebuild every element of every block format as the reference
+    /// decoder gives it, and 4-bit formats' codes stay in 0..16.
+    #[test]
+    fn affine_codes_rebuild_the_reference_decoder() {
+        for dtype in ALL.into_iter().filter(|d| d.is_quantized()) {
+            let group = affine_group(dtype).unwrap();
+            let x = random_vec(512, 7);
+            let mut bytes = Vec::new();
+            quantize_row(dtype, &x, &mut bytes);
+            let mut want = vec![0f32; x.len()];
+            dequantize(dtype, &bytes, &mut want);
+            let mut codes = vec![0i8; x.len()];
+            let mut params = Vec::new();
+            affine_codes(dtype, &bytes, &mut codes, &mut params);
+            assert_eq!(params.len(), x.len() / group, "{dtype:?}");
+            for (i, (&c, &w)) in codes.iter().zip(&want).enumerate() {
+                let (scale, min) = params[i / group];
+                assert_eq!(scale * c as f32 + min, w, "{dtype:?} element {i}");
+                if affine_codes_are_u4(dtype) {
+                    assert!((0..16).contains(&c), "{dtype:?} code {c}");
+                }
+            }
+        }
     }
 
     /// The AVX2 repacked Q4_1 layout holds every quant and scale of the GGML rows where its kernel reads

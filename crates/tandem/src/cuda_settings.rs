@@ -42,19 +42,24 @@ impl std::fmt::Display for CudaAttention {
     }
 }
 
-/// How the CUDA backend stores the layers' projection weights beyond what the checkpoint holds.
+/// How the CUDA backend stores the layers' projection weights instead of the checkpoint's own format
+/// (unset: as stored — bf16, an FP8 checkpoint's FP8, a GGUF file's block formats packed for the GPU).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize, ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Quantization {
     /// FP8 E4M3 with one scale per row and 128 columns, quantized at load: half the bytes per decode
     /// step.
     Fp8,
+    /// bf16: FP8 and GGUF block-quantized weights dequantized at load (twice to four times the bytes
+    /// per decode step; the reference the other formats are compared with).
+    Bf16,
 }
 
 impl std::fmt::Display for Quantization {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Quantization::Fp8 => "fp8",
+            Quantization::Bf16 => "bf16",
         })
     }
 }
@@ -100,7 +105,8 @@ pub struct CudaSettings {
     #[arg(id = "cuda_gemv_max_rows", long = "cuda-gemv-max-rows", value_parser = parse_gemv_max_rows)]
     #[serde(default, deserialize_with = "gemv_max_rows")]
     pub gemv_max_rows: Option<usize>,
-    /// Quantize a bf16 checkpoint's projection weights at load: fp8 (FP8 checkpoints are FP8 already).
+    /// Hold the projection weights as fp8 (quantized at load) or bf16 (FP8 and GGUF weights dequantized
+    /// at load) instead of the checkpoint's own format.
     #[arg(id = "cuda_quantization", long = "quantization", value_enum)]
     pub quantization: Option<Quantization>,
     /// The A/B tuning knobs (hidden flags only).
@@ -254,7 +260,12 @@ impl CudaSettings {
             decode_graph_blocks_per_sm: t
                 .decode_graph_blocks
                 .unwrap_or(base.decode_graph_blocks_per_sm),
-            fp8_weights: base.fp8_weights || self.quantization == Some(Quantization::Fp8),
+            fp8_weights: match self.quantization {
+                Some(Quantization::Fp8) => true,
+                Some(Quantization::Bf16) => false,
+                None => base.fp8_weights,
+            },
+            gguf_packed: base.gguf_packed && self.quantization.is_none(),
             fp8_gemm: t.fp8_gemm.unwrap_or(base.fp8_gemm),
             ..base
         }
@@ -393,7 +404,27 @@ mod tests {
         {
             let base = tandem_cuda::CudaOptions::default();
             assert!(!CudaSettings::default().options(base.clone()).fp8_weights);
+            assert!(CudaSettings::default().options(base.clone()).gguf_packed);
             assert!(cli.options(base).fp8_weights);
+        }
+    }
+
+    /// `bf16` holds every format as bf16: an FP8 checkpoint dequantized, GGUF blocks not packed.
+    #[test]
+    fn bf16_quantization_turns_the_stored_formats_off() {
+        let file = FileConfig::from_yaml("cuda: {quantization: bf16}\n").unwrap();
+        assert_eq!(file.cuda.quantization, Some(Quantization::Bf16));
+        let cli = flags(&["--quantization", "bf16"]).unwrap();
+        assert_eq!(cli.quantization, Some(Quantization::Bf16));
+        #[cfg(feature = "cuda")]
+        {
+            let fp8_checkpoint = tandem_cuda::CudaOptions {
+                fp8_weights: true,
+                ..tandem_cuda::CudaOptions::default()
+            };
+            let o = cli.options(fp8_checkpoint);
+            assert!(!o.fp8_weights);
+            assert!(!o.gguf_packed);
         }
     }
 

@@ -200,9 +200,8 @@ fn cuda_stage(
     cuda_device: usize,
     limits: StepLimits,
 ) -> Result<Box<dyn StageModel>> {
-    let mut opts = cuda_options(cuda, limits);
+    let mut opts = cuda_options(cuda, limits, &loaded);
     opts.device = cuda_device;
-    opts.fp8_weights |= loaded.fp8_checkpoint;
     Ok(Box::new(tandem_cuda::CudaStage::new(
         loaded.config,
         loaded.weights,
@@ -224,11 +223,19 @@ fn cuda_stage(
 
 /// The CUDA options of `cuda` over buffers sized for `limits`.
 #[cfg(feature = "cuda")]
-fn cuda_options(cuda: &CudaSettings, limits: StepLimits) -> tandem_cuda::CudaOptions {
+fn cuda_options(
+    cuda: &CudaSettings,
+    limits: StepLimits,
+    loaded: &LoadedModel,
+) -> tandem_cuda::CudaOptions {
     cuda.options(tandem_cuda::CudaOptions {
         max_tokens: limits.max_tokens,
         max_seqs: limits.max_seqs,
         max_model_len: limits.max_model_len,
+        // An FP8 checkpoint stays FP8 on the GPU (its dequantized weights are quantized again, one
+        // scale per row and 128 columns: each row of its 128 × 128 blocks gets its own) unless the
+        // settings ask for bf16.
+        fp8_weights: loaded.fp8_checkpoint,
         ..tandem_cuda::CudaOptions::default()
     })
 }
@@ -263,12 +270,9 @@ fn start_cuda(
 ) -> Result<EngineHandle> {
     use tandem_cuda::{CudaBackend, CudaLlama, WeightSource};
     let limits = step_limits(config, loaded.config.max_position_embeddings);
-    let mut opts = cuda_options(cuda, limits);
+    let mut opts = cuda_options(cuda, limits, &loaded);
     opts.block_size = config.block_size;
     opts.kv_cache_memory = config.kv_cache_memory;
-    // An FP8 checkpoint stays FP8 on the GPU (its dequantized weights are quantized again, one scale
-    // per row and 128 columns: each row of its 128 × 128 blocks gets its own).
-    opts.fp8_weights |= loaded.fp8_checkpoint;
     let model = CudaLlama::new(
         loaded.config.clone(),
         WeightSource::Host(&loaded.weights),

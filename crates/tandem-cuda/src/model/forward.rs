@@ -7,7 +7,7 @@ use tandem_model::ForwardBatch;
 
 use super::gemv::{fused_smem_bytes, GemvFamily, GEMV_WARPS};
 use super::launch::{KernelArg, SeqAttnArgs};
-use super::{fp8_gemm, CudaLlama, FfnBufs, Weight};
+use super::{fp8_gemm, CudaLlama, FfnBufs, WFormat, Weight};
 use crate::error::CudaError;
 use crate::kernels::{self, DECODE_PARTITION_SMALL};
 use crate::memory::{BF16, STAGING_CHUNK};
@@ -31,22 +31,51 @@ impl CudaLlama {
         f32_out: bool,
     ) -> Result<(), CudaError> {
         if self.gemv_rows(t) && k.is_multiple_of(8) {
-            self.enqueue_gemv(x, (w, 0, 0, false), y, t, n, k, f32_out)?;
+            self.enqueue_gemv(x, (w, 0, 0, WFormat::Bf16), y, t, n, k, f32_out)?;
             return Ok(());
         }
         self.blas_gemm(x, w, y, t, n, k, f32_out)
     }
 
-    /// y[t × n] = x[t × k] · wᵀ for a layer's projection `w` (bf16 or FP8) into bf16 y: a GEMV over
-    /// the stored format for few rows, else cuBLAS (over a bf16 copy of an FP8 matrix, made on the
-    /// stream just before).
+    /// y[t × n] = x[t × k] · wᵀ for a layer's projection `w` into bf16 y: see [`Self::project_into`].
     pub(super) fn project(&self, x: u64, w: &Weight, y: u64, t: usize) -> Result<(), CudaError> {
+        self.project_into(x, w, y, t, false)
+    }
+
+    /// y[t × n] = x[t × k] · wᵀ for a projection `w` in any format (bf16, fp32 with `f32_out`): a
+    /// GEMV over the stored format for few rows, else cuBLAS (over a bf16 copy of an FP8 or packed
+    /// matrix, made on the stream just before) or the FP8 tensor-core GEMMs.
+    pub(super) fn project_into(
+        &self,
+        x: u64,
+        w: &Weight,
+        y: u64,
+        t: usize,
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
         let (n, k) = (w.rows, w.cols);
         if self.gemv_rows(t) {
-            return self.enqueue_gemv(x, gemv_weight(w), y, t, n, k, false);
+            return self.enqueue_gemv(x, gemv_weight(w), y, t, n, k, f32_out);
         }
-        if !w.fp8() {
-            return self.blas_gemm(x, w.buf.ptr, y, t, n, k, false);
+        let dequant = match w.format {
+            WFormat::Bf16 => return self.blas_gemm(x, w.buf.ptr, y, t, n, k, f32_out),
+            WFormat::Q4 => Some(&self.funcs.dequant_q4),
+            WFormat::Q8 => Some(&self.funcs.dequant_q8),
+            WFormat::Fp8 => None,
+        };
+        if let Some(func) = dequant {
+            let chunks = n * k / if w.format == WFormat::Q4 { 32 } else { 16 };
+            launch!(
+                self.stream,
+                func,
+                (chunks.div_ceil(256).min(65535) as u32, 1, 1),
+                (256, 1, 1),
+                w.buf.ptr,
+                w.scale_ptr(),
+                self.acts.wtile.ptr,
+                chunks as u64
+            );
+            return self.blas_gemm(x, self.acts.wtile.ptr, y, t, n, k, f32_out);
         }
         if let Some(g) = self
             .fp8_gemm
@@ -91,15 +120,15 @@ impl CudaLlama {
             n as i32,
             k as i32
         );
-        self.blas_gemm(x, self.acts.wtile.ptr, y, t, n, k, false)
+        self.blas_gemm(x, self.acts.wtile.ptr, y, t, n, k, f32_out)
     }
 
-    /// The plain GEMV y[t × n] = x · wᵀ over `w` = (pointer, scales, scale blocks per row, FP8).
+    /// The plain GEMV y[t × n] = x · wᵀ over `w` = (pointer, scales, scale values per row, format).
     #[allow(clippy::too_many_arguments)]
     fn enqueue_gemv(
         &self,
         x: u64,
-        w: (u64, u64, i32, bool),
+        w: (u64, u64, i32, WFormat),
         y: u64,
         t: usize,
         n: usize,
@@ -247,10 +276,10 @@ impl CudaLlama {
                 // RMSNorm + QKV + bias + RoPE + K/V write; the residual is complete in x.
                 let w = &lw.wqkv;
                 let (grid, ks, groups) =
-                    self.gemv_shape(GemvFamily::Qkv, w.fp8(), t, (q + 2 * kv) / 2, h);
+                    self.gemv_shape(GemvFamily::Qkv, w.format, t, (q + 2 * kv) / 2, h);
                 launch_pdl!(
                     self,
-                    self.funcs.gemv_family(GemvFamily::Qkv as usize, w.fp8())[t - 1],
+                    self.funcs.gemv_family(GemvFamily::Qkv as usize, w.format)[t - 1],
                     (grid, 1, 1),
                     block,
                     smem,
@@ -412,11 +441,11 @@ impl CudaLlama {
                 // Output projection added into the residual; RMSNorm + gate/up + SiLU·mul; down
                 // projection added into the residual.
                 self.enqueue_gemv_add(t, a.attn.ptr, &lw.wo, a.x.ptr)?;
-                let (grid, ks, groups) = self.gemv_shape(GemvFamily::Silu, gate_up.fp8(), t, f, h);
+                let (grid, ks, groups) = self.gemv_shape(GemvFamily::Silu, gate_up.format, t, f, h);
                 launch_pdl!(
                     self,
                     self.funcs
-                        .gemv_family(GemvFamily::Silu as usize, gate_up.fp8())[t - 1],
+                        .gemv_family(GemvFamily::Silu as usize, gate_up.format)[t - 1],
                     (grid, 1, 1),
                     block,
                     smem,
@@ -455,10 +484,10 @@ impl CudaLlama {
         res: u64,
     ) -> Result<(), CudaError> {
         let (n, k) = (w.rows, w.cols);
-        let (grid, ks, groups) = self.gemv_shape(GemvFamily::Add, w.fp8(), t, n.div_ceil(2), k);
+        let (grid, ks, groups) = self.gemv_shape(GemvFamily::Add, w.format, t, n.div_ceil(2), k);
         launch_pdl!(
             self,
-            self.funcs.gemv_family(GemvFamily::Add as usize, w.fp8())[t - 1],
+            self.funcs.gemv_family(GemvFamily::Add as usize, w.format)[t - 1],
             (grid, 1, 1),
             (32 * GEMV_WARPS as u32, 1, 1),
             0,
@@ -533,18 +562,23 @@ impl CudaLlama {
             );
             a.head_in.ptr
         };
-        let head = self
-            .lm_head
-            .as_ref()
-            .or(self.embed.as_ref())
-            .filter(|_| self.is_last())
-            .ok_or_else(|| {
-                CudaError::Batch(format!(
+        match (&self.lm_head, &self.embed) {
+            _ if !self.is_last() => {
+                return Err(CudaError::Batch(format!(
                     "layers {:?} end before the output head",
                     self.layers()
+                )))
+            }
+            (Some(head), _) => self.project_into(head_in, head, a.logits.ptr, n, true)?,
+            (None, Some(embed)) => {
+                self.gemm(head_in, embed.ptr, a.logits.ptr, n, c.vocab_size, h, true)?
+            }
+            (None, None) => {
+                return Err(CudaError::Batch(
+                    "the last layers hold no output head".into(),
                 ))
-            })?;
-        self.gemm(head_in, head.ptr, a.logits.ptr, n, c.vocab_size, h, true)?;
+            }
+        }
         if let Some(cap) = c.final_logit_softcap {
             let len = n * c.vocab_size;
             launch_pdl!(
@@ -647,7 +681,7 @@ impl CudaLlama {
     }
 }
 
-/// A projection's GEMV operands: pointer, scales, scale blocks per row, FP8.
-fn gemv_weight(w: &Weight) -> (u64, u64, i32, bool) {
-    (w.buf.ptr, w.scale_ptr(), w.kb(), w.fp8())
+/// A projection's GEMV operands: pointer, scales, scale values per row, format.
+fn gemv_weight(w: &Weight) -> (u64, u64, i32, WFormat) {
+    (w.buf.ptr, w.scale_ptr(), w.kb(), w.format)
 }

@@ -2,43 +2,43 @@
 //! steps run them.
 
 use super::launch::Funcs;
-use super::CudaLlama;
+use super::{CudaLlama, WFormat};
 use crate::error::CudaError;
 use crate::kernels;
 use crate::memory::BF16;
 
 impl Funcs {
     /// Blocks of each GEMV kernel one GPU runs at once (multiprocessors × blocks per
-    /// multiprocessor at the kernel's registers and shared memory): `[family + 4 · fp8][rows - 1]`.
-    pub(super) fn gemv_caps(
-        &self,
-        sms: u32,
-        hidden: usize,
-    ) -> Result<[[u32; kernels::GEMV_MAX_ROWS]; 8], CudaError> {
-        let mut caps = [[1u32; kernels::GEMV_MAX_ROWS]; 8];
-        for (slot, caps) in caps.iter_mut().enumerate() {
-            let fam = slot % 4;
-            for (i, f) in self.gemv_family(fam, slot >= 4).iter().enumerate() {
-                let smem = if fam >= 2 {
-                    fused_smem_bytes(i + 1, hidden)
-                } else {
-                    0
-                };
-                let per_sm = if smem <= FUSED_SMEM_MAX {
-                    f.occupancy_max_active_blocks_per_multiprocessor(
-                        32 * GEMV_WARPS as u32,
-                        smem,
-                        None,
-                    )?
-                } else {
-                    1
-                };
-                caps[i] = (sms * per_sm).max(1);
+    /// multiprocessor at the kernel's registers and shared memory): `[format][family][rows - 1]`.
+    pub(super) fn gemv_caps(&self, sms: u32, hidden: usize) -> Result<GemvCaps, CudaError> {
+        let mut caps = [[[1u32; kernels::GEMV_MAX_ROWS]; 4]; 4];
+        for (format, families) in self.gemv.iter().enumerate() {
+            for (fam, funcs) in families.iter().enumerate() {
+                for (i, f) in funcs.iter().enumerate() {
+                    let smem = if fam >= 2 {
+                        fused_smem_bytes(i + 1, hidden)
+                    } else {
+                        0
+                    };
+                    let per_sm = if smem <= FUSED_SMEM_MAX {
+                        f.occupancy_max_active_blocks_per_multiprocessor(
+                            32 * GEMV_WARPS as u32,
+                            smem,
+                            None,
+                        )?
+                    } else {
+                        1
+                    };
+                    caps[format][fam][i] = (sms * per_sm).max(1);
+                }
             }
         }
         Ok(caps)
     }
 }
+
+/// Blocks each GEMV kernel runs at once on the device, `[format][family][rows - 1]`.
+pub(super) type GemvCaps = [[[u32; kernels::GEMV_MAX_ROWS]; 4]; 4];
 
 /// Dynamic shared memory of a fused-norm GEMV over `m` rows of `hidden` bf16 values.
 pub(super) fn fused_smem_bytes(m: usize, hidden: usize) -> usize {
@@ -89,7 +89,7 @@ impl CudaLlama {
     pub(super) fn gemv_shape(
         &self,
         family: GemvFamily,
-        fp8: bool,
+        format: WFormat,
         t: usize,
         pairs: usize,
         k: usize,
@@ -97,7 +97,7 @@ impl CudaLlama {
         let ks = gemv_split(pairs, k, self.opts.gemv_target_warps);
         let groups = gemv_blocks(pairs * ks);
         let grid = if self.opts.gemv_persistent {
-            groups.min(self.gemv_caps[family as usize + 4 * usize::from(fp8)][t - 1])
+            groups.min(self.gemv_caps[format as usize][family as usize][t - 1])
         } else {
             groups
         };

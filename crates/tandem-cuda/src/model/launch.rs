@@ -6,7 +6,7 @@ use cudarc::driver::sys as drv;
 use cudarc::driver::{CudaFunction, CudaModule};
 
 use super::gemv::{fused_smem_bytes, FUSED_SMEM_MAX};
-use super::CudaLlama;
+use super::{CudaLlama, WFormat};
 use crate::error::CudaError;
 use crate::kernels;
 
@@ -37,31 +37,39 @@ pub(super) struct Funcs {
     pub(super) moe_combine: CudaFunction,
     pub(super) moe_gemv_silu: CudaFunction,
     pub(super) moe_gemv_down: CudaFunction,
-    /// `gemv[m - 1]` computes m rows.
-    pub(super) gemv: Vec<CudaFunction>,
-    /// GEMV adding into the residual stream (`gemv_add_m`).
-    pub(super) gemv_add: Vec<CudaFunction>,
-    /// RMSNorm + gate/up GEMV + SiLU·mul (`gemv_silu_m`).
-    pub(super) gemv_silu: Vec<CudaFunction>,
-    /// RMSNorm + QKV GEMV + bias + RoPE + K/V write (`gemv_qkv_m`).
-    pub(super) gemv_qkv: Vec<CudaFunction>,
-    /// The four GEMV families over FP8 weights (`gemv_f8_m`, ...), in `GemvFamily` order.
-    pub(super) gemv_f8: [Vec<CudaFunction>; 4],
+    /// The GEMV kernels, `[format][family][m - 1]` computing m rows: formats in `WFormat` order,
+    /// families in `GemvFamily` order (plain, residual add, RMSNorm + gate/up + SiLU·mul, RMSNorm +
+    /// QKV + bias + RoPE + K/V write).
+    pub(super) gemv: [[Vec<CudaFunction>; 4]; 4],
     /// bf16 → FP8 block quantization at load, and FP8 → bf16 for the cuBLAS steps.
     pub(super) quant_fp8: CudaFunction,
     pub(super) dequant_fp8: CudaFunction,
     /// Activations to E4M3 per token and 128-value group, for the FP8 tensor-core GEMMs.
     pub(super) quant_act_fp8: CudaFunction,
+    /// Packed GGUF matrices (4- and 8-bit codes) → bf16 for the cuBLAS steps.
+    pub(super) dequant_q4: CudaFunction,
+    pub(super) dequant_q8: CudaFunction,
 }
 
 impl Funcs {
-    pub(super) fn load(module: &Arc<CudaModule>) -> Result<Funcs, CudaError> {
+    /// The module's kernels; the GEMVs of formats outside `formats` (`KernelShape::formats`) were
+    /// not compiled and stay empty.
+    pub(super) fn load(module: &Arc<CudaModule>, formats: u8) -> Result<Funcs, CudaError> {
         let f = |n: &str| module.load_function(n);
         let gemv_family = |prefix: &str| {
             (1..=kernels::GEMV_MAX_ROWS)
                 .map(|m| f(&format!("{prefix}{m}")))
                 .collect::<Result<Vec<_>, _>>()
         };
+        let mut gemv: [[Vec<CudaFunction>; 4]; 4] = Default::default();
+        for (format, families) in kernels::GEMV_FORMAT_FAMILIES.iter().enumerate() {
+            if (formats | 1) & (1 << format) == 0 {
+                continue;
+            }
+            for (family, prefix) in families.iter().enumerate() {
+                gemv[format][family] = gemv_family(prefix)?;
+            }
+        }
         Ok(Funcs {
             init_uniform: f("init_uniform")?,
             fill_bf16: f("fill_bf16")?,
@@ -86,31 +94,18 @@ impl Funcs {
             moe_combine: f("moe_combine")?,
             moe_gemv_silu: f("moe_gemv_silu")?,
             moe_gemv_down: f("moe_gemv_down")?,
-            gemv: gemv_family(kernels::GEMV_FAMILIES[0])?,
-            gemv_add: gemv_family(kernels::GEMV_FAMILIES[1])?,
-            gemv_silu: gemv_family(kernels::GEMV_FAMILIES[2])?,
-            gemv_qkv: gemv_family(kernels::GEMV_FAMILIES[3])?,
-            gemv_f8: [
-                gemv_family(kernels::GEMV_FP8_FAMILIES[0])?,
-                gemv_family(kernels::GEMV_FP8_FAMILIES[1])?,
-                gemv_family(kernels::GEMV_FP8_FAMILIES[2])?,
-                gemv_family(kernels::GEMV_FP8_FAMILIES[3])?,
-            ],
+            gemv,
             quant_fp8: f("quant_fp8")?,
             dequant_fp8: f("dequant_fp8")?,
             quant_act_fp8: f("quant_act_fp8")?,
+            dequant_q4: f("dequant_q4")?,
+            dequant_q8: f("dequant_q8")?,
         })
     }
 
-    /// The kernels of GEMV `family` over bf16 or FP8 weights, `[rows - 1]`.
-    pub(super) fn gemv_family(&self, family: usize, fp8: bool) -> &[CudaFunction] {
-        match (fp8, family) {
-            (true, f) => &self.gemv_f8[f],
-            (false, 0) => &self.gemv,
-            (false, 1) => &self.gemv_add,
-            (false, 2) => &self.gemv_silu,
-            _ => &self.gemv_qkv,
-        }
+    /// The kernels of GEMV `family` over weights in `format`, `[rows - 1]`.
+    pub(super) fn gemv_family(&self, family: usize, format: WFormat) -> &[CudaFunction] {
+        &self.gemv[format as usize][family]
     }
 
     /// Lets the fused-norm GEMVs of m rows take m × `hidden` bf16 values of dynamic shared memory
@@ -119,12 +114,8 @@ impl Funcs {
         for i in 0..kernels::GEMV_MAX_ROWS {
             let bytes = fused_smem_bytes(i + 1, hidden);
             if bytes <= FUSED_SMEM_MAX {
-                for func in [
-                    &self.gemv_silu[i],
-                    &self.gemv_qkv[i],
-                    &self.gemv_f8[2][i],
-                    &self.gemv_f8[3][i],
-                ] {
+                let fused = self.gemv.iter().flat_map(|f| [f[2].get(i), f[3].get(i)]);
+                for func in fused.flatten() {
                     func.set_attribute(
                         drv::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         bytes as i32,

@@ -53,12 +53,29 @@ pub enum WeightSource<'a> {
     },
 }
 
-/// A projection matrix on the device: bf16 rows, or FP8 E4M3 codes with one fp32 scale per row and
-/// 128 columns (`CudaOptions::fp8_weights`): decode's GEMVs read the codes, larger steps take a bf16
-/// copy or the FP8 tensor-core GEMMs.
+/// How a projection matrix is held on the device; the GEMV kernels have a family for each (the order
+/// of `kernels::GEMV_FORMAT_FAMILIES`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WFormat {
+    /// bf16 rows.
+    Bf16 = 0,
+    /// FP8 E4M3 codes with one fp32 scale per row and 128 columns.
+    Fp8 = 1,
+    /// GGUF weights packed with 4-bit codes (`crate::packed`).
+    Q4 = 2,
+    /// GGUF weights packed with 8-bit codes (`crate::packed`).
+    Q8 = 3,
+}
+
+/// A projection matrix on the device: bf16 rows, FP8 E4M3 codes with one fp32 scale per row and
+/// 128 columns (`CudaOptions::fp8_weights`), or a GGUF matrix's packed codes with one (scale, min)
+/// pair per 16-byte chunk (`CudaOptions::gguf_packed`): decode's GEMVs read the stored format,
+/// larger steps take a bf16 copy or the FP8 tensor-core GEMMs.
 struct Weight {
     buf: DeviceBuf,
-    /// The FP8 scales, `rows` × `cols.div_ceil(128)`, row by row (`None`: bf16).
+    format: WFormat,
+    /// The FP8 scales, `rows` × `cols.div_ceil(128)`, or the packed formats' (scale, min) pairs,
+    /// row by row (`None`: bf16).
     scales: Option<DeviceBuf>,
     /// The same scales group by group (the rows of one 128-column group next to each other): the
     /// outer-dimension-major order of cuBLASLt's VEC128 scales, made when the FP8 GEMMs run.
@@ -78,14 +95,25 @@ impl Weight {
         self.lt_scales.as_ref().map_or(self.scale_ptr(), |s| s.ptr)
     }
 
-    /// Scale groups along a row (the kernels' `kb`).
-    fn kb(&self) -> i32 {
-        self.cols.div_ceil(FP8_BLOCK) as i32
+    /// A bf16 matrix.
+    fn bf16(buf: DeviceBuf, rows: usize, cols: usize) -> Weight {
+        Weight {
+            buf,
+            format: WFormat::Bf16,
+            scales: None,
+            lt_scales: None,
+            rows,
+            cols,
+        }
     }
 
-    /// Whether the matrix holds FP8 codes.
-    fn fp8(&self) -> bool {
-        self.scales.is_some()
+    /// f32 scale values a row (the kernels' `kb`): FP8 scale groups, or twice the packed chunks.
+    fn kb(&self) -> i32 {
+        (match self.format {
+            WFormat::Q4 => crate::packed::PackedFormat::Q4.row_params(self.cols),
+            WFormat::Q8 => crate::packed::PackedFormat::Q8.row_params(self.cols),
+            WFormat::Bf16 | WFormat::Fp8 => self.cols.div_ceil(FP8_BLOCK),
+        }) as i32
     }
 
     /// Bytes a step that streams the matrix once reads (codes or bf16, and the scales).
@@ -105,7 +133,7 @@ impl Weight {
         ctx: &Arc<CudaContext>,
         stream: &Arc<CudaStream>,
     ) -> Result<(), CudaError> {
-        let Some(sc) = &self.scales else {
+        let (Some(sc), WFormat::Fp8) = (&self.scales, self.format) else {
             return Ok(());
         };
         let (rows, kb) = (self.rows, self.cols.div_ceil(FP8_BLOCK));
@@ -126,6 +154,15 @@ impl Weight {
 }
 
 impl LayerBufs {
+    /// The layer's projection matrices (the dense ones: MoE experts are bf16).
+    fn weights(&self) -> Vec<&Weight> {
+        let mut v = vec![&self.wqkv, &self.wo];
+        if let FfnBufs::Dense { gate_up, down } = &self.ffn {
+            v.extend([gate_up, down]);
+        }
+        v
+    }
+
     /// Calls `f` on each of the layer's projection matrices (the dense ones: MoE experts are bf16).
     fn for_each_weight(
         &mut self,
@@ -191,8 +228,8 @@ struct Acts {
     meta: DeviceBuf,
     /// Routing and grouped-expert buffers (mixture-of-experts models only).
     moe: Option<moe::MoeActs>,
-    /// bf16 copy of one FP8 matrix for the cuBLAS steps (the largest FP8 matrix's size; empty
-    /// without FP8 weights).
+    /// bf16 copy of one FP8 or packed GGUF matrix for the cuBLAS steps (the largest such matrix's
+    /// size; empty when every matrix is bf16).
     wtile: DeviceBuf,
     /// A step's activations as E4M3 codes and their per-token group scales (FP8 GEMMs only).
     aq: DeviceBuf,
@@ -218,7 +255,8 @@ pub struct CudaLlama {
     first_layer: usize,
     layers: Vec<LayerBufs>,
     norm: DeviceBuf,
-    lm_head: Option<DeviceBuf>,
+    /// The output head (only with the last layer; `None` there: the bf16 embedding is the tied head).
+    lm_head: Option<Weight>,
     /// Cos and sin tables of each distinct rope of the model (Gemma 3: local and global layers).
     ropes: Vec<(DeviceBuf, DeviceBuf)>,
     /// Index into `ropes` of each of this instance's layers.
@@ -251,7 +289,7 @@ pub struct CudaLlama {
     device_name: String,
     /// Blocks of each GEMV kernel (`[family][rows - 1]`) the GPU holds at once: the grid of a
     /// persistent launch.
-    gemv_caps: [[u32; kernels::GEMV_MAX_ROWS]; 8],
+    gemv_caps: gemv::GemvCaps,
     /// Multiprocessors of the device (sizes the looping decode-attention grid of captured graphs).
     sms: usize,
     /// Host time of the last `forward_greedy` from its start until the body's kernels were queued
@@ -280,19 +318,14 @@ fn widths(c: &ModelConfig) -> (usize, usize, usize, usize, usize) {
     )
 }
 
-/// Elements of the largest FP8 matrix among `layers` (0 when every matrix is bf16): the size of the
-/// bf16 tile the cuBLAS steps dequantize into.
-fn largest_fp8(layers: &[LayerBufs]) -> usize {
+/// Elements of the largest matrix among `layers` and the head that is not bf16 (0 when every matrix
+/// is): the size of the bf16 tile the cuBLAS steps dequantize into.
+fn largest_tile(layers: &[LayerBufs], head: Option<&Weight>) -> usize {
     layers
         .iter()
-        .flat_map(|l| {
-            let ffn: Vec<&Weight> = match &l.ffn {
-                FfnBufs::Dense { gate_up, down } => vec![gate_up, down],
-                FfnBufs::Moe(_) => vec![],
-            };
-            [&l.wqkv, &l.wo].into_iter().chain(ffn)
-        })
-        .filter(|w| w.fp8())
+        .flat_map(LayerBufs::weights)
+        .chain(head)
+        .filter(|w| w.format != WFormat::Bf16)
         .map(|w| w.rows * w.cols)
         .max()
         .unwrap_or(0)
@@ -317,6 +350,29 @@ fn check_structure(c: &ModelConfig) -> Result<(), CudaError> {
         ))),
         None => Ok(()),
     }
+}
+
+/// The weight formats (`KernelShape::formats` bits, `WFormat` order) the upload can produce: FP8
+/// when asked for; the packed GGUF formats when kept packed and the host weights hold a
+/// block-quantized matrix (both, as mixed GGUF files use 4- and 8-bit codes).
+fn weight_formats(weights: &WeightSource<'_>, opts: &CudaOptions) -> u8 {
+    let mut formats = 1 << WFormat::Bf16 as u8;
+    if opts.fp8_weights {
+        formats |= 1 << WFormat::Fp8 as u8;
+    } else if opts.gguf_packed {
+        if let WeightSource::Host(w) = weights {
+            let quantized = |m: &tandem_kernels::Matrix| crate::packed::format_of(&[m]).is_some();
+            if quantized(&w.embed)
+                || w.lm_head.as_ref().is_some_and(quantized)
+                || w.layers
+                    .iter()
+                    .any(|l| quantized(&l.wq) || quantized(&l.wo))
+            {
+                formats |= (1 << WFormat::Q4 as u8) | (1 << WFormat::Q8 as u8);
+            }
+        }
+    }
+    formats
 }
 
 /// Whether a CUDA driver can be loaded on this machine (tests and `--device cuda` check this first).
@@ -388,6 +444,7 @@ impl CudaLlama {
             head_dim: config.head_dim,
             gqa: config.num_heads / config.num_kv_heads,
             block_size: opts.block_size,
+            formats: weight_formats(&weights, &opts),
         };
         shape.validate()?;
         if !shape.tensor_core_prefill() && opts.attn == AttnMode::Fast {
@@ -413,7 +470,7 @@ impl CudaLlama {
             opts.kernel_cache_dir.as_deref(),
         )?;
         let module = ctx.load_module(ptx)?;
-        let funcs = Funcs::load(&module)?;
+        let funcs = Funcs::load(&module, shape.formats)?;
         funcs.allow_norm_smem(config.hidden_size)?;
         let sms = ctx
             .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
@@ -442,6 +499,7 @@ impl CudaLlama {
             funcs: &funcs,
             seed: 0,
             fp8: opts.fp8_weights,
+            packed: opts.gguf_packed && !opts.fp8_weights,
         };
         let range = opts.layers.clone().unwrap_or(0..c.num_layers);
         if range.is_empty() || range.end > c.num_layers {
@@ -530,7 +588,7 @@ impl CudaLlama {
             dec_done: bufsz(max_seqs.max(GRAPH_SIZES[0]) * c.num_kv_heads, 4)?,
             meta: bufsz(meta_layout.total(), 4)?,
             moe: moe::MoeActs::new(&ctx, c, range.len(), max_tokens)?,
-            wtile: bufsz(largest_fp8(&layers), BF16)?,
+            wtile: bufsz(largest_tile(&layers, lm_head.as_ref()), BF16)?,
             aq: bufsz(
                 if fp8_gemm.is_some() {
                     max_tokens * h.max(q).max(f)
@@ -715,7 +773,27 @@ impl CudaLlama {
                 }
             })
             .sum();
-        per_layer + (h + v * h) * BF16
+        let head = match &self.lm_head {
+            Some(w) => w.bytes(),
+            None => v * h * BF16,
+        };
+        per_layer + h * BF16 + head
+    }
+
+    /// How the projection matrices (and the head) are held: `bf16`, `fp8`, or a GGUF file's packed
+    /// blocks (`gguf-q4`, `gguf-q8`, `gguf-q4+q8`).
+    pub fn weight_format(&self) -> &'static str {
+        let mut has = [false; 4];
+        for w in self.layers.iter().flat_map(LayerBufs::weights) {
+            has[w.format as usize] = true;
+        }
+        match has {
+            [_, true, _, _] => "fp8",
+            [_, _, true, true] => "gguf-q4+q8",
+            [_, _, true, false] => "gguf-q4",
+            [_, _, false, true] => "gguf-q8",
+            _ => "bf16",
+        }
     }
 
     fn limits(&self) -> PlanLimits {

@@ -12,7 +12,7 @@ use cudarc::driver::{result as drv_result, CudaContext, LaunchConfig, PushKernel
 use tandem_model::{LayerExpertTokens, MlpKind, ModelConfig, MoeSpec};
 
 use super::gemv::{GemvFamily, GEMV_WARPS};
-use super::{CudaLlama, FfnBufs};
+use super::{CudaLlama, FfnBufs, WFormat};
 use crate::error::CudaError;
 use crate::memory::{DeviceBuf, BF16};
 use crate::plan::Region;
@@ -239,7 +239,7 @@ impl CudaLlama {
         let m = &ma.spec;
         let (h, k, f) = (self.config.hidden_size, m.top_k, m.expert_ffn);
         let block = (32 * GEMV_WARPS as u32, 1, 1);
-        let (grid, ks, groups) = self.gemv_shape(GemvFamily::Plain, false, 1, slots * f, h);
+        let (grid, ks, groups) = self.gemv_shape(GemvFamily::Plain, WFormat::Bf16, 1, slots * f, h);
         launch!(
             self.stream,
             self.funcs.moe_gemv_silu,
@@ -256,8 +256,13 @@ impl CudaLlama {
             ks,
             groups
         );
-        let (grid, ks, groups) =
-            self.gemv_shape(GemvFamily::Plain, false, 1, slots * h.div_ceil(2), f);
+        let (grid, ks, groups) = self.gemv_shape(
+            GemvFamily::Plain,
+            WFormat::Bf16,
+            1,
+            slots * h.div_ceil(2),
+            f,
+        );
         launch!(
             self.stream,
             self.funcs.moe_gemv_down,

@@ -8,19 +8,14 @@ use tandem_model::{MlpKind, MlpWeights, ModelConfig, MoeWeights};
 
 use super::launch::Funcs;
 use super::moe::MoeBufs;
-use super::{widths, FfnBufs, LayerBufs, Weight, WeightSource, FP8_BLOCK};
+use super::{widths, FfnBufs, LayerBufs, WFormat, Weight, WeightSource, FP8_BLOCK};
 use crate::error::CudaError;
 use crate::memory::{bf16_bits, DeviceBuf, BF16};
 
-/// The uploaded weights of a layer range: the embedding (when the range starts the model or its last
-/// layer reads a tied head), the layers, the final norm and the output head (only with the last layer;
-/// `None` there: tied to the embedding).
-pub(super) type Weights = (
-    Option<DeviceBuf>,
-    Vec<LayerBufs>,
-    DeviceBuf,
-    Option<DeviceBuf>,
-);
+/// The uploaded weights of a layer range: the bf16 embedding (when the range starts the model or its
+/// last layer reads it as the tied head), the layers, the final norm and the output head (only with
+/// the last layer; `None` there: the bf16 embedding is the tied head).
+pub(super) type Weights = (Option<DeviceBuf>, Vec<LayerBufs>, DeviceBuf, Option<Weight>);
 
 /// Weight upload helpers (host conversion to bf16, or generation on the device).
 pub(super) struct Uploader<'a> {
@@ -30,6 +25,8 @@ pub(super) struct Uploader<'a> {
     pub(super) seed: u64,
     /// Quantize the layers' projection matrices to FP8 (`CudaOptions::fp8_weights`).
     pub(super) fp8: bool,
+    /// Keep GGUF block-quantized matrices packed (`CudaOptions::gguf_packed`; never with `fp8`).
+    pub(super) packed: bool,
 }
 
 impl Uploader<'_> {
@@ -53,8 +50,40 @@ impl Uploader<'_> {
 
     /// A projection: matrices (same column count) row-concatenated, in the upload's format.
     fn weight(&self, ms: &[&Matrix]) -> Result<Weight, CudaError> {
+        if let Some(w) = self.packed(ms)? {
+            return Ok(w);
+        }
         let rows = ms.iter().map(|m| m.rows()).sum();
         self.finish(self.matrices(ms)?, rows, ms[0].cols())
+    }
+
+    /// The output head: packed like the layers' projections when it is a GGUF block-quantized
+    /// matrix, else bf16 (never FP8: the logits keep the checkpoint's precision).
+    fn head(&self, m: &Matrix) -> Result<Weight, CudaError> {
+        match self.packed(&[m])? {
+            Some(w) => Ok(w),
+            None => Ok(Weight::bf16(self.matrices(&[m])?, m.rows(), m.cols())),
+        }
+    }
+
+    /// Matrices (same column count) row-concatenated in a packed GGUF format (`crate::packed`), when
+    /// the upload keeps them packed and every one of them is block-quantized; `None` otherwise.
+    fn packed(&self, ms: &[&Matrix]) -> Result<Option<Weight>, CudaError> {
+        let Some(format) = crate::packed::format_of(ms).filter(|_| self.packed) else {
+            return Ok(None);
+        };
+        let p = crate::packed::pack(ms, format);
+        Ok(Some(Weight {
+            buf: self.upload(&p.codes)?,
+            format: match format {
+                crate::packed::PackedFormat::Q4 => WFormat::Q4,
+                crate::packed::PackedFormat::Q8 => WFormat::Q8,
+            },
+            scales: Some(self.upload(&p.params)?),
+            lt_scales: None,
+            rows: p.rows,
+            cols: p.cols,
+        }))
     }
 
     /// A random projection of `rows` × `cols` (see [`Self::random`]), in the upload's format.
@@ -67,13 +96,7 @@ impl Uploader<'_> {
     /// one scale per row and 128 columns) and the bf16 copy freed.
     fn finish(&self, bf16: DeviceBuf, rows: usize, cols: usize) -> Result<Weight, CudaError> {
         if !self.fp8 {
-            return Ok(Weight {
-                buf: bf16,
-                scales: None,
-                lt_scales: None,
-                rows,
-                cols,
-            });
+            return Ok(Weight::bf16(bf16, rows, cols));
         }
         let kb = cols.div_ceil(FP8_BLOCK);
         let codes = DeviceBuf::new(self.ctx, rows * cols)?;
@@ -95,6 +118,7 @@ impl Uploader<'_> {
         drop(bf16);
         Ok(Weight {
             buf: codes,
+            format: WFormat::Fp8,
             scales: Some(scales),
             lt_scales: None,
             rows,
@@ -254,7 +278,14 @@ impl Uploader<'_> {
         let want_embed = range.start == 0 || (last && c.tie_word_embeddings);
         Ok(match weights {
             WeightSource::Host(w) => {
-                let embed = if want_embed || (last && w.lm_head.is_none()) {
+                // A tied head over a block-quantized embedding streams the packed codes (not the
+                // bf16 copy the embedding gather reads).
+                let lm_head = match (&w.lm_head, last) {
+                    (Some(m), true) => Some(up.head(m)?),
+                    (None, true) => up.packed(&[&w.embed])?,
+                    _ => None,
+                };
+                let embed = if range.start == 0 || (last && lm_head.is_none()) {
                     Some(up.matrices(&[&w.embed])?)
                 } else {
                     None
@@ -294,10 +325,6 @@ impl Uploader<'_> {
                     });
                 }
                 let norm = up.vector(&w.norm)?;
-                let lm_head = match &w.lm_head {
-                    Some(m) if last => Some(up.matrices(&[m])?),
-                    _ => None,
-                };
                 (embed, layers, norm, lm_head)
             }
             WeightSource::Random { seed } => {
@@ -345,7 +372,11 @@ impl Uploader<'_> {
                 let lm_head = if c.tie_word_embeddings || !last {
                     None
                 } else {
-                    Some(up.random(v * h, 1.0 / (h as f32).sqrt())?)
+                    Some(Weight::bf16(
+                        up.random(v * h, 1.0 / (h as f32).sqrt())?,
+                        v,
+                        h,
+                    ))
                 };
                 (embed, layers, norm, lm_head)
             }

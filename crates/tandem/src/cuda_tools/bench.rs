@@ -35,6 +35,10 @@ pub struct CudaBenchArgs {
     /// The model shape whose layers are timed.
     #[arg(long, value_enum, default_value_t = BenchShape::Llama3_8b)]
     pub shape: BenchShape,
+    /// Time this model file or folder with its own weights (e.g. a GGUF file's packed blocks)
+    /// instead of random weights of `--shape`.
+    #[arg(long, conflicts_with_all = ["shape", "layers"])]
+    pub model: Option<PathBuf>,
     /// Layers of the model (default: the shape's own; fewer for a quick run).
     #[arg(long)]
     pub layers: Option<usize>,
@@ -77,8 +81,15 @@ pub enum BenchShape {
     Gemma3_27b,
 }
 
-/// Runs `cuda-bench` on `args.shape` with `args.layers` layers.
+/// Runs `cuda-bench` on `args.model`, or on `args.shape` with `args.layers` layers.
 pub fn run(args: CudaBenchArgs) -> Result<()> {
+    let loaded = match &args.model {
+        Some(path) => Some(tandem_model::load(
+            path,
+            &tandem_model::LoadOptions::default(),
+        )?),
+        None => None,
+    };
     let mut config = match args.shape {
         BenchShape::Llama3_8b => BenchArgs::llama3_8b_config(),
         BenchShape::Qwen3_8b => BenchArgs::qwen3_8b_config(),
@@ -92,12 +103,16 @@ pub fn run(args: CudaBenchArgs) -> Result<()> {
             .collect();
         config.num_layers = n;
     }
+    if let Some(m) = &loaded {
+        config = m.config.clone();
+    }
     if let Some(n) = args.max_model_len {
         config.max_position_embeddings = n;
     }
     run_bench(
         &BenchArgs {
             config,
+            loaded,
             context: args.context,
             batches: args.batches,
             steps: args.steps,
@@ -111,10 +126,11 @@ pub fn run(args: CudaBenchArgs) -> Result<()> {
 }
 
 /// What `cuda-bench` measures.
-#[derive(Clone, Debug)]
 pub(super) struct BenchArgs {
-    /// Model shape (weights are random, generated on the GPU).
+    /// Model shape.
     pub config: ModelConfig,
+    /// The model's own weights (`None`: random weights of `config`, generated on the GPU).
+    pub loaded: Option<tandem_model::LoadedModel>,
     /// Cached context per sequence during the decode measurements.
     pub context: usize,
     /// Decode batch sizes.
@@ -261,8 +277,9 @@ struct BenchRow {
     logits_to_host: bool,
     /// Our GEMV kernel for projections of at most 8 rows (false: cuBLAS).
     gemv: bool,
-    /// How the layers' projections are stored: bf16, or fp8 (`--quantization fp8`; with the FP8
-    /// tensor-core GEMMs when `--cuda-fp8-gemm` was asked for and passed its load-time check).
+    /// How the layers' projections are stored: bf16, fp8 (`--quantization fp8`; with the FP8
+    /// tensor-core GEMMs when `--cuda-fp8-gemm` was asked for and passed its load-time check), or a
+    /// GGUF file's packed blocks (`gguf-q4`, `gguf-q8`, `gguf-q4+q8`).
     weights: &'static str,
     median_step_ms: f64,
     tokens_per_s: f64,
@@ -304,18 +321,18 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
         ..CudaOptions::default()
     });
     let t0 = Instant::now();
-    let mut model = CudaLlama::new(c.clone(), WeightSource::Random { seed: 1 }, opts.clone())?;
+    let source = match &args.loaded {
+        Some(m) => WeightSource::Host(&m.weights),
+        None => WeightSource::Random { seed: 1 },
+    };
+    let mut model = CudaLlama::new(c.clone(), source, opts.clone())?;
     model.synchronize()?;
     let device = model.device_name().to_string();
-    tracing::info!(
-        secs = t0.elapsed().as_secs_f64(),
-        "random weights generated on the GPU"
-    );
+    tracing::info!(secs = t0.elapsed().as_secs_f64(), "weights on the GPU");
     let kv_per_token = model.kv_layout().bytes_per_token() as f64;
-    let weights = match (opts.fp8_weights, model.fp8_tensor_cores()) {
-        (false, _) => "bf16",
-        (true, false) => "fp8",
-        (true, true) => "fp8, FP8 tensor-core GEMMs",
+    let weights = match (model.weight_format(), model.fp8_tensor_cores()) {
+        ("fp8", true) => "fp8, FP8 tensor-core GEMMs",
+        (format, _) => format,
     };
     let mut rows = Vec::new();
     let mut emit = |row: BenchRow| {

@@ -11,16 +11,17 @@ use tandem_engine::sampler::argmax;
 use tandem_model::{CpuLlama, ForwardBatch, KvCache, LoadOptions, LoadedModel, LogitsWanted};
 
 use super::io_err;
-use crate::cuda_settings::CudaSettings;
+use crate::cuda_settings::{CudaSettings, Quantization};
 
 /// Options of `tandem cuda-check`.
 #[derive(Args, Debug)]
 pub struct CudaCheckArgs {
     /// HF folder (or GGUF file).
     pub model: PathBuf,
-    /// JSON file with a list of prompts, each a list of token ids or `{"prompt": [...], "force": [...]}`
+    /// JSON file with a list of prompts, each a list of token ids, `{"prompt": [...], "force": [...]}`
     /// (decode step j then feeds `force[j]` instead of the greedy token: teacher forcing, so that
-    /// every backend sees the same inputs).
+    /// every backend sees the same inputs), `{"text": "..."}` (its last `decode_steps` tokens forced)
+    /// or `{"prompt_text": "..."}` (the text's tokens, then greedy).
     #[arg(long)]
     pub prompts: PathBuf,
     /// Greedy decode steps after the prompts.
@@ -32,10 +33,15 @@ pub struct CudaCheckArgs {
     /// Run the CPU backend instead (same output), for CPU/CUDA agreement.
     #[arg(long)]
     pub cpu: bool,
-    /// Write, instead of logits, how this run's CUDA settings (e.g. `--quantization fp8`) agree with
-    /// the plain bf16 run of the same prompts: top-1 agreement and KL(bf16 ‖ this) per logits row.
+    /// Write, instead of logits, how this run's CUDA settings (e.g. `--quantization fp8`, or a GGUF
+    /// file's packed blocks) agree with the bf16 run (`--quantization bf16`) of the same prompts:
+    /// top-1 agreement and KL(bf16 ‖ this) per logits row.
     #[arg(long, conflicts_with = "cpu")]
     pub agreement: bool,
+    /// Write, instead of logits, where this run's greedy tokens part from the CPU backend's on the same
+    /// prompts (different arithmetic, so they may: each parting with both backends' logit margin there).
+    #[arg(long, conflicts_with_all = ["cpu", "agreement"])]
+    pub greedy_vs_cpu: bool,
     /// CUDA backend flags (e.g. the reference attention kernel).
     #[command(flatten)]
     pub cuda: CudaSettings,
@@ -108,6 +114,9 @@ pub fn run(args: &CudaCheckArgs) -> Result<()> {
             let cut = toks.len() - args.decode_steps;
             prompts.push(toks[..cut].to_vec());
             forced.push(Some(toks[cut..].to_vec()));
+        } else if let Some(text) = item.get("prompt_text").and_then(|t| t.as_str()) {
+            prompts.push(loaded.tokenizer.encode(text, false)?);
+            forced.push(None);
         } else if item.is_array() {
             prompts.push(ids(&item)?);
             forced.push(None);
@@ -144,7 +153,7 @@ pub fn run(args: &CudaCheckArgs) -> Result<()> {
     let steps = args.decode_steps;
     if args.agreement {
         let plain = CudaSettings {
-            quantization: None,
+            quantization: Some(Quantization::Bf16),
             ..args.cuda.clone()
         };
         let (mut base, device) = cuda_runner(&plain, &loaded)?;
@@ -158,10 +167,31 @@ pub fn run(args: &CudaCheckArgs) -> Result<()> {
         tracing::info!(out = %args.out.display(), top1 = report.top1, kl = report.kl_mean, "agreement written");
         return Ok(());
     }
-    let (mut runner, backend, device) = if args.cpu {
-        let model = CpuLlama::new(loaded.config.clone(), loaded.weights, 0);
+    let cpu_runner = |loaded: LoadedModel| {
+        let model = CpuLlama::new(loaded.config, loaded.weights, 0);
         let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
-        (Runner::Cpu(Box::new(model), kv), "cpu", "cpu".to_string())
+        Runner::Cpu(Box::new(model), kv)
+    };
+    if args.greedy_vs_cpu {
+        let (mut cuda, device) = cuda_runner(&args.cuda, &loaded)?;
+        let got = run_prompts(&mut cuda, &prompts, &forced, &tables, steps, vocab)?;
+        drop(cuda);
+        let want = run_prompts(
+            &mut cpu_runner(loaded),
+            &prompts,
+            &forced,
+            &tables,
+            steps,
+            vocab,
+        )?;
+        let report = GreedyReport::of(&want, &got, device);
+        std::fs::write(&args.out, serde_json::to_string_pretty(&report)?)
+            .map_err(io_err(&args.out))?;
+        tracing::info!(out = %args.out.display(), share = report.share_equal, parted = report.parted.len(), "greedy comparison written");
+        return Ok(());
+    }
+    let (mut runner, backend, device) = if args.cpu {
+        (cpu_runner(loaded), "cpu", "cpu".to_string())
     } else {
         let (runner, device) = cuda_runner(&args.cuda, &loaded)?;
         (runner, "cuda", device)
@@ -330,6 +360,83 @@ impl Agreement {
     }
 }
 
+/// Where a run's greedy tokens part from the CPU backend's (`--greedy-vs-cpu`).
+#[derive(Serialize)]
+struct GreedyReport {
+    device: String,
+    /// Greedy tokens per prompt (the prefill's, then one per decode step).
+    tokens_per_prompt: usize,
+    /// Tokens equal to the CPU's before each prompt's first parting, summed, over all tokens.
+    tokens_equal: usize,
+    tokens_total: usize,
+    share_equal: f64,
+    /// Each prompt whose tokens part: where, and how close each backend was to the other's choice.
+    parted: Vec<Parting>,
+}
+
+/// The first greedy token a prompt's run chose unlike the CPU.
+#[derive(Serialize, Debug, PartialEq)]
+struct Parting {
+    prompt: usize,
+    /// Index into the greedy tokens (0: the prefill's).
+    at: usize,
+    cpu_token: u32,
+    token: u32,
+    /// The CPU's logit of its token minus its logit of this run's token (≥ 0), and the same on this
+    /// run's logits: two small margins mean a near tie that different arithmetic tips either way.
+    cpu_margin: f32,
+    margin: f32,
+}
+
+impl GreedyReport {
+    fn of(cpu: &[PromptResult], got: &[PromptResult], device: String) -> GreedyReport {
+        let mut equal = 0;
+        let mut total = 0;
+        let mut parted = Vec::new();
+        for (i, (w, g)) in cpu.iter().zip(got).enumerate() {
+            total += w.generated.len();
+            let same = w
+                .generated
+                .iter()
+                .zip(&g.generated)
+                .take_while(|(a, b)| a == b)
+                .count();
+            equal += same;
+            if same < w.generated.len() {
+                // Token j was chosen from the last prompt row (j = 0) or decode row j - 1.
+                let row = |r: &PromptResult| -> Vec<f32> {
+                    match same {
+                        0 => r.prefill_logits.last().cloned().unwrap_or_default(),
+                        j => r.decode_logits[j - 1].clone(),
+                    }
+                };
+                let (wr, gr) = (row(w), row(g));
+                let (a, b) = (w.generated[same], g.generated[same]);
+                parted.push(Parting {
+                    prompt: i,
+                    at: same,
+                    cpu_token: a,
+                    token: b,
+                    cpu_margin: wr[a as usize] - wr[b as usize],
+                    margin: gr[b as usize] - gr[a as usize],
+                });
+            }
+        }
+        GreedyReport {
+            device,
+            tokens_per_prompt: cpu.first().map_or(0, |r| r.generated.len()),
+            tokens_equal: equal,
+            tokens_total: total,
+            share_equal: if total == 0 {
+                1.0
+            } else {
+                equal as f64 / total as f64
+            },
+            parted,
+        }
+    }
+}
+
 /// KL(softmax(p) ‖ softmax(q)) in nats, in f64.
 fn kl_divergence(p: &[f32], q: &[f32]) -> f64 {
     let log_softmax = |x: &[f32]| -> Vec<f64> {
@@ -369,10 +476,46 @@ mod tests {
             out: out.clone(),
             cpu: true,
             agreement: false,
+            greedy_vs_cpu: false,
             cuda: CudaSettings::default(),
         })
         .unwrap();
         serde_json::from_str(&std::fs::read_to_string(out).unwrap()).unwrap()
+    }
+
+    fn result(generated: &[u32], rows: &[[f32; 3]]) -> PromptResult {
+        PromptResult {
+            prompt: vec![0],
+            fed: Vec::new(),
+            prefill_logits: vec![rows[0].to_vec()],
+            generated: generated.to_vec(),
+            decode_logits: rows[1..].iter().map(|r| r.to_vec()).collect(),
+        }
+    }
+
+    /// A prompt counts its tokens up to the first parting; the parting reports both backends'
+    /// margins on the row the parted token was chosen from.
+    #[test]
+    fn greedy_report_counts_tokens_until_the_first_parting() {
+        let rows = [[0.0, 2.0, 1.0], [3.0, 0.0, 2.5], [0.0, 0.0, 1.0]];
+        let cpu = [result(&[1, 0, 2], &rows), result(&[1, 0, 2], &rows)];
+        let mut other = rows;
+        other[1] = [2.0, 0.0, 2.25];
+        let got = [result(&[1, 0, 2], &rows), result(&[1, 2, 2], &other)];
+        let r = GreedyReport::of(&cpu, &got, "gpu".into());
+        assert_eq!((r.tokens_equal, r.tokens_total), (4, 6));
+        assert!((r.share_equal - 4.0 / 6.0).abs() < 1e-12);
+        assert_eq!(
+            r.parted,
+            [Parting {
+                prompt: 1,
+                at: 1,
+                cpu_token: 0,
+                token: 2,
+                cpu_margin: 0.5,
+                margin: 0.25,
+            }]
+        );
     }
 
     /// The check tool's teacher-forced decode rows must equal the prefill rows of the longer prompt
