@@ -24,6 +24,7 @@
 #   fp8_agreement.json   `fp8`: a real model quantized to FP8 at load against its bf16 run (top-1, KL)
 #   gguf_greedy.json, gguf_agreement.json, gguf_bench.jsonl  `gguf`: the default GGUF model with its blocks
 #                        packed on the GPU: greedy against the CPU, agreement with its bf16 upload, speed
+#   gguf8b_bench.jsonl   `gguf`: cuda-bench on an 8B-shaped GGUF of random Q4_1 blocks, packed and bf16
 # and, in the log only, `conformance`: the Backend contract on the CUDA backend (tandem-cuda's
 # tests/conformance.rs, a test executable built elsewhere with
 # `cargo test --release -p tandem-cuda --test conformance --no-run` and given as $CONFORMANCE_BIN,
@@ -161,6 +162,18 @@ PY
       timeout 240 "$BIN" cuda-bench --model "$model" --batches 1,8,64 --context 1024 --prefill 512,2048 $q \
         --out /tmp/gguf_bench_one.jsonl || status=1
       cat /tmp/gguf_bench_one.jsonl >>"$OUT/gguf_bench.jsonl"
+    done
+    # The default model is too small to fill the GPU (a step is launch-bound): the packed kernels' bandwidth
+    # on an 8B shape, from a file of random Q4_1 blocks with the default model's tokenizer (random_gguf.py).
+    echo "== cuda-bench on an 8B-shaped GGUF of random Q4_1 blocks, packed, then bf16"
+    big=/tmp/llama8b-q4_1.gguf
+    timeout 120 python3 "$root/scripts/gpu/random_gguf.py" --like "$model" --shape llama-8b --qtype q4_1 --out "$big" ||
+      status=1
+    for q in "" "--quantization bf16"; do
+      # shellcheck disable=SC2086
+      timeout 300 "$BIN" cuda-bench --model "$big" --batches 1,8,64 --context 1024 --prefill 4096 $q \
+        --out /tmp/gguf8b_bench_one.jsonl || status=1
+      cat /tmp/gguf8b_bench_one.jsonl >>"$OUT/gguf8b_bench.jsonl"
     done
   else
     echo "FAIL $model is not here (carry models/, or set GGUF_MODEL)"
