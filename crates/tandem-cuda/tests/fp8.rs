@@ -13,16 +13,13 @@
 use std::path::Path;
 
 use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
-use tandem_kernels::{Matrix, RopeScaling};
+use tandem_kernels::Matrix;
 use tandem_model::weights::fp8::{e4m3_to_f32, quantize_fp8_rows};
-use tandem_model::{
-    CpuLlama, DenseShape, GatedMlp, KvCache, LayerRope, LayerWeights, LlamaWeights, LoadOptions,
-    MlpWeights, ModelConfig,
-};
+use tandem_model::{CpuLlama, KvCache, LlamaWeights, LoadOptions, MlpWeights, ModelConfig};
 
 mod common;
 
-use common::{compare, run, BLOCK, BLOCKS};
+use common::{compare, format_test_config, format_test_layer, run, uniform, BLOCK, BLOCKS};
 
 /// The bf16 value nearest `x` (round to nearest even), as the upload rounds host weights.
 fn bf16_round(x: f32) -> f32 {
@@ -99,54 +96,27 @@ fn gpu_weights(w: &LlamaWeights, fp8: bool) -> LlamaWeights {
 /// A small Llama whose widths are whole 128-value blocks (what the FP8 tensor-core GEMMs take), with
 /// random weights.
 fn blocky_model() -> (ModelConfig, LlamaWeights) {
-    let c = ModelConfig::dense(DenseShape {
-        hidden: 256,
-        ffn: 512,
-        layers: 2,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 128,
-        vocab: 512,
-        max_positions: 256,
-        rope: LayerRope {
-            theta: 10000.0,
-            scaling: RopeScaling::None,
-        },
-    });
+    let c = format_test_config();
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     let mut matrix = |rows: usize, cols: usize| {
-        let scale = 1.0 / (cols as f32).sqrt();
+        let scale = 1.7 / (cols as f32).sqrt();
         let v = (0..rows * cols)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale * 1.7
-            })
+            .map(|_| uniform(&mut seed) * scale)
             .collect();
         Matrix::from_f32(rows, cols, v)
     };
     let (h, f, q, kv) = (256, 512, 256, 128);
     let layers = (0..c.num_layers)
-        .map(|_| LayerWeights {
-            attn_norm: vec![1.0; h],
-            wq: matrix(q, h),
-            wk: matrix(kv, h),
-            wv: matrix(kv, h),
-            wo: matrix(h, q),
-            bq: None,
-            bk: None,
-            bv: None,
-            q_norm: None,
-            k_norm: None,
-            post_attn_norm: None,
-            ffn_norm: vec![1.0; h],
-            mlp: MlpWeights::Dense(GatedMlp {
-                gate: matrix(f, h),
-                up: matrix(f, h),
-                down: matrix(h, f),
-            }),
-            post_ffn_norm: None,
+        .map(|_| {
+            format_test_layer([
+                matrix(q, h),
+                matrix(kv, h),
+                matrix(kv, h),
+                matrix(h, q),
+                matrix(f, h),
+                matrix(f, h),
+                matrix(h, f),
+            ])
         })
         .collect();
     let w = LlamaWeights {

@@ -13,27 +13,17 @@
 
 mod common;
 
-use common::{compare, run, BLOCK, BLOCKS};
+use common::{compare, format_test_config, format_test_layer, run, uniform, BLOCK, BLOCKS};
 use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
-use tandem_kernels::{quantize_row, DType, Matrix, RopeScaling, WeightBytes};
-use tandem_model::{
-    CpuLlama, DenseShape, GatedMlp, KvCache, LayerRope, LayerWeights, LlamaWeights, MlpWeights,
-    ModelConfig,
-};
+use tandem_kernels::{quantize_row, DType, Matrix, WeightBytes};
+use tandem_model::{CpuLlama, KvCache, LlamaWeights, MlpWeights, ModelConfig};
 
 /// A random `rows` × `cols` matrix quantized to `dtype`.
 fn quantized(dtype: DType, rows: usize, cols: usize, seed: &mut u64) -> Matrix {
     let scale = 1.7 / (cols as f32).sqrt();
     let mut bytes = Vec::new();
     for _ in 0..rows {
-        let x: Vec<f32> = (0..cols)
-            .map(|_| {
-                *seed ^= *seed << 13;
-                *seed ^= *seed >> 7;
-                *seed ^= *seed << 17;
-                ((*seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect();
+        let x: Vec<f32> = (0..cols).map(|_| uniform(seed) * scale).collect();
         quantize_row(dtype, &x, &mut bytes);
     }
     Matrix::new(
@@ -58,20 +48,7 @@ fn decoded(m: &Matrix) -> Matrix {
 /// layer 0 packs to 4-bit codes (Q4_0 / Q4_1 / Q4_K, mixed in [q; k; v]), layer 1 to 8-bit codes
 /// (Q8_0, Q5_0, Q6_K, and [gate; up] mixing Q4_K with Q6_K), the head is Q8_0.
 fn model() -> (ModelConfig, LlamaWeights) {
-    let c = ModelConfig::dense(DenseShape {
-        hidden: 256,
-        ffn: 512,
-        layers: 2,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 128,
-        vocab: 512,
-        max_positions: 256,
-        rope: LayerRope {
-            theta: 10000.0,
-            scaling: RopeScaling::None,
-        },
-    });
+    let c = format_test_config();
     let (h, f, q, kv) = (256, 512, 256, 128);
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     let mut m = |d: DType, rows: usize, cols: usize| quantized(d, rows, cols, &mut seed);
@@ -82,25 +59,16 @@ fn model() -> (ModelConfig, LlamaWeights) {
     ];
     let layers = formats
         .iter()
-        .map(|d| LayerWeights {
-            attn_norm: vec![1.0; h],
-            wq: m(d[0], q, h),
-            wk: m(d[1], kv, h),
-            wv: m(d[2], kv, h),
-            wo: m(d[3], h, q),
-            bq: None,
-            bk: None,
-            bv: None,
-            q_norm: None,
-            k_norm: None,
-            post_attn_norm: None,
-            ffn_norm: vec![1.0; h],
-            mlp: MlpWeights::Dense(GatedMlp {
-                gate: m(d[4], f, h),
-                up: m(d[5], f, h),
-                down: m(d[6], h, f),
-            }),
-            post_ffn_norm: None,
+        .map(|d| {
+            format_test_layer([
+                m(d[0], q, h),
+                m(d[1], kv, h),
+                m(d[2], kv, h),
+                m(d[3], h, q),
+                m(d[4], f, h),
+                m(d[5], f, h),
+                m(d[6], h, f),
+            ])
         })
         .collect();
     let w = LlamaWeights {

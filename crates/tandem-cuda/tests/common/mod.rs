@@ -2,8 +2,11 @@
 //! comparison of a GPU run's logits with a float32 CPU reference. Each test file uses part of it.
 #![allow(dead_code)]
 
-use tandem_kernels::RopeScaling;
-use tandem_model::{DenseShape, ForwardBatch, LayerRope, LogitsWanted, ModelConfig};
+use tandem_kernels::{Matrix, RopeScaling};
+use tandem_model::{
+    DenseShape, ForwardBatch, GatedMlp, LayerRope, LayerWeights, LogitsWanted, MlpWeights,
+    ModelConfig,
+};
 
 /// Tokens per KV block of the reference comparisons.
 pub const BLOCK: usize = 16;
@@ -84,4 +87,52 @@ pub fn small_llama() -> ModelConfig {
             },
         })
     }
+}
+
+/// The 2-layer Llama of the weight-format tests (FP8, packed GGUF): hidden 256 and ffn 512 are whole
+/// 128-value FP8 blocks and 256-value K-quant blocks; one KV head of 128 dims under two query heads.
+pub fn format_test_config() -> ModelConfig {
+    ModelConfig::dense(DenseShape {
+        hidden: 256,
+        ffn: 512,
+        layers: 2,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 128,
+        vocab: 512,
+        max_positions: 256,
+        rope: LayerRope {
+            theta: 10000.0,
+            scaling: RopeScaling::None,
+        },
+    })
+}
+
+/// A layer of [`format_test_config`] with projections `[q, k, v, o, gate, up, down]` and unit norms.
+pub fn format_test_layer(m: [Matrix; 7]) -> LayerWeights {
+    let [wq, wk, wv, wo, gate, up, down] = m;
+    LayerWeights {
+        attn_norm: vec![1.0; wq.cols()],
+        wq,
+        wk,
+        wv,
+        ffn_norm: vec![1.0; wo.rows()],
+        wo,
+        bq: None,
+        bk: None,
+        bv: None,
+        q_norm: None,
+        k_norm: None,
+        post_attn_norm: None,
+        mlp: MlpWeights::Dense(GatedMlp { gate, up, down }),
+        post_ffn_norm: None,
+    }
+}
+
+/// The next value in [-1, 1) of the xorshift generator at `seed` (the tests' random weights).
+pub fn uniform(seed: &mut u64) -> f32 {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    (*seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
 }
