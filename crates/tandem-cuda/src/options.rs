@@ -38,6 +38,9 @@ pub struct CudaOptions {
     /// Most rows (tokens of a step) our GEMV kernels take (at most `GEMV_MAX_ROWS`); larger
     /// steps use cuBLAS, which is faster there ([`GEMV_ROWS_DEFAULT`]).
     pub gemv_max_rows: usize,
+    /// `gemv_max_rows` of a model whose projections are packed GGUF blocks
+    /// ([`PACKED_GEMV_ROWS_DEFAULT`]): their cuBLAS path first dequantizes every matrix to bf16.
+    pub packed_gemv_max_rows: usize,
     /// Programmatic dependent launch for our kernels that support it (Hopper and later): the next
     /// kernel starts streaming its weights while the previous one finishes. Off by default: on the
     /// H200 it made a batch-1 decode step slower (4.96 against 4.84 ms, 2026-12-03).
@@ -99,6 +102,7 @@ impl Default for CudaOptions {
             graphs: true,
             gemv: true,
             gemv_max_rows: GEMV_ROWS_DEFAULT,
+            packed_gemv_max_rows: PACKED_GEMV_ROWS_DEFAULT,
             pdl: false,
             decode_partition_small: DECODE_PARTITION_SMALL,
             gemv_target_warps: GEMV_TARGET_WARPS,
@@ -121,6 +125,12 @@ impl Default for CudaOptions {
 /// 4.96, 4 rows 6.18 / 5.12, 8 rows 8.98 / 5.31 — past one row the kernels' per-row work outweighs
 /// streaming the weights once.
 pub const GEMV_ROWS_DEFAULT: usize = 1;
+
+/// Steps of up to this many tokens use our GEMV kernels on packed GGUF weights: there cuBLAS needs
+/// each matrix dequantized to a bf16 tile first (reading 0.75 bytes a weight, writing 2, reading 2
+/// again), which cost 19.5 ms a step on an 8B-shaped Q4_1 model on an H100 (2026-12-07) against
+/// 3.2 for one row through the packed GEMV.
+pub const PACKED_GEMV_ROWS_DEFAULT: usize = 8;
 
 /// Warps a GEMV launch aims for through split-K: about the warps an H200 holds at once (16 per
 /// multiprocessor at the GEMV's register use). Measured on the H200 (2026-12-03, batch-1 decode of

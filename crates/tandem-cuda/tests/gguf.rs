@@ -109,8 +109,9 @@ fn packed_gguf_weights_match_a_float32_reference() {
     let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % vocab as u32).collect();
     let steps: Vec<u32> = (0..6).map(|i| (i * 53 + 5) % vocab as u32).collect();
     let n = prompt.len();
-    // Whole prompt in one step (cuBLAS on dequantized tiles), then 4-token chunks on the 4-row GEMVs.
-    for chunk in [n, 4] {
+    // Whole prompt in one step (cuBLAS on dequantized tiles), then 4-token chunks on the 4-row GEMVs,
+    // then 7-token chunks (three steps on the 7-row GEMVs, the last on the 3-row ones).
+    for chunk in [n, 4, 7] {
         let reference = {
             let mut model = CpuLlama::new(c.clone(), reference_weights(&w), 1);
             let mut kv = KvCache::new(model.kv_layout(BLOCK, BLOCKS));

@@ -101,7 +101,7 @@ pub struct CudaSettings {
         help = "Run every CUDA projection on cuBLAS instead of our small-batch GEMV kernels"
     )]
     pub gemv: Option<bool>,
-    /// Most rows (tokens of a step) the CUDA GEMV kernels take, 0 to 8 [default: 1].
+    /// Most rows (tokens of a step) the CUDA GEMV kernels take, 0 to 8 [default: 1; 8 over packed GGUF weights].
     #[arg(id = "cuda_gemv_max_rows", long = "cuda-gemv-max-rows", value_parser = parse_gemv_max_rows)]
     #[serde(default, deserialize_with = "gemv_max_rows")]
     pub gemv_max_rows: Option<usize>,
@@ -246,6 +246,8 @@ impl CudaSettings {
             graphs: self.graphs.unwrap_or(base.graphs),
             gemv: self.gemv.unwrap_or(base.gemv),
             gemv_max_rows: self.gemv_max_rows.unwrap_or(base.gemv_max_rows),
+            // An explicit row limit holds for every weight format (A/B timings).
+            packed_gemv_max_rows: self.gemv_max_rows.unwrap_or(base.packed_gemv_max_rows),
             pdl: t.pdl.unwrap_or(base.pdl),
             decode_partition_small: t
                 .decode_partition_small

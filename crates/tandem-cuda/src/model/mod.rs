@@ -387,7 +387,7 @@ impl CudaLlama {
     pub fn new(
         config: ModelConfig,
         weights: WeightSource<'_>,
-        opts: CudaOptions,
+        mut opts: CudaOptions,
     ) -> Result<CudaLlama, CudaError> {
         config.validate()?;
         if !driver_available() {
@@ -509,6 +509,10 @@ impl CudaLlama {
             )));
         }
         let (embed, mut layers, norm, lm_head) = up.weights(weights, c, range.clone())?;
+        let packed = |w: &Weight| matches!(w.format, WFormat::Q4 | WFormat::Q8);
+        if layers.iter().flat_map(LayerBufs::weights).any(packed) {
+            opts.gemv_max_rows = opts.packed_gemv_max_rows;
+        }
         let fp8_gemm = if opts.fp8_weights && opts.fp8_gemm {
             fp8_gemm::Fp8Gemm::new(&ctx, &stream)?
         } else {
