@@ -5,7 +5,7 @@
 //! stale (the worker evicts on its own), which costs only a worse routing choice, never a wrong answer:
 //! the worker's own prefix cache decides what is really reused.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 /// Hashes of a prompt's full blocks, each chained to its predecessor so equal hashes mean equal prefixes.
@@ -25,10 +25,18 @@ pub fn block_hashes(prompt: &[u32], block_size: usize) -> Vec<u64> {
 }
 
 /// Block hashes believed cached on one worker, bounded to the worker's pool size (oldest forgotten first).
+///
+/// An LRU in O(1) amortized per block: `gen` maps each remembered hash to the generation (a counter
+/// bumped per insert) of its newest insert, and `order` lists `(hash, generation)` oldest first. A
+/// refresh pushes a new entry and leaves the old one stale (its generation no longer matches `gen`);
+/// stale entries are skipped when they reach the front and dropped in bulk once they outnumber the
+/// live ones, so a refresh never scans the queue (a long prompt into a large tracker runs under the
+/// worker's lock on the request path).
 #[derive(Debug)]
 pub struct PrefixTracker {
-    set: HashSet<u64>,
-    order: VecDeque<u64>,
+    gen: HashMap<u64, u64>,
+    order: VecDeque<(u64, u64)>,
+    next_gen: u64,
     capacity: usize,
 }
 
@@ -36,31 +44,32 @@ impl PrefixTracker {
     /// A tracker remembering at most `capacity` blocks (the worker's KV pool size).
     pub fn new(capacity: usize) -> Self {
         PrefixTracker {
-            set: HashSet::new(),
+            gen: HashMap::new(),
             order: VecDeque::new(),
+            next_gen: 0,
             capacity: capacity.max(1),
         }
     }
 
     /// Leading blocks of `hashes` believed cached.
     pub fn matched_blocks(&self, hashes: &[u64]) -> usize {
-        hashes.iter().take_while(|h| self.set.contains(h)).count()
+        hashes.iter().take_while(|h| self.gen.contains_key(h)).count()
     }
 
     /// Records that the worker now holds these blocks; refreshes ones it already had.
     pub fn insert(&mut self, hashes: &[u64]) {
         for &h in hashes {
-            if !self.set.insert(h) {
-                if let Some(i) = self.order.iter().position(|&x| x == h) {
-                    self.order.remove(i);
-                }
-            }
-            self.order.push_back(h);
+            let g = self.next_gen;
+            self.next_gen += 1;
+            self.gen.insert(h, g);
+            self.order.push_back((h, g));
         }
-        while self.order.len() > self.capacity {
-            if let Some(old) = self.order.pop_front() {
-                self.set.remove(&old);
-            }
+        self.evict();
+        // Each compaction drops at least half the queue, so its cost is paid by the pushes that
+        // made those entries stale.
+        if self.order.len() > 2 * self.gen.len() + 64 {
+            let gen = &self.gen;
+            self.order.retain(|(h, g)| gen.get(h) == Some(g));
         }
     }
 
@@ -68,21 +77,31 @@ impl PrefixTracker {
     /// oldest past a smaller bound.
     pub fn set_capacity(&mut self, capacity: usize) {
         self.capacity = capacity.max(1);
-        while self.order.len() > self.capacity {
-            if let Some(old) = self.order.pop_front() {
-                self.set.remove(&old);
+        self.evict();
+    }
+
+    /// Forgets the oldest blocks past the capacity and leaves a live entry (or none) at the front.
+    fn evict(&mut self) {
+        while let Some(&(h, g)) = self.order.front() {
+            let live = self.gen.get(&h) == Some(&g);
+            if live && self.gen.len() <= self.capacity {
+                break;
+            }
+            self.order.pop_front();
+            if live {
+                self.gen.remove(&h);
             }
         }
     }
 
     /// Blocks currently remembered.
     pub fn len(&self) -> usize {
-        self.set.len()
+        self.gen.len()
     }
 
     /// Whether nothing is remembered.
     pub fn is_empty(&self) -> bool {
-        self.set.is_empty()
+        self.gen.is_empty()
     }
 }
 
@@ -133,6 +152,33 @@ mod tests {
         assert_eq!(t.matched_blocks(&b), 1);
     }
 
+    #[test]
+    fn a_refresh_moves_a_block_to_the_newest_position() {
+        let mut t = PrefixTracker::new(3);
+        let [a, b, c, d] = [[1u64], [2], [3], [4]];
+        t.insert(&a);
+        t.insert(&b);
+        t.insert(&c);
+        t.insert(&a);
+        t.insert(&d);
+        assert_eq!(t.matched_blocks(&a), 1, "refreshed, so b went first");
+        assert_eq!(t.matched_blocks(&b), 0);
+        assert_eq!(t.matched_blocks(&c), 1);
+        t.insert(&[5]);
+        assert_eq!(t.matched_blocks(&c), 0, "then c, the oldest left");
+        assert_eq!(t.matched_blocks(&a), 1);
+    }
+
+    #[test]
+    fn many_refreshes_keep_the_queue_bounded() {
+        let mut t = PrefixTracker::new(4);
+        for i in 0..10_000u64 {
+            t.insert(&[i % 3]);
+        }
+        assert_eq!(t.len(), 3);
+        assert!(t.order.len() <= 2 * t.len() + 65, "{}", t.order.len());
+    }
+
     proptest! {
         #[test]
         fn tracker_never_exceeds_capacity_and_matches_what_it_just_inserted(
@@ -146,6 +192,30 @@ mod tests {
                 prop_assert!(t.len() <= cap);
                 if h.len() <= cap {
                     prop_assert_eq!(t.matched_blocks(&h), h.len());
+                }
+            }
+        }
+
+        #[test]
+        fn tracker_forgets_what_a_plain_lru_forgets(
+            ops in proptest::collection::vec(proptest::collection::vec(0u64..24, 0..12), 1..60),
+            cap in 1usize..16,
+        ) {
+            // The scan-and-remove LRU this tracker replaced, as the reference.
+            let mut model: VecDeque<u64> = VecDeque::new();
+            let mut t = PrefixTracker::new(cap);
+            for hashes in &ops {
+                t.insert(hashes);
+                for &h in hashes {
+                    model.retain(|&x| x != h);
+                    model.push_back(h);
+                }
+                while model.len() > cap {
+                    model.pop_front();
+                }
+                prop_assert_eq!(t.len(), model.len());
+                for h in 0..24u64 {
+                    prop_assert_eq!(t.matched_blocks(&[h]) == 1, model.contains(&h));
                 }
             }
         }
