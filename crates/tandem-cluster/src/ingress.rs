@@ -239,7 +239,7 @@ impl Job {
             let scored: Vec<PrefillCandidate> = cands
                 .iter()
                 .map(|w| PrefillCandidate {
-                    matched_blocks: w.prefix.lock().matched_blocks(hashes),
+                    matched_score: w.prefix.lock().matched_score(hashes),
                     in_flight: w.in_flight.load(Ordering::Relaxed),
                 })
                 .collect();

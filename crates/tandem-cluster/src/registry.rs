@@ -16,7 +16,7 @@ use tandem_kv::KvError;
 
 use crate::error::ClusterError;
 use crate::ingress::{secs, Ingress};
-use crate::prefix::PrefixTracker;
+use crate::prefix::{KvLevel, PrefixTracker};
 use crate::protocol::{
     ErrorBody, RegisterRequest, Role, WorkerInfo, WorkerLoad, PATH_INFO, PATH_LOAD, PATH_REGISTER,
 };
@@ -286,15 +286,14 @@ impl Ingress {
                 Ok(load) => {
                     if load.engine.kv_blocks_total > 0 {
                         // What the worker can give back without computing: its pool and the blocks its
-                        // KV tiers (host, disk) hold under it.
-                        let tiers: u64 = load.engine.kv_tiers.iter().map(|t| t.blocks).sum();
-                        let cap = load.engine.kv_blocks_total + tiers as usize;
-                        let mut p = w.prefix.lock();
-                        if p.is_empty() {
-                            *p = PrefixTracker::new(cap);
-                        } else {
-                            p.set_capacity(cap);
-                        }
+                        // KV tiers (host, then disk) hold under it, each level weighted by what
+                        // restoring from it costs. The report gives what a tier holds, not its budget:
+                        // a tier still filling is credited with what it has.
+                        let mut levels = vec![(KvLevel::Device, load.engine.kv_blocks_total)];
+                        levels.extend(load.engine.kv_tiers.iter().map(|t| {
+                            (KvLevel::from_tier_name(&t.tier), t.blocks as usize)
+                        }));
+                        w.prefix.lock().set_levels(&levels);
                     }
                     let draining = load.draining;
                     *w.load.lock() = load;

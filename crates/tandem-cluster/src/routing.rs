@@ -133,14 +133,16 @@ pub fn pick_decode(loads: &[DecodeLoad], rng: &mut impl Rng) -> Option<usize> {
 /// What the prefill policy weighs for one worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PrefillCandidate {
-    /// Leading prompt blocks believed cached on the worker.
-    pub matched_blocks: usize,
+    /// Leading prompt blocks believed cached on the worker, each weighted by the level (device pool,
+    /// host or disk tier) it sits in, in milli-blocks (`PrefixTracker::matched_score`): a prefix held
+    /// on the device beats the same one on disk, and a longer one on disk wins only when its weight does.
+    pub matched_score: u64,
     /// Requests in flight on the worker (ingress count).
     pub in_flight: usize,
 }
 
-/// Prefix-aware with a load bound: among workers within `load_bound` of the least loaded, the longest
-/// cached prefix wins, then the lower load; `None` if there are no candidates.
+/// Prefix-aware with a load bound: among workers within `load_bound` of the least loaded, the highest
+/// weighted cached prefix wins, then the lower load; `None` if there are no candidates.
 pub fn pick_prefill(cands: &[PrefillCandidate], load_bound: usize) -> Option<usize> {
     let min_load = cands.iter().map(|c| c.in_flight).min()?;
     cands
@@ -148,8 +150,8 @@ pub fn pick_prefill(cands: &[PrefillCandidate], load_bound: usize) -> Option<usi
         .enumerate()
         .filter(|(_, c)| c.in_flight <= min_load + load_bound)
         .max_by(|(i, a), (j, b)| {
-            a.matched_blocks
-                .cmp(&b.matched_blocks)
+            a.matched_score
+                .cmp(&b.matched_score)
                 .then(b.in_flight.cmp(&a.in_flight))
                 // Prefer the lower index on a full tie so the choice is deterministic.
                 .then(j.cmp(i))
@@ -264,7 +266,7 @@ mod tests {
     #[test]
     fn prefill_prefers_cached_prefix_within_the_load_bound() {
         let c = |m, l| PrefillCandidate {
-            matched_blocks: m,
+            matched_score: m,
             in_flight: l,
         };
         assert_eq!(pick_prefill(&[c(0, 0), c(5, 1)], 2), Some(1));
@@ -281,19 +283,52 @@ mod tests {
         assert_eq!(pick_prefill(&[], 2), None);
     }
 
+    #[test]
+    fn prefill_weighs_where_the_prefix_is_held() {
+        use crate::prefix::{block_hashes, KvLevel, PrefixTracker};
+        let levels = [(KvLevel::Device, 8), (KvLevel::Disk, 1000)];
+        let tracker = |prompts: &[&[u32]]| {
+            let mut t = PrefixTracker::new(1);
+            t.set_levels(&levels);
+            for p in prompts {
+                t.insert(&block_hashes(p, 1));
+            }
+            t
+        };
+        let filler: Vec<u32> = (100..120).collect();
+        let prompt: Vec<u32> = (0..8).collect();
+        let hashes = block_hashes(&prompt, 1);
+        let cand = |t: &PrefixTracker| PrefillCandidate {
+            matched_score: t.matched_score(&hashes),
+            in_flight: 0,
+        };
+        let on_disk = tracker(&[&prompt, &filler]);
+        let on_device = tracker(&[&prompt]);
+        assert_eq!(
+            pick_prefill(&[cand(&on_disk), cand(&on_device)], 2),
+            Some(1),
+            "same blocks: the device wins"
+        );
+        // Eight blocks on disk (3.2 device blocks' worth) against three, then four, on the device.
+        let three = tracker(&[&prompt[..3]]);
+        let four = tracker(&[&prompt[..4]]);
+        assert_eq!(pick_prefill(&[cand(&three), cand(&on_disk)], 2), Some(1));
+        assert_eq!(pick_prefill(&[cand(&four), cand(&on_disk)], 2), Some(0));
+    }
+
     proptest! {
         #[test]
         fn pick_prefill_respects_the_bound(
-            cands in proptest::collection::vec((0usize..10, 0usize..10), 1..8),
+            cands in proptest::collection::vec((0u64..10_000, 0usize..10), 1..8),
             bound in 0usize..4,
         ) {
-            let cands: Vec<_> = cands.into_iter().map(|(m, l)| PrefillCandidate { matched_blocks: m, in_flight: l }).collect();
+            let cands: Vec<_> = cands.into_iter().map(|(m, l)| PrefillCandidate { matched_score: m, in_flight: l }).collect();
             let i = pick_prefill(&cands, bound).unwrap();
             let min = cands.iter().map(|c| c.in_flight).min().unwrap();
             prop_assert!(cands[i].in_flight <= min + bound);
             for c in &cands {
                 if c.in_flight <= min + bound {
-                    prop_assert!(c.matched_blocks <= cands[i].matched_blocks);
+                    prop_assert!(c.matched_score <= cands[i].matched_score);
                 }
             }
         }

@@ -580,7 +580,7 @@ impl Sim<'_> {
         let cands: Vec<PrefillCandidate> = prefillers
             .iter()
             .map(|&w| PrefillCandidate {
-                matched_blocks: self.workers[w].prefix.matched_blocks(&req.hashes),
+                matched_score: self.workers[w].prefix.matched_score(&req.hashes),
                 in_flight: self.workers[w].in_flight,
             })
             .collect();
