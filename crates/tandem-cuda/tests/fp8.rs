@@ -19,7 +19,9 @@ use tandem_model::{CpuLlama, KvCache, LlamaWeights, LoadOptions, MlpWeights, Mod
 
 mod common;
 
-use common::{compare, format_test_config, format_test_layer, run, uniform, BLOCK, BLOCKS};
+use common::{
+    assert_near_floor, compare, format_test_config, format_test_layer, run, uniform, BLOCK, BLOCKS,
+};
 
 /// The bf16 value nearest `x` (round to nearest even), as the upload rounds host weights.
 fn bf16_round(x: f32) -> f32 {
@@ -198,18 +200,7 @@ fn fp8_weights_match_a_float32_reference_on_the_dequantized_weights() {
     let [floor, fp8] = errors(&loaded.config, &loaded.weights, false);
     // What separates the GPU from its float32 reference is the bf16 activations, with FP8 weights as
     // with bf16 ones: a wrong code, scale or block index would put the FP8 run far past the floor.
-    assert!(
-        fp8.0 <= 2.0 * floor.0 + 0.01,
-        "prefill: FP8 {:.4} vs bf16 floor {:.4}",
-        fp8.0,
-        floor.0
-    );
-    assert!(
-        fp8.1 <= 2.0 * floor.1 + 0.01,
-        "decode: FP8 {:.4} vs bf16 floor {:.4}",
-        fp8.1,
-        floor.1
-    );
+    assert_near_floor("FP8", fp8, floor, 2.0);
 }
 
 /// Prompt steps on FP8 tensor-core GEMMs (cuBLASLt, activations quantized per token and 128-value

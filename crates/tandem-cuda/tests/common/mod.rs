@@ -136,3 +136,15 @@ pub fn uniform(seed: &mut u64) -> f32 {
     *seed ^= *seed << 17;
     (*seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
 }
+
+/// Asserts that a run's (prefill, decode) errors against the float32 reference stay within
+/// `factor` × the bf16 floor's + 0.01: a wrong code, scale or block index in a weight format lands
+/// far past that, while the activations' rounding paths stay near it.
+pub fn assert_near_floor(what: &str, got: (f64, f64), floor: (f64, f64), factor: f64) {
+    for (part, g, f) in [("prefill", got.0, floor.0), ("decode", got.1, floor.1)] {
+        assert!(
+            g <= factor * f + 0.01,
+            "{what} {part}: {g:.4} against the bf16 floor {f:.4}"
+        );
+    }
+}
