@@ -130,17 +130,9 @@ impl Packed {
                 let code = match f {
                     PackedFormat::Q4 => {
                         let byte = codes[16 * c + i % 16];
-                        if i % 32 < 16 {
-                            byte & 0xF
-                        } else {
-                            byte >> 4
-                        }
+                        f32::from(if i % 32 < 16 { byte & 0xF } else { byte >> 4 })
                     }
-                    PackedFormat::Q8 => codes[i],
-                };
-                let code = match f {
-                    PackedFormat::Q4 => code as f32,
-                    PackedFormat::Q8 => code as i8 as f32,
+                    PackedFormat::Q8 => f32::from(codes[i] as i8),
                 };
                 scale * code + min
             })

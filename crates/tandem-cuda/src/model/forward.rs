@@ -12,6 +12,7 @@ use crate::error::CudaError;
 use crate::kernels::{self, DECODE_PARTITION_SMALL};
 use crate::memory::{BF16, STAGING_CHUNK};
 use crate::options::AttnMode;
+use crate::packed::PackedFormat;
 use crate::plan::Region;
 
 /// 16-byte chunks of a row each thread of `add_rmsnorm` holds (`NORM_CHUNKS` in llama.cu).
@@ -57,14 +58,15 @@ impl CudaLlama {
         if self.gemv_rows(t) {
             return self.enqueue_gemv(x, gemv_weight(w), y, t, n, k, f32_out);
         }
-        let dequant = match w.format {
-            WFormat::Bf16 => return self.blas_gemm(x, w.buf.ptr, y, t, n, k, f32_out),
-            WFormat::Q4 => Some(&self.funcs.dequant_q4),
-            WFormat::Q8 => Some(&self.funcs.dequant_q8),
-            WFormat::Fp8 => None,
-        };
-        if let Some(func) = dequant {
-            let chunks = n * k / if w.format == WFormat::Q4 { 32 } else { 16 };
+        if w.format == WFormat::Bf16 {
+            return self.blas_gemm(x, w.buf.ptr, y, t, n, k, f32_out);
+        }
+        if let Some(p) = w.format.packed() {
+            let func = match p {
+                PackedFormat::Q4 => &self.funcs.dequant_q4,
+                PackedFormat::Q8 => &self.funcs.dequant_q8,
+            };
+            let chunks = n * k / p.chunk_values();
             launch!(
                 self.stream,
                 func,

@@ -27,12 +27,13 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys as drv;
 use cudarc::driver::{result as drv_result, CudaContext, CudaStream};
 use tandem_kernels::RopeTable;
-use tandem_model::{KvDtype, KvLayout, LlamaWeights, ModelConfig};
+use tandem_model::{KvDtype, KvLayout, LlamaWeights, MlpWeights, ModelConfig};
 
 use crate::error::CudaError;
 use crate::kernels::{self, KernelShape, DECODE_PARTITION, SMALL_DECODE_BATCH};
 use crate::memory::{DeviceBuf, PinnedBuf, BF16, STAGING_CHUNK};
 use crate::options::{AttnMode, CudaOptions};
+use crate::packed::PackedFormat;
 use crate::plan::{MetaLayout, PlanLimits, Region, StepPlan, REGIONS};
 
 use forward::NORM_CHUNKS;
@@ -65,6 +66,26 @@ enum WFormat {
     Q4 = 2,
     /// GGUF weights packed with 8-bit codes (`crate::packed`).
     Q8 = 3,
+}
+
+impl WFormat {
+    /// The packed GGUF layout of this format (`None`: bf16 or FP8).
+    fn packed(self) -> Option<PackedFormat> {
+        match self {
+            WFormat::Q4 => Some(PackedFormat::Q4),
+            WFormat::Q8 => Some(PackedFormat::Q8),
+            WFormat::Bf16 | WFormat::Fp8 => None,
+        }
+    }
+}
+
+impl From<PackedFormat> for WFormat {
+    fn from(p: PackedFormat) -> WFormat {
+        match p {
+            PackedFormat::Q4 => WFormat::Q4,
+            PackedFormat::Q8 => WFormat::Q8,
+        }
+    }
 }
 
 /// A projection matrix on the device: bf16 rows, FP8 E4M3 codes with one fp32 scale per row and
@@ -109,11 +130,9 @@ impl Weight {
 
     /// f32 scale values a row (the kernels' `kb`): FP8 scale groups, or twice the packed chunks.
     fn kb(&self) -> i32 {
-        (match self.format {
-            WFormat::Q4 => crate::packed::PackedFormat::Q4.row_params(self.cols),
-            WFormat::Q8 => crate::packed::PackedFormat::Q8.row_params(self.cols),
-            WFormat::Bf16 | WFormat::Fp8 => self.cols.div_ceil(FP8_BLOCK),
-        }) as i32
+        self.format
+            .packed()
+            .map_or(self.cols.div_ceil(FP8_BLOCK), |p| p.row_params(self.cols)) as i32
     }
 
     /// Bytes a step that streams the matrix once reads (codes or bf16, and the scales).
@@ -353,20 +372,28 @@ fn check_structure(c: &ModelConfig) -> Result<(), CudaError> {
 }
 
 /// The weight formats (`KernelShape::formats` bits, `WFormat` order) the upload can produce: FP8
-/// when asked for; the packed GGUF formats when kept packed and the host weights hold a
-/// block-quantized matrix (both, as mixed GGUF files use 4- and 8-bit codes).
+/// when asked for; the packed GGUF formats when kept packed and any projection or head matrix of the
+/// host weights is block-quantized (both formats, as mixed GGUF files use 4- and 8-bit codes). The
+/// kernels are compiled before the upload decides each fused matrix's format, so this must cover
+/// every matrix the upload may pack: a format it packs without compiled GEMVs has no kernels.
 fn weight_formats(weights: &WeightSource<'_>, opts: &CudaOptions) -> u8 {
     let mut formats = 1 << WFormat::Bf16 as u8;
     if opts.fp8_weights {
         formats |= 1 << WFormat::Fp8 as u8;
     } else if opts.gguf_packed {
         if let WeightSource::Host(w) = weights {
-            let quantized = |m: &tandem_kernels::Matrix| crate::packed::format_of(&[m]).is_some();
-            if quantized(&w.embed)
-                || w.lm_head.as_ref().is_some_and(quantized)
-                || w.layers
-                    .iter()
-                    .any(|l| quantized(&l.wq) || quantized(&l.wo))
+            let quantized = |m: &&tandem_kernels::Matrix| crate::packed::format_of(&[m]).is_some();
+            let dense = w.layers.iter().flat_map(|l| {
+                let mut ms = vec![&l.wq, &l.wk, &l.wv, &l.wo];
+                if let MlpWeights::Dense(mlp) = &l.mlp {
+                    ms.extend([&mlp.gate, &mlp.up, &mlp.down]);
+                }
+                ms
+            });
+            if dense
+                .chain([&w.embed])
+                .chain(&w.lm_head)
+                .any(|m| quantized(&m))
             {
                 formats |= (1 << WFormat::Q4 as u8) | (1 << WFormat::Q8 as u8);
             }

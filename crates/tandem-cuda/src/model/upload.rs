@@ -75,10 +75,7 @@ impl Uploader<'_> {
         let p = crate::packed::pack(ms, format);
         Ok(Some(Weight {
             buf: self.upload(&p.codes)?,
-            format: match format {
-                crate::packed::PackedFormat::Q4 => WFormat::Q4,
-                crate::packed::PackedFormat::Q8 => WFormat::Q8,
-            },
+            format: WFormat::from(format),
             scales: Some(self.upload(&p.params)?),
             lt_scales: None,
             rows: p.rows,
