@@ -25,13 +25,15 @@
 #   gguf_greedy.json, gguf_agreement.json, gguf_bench.jsonl  `gguf`: the default GGUF model with its blocks
 #                        packed on the GPU: greedy against the CPU, agreement with its bf16 upload, speed
 #   gguf8b_bench.jsonl   `gguf`: cuda-bench on an 8B-shaped GGUF of random Q4_1 blocks, packed and bf16
+#   kvfp8_bench.jsonl, pd_kv_dtype.json  `kvfp8`: the 8B shape's speed with bf16 and FP8 KV caches; the
+#                        default model through 1P1D with each (KV bytes pulled, greedy against colocated)
 # and, in the log only, `conformance`: the Backend contract on the CUDA backend (tandem-cuda's
 # tests/conformance.rs, a test executable built elsewhere with
 # `cargo test --release -p tandem-cuda --test conformance --no-run` and given as $CONFORMANCE_BIN,
 # default out/conformance).
 # (The device tool returns at most 8 files: keep it to these plus the caller's log.)
 # The tandem binary is built elsewhere (`cargo build --release --features cuda`, stripped) and given as
-# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [qwen3] [moe] [gemma] [fp8] [gguf] [profile] | all
+# $TANDEM_BIN (default out/tandem). Usage: OUT=/some/dir scripts/gpu/run.sh [check|pick] [conformance] [sample] [bench] [qwen3] [moe] [gemma] [fp8] [gguf] [kvfp8] [profile] | all
 # (TANDEM_ONLY=1 skips the HF peer in bench; `pick` checks $CANDIDATES and benches the first that passes.)
 # `sweep` (only when named) runs `cuda-bench $SWEEP_ARGS` once per entry of $SWEEP, a space-separated
 # list of label:FLAG,FLAG entries (A/B timings of the hidden --cuda-* tuning flags, e.g. --cuda-pdl or
@@ -55,6 +57,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max
 nvidia-smi -L | tee -a "$OUT/nvidia-smi.txt"
 
 status=0
+# Runs a tandem-cuda test executable built elsewhere (`cargo test --release -p tandem-cuda --test NAME
+# --no-run`, then the executable it names copied to $2), or fails saying how to build it.
+run_test_bin() {
+  local name="$1" bin="$2"
+  shift 2
+  if [ -x "$bin" ]; then
+    timeout 300 "$bin" --nocapture "$@" || status=1
+  else
+    echo "FAIL $bin is missing: cargo test --release -p tandem-cuda --test $name --no-run, then copy the executable it names"
+    status=1
+  fi
+}
 if want check; then
   echo "== correctness against HF transformers"
   timeout 180 python3 "$root/scripts/gpu/check.py" --bin "$BIN" --out "$OUT" || status=1
@@ -87,13 +101,7 @@ if want fp8; then
   # one run (fp8_bench.jsonl), and a real model quantized at load against its own bf16 run over real
   # text ($FP8_MODEL, default models/SmolLM2-135M-Instruct.Q4_1.gguf; fp8_agreement.json).
   echo "== FP8 kernels against float32 on the dequantized weights"
-  fp8t="${FP8_TEST_BIN:-$root/out/fp8}"
-  if [ -x "$fp8t" ]; then
-    timeout 120 "$fp8t" --nocapture || status=1
-  else
-    echo "FAIL $fp8t is missing: cargo test --release -p tandem-cuda --test fp8 --no-run, then copy the executable it names"
-    status=1
-  fi
+  run_test_bin fp8 "${FP8_TEST_BIN:-$root/out/fp8}"
   echo "== qwen3_fp8 (block-scaled FP8 checkpoint, FP8 on the GPU) against HF transformers"
   timeout 240 python3 "$root/scripts/gpu/check.py" --family qwen3_fp8 --bin "$BIN" --work /tmp/tandem-tiny-qwen3_fp8 \
     --out "$OUT/qwen3_fp8" || status=1
@@ -131,13 +139,7 @@ if want gguf; then
   # backend's (8 prompts x 64 tokens, gguf_greedy.json), agreement with its bf16 upload over real text
   # (gguf_agreement.json), and decode/prefill speed packed and bf16 in one run (gguf_bench.jsonl).
   echo "== packed GGUF kernels against float32 on the decoded weights"
-  ggt="${GGUF_TEST_BIN:-$root/out/gguf}"
-  if [ -x "$ggt" ]; then
-    timeout 120 "$ggt" --nocapture || status=1
-  else
-    echo "FAIL $ggt is missing: cargo test --release -p tandem-cuda --test gguf --no-run, then copy the executable it names"
-    status=1
-  fi
+  run_test_bin gguf "${GGUF_TEST_BIN:-$root/out/gguf}"
   model="${GGUF_MODEL:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
   if [ -f "$model" ]; then
     # Eight passages of README.md and ARCHITECTURE.md: greedy prompts (their first 600 characters),
@@ -175,6 +177,30 @@ PY
         --out /tmp/gguf8b_bench_one.jsonl || status=1
       cat /tmp/gguf8b_bench_one.jsonl >>"$OUT/gguf8b_bench.jsonl"
     done
+  else
+    echo "FAIL $model is not here (carry models/, or set GGUF_MODEL)"
+    status=1
+  fi
+fi
+if want kvfp8; then
+  # The FP8 KV cache (`cuda.kv_cache_dtype: fp8`): every attention kernel against a float32 reference and
+  # blocks moved between two instances (tandem-cuda's tests/kv_fp8.rs, $KVFP8_TEST_BIN, default
+  # out/kv_fp8); the 8B shape's decode at batch 1 and 64 over 4,096-token contexts and a 4k prefill with
+  # bf16 and FP8 KV in one run (kvfp8_bench.jsonl); the default model through 1P1D with each KV dtype: KV
+  # bytes pulled and greedy against colocated (pd_kv_dtype.json).
+  echo "== FP8 KV cache against float32"
+  run_test_bin kv_fp8 "${KVFP8_TEST_BIN:-$root/out/kv_fp8}"
+  echo "== tandem cuda-bench, 8B shape, bf16 KV then FP8 KV"
+  for kv in bf16 fp8; do
+    timeout 300 "$BIN" cuda-bench --batches 1,64 --context 4096 --prefill 4096 --kv-cache-dtype "$kv" \
+      --out /tmp/kvfp8_bench_one.jsonl || status=1
+    cat /tmp/kvfp8_bench_one.jsonl >>"$OUT/kvfp8_bench.jsonl"
+  done
+  model="${GGUF_MODEL:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+  if [ -f "$model" ]; then
+    echo "== $model through 1P1D with bf16 and FP8 KV: bytes pulled, greedy against colocated"
+    timeout 400 python3 "$root/scripts/gpu/pd_kv_dtype.py" --bin "$BIN" --model "$model" \
+      --out "$OUT/pd_kv_dtype.json" || status=1
   else
     echo "FAIL $model is not here (carry models/, or set GGUF_MODEL)"
     status=1
@@ -226,13 +252,7 @@ if [[ "$what" == *" pick "* ]]; then  # only when named: "all" checks $BIN alone
 fi
 if want conformance; then
   echo "== the Backend contract on the CUDA backend"
-  conf="${CONFORMANCE_BIN:-$root/out/conformance}"
-  if [ -x "$conf" ]; then
-    timeout 300 "$conf" --nocapture --test-threads 1 || status=1
-  else
-    echo "FAIL $conf is missing: cargo test --release -p tandem-cuda --test conformance --no-run, then copy the executable it names"
-    status=1
-  fi
+  run_test_bin conformance "${CONFORMANCE_BIN:-$root/out/conformance}" --test-threads 1
 fi
 if want sample; then
   echo "== on-device sampler against the host sampler's distribution"

@@ -7,6 +7,8 @@
 //   DS_KEYS    most keys per split of the small-batch decode attention
 //   GV_U, GV_MINB  GEMV tuning: chunks per row a lane loads per step; blocks per SM to fit
 //   GV_FORMATS weight formats whose GEMVs are compiled (a bit mask; bf16 always)
+//   KV_FP8     1: the KV cache holds FP8 E4M3 codes of value / KV_SCALE (one byte an element), 0: bf16
+//   KV_SCALE   the per-tensor scale of FP8 KV codes (a float literal)
 // bf16 values travel as raw 16-bit patterns (no header dependency); arithmetic is in fp32.
 //
 // Paged KV layout per layer: block b holds [K|V][kv_head][slot][HEAD_DIM] contiguously, the layout the
@@ -60,6 +62,93 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
     f[2] = __uint_as_float(v.y << 16); f[3] = __uint_as_float(v.y & 0xffff0000u);
     f[4] = __uint_as_float(v.z << 16); f[5] = __uint_as_float(v.z & 0xffff0000u);
     f[6] = __uint_as_float(v.w << 16); f[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+
+// ---- KV cache elements: bf16, or FP8 E4M3 codes (KV_FP8) at half the bytes to hold, read and move. ----
+// Every kernel touches the cache through these: kv_row addresses an element, kv8_load / kv8_unpack
+// read a thread's 8 consecutive elements (16 bytes of bf16 or 8 of codes) as floats, kv_bf16x8 turns
+// such 8 into 8 bf16 (the tensor-core prefill's shared-memory tiles), kv_of encodes one value.
+#if KV_FP8
+typedef unsigned char kv_t;
+typedef uint2 kv8_t;
+#else
+typedef bf16 kv_t;
+typedef uint4 kv8_t;
+#endif
+#define KV_BYTES ((int)sizeof(kv_t))
+
+// An E4M3 code's 7 exponent/mantissa bits at float bits 26..20 and its sign at bit 31 make a float
+// that is the code's value times 2^-120 (normal and subnormal codes alike; see unpack16_e4m3), so one
+// multiply by 2^120 * KV_SCALE gives the scaled value. Codes 0x7f/0xff (NaN) are never written.
+__device__ __forceinline__ float kv_e4m3(u32 c) {
+    return __uint_as_float(((c & 0x7fu) << 20) | ((c & 0x80u) << 24)) * (0x1p120f * KV_SCALE);
+}
+
+__device__ __forceinline__ kv8_t kv8_load(const kv_t* p) { return *(const kv8_t*)p; }
+
+__device__ __forceinline__ void kv8_unpack(const kv8_t& v, float* f) {
+#if KV_FP8
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[i] = kv_e4m3(v.x >> (8 * i));
+        f[4 + i] = kv_e4m3(v.y >> (8 * i));
+    }
+#else
+    unpack8(v, f);
+#endif
+}
+
+// The E4M3 code of f (round to nearest even, saturating at +-448; f is finite): the encoding
+// `quant_fp8` writes, the OCP FP8 format of HF FP8 checkpoints.
+__device__ unsigned char e4m3_of(float f) {
+    const u32 sign = f < 0.f ? 0x80u : 0u;
+    const float a = fabsf(f);
+    if (!(a < 464.f)) return (unsigned char)(sign | 0x7e);  // rounds past 448 (or NaN): saturate
+    if (a < 0.015625f) {
+        // Subnormal: m x 2^-9, m in 0..8 (8 is the smallest normal, 0x08).
+        return (unsigned char)(sign | (u32)rintf(a * 512.f));
+    }
+    int e;
+    const float mant = frexpf(a, &e);  // a = mant x 2^e, mant in [0.5, 1)
+    u32 m = (u32)rintf((mant * 2.f - 1.f) * 8.f);
+    int ex = e - 1 + 7;
+    if (m == 8) {
+        m = 0;
+        ex += 1;
+    }
+    u32 code = ((u32)ex << 3) | m;
+    if (code > 0x7e) code = 0x7e;
+    return (unsigned char)(sign | code);
+}
+
+// 8 elements as 8 bf16 (the prefill's tensor-core tiles): bf16's own bits, or each code's value
+// times KV_SCALE rounded to bf16 (exact when KV_SCALE is a power of two).
+__device__ __forceinline__ uint4 kv_bf16x8(const kv8_t& v) {
+#if KV_FP8
+    float f[8];
+    kv8_unpack(v, f);
+    return make_uint4(pack_bf2(f[0], f[1]), pack_bf2(f[2], f[3]), pack_bf2(f[4], f[5]), pack_bf2(f[6], f[7]));
+#else
+    return v;
+#endif
+}
+
+// The cache element of a value (already rounded to bf16 by the caller, as HF rounds k and v).
+__device__ __forceinline__ kv_t kv_of(float v) {
+#if KV_FP8
+    return e4m3_of(v / KV_SCALE);
+#else
+    return f2bf(v);
+#endif
+}
+
+// One element as a float (the reference attention kernel).
+__device__ __forceinline__ float kv_f(kv_t v) {
+#if KV_FP8
+    return kv_e4m3(v);
+#else
+    return bf2f(v);
+#endif
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -262,7 +351,7 @@ extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restric
 extern "C" __global__ void rope_kv_write(bf16* __restrict__ qkv, const bf16* __restrict__ bias,
                                          const int* __restrict__ positions, const int* __restrict__ slots,
                                          const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                                         bf16* __restrict__ cache, int n_heads, int n_kv, int neox) {
+                                         kv_t* __restrict__ cache, int n_heads, int n_kv, int neox) {
     const int t = blockIdx.x;
     const int half = HEAD_DIM / 2;
     const int width = (n_heads + 2 * n_kv) * HEAD_DIM;
@@ -292,9 +381,9 @@ extern "C" __global__ void rope_kv_write(bf16* __restrict__ qkv, const bf16* __r
             row[base + i1] = y1;
         } else {
             int kh = head - n_heads;
-            bf16* dst = cache + ((blk * 2 + 0) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM;
-            dst[i0] = y0;
-            dst[i1] = y1;
+            kv_t* dst = cache + ((blk * 2 + 0) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM;
+            dst[i0] = kv_of(bf2f(y0));
+            dst[i1] = kv_of(bf2f(y1));
         }
     }
     // v, copied (with its bias) into the V plane.
@@ -303,7 +392,7 @@ extern "C" __global__ void rope_kv_write(bf16* __restrict__ qkv, const bf16* __r
         int kh = e / HEAD_DIM, d = e % HEAD_DIM;
         float v = bf2f(row[vbase + e]);
         if (bias) v = round_bf(v + bf2f(bias[vbase + e]));
-        cache[((blk * 2 + 1) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM + d] = f2bf(v);
+        cache[((blk * 2 + 1) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM + d] = kv_of(round_bf(v));
     }
 }
 
@@ -533,7 +622,7 @@ extern "C" __global__ void mask_rows(float* __restrict__ logits, int vocab, cons
 //   seq_bt    offset of the sequence's block table in bt
 // q rows live in the qkv buffer (row stride qkv_width); out is [tokens][n_heads * HEAD_DIM].
 
-__device__ __forceinline__ const bf16* kv_row(const bf16* cache, const int* bt, int key, int plane, int n_kv,
+__device__ __forceinline__ const kv_t* kv_row(const kv_t* cache, const int* bt, int key, int plane, int n_kv,
                                               int kvh) {
     u64 blk = (u64)bt[key / KV_BLOCK];
     return cache + ((blk * 2 + plane) * n_kv + kvh) * (u64)KV_BLOCK * HEAD_DIM + (u64)(key % KV_BLOCK) * HEAD_DIM;
@@ -544,7 +633,7 @@ __device__ __forceinline__ const bf16* kv_row(const bf16* cache, const int* bt, 
 extern "C" __global__ void attn_simple(const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ seq_qrow,
                                        const int* __restrict__ seq_nq, const int* __restrict__ seq_pos,
                                        const int* __restrict__ seq_bt, const int* __restrict__ bt,
-                                       const bf16* __restrict__ cache, bf16* __restrict__ out, int n_heads,
+                                       const kv_t* __restrict__ cache, bf16* __restrict__ out, int n_heads,
                                        int n_kv, float scale, int window) {
     const int s = blockIdx.y;
     const int qi = blockIdx.x;
@@ -565,20 +654,20 @@ extern "C" __global__ void attn_simple(const bf16* __restrict__ qkv, int qkv_wid
     }
     float m = NEG_INF, l = 0.f;
     for (int key = window > 0 ? max(0, last - window + 1) : 0; key <= last; key++) {
-        const bf16* k = kv_row(cache, tbl, key, 0, n_kv, kvh);
+        const kv_t* k = kv_row(cache, tbl, key, 0, n_kv, kvh);
         float dot = 0.f;
         for (int j = 0; j < PER; j++) {
             int d = lane + 32 * j;
-            if (d < HEAD_DIM) dot += qv[j] * bf2f(k[d]);
+            if (d < HEAD_DIM) dot += qv[j] * kv_f(k[d]);
         }
         dot = warp_sum(dot) * scale;
         float mn = fmaxf(m, dot);
         float a = __expf(m - mn), p = __expf(dot - mn);
         l = l * a + p;
-        const bf16* v = kv_row(cache, tbl, key, 1, n_kv, kvh);
+        const kv_t* v = kv_row(cache, tbl, key, 1, n_kv, kvh);
         for (int j = 0; j < PER; j++) {
             int d = lane + 32 * j;
-            acc[j] = acc[j] * a + (d < HEAD_DIM ? p * bf2f(v[d]) : 0.f);
+            acc[j] = acc[j] * a + (d < HEAD_DIM ? p * kv_f(v[d]) : 0.f);
         }
         m = mn;
     }
@@ -625,6 +714,16 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
+// One thread's 8 KV elements (16 bytes of bf16, 8 of FP8 codes) global -> shared, zero-filled when
+// !valid.
+__device__ __forceinline__ void cp_async_kv(u32 dst, const kv_t* src, bool valid) {
+#if KV_FP8
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0));
+#else
+    cp_async16(dst, src, valid);
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most one committed group is still in flight.
@@ -647,24 +746,50 @@ __device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, u3
                  : "r"(addr));
 }
 
-// Queues the copy of keys k0..k0+PF_KEYS (K and V rows, row-major) into one stage; keys at or past
-// n_keys are zero. Thread t copies 16-byte chunk t % CH of keys t / CH + (128 / CH) * u: one block-
-// table lookup per key serves its K and its V row.
-__device__ __forceinline__ void pf_load_tile(u32 stage, const bf16* cache, const int* tbl, int k0, int n_keys,
+__device__ __forceinline__ void st_shared16(u32 addr, const uint4& v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+// Queues the copy of keys k0..k0+PF_KEYS (K and V rows, row-major, bf16) into one stage; keys at or
+// past n_keys are zero. Thread t copies 8-element chunk t % CH of keys t / CH + (128 / CH) * u: one
+// block-table lookup per key serves its K and its V row. A bf16 cache is copied by cp.async (the
+// next tile lands while this one is used); FP8 codes are loaded (all of the thread's first, so they
+// are in flight together), widened to bf16 and stored, before the caller's barrier.
+__device__ __forceinline__ void pf_load_tile(u32 stage, const kv_t* cache, const int* tbl, int k0, int n_keys,
                                              int n_kv, int kvh) {
-    constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks per row
+    constexpr int CH = HEAD_DIM / 8;  // 8-element chunks per row
     constexpr int KS = 128 / CH;      // keys per pass of the block
     const int c = (threadIdx.x % CH) * 8;
     const u64 plane = (u64)n_kv * KV_BLOCK * HEAD_DIM;  // K plane to V plane of a block
+#if KV_FP8
+    kv8_t raw[PF_KEYS / KS][2];
+#pragma unroll
+    for (int u = 0; u < PF_KEYS / KS; u++) {
+        const int key = k0 + threadIdx.x / CH + KS * u;
+        raw[u][0] = raw[u][1] = kv8_t{};
+        if (key < n_keys) {
+            const kv_t* kr = kv_row(cache, tbl, key, 0, n_kv, kvh) + c;
+            raw[u][0] = kv8_load(kr);
+            raw[u][1] = kv8_load(kr + plane);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < PF_KEYS / KS; u++) {
+        const int j = threadIdx.x / CH + KS * u;
+        st_shared16(stage + 2 * (j * K_PITCH + c), kv_bf16x8(raw[u][0]));
+        st_shared16(stage + 2 * ((PF_KEYS + j) * K_PITCH + c), kv_bf16x8(raw[u][1]));
+    }
+#else
 #pragma unroll
     for (int u = 0; u < PF_KEYS / KS; u++) {
         const int j = threadIdx.x / CH + KS * u;
         const int key = k0 + j;
         const bool ok = key < n_keys;
-        const bf16* kr = kv_row(cache, tbl, ok ? key : 0, 0, n_kv, kvh) + c;  // any valid address when !ok
+        const kv_t* kr = kv_row(cache, tbl, ok ? key : 0, 0, n_kv, kvh) + c;  // any valid address when !ok
         cp_async16(stage + 2 * (j * K_PITCH + c), kr, ok);
         cp_async16(stage + 2 * ((PF_KEYS + j) * K_PITCH + c), kr + plane, ok);
     }
+#endif
 }
 
 // One K/V tile of attn_prefill for one warp's 32 query rows: S = Q K^T, the online softmax (MASK:
@@ -770,7 +895,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
     const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ tile_seq,
     const int* __restrict__ tile_q0, const int* __restrict__ seq_qrow, const int* __restrict__ seq_nq,
     const int* __restrict__ seq_pos, const int* __restrict__ seq_bt, const int* __restrict__ bt,
-    const bf16* __restrict__ cache, bf16* __restrict__ out, int n_heads, int n_kv, float scale_log2, int window) {
+    const kv_t* __restrict__ cache, bf16* __restrict__ out, int n_heads, int n_kv, float scale_log2, int window) {
     extern __shared__ uint4 pf_smem[];
     // Shared-space byte addresses: two K/V stages, then the PF_ROWS query rows (pitch K_PITCH).
     const u32 stages = smem_addr(pf_smem);
@@ -867,9 +992,9 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
 // at batch 1 the step is a chain of latencies, not a bandwidth problem), and attn_decode for large
 // batches, whose blocks loop over partitions of up to DEC_PART keys (enough blocks hide latency).
 #define DEC_THREADS 128
-#define TPK (HEAD_DIM / 8)                // threads per key in the scoring pass (16-byte loads)
+#define TPK (HEAD_DIM / 8)                // threads per key in the scoring pass (8-element loads)
 #define KPI (DEC_THREADS / TPK)           // keys scored per iteration
-#define VCH (HEAD_DIM / 8)                // 16-byte chunks per V row
+#define VCH (HEAD_DIM / 8)                // 8-element chunks per V row
 #define VLANES (DEC_THREADS / VCH)        // keys accumulated in parallel in the V pass
 #define DS_KL (DS_KEYS / KPI)             // K chunks each thread of attn_decode_small holds
 #define DS_VL (DS_KEYS / VLANES)          // V chunks each thread of attn_decode_small holds
@@ -877,10 +1002,10 @@ extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill(
 // Scores one key (this thread's 8 dims of it) against the GQA query heads; the TPK threads of the
 // key reduce with shuffles and the first stores the score.
 template <int P>
-__device__ __forceinline__ void score_key(const uint4& raw, const float (&qf)[GQA][8], float (*sc)[P], int j, int n,
+__device__ __forceinline__ void score_key(const kv8_t& raw, const float (&qf)[GQA][8], float (*sc)[P], int j, int n,
                                           int t) {
     float kf[8];
-    unpack8(raw, kf);
+    kv8_unpack(raw, kf);
 #pragma unroll
     for (int g = 0; g < GQA; g++) {
         float d = 0.f;
@@ -1015,7 +1140,7 @@ __device__ __forceinline__ void dec_finish(const float (&acc)[GQA][8], float (*r
                                                                                : VLANES * GQA * HEAD_DIM * 4)
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_small(
     const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ dec_row, const int* __restrict__ dec_ctx,
-    const int* __restrict__ dec_bt, const int* __restrict__ bt, const bf16* __restrict__ cache,
+    const int* __restrict__ dec_bt, const int* __restrict__ bt, const kv_t* __restrict__ cache,
     float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_o, int* __restrict__ done,
     bf16* __restrict__ out, int n_heads, int n_kv, int max_parts, int part_len, float scale_log2, int window) {
     __shared__ float sc[GQA][DS_KEYS];
@@ -1040,21 +1165,21 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_small(
     const int c = (t % TPK) * 8, kk = t / TPK;  // this thread's chunk and first key (TPK == VCH)
     // Row addresses of this thread's keys (block-table lookups), before the wait. Keys past the
     // partition copy nothing (zero fill) from key 0 of it (any valid address).
-    const bf16* kp[DS_KL];
+    const kv_t* kp[DS_KL];
 #pragma unroll
     for (int u = 0; u < DS_KL; u++) {
         const int j = kk + KPI * u;
         kp[u] = kv_row(cache, tbl, lo + start + (j < n ? j : 0), 0, n_kv, kvh) + c;
     }
     const u64 plane = (u64)n_kv * KV_BLOCK * HEAD_DIM;  // K plane to V plane of a block
-    const u32 ks = smem_addr(buf), vs = ks + DS_KEYS * HEAD_DIM * 2;
+    const u32 ks = smem_addr(buf), vs = ks + DS_KEYS * HEAD_DIM * KV_BYTES;
     pdl_wait();
     pdl_trigger();
 #pragma unroll
     for (int u = 0; u < DS_KL; u++) {
         const int j = kk + KPI * u;
-        cp_async16(ks + 2 * (j * HEAD_DIM + c), kp[u], j < n);
-        cp_async16(vs + 2 * (j * HEAD_DIM + c), kp[u] + plane, j < n);
+        cp_async_kv(ks + KV_BYTES * (j * HEAD_DIM + c), kp[u], j < n);
+        cp_async_kv(vs + KV_BYTES * (j * HEAD_DIM + c), kp[u] + plane, j < n);
     }
     // The GQA query rows too (every thread needs its chunk of each: a barrier follows).
     if (t < GQA * TPK)
@@ -1069,12 +1194,12 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_small(
 #pragma unroll
         for (int e = 0; e < 8; e++) qf[g][e] *= scale_log2;
     }
-    const bf16* kbuf = (const bf16*)buf;
-    const bf16* vbuf = kbuf + DS_KEYS * HEAD_DIM;
+    const kv_t* kbuf = (const kv_t*)buf;
+    const kv_t* vbuf = kbuf + DS_KEYS * HEAD_DIM;
 #pragma unroll
     for (int u = 0; u < DS_KL; u++) {
         const int j = kk + KPI * u;
-        score_key<DS_KEYS>(*(const uint4*)(kbuf + j * HEAD_DIM + c), qf, sc, j, n, t);
+        score_key<DS_KEYS>(kv8_load(kbuf + j * HEAD_DIM + c), qf, sc, j, n, t);
     }
     __syncthreads();
     const u64 first = ((u64)i * n_heads + kvh * GQA) * max_parts + part;
@@ -1090,7 +1215,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_small(
         const int j = kk + VLANES * u;
         if (j < n) {
             float vf[8];
-            unpack8(*(const uint4*)(vbuf + j * HEAD_DIM + c), vf);
+            kv8_unpack(kv8_load(vbuf + j * HEAD_DIM + c), vf);
 #pragma unroll
             for (int g = 0; g < GQA; g++) {
                 const float p = sc[g][j];
@@ -1110,7 +1235,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_small(
 // to the limit, has a fixed z and its blocks loop, so a step's cost follows its real context.
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     const bf16* __restrict__ qkv, int qkv_width, const int* __restrict__ dec_row, const int* __restrict__ dec_ctx,
-    const int* __restrict__ dec_bt, const int* __restrict__ bt, const bf16* __restrict__ cache,
+    const int* __restrict__ dec_bt, const int* __restrict__ bt, const kv_t* __restrict__ cache,
     float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_o, int* __restrict__ done,
     bf16* __restrict__ out, int n_heads, int n_kv, int max_parts, int part_len, float scale_log2, int window) {
     __shared__ float sc[GQA][DEC_PART];
@@ -1138,9 +1263,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
         // and do not store.
         for (int j0 = 0; j0 < n; j0 += 2 * KPI) {
             const int ja = j0 + kk, jb = ja + KPI;
-            uint4 ra = make_uint4(0, 0, 0, 0), rb = make_uint4(0, 0, 0, 0);
-            if (ja < n) ra = *(const uint4*)(kv_row(cache, tbl, start + ja, 0, n_kv, kvh) + c);
-            if (jb < n) rb = *(const uint4*)(kv_row(cache, tbl, start + jb, 0, n_kv, kvh) + c);
+            kv8_t ra{}, rb{};
+            if (ja < n) ra = kv8_load(kv_row(cache, tbl, start + ja, 0, n_kv, kvh) + c);
+            if (jb < n) rb = kv8_load(kv_row(cache, tbl, start + jb, 0, n_kv, kvh) + c);
             score_key<DEC_PART>(ra, qf, sc, ja, n, t);
             score_key<DEC_PART>(rb, qf, sc, jb, n, t);
         }
@@ -1156,9 +1281,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
 #pragma unroll
             for (int e = 0; e < 8; e++) acc[g][e] = 0.f;
         for (int j = vl; j < n; j += VLANES) {
-            uint4 raw = *(const uint4*)(kv_row(cache, tbl, start + j, 1, n_kv, kvh) + c8);
             float vf[8];
-            unpack8(raw, vf);
+            kv8_unpack(kv8_load(kv_row(cache, tbl, start + j, 1, n_kv, kvh) + c8), vf);
 #pragma unroll
             for (int g = 0; g < GQA; g++) {
                 float p = sc[g][j];
@@ -1631,7 +1755,7 @@ __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, cons
                                               const bf16* __restrict__ bias,
                                               const int* __restrict__ positions, const int* __restrict__ slots,
                                               const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                                              bf16* __restrict__ cache, bf16* __restrict__ qkv, int n_heads, int n_kv,
+                                              kv_t* __restrict__ cache, bf16* __restrict__ qkv, int n_heads, int n_kv,
                                               int neox, int K, int ks, int groups) {
     const int half = HEAD_DIM / 2;
     const int pairs = (n_heads + n_kv) * half;
@@ -1675,18 +1799,18 @@ __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, cons
                             qkv[(u64)m * width + r1] = y1;
                         } else {
                             const int kh = head - n_heads;
-                            bf16* dst =
+                            kv_t* dst =
                                 cache + ((blk * 2 + 0) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM;
-                            dst[r0 - head * HEAD_DIM] = y0;
-                            dst[r1 - head * HEAD_DIM] = y1;
+                            dst[r0 - head * HEAD_DIM] = kv_of(bf2f(y0));
+                            dst[r1 - head * HEAD_DIM] = kv_of(bf2f(y1));
                         }
                     } else {
                         const int e = r0 - (n_heads + n_kv) * HEAD_DIM;
                         const int kh = e / HEAD_DIM, d = e % HEAD_DIM;
-                        bf16* dst =
+                        kv_t* dst =
                             cache + ((blk * 2 + 1) * n_kv + kh) * (u64)KV_BLOCK * HEAD_DIM + off * HEAD_DIM + d;
-                        dst[0] = f2bf(x0);
-                        dst[1] = f2bf(x1);
+                        dst[0] = kv_of(x0);
+                        dst[1] = kv_of(x1);
                     }
                 }
             }
@@ -1716,7 +1840,7 @@ __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, cons
         const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, const void* __restrict__ w, \
         const float* __restrict__ scale, int kb, const bf16* __restrict__ bias, const int* __restrict__ positions, \
         const int* __restrict__ slots, const float* __restrict__ cos_t, const float* __restrict__ sin_t, \
-        bf16* __restrict__ cache, bf16* __restrict__ qkv, int n_heads, int n_kv, int neox, int K, int ks, \
+        kv_t* __restrict__ cache, bf16* __restrict__ qkv, int n_heads, int n_kv, int neox, int K, int ks, \
         int groups) { \
         gemv_qkv_body<MM, WT>(res, nw, eps, (const WT::T*)w, WT{scale, kb}, bias, positions, slots, cos_t, sin_t, \
                               cache, qkv, n_heads, n_kv, neox, K, ks, groups); \
@@ -1749,29 +1873,6 @@ GEMV(7)
 GEMV(8)
 
 // ---- FP8 (E4M3) weights: quantization at load and the bf16 tiles of large-batch steps. ----
-
-// The E4M3 code of f (round to nearest even, saturating at +-448; f is finite): the encoding
-// `quant_fp8` writes, the OCP FP8 format of HF FP8 checkpoints.
-__device__ unsigned char e4m3_of(float f) {
-    const u32 sign = f < 0.f ? 0x80u : 0u;
-    const float a = fabsf(f);
-    if (!(a < 464.f)) return (unsigned char)(sign | 0x7e);  // rounds past 448 (or NaN): saturate
-    if (a < 0.015625f) {
-        // Subnormal: m x 2^-9, m in 0..8 (8 is the smallest normal, 0x08).
-        return (unsigned char)(sign | (u32)rintf(a * 512.f));
-    }
-    int e;
-    const float mant = frexpf(a, &e);  // a = mant x 2^e, mant in [0.5, 1)
-    u32 m = (u32)rintf((mant * 2.f - 1.f) * 8.f);
-    int ex = e - 1 + 7;
-    if (m == 8) {
-        m = 0;
-        ex += 1;
-    }
-    u32 code = ((u32)ex << 3) | m;
-    if (code > 0x7e) code = 0x7e;
-    return (unsigned char)(sign | code);
-}
 
 // Rows of a bf16 matrix x [M x K] as E4M3 codes with one fp32 scale per row and 128-value group of
 // columns (its largest magnitude / 448, 1 when all zero): group g of row m at m * groups + g

@@ -139,7 +139,14 @@ pub struct KernelShape {
     /// [`GEMV_FORMAT_FAMILIES`] (bf16 is always compiled). Each format adds 32 kernels, so a model
     /// compiles only the formats its weights use.
     pub formats: u8,
+    /// The KV cache holds FP8 E4M3 codes (`KV_FP8`, scaled by [`KV_FP8_SCALE`]) instead of bf16.
+    pub kv_fp8: bool,
 }
+
+/// The per-tensor scale of FP8 KV codes (value = code × scale): 1, as vLLM uses for `kv_cache_dtype:
+/// fp8` without calibrated scales — keys and values of the served families stay well inside E4M3's
+/// ±448, and larger ones saturate rather than overflow.
+pub const KV_FP8_SCALE: f32 = 1.0;
 
 impl KernelShape {
     /// Checks the limits the kernels are written for.
@@ -173,7 +180,7 @@ impl KernelShape {
     pub fn source(&self, tuning: &GemvTuning) -> String {
         format!(
             "#define HEAD_DIM {}\n#define GQA {}\n#define KV_BLOCK {}\n#define DEC_PART {}\n#define DS_KEYS {}\n\
-             #define GV_U {}\n#define GV_MINB {}\n#define GV_FORMATS {}\n{SOURCE}",
+             #define GV_U {}\n#define GV_MINB {}\n#define GV_FORMATS {}\n#define KV_FP8 {}\n#define KV_SCALE {:?}f\n{SOURCE}",
             self.head_dim,
             self.gqa,
             self.block_size,
@@ -181,7 +188,9 @@ impl KernelShape {
             DECODE_PARTITION_SMALL,
             tuning.unroll.clamp(1, 16),
             tuning.min_blocks.clamp(1, 8),
-            self.formats | 1
+            self.formats | 1,
+            u8::from(self.kv_fp8),
+            KV_FP8_SCALE
         )
     }
 }
@@ -284,12 +293,17 @@ mod tests {
             gqa: 4,
             block_size: 16,
             formats: 0,
+            kv_fp8: false,
         };
         assert!(s.validate().is_ok());
         assert!(s.tensor_core_prefill());
         let src = s.source(&GemvTuning::default());
         assert!(src.starts_with("#define HEAD_DIM 128\n#define GQA 4\n#define KV_BLOCK 16\n"));
-        assert!(src.contains("#define GV_U 2\n#define GV_MINB 2\n#define GV_FORMATS 1\n"));
+        assert!(src.contains(
+            "#define GV_U 2\n#define GV_MINB 2\n#define GV_FORMATS 1\n#define KV_FP8 0\n#define KV_SCALE 1.0f\n"
+        ));
+        let fp8 = KernelShape { kv_fp8: true, ..s }.source(&GemvTuning::default());
+        assert!(fp8.contains("#define KV_FP8 1\n"));
         assert!(src.contains(&format!("#define DEC_PART {DECODE_PARTITION}")));
         assert!(KernelShape { head_dim: 72, ..s }.validate().is_err());
         assert!(KernelShape { gqa: 0, ..s }.validate().is_err());

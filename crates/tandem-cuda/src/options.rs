@@ -83,6 +83,9 @@ pub struct CudaOptions {
     /// a quarter to half of bf16's bytes; false dequantizes them to bf16 at upload. `fp8_weights`
     /// takes precedence. The embedding gather always reads a bf16 copy.
     pub gguf_packed: bool,
+    /// Element type of the KV cache: bf16, or FP8 E4M3 (`kv_cache_dtype: fp8`: half the bytes per
+    /// token to hold, to read each decode step and to move from prefill to decode). F32 is refused.
+    pub kv_dtype: tandem_model::KvDtype,
 }
 
 /// The kernel settings at their defaults; the block size and KV budget are the engine's defaults
@@ -116,6 +119,7 @@ impl Default for CudaOptions {
             fp8_weights: false,
             fp8_gemm: false,
             gguf_packed: true,
+            kv_dtype: tandem_model::KvDtype::Bf16,
         }
     }
 }

@@ -10,7 +10,7 @@ use crate::error::CudaError;
 use crate::model::{CudaLlama, SampleRow, WeightSource};
 use crate::options::CudaOptions;
 
-/// One pipeline stage on GPU `opts.device`: its layers' weights and bf16 KV pool. The weights go to the
+/// One pipeline stage on GPU `opts.device`: its layers' weights and KV pool (bf16 or FP8). The weights go to the
 /// GPU when the pool is sized (the worker's handshake gives the block count every stage shares).
 pub struct CudaStage {
     config: ModelConfig,
@@ -73,7 +73,7 @@ impl StageModel for CudaStage {
     }
 
     fn kv_dtype(&self) -> KvDtype {
-        KvDtype::Bf16
+        self.opts.kv_dtype
     }
 
     fn activations(&self) -> Activations {

@@ -9,14 +9,15 @@
 mod common;
 
 use tandem_cuda::{CudaBackend, CudaLlama, CudaOptions, WeightSource};
+use tandem_model::KvDtype;
 use tandem_testkit::conformance::{self, MIN_BLOCKS};
 
 /// Largest logit difference between differently shaped steps over the same tokens: bf16 activations
 /// round differently when cuBLAS picks another kernel for another number of rows.
 const TOLERANCE: f32 = 0.05;
 
-/// The contract with bf16 or FP8 weights (`fp8`), within `tolerance`.
-fn conforms(fp8: bool, tolerance: f32) {
+/// The contract with bf16 or FP8 weights (`fp8`) and a KV cache of `kv_dtype`, within `tolerance`.
+fn conforms(fp8: bool, kv_dtype: KvDtype, tolerance: f32) {
     if !tandem_cuda::driver_available() {
         eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
         return;
@@ -28,6 +29,7 @@ fn conforms(fp8: bool, tolerance: f32) {
         max_seqs: 8,
         max_model_len: Some(512),
         fp8_weights: fp8,
+        kv_dtype,
         ..CudaOptions::default()
     };
     conformance::run(
@@ -46,7 +48,7 @@ fn conforms(fp8: bool, tolerance: f32) {
 
 #[test]
 fn the_cuda_backend_conforms() {
-    conforms(false, TOLERANCE);
+    conforms(false, KvDtype::Bf16, TOLERANCE);
 }
 
 /// With FP8 weights, steps of one row read the codes through the FP8 GEMVs while larger steps run
@@ -54,5 +56,13 @@ fn the_cuda_backend_conforms() {
 /// bf16 tolerance covers that rounding.
 #[test]
 fn the_cuda_backend_conforms_with_fp8_weights() {
-    conforms(true, 2.0 * TOLERANCE);
+    conforms(true, KvDtype::Bf16, 2.0 * TOLERANCE);
+}
+
+/// With an FP8 KV cache, a key or value whose bf16 activation rounds differently in another step shape
+/// may land on the neighbouring E4M3 code (16 bf16 steps apart): three times the bf16 tolerance covers
+/// that, while exports, imports, copies and the prefix cache must move the codes exactly.
+#[test]
+fn the_cuda_backend_conforms_with_an_fp8_kv_cache() {
+    conforms(false, KvDtype::Fp8E4m3, 3.0 * TOLERANCE);
 }

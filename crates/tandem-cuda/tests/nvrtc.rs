@@ -29,12 +29,14 @@ fn compiles_for_hopper_when_nvrtc_is_present() {
             gqa: 4,
             block_size: 16,
             formats: ALL_FORMATS,
+            kv_fp8: false,
         },
         KernelShape {
             head_dim: 64,
             gqa: 3,
             block_size: 16,
             formats: ALL_FORMATS,
+            kv_fp8: false,
         },
         // Gemma 3 270M and 1B (4 query heads on 1 KV head of 256 dims).
         KernelShape {
@@ -42,6 +44,22 @@ fn compiles_for_hopper_when_nvrtc_is_present() {
             gqa: 4,
             block_size: 16,
             formats: ALL_FORMATS,
+            kv_fp8: false,
+        },
+        // FP8 KV cache (`kv_cache_dtype: fp8`): every attention kernel reads E4M3 codes.
+        KernelShape {
+            head_dim: 128,
+            gqa: 4,
+            block_size: 16,
+            formats: 1,
+            kv_fp8: true,
+        },
+        KernelShape {
+            head_dim: 256,
+            gqa: 4,
+            block_size: 16,
+            formats: 1,
+            kv_fp8: true,
         },
     ] {
         let ptx = compile(&shape, &GemvTuning::default(), 9, 0)
@@ -51,7 +69,11 @@ fn compiles_for_hopper_when_nvrtc_is_present() {
             assert!(text.contains(name), "{name} missing from the PTX");
         }
         for m in 1..=GEMV_MAX_ROWS {
-            for family in GEMV_FORMAT_FAMILIES.iter().flatten() {
+            let compiled = GEMV_FORMAT_FAMILIES
+                .iter()
+                .enumerate()
+                .filter(|(f, _)| (shape.formats | 1) & (1 << f) != 0);
+            for family in compiled.flat_map(|(_, families)| families) {
                 assert!(
                     text.contains(&format!(".entry {family}{m}(")),
                     "{family}{m} missing from the PTX"
@@ -60,7 +82,12 @@ fn compiles_for_hopper_when_nvrtc_is_present() {
         }
         assert!(text.contains("mma.sync.aligned.m16n8k16"));
         if let Ok(dir) = std::env::var("TANDEM_PTX_DIR") {
-            let path = format!("{dir}/llama_d{}_g{}.ptx", shape.head_dim, shape.gqa);
+            let path = format!(
+                "{dir}/llama_d{}_g{}{}.ptx",
+                shape.head_dim,
+                shape.gqa,
+                if shape.kv_fp8 { "_kvfp8" } else { "" }
+            );
             std::fs::write(&path, &text).expect("writing the PTX");
         }
     }

@@ -76,6 +76,7 @@ impl BlockFormat {
         match self.layout.dtype {
             KvDtype::F32 => 0,
             KvDtype::Bf16 => 1,
+            KvDtype::Fp8E4m3 => 2,
         }
     }
 

@@ -41,5 +41,5 @@ pub use kv_staging::{HostStaging, KvStaging, StagedLayer, StagingKind, StagingMe
 pub use stage::{Activations, SizedPool, StageError, StageInput, StageModel, StageOutput};
 pub use stats::{KvTierStats, RestoreHistogram};
 /// Part of [`EngineStats`]: what a mixture-of-experts backend counted per layer.
-pub use tandem_model::LayerExpertTokens;
+pub use tandem_model::{KvDtype, LayerExpertTokens};
 pub use types::*;

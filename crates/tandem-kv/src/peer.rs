@@ -30,6 +30,8 @@ pub enum WireDtype {
     F32,
     /// bfloat16 (GPU backends).
     Bf16,
+    /// FP8 E4M3 codes (GPU backends with `kv_cache_dtype: fp8`).
+    Fp8E4m3,
 }
 
 impl WireDtype {
@@ -38,6 +40,7 @@ impl WireDtype {
         match self {
             WireDtype::F32 => 4,
             WireDtype::Bf16 => 2,
+            WireDtype::Fp8E4m3 => 1,
         }
     }
 }
@@ -131,6 +134,22 @@ pub(crate) mod tests {
             ("n_kv_heads", |p| p.layout.n_kv_heads = 8),
             ("head_dim", |p| p.layout.head_dim = 128),
         ]
+    }
+
+    /// A GPU worker with an FP8 KV cache and one with bf16 refuse each other by the field and both
+    /// dtypes' names (a transfer would otherwise reinterpret half-size blocks); FP8 blocks are half.
+    #[test]
+    fn an_fp8_and_a_bf16_kv_cache_are_refused_by_name() {
+        let mut bf16 = smollm_info();
+        bf16.layout.dtype = WireDtype::Bf16;
+        let mut fp8 = bf16.clone();
+        fp8.layout.dtype = WireDtype::Fp8E4m3;
+        assert_eq!(2 * fp8.layout.block_bytes(), bf16.layout.block_bytes());
+        let err = fp8.check_compatible(&bf16).unwrap_err().to_string();
+        assert!(
+            err.contains("dtype") && err.contains("Fp8E4m3") && err.contains("Bf16"),
+            "{err}"
+        );
     }
 
     #[test]

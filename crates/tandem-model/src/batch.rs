@@ -97,6 +97,9 @@ pub enum KvDtype {
     F32,
     /// bfloat16: the GPU backend's cache.
     Bf16,
+    /// FP8 E4M3 codes of value / a per-tensor scale (the GPU backend's `kv_cache_dtype: fp8`): half of
+    /// bf16's bytes to hold, read each decode step and move from prefill to decode.
+    Fp8E4m3,
 }
 
 impl KvDtype {
@@ -105,6 +108,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => 4,
             KvDtype::Bf16 => 2,
+            KvDtype::Fp8E4m3 => 1,
         }
     }
 }

@@ -64,6 +64,30 @@ impl std::fmt::Display for Quantization {
     }
 }
 
+/// Element type of the CUDA backend's KV cache (`cuda.kv_cache_dtype`, `--kv-cache-dtype`, vLLM's name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize, ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum KvCacheDtype {
+    /// bf16 (the default).
+    #[serde(alias = "auto")]
+    #[value(alias = "auto")]
+    Bf16,
+    /// FP8 E4M3 codes with a per-tensor scale of 1: half the bytes per token to hold, to read each
+    /// decode step and to move from prefill to decode.
+    #[serde(alias = "fp8_e4m3")]
+    #[value(alias = "fp8_e4m3")]
+    Fp8,
+}
+
+impl std::fmt::Display for KvCacheDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvCacheDtype::Bf16 => "bf16",
+            KvCacheDtype::Fp8 => "fp8",
+        })
+    }
+}
+
 /// `cuda:` section, and the `--cuda-*` flags of every command that can run the CUDA backend: unset keys
 /// keep the backend's defaults. Layers (the file, then the flags) merge with `crate::config::overlay`;
 /// the tuning knobs come from this process's flags only.
@@ -109,6 +133,10 @@ pub struct CudaSettings {
     /// at load) instead of the checkpoint's own format.
     #[arg(id = "cuda_quantization", long = "quantization", value_enum)]
     pub quantization: Option<Quantization>,
+    /// Element type of the KV cache: bf16 (or auto), or fp8 (E4M3; also fp8_e4m3). Prefill and decode
+    /// workers must agree: the KV handshake refuses a mismatch, naming both.
+    #[arg(id = "cuda_kv_cache_dtype", long = "kv-cache-dtype", value_enum)]
+    pub kv_cache_dtype: Option<KvCacheDtype>,
     /// The A/B tuning knobs (hidden flags only).
     #[command(flatten)]
     #[serde(skip)]
@@ -208,7 +236,7 @@ impl CudaSettings {
     /// The clap ids of the visible `--cuda-*` flags: a command that takes its settings as one document
     /// (`--settings-json`) refuses them beside it. The hidden tuning flags are not among them: they are
     /// the process's own and may come with the document.
-    pub const FLAG_IDS: [&'static str; 7] = [
+    pub const FLAG_IDS: [&'static str; 8] = [
         "cuda_device",
         "cuda_pipeline_devices",
         "cuda_attention",
@@ -216,6 +244,7 @@ impl CudaSettings {
         "cuda_gemv",
         "cuda_gemv_max_rows",
         "cuda_quantization",
+        "cuda_kv_cache_dtype",
     ];
 
     /// The device ordinal of each of `stages` pipeline stages: `pipeline_devices`, else `device` (0)
@@ -269,6 +298,11 @@ impl CudaSettings {
             },
             gguf_packed: base.gguf_packed && self.quantization.is_none(),
             fp8_gemm: t.fp8_gemm.unwrap_or(base.fp8_gemm),
+            kv_dtype: match self.kv_cache_dtype {
+                Some(KvCacheDtype::Bf16) => tandem_model::KvDtype::Bf16,
+                Some(KvCacheDtype::Fp8) => tandem_model::KvDtype::Fp8E4m3,
+                None => base.kv_dtype,
+            },
             ..base
         }
     }
@@ -343,6 +377,7 @@ mod tests {
             ("cuda: {attention: slow}\n", "attention"),
             ("cuda: {device: -1}\n", "device"),
             ("cuda: {quantization: int4}\n", "quantization"),
+            ("cuda: {kv_cache_dtype: fp16}\n", "kv_cache_dtype"),
         ] {
             let err = FileConfig::from_yaml(yaml).unwrap_err();
             assert!(format!("{err:#}").contains(key), "{yaml}: {err:#}");
@@ -408,6 +443,38 @@ mod tests {
             assert!(!CudaSettings::default().options(base.clone()).fp8_weights);
             assert!(CudaSettings::default().options(base.clone()).gguf_packed);
             assert!(cli.options(base).fp8_weights);
+        }
+    }
+
+    /// vLLM's spellings are accepted; the option reaches the backend as the KV layout's dtype.
+    #[test]
+    fn kv_cache_dtype_is_a_key_and_a_flag() {
+        for (yaml, want) in [
+            ("fp8", KvCacheDtype::Fp8),
+            ("fp8_e4m3", KvCacheDtype::Fp8),
+            ("bf16", KvCacheDtype::Bf16),
+            ("auto", KvCacheDtype::Bf16),
+        ] {
+            let file =
+                FileConfig::from_yaml(&format!("cuda: {{kv_cache_dtype: {yaml}}}\n")).unwrap();
+            assert_eq!(file.cuda.kv_cache_dtype, Some(want), "{yaml}");
+            let cli = flags(&["--kv-cache-dtype", yaml]).unwrap();
+            assert_eq!(cli.kv_cache_dtype, Some(want), "{yaml}");
+        }
+        let err = flags(&["--kv-cache-dtype", "fp8_e5m2"]).unwrap_err();
+        assert!(err.to_string().contains("fp8"), "{err}");
+        #[cfg(feature = "cuda")]
+        {
+            let base = tandem_cuda::CudaOptions::default();
+            let fp8 = flags(&["--kv-cache-dtype", "fp8"]).unwrap();
+            assert_eq!(
+                fp8.options(base.clone()).kv_dtype,
+                tandem_model::KvDtype::Fp8E4m3
+            );
+            assert_eq!(
+                CudaSettings::default().options(base).kv_dtype,
+                tandem_model::KvDtype::Bf16
+            );
         }
     }
 

@@ -27,6 +27,12 @@ pub fn start_engine(
              serve a quantized GGUF (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) instead"
         );
     }
+    if device == Device::Cpu && cuda.kv_cache_dtype.is_some() {
+        bail!(
+            "cuda.kv_cache_dtype (--kv-cache-dtype) sets the GPU's KV cache (--device cuda); the CPU \
+             backend's KV cache is f32"
+        );
+    }
     if config.pipeline_parallel_size > 1 {
         if config.tensor_parallel_size > 1 {
             bail!(

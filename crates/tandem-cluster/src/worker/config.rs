@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tandem_engine::EngineHandle;
+use tandem_engine::{EngineHandle, KvDtype};
 use tandem_kv::{KvError, NixlAgent, NixlBackend, NixlConfig, PeerInfo, WireDtype, WireLayout};
 
 use crate::protocol::Role;
@@ -154,10 +154,10 @@ pub struct WorkerConfig {
 /// The query head count is not part of the engine's layout, so the caller passes it from the model config.
 pub fn peer_info(engine: &EngineHandle, model_id: String, n_heads: usize) -> PeerInfo {
     let l = engine.kv_layout();
-    let dtype = if l.dtype.size() == 2 {
-        WireDtype::Bf16
-    } else {
-        WireDtype::F32
+    let dtype = match l.dtype {
+        KvDtype::F32 => WireDtype::F32,
+        KvDtype::Bf16 => WireDtype::Bf16,
+        KvDtype::Fp8E4m3 => WireDtype::Fp8E4m3,
     };
     PeerInfo {
         model_id,

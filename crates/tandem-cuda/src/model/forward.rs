@@ -265,7 +265,7 @@ impl CudaLlama {
         // takes first (0: none; Gemma's post-MLP norm).
         let mut pending = (0u64, 0u64);
         for (l, lw) in self.layers.iter().enumerate() {
-            let cache = self.kv.at(l * layer_elems, BF16);
+            let cache = self.kv.at(l * layer_elems, self.layout.dtype.size());
             let (rope_cos, rope_sin) = &self.ropes[self.layer_rope[l]];
             let window = c
                 .layer(self.first_layer + l)

@@ -5,14 +5,13 @@ use cudarc::driver::result as drv_result;
 
 use super::CudaLlama;
 use crate::error::CudaError;
-use crate::memory::BF16;
 
 impl CudaLlama {
     pub(super) fn block_addr(&self, layer: usize, block: u32) -> u64 {
         let layer_elems = (self.layout.num_blocks + 1) * self.layout.block_elems();
         self.kv.at(
             layer * layer_elems + block as usize * self.layout.block_elems(),
-            BF16,
+            self.layout.dtype.size(),
         )
     }
 

@@ -472,6 +472,15 @@ impl CudaLlama {
             gqa: config.num_heads / config.num_kv_heads,
             block_size: opts.block_size,
             formats: weight_formats(&weights, &opts),
+            kv_fp8: match opts.kv_dtype {
+                KvDtype::Bf16 => false,
+                KvDtype::Fp8E4m3 => true,
+                KvDtype::F32 => {
+                    return Err(CudaError::Unsupported(
+                        "an f32 KV cache (the CUDA backend holds bf16 or fp8)".into(),
+                    ))
+                }
+            },
         };
         shape.validate()?;
         if !shape.tensor_core_prefill() && opts.attn == AttnMode::Fast {
@@ -567,7 +576,7 @@ impl CudaLlama {
 
         // KV cache: one extra block at the end is the scratch target of padded graph rows.
         let mut layout =
-            KvLayout::for_budget(c, opts.block_size, opts.kv_cache_memory, KvDtype::Bf16);
+            KvLayout::for_budget(c, opts.block_size, opts.kv_cache_memory, opts.kv_dtype);
         layout.num_blocks = opts.num_blocks.unwrap_or(layout.num_blocks);
         // Only this instance's layers hold KV here.
         layout.n_layers = range.len();
@@ -582,8 +591,16 @@ impl CudaLlama {
             &ctx,
             layout.n_layers * (num_blocks + 1) * layout.block_bytes(),
         )?;
-        // Random, not zero, so that timing runs over unwritten slots read real-looking data.
-        up.fill_random(&kv_buf, kv_buf.bytes / BF16, 1.0)?;
+        // Random, not zero, so that timing runs over unwritten slots read real-looking data (FP8: one
+        // code, 0.5 — random bytes would hold NaN codes).
+        if layout.dtype == KvDtype::Fp8E4m3 {
+            // SAFETY: kv_buf is a live allocation of exactly this many bytes on this context.
+            unsafe {
+                drv_result::memset_d8_async(kv_buf.ptr, 0x30, kv_buf.bytes, stream.cu_stream())
+            }?;
+        } else {
+            up.fill_random(&kv_buf, kv_buf.bytes / BF16, 1.0)?;
+        }
 
         // Activations.
         let rows = opts.logits_chunk_rows.max(1);

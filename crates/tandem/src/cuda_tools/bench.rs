@@ -281,6 +281,8 @@ struct BenchRow {
     /// tensor-core GEMMs when `--cuda-fp8-gemm` was asked for and passed its load-time check), or a
     /// GGUF file's packed blocks (`gguf-q4`, `gguf-q8`, `gguf-q4+q8`).
     weights: &'static str,
+    /// Element type of the KV cache (`--kv-cache-dtype`): bf16 or fp8.
+    kv: &'static str,
     median_step_ms: f64,
     tokens_per_s: f64,
     /// Bytes of weights + KV read per step over the step time, against `peak_bandwidth`.
@@ -310,7 +312,8 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
     let num_blocks = (max_b * per_seq)
         .max(prefill_blocks)
         .max(2 * restore_blocks);
-    let block_bytes = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * 2;
+    let kv_elem = cuda.options(CudaOptions::default()).kv_dtype.size();
+    let block_bytes = c.num_layers * 2 * c.num_kv_heads * bs * c.head_dim * kv_elem;
     let opts = cuda.options(CudaOptions {
         block_size: bs,
         kv_cache_memory: num_blocks * block_bytes,
@@ -330,6 +333,11 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
     let device = model.device_name().to_string();
     tracing::info!(secs = t0.elapsed().as_secs_f64(), "weights on the GPU");
     let kv_per_token = model.kv_layout().bytes_per_token() as f64;
+    let kv_dtype = if model.kv_layout().dtype == tandem_model::KvDtype::Fp8E4m3 {
+        "fp8"
+    } else {
+        "bf16"
+    };
     let weights = match (model.weight_format(), model.fp8_tensor_cores()) {
         ("fp8", true) => "fp8, FP8 tensor-core GEMMs",
         (format, _) => format,
@@ -395,6 +403,7 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
             let bytes = model.weight_bytes_per_step(b) as f64 + b as f64 * kv_read;
             emit(BenchRow {
                 weights,
+                kv: kv_dtype,
                 what: "decode".into(),
                 batch: b,
                 context: args.context,
@@ -454,6 +463,7 @@ fn run_bench(args: &BenchArgs, cuda: &CudaSettings) -> Result<()> {
         let attn = 4.0 * (c.num_heads * c.head_dim) as f64 * keys;
         emit(BenchRow {
             weights,
+            kv: kv_dtype,
             what: "prefill".into(),
             batch: 1,
             context: len,
