@@ -166,10 +166,20 @@ impl Backend for CpuBackend {
         &self.info
     }
 
-    /// Rank 0's counts: a model with experts runs on one rank (tensor parallelism refuses it).
+    /// The ranks' counts added up: under expert parallelism each rank counts only the experts it
+    /// holds, so the sum counts every routed row once.
     fn moe_expert_tokens(&self, out: &mut Vec<LayerExpertTokens>) {
         out.clear();
         out.extend(self.ranks[0].model.expert_tokens().cloned());
+        for rank in &self.ranks[1..] {
+            for (sum, theirs) in out.iter_mut().zip(rank.model.expert_tokens()) {
+                debug_assert_eq!(sum.layer, theirs.layer, "ranks hold the same layers");
+                sum.tokens
+                    .iter_mut()
+                    .zip(&theirs.tokens)
+                    .for_each(|(a, b)| *a += b);
+            }
+        }
     }
 
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {
@@ -515,6 +525,44 @@ mod tests {
             );
             p.shutdown();
             d.shutdown();
+        }
+    }
+
+    /// Tensor parallelism on a mixture of experts (the tiny Qwen2-MoE fixture, shared expert included):
+    /// each rank holds its experts only, the logits equal one rank's, and the backend's routing counts
+    /// add the ranks' so every expert is counted once.
+    #[test]
+    fn expert_parallel_backend_matches_one_rank_and_counts_each_expert_once() {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/hf/tiny-qwen2-moe");
+        let m = tandem_model::load(&dir, &tandem_model::LoadOptions::default()).unwrap();
+        let bytes = 1 << 20;
+        let mut one = CpuBackend::new(
+            CpuLlama::new(m.config.clone(), m.weights.clone(), 1),
+            4,
+            bytes,
+        );
+        let mut two = CpuBackend::tensor_parallel(&m.config, &m.weights, 2, 2, 4, bytes).unwrap();
+        let prompt: Vec<u32> = (0..9).map(|i| (i * 37 + 5) % 512).collect();
+        let mut batch = ForwardBatch::default();
+        batch.push(&prompt, 0, vec![0, 1, 2], tandem_model::LogitsWanted::All);
+        let (mut want, mut got) = (Vec::new(), Vec::new());
+        one.forward(&batch, &mut want).unwrap();
+        two.forward(&batch, &mut got).unwrap();
+        assert_eq!(got, want);
+        let (mut want_counts, mut counts) = (Vec::new(), Vec::new());
+        one.moe_expert_tokens(&mut want_counts);
+        two.moe_expert_tokens(&mut counts);
+        assert_eq!(counts, want_counts);
+        let routed: u64 = counts.iter().flat_map(|l| &l.tokens).sum();
+        assert_eq!(routed, 9 * 2 * 3, "9 rows, top-2, 3 MoE layers");
+        // Rank r holds experts 4r..4r+4 of 8 (contiguous) and counted only those.
+        for (r, rank) in two.ranks.iter().enumerate() {
+            for layer in rank.model.expert_tokens() {
+                for (x, &n) in layer.tokens.iter().enumerate() {
+                    assert!(x / 4 == r || n == 0, "rank {r} counted expert {x}");
+                }
+            }
         }
     }
 

@@ -67,6 +67,9 @@ pub enum ModelError {
     /// A tensor- or pipeline-parallel split does not fit the model (names the size and the dimension).
     #[error("parallel split: {0}")]
     Partition(String),
+    /// An expert-parallel placement does not place every expert exactly once on the group's ranks.
+    #[error("expert placement: {0}")]
+    ExpertMap(#[from] crate::expert_map::ExpertMapError),
     /// A kernel rejected its inputs (for example a weight whose byte size does not match its shape).
     #[error("kernel: {0}")]
     Kernel(#[from] tandem_kernels::KernelError),

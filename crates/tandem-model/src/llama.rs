@@ -11,6 +11,7 @@ use crate::batch::{ForwardBatch, KvDtype, KvLayout, LogitsWanted};
 use crate::collective::Collective;
 use crate::config::ModelConfig;
 use crate::error::ModelError;
+use crate::expert_map::ExpertMap;
 use crate::kv::KvCache;
 use crate::partition::{shard_weights, Partition, RankShare};
 use crate::spec::{Activation, MlpKind};
@@ -112,13 +113,28 @@ impl CpuLlama {
     }
 
     /// Builds one partition of the model from the whole model's weights: a pipeline stage's layers,
-    /// and with `collective` (one rank of a group of `part.tp_size`) that rank's share of them.
+    /// and with `collective` (one rank of a group of `part.tp_size`) that rank's share of them, the
+    /// routed experts of a mixture of experts placed contiguously over the ranks.
     pub fn partitioned(
         config: ModelConfig,
         weights: &LlamaWeights,
         threads: usize,
         part: Partition,
         collective: Option<Box<dyn Collective>>,
+    ) -> Result<CpuLlama, ModelError> {
+        let experts = ExpertMap::contiguous(&config, part.tp_size.max(1))?;
+        CpuLlama::partitioned_with_experts(config, weights, threads, part, collective, experts)
+    }
+
+    /// Like [`CpuLlama::partitioned`], with the routed experts placed by `experts` (a map over
+    /// `part.tp_size` ranks; every rank of the group must be given the same map).
+    pub fn partitioned_with_experts(
+        config: ModelConfig,
+        weights: &LlamaWeights,
+        threads: usize,
+        part: Partition,
+        collective: Option<Box<dyn Collective>>,
+        experts: ExpertMap,
     ) -> Result<CpuLlama, ModelError> {
         if part.layers.start >= part.layers.end || part.layers.end > config.num_layers {
             return Err(ModelError::Partition(format!(
@@ -136,7 +152,7 @@ impl CpuLlama {
                 )))
             }
         }
-        let share = RankShare::new(&config, part.tp_rank, part.tp_size)?;
+        let share = RankShare::with_experts(&config, part.tp_rank, part.tp_size, experts)?;
         let weights = shard_weights(&config, weights, &part, &share);
         Ok(CpuLlama::build(
             config, weights, threads, part, share, collective,
@@ -211,7 +227,8 @@ impl CpuLlama {
     }
 
     /// Rows routed to each expert of this partition's mixture-of-experts layers since it was built (none
-    /// for a dense model).
+    /// for a dense model). A tensor-parallel rank counts only the experts it holds (the others stay 0),
+    /// so the sum over the group's ranks counts each routed row once.
     pub fn expert_tokens(&self) -> impl Iterator<Item = &LayerExpertTokens> {
         self.expert_tokens.iter().filter(|l| !l.tokens.is_empty())
     }
@@ -494,6 +511,18 @@ impl CpuLlama {
                         ModelError::Config("a mixture-of-experts layer without experts".into())
                     })?;
                     let counts = &mut self.expert_tokens[l].tokens;
+                    let layer = self.part.layers.start + l;
+                    let ep = match collective.as_deref_mut() {
+                        None => None,
+                        Some(cl) => Some(moe::ExpertParallel {
+                            cl,
+                            owners: share.experts.owners(layer).ok_or_else(|| {
+                                ModelError::Config(format!("layer {layer} has no expert placement"))
+                            })?,
+                            hidden: share.hidden.clone(),
+                            shared_ffn: share.shared_ffn.clone(),
+                        }),
+                    };
                     self.moe_scratch.forward(
                         pool,
                         moe,
@@ -505,6 +534,7 @@ impl CpuLlama {
                         proj,
                         counts,
                         mm,
+                        ep,
                     );
                 }
             }

@@ -10,12 +10,17 @@
 //! depend on the row slice or thread count: tested in tandem-kernels). Uneven splits are allowed
 //! (SmolLM2-135M's 3 KV heads over 2 ranks give 2 + 1): a rank's query heads follow its KV heads, so GQA
 //! groups are never cut.
+//!
+//! A mixture of experts is split by experts, not features (expert parallelism): a rank holds the whole
+//! matrices of the experts its [`ExpertMap`] places there and a replica of the (small) router; the
+//! shared expert, if any, is split like a dense MLP. `llama/moe.rs` says how the outputs are combined.
 
 use std::ops::Range;
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::weights::{GatedMlp, LayerWeights, LlamaWeights, MlpWeights};
+use crate::expert_map::ExpertMap;
+use crate::weights::{GatedMlp, LayerWeights, LlamaWeights, MlpWeights, MoeWeights, SharedExpert};
 
 /// Which share of the model one `CpuLlama` computes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -103,11 +108,28 @@ pub struct RankShare {
     pub hidden: Range<usize>,
     /// Output-head rows (vocabulary ids) whose logits this rank computes.
     pub vocab: Range<usize>,
+    /// Shared-expert features of this rank (empty for a model without a shared expert).
+    pub shared_ffn: Range<usize>,
+    /// Which rank of the group holds each routed expert (this rank holds those placed on its index).
+    pub experts: ExpertMap,
 }
 
 impl RankShare {
-    /// The share of rank `rank` of `size` ranks for `config`: checks that the split fits.
+    /// The share of rank `rank` of `size` ranks for `config`, experts placed contiguously: checks that
+    /// the split fits.
     pub fn new(config: &ModelConfig, rank: usize, size: usize) -> Result<RankShare, ModelError> {
+        let experts = ExpertMap::contiguous(config, size.max(1))?;
+        RankShare::with_experts(config, rank, size, experts)
+    }
+
+    /// The share of rank `rank` of `size` ranks with the routed experts placed by `experts`: checks
+    /// that the split fits and that the map places this model's experts over `size` ranks.
+    pub fn with_experts(
+        config: &ModelConfig,
+        rank: usize,
+        size: usize,
+        experts: ExpertMap,
+    ) -> Result<RankShare, ModelError> {
         let c = config;
         if size == 0 || rank >= size {
             return Err(ModelError::Partition(format!(
@@ -120,10 +142,11 @@ impl RankShare {
                 c.num_kv_heads
             )));
         }
-        if size > 1 && c.has_moe() {
+        experts.check(c, size)?;
+        let shared = c.moe.as_ref().and_then(|m| m.shared_ffn).unwrap_or(0);
+        if shared > 0 && size > shared {
             return Err(ModelError::Partition(format!(
-                "tensor_parallel_size {size}: the CPU backend does not split a mixture of experts \
-                 across ranks; use pipeline stages"
+                "tensor_parallel_size {size} exceeds the model's {shared} shared-expert features"
             )));
         }
         let group = c.num_heads / c.num_kv_heads;
@@ -134,6 +157,8 @@ impl RankShare {
             ffn: even_range(c.intermediate_size, size, rank),
             hidden: even_range(c.hidden_size, size, rank),
             vocab: even_range(c.vocab_size, size, rank),
+            shared_ffn: even_range(shared, size, rank),
+            experts,
         })
     }
 
@@ -145,12 +170,16 @@ impl RankShare {
             ffn: 0..config.intermediate_size,
             hidden: 0..config.hidden_size,
             vocab: 0..config.vocab_size,
+            shared_ffn: 0..config.moe.as_ref().and_then(|m| m.shared_ffn).unwrap_or(0),
+            experts: ExpertMap::contiguous(config, 1).expect("one rank places every expert"),
         }
     }
 }
 
 /// The weights one partition needs: its layers cut to its rank's share, the embedding (first stage) and
-/// its slice of the output head (last stage). Only rows are cut, so nothing is copied.
+/// its slice of the output head (last stage). Only rows are cut, so nothing is copied; of a mixture of
+/// experts the rank keeps only the experts `share.experts` places on `part.tp_rank`, so the others'
+/// bytes are never touched by this rank.
 pub fn shard_weights(
     config: &ModelConfig,
     weights: &LlamaWeights,
@@ -163,7 +192,8 @@ pub fn shard_weights(
     let slice = |b: &Option<Vec<f32>>, r: &Range<usize>| b.as_ref().map(|b| b[r.clone()].to_vec());
     let layers = weights.layers[part.layers.clone()]
         .iter()
-        .map(|l| LayerWeights {
+        .zip(part.layers.clone())
+        .map(|(l, layer)| LayerWeights {
             attn_norm: l.attn_norm.clone(),
             wq: l.wq.slice_rows(q.clone()),
             wk: l.wk.slice_rows(kv.clone()),
@@ -176,14 +206,9 @@ pub fn shard_weights(
             k_norm: l.k_norm.clone(),
             post_attn_norm: l.post_attn_norm.clone(),
             ffn_norm: l.ffn_norm.clone(),
-            // RankShare::new refuses to split a mixture of experts, so its weights stay whole.
             mlp: match &l.mlp {
-                MlpWeights::Dense(m) => MlpWeights::Dense(GatedMlp {
-                    gate: m.gate.slice_rows(share.ffn.clone()),
-                    up: m.up.slice_rows(share.ffn.clone()),
-                    down: m.down.slice_rows(share.hidden.clone()),
-                }),
-                moe => moe.clone(),
+                MlpWeights::Dense(m) => MlpWeights::Dense(slice_mlp(m, &share.ffn, &share.hidden)),
+                MlpWeights::Moe(m) => MlpWeights::Moe(shard_moe(m, layer, part.tp_rank, share)),
             },
             post_ffn_norm: l.post_ffn_norm.clone(),
         })
@@ -198,6 +223,30 @@ pub fn shard_weights(
         } else {
             Some(weights.output_head().slice_rows(share.vocab.clone()))
         },
+    }
+}
+
+/// A gated MLP cut to features `ffn` (gate and up rows) and hidden features `hidden` (down rows).
+fn slice_mlp(m: &GatedMlp, ffn: &Range<usize>, hidden: &Range<usize>) -> GatedMlp {
+    GatedMlp {
+        gate: m.gate.slice_rows(ffn.clone()),
+        up: m.up.slice_rows(ffn.clone()),
+        down: m.down.slice_rows(hidden.clone()),
+    }
+}
+
+/// Rank `rank`'s share of whole-model layer `layer`'s experts: the router whole, the experts the map
+/// places on the rank whole, the shared expert cut like a dense MLP. `m` holds every expert.
+fn shard_moe(m: &MoeWeights, layer: usize, rank: usize, share: &RankShare) -> MoeWeights {
+    let ids = share.experts.experts_on(layer, rank);
+    MoeWeights {
+        router: m.router.clone(),
+        experts: ids.iter().map(|&x| m.experts[x].clone()).collect(),
+        expert_ids: ids,
+        shared: m.shared.as_ref().map(|s| SharedExpert {
+            mlp: slice_mlp(&s.mlp, &share.shared_ffn, &share.hidden),
+            gate: s.gate.clone(),
+        }),
     }
 }
 

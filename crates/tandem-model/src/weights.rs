@@ -45,8 +45,11 @@ pub struct SharedExpert {
 pub struct MoeWeights {
     /// Router (experts × hidden): one logit per expert.
     pub router: Matrix,
-    /// The routed experts, by index.
+    /// The routed experts this partition holds, whole (never sliced), in increasing id: all of them,
+    /// or under expert parallelism those its rank's [`crate::ExpertMap`] entry places there.
     pub experts: Vec<GatedMlp>,
+    /// The expert id of each entry of `experts` (`0..num_experts` when it holds them all).
+    pub expert_ids: Vec<usize>,
     /// The shared expert, if the model has one.
     pub shared: Option<SharedExpert>,
 }

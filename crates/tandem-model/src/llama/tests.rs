@@ -4,6 +4,7 @@
 use super::*;
 use crate::collective::ThreadCollective;
 use crate::config::DenseShape;
+use crate::expert_map::{ExpertMapError, ExpertPlacement};
 use crate::spec::LayerRope;
 use crate::spec::{Activation, AttentionSpan, MlpKind, MoeSpec};
 use crate::weights::{GatedMlp, LayerWeights, MlpWeights, MoeWeights, SharedExpert};
@@ -120,6 +121,7 @@ fn featured() -> (ModelConfig, LlamaWeights) {
     let moe = MoeWeights {
         router: Lcg(5).matrix(experts, h),
         experts: (0..experts).map(|_| mlp(ef)).collect(),
+        expert_ids: (0..experts).collect(),
         shared: Some(SharedExpert {
             mlp: mlp(sf),
             gate: (0..h).map(|i| (i as f32 - 16.0) / 32.0).collect(),
@@ -393,4 +395,164 @@ fn rejects_inconsistent_batches() {
         m.forward(&batch, &mut other, &mut logits),
         Err(ModelError::Batch(_))
     ));
+}
+
+/// Runs `steps(prompt)` on `experts.ranks()` tensor-parallel ranks of (c, w) with the experts placed by
+/// `experts`: rank 0's logits of each step, and each rank's (expert counts, expert ids held per MoE
+/// layer, bytes of routed-expert weights held).
+#[allow(clippy::type_complexity)]
+fn expert_parallel(
+    c: &ModelConfig,
+    w: &LlamaWeights,
+    prompt: &[u32],
+    experts: &ExpertMap,
+) -> (
+    Vec<Vec<f32>>,
+    Vec<(Vec<LayerExpertTokens>, Vec<Vec<usize>>, usize)>,
+) {
+    let size = experts.ranks();
+    let group = ThreadCollective::group(size);
+    let ranks: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(r, col)| {
+                let (c, experts) = (c.clone(), experts.clone());
+                s.spawn(move || {
+                    let part = Partition::whole(&c).with_rank(r, size);
+                    let mut m = CpuLlama::partitioned_with_experts(
+                        c,
+                        w,
+                        1,
+                        part,
+                        Some(Box::new(col)),
+                        experts,
+                    )
+                    .unwrap();
+                    let mut kv = KvCache::new(m.kv_layout(4, 8));
+                    let logits: Vec<Vec<f32>> = steps(prompt)
+                        .iter()
+                        .map(|b| {
+                            let mut logits = Vec::new();
+                            m.forward(b, &mut kv, &mut logits).unwrap();
+                            logits
+                        })
+                        .collect();
+                    let moe: Vec<&MoeWeights> = m
+                        .weights()
+                        .layers
+                        .iter()
+                        .filter_map(|l| match &l.mlp {
+                            MlpWeights::Moe(moe) => Some(moe),
+                            MlpWeights::Dense(_) => None,
+                        })
+                        .collect();
+                    let held = moe.iter().map(|m| m.expert_ids.clone()).collect();
+                    let bytes = moe
+                        .iter()
+                        .flat_map(|m| &m.experts)
+                        .map(|e| e.gate.bytes().len() + e.up.bytes().len() + e.down.bytes().len())
+                        .sum();
+                    (logits, (m.expert_tokens().cloned().collect(), held, bytes))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut ranks = ranks.into_iter();
+    let (logits, first) = ranks.next().unwrap();
+    let mut info = vec![first];
+    for (l, i) in ranks {
+        assert!(l.iter().all(Vec::is_empty), "only rank 0 returns logits");
+        info.push(i);
+    }
+    (logits, info)
+}
+
+#[test]
+fn expert_parallel_ranks_match_the_whole_model_bit_for_bit() {
+    let (c, w) = featured();
+    let prompt: Vec<u32> = (0..11).map(|i| (i * 5 + 1) % 50).collect();
+    let mut whole = CpuLlama::new(c.clone(), w.clone(), 1);
+    let mut kv = KvCache::new(whole.kv_layout(4, 8));
+    let want: Vec<Vec<f32>> = steps(&prompt)
+        .iter()
+        .map(|b| {
+            let mut logits = Vec::new();
+            whole.forward(b, &mut kv, &mut logits).unwrap();
+            logits
+        })
+        .collect();
+    let want_counts: Vec<LayerExpertTokens> = whole.expert_tokens().cloned().collect();
+    let expert_bytes =
+        |e: &GatedMlp| e.gate.bytes().len() + e.up.bytes().len() + e.down.bytes().len();
+    let MlpWeights::Moe(all) = &w.layers[1].mlp else {
+        panic!("layer 1 is the MoE layer")
+    };
+    let one = expert_bytes(&all.experts[0]);
+    // 4 experts of layer 1: 2 + 2 contiguously, alternating round-robin, and an uneven 3 + 1.
+    let maps = [
+        (
+            ExpertMap::contiguous(&c, 2).unwrap(),
+            [vec![0, 1], vec![2, 3]],
+        ),
+        (
+            ExpertMap::new(&c, 2, ExpertPlacement::RoundRobin).unwrap(),
+            [vec![0, 2], vec![1, 3]],
+        ),
+        (
+            ExpertMap::from_assignments(&c, 2, [(1, 0, 1), (1, 1, 1), (1, 2, 0), (1, 3, 1)])
+                .unwrap(),
+            [vec![2], vec![0, 1, 3]],
+        ),
+    ];
+    for (map, held) in maps {
+        let (got, info) = expert_parallel(&c, &w, &prompt, &map);
+        assert_eq!(got, want, "{map:?}: logits must equal the whole model's");
+        for (r, (_, ids, bytes)) in info.iter().enumerate() {
+            assert_eq!(ids, &[held[r].clone()], "{map:?} rank {r}");
+            assert_eq!(*bytes, held[r].len() * one, "only its experts' bytes");
+        }
+        // Each rank counts its own experts only; summed, the group counts what one rank does.
+        let mut sum = info[0].0.clone();
+        for (counts, _, _) in &info[1..] {
+            for (s, l) in sum.iter_mut().zip(counts) {
+                assert_eq!(s.layer, l.layer);
+                s.tokens
+                    .iter_mut()
+                    .zip(&l.tokens)
+                    .for_each(|(a, b)| *a += b);
+            }
+        }
+        assert_eq!(sum, want_counts, "{map:?}");
+        for (r, (counts, _, _)) in info.iter().enumerate() {
+            for (x, &n) in counts[0].tokens.iter().enumerate() {
+                if !held[r].contains(&x) {
+                    assert_eq!(n, 0, "rank {r} counted expert {x} it does not hold");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn expert_maps_that_do_not_fit_the_group_are_refused() {
+    let (c, w) = featured();
+    let part = Partition::whole(&c).with_rank(0, 2);
+    let err = |map: ExpertMap| {
+        let col = ThreadCollective::group(2).remove(0);
+        CpuLlama::partitioned_with_experts(c.clone(), &w, 1, part.clone(), Some(Box::new(col)), map)
+            .unwrap_err()
+    };
+    let e = err(ExpertMap::contiguous(&c, 3).unwrap());
+    assert!(
+        matches!(
+            e,
+            ModelError::ExpertMap(ExpertMapError::WrongRanks { map: 3, ranks: 2 })
+        ),
+        "{e}"
+    );
+    let (dense, _) = tiny(false);
+    let e = err(ExpertMap::contiguous(&dense, 2).unwrap());
+    assert!(e.to_string().contains("does not match the model"), "{e}");
 }

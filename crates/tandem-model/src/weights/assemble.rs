@@ -304,6 +304,7 @@ fn assemble_moe(
     Ok(MoeWeights {
         router,
         experts,
+        expert_ids: (0..e).collect(),
         shared,
     })
 }
