@@ -6,6 +6,7 @@
 //   DEC_PART   keys per split of the decode attention (flash-decoding partition)
 //   DS_KEYS    most keys per split of the small-batch decode attention
 //   GV_U, GV_MINB  GEMV tuning: chunks per row a lane loads per step; blocks per SM to fit
+//   GV_MMA     1: the packed GGUF GEMVs run on the tensor cores (gv_octet); 0: on the FP32 lanes
 //   GV_FORMATS weight formats whose GEMVs are compiled (a bit mask; bf16 always)
 //   KV_FP8     1: the KV cache holds FP8 E4M3 codes of value / KV_SCALE (one byte an element), 0: bf16
 //   KV_SCALE   the per-tensor scale of FP8 KV codes (a float literal)
@@ -1309,6 +1310,14 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
 // activation rows come from L1 or, in the kernels with the prologue, from shared memory. Epilogues
 // fuse the elementwise work that follows each projection of a step (residual add, SiLU·mul, bias +
 // RoPE + the K/V write), so a decode layer is five launches.
+// Two inner loops: `gv_pair` on the FP32 lanes (bf16 and FP8 weights: a warp's item is one row
+// pair, a lane decodes a chunk of each row once and does the FMAs of every activation row), and for
+// the packed GGUF formats with GV_MMA `gv_octet` on the tensor cores (a warp's item is 8 row pairs,
+// a chunk of 16 rows against all 8 activation columns is two MMAs a half-chunk, whatever M is).
+// A 4-bit chunk is 4x a bf16 chunk's values, so on the FP32 lanes each activation row cost 4x a
+// bf16 row's loads, conversions and adds per weight byte (measured: 8 rows 4.2x a row's time on an
+// H100); on the tensor cores the per-chunk work is fixed and the activations are read once per
+// 16 weight rows.
 #define GV_WARPS 8
 
 extern __shared__ uint4 gv_smem[];
@@ -1318,6 +1327,11 @@ __device__ __forceinline__ uint4 ld_stream(const bf16* p) {
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float2 ld_stream2(const float* p) {
+    float2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.f32 {%0,%1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
     return v;
 }
 
@@ -1353,7 +1367,7 @@ __device__ __forceinline__ GvItem gv_item(int group, int K, int ks) {
 struct WBf16 {
     typedef bf16 T;
     static constexpr int V = 8, VPT = 1;
-    static constexpr bool PLAIN = true, MIN = false;
+    static constexpr bool PLAIN = true, MIN = false, MMA = false;
     static constexpr float POST = 1.f;
     const float* sc;
     int kb;
@@ -1363,7 +1377,7 @@ struct WBf16 {
 struct WFp8 {
     typedef unsigned char T;
     static constexpr int V = 16, VPT = 1;
-    static constexpr bool PLAIN = false, MIN = false;
+    static constexpr bool PLAIN = false, MIN = false, MMA = false;
     static constexpr float POST = FP8_UNSCALE;
     const float* sc;
     int kb;
@@ -1372,34 +1386,27 @@ struct WFp8 {
         g = s[k >> 7] * POST;
     }
 };
-struct WQ4 {
+// WQ4 = WPacked<4>: 32 unsigned 4-bit codes a chunk, byte j holding element j (low nibble) and
+// element j + 16 (high). WQ8 = WPacked<8>: 16 signed 8-bit codes a chunk. With GV_MMA the GEMVs
+// take them through `gv_octet` (tensor cores, `frag`), else through `gv_pair` (`unpack`, `group`).
+template <int BITS>
+struct WPacked {
     typedef unsigned char T;
-    static constexpr int V = 32, VPT = 2;
-    static constexpr bool PLAIN = false, MIN = true;
+    static constexpr int V = 128 / BITS, VPT = 8 / BITS;
+    static constexpr bool PLAIN = false, MIN = true, MMA = GV_MMA;
     static constexpr float POST = 1.f;
     const float* sc;
     int kb;
     static __device__ __forceinline__ void unpack(const uint4& c, float* f);
     static __device__ __forceinline__ void group(const float* s, int k, float& g, float& h) {
-        const float2 p = *(const float2*)(s + 2 * (k >> 5));
+        const float2 p = *(const float2*)(s + 2 * (k / V));
         g = p.x;
         h = p.y;
     }
+    static __device__ __forceinline__ void frag(u32 w, int half, u32& a01, u32& a23);
 };
-struct WQ8 {
-    typedef signed char T;
-    static constexpr int V = 16, VPT = 1;
-    static constexpr bool PLAIN = false, MIN = true;
-    static constexpr float POST = 1.f;
-    const float* sc;
-    int kb;
-    static __device__ __forceinline__ void unpack(const uint4& c, float* f);
-    static __device__ __forceinline__ void group(const float* s, int k, float& g, float& h) {
-        const float2 p = *(const float2*)(s + 2 * (k >> 4));
-        g = p.x;
-        h = p.y;
-    }
-};
+typedef WPacked<4> WQ4;
+typedef WPacked<8> WQ8;
 
 // Row r of a matrix of K values a row in format WT.
 template <class WT>
@@ -1439,52 +1446,105 @@ __device__ __forceinline__ float byte_as_float(u32 w, int j) {
     return __uint_as_float(__byte_perm(w, 0x4b000000u, 0x7540 | j)) - MAGIC_2_23;
 }
 
-// 32 4-bit codes: byte j of the chunk holds element j (low nibble) and element j + 16 (high).
-__device__ __forceinline__ void WQ4::unpack(const uint4& c, float* f) {
+// A chunk's codes as V floats. 4-bit: word i's low nibbles are elements 4i..4i+3, its high ones
+// 16 + 4i..; 8-bit: flipping each byte's sign bit makes it code + 128, unsigned.
+template <int BITS>
+__device__ __forceinline__ void WPacked<BITS>::unpack(const uint4& c, float* f) {
     const u32 w[4] = {c.x, c.y, c.z, c.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        const u32 lo = w[i] & 0x0f0f0f0fu, hi = (w[i] >> 4) & 0x0f0f0f0fu;
+        if constexpr (BITS == 4) {
+            const u32 lo = w[i] & 0x0f0f0f0fu, hi = (w[i] >> 4) & 0x0f0f0f0fu;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            f[4 * i + j] = byte_as_float(lo, j);
-            f[16 + 4 * i + j] = byte_as_float(hi, j);
+            for (int j = 0; j < 4; j++) {
+                f[4 * i + j] = byte_as_float(lo, j);
+                f[16 + 4 * i + j] = byte_as_float(hi, j);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                f[4 * i + j] = __uint_as_float(__byte_perm(w[i] ^ 0x80808080u, 0x4b000000u, 0x7540 | j)) -
+                               (MAGIC_2_23 + 128.f);
+            }
         }
     }
 }
 
-// 16 signed 8-bit codes: flipping each byte's sign bit makes it code + 128, unsigned.
-__device__ __forceinline__ void WQ8::unpack(const uint4& c, float* f) {
-    const u32 w[4] = {c.x ^ 0x80808080u, c.y ^ 0x80808080u, c.z ^ 0x80808080u, c.w ^ 0x80808080u};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-#pragma unroll
-        for (int j = 0; j < 4; j++) f[4 * i + j] = __uint_as_float(__byte_perm(w[i], 0x4b000000u, 0x7540 | j)) - (MAGIC_2_23 + 128.f);
+// Codes as bf16 pairs for the tensor cores, exactly (every code is a small integer), with integer
+// ops and one bf16x2 FMA a pair: a byte b placed under the bf16 exponent byte 0x43 is 128 + b for b <
+// 128. 4-bit: the nibbles (half 0: low, 1: high) minus 128. 8-bit: the low 7 bits, 128 + (c & 0x7f),
+// minus 128 + (c & 0x80) (its sign bit placed the same way: 128 or 256), i.e. c. a01 holds the word's
+// codes 0 and 1 of the half, a23 codes 2 and 3 (low half first).
+__device__ __forceinline__ u32 bf2_sub(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(b), "r"(0xbf80bf80u), "r"(a));  // a - b
+    return d;
+}
+template <int BITS>
+__device__ __forceinline__ void WPacked<BITS>::frag(u32 w, int half, u32& a01, u32& a23) {
+    u32 v, s;
+    if constexpr (BITS == 4) {
+        v = (half ? w >> 4 : w) & 0x0f0f0f0fu;
+        s = 0u;
+    } else {
+        v = w & 0x7f7f7f7fu;
+        s = w & 0x80808080u;
     }
+    a01 = bf2_sub(__byte_perm(v, 0x43434343u, 0x4140), __byte_perm(s, 0x43434343u, 0x4140));
+    a23 = bf2_sub(__byte_perm(v, 0x43434343u, 0x4342), __byte_perm(s, 0x43434343u, 0x4342));
 }
 
-// Chunks k0 + u * 32 * V (u < GV_U) of rows w0 and w1; zero at or past ke.
+// Elements of K a warp covers per unrolled step: a chunk per lane (gv_pair), or 4 chunks of each of
+// 16 rows (gv_octet: lane t of each quad takes chunk t).
 template <class WT>
-__device__ __forceinline__ void gv_load(uint4 (&c0)[GV_U], uint4 (&c1)[GV_U], const typename WT::T* w0,
-                                        const typename WT::T* w1, int k0, int ke) {
+__device__ __forceinline__ constexpr int gv_step() {
+    return (WT::MMA ? 4 : 32) * WT::V;
+}
+// The offset in K of this lane's chunk within a step.
+template <class WT>
+__device__ __forceinline__ int gv_lane_k() {
+    return (WT::MMA ? threadIdx.x & 3 : threadIdx.x & 31) * WT::V;
+}
+
+// A lane's loads of one unrolled step: chunk k0 + u * gv_step (u < GV_U) of rows w0 and w1 (zero at
+// or past ke), and in the tensor-core path the chunks' (scale, min) pairs (s0, s1: the rows' pairs).
+template <class WT>
+struct GvBuf {
+    uint4 c0[GV_U], c1[GV_U];
+    float2 p0[GV_U], p1[GV_U];
+};
+template <class WT>
+__device__ __forceinline__ void gv_load(GvBuf<WT>& b, const typename WT::T* w0, const typename WT::T* w1,
+                                        const float* s0, const float* s1, int k0, int ke) {
 #pragma unroll
     for (int u = 0; u < GV_U; u++) {
-        int k = k0 + u * 32 * WT::V;
-        c0[u] = k < ke ? ld_stream((const bf16*)(w0 + k / WT::VPT)) : make_uint4(0, 0, 0, 0);
-        c1[u] = k < ke ? ld_stream((const bf16*)(w1 + k / WT::VPT)) : make_uint4(0, 0, 0, 0);
+        int k = k0 + u * gv_step<WT>();
+        b.c0[u] = k < ke ? ld_stream((const bf16*)(w0 + k / WT::VPT)) : make_uint4(0, 0, 0, 0);
+        b.c1[u] = k < ke ? ld_stream((const bf16*)(w1 + k / WT::VPT)) : make_uint4(0, 0, 0, 0);
+        if constexpr (WT::MMA) {
+            b.p0[u] = k < ke ? ld_stream2(s0 + 2 * (k / WT::V)) : make_float2(0.f, 0.f);
+            b.p1[u] = k < ke ? ld_stream2(s1 + 2 * (k / WT::V)) : make_float2(0.f, 0.f);
+        }
     }
 }
 
-// The next item a warp streams after the current one: its two rows and K slice (empty when none).
+// The next item a warp streams after the current one: its two rows (and their scales) and K slice
+// (empty when none).
 template <class WT>
 struct GvNext {
     const typename WT::T* w0;
     const typename WT::T* w1;
+    const float* s0;
+    const float* s1;
     int kb, ke;
 };
 
-// The RMSNorm prologue: xs[m] = RMSNorm(res[m]) * nw into shared memory, rounded as add_rmsnorm
-// rounds. Every thread of the block must call it.
+// Shared-memory activation rows are K + GV_XPAD values apart: with 16 values (32 bytes) of padding
+// the tensor-core path's 8-byte reads of 8 rows (one per quad) hit distinct banks.
+#define GV_XPAD 16
+
+// The RMSNorm prologue: xs[m] = RMSNorm(res[m]) * nw into shared memory (rows K + GV_XPAD apart),
+// rounded as add_rmsnorm rounds. Every thread of the block must call it.
 template <int M>
 __device__ __forceinline__ void gv_norm(const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps, int K) {
     __shared__ float red[32];
@@ -1512,33 +1572,40 @@ __device__ __forceinline__ void gv_norm(const bf16* __restrict__ res, const bf16
             o.y = pack_bf2(round_bf(f[2] * inv[m]) * g[2], round_bf(f[3] * inv[m]) * g[3]);
             o.z = pack_bf2(round_bf(f[4] * inv[m]) * g[4], round_bf(f[5] * inv[m]) * g[5]);
             o.w = pack_bf2(round_bf(f[6] * inv[m]) * g[6], round_bf(f[7] * inv[m]) * g[7]);
-            *(uint4*)(xs + m * K + k) = o;
+            *(uint4*)(xs + m * (K + GV_XPAD) + k) = o;
         }
     }
     __syncthreads();
 }
 
-// a0[m], a1[m] = dot(x[m], w0), dot(x[m], w1) over the item's K slice, summed over the warp and then
-// over the ks warps of the pair: the result is valid in the slice-0 warp (every lane). c0/c1 hold
-// the item's first chunks on entry (loaded before any prologue, so that they are in flight while it
-// runs) and the next item's first chunks on return: they are loaded in the last step, so the warp
-// keeps loads in flight through its reductions and epilogue. FP8 rows take their group scales
-// (s0, s1: the rows' scales) chunk by chunk. Every thread of the block must call it (it has
-// barriers when ks > 1); the trip count is warp-uniform.
+// The FP32-lane path (bf16, FP8, and the packed formats without GV_MMA): a warp's item is one row
+// pair. a0[m], a1[m] = dot(x[m], w0), dot(x[m], w1) over the item's K slice (x's rows xs values
+// apart), summed over the warp and then over the ks warps of the pair: the result is valid in the
+// slice-0 warp (every lane). Per chunk a lane unpacks its two rows' V codes to floats once, then
+// for each of the M rows loads V activations (V / 8 16-byte loads, from L1 or shared memory),
+// widens them to floats and does 2V FMAs (and, with a per-chunk min, V adds for the chunk's
+// activation sum): the activation work grows with M, and for 4-bit codes it is 4x a bf16 row's per
+// weight byte. b holds the item's first chunks on entry (loaded before any prologue, so that they
+// are in flight while it runs) and the next item's first chunks on return: they are loaded in the
+// last step, so the warp keeps loads in flight through its reductions and epilogue. Scaled formats
+// read their group scales (s0, s1: the rows' scales) chunk by chunk. Every thread of the block must
+// call it (it has barriers when ks > 1); the trip count is warp-uniform.
 template <int M, bool SMEM_X, class WT>
-__device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const typename WT::T* __restrict__ w0,
+__device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, int xs, const typename WT::T* __restrict__ w0,
                                         const typename WT::T* __restrict__ w1, const float* s0, const float* s1,
-                                        int K, const GvItem& it, int ks, const GvNext<WT>& nx, uint4 (&c0)[GV_U],
-                                        uint4 (&c1)[GV_U], float (&a0)[M], float (&a1)[M]) {
+                                        const GvItem& it, int ks, const GvNext<WT>& nx, GvBuf<WT>& b,
+                                        float (&a0)[M], float (&a1)[M]) {
     constexpr int V = WT::V, STEP = 32 * V;
+    uint4(&c0)[GV_U] = b.c0;
+    uint4(&c1)[GV_U] = b.c1;
     __shared__ float part[GV_WARPS][2][M];
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int m = 0; m < M; m++) a0[m] = a1[m] = 0.f;
     for (int kw = it.kb; kw < it.ke; kw += STEP * GV_U) {
-        uint4 n0[GV_U], n1[GV_U];
-        if (kw + STEP * GV_U < it.ke) gv_load<WT>(n0, n1, w0, w1, kw + STEP * GV_U + lane * V, it.ke);
-        else gv_load<WT>(n0, n1, nx.w0, nx.w1, nx.kb + lane * V, nx.ke);
+        GvBuf<WT> n;
+        if (kw + STEP * GV_U < it.ke) gv_load<WT>(n, w0, w1, s0, s1, kw + STEP * GV_U + lane * V, it.ke);
+        else gv_load<WT>(n, nx.w0, nx.w1, nx.s0, nx.s1, nx.kb + lane * V, nx.ke);
 #pragma unroll
         for (int u = 0; u < GV_U; u++) {
             const int k = kw + lane * V + u * STEP;
@@ -1553,8 +1620,8 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const typena
                     float xf[V];
 #pragma unroll
                     for (int h = 0; h < V / 8; h++) {
-                        if (SMEM_X) unpack8(*(const uint4*)(x + m * K + k + 8 * h), xf + 8 * h);
-                        else unpack8(__ldg((const uint4*)(x + (u64)m * K + k + 8 * h)), xf + 8 * h);
+                        if (SMEM_X) unpack8(*(const uint4*)(x + m * xs + k + 8 * h), xf + 8 * h);
+                        else unpack8(__ldg((const uint4*)(x + (u64)m * xs + k + 8 * h)), xf + 8 * h);
                     }
                     if constexpr (WT::PLAIN) {
 #pragma unroll
@@ -1582,13 +1649,9 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const typena
                 }
             }
         }
-#pragma unroll
-        for (int u = 0; u < GV_U; u++) {
-            c0[u] = n0[u];
-            c1[u] = n1[u];
-        }
+        b = n;
     }
-    if (it.kb >= it.ke) gv_load<WT>(c0, c1, nx.w0, nx.w1, nx.kb + lane * V, nx.ke);  // an empty slice
+    if (it.kb >= it.ke) gv_load<WT>(b, nx.w0, nx.w1, nx.s0, nx.s1, nx.kb + lane * V, nx.ke);  // an empty slice
 #pragma unroll
     for (int m = 0; m < M; m++) {
         a0[m] = warp_sum(a0[m]);
@@ -1617,19 +1680,149 @@ __device__ __forceinline__ void gv_pair(const bf16* __restrict__ x, const typena
     }
 }
 
-// Streams the block's groups: rows(it, r0, r1) maps an item to its two weight rows (clamped into
-// the matrix), xof(it) to its M activation rows, epi(it, r0, r1, a0, a1) consumes the sums (in the
-// slice-0 warp). The prologue, if any, runs between the first loads and the first item. `wf` is
-// the weights' format (and an FP8 matrix's scales).
+// A 4 x 4 transpose of 4-byte words across a quad (4 lanes): lane t holds chunk t of the quad's 4
+// in v (its words 0..3) and gets y[j] = word t of chunk j. Two rounds of exchanges: 2 x 2 blocks
+// with lane t ^ 2, then within them with lane t ^ 1 (2 shuffles and 6 selects a round).
+__device__ __forceinline__ void quad_transpose(const uint4& v, u32 (&y)[4]) {
+    const int t = threadIdx.x & 3;
+    const bool b1 = t & 2, b0 = t & 1;
+    u32 s0 = b1 ? v.x : v.z, s1 = b1 ? v.y : v.w;
+    const u32 r0 = __shfl_xor_sync(~0u, s0, 2), r1 = __shfl_xor_sync(~0u, s1, 2);
+    const u32 z0 = b1 ? r0 : v.x, z1 = b1 ? r1 : v.y, z2 = b1 ? v.z : r0, z3 = b1 ? v.w : r1;
+    s0 = b0 ? z0 : z1;
+    s1 = b0 ? z2 : z3;
+    const u32 q0 = __shfl_xor_sync(~0u, s0, 1), q1 = __shfl_xor_sync(~0u, s1, 1);
+    y[0] = b0 ? q0 : z0;
+    y[1] = b0 ? z1 : q0;
+    y[2] = b0 ? q1 : z2;
+    y[3] = b0 ? z3 : q1;
+}
+
+// The tensor-core path of the packed formats (GV_MMA): a warp's item is 8 row pairs, and a chunk's
+// dot products for all 16 rows and all M activation rows are MMAs (m16n8k16, bf16 in, fp32 out):
+// the weight rows are the MMA's 16 rows (pair i's rows r0, r1 are rows i and i + 8), the
+// activation rows its 8 columns (rows past M are zero). Lane (g, t) = (lane / 4, lane % 4) loads
+// chunk t of each step's 4 from its pair g's rows r0 and r1, with the chunks' (scale, min) pairs;
+// a quad transpose then gives it word t of each of the 4 chunks. Inside an MMA the order of K is
+// free as long as both operands share it, so a lane's k slots 2t, 2t + 1, 2t + 8, 2t + 9 take the
+// word's 4 codes of one half (4-bit: the low nibbles, elements 4t..4t+3, then the high ones,
+// 16 + 4t..; 8-bit: one half, 4t..4t+3), and its activation operand is the 4 consecutive bf16
+// values of row g at those elements: one 8-byte load, from L1 or shared memory, shared by all 16
+// weight rows. Codes become bf16 exactly (`frag`), products are exact and sums are fp32, so a
+// chunk's D = sum code * x, and one more MMA with all-ones weights gives sum x; then per chunk
+// acc += scale * D + min * sum x, the same affine decode as gv_pair. Per chunk a lane does 2 word
+// exchanges, 4 shuffles for the chunk's (scale, min) pairs, the code conversions (2 bf16x2 FMAs and
+// 4 byte permutes per word and half), 1 8-byte activation load and 2 MMAs per half, and 8 FMAs;
+// nothing grows with M (M = 1 pays for 8 columns). acc[0..1] are pair g's row r0 for activation
+// rows 2t, 2t + 1, acc[2..3] its row r1; valid after the split-K sum in the slice-0 warp. Loads in
+// flight and barriers as gv_pair.
+template <int M, bool SMEM_X, class WT>
+__device__ __forceinline__ void gv_octet(const bf16* __restrict__ x, int xs, const typename WT::T* __restrict__ w0,
+                                         const typename WT::T* __restrict__ w1, const float* s0, const float* s1,
+                                         const GvItem& it, int ks, const GvNext<WT>& nx, GvBuf<WT>& b,
+                                         float (&acc)[4]) {
+    constexpr int V = WT::V, STEP = gv_step<WT>(), HALVES = V / 16;
+    constexpr u32 ONES = 0x3f803f80u;  // bf16 1.0, 1.0
+    __shared__ float part[GV_WARPS][4][32];
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bf16* xr = x + (u64)min(g, M - 1) * xs + 4 * t;
+#pragma unroll
+    for (int e = 0; e < 4; e++) acc[e] = 0.f;
+    for (int kw = it.kb; kw < it.ke; kw += STEP * GV_U) {
+        GvBuf<WT> n;
+        if (kw + STEP * GV_U < it.ke) gv_load<WT>(n, w0, w1, s0, s1, kw + STEP * GV_U + t * V, it.ke);
+        else gv_load<WT>(n, nx.w0, nx.w1, nx.s0, nx.s1, nx.kb + t * V, nx.ke);
+#pragma unroll
+        for (int u = 0; u < GV_U; u++) {
+            const int kc = kw + u * STEP;
+            if (kc < it.ke) {  // warp-uniform, as every condition around a shuffle or an MMA here
+                u32 q0[4], q1[4];
+                quad_transpose(b.c0[u], q0);
+                quad_transpose(b.c1[u], q1);
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const int k = kc + j * V;
+                    if (k < it.ke) {
+                        const int src = (lane & ~3) | j;
+                        const float g0 = __shfl_sync(~0u, b.p0[u].x, src), h0 = __shfl_sync(~0u, b.p0[u].y, src);
+                        const float g1 = __shfl_sync(~0u, b.p1[u].x, src), h1 = __shfl_sync(~0u, b.p1[u].y, src);
+                        float d[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                        for (int h = 0; h < HALVES; h++) {
+                            uint2 xv = make_uint2(0u, 0u);
+                            if (g < M) {
+                                if constexpr (SMEM_X) xv = *(const uint2*)(xr + k + 16 * h);
+                                else xv = __ldg((const uint2*)(xr + k + 16 * h));
+                            }
+                            u32 a01, a23, b01, b23;
+                            WT::frag(q0[j], h, a01, a23);
+                            WT::frag(q1[j], h, b01, b23);
+                            mma_bf16(d, a01, b01, a23, b23, xv.x, xv.y);
+                            mma_bf16(sx, ONES, ONES, ONES, ONES, xv.x, xv.y);
+                        }
+                        acc[0] += g0 * d[0];
+                        acc[0] += h0 * sx[0];
+                        acc[1] += g0 * d[1];
+                        acc[1] += h0 * sx[1];
+                        acc[2] += g1 * d[2];
+                        acc[2] += h1 * sx[0];
+                        acc[3] += g1 * d[3];
+                        acc[3] += h1 * sx[1];
+                    }
+                }
+            }
+        }
+        b = n;
+    }
+    if (it.kb >= it.ke) gv_load<WT>(b, nx.w0, nx.w1, nx.s0, nx.s1, nx.kb + t * V, nx.ke);  // an empty slice
+    if (ks > 1) {
+        const int wb = threadIdx.x >> 5;
+#pragma unroll
+        for (int e = 0; e < 4; e++) part[wb][e][lane] = acc[e];
+        __syncthreads();
+        if (it.slice == 0) {
+            for (int s = 1; s < ks; s++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[e] += part[wb + s][e][lane];
+            }
+        }
+        __syncthreads();  // part is rewritten by the block's next group
+    }
+}
+
+// The item a lane's rows and epilogue see: the warp's item, or in the tensor-core path its pair
+// 8 * item + lane / 4.
+template <class WT>
+__device__ __forceinline__ GvItem gv_lane_item(GvItem it) {
+    if constexpr (WT::MMA) it.pair = it.pair * 8 + ((threadIdx.x & 31) >> 2);
+    return it;
+}
+
+// Whether this lane's epilogue writes activation row m: lane m (gv_pair's sums are in every lane),
+// or in the tensor-core path the lanes whose t holds row m (rows 2t and 2t + 1).
+template <class WT>
+__device__ __forceinline__ bool gv_owns(int m) {
+    return WT::MMA ? (int)(threadIdx.x & 3) == (m >> 1) : (int)(threadIdx.x & 31) == m;
+}
+
+// Streams the block's groups: rows(it, r0, r1) maps an item (gv_lane_item's) to its two weight rows
+// (clamped into the matrix), xof(it) to its M activation rows (the tensor-core path, whose warp
+// takes 8 items' rows at once, needs them shared by the warp's items: the dense projections),
+// epi(it, r0, r1, a0, a1) consumes the sums (in the slice-0 warp; row m where gv_owns(m)). The
+// prologue, if any, runs between the first loads and the first item. `wf` is the weights' format
+// (and a scaled matrix's scales). Activation rows in shared memory (SMEM_X) are K + GV_XPAD apart.
 template <int M, bool SMEM_X, class WT, class Rows, class XOf, class Prologue, class Epi>
 __device__ __forceinline__ void gv_run_x(const typename WT::T* __restrict__ w, WT wf, int K, int ks, int groups,
                                          Rows rows, XOf xof, Prologue prologue, Epi epi) {
+    const int xs = SMEM_X ? K + GV_XPAD : K;
+    auto scales = [&](int r) -> const float* { return wf.sc ? wf.sc + (u64)r * wf.kb : nullptr; };
     int g = blockIdx.x;
     GvItem it = gv_item<WT>(g, K, ks);
     int r0, r1;
-    rows(it, r0, r1);
-    uint4 c0[GV_U], c1[GV_U];
-    gv_load<WT>(c0, c1, gv_row<WT>(w, r0, K), gv_row<WT>(w, r1, K), it.kb + (threadIdx.x & 31) * WT::V, it.ke);
+    rows(gv_lane_item<WT>(it), r0, r1);
+    GvBuf<WT> b;
+    gv_load<WT>(b, gv_row<WT>(w, r0, K), gv_row<WT>(w, r1, K), scales(r0), scales(r1), it.kb + gv_lane_k<WT>(),
+                it.ke);
     pdl_wait();
     pdl_trigger();
     prologue();
@@ -1637,14 +1830,24 @@ __device__ __forceinline__ void gv_run_x(const typename WT::T* __restrict__ w, W
         const int gn = g + gridDim.x;
         const GvItem ni = gv_item<WT>(gn, K, ks);
         int n0, n1;
-        rows(ni, n0, n1);
-        const GvNext<WT> nx{gv_row<WT>(w, n0, K), gv_row<WT>(w, n1, K), ni.kb, gn < groups ? ni.ke : ni.kb};
+        rows(gv_lane_item<WT>(ni), n0, n1);
+        const GvNext<WT> nx{gv_row<WT>(w, n0, K), gv_row<WT>(w, n1, K), scales(n0), scales(n1), ni.kb,
+                            gn < groups ? ni.ke : ni.kb};
         float a0[M], a1[M];
-        const float* s0 = wf.sc ? wf.sc + (u64)r0 * wf.kb : nullptr;
-        const float* s1 = wf.sc ? wf.sc + (u64)r1 * wf.kb : nullptr;
-        gv_pair<M, SMEM_X, WT>(xof(it), gv_row<WT>(w, r0, K), gv_row<WT>(w, r1, K), s0, s1, K, it, ks, nx, c0, c1,
-                               a0, a1);
-        if (it.slice == 0) epi(it, r0, r1, a0, a1);
+        if constexpr (WT::MMA) {
+            float acc[4];
+            gv_octet<M, SMEM_X, WT>(xof(it), xs, gv_row<WT>(w, r0, K), gv_row<WT>(w, r1, K), scales(r0),
+                                    scales(r1), it, ks, nx, b, acc);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                a0[m] = acc[m & 1];
+                a1[m] = acc[2 + (m & 1)];
+            }
+        } else {
+            gv_pair<M, SMEM_X, WT>(xof(it), xs, gv_row<WT>(w, r0, K), gv_row<WT>(w, r1, K), scales(r0), scales(r1),
+                                   it, ks, nx, b, a0, a1);
+        }
+        if (it.slice == 0) epi(gv_lane_item<WT>(it), r0, r1, a0, a1);
         if (gn >= groups) break;
         g = gn;
         it = ni;
@@ -1674,7 +1877,6 @@ struct GvAdjacentRows {
 template <int M, class WT>
 __device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const typename WT::T* __restrict__ w, WT wf,
                                           void* __restrict__ y, int N, int K, int f32_out, int ks, int groups) {
-    const int lane = threadIdx.x & 31;
     gv_run<M, false, WT>(
         x, w, wf, K, ks, groups,
         GvAdjacentRows{N}, [] {},
@@ -1682,7 +1884,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const type
             if (2 * it.pair >= N) return;
 #pragma unroll
             for (int m = 0; m < M; m++) {
-                if (lane == m) {
+                if (gv_owns<WT>(m)) {
                     if (f32_out) {
                         ((float*)y)[(u64)m * N + r0] = a0[m];
                         if (r1 != r0) ((float*)y)[(u64)m * N + r1] = a1[m];
@@ -1700,7 +1902,6 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const type
 template <int M, class WT>
 __device__ __forceinline__ void gemv_add_body(const bf16* __restrict__ x, const typename WT::T* __restrict__ w, WT wf,
                                               bf16* __restrict__ res, int N, int K, int ks, int groups) {
-    const int lane = threadIdx.x & 31;
     gv_run<M, false, WT>(
         x, w, wf, K, ks, groups,
         GvAdjacentRows{N}, [] {},
@@ -1708,7 +1909,7 @@ __device__ __forceinline__ void gemv_add_body(const bf16* __restrict__ x, const 
             if (2 * it.pair >= N) return;
 #pragma unroll
             for (int m = 0; m < M; m++) {
-                if (lane == m) {
+                if (gv_owns<WT>(m)) {
                     bf16* r = res + (u64)m * N;
                     r[r0] = f2bf(bf2f(r[r0]) + round_bf(a0[m]));
                     if (r1 != r0) r[r1] = f2bf(bf2f(r[r1]) + round_bf(a1[m]));
@@ -1724,7 +1925,6 @@ template <int M, class WT>
 __device__ __forceinline__ void gemv_silu_body(const bf16* __restrict__ res, const bf16* __restrict__ nw, float eps,
                                                const typename WT::T* __restrict__ w, WT wf, bf16* __restrict__ act,
                                                int ffn, int K, int ks, int groups) {
-    const int lane = threadIdx.x & 31;
     gv_run<M, true, WT>(
         (const bf16*)gv_smem, w, wf, K, ks, groups,
         [&](const GvItem& it, int& r0, int& r1) {
@@ -1737,7 +1937,7 @@ __device__ __forceinline__ void gemv_silu_body(const bf16* __restrict__ res, con
             if (j >= ffn) return;
 #pragma unroll
             for (int m = 0; m < M; m++) {
-                if (lane == m) {
+                if (gv_owns<WT>(m)) {
                     float g = round_bf(a0[m]), u = round_bf(a1[m]);
                     act[(u64)m * ffn + j] = f2bf(round_bf(g / (1.f + __expf(-g))) * u);
                 }
@@ -1761,7 +1961,6 @@ __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, cons
     const int pairs = (n_heads + n_kv) * half;
     const int total = pairs + n_kv * half;
     const int width = (n_heads + 2 * n_kv) * HEAD_DIM;
-    const int lane = threadIdx.x & 31;
     gv_run<M, true, WT>(
         (const bf16*)gv_smem, w, wf, K, ks, groups,
         [&](const GvItem& it, int& r0, int& r1) {
@@ -1781,7 +1980,7 @@ __device__ __forceinline__ void gemv_qkv_body(const bf16* __restrict__ res, cons
             const int head = it.pair < pairs ? it.pair / half : -1, i = it.pair % half;
 #pragma unroll
             for (int m = 0; m < M; m++) {
-                if (lane == m) {
+                if (gv_owns<WT>(m)) {
                     float x0 = round_bf(a0[m]), x1 = round_bf(a1[m]);
                     if (bias) {
                         x0 = round_bf(x0 + bf2f(bias[r0]));

@@ -72,8 +72,13 @@ pub const KERNEL_NAMES: [&str; 30] = [
     "dequant_q8",
 ];
 
-/// Largest row count the small-batch GEMV kernels (`gemv_1` .. `gemv_8`) handle.
+/// Largest row count the small-batch GEMV kernels (`gemv_1` .. `gemv_8`) handle (the tensor-core
+/// path of the packed formats has 8 activation columns an MMA).
 pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Values of padding after each activation row the fused-norm GEMVs keep in shared memory
+/// (`GV_XPAD` in llama.cu).
+pub const GEMV_SMEM_PAD: usize = 16;
 
 /// Dynamic shared memory of `attn_prefill` (`PF_SMEM_BYTES` in llama.cu): two stages of a 64-key K
 /// tile and V tile plus the 128-row Q tile, rows padded by 8 values.
@@ -107,14 +112,18 @@ pub const GEMV_FORMAT_FAMILIES: [[&str; 4]; 4] = [
     GEMV_Q8_FAMILIES,
 ];
 
-/// Compile-time tuning of the small-batch GEMV kernels (`GV_U`, `GV_MINB` in llama.cu), settable
-/// for A/B timings on the device; the defaults are the measured best.
+/// Compile-time tuning of the small-batch GEMV kernels (`GV_U`, `GV_MINB`, `GV_MMA` in llama.cu),
+/// settable for A/B timings on the device; the defaults are the measured best.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemvTuning {
     /// 16-byte chunks of each of its two rows a lane loads per step (and prefetches for the next).
     pub unroll: usize,
     /// Blocks per multiprocessor the compiler must fit (`__launch_bounds__`): more caps registers.
     pub min_blocks: usize,
+    /// Packed GGUF GEMVs on the tensor cores (`gv_octet`: a warp takes 8 row pairs, a chunk's dot
+    /// products for every activation row are MMAs); false: the FP32-lane kernels (`gv_pair`, one row
+    /// pair a warp), kept for A/B timings.
+    pub packed_mma: bool,
 }
 
 impl Default for GemvTuning {
@@ -122,6 +131,7 @@ impl Default for GemvTuning {
         Self {
             unroll: 2,
             min_blocks: 2,
+            packed_mma: true,
         }
     }
 }
@@ -180,7 +190,8 @@ impl KernelShape {
     pub fn source(&self, tuning: &GemvTuning) -> String {
         format!(
             "#define HEAD_DIM {}\n#define GQA {}\n#define KV_BLOCK {}\n#define DEC_PART {}\n#define DS_KEYS {}\n\
-             #define GV_U {}\n#define GV_MINB {}\n#define GV_FORMATS {}\n#define KV_FP8 {}\n#define KV_SCALE {:?}f\n{SOURCE}",
+             #define GV_U {}\n#define GV_MINB {}\n#define GV_MMA {}\n#define GV_FORMATS {}\n#define KV_FP8 {}\n\
+             #define KV_SCALE {:?}f\n{SOURCE}",
             self.head_dim,
             self.gqa,
             self.block_size,
@@ -188,6 +199,7 @@ impl KernelShape {
             DECODE_PARTITION_SMALL,
             tuning.unroll.clamp(1, 16),
             tuning.min_blocks.clamp(1, 8),
+            u8::from(tuning.packed_mma),
             self.formats | 1,
             u8::from(self.kv_fp8),
             KV_FP8_SCALE
@@ -280,6 +292,8 @@ mod tests {
                 "gemv_{m} is not instantiated"
             );
         }
+        // The host sizes the fused GEMVs' shared memory with the kernels' row padding.
+        assert!(SOURCE.contains(&format!("\n#define GV_XPAD {GEMV_SMEM_PAD}\n")));
         // Braces balance (a cheap guard against a truncated or mangled file).
         let open = SOURCE.matches('{').count();
         let close = SOURCE.matches('}').count();
@@ -300,7 +314,8 @@ mod tests {
         let src = s.source(&GemvTuning::default());
         assert!(src.starts_with("#define HEAD_DIM 128\n#define GQA 4\n#define KV_BLOCK 16\n"));
         assert!(src.contains(
-            "#define GV_U 2\n#define GV_MINB 2\n#define GV_FORMATS 1\n#define KV_FP8 0\n#define KV_SCALE 1.0f\n"
+            "#define GV_U 2\n#define GV_MINB 2\n#define GV_MMA 1\n#define GV_FORMATS 1\n#define KV_FP8 0\n\
+             #define KV_SCALE 1.0f\n"
         ));
         let fp8 = KernelShape { kv_fp8: true, ..s }.source(&GemvTuning::default());
         assert!(fp8.contains("#define KV_FP8 1\n"));

@@ -91,4 +91,27 @@ fn compiles_for_hopper_when_nvrtc_is_present() {
             std::fs::write(&path, &text).expect("writing the PTX");
         }
     }
+    // The packed formats' FP32-lane GEMVs (`--cuda-gemv-packed-simt`), kept for A/B timings.
+    let shape = KernelShape {
+        head_dim: 128,
+        gqa: 4,
+        block_size: 16,
+        formats: ALL_FORMATS,
+        kv_fp8: false,
+    };
+    let simt = GemvTuning {
+        packed_mma: false,
+        ..GemvTuning::default()
+    };
+    let text = compile(&shape, &simt, 9, 0)
+        .unwrap_or_else(|e| panic!("{shape:?} {simt:?}: {e}"))
+        .to_src();
+    for m in 1..=GEMV_MAX_ROWS {
+        for family in GEMV_FORMAT_FAMILIES.iter().flatten() {
+            assert!(
+                text.contains(&format!(".entry {family}{m}(")),
+                "{family}{m} missing from the PTX ({simt:?})"
+            );
+        }
+    }
 }

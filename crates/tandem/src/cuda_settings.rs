@@ -166,6 +166,15 @@ pub struct CudaTuning {
     /// Blocks per multiprocessor the GEMV kernels must fit, compiled in (`GV_MINB`; A/B timings).
     #[arg(long = "cuda-gemv-min-blocks", hide = true, value_parser = parse_positive("gemv_min_blocks"))]
     pub gemv_min_blocks: Option<usize>,
+    /// Packed GGUF GEMVs on the FP32 lanes (one row pair a warp) instead of the tensor cores,
+    /// compiled in (`GV_MMA` 0; A/B timings).
+    #[arg(
+        long = "cuda-gemv-packed-simt",
+        hide = true,
+        num_args = 0,
+        default_missing_value = "true"
+    )]
+    pub gemv_packed_simt: Option<bool>,
     /// Persistent GEMV launches: a grid of the blocks the GPU holds at once (A/B timings).
     #[arg(
         long = "cuda-gemv-persistent",
@@ -285,6 +294,9 @@ impl CudaSettings {
             gemv_tuning: tandem_cuda::kernels::GemvTuning {
                 unroll: t.gemv_unroll.unwrap_or(base.gemv_tuning.unroll),
                 min_blocks: t.gemv_min_blocks.unwrap_or(base.gemv_tuning.min_blocks),
+                packed_mma: t
+                    .gemv_packed_simt
+                    .map_or(base.gemv_tuning.packed_mma, |simt| !simt),
             },
             gemv_persistent: t.gemv_persistent.unwrap_or(base.gemv_persistent),
             moe_gemv_max_slots: t.moe_gemv_slots.unwrap_or(base.moe_gemv_max_slots),
@@ -530,6 +542,7 @@ mod tests {
         assert_eq!(o.decode_partition_small, 64);
         assert_eq!(o.gemv_target_warps, 2048);
         assert_eq!((o.gemv_tuning.unroll, o.gemv_tuning.min_blocks), (2, 2));
+        assert!(o.gemv_tuning.packed_mma);
         let engine = tandem_engine::EngineConfig::default();
         assert_eq!(
             (o.block_size, o.kv_cache_memory),
@@ -543,11 +556,13 @@ mod tests {
             "--cuda-gemv-unroll",
             "4",
             "--cuda-gemv-persistent",
+            "--cuda-gemv-packed-simt",
         ])
         .unwrap()
         .options(tandem_cuda::CudaOptions::default());
         assert_eq!(all.attn, tandem_cuda::AttnMode::Simple);
         assert!(!all.gemv && all.gemv_persistent);
         assert_eq!(all.gemv_tuning.unroll, 4);
+        assert!(!all.gemv_tuning.packed_mma);
     }
 }

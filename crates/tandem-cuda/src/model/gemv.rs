@@ -40,17 +40,29 @@ impl Funcs {
 /// Blocks each GEMV kernel runs at once on the device, `[format][family][rows - 1]`.
 pub(super) type GemvCaps = [[[u32; kernels::GEMV_MAX_ROWS]; 4]; 4];
 
-/// Dynamic shared memory of a fused-norm GEMV over `m` rows of `hidden` bf16 values.
+/// Dynamic shared memory of a fused-norm GEMV over `m` rows of `hidden` bf16 values (each row
+/// followed by `kernels::GEMV_SMEM_PAD` values of padding).
 pub(super) fn fused_smem_bytes(m: usize, hidden: usize) -> usize {
-    m * hidden * BF16
+    m * (hidden + kernels::GEMV_SMEM_PAD) * BF16
 }
 
 /// Most dynamic shared memory a fused-norm GEMV block asks for (Hopper allows 227 KiB per block;
 /// beyond this a step falls back to the unfused kernels).
 pub(super) const FUSED_SMEM_MAX: usize = 160 << 10;
 
-/// Warps per block of the GEMV kernels (`GV_WARPS` in llama.cu); each warp owns two weight rows.
+/// Warps per block of the GEMV kernels (`GV_WARPS` in llama.cu); each warp owns two weight rows
+/// ([`gemv_pairs_per_warp`] pairs in the packed formats' tensor-core path).
 pub(super) const GEMV_WARPS: usize = 8;
+
+/// Row pairs a GEMV warp's work item covers: 8 in the packed formats' tensor-core path (`gv_octet`:
+/// 16 weight rows, the MMA's), else 1.
+pub(super) fn gemv_pairs_per_warp(format: WFormat, tuning: &kernels::GemvTuning) -> usize {
+    if format.packed().is_some() && tuning.packed_mma {
+        8
+    } else {
+        1
+    }
+}
 
 /// The GEMV kernel families (the order of `kernels::GEMV_FAMILIES`).
 #[derive(Clone, Copy)]
@@ -83,9 +95,9 @@ impl CudaLlama {
         self.opts.gemv && t >= 1 && t <= self.opts.gemv_max_rows.min(kernels::GEMV_MAX_ROWS)
     }
 
-    /// The launch shape of a GEMV over `t` rows with `pairs` work items (row pairs) of `k` values:
-    /// (grid, K slices, block-groups). One block per group, or with persistent launches no more
-    /// blocks than the GPU holds at once.
+    /// The launch shape of a GEMV over `t` rows with `pairs` row pairs of `k` values: (grid, K
+    /// slices, block-groups). A work item is [`gemv_pairs_per_warp`] pairs; one block per group, or
+    /// with persistent launches no more blocks than the GPU holds at once.
     pub(super) fn gemv_shape(
         &self,
         family: GemvFamily,
@@ -94,8 +106,9 @@ impl CudaLlama {
         pairs: usize,
         k: usize,
     ) -> (u32, i32, i32) {
-        let ks = gemv_split(pairs, k, self.opts.gemv_target_warps);
-        let groups = gemv_blocks(pairs * ks);
+        let items = pairs.div_ceil(gemv_pairs_per_warp(format, &self.opts.gemv_tuning));
+        let ks = gemv_split(items, k, self.opts.gemv_target_warps);
+        let groups = gemv_blocks(items * ks);
         let grid = if self.opts.gemv_persistent {
             groups.min(self.gemv_caps[format as usize][family as usize][t - 1])
         } else {
