@@ -21,7 +21,8 @@
 # Settings (environment; step 1 records them in workloads.env):
 #   DEVICE=cuda|cpu (cpu: the same steps on the CPU backend, one thread per worker — how this script is
 #     tested on a machine without a GPU), KV_MIB (KV cache per worker, MiB; default 16384 on cuda, 256 on
-#     cpu), TRANSPORT=tcp|shm (the 1P1D KV transport), PORT, SMALL=1 (tiny workloads, for the CPU test).
+#     cpu), TRANSPORT=tcp|shm (the 1P1D KV transport), PORT, STEP_TIMEOUT (seconds per profile or bench,
+#     default 240), SMALL=1 (tiny workloads, for the CPU test).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 mode="${1:-}"
@@ -91,6 +92,8 @@ OUT="${OUT:?OUT: where the profile and the bench results go}"
 DEVICE="${DEVICE:-cuda}"
 TRANSPORT="${TRANSPORT:-tcp}"
 PORT="${PORT:-18471}"
+# Seconds the profile, and each bench, may take (a hung step leaves the others their time).
+STEP_TIMEOUT="${STEP_TIMEOUT:-240}"
 if [ "$DEVICE" = cuda ]; then
   KV_MIB="${KV_MIB:-16384}"
   # One process per GPU worker: no CPU thread count to pin.
@@ -134,8 +137,9 @@ ENV
 echo "== profile"
 t0=$SECONDS
 # shellcheck disable=SC2086
-"$BIN" profile "$MODEL" --device "$DEVICE" $threads_flag --kv-cache-mib "$KV_MIB" \
-  --max-num-seqs $MAX_SEQS --max-num-batched-tokens $MAX_BATCHED $profile_size -o "$OUT/profile.json"
+timeout "$STEP_TIMEOUT" "$BIN" profile "$MODEL" --device "$DEVICE" $threads_flag --kv-cache-mib "$KV_MIB" \
+  --max-num-seqs $MAX_SEQS --max-num-batched-tokens $MAX_BATCHED $profile_size -o "$OUT/profile.json" ||
+  echo "profile failed (the benches still run)"
 echo "profile took $((SECONDS - t0)) s"
 
 SERVER=""
@@ -193,7 +197,7 @@ YAML
     var="WL_$w"
     t1=$SECONDS
     # shellcheck disable=SC2086
-    if ! "$BIN" bench --base-url "http://127.0.0.1:$PORT" --tokenizer "$MODEL" ${!var} --seed 7 \
+    if ! timeout "$STEP_TIMEOUT" "$BIN" bench --base-url "http://127.0.0.1:$PORT" --tokenizer "$MODEL" ${!var} --seed 7 \
       --warmup 1 --prompt-format tokens --no-progress --output "$OUT/bench-$topo-$w.json" >"$work/bench.log" 2>&1; then
       echo "bench $topo $w failed"; tail -5 "$work/bench.log"; tail -20 "$log"
     fi

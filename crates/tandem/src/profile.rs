@@ -279,7 +279,11 @@ fn measure_steps<B: Backend>(backend: &mut B, args: &ProfileArgs, startup_s: f64
             grid.push((false, n as f64, (n * pos) as f64, vec![(n, pos)]));
         }
     }
-    grid.retain(|(.., chunks)| timer.fits(chunks));
+    // Points past the model's context (a short-context model) are left out, as the cache would be.
+    let max_len = timer.backend.info().max_len;
+    grid.retain(|(.., chunks)| {
+        timer.fits(chunks) && chunks.iter().all(|&(n, pos)| pos + n <= max_len)
+    });
     // Passes over the whole grid rather than repeats of one point: on a shared machine the load
     // changes over seconds, and every point should see the same mix of it.
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); grid.len()];
