@@ -21,18 +21,7 @@ pub fn start_engine(
     cuda: &CudaSettings,
 ) -> Result<EngineHandle> {
     let pieces = loaded.tokenizer.token_pieces();
-    if device == Device::Cpu && cuda.quantization.is_some() {
-        bail!(
-            "cuda.quantization (--quantization) quantizes weights on the GPU (--device cuda); on the CPU, \
-             serve a quantized GGUF (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) instead"
-        );
-    }
-    if device == Device::Cpu && cuda.kv_cache_dtype.is_some() {
-        bail!(
-            "cuda.kv_cache_dtype (--kv-cache-dtype) sets the GPU's KV cache (--device cuda); the CPU \
-             backend's KV cache is f32"
-        );
-    }
+    check_device_settings(device, cuda)?;
     if config.pipeline_parallel_size > 1 {
         if config.tensor_parallel_size > 1 {
             bail!(
@@ -60,6 +49,31 @@ pub fn start_engine(
         }
     }
 }
+
+/// Refuses CUDA-only settings on the CPU, and `--device cuda` in a binary built without the `cuda`
+/// feature.
+pub fn check_device_settings(device: Device, cuda: &CudaSettings) -> Result<()> {
+    if device == Device::Cpu && cuda.quantization.is_some() {
+        bail!(
+            "cuda.quantization (--quantization) quantizes weights on the GPU (--device cuda); on the CPU, \
+             serve a quantized GGUF (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) instead"
+        );
+    }
+    if device == Device::Cpu && cuda.kv_cache_dtype.is_some() {
+        bail!(
+            "cuda.kv_cache_dtype (--kv-cache-dtype) sets the GPU's KV cache (--device cuda); the CPU \
+             backend's KV cache is f32"
+        );
+    }
+    if device == Device::Cuda && !cfg!(feature = "cuda") {
+        bail!(NO_CUDA);
+    }
+    Ok(())
+}
+
+/// The refusal of `--device cuda` by a binary built without the `cuda` feature.
+pub const NO_CUDA: &str =
+    "--device cuda needs a binary built with `cargo build --release --features cuda`";
 
 /// Starts the engine with guided decoding over the tokenizer's vocabulary. Should the vocabulary not
 /// make a token trie, the engine still serves, refusing guided requests (400) rather than answering
@@ -224,7 +238,7 @@ fn cuda_stage(
     _cuda_device: usize,
     _limits: StepLimits,
 ) -> Result<Box<dyn StageModel>> {
-    anyhow::bail!("--device cuda needs a binary built with `cargo build --release --features cuda`")
+    anyhow::bail!(NO_CUDA)
 }
 
 /// The CUDA options of `cuda` over buffers sized for `limits`.
@@ -274,6 +288,20 @@ fn start_cuda(
     cuda: &CudaSettings,
     pieces: &[TokenPiece],
 ) -> Result<EngineHandle> {
+    // Guided rows never go to the GPU sampler (the engine keeps them on `forward` and masks the
+    // logits on the host), so the CUDA backend needs nothing of its own for them.
+    start_guided(cuda_backend(loaded, config, cuda)?, config, pieces)
+}
+
+/// The CUDA backend for `config` under the `cuda` settings: the model on `cuda.device`, its buffers
+/// sized for `config`'s step limits, its KV cache `config.kv_cache_memory` (what serving and
+/// `tandem profile --device cuda` run).
+#[cfg(feature = "cuda")]
+pub fn cuda_backend(
+    loaded: LoadedModel,
+    config: &EngineConfig,
+    cuda: &CudaSettings,
+) -> Result<tandem_cuda::CudaBackend> {
     use tandem_cuda::{CudaBackend, CudaLlama, WeightSource};
     let limits = step_limits(config, loaded.config.max_position_embeddings);
     let mut opts = cuda_options(cuda, limits, &loaded);
@@ -286,9 +314,7 @@ fn start_cuda(
     )
     .context("loading the model onto the GPU")?;
     drop(loaded);
-    // Guided rows never go to the GPU sampler (the engine keeps them on `forward` and masks the
-    // logits on the host), so the CUDA backend needs nothing of its own for them.
-    start_guided(CudaBackend::new(model), config, pieces)
+    Ok(CudaBackend::new(model))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -298,7 +324,7 @@ fn start_cuda(
     _cuda: &CudaSettings,
     _pieces: &[TokenPiece],
 ) -> Result<EngineHandle> {
-    anyhow::bail!("--device cuda needs a binary built with `cargo build --release --features cuda`")
+    anyhow::bail!(NO_CUDA)
 }
 
 #[cfg(test)]

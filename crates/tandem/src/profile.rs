@@ -1,7 +1,9 @@
 //! `tandem profile`: measures what one worker of a model costs on this machine and writes the profile
 //! `tandem sim` reads: forward-step times over a grid of batch sizes, batched tokens and contexts (fitted
 //! by `tandem_sim::profile::fit_curve`), KV bytes per token, KV transfer rates over loopback TCP and
-//! shared memory, control round trips, and start-up time.
+//! shared memory, control round trips, and start-up time. `--device cuda` (binaries built with the
+//! `cuda` feature) measures the same on the CUDA backend serving runs, built by
+//! `crate::device::cuda_backend` under the same `--cuda-*` flags.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -11,13 +13,15 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use rand::{Rng, SeedableRng};
-use tandem_engine::{Backend, EngineConfig};
-use tandem_model::{ForwardBatch, LoadOptions, LogitsWanted};
+use tandem_engine::{Backend, DeviceSampling, EngineConfig, SampledStep};
+use tandem_model::{ForwardBatch, KvLayout, LoadOptions, LogitsWanted};
 use tandem_sim::profile::{
     fit_curve, Hardware, Measured, Overheads, ProfileModel, StepCurve, TransferRate,
 };
 use tandem_sim::{Profile, ProfileSource};
 
+use crate::config::Device;
+use crate::cuda_settings::CudaSettings;
 use crate::process::resolve_model;
 
 /// Options of `tandem profile`.
@@ -49,10 +53,17 @@ pub struct ProfileArgs {
     /// A smaller grid (for tests and quick looks).
     #[arg(long)]
     pub quick: bool,
+    /// Backend profiled: cpu, or cuda in binaries built with the `cuda` feature (as `serve --device`).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// CUDA backend settings (--device cuda), as `tandem serve` takes them.
+    #[command(flatten)]
+    pub cuda: CudaSettings,
 }
 
 /// Measures and writes the profile.
 pub fn run(args: ProfileArgs) -> Result<()> {
+    crate::device::check_device_settings(args.device, &args.cuda)?;
     let profile = measure(&args)?;
     profile.save(&args.output)?;
     eprintln!(
@@ -77,16 +88,171 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
         threads: args.threads,
         block_size: args.block_size,
         kv_cache_memory: args.kv_cache_mib << 20,
+        // What the CUDA backend sizes its step buffers for (the CPU backend does not read them).
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
         ..EngineConfig::default()
     };
-    let mut backend = crate::device::cpu_backend(loaded, &config)?;
+    // `export`: the device's KV export rate, on a GPU.
+    let (hardware, steps, export) = match args.device {
+        Device::Cpu => {
+            let mut backend = crate::device::cpu_backend(loaded, &config)?;
+            let startup_s = started.elapsed().as_secs_f64();
+            let steps = measure_steps(&mut backend, args, startup_s)?;
+            let hardware = Hardware {
+                name: tandem_bench::report::Machine::current()
+                    .cpu_model
+                    .unwrap_or_else(|| "unknown CPU".into()),
+                device: "cpu".into(),
+                threads: if args.threads == 0 {
+                    std::thread::available_parallelism().map_or(1, |n| n.get())
+                } else {
+                    args.threads
+                },
+                devices_per_worker: 1,
+            };
+            (hardware, steps, None)
+        }
+        Device::Cuda => {
+            let (hardware, steps, export) = cuda_measure(loaded, &config, args, started)?;
+            (hardware, steps, Some(export))
+        }
+    };
+    let rtt = loopback_round_trip()?;
+    // A KV pull between two GPU workers leaves the GPU through host memory (device to host on the
+    // prefill side, the wire, host to device on the decode side), one copy after the other for each
+    // layer, so on a GPU each transport's rate is the host's (loopback TCP; a memory copy for shm) in
+    // series with the device's KV export, counted twice (the import taken to run at the export's
+    // rate). On one host the wire is the slower part; the device copies matter most for shm.
+    let on_device = |wire: f64| match export {
+        Some(export) => 1.0 / (1.0 / wire + 2.0 / export),
+        None => wire,
+    };
+    let transfer = vec![
+        TransferRate {
+            transport: "tcp".into(),
+            bytes_per_s: on_device(tcp_rate()?),
+            latency_s: rtt,
+        },
+        TransferRate {
+            transport: "shm".into(),
+            bytes_per_s: on_device(memcpy_rate()),
+            latency_s: rtt,
+        },
+    ];
+    let Steps {
+        layout,
+        decode,
+        prefill,
+        startup_s,
+    } = steps;
+    let profile = Profile {
+        source: ProfileSource::Measured,
+        created_at: Some(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+        hardware,
+        model,
+        block_size: layout.block_size,
+        kv_blocks: layout.num_blocks,
+        kv_bytes_per_token: layout.bytes_per_token() as f64,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        decode,
+        prefill,
+        transfer,
+        overheads: Overheads {
+            request_s: rtt,
+            rpc_s: rtt,
+        },
+        startup_s,
+        parallelism: None,
+        layouts: Vec::new(),
+        scaling: None,
+    };
+    profile.check()?;
+    Ok(profile)
+}
+
+/// What [`measure_steps`] finds: the backend's KV layout, its fitted step curves, and start-up time.
+struct Steps {
+    layout: KvLayout,
+    decode: StepCurve,
+    prefill: StepCurve,
+    startup_s: f64,
+}
+
+/// The profile's hardware and steps on the CUDA backend serving runs (`crate::device::cuda_backend`,
+/// on `cuda.device`), and the device's KV export rate in bytes per second (see `measure` for how the
+/// transfer rates use it).
+#[cfg(feature = "cuda")]
+fn cuda_measure(
+    loaded: tandem_model::LoadedModel,
+    config: &EngineConfig,
+    args: &ProfileArgs,
+    started: Instant,
+) -> Result<(Hardware, Steps, f64)> {
+    let mut backend = crate::device::cuda_backend(loaded, config, &args.cuda)?;
+    let name = backend.model_mut().device_name().to_string();
     let startup_s = started.elapsed().as_secs_f64();
+    let steps = measure_steps(&mut backend, args, startup_s)?;
+    // A failed export measurement leaves the host's rates alone (an infinite export rate) rather
+    // than losing the step timings.
+    let export = export_rate(&mut backend).unwrap_or_else(|e| {
+        tracing::warn!(error = %format!("{e:#}"), "KV export not measured; transfer rates are the host's");
+        f64::INFINITY
+    });
+    let hardware = Hardware {
+        name,
+        device: "cuda".into(),
+        threads: 0,
+        devices_per_worker: 1,
+    };
+    Ok((hardware, steps, export))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_measure(
+    _loaded: tandem_model::LoadedModel,
+    _config: &EngineConfig,
+    _args: &ProfileArgs,
+    _started: Instant,
+) -> Result<(Hardware, Steps, f64)> {
+    anyhow::bail!(crate::device::NO_CUDA)
+}
+
+/// Bytes per second of the backend's KV export (`Backend::export_kv` until every layer has landed)
+/// of up to 64 MiB of blocks the step timings wrote: device to host on a GPU. The median of three.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn export_rate<B: Backend>(backend: &mut B) -> Result<f64> {
+    let layout = backend.kv_layout();
+    let block_bytes = layout.block_bytes() * layout.n_layers;
+    let n = ((64usize << 20) / block_bytes.max(1)).clamp(1, layout.num_blocks);
+    let blocks: Vec<u32> = (0..n as u32).collect();
+    let mut rates = Vec::new();
+    for pass in 0..4 {
+        let t = Instant::now();
+        let export = backend.export_kv(&blocks)?;
+        for layer in 0..export.num_layers() {
+            export.wait_layer(layer)?;
+        }
+        let secs = t.elapsed().as_secs_f64().max(1e-9);
+        if pass > 0 {
+            rates.push((n * block_bytes) as f64 / secs);
+        }
+    }
+    rates.sort_by(f64::total_cmp);
+    Ok(rates[rates.len() / 2])
+}
+
+/// Times the grid of steps on `backend` and fits its curves.
+fn measure_steps<B: Backend>(backend: &mut B, args: &ProfileArgs, startup_s: f64) -> Result<Steps> {
     let layout = backend.kv_layout();
     let mut timer = StepTimer {
-        backend: &mut backend,
+        backend,
         rng: rand_chacha::ChaCha8Rng::seed_from_u64(0),
         capacity: layout.num_blocks * layout.block_size,
         block_size: layout.block_size,
+        rows: Vec::new(),
+        tokens: Vec::new(),
     };
 
     let mut grid: Vec<GridPoint> = Vec::new();
@@ -113,7 +279,11 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
             grid.push((false, n as f64, (n * pos) as f64, vec![(n, pos)]));
         }
     }
-    grid.retain(|(.., chunks)| timer.fits(chunks));
+    // Points past the model's context (a short-context model) are left out, as the cache would be.
+    let max_len = timer.backend.info().max_len;
+    grid.retain(|(.., chunks)| {
+        timer.fits(chunks) && chunks.iter().all(|&(n, pos)| pos + n <= max_len)
+    });
     // Passes over the whole grid rather than repeats of one point: on a shared machine the load
     // changes over seconds, and every point should see the same mix of it.
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); grid.len()];
@@ -145,54 +315,12 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
         "the KV cache ({} MiB) is too small for the profile's grid",
         args.kv_cache_mib
     );
-    let curve = |samples: &[Measured]| -> StepCurve { fit_curve(samples) };
-    let rtt = loopback_round_trip()?;
-    let profile = Profile {
-        source: ProfileSource::Measured,
-        created_at: Some(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
-        hardware: Hardware {
-            name: tandem_bench::report::Machine::current()
-                .cpu_model
-                .unwrap_or_else(|| "unknown CPU".into()),
-            device: "cpu".into(),
-            threads: if args.threads == 0 {
-                std::thread::available_parallelism().map_or(1, |n| n.get())
-            } else {
-                args.threads
-            },
-            devices_per_worker: 1,
-        },
-        model,
-        block_size: layout.block_size,
-        kv_blocks: layout.num_blocks,
-        kv_bytes_per_token: layout.bytes_per_token() as f64,
-        max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        decode: curve(&decode),
-        prefill: curve(&prefill),
-        transfer: vec![
-            TransferRate {
-                transport: "tcp".into(),
-                bytes_per_s: tcp_rate()?,
-                latency_s: rtt,
-            },
-            TransferRate {
-                transport: "shm".into(),
-                bytes_per_s: memcpy_rate(),
-                latency_s: rtt,
-            },
-        ],
-        overheads: Overheads {
-            request_s: rtt,
-            rpc_s: rtt,
-        },
+    Ok(Steps {
+        layout,
+        decode: fit_curve(&decode),
+        prefill: fit_curve(&prefill),
         startup_s,
-        parallelism: None,
-        layouts: Vec::new(),
-        scaling: None,
-    };
-    profile.check()?;
-    Ok(profile)
+    })
 }
 
 /// One step of the grid: whether it decodes, its x, its context, its chunks of (tokens, position).
@@ -204,6 +332,10 @@ struct StepTimer<'a, B: Backend> {
     rng: rand_chacha::ChaCha8Rng,
     capacity: usize,
     block_size: usize,
+    /// Greedy draws, one per sequence, for backends that sample where the logits are.
+    rows: Vec<DeviceSampling>,
+    /// The drawn tokens.
+    tokens: Vec<u32>,
 }
 
 impl<B: Backend> StepTimer<'_, B> {
@@ -232,9 +364,31 @@ impl<B: Backend> StepTimer<'_, B> {
             );
             next_block += blocks;
         }
-        let mut logits = Vec::new();
+        // A step as the engine runs it: drawn where the logits are when the backend can (the CUDA
+        // backend's sampler, and its graphs for decode steps), else `forward` with the logits on the
+        // host (the CPU backend declines before doing anything).
+        self.rows.clear();
+        self.rows.resize(
+            chunks.len(),
+            DeviceSampling {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: 0,
+            },
+        );
         let t = Instant::now();
-        self.backend.forward(&batch, &mut logits)?;
+        let sampled = self.backend.forward_sampled(SampledStep {
+            batch: &batch,
+            rows: &self.rows,
+            masks: None,
+            out: &mut self.tokens,
+        })?;
+        if !sampled {
+            let mut logits = Vec::new();
+            self.backend.forward(&batch, &mut logits)?;
+        }
         Ok(t.elapsed().as_secs_f64())
     }
 }
@@ -310,4 +464,73 @@ fn memcpy_rate() -> f64 {
     let secs = start.elapsed().as_secs_f64().max(1e-9);
     std::hint::black_box(&dst);
     TOTAL as f64 / secs
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn parse(extra: &[&str]) -> ProfileArgs {
+        let args = ["tandem", "profile", "m.gguf"].iter().chain(extra);
+        match crate::Cli::try_parse_from(args).expect("parses").command {
+            crate::Command::Profile(args) => args,
+            other => panic!("expected profile, got {other:?}"),
+        }
+    }
+
+    /// `--device` defaults to the CPU; `--device cuda` takes the `--cuda-*` flags `tandem serve` takes.
+    #[test]
+    fn profile_takes_the_device_and_the_cuda_flags() {
+        let cpu = parse(&[]);
+        assert_eq!(cpu.device, Device::Cpu);
+        assert_eq!(cpu.cuda, CudaSettings::default());
+        let gpu = parse(&[
+            "--device",
+            "cuda",
+            "--cuda-device",
+            "1",
+            "--quantization",
+            "fp8",
+            "--no-cuda-graphs",
+            "--kv-cache-mib",
+            "4096",
+        ]);
+        assert_eq!(gpu.device, Device::Cuda);
+        assert_eq!(gpu.cuda.device, Some(1));
+        assert_eq!(
+            gpu.cuda.quantization,
+            Some(crate::cuda_settings::Quantization::Fp8)
+        );
+        assert_eq!(gpu.cuda.graphs, Some(false));
+        assert_eq!(gpu.kv_cache_mib, 4096);
+        assert!(crate::Cli::try_parse_from(["tandem", "profile", "--device", "tpu"]).is_err());
+    }
+
+    /// A CPU profile refuses the GPU-only `--quantization` before loading anything.
+    #[test]
+    fn cpu_profile_refuses_gpu_quantization() {
+        let e = run(parse(&["--quantization", "fp8"])).expect_err("refused");
+        assert!(e.to_string().contains("--quantization"), "{e}");
+    }
+
+    /// A binary without the `cuda` feature refuses `--device cuda` before loading the model (m.gguf
+    /// does not exist: the refusal is what fails).
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn profile_without_the_cuda_feature_refuses_cuda() {
+        let e = run(parse(&["--device", "cuda"])).expect_err("refused");
+        assert_eq!(e.to_string(), crate::device::NO_CUDA);
+    }
+
+    /// A binary with the `cuda` feature gets past the device check with `--device cuda` (to the model,
+    /// which does not exist here).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn profile_with_the_cuda_feature_takes_cuda() {
+        let e = run(parse(&["--device", "cuda"])).expect_err("no such model");
+        assert_ne!(e.to_string(), crate::device::NO_CUDA);
+        assert!(format!("{e:#}").contains("m.gguf"), "{e:#}");
+    }
 }
