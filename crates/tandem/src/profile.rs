@@ -508,11 +508,13 @@ mod tests {
         assert!(crate::Cli::try_parse_from(["tandem", "profile", "--device", "tpu"]).is_err());
     }
 
-    /// A CPU profile refuses the GPU-only `--quantization` before loading anything.
+    /// A CPU profile refuses the GPU-only `--quantization` and `--kv-cache-dtype` before loading anything.
     #[test]
     fn cpu_profile_refuses_gpu_quantization() {
         let e = run(parse(&["--quantization", "fp8"])).expect_err("refused");
         assert!(e.to_string().contains("--quantization"), "{e}");
+        let e = run(parse(&["--kv-cache-dtype", "fp8"])).expect_err("refused");
+        assert!(e.to_string().contains("--kv-cache-dtype"), "{e}");
     }
 
     /// A binary without the `cuda` feature refuses `--device cuda` before loading the model (m.gguf
