@@ -19,9 +19,7 @@ use tandem_model::{CpuLlama, KvCache, LlamaWeights, LoadOptions, MlpWeights, Mod
 
 mod common;
 
-use common::{
-    assert_near_floor, compare, format_test_config, format_test_layer, run, uniform, BLOCK, BLOCKS,
-};
+use common::{assert_near_floor, compare, run, BLOCK, BLOCKS};
 
 /// The bf16 value nearest `x` (round to nearest even), as the upload rounds host weights.
 fn bf16_round(x: f32) -> f32 {
@@ -93,41 +91,6 @@ fn gpu_weights(w: &LlamaWeights, fp8: bool) -> LlamaWeights {
         }
     }
     w
-}
-
-/// A small Llama whose widths are whole 128-value blocks (what the FP8 tensor-core GEMMs take), with
-/// random weights.
-fn blocky_model() -> (ModelConfig, LlamaWeights) {
-    let c = format_test_config();
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut matrix = |rows: usize, cols: usize| {
-        let scale = 1.7 / (cols as f32).sqrt();
-        let v = (0..rows * cols)
-            .map(|_| uniform(&mut seed) * scale)
-            .collect();
-        Matrix::from_f32(rows, cols, v)
-    };
-    let (h, f, q, kv) = (256, 512, 256, 128);
-    let layers = (0..c.num_layers)
-        .map(|_| {
-            format_test_layer([
-                matrix(q, h),
-                matrix(kv, h),
-                matrix(kv, h),
-                matrix(h, q),
-                matrix(f, h),
-                matrix(f, h),
-                matrix(h, f),
-            ])
-        })
-        .collect();
-    let w = LlamaWeights {
-        embed: matrix(512, h),
-        layers,
-        norm: vec![1.0; h],
-        lm_head: Some(matrix(512, h)),
-    };
-    (c, w)
 }
 
 /// The errors against the float32 reference (prefill rows, decode rows) with bf16 weights and with
@@ -212,7 +175,7 @@ fn fp8_tensor_core_gemms_stay_near_the_reference() {
         eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
         return;
     }
-    let (c, w) = blocky_model();
+    let (c, w) = common::random_format_model(0x2545_f491_4f6c_dd1d);
     let [floor, fp8] = errors(&c, &w, true);
     assert!(
         fp8.0 <= 6.0 * floor.0 + 0.04,

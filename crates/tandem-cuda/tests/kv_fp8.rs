@@ -12,47 +12,11 @@
 
 mod common;
 
-use common::{compare, format_test_config, format_test_layer, run, uniform, Rows, BLOCK, BLOCKS};
+use common::{compare, run, Rows, BLOCK, BLOCKS};
 use tandem_cuda::{AttnMode, CudaLlama, CudaOptions, WeightSource};
-use tandem_kernels::Matrix;
 use tandem_model::{
     CpuLlama, ForwardBatch, KvCache, KvDtype, LlamaWeights, LoadOptions, LogitsWanted, ModelConfig,
 };
-
-/// The model of the weight-format tests (one KV head of 128 dims under two query heads) with random
-/// weights.
-fn wide_model() -> (ModelConfig, LlamaWeights) {
-    let c = format_test_config();
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut matrix = |rows: usize, cols: usize| {
-        let scale = 1.7 / (cols as f32).sqrt();
-        let v = (0..rows * cols)
-            .map(|_| uniform(&mut seed) * scale)
-            .collect();
-        Matrix::from_f32(rows, cols, v)
-    };
-    let (h, f, q, kv) = (256, 512, 256, 128);
-    let layers = (0..c.num_layers)
-        .map(|_| {
-            format_test_layer([
-                matrix(q, h),
-                matrix(kv, h),
-                matrix(kv, h),
-                matrix(h, q),
-                matrix(f, h),
-                matrix(f, h),
-                matrix(h, f),
-            ])
-        })
-        .collect();
-    let w = LlamaWeights {
-        embed: matrix(512, h),
-        layers,
-        norm: vec![1.0; h],
-        lm_head: Some(matrix(512, h)),
-    };
-    (c, w)
-}
 
 fn options(kv_dtype: KvDtype, attn: AttnMode) -> CudaOptions {
     CudaOptions {
@@ -132,7 +96,7 @@ fn fp8_kv_stays_near_the_float32_reference() {
     let dir =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/tiny-llama");
     let tiny = tandem_model::load(&dir, &LoadOptions::default()).expect("the fixture loads");
-    let wide = wide_model();
+    let wide = common::random_format_model(0x9e37_79b9_7f4a_7c15);
     let mut failures = Vec::new();
     let mut check = |what: String, got: (f64, f64), bound: (f64, f64)| {
         for (part, g, b) in [("prefill", got.0, bound.0), ("decode", got.1, bound.1)] {
@@ -198,7 +162,7 @@ fn fp8_kv_blocks_move_between_instances_unchanged() {
         eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
         return;
     }
-    let (c, w) = wide_model();
+    let (c, w) = common::random_format_model(0x9e37_79b9_7f4a_7c15);
     let (prompt, steps) = prompt(c.vocab_size);
     let new = |dtype| {
         CudaLlama::new(

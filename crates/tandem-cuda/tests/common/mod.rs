@@ -4,8 +4,8 @@
 
 use tandem_kernels::{Matrix, RopeScaling};
 use tandem_model::{
-    DenseShape, ForwardBatch, GatedMlp, LayerRope, LayerWeights, LogitsWanted, MlpWeights,
-    ModelConfig,
+    DenseShape, ForwardBatch, GatedMlp, LayerRope, LayerWeights, LlamaWeights, LogitsWanted,
+    MlpWeights, ModelConfig,
 };
 
 /// Tokens per KV block of the reference comparisons.
@@ -127,6 +127,40 @@ pub fn format_test_layer(m: [Matrix; 7]) -> LayerWeights {
         mlp: MlpWeights::Dense(GatedMlp { gate, up, down }),
         post_ffn_norm: None,
     }
+}
+
+/// [`format_test_config`] with random float32 weights from `seed` (an untied head): its widths are whole
+/// 128-value FP8 blocks, and its one KV head of 128 dims takes the tensor-core attention kernels.
+pub fn random_format_model(mut seed: u64) -> (ModelConfig, LlamaWeights) {
+    let c = format_test_config();
+    let mut matrix = |rows: usize, cols: usize| {
+        let scale = 1.7 / (cols as f32).sqrt();
+        let v = (0..rows * cols)
+            .map(|_| uniform(&mut seed) * scale)
+            .collect();
+        Matrix::from_f32(rows, cols, v)
+    };
+    let (h, f, q, kv) = (256, 512, 256, 128);
+    let layers = (0..c.num_layers)
+        .map(|_| {
+            format_test_layer([
+                matrix(q, h),
+                matrix(kv, h),
+                matrix(kv, h),
+                matrix(h, q),
+                matrix(f, h),
+                matrix(f, h),
+                matrix(h, f),
+            ])
+        })
+        .collect();
+    let w = LlamaWeights {
+        embed: matrix(512, h),
+        layers,
+        norm: vec![1.0; h],
+        lm_head: Some(matrix(512, h)),
+    };
+    (c, w)
 }
 
 /// The next value in [-1, 1) of the xorshift generator at `seed` (the tests' random weights).
