@@ -18,8 +18,7 @@ const TOLERANCE: f32 = 0.05;
 
 /// The contract with bf16 or FP8 weights (`fp8`) and a KV cache of `kv_dtype`, within `tolerance`.
 fn conforms(fp8: bool, kv_dtype: KvDtype, tolerance: f32) {
-    if !tandem_cuda::driver_available() {
-        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
+    if !common::gpu_or_skip() {
         return;
     }
     let opts = CudaOptions {

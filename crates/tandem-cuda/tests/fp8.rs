@@ -15,11 +15,11 @@ use std::path::Path;
 use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
 use tandem_kernels::Matrix;
 use tandem_model::weights::fp8::{e4m3_to_f32, quantize_fp8_rows};
-use tandem_model::{CpuLlama, KvCache, LlamaWeights, LoadOptions, MlpWeights, ModelConfig};
+use tandem_model::{LlamaWeights, LoadOptions, MlpWeights, ModelConfig};
 
 mod common;
 
-use common::{assert_near_floor, compare, run, BLOCK, BLOCKS};
+use common::{assert_near_floor, compare, cpu_rows, run};
 
 /// The bf16 value nearest `x` (round to nearest even), as the upload rounds host weights.
 fn bf16_round(x: f32) -> f32 {
@@ -102,27 +102,11 @@ fn errors(c: &ModelConfig, weights: &LlamaWeights, gemm: bool) -> [(f64, f64); 2
     let n_prefill = prompt.len();
     let mut errors = Vec::new();
     for fp8 in [false, true] {
-        let reference = {
-            let mut model = CpuLlama::new(c.clone(), gpu_weights(weights, fp8), 1);
-            let mut kv = KvCache::new(model.kv_layout(BLOCK, BLOCKS));
-            run(
-                |b, l| model.forward(b, &mut kv, l).expect("CPU step"),
-                vocab,
-                &prompt,
-                prompt.len(),
-                &steps,
-            )
-        };
+        let reference = cpu_rows(c, gpu_weights(weights, fp8), &prompt, prompt.len(), &steps);
         let opts = CudaOptions {
-            block_size: BLOCK,
-            num_blocks: Some(BLOCKS),
-            max_tokens: 64,
-            max_seqs: 1,
-            max_model_len: Some(BLOCK * BLOCKS),
-            graphs: false,
             fp8_weights: fp8,
             fp8_gemm: gemm,
-            ..CudaOptions::default()
+            ..common::reference_options()
         };
         let mut gpu = CudaLlama::new(c.clone(), WeightSource::Host(weights), opts)
             .expect("the CUDA model loads");
@@ -154,8 +138,7 @@ fn errors(c: &ModelConfig, weights: &LlamaWeights, gemm: bool) -> [(f64, f64); 2
 
 #[test]
 fn fp8_weights_match_a_float32_reference_on_the_dequantized_weights() {
-    if !tandem_cuda::driver_available() {
-        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
+    if !common::gpu_or_skip() {
         return;
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/tiny-llama");
@@ -171,8 +154,7 @@ fn fp8_weights_match_a_float32_reference_on_the_dequantized_weights() {
 /// that floor, never the O(1) of a wrong scale order (which the load-time check must have refused).
 #[test]
 fn fp8_tensor_core_gemms_stay_near_the_reference() {
-    if !tandem_cuda::driver_available() {
-        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
+    if !common::gpu_or_skip() {
         return;
     }
     let (c, w) = common::random_format_model(0x2545_f491_4f6c_dd1d);

@@ -14,11 +14,11 @@
 mod common;
 
 use common::{
-    assert_near_floor, compare, format_test_config, format_test_layer, run, uniform, BLOCK, BLOCKS,
+    assert_near_floor, compare, cpu_rows, cuda_rows, format_test_config, format_test_layer, uniform,
 };
-use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
+use tandem_cuda::CudaOptions;
 use tandem_kernels::{quantize_row, DType, Matrix, WeightBytes};
-use tandem_model::{CpuLlama, KvCache, LlamaWeights, MlpWeights, ModelConfig};
+use tandem_model::{LlamaWeights, MlpWeights, ModelConfig};
 
 /// A random `rows` × `cols` matrix quantized to `dtype`.
 fn quantized(dtype: DType, rows: usize, cols: usize, seed: &mut u64) -> Matrix {
@@ -102,8 +102,7 @@ fn reference_weights(w: &LlamaWeights) -> LlamaWeights {
 
 #[test]
 fn packed_gguf_weights_match_a_float32_reference() {
-    if !tandem_cuda::driver_available() {
-        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
+    if !common::gpu_or_skip() {
         return;
     }
     let (c, w) = model();
@@ -114,39 +113,15 @@ fn packed_gguf_weights_match_a_float32_reference() {
     // Whole prompt in one step (cuBLAS on dequantized tiles), then 4-token chunks on the 4-row GEMVs,
     // then 7-token chunks (three steps on the 7-row GEMVs, the last on the 3-row ones).
     for chunk in [n, 4, 7] {
-        let reference = {
-            let mut model = CpuLlama::new(c.clone(), reference_weights(&w), 1);
-            let mut kv = KvCache::new(model.kv_layout(BLOCK, BLOCKS));
-            run(
-                |b, l| model.forward(b, &mut kv, l).expect("CPU step"),
-                vocab,
-                &prompt,
-                chunk,
-                &steps,
-            )
-        };
+        let reference = cpu_rows(&c, reference_weights(&w), &prompt, chunk, &steps);
         let mut errors = Vec::new();
         for packed in [false, true] {
             let opts = CudaOptions {
-                block_size: BLOCK,
-                num_blocks: Some(BLOCKS),
-                max_tokens: 64,
-                max_seqs: 1,
-                max_model_len: Some(BLOCK * BLOCKS),
-                graphs: false,
                 gemv_max_rows: 8,
                 gguf_packed: packed,
-                ..CudaOptions::default()
+                ..common::reference_options()
             };
-            let mut gpu = CudaLlama::new(c.clone(), WeightSource::Host(&w), opts)
-                .expect("the CUDA model loads");
-            let got = run(
-                |b, l| gpu.forward(b, l).expect("CUDA step"),
-                vocab,
-                &prompt,
-                chunk,
-                &steps,
-            );
+            let got = cuda_rows(&c, &w, opts, &prompt, chunk, &steps);
             let prefill = compare(&got, &reference, 0..n);
             let decode = compare(&got, &reference, n..got.len());
             eprintln!(

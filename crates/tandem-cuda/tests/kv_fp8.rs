@@ -12,25 +12,17 @@
 
 mod common;
 
-use common::{compare, run, Rows, BLOCK, BLOCKS};
+use common::{compare, cpu_rows, cuda_rows, Rows, BLOCK, BLOCKS};
 use tandem_cuda::{AttnMode, CudaLlama, CudaOptions, WeightSource};
-use tandem_model::{
-    CpuLlama, ForwardBatch, KvCache, KvDtype, LlamaWeights, LoadOptions, LogitsWanted, ModelConfig,
-};
+use tandem_model::{ForwardBatch, KvDtype, LlamaWeights, LoadOptions, LogitsWanted, ModelConfig};
 
 fn options(kv_dtype: KvDtype, attn: AttnMode) -> CudaOptions {
     CudaOptions {
-        block_size: BLOCK,
-        num_blocks: Some(BLOCKS),
-        max_tokens: 64,
-        max_seqs: 1,
-        max_model_len: Some(BLOCK * BLOCKS),
-        graphs: false,
         attn,
         kv_dtype,
         // The runs of one model and dtype share their kernels: compile each shape once.
         kernel_cache_dir: Some(std::env::temp_dir().join("tandem-kv-fp8-test-kernels")),
-        ..CudaOptions::default()
+        ..common::reference_options()
     }
 }
 
@@ -56,16 +48,7 @@ fn gpu_rows(
     attn: AttnMode,
 ) -> Rows {
     let (prompt, steps) = prompt(c.vocab_size);
-    let mut gpu = CudaLlama::new(c.clone(), WeightSource::Host(w), options(dtype, attn))
-        .expect("the CUDA model loads");
-    assert_eq!(gpu.kv_layout().dtype, dtype);
-    run(
-        |b, l| gpu.forward(b, l).expect("CUDA step"),
-        c.vocab_size,
-        &prompt,
-        chunk,
-        &steps,
-    )
+    cuda_rows(c, w, options(dtype, attn), &prompt, chunk, &steps)
 }
 
 /// (prefill, decode) relative L2 distances of `a` from `b`, printed with the top-1 agreement.
@@ -89,8 +72,7 @@ fn distance(a: &Rows, b: &Rows, what: &str) -> (f64, f64) {
 ///   on a bf16 cache `+ 0.02`, since both read identical codes.
 #[test]
 fn fp8_kv_stays_near_the_float32_reference() {
-    if !tandem_cuda::driver_available() {
-        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
+    if !common::gpu_or_skip() {
         return;
     }
     let dir =
@@ -110,17 +92,7 @@ fn fp8_kv_stays_near_the_float32_reference() {
         ("wide (head_dim 128)", &wide.0, &wide.1),
     ] {
         let (prompt, steps) = prompt(c.vocab_size);
-        let reference: Rows = {
-            let mut model = CpuLlama::new(c.clone(), w.clone(), 1);
-            let mut kv = KvCache::new(model.kv_layout(BLOCK, BLOCKS));
-            run(
-                |b, l| model.forward(b, &mut kv, l).expect("CPU step"),
-                c.vocab_size,
-                &prompt,
-                prompt.len(),
-                &steps,
-            )
-        };
+        let reference = cpu_rows(c, w.clone(), &prompt, prompt.len(), &steps);
         let simple = |dtype| gpu_rows(c, w, dtype, PROMPT_LEN, AttnMode::Simple);
         let (simple16, simple8) = (simple(KvDtype::Bf16), simple(KvDtype::Fp8E4m3));
         for chunk in [PROMPT_LEN, 7] {
@@ -158,8 +130,7 @@ fn fp8_kv_stays_near_the_float32_reference() {
 /// another give bit-identical decode logits, at half the bytes of a bf16 block.
 #[test]
 fn fp8_kv_blocks_move_between_instances_unchanged() {
-    if !tandem_cuda::driver_available() {
-        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
+    if !common::gpu_or_skip() {
         return;
     }
     let (c, w) = common::random_format_model(0x9e37_79b9_7f4a_7c15);

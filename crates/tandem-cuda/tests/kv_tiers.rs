@@ -66,8 +66,7 @@ fn a_b_a(e: &EngineHandle) -> (Vec<Vec<u32>>, u64, EngineStats) {
 
 #[test]
 fn evicted_gpu_blocks_come_back_from_the_host_tier() {
-    if !tandem_cuda::driver_available() {
-        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
+    if !common::gpu_or_skip() {
         return;
     }
     let e = start(KvOffloadConfig::default());

@@ -2,10 +2,11 @@
 //! comparison of a GPU run's logits with a float32 CPU reference. Each test file uses part of it.
 #![allow(dead_code)]
 
+use tandem_cuda::{CudaLlama, CudaOptions, WeightSource};
 use tandem_kernels::{Matrix, RopeScaling};
 use tandem_model::{
-    DenseShape, ForwardBatch, GatedMlp, LayerRope, LayerWeights, LlamaWeights, LogitsWanted,
-    MlpWeights, ModelConfig,
+    CpuLlama, DenseShape, ForwardBatch, GatedMlp, KvCache, LayerRope, LayerWeights, LlamaWeights,
+    LogitsWanted, MlpWeights, ModelConfig,
 };
 
 /// Tokens per KV block of the reference comparisons.
@@ -42,6 +43,69 @@ pub fn run(
         rows.push(logits[..vocab].to_vec());
     }
     rows
+}
+
+/// Whether this machine has an NVIDIA driver, saying that the test is skipped where it has none (the
+/// GPU tests build everywhere and run on the GPU machine).
+pub fn gpu_or_skip() -> bool {
+    let there = tandem_cuda::driver_available();
+    if !there {
+        eprintln!("skipping: no NVIDIA driver (libcuda.so.1) on this machine");
+    }
+    there
+}
+
+/// The CUDA options of a reference comparison: one sequence in [`BLOCKS`] blocks, eager launches;
+/// each test sets what it compares on top.
+pub fn reference_options() -> CudaOptions {
+    CudaOptions {
+        block_size: BLOCK,
+        num_blocks: Some(BLOCKS),
+        max_tokens: 64,
+        max_seqs: 1,
+        max_model_len: Some(BLOCK * BLOCKS),
+        graphs: false,
+        ..CudaOptions::default()
+    }
+}
+
+/// [`run`] on the float32 CPU forward: the reference the GPU runs are measured against.
+pub fn cpu_rows(
+    c: &ModelConfig,
+    w: LlamaWeights,
+    prompt: &[u32],
+    chunk: usize,
+    steps: &[u32],
+) -> Rows {
+    let mut model = CpuLlama::new(c.clone(), w, 1);
+    let mut kv = KvCache::new(model.kv_layout(BLOCK, BLOCKS));
+    run(
+        |b, l| model.forward(b, &mut kv, l).expect("CPU step"),
+        c.vocab_size,
+        prompt,
+        chunk,
+        steps,
+    )
+}
+
+/// [`run`] on a CUDA model of `w` loaded with `opts`.
+pub fn cuda_rows(
+    c: &ModelConfig,
+    w: &LlamaWeights,
+    opts: CudaOptions,
+    prompt: &[u32],
+    chunk: usize,
+    steps: &[u32],
+) -> Rows {
+    let mut gpu =
+        CudaLlama::new(c.clone(), WeightSource::Host(w), opts).expect("the CUDA model loads");
+    run(
+        |b, l| gpu.forward(b, l).expect("CUDA step"),
+        c.vocab_size,
+        prompt,
+        chunk,
+        steps,
+    )
 }
 
 /// ‖a − b‖ / ‖b‖ over rows `range`, and how many of those rows' argmaxes agree.
