@@ -7,8 +7,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tandem_engine::{Backend, BackendError, BackendErrorKind, BackendInfo};
 use tandem_model::{
-    CpuLlama, ForwardBatch, GroupBreaker, KvCache, KvDtype, KvLayout, LayerExpertTokens,
-    LlamaWeights, ModelConfig, ModelError, Partition, ThreadCollective,
+    CpuLlama, ExpertMap, ExpertPlacement, ForwardBatch, GroupBreaker, KvCache, KvDtype, KvLayout,
+    LayerExpertTokens, LlamaWeights, ModelConfig, ModelError, Partition, ThreadCollective,
 };
 
 /// One tensor-parallel rank: its share of the model and of every KV block (its KV heads).
@@ -56,12 +56,14 @@ impl CpuBackend {
         )
     }
 
-    /// The model split over `tp` tensor-parallel ranks (threads), `threads` kernel threads in all (0 = all
-    /// cores), and a KV budget of `kv_cache_bytes` across all ranks. Refuses splits that do not fit the model.
+    /// The model split over `tp` tensor-parallel ranks (threads), a mixture of experts' routed experts
+    /// placed over them by `placement`, `threads` kernel threads in all (0 = all cores), and a KV budget
+    /// of `kv_cache_bytes` across all ranks. Refuses splits that do not fit the model.
     pub fn tensor_parallel(
         config: &ModelConfig,
         weights: &LlamaWeights,
         tp: usize,
+        placement: ExpertPlacement,
         threads: usize,
         block_size: usize,
         kv_cache_bytes: usize,
@@ -69,6 +71,7 @@ impl CpuBackend {
         let threads = tandem_kernels::resolve_threads(threads);
         let layout = KvLayout::for_budget(config, block_size, kv_cache_bytes, KvDtype::F32);
         let num_blocks = layout.num_blocks;
+        let experts = ExpertMap::new(config, tp.max(1), placement)?;
         let ranks = ThreadCollective::group(tp.max(1))
             .into_iter()
             .enumerate()
@@ -78,8 +81,14 @@ impl CpuBackend {
                 let collective: Option<Box<dyn tandem_model::Collective>> =
                     (tp > 1).then(|| Box::new(col) as _);
                 let rank_threads = (threads / tp.max(1)).max(1);
-                let model =
-                    CpuLlama::partitioned(config.clone(), weights, rank_threads, part, collective)?;
+                let model = CpuLlama::partitioned_with_experts(
+                    config.clone(),
+                    weights,
+                    rank_threads,
+                    part,
+                    collective,
+                    experts.clone(),
+                )?;
                 let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
                 Ok(Rank {
                     model,
@@ -446,7 +455,16 @@ mod tests {
     fn engine_tp(m: &tandem_model::LoadedModel, tp: usize, kv_blocks: usize) -> EngineHandle {
         let layout = CpuLlama::new(m.config.clone(), m.weights.clone(), 1).kv_layout(4, 1);
         let bytes = layout.block_bytes() * m.config.num_layers * kv_blocks;
-        let b = CpuBackend::tensor_parallel(&m.config, &m.weights, tp, 2, 4, bytes).unwrap();
+        let b = CpuBackend::tensor_parallel(
+            &m.config,
+            &m.weights,
+            tp,
+            ExpertPlacement::Contiguous,
+            2,
+            4,
+            bytes,
+        )
+        .unwrap();
         assert_eq!((b.tp_size(), b.kv_layout().num_blocks), (tp, kv_blocks));
         Engine::start(
             b,
@@ -528,9 +546,10 @@ mod tests {
         }
     }
 
-    /// Tensor parallelism on a mixture of experts (the tiny Qwen2-MoE fixture, shared expert included):
-    /// each rank holds its experts only, the logits equal one rank's, and the backend's routing counts
-    /// add the ranks' so every expert is counted once.
+    /// Tensor parallelism on a mixture of experts (the tiny Qwen2-MoE fixture, shared expert included),
+    /// under each placement rule (`engine.expert_placement`): each rank holds the experts the rule gives
+    /// it, the logits equal one rank's, and the backend's routing counts add the ranks' so every expert
+    /// is counted once.
     #[test]
     fn expert_parallel_backend_matches_one_rank_and_counts_each_expert_once() {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -542,25 +561,38 @@ mod tests {
             4,
             bytes,
         );
-        let mut two = CpuBackend::tensor_parallel(&m.config, &m.weights, 2, 2, 4, bytes).unwrap();
         let prompt: Vec<u32> = (0..9).map(|i| (i * 37 + 5) % 512).collect();
         let mut batch = ForwardBatch::default();
         batch.push(&prompt, 0, vec![0, 1, 2], tandem_model::LogitsWanted::All);
-        let (mut want, mut got) = (Vec::new(), Vec::new());
+        let mut want = Vec::new();
         one.forward(&batch, &mut want).unwrap();
-        two.forward(&batch, &mut got).unwrap();
-        assert_eq!(got, want);
-        let (mut want_counts, mut counts) = (Vec::new(), Vec::new());
+        let mut want_counts = Vec::new();
         one.moe_expert_tokens(&mut want_counts);
-        two.moe_expert_tokens(&mut counts);
-        assert_eq!(counts, want_counts);
-        let routed: u64 = counts.iter().flat_map(|l| &l.tokens).sum();
-        assert_eq!(routed, 9 * 2 * 3, "9 rows, top-2, 3 MoE layers");
-        // Rank r holds experts 4r..4r+4 of 8 (contiguous) and counted only those.
-        for (r, rank) in two.ranks.iter().enumerate() {
-            for layer in rank.model.expert_tokens() {
-                for (x, &n) in layer.tokens.iter().enumerate() {
-                    assert!(x / 4 == r || n == 0, "rank {r} counted expert {x}");
+        for rule in [ExpertPlacement::Contiguous, ExpertPlacement::RoundRobin] {
+            // The rank holding expert x of 8 under the rule.
+            let owner = |x: usize| match rule {
+                ExpertPlacement::Contiguous => x / 4,
+                ExpertPlacement::RoundRobin => x % 2,
+            };
+            let mut two =
+                CpuBackend::tensor_parallel(&m.config, &m.weights, 2, rule, 2, 4, bytes).unwrap();
+            let mut got = Vec::new();
+            two.forward(&batch, &mut got).unwrap();
+            assert_eq!(got, want, "{rule:?}");
+            let mut counts = Vec::new();
+            two.moe_expert_tokens(&mut counts);
+            assert_eq!(counts, want_counts, "{rule:?}");
+            let routed: u64 = counts.iter().flat_map(|l| &l.tokens).sum();
+            assert_eq!(routed, 9 * 2 * 3, "9 rows, top-2, 3 MoE layers");
+            // Each rank counted only the experts the rule placed on it.
+            for (r, rank) in two.ranks.iter().enumerate() {
+                for layer in rank.model.expert_tokens() {
+                    for (x, &n) in layer.tokens.iter().enumerate() {
+                        assert!(
+                            owner(x) == r || n == 0,
+                            "{rule:?}: rank {r} counted expert {x}"
+                        );
+                    }
                 }
             }
         }

@@ -3,7 +3,7 @@
 //! checks run at tolerance 0. Skips when the model is absent (scripts/fetch-model.sh fetches it).
 
 use tandem_cpu::CpuBackend;
-use tandem_model::{CpuLlama, LoadedModel};
+use tandem_model::{CpuLlama, ExpertPlacement, LoadedModel};
 use tandem_testkit::conformance::{self, MIN_BLOCKS};
 
 const BLOCK: usize = 4;
@@ -37,7 +37,18 @@ fn the_tensor_parallel_cpu_backend_conforms() {
         return;
     };
     conformance::run(
-        || CpuBackend::tensor_parallel(&m.config, &m.weights, 3, 3, BLOCK, budget(m)).unwrap(),
+        || {
+            CpuBackend::tensor_parallel(
+                &m.config,
+                &m.weights,
+                3,
+                ExpertPlacement::Contiguous,
+                3,
+                BLOCK,
+                budget(m),
+            )
+            .unwrap()
+        },
         0.0,
     );
 }

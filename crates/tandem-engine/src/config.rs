@@ -25,6 +25,9 @@ pub struct EngineConfig {
     pub threads: usize,
     /// Tensor-parallel ranks the backend splits every layer over (1 = none).
     pub tensor_parallel_size: usize,
+    /// How the routed experts of a mixture of experts are placed over the tensor-parallel ranks
+    /// (each rank holds whole experts): contiguous runs of ids, or round robin.
+    pub expert_placement: tandem_model::ExpertPlacement,
     /// Pipeline stages the backend splits the layers over (1 = none); stage 0 runs in this process.
     pub pipeline_parallel_size: usize,
     /// Micro-batches per step of a pipelined backend (0 = one per stage).
@@ -81,6 +84,7 @@ impl Default for EngineConfig {
             max_waiting: 1024,
             threads: 0,
             tensor_parallel_size: 1,
+            expert_placement: tandem_model::ExpertPlacement::Contiguous,
             pipeline_parallel_size: 1,
             pipeline_micro_batches: 0,
             pipeline_stages: Vec::new(),

@@ -274,6 +274,7 @@ pub fn cpu_backend(loaded: LoadedModel, config: &EngineConfig) -> Result<CpuBack
         &loaded.config,
         &loaded.weights,
         config.tensor_parallel_size,
+        config.expert_placement,
         config.threads,
         config.block_size,
         config.kv_cache_memory,

@@ -213,6 +213,10 @@ pub struct EngineSettings {
     /// Tensor-parallel ranks splitting every layer's heads and MLP columns (CPU: threads of one process).
     #[arg(long)]
     pub tensor_parallel_size: Option<usize>,
+    /// How a mixture of experts' routed experts are placed over the tensor-parallel ranks, each rank
+    /// holding whole experts: contiguous (default) or round-robin.
+    #[arg(long, value_enum)]
+    pub expert_placement: Option<ExpertPlacementSetting>,
     /// Pipeline stages splitting the layers; stages 1.. run as `tandem stage` processes.
     #[arg(long)]
     pub pipeline_parallel_size: Option<usize>,
@@ -255,7 +259,7 @@ pub struct KvOffloadSettings {
 /// The ids of every flag of [`EngineSettings`], which `--settings-json` of worker and stage conflicts
 /// with. Named one by one because clap leaves the group of a struct with a flattened part
 /// (`kv_offload`) empty; `tests::engine_flag_ids_are_every_engine_flag` keeps the list complete.
-pub const ENGINE_FLAG_IDS: [&str; 17] = [
+pub const ENGINE_FLAG_IDS: [&str; 18] = [
     "block_size",
     "kv_cache_memory",
     "max_num_seqs",
@@ -266,6 +270,7 @@ pub const ENGINE_FLAG_IDS: [&str; 17] = [
     "max_waiting",
     "threads",
     "tensor_parallel_size",
+    "expert_placement",
     "pipeline_parallel_size",
     "pipeline_micro_batches",
     "pipeline_stages",
@@ -274,6 +279,19 @@ pub const ENGINE_FLAG_IDS: [&str; 17] = [
     "kv_offload_disk",
     "kv_offload_disk_size",
 ];
+
+/// `engine.expert_placement` / `--expert-placement`: the rule placing routed experts over the
+/// tensor-parallel ranks (`tandem_model::ExpertPlacement`, named here for the flag parser).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertPlacementSetting {
+    /// Expert `e` of `E` on rank `e * ranks / E`.
+    Contiguous,
+    /// Expert `e` on rank `e % ranks`: neighbouring ids, often similarly hot, on different ranks.
+    #[serde(alias = "round-robin")]
+    #[value(alias = "round_robin")]
+    RoundRobin,
+}
 
 /// How `engine.kv_offload` is written in YAML.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
