@@ -87,6 +87,10 @@ pub struct SimArgs {
     /// KV transport between prefill and decode workers (a rate the profile lists).
     #[arg(long, default_value = "tcp")]
     pub transport: String,
+    /// The workers share one device (a 1P1D deployment on one GPU): their steps take turns on it,
+    /// instead of each worker having a device of its own.
+    #[arg(long)]
+    pub shared_device: bool,
     /// KV blocks per worker, instead of the profile's.
     #[arg(long)]
     pub kv_blocks: Option<usize>,
@@ -119,6 +123,7 @@ pub fn run(a: SimArgs) -> Result<()> {
     let mut cfg = SimConfig::new(topology);
     cfg.transport = a.transport.clone();
     cfg.seed = a.seed;
+    cfg.shared_device = a.shared_device;
     if a.workload.workload == WorkloadKind::MultiTurn {
         return run_multi_turn(&a, &profile, &builder, &cfg);
     }
