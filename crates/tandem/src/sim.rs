@@ -244,3 +244,25 @@ fn run_multi_turn(
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn parse(extra: &[&str]) -> SimArgs {
+        let args = ["tandem", "sim", "--profile", "p.json"].iter().chain(extra);
+        match crate::Cli::try_parse_from(args).expect("parses").command {
+            crate::Command::Sim(args) => *args,
+            other => panic!("expected sim, got {other:?}"),
+        }
+    }
+
+    /// Workers have a device each unless `--shared-device` puts a 1P1D pair on one.
+    #[test]
+    fn shared_device_is_off_unless_asked_for() {
+        assert!(!parse(&["--prefill", "1", "--decode", "1"]).shared_device);
+        assert!(parse(&["--prefill", "1", "--decode", "1", "--shared-device"]).shared_device);
+    }
+}
