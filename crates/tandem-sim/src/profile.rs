@@ -143,6 +143,11 @@ pub struct Overheads {
     /// before it was measured.
     #[serde(default)]
     pub step_s: f64,
+    /// Seconds the engine loop adds to a step per sequence it runs (each one's sampling bookkeeping and
+    /// streamed token), beside `step_s`: what makes a batch of 64 cost more host time than a batch of 1;
+    /// absent (0) in older profiles.
+    #[serde(default)]
+    pub step_per_seq_s: f64,
 }
 
 /// Everything the simulator needs to know about one model on one kind of hardware.
@@ -269,6 +274,7 @@ impl Profile {
             ("overheads.request_s", self.overheads.request_s),
             ("overheads.rpc_s", self.overheads.rpc_s),
             ("overheads.step_s", self.overheads.step_s),
+            ("overheads.step_per_seq_s", self.overheads.step_per_seq_s),
             ("startup_s", self.startup_s),
         ] {
             if !(v.is_finite() && v >= 0.0) {
@@ -317,7 +323,8 @@ impl Profile {
 
     /// Seconds of one step as the engine loop runs it: `tokens` new tokens over `seqs` sequences, of
     /// which `prefill_tokens` are prompt tokens; `context` is Σ n·p over its chunks of n tokens at
-    /// position p. The forward pass from the curves, plus the loop's own work (`overheads.step_s`).
+    /// position p. The forward pass from the curves, plus the loop's own work (`overheads.step_s`, and
+    /// `overheads.step_per_seq_s` per sequence).
     pub fn step_time(
         &self,
         tokens: usize,
@@ -330,7 +337,7 @@ impl Profile {
         } else {
             self.prefill.at(tokens as f64, context)
         };
-        forward + self.overheads.step_s
+        forward + self.overheads.step_s + self.overheads.step_per_seq_s * seqs as f64
     }
 
     /// The layout of the profile's own curves.
@@ -429,6 +436,7 @@ pub(crate) mod tests {
                 request_s: 0.0,
                 rpc_s: 0.0,
                 step_s: 0.0,
+                step_per_seq_s: 0.0,
             },
             startup_s: 1.0,
             parallelism: None,
@@ -525,15 +533,18 @@ pub(crate) mod tests {
             .join("../../docs/bench/h100-2026-12-07-kvfp8/sim/profile.json");
         let p = Profile::load(&old).unwrap();
         assert_eq!(p.overheads.step_s, 0.0);
+        assert_eq!(p.overheads.step_per_seq_s, 0.0);
         assert!(p.overheads.request_s > 0.0);
         let mut json = serde_json::to_value(profile()).unwrap();
-        json["overheads"].as_object_mut().unwrap().remove("step_s");
+        let overheads = json["overheads"].as_object_mut().unwrap();
+        overheads.remove("step_s");
+        overheads.remove("step_per_seq_s");
         let back: Profile = serde_json::from_value(json).unwrap();
         assert_eq!(back, profile());
     }
 
-    /// Every step costs the loop's overhead on top of its forward pass, decode and prefill alike, and a
-    /// bad overhead is refused by name.
+    /// Every step costs the loop's overhead on top of its forward pass, decode and prefill alike, plus
+    /// its per-sequence share; a bad overhead is refused by name.
     #[test]
     fn step_time_adds_the_per_step_overhead() {
         let mut p = profile();
@@ -541,8 +552,15 @@ pub(crate) mod tests {
         p.overheads.step_s = 0.002;
         assert!((p.step_time(4, 4, 0, 0.0) - decode - 0.002).abs() < 1e-12);
         assert!((p.step_time(100, 1, 100, 0.0) - prefill - 0.002).abs() < 1e-12);
+        p.overheads.step_per_seq_s = 0.0001;
+        assert!((p.step_time(4, 4, 0, 0.0) - decode - 0.0024).abs() < 1e-12);
+        assert!((p.step_time(100, 1, 100, 0.0) - prefill - 0.0021).abs() < 1e-12);
         p.overheads.step_s = -1.0;
         let e = p.check().unwrap_err().to_string();
         assert!(e.contains("overheads.step_s"), "{e}");
+        p.overheads.step_s = 0.0;
+        p.overheads.step_per_seq_s = f64::NAN;
+        let e = p.check().unwrap_err().to_string();
+        assert!(e.contains("overheads.step_per_seq_s"), "{e}");
     }
 }

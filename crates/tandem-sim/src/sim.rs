@@ -922,14 +922,21 @@ mod tests {
         let mut p = profile();
         p.overheads.request_s = 0.05;
         p.overheads.step_s = 0.002;
+        p.overheads.step_per_seq_s = 0.0005;
         let cfg = SimConfig::new(Topology::Colocated { replicas: 1 });
         let out = simulate(&p, &cfg, vec![req(prompt(1, 100), 5, 0.0)], None).unwrap();
         let r = &out.records[0];
-        let prefill = p.prefill.at(100.0, 0.0);
-        assert!(close(r.ttft_s, 0.05 + prefill + 0.002), "{}", r.ttft_s);
-        let decode = p.decode.at(1.0, 0.0) + 0.002;
+        let prefill = p.prefill.at(100.0, 0.0) + 0.0025;
+        assert!(close(r.ttft_s, 0.05 + prefill), "{}", r.ttft_s);
+        let decode = p.decode.at(1.0, 0.0) + 0.0025;
         assert!(r.itl_s.iter().all(|&t| close(t, decode)), "{:?}", r.itl_s);
-        assert!(close(out.stats.busy_s[0], prefill + 0.002 + 4.0 * decode));
+        assert!(close(out.stats.busy_s[0], prefill + 4.0 * decode));
+        // Two sequences decoding together: each step costs the per-sequence share twice.
+        let two = vec![req(prompt(1, 100), 5, 0.0), req(prompt(2, 100), 5, 0.0)];
+        let out = simulate(&p, &cfg, two, None).unwrap();
+        let decode2 = p.decode.at(2.0, 0.0) + 0.002 + 2.0 * 0.0005;
+        let itl = &out.records[0].itl_s;
+        assert!(close(*itl.last().unwrap(), decode2), "{itl:?}");
     }
 
     /// On a shared device a prefill worker's and a decode worker's steps never overlap: the run takes

@@ -126,14 +126,16 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
     let overheads = match host::measure(&path, &config, args) {
         Ok(h) => {
             eprintln!(
-                "host work: {:.3} ms per request, {:.3} ms per step outside the forward pass",
+                "host work: {:.3} ms per request; per step outside the forward pass, {:.3} ms and {:.4} ms per sequence",
                 h.request_s * 1e3,
-                h.step_s * 1e3
+                h.step_s * 1e3,
+                h.step_per_seq_s * 1e3
             );
             Overheads {
                 request_s: h.request_s,
                 rpc_s: rtt,
                 step_s: h.step_s,
+                step_per_seq_s: h.step_per_seq_s,
             }
         }
         // The step timings are still worth writing; the profile then has no host work but a round trip.
@@ -143,6 +145,7 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
                 request_s: rtt,
                 rpc_s: rtt,
                 step_s: 0.0,
+                step_per_seq_s: 0.0,
             }
         }
     };
