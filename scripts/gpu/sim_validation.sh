@@ -12,8 +12,9 @@
 #    An H100 takes about 3 minutes with the default SmolLM2-135M and about 6 with an 8B-shaped GGUF
 #    (scripts/gpu/random_gguf.py --shape llama-8b --qtype q4_1).
 # 2. table (here, on a machine with the same model file): `tandem sim` on the returned profile with the
-#    same workloads and topologies (on cuda, 1P1D with `--shared-device`: both workers on the one GPU); prints one Markdown table of predicted against measured TTFT p50/p99,
-#    ITL p50/p99 and output throughput, with each error (ok: within 15%).
+#    same workloads and topologies (on cuda, 1P1D with `--shared-device`: both workers on the one GPU);
+#    prints one Markdown table of predicted against measured TTFT p50/p99, ITL p50/p99 and output
+#    throughput, with each error (ok: within 15%).
 #      TANDEM_BIN=target/release/tandem scripts/gpu/sim_validation.sh table DIR [MODEL]
 #    The model must be the profiled one (the profile records its identity hash); random_gguf.py makes the
 #    same file again from the same arguments (its --seed defaults to 0).

@@ -2,8 +2,8 @@
 //! `tandem sim` reads: forward-step times over a grid of batch sizes, batched tokens and contexts (fitted
 //! by `tandem_sim::profile::fit_curve`), KV bytes per token, KV transfer rates over loopback TCP and
 //! shared memory, control round trips, start-up time, and the host work outside the forward pass (per
-//! request and per step, on a live server of the same worker: `host`). `--device cuda` (binaries built with the
-//! `cuda` feature) measures the same on the CUDA backend serving runs, built by
+//! request and per step, on a live server of the same worker: `host`). `--device cuda` (binaries built
+//! with the `cuda` feature) measures the same on the CUDA backend serving runs, built by
 //! `crate::device::cuda_backend` under the same `--cuda-*` flags.
 
 use std::io::{Read, Write};
