@@ -12,8 +12,9 @@
 #    An H100 takes about 3 minutes with the default SmolLM2-135M and about 6 with an 8B-shaped GGUF
 #    (scripts/gpu/random_gguf.py --shape llama-8b --qtype q4_1).
 # 2. table (here, on a machine with the same model file): `tandem sim` on the returned profile with the
-#    same workloads and topologies; prints one Markdown table of predicted against measured TTFT p50/p99,
-#    ITL p50/p99 and output throughput, with each error (ok: within 15%).
+#    same workloads and topologies (on cuda, 1P1D with `--shared-device`: both workers on the one GPU);
+#    prints one Markdown table of predicted against measured TTFT p50/p99, ITL p50/p99 and output
+#    throughput, with each error (ok: within 15%).
 #      TANDEM_BIN=target/release/tandem scripts/gpu/sim_validation.sh table DIR [MODEL]
 #    The model must be the profiled one (the profile records its identity hash); random_gguf.py makes the
 #    same file again from the same arguments (its --seed defaults to 0).
@@ -69,7 +70,11 @@ if [ "$mode" = table ]; then
   cp "$dir"/profile.json "$dir"/bench-*.json "$sims"/ 2>/dev/null || true
   for topo in colocated 1p1d; do
     topo_flags=""
-    [ "$topo" = 1p1d ] && topo_flags="--prefill 1 --decode 1 --transport $TRANSPORT"
+    # The measured 1P1D runs both workers on the one GPU: the sim has them take turns on it (on the
+    # CPU each worker has a thread, and a core, of its own).
+    shared=""
+    [ "$DEVICE" = cuda ] && shared="--shared-device"
+    [ "$topo" = 1p1d ] && topo_flags="--prefill 1 --decode 1 --transport $TRANSPORT $shared"
     for w in bursty c64; do
       var="WL_$w"
       # shellcheck disable=SC2086

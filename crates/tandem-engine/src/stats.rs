@@ -37,6 +37,14 @@ pub struct EngineStats {
     pub requests_finished_total: u64,
     /// Model steps run.
     pub steps_total: u64,
+    /// Wall seconds of those steps, from scheduling to reaping (the forward pass, sampling, streaming
+    /// the tokens out, the scheduler's bookkeeping): with `forward_seconds_total`, the host work a step
+    /// costs beyond the model, which `tandem profile` measures for the simulator.
+    #[serde(default)]
+    pub step_seconds_total: f64,
+    /// Seconds of those steps spent inside the backend's forward pass (what the profile's step curves time).
+    #[serde(default)]
+    pub forward_seconds_total: f64,
     /// Token rows each mixture-of-experts layer of this engine's backend routed to each expert since
     /// load (empty for a dense model); the backend's own count, copied as the other counters are.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -47,6 +55,20 @@ pub struct EngineStats {
     /// Time to restore one request's prefix from the tiers.
     #[serde(default)]
     pub kv_restore_seconds: RestoreHistogram,
+}
+
+impl EngineStats {
+    /// Mean seconds per step of the engine loop's own work outside the forward pass (scheduling,
+    /// sampling, streaming, reaping) between `earlier` and these counters; `None` when no step ran.
+    pub fn host_seconds_per_step(&self, earlier: &EngineStats) -> Option<f64> {
+        let steps = self.steps_total.checked_sub(earlier.steps_total)?;
+        if steps == 0 {
+            return None;
+        }
+        let host = (self.step_seconds_total - earlier.step_seconds_total)
+            - (self.forward_seconds_total - earlier.forward_seconds_total);
+        Some(host.max(0.0) / steps as f64)
+    }
 }
 
 /// One KV tier's occupancy and traffic since start.
@@ -109,5 +131,32 @@ impl RestoreHistogram {
         }
         self.sum += seconds;
         self.count += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The host share of a step is its wall time less its forward pass, averaged over the steps between
+    /// two snapshots; none without a step.
+    #[test]
+    fn host_seconds_per_step_is_the_wall_time_less_the_forward() {
+        let before = EngineStats {
+            steps_total: 10,
+            step_seconds_total: 1.0,
+            forward_seconds_total: 0.8,
+            ..Default::default()
+        };
+        let after = EngineStats {
+            steps_total: 14,
+            step_seconds_total: 1.5,
+            forward_seconds_total: 1.1,
+            ..Default::default()
+        };
+        let host = after.host_seconds_per_step(&before).unwrap();
+        assert!((host - 0.05).abs() < 1e-12, "{host}");
+        assert_eq!(after.host_seconds_per_step(&after), None);
+        assert_eq!(before.host_seconds_per_step(&after), None);
     }
 }

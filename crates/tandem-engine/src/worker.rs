@@ -329,6 +329,7 @@ impl<B: Backend> Worker<B> {
 
     /// Runs one scheduled step; false if nothing could be scheduled.
     fn step(&mut self) -> bool {
+        let started = Instant::now();
         let restore_failed = match self.tiers.as_mut() {
             Some(tiers) => {
                 let mut source = TierRestore::new(&mut self.backend, tiers);
@@ -396,12 +397,15 @@ impl<B: Backend> Worker<B> {
         self.counters.steps_total += 1;
         // Guided rows' masks are computed on other threads while the model runs.
         let mut masking = self.start_masks();
+        let forward_started = Instant::now();
         let forwarded = self.forward(masking.as_mut());
+        self.counters.forward_seconds_total += forward_started.elapsed().as_secs_f64();
         self.join_masks(masking);
         let on_device = match forwarded {
             Ok(on_device) => on_device,
             Err(e) => {
                 self.step_failed(e);
+                self.counters.step_seconds_total += started.elapsed().as_secs_f64();
                 return true;
             }
         };
@@ -501,6 +505,7 @@ impl<B: Backend> Worker<B> {
             }
             self.fail(id, e);
         }
+        self.counters.step_seconds_total += started.elapsed().as_secs_f64();
         self.publish();
         true
     }

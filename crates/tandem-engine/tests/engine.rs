@@ -65,6 +65,28 @@ fn generates_until_max_tokens_and_frees_blocks() {
     e.shutdown();
 }
 
+/// The engine times its own steps: every step's wall time, and the forward pass inside it, so that the
+/// host work between them (what `tandem profile` writes as the per-step overhead) is measured, not guessed.
+#[test]
+fn steps_count_their_wall_time_and_their_forward_pass() {
+    let e = start(4, 64, |_| {});
+    let idle = e.checked_stats().wait_blocking().unwrap();
+    assert_eq!(idle.host_seconds_per_step(&EngineStats::default()), None);
+    collect(&mut submit(
+        &e,
+        1,
+        vec![1, 2, 3, 4, 5],
+        SamplingParams::greedy(6),
+    ));
+    let st = assert_no_leak(&e);
+    assert_eq!(st.steps_total, 6);
+    assert!(st.forward_seconds_total > 0.0, "{st:?}");
+    assert!(st.step_seconds_total >= st.forward_seconds_total, "{st:?}");
+    let host = st.host_seconds_per_step(&idle).unwrap();
+    assert!(host >= 0.0 && host * 6.0 <= st.step_seconds_total, "{host}");
+    e.shutdown();
+}
+
 #[test]
 fn stop_tokens_eos_and_context_length_end_requests() {
     let reference = alone(&[9, 9, 9], &SamplingParams::greedy(20));

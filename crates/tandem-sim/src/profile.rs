@@ -127,14 +127,27 @@ pub struct TransferRate {
     pub latency_s: f64,
 }
 
-/// Fixed costs outside the forward pass.
+/// Fixed costs outside the forward pass: the server's host work, which the step curves do not time
+/// and which is most of a step on a fast device (a small model's GPU step takes about 1 ms).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Overheads {
-    /// Seconds between the client's send and the request reaching an engine (HTTP, tokenization).
+    /// Seconds a request spends on the host on its way to its first token, besides the engine's steps
+    /// (connection, HTTP, admission, tokenization, streaming the token back); `tandem profile` measures
+    /// it as a live server's time to first token less the engine's own step time for that request.
     pub request_s: f64,
     /// Seconds of one control RPC hop between head and worker (P/D only).
     pub rpc_s: f64,
+    /// Seconds the engine loop adds to every step outside the forward pass (scheduling, sampling,
+    /// streaming, reaping), from the engine's own counters under load; absent (0) in profiles made
+    /// before it was measured.
+    #[serde(default)]
+    pub step_s: f64,
+    /// Seconds the engine loop adds to a step per sequence it runs (each one's sampling bookkeeping and
+    /// streamed token), beside `step_s`: what makes a batch of 64 cost more host time than a batch of 1;
+    /// absent (0) in older profiles.
+    #[serde(default)]
+    pub step_per_seq_s: f64,
 }
 
 /// Everything the simulator needs to know about one model on one kind of hardware.
@@ -260,6 +273,8 @@ impl Profile {
         for (field, v) in [
             ("overheads.request_s", self.overheads.request_s),
             ("overheads.rpc_s", self.overheads.rpc_s),
+            ("overheads.step_s", self.overheads.step_s),
+            ("overheads.step_per_seq_s", self.overheads.step_per_seq_s),
             ("startup_s", self.startup_s),
         ] {
             if !(v.is_finite() && v >= 0.0) {
@@ -306,8 +321,10 @@ impl Profile {
             })
     }
 
-    /// Seconds of one step: `tokens` new tokens over `seqs` sequences, of which `prefill_tokens` are
-    /// prompt tokens; `context` is Σ n·p over its chunks of n tokens at position p.
+    /// Seconds of one step as the engine loop runs it: `tokens` new tokens over `seqs` sequences, of
+    /// which `prefill_tokens` are prompt tokens; `context` is Σ n·p over its chunks of n tokens at
+    /// position p. The forward pass from the curves, plus the loop's own work (`overheads.step_s`, and
+    /// `overheads.step_per_seq_s` per sequence).
     pub fn step_time(
         &self,
         tokens: usize,
@@ -315,11 +332,12 @@ impl Profile {
         prefill_tokens: usize,
         context: f64,
     ) -> f64 {
-        if prefill_tokens == 0 {
+        let forward = if prefill_tokens == 0 {
             self.decode.at(seqs as f64, context)
         } else {
             self.prefill.at(tokens as f64, context)
-        }
+        };
+        forward + self.overheads.step_s + self.overheads.step_per_seq_s * seqs as f64
     }
 
     /// The layout of the profile's own curves.
@@ -417,6 +435,8 @@ pub(crate) mod tests {
             overheads: Overheads {
                 request_s: 0.0,
                 rpc_s: 0.0,
+                step_s: 0.0,
+                step_per_seq_s: 0.0,
             },
             startup_s: 1.0,
             parallelism: None,
@@ -503,5 +523,44 @@ pub(crate) mod tests {
         let e = Profile::load(&path).unwrap_err().to_string();
         assert!(e.contains("decode.points"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A profile written before the host overheads were measured (no `overheads.step_s`) still loads,
+    /// with no per-step overhead: the H100 profile of docs/bench, and the test profile with the field cut.
+    #[test]
+    fn profiles_without_the_step_overhead_load() {
+        let old = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../docs/bench/h100-2026-12-07-kvfp8/sim/profile.json");
+        let p = Profile::load(&old).unwrap();
+        assert_eq!(p.overheads.step_s, 0.0);
+        assert_eq!(p.overheads.step_per_seq_s, 0.0);
+        assert!(p.overheads.request_s > 0.0);
+        let mut json = serde_json::to_value(profile()).unwrap();
+        let overheads = json["overheads"].as_object_mut().unwrap();
+        overheads.remove("step_s");
+        overheads.remove("step_per_seq_s");
+        let back: Profile = serde_json::from_value(json).unwrap();
+        assert_eq!(back, profile());
+    }
+
+    /// Every step costs the loop's overhead on top of its forward pass, decode and prefill alike, plus
+    /// its per-sequence share; a bad overhead is refused by name.
+    #[test]
+    fn step_time_adds_the_per_step_overhead() {
+        let mut p = profile();
+        let (decode, prefill) = (p.step_time(4, 4, 0, 0.0), p.step_time(100, 1, 100, 0.0));
+        p.overheads.step_s = 0.002;
+        assert!((p.step_time(4, 4, 0, 0.0) - decode - 0.002).abs() < 1e-12);
+        assert!((p.step_time(100, 1, 100, 0.0) - prefill - 0.002).abs() < 1e-12);
+        p.overheads.step_per_seq_s = 0.0001;
+        assert!((p.step_time(4, 4, 0, 0.0) - decode - 0.0024).abs() < 1e-12);
+        assert!((p.step_time(100, 1, 100, 0.0) - prefill - 0.0021).abs() < 1e-12);
+        p.overheads.step_s = -1.0;
+        let e = p.check().unwrap_err().to_string();
+        assert!(e.contains("overheads.step_s"), "{e}");
+        p.overheads.step_s = 0.0;
+        p.overheads.step_per_seq_s = f64::NAN;
+        let e = p.check().unwrap_err().to_string();
+        assert!(e.contains("overheads.step_per_seq_s"), "{e}");
     }
 }

@@ -9,7 +9,8 @@
 //!
 //! Simplifications: load reports are fresh (the head polls every 0.5 s), the head's admission wait is
 //! the decode worker's own wait for KV room, requests fail only when a worker's whole pool cannot hold
-//! them (no crashes, retries or timeouts), and every worker is its own hardware.
+//! them (no crashes, retries or timeouts), and every worker is its own hardware unless
+//! [`SimConfig::shared_device`] puts them all on one device, which runs one worker's step at a time.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -82,6 +83,9 @@ pub struct SimConfig {
     pub prefix_caching: bool,
     /// Seed of the routing's random choices.
     pub seed: u64,
+    /// All the workers share one device's time (1P1D on one GPU: two processes whose steps take turns
+    /// on it), so at most one step of any of them runs at once; else each worker is its own device.
+    pub shared_device: bool,
 }
 
 impl SimConfig {
@@ -94,6 +98,7 @@ impl SimConfig {
             chunked_prefill: true,
             prefix_caching: true,
             seed: 0,
+            shared_device: false,
         }
     }
 }
@@ -600,8 +605,12 @@ impl Sim<'_> {
         self.kick(p);
     }
 
-    /// Starts a step on an idle worker with work.
+    /// Starts a step on an idle worker with work (and, on a shared device, while no other worker's
+    /// step runs).
     fn kick(&mut self, w: usize) {
+        if self.cfg.shared_device && self.workers.iter().any(|o| o.busy) {
+            return;
+        }
         let worker = &mut self.workers[w];
         if worker.busy || !worker.sched.has_work() {
             return;
@@ -707,7 +716,15 @@ impl Sim<'_> {
         if self.workers[w].role == Role::Decode {
             self.retry_imports(w);
         }
-        self.kick(w);
+        if self.cfg.shared_device {
+            // The device is free: the other workers' waiting steps first, in turn, then this one's.
+            let n = self.workers.len();
+            for k in 1..=n {
+                self.kick((w + k) % n);
+            }
+        } else {
+            self.kick(w);
+        }
     }
 
     /// `import_prefilled` on the decode worker: the prompt's cached blocks shared, the rest reserved,
@@ -896,6 +913,67 @@ mod tests {
         let two = SimConfig::new(Topology::Colocated { replicas: 2 });
         let spread = simulate(&p, &two, reqs, None).unwrap();
         assert!(spread.duration_s < batched.duration_s);
+    }
+
+    /// The profile's host overheads land where the server spends them: the per-request cost before the
+    /// first step (on the TTFT only), the per-step cost on every step.
+    #[test]
+    fn host_overheads_add_to_the_first_token_and_to_every_step() {
+        let mut p = profile();
+        p.overheads.request_s = 0.05;
+        p.overheads.step_s = 0.002;
+        p.overheads.step_per_seq_s = 0.0005;
+        let cfg = SimConfig::new(Topology::Colocated { replicas: 1 });
+        let out = simulate(&p, &cfg, vec![req(prompt(1, 100), 5, 0.0)], None).unwrap();
+        let r = &out.records[0];
+        let prefill = p.prefill.at(100.0, 0.0) + 0.0025;
+        assert!(close(r.ttft_s, 0.05 + prefill), "{}", r.ttft_s);
+        let decode = p.decode.at(1.0, 0.0) + 0.0025;
+        assert!(r.itl_s.iter().all(|&t| close(t, decode)), "{:?}", r.itl_s);
+        assert!(close(out.stats.busy_s[0], prefill + 4.0 * decode));
+        // Two sequences decoding together: each step costs the per-sequence share twice.
+        let two = vec![req(prompt(1, 100), 5, 0.0), req(prompt(2, 100), 5, 0.0)];
+        let out = simulate(&p, &cfg, two, None).unwrap();
+        let decode2 = p.decode.at(2.0, 0.0) + 0.002 + 2.0 * 0.0005;
+        let itl = &out.records[0].itl_s;
+        assert!(close(*itl.last().unwrap(), decode2), "{itl:?}");
+    }
+
+    /// On a shared device a prefill worker's and a decode worker's steps never overlap: the run takes
+    /// at least the sum of their busy times, where on two devices they overlap and it takes less.
+    #[test]
+    fn workers_on_a_shared_device_take_turns() {
+        let p = profile();
+        let mut cfg = SimConfig::new(Topology::Disaggregated {
+            prefill: 1,
+            decode: 1,
+        });
+        // Long prompts prefill remotely while the earlier ones decode.
+        let reqs: Vec<_> = (0..6)
+            .map(|i| req(prompt(i, 200), 30, i as f64 * 0.05))
+            .collect();
+        let apart = simulate(&p, &cfg, reqs.clone(), None).unwrap();
+        let busy = |o: &SimOutcome| o.stats.busy_s.iter().sum::<f64>();
+        assert!(apart.stats.remote_prefills > 0);
+        assert!(
+            apart.duration_s < busy(&apart),
+            "two devices overlap: {} vs {}",
+            apart.duration_s,
+            busy(&apart)
+        );
+        cfg.shared_device = true;
+        let shared = simulate(&p, &cfg, reqs, None).unwrap();
+        assert!(shared
+            .records
+            .iter()
+            .all(|r| r.success && r.output_len == 30));
+        assert!(
+            shared.duration_s + 1e-9 >= busy(&shared),
+            "one device serialises: {} vs {}",
+            shared.duration_s,
+            busy(&shared)
+        );
+        assert!(shared.duration_s > apart.duration_s);
     }
 
     #[test]

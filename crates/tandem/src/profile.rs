@@ -1,8 +1,9 @@
 //! `tandem profile`: measures what one worker of a model costs on this machine and writes the profile
 //! `tandem sim` reads: forward-step times over a grid of batch sizes, batched tokens and contexts (fitted
 //! by `tandem_sim::profile::fit_curve`), KV bytes per token, KV transfer rates over loopback TCP and
-//! shared memory, control round trips, and start-up time. `--device cuda` (binaries built with the
-//! `cuda` feature) measures the same on the CUDA backend serving runs, built by
+//! shared memory, control round trips, start-up time, and the host work outside the forward pass (per
+//! request and per step, on a live server of the same worker: `host`). `--device cuda` (binaries built
+//! with the `cuda` feature) measures the same on the CUDA backend serving runs, built by
 //! `crate::device::cuda_backend` under the same `--cuda-*` flags.
 
 use std::io::{Read, Write};
@@ -23,6 +24,8 @@ use tandem_sim::{Profile, ProfileSource};
 use crate::config::Device;
 use crate::cuda_settings::CudaSettings;
 use crate::process::resolve_model;
+
+mod host;
 
 /// Options of `tandem profile`.
 #[derive(Args, Debug)]
@@ -119,6 +122,33 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
         }
     };
     let rtt = loopback_round_trip()?;
+    // After the step timings, whose backend is gone by now (a GPU holds one model at a time).
+    let overheads = match host::measure(&path, &config, args) {
+        Ok(h) => {
+            eprintln!(
+                "host work: {:.3} ms per request; per step outside the forward pass, {:.3} ms and {:.4} ms per sequence",
+                h.request_s * 1e3,
+                h.step_s * 1e3,
+                h.step_per_seq_s * 1e3
+            );
+            Overheads {
+                request_s: h.request_s,
+                rpc_s: rtt,
+                step_s: h.step_s,
+                step_per_seq_s: h.step_per_seq_s,
+            }
+        }
+        // The step timings are still worth writing; the profile then has no host work but a round trip.
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), "host work not measured; the profile's overheads are a loopback round trip");
+            Overheads {
+                request_s: rtt,
+                rpc_s: rtt,
+                step_s: 0.0,
+                step_per_seq_s: 0.0,
+            }
+        }
+    };
     // A KV pull between two GPU workers leaves the GPU through host memory (device to host on the
     // prefill side, the wire, host to device on the decode side), one copy after the other for each
     // layer, so on a GPU each transport's rate is the host's (loopback TCP; a memory copy for shm) in
@@ -159,10 +189,7 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
         decode,
         prefill,
         transfer,
-        overheads: Overheads {
-            request_s: rtt,
-            rpc_s: rtt,
-        },
+        overheads,
         startup_s,
         parallelism: None,
         layouts: Vec::new(),

@@ -165,6 +165,8 @@ pub fn run(settings: Settings) -> Result<()> {
 pub struct LocalServer {
     /// Where the server listens, e.g. `http://127.0.0.1:41234`.
     pub url: String,
+    /// The engine behind it, for callers that read its counters (`tandem profile`).
+    pub engine: EngineHandle,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<Result<()>>>,
 }
@@ -181,6 +183,7 @@ impl LocalServer {
             .context("binding a loopback port")?;
         let url = format!("http://{}", listener.local_addr()?);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let handle = engine.clone();
         let thread = std::thread::Builder::new()
             .name("tandem-local-server".to_owned())
             .spawn(move || {
@@ -199,6 +202,7 @@ impl LocalServer {
             .context("spawning the local server thread")?;
         Ok(Self {
             url,
+            engine: handle,
             stop: Some(stop),
             thread: Some(thread),
         })

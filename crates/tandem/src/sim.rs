@@ -87,6 +87,10 @@ pub struct SimArgs {
     /// KV transport between prefill and decode workers (a rate the profile lists).
     #[arg(long, default_value = "tcp")]
     pub transport: String,
+    /// The workers share one device (a 1P1D deployment on one GPU): their steps take turns on it,
+    /// instead of each worker having a device of its own.
+    #[arg(long)]
+    pub shared_device: bool,
     /// KV blocks per worker, instead of the profile's.
     #[arg(long)]
     pub kv_blocks: Option<usize>,
@@ -119,6 +123,7 @@ pub fn run(a: SimArgs) -> Result<()> {
     let mut cfg = SimConfig::new(topology);
     cfg.transport = a.transport.clone();
     cfg.seed = a.seed;
+    cfg.shared_device = a.shared_device;
     if a.workload.workload == WorkloadKind::MultiTurn {
         return run_multi_turn(&a, &profile, &builder, &cfg);
     }
@@ -238,4 +243,26 @@ fn run_multi_turn(
         tandem_bench::multiturn::ttft_p50_from(&records, 2) * 1e3
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn parse(extra: &[&str]) -> SimArgs {
+        let args = ["tandem", "sim", "--profile", "p.json"].iter().chain(extra);
+        match crate::Cli::try_parse_from(args).expect("parses").command {
+            crate::Command::Sim(args) => *args,
+            other => panic!("expected sim, got {other:?}"),
+        }
+    }
+
+    /// Workers have a device each unless `--shared-device` puts a 1P1D pair on one.
+    #[test]
+    fn shared_device_is_off_unless_asked_for() {
+        assert!(!parse(&["--prefill", "1", "--decode", "1"]).shared_device);
+        assert!(parse(&["--prefill", "1", "--decode", "1", "--shared-device"]).shared_device);
+    }
 }
