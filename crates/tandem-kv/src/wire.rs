@@ -82,6 +82,12 @@ pub enum FrameKind {
     AuthChallenge = 25,
     /// Either way: JSON [`crate::auth::AuthProof`], the client's answer and then the server's.
     AuthProof = 26,
+    /// Stage link, first stage → stage server (link version ≥ 1): send your mixture-of-experts routing
+    /// counts (no payload).
+    StageExpertTokens = 27,
+    /// Stage link: the stage's per-layer expert token counts answering a `StageExpertTokens`
+    /// (`tandem_pipeline::link::encode_expert_tokens`).
+    StageExpertTokensReply = 28,
 }
 
 impl FrameKind {
@@ -114,6 +120,8 @@ impl FrameKind {
             24 => NixlLayer,
             25 => AuthChallenge,
             26 => AuthProof,
+            27 => StageExpertTokens,
+            28 => StageExpertTokensReply,
             _ => return Err(KvError::Protocol(format!("unknown frame kind {v}"))),
         })
     }
@@ -507,7 +515,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn header_round_trips(kind in 1u8..=26, flags: u8, transfer_id: u64, layer: u32, first_block: u32, n_blocks: u32, checksum: u32, payload_len: u64) {
+        fn header_round_trips(kind in 1u8..=28, flags: u8, transfer_id: u64, layer: u32, first_block: u32, n_blocks: u32, checksum: u32, payload_len: u64) {
             let h = FrameHeader { kind: FrameKind::from_u8(kind).unwrap(), flags, transfer_id, layer, first_block, n_blocks, checksum, payload_len };
             prop_assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
         }

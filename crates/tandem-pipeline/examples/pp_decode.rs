@@ -110,6 +110,7 @@ fn main() {
         timeouts: StageTimeouts::default(),
         cluster_key: None,
         tls: None,
+        expert_counts_every: tandem_pipeline::DEFAULT_EXPERT_COUNTS_EVERY,
     };
     let mut pp =
         PipelineBackend::connect(stage(0), &m.identity, &[server.addr().to_string()], &cfg)

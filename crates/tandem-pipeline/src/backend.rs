@@ -3,13 +3,16 @@
 
 use std::sync::mpsc;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use tandem_engine::{
     Backend, BackendError, BackendErrorKind, BackendInfo, DeviceSampling, LayerBlocks, SampledStep,
     StageError, StageInput, StageModel, StageOutput,
 };
 use tandem_kv::KvError;
-use tandem_model::{ForwardBatch, KvLayout, LayerExpertTokens, ModelIdentity, Partition};
+use tandem_model::{
+    ForwardBatch, KvLayout, LayerExpertTokens, MlpKind, ModelConfig, ModelIdentity, Partition,
+};
 
 use crate::link::StageClient;
 use crate::model::extend_f32;
@@ -20,11 +23,13 @@ use crate::{hello, PipelineConfig, PipelineError};
 type InFlight = (usize, Vec<u8>, Vec<u32>);
 
 /// A remote stage as the first stage sees it.
-struct Link {
+pub(crate) struct Link {
     stage: usize,
-    layers: std::ops::Range<usize>,
+    pub(crate) layers: std::ops::Range<usize>,
     /// The stage draws tokens on its device (its hello said so).
     samples: bool,
+    /// The stage has mixture-of-experts layers and its link version answers their counts.
+    counts: bool,
     /// Locked only by the engine thread (block operations) or by the step's link thread, never both at once.
     client: Mutex<StageClient>,
 }
@@ -59,10 +64,24 @@ impl Link {
     }
 }
 
+/// The later stages' expert counts as last fetched over their links ([`PipelineBackend::moe_expert_tokens`]).
+#[derive(Default)]
+struct RemoteCounts {
+    /// Per link, its stage's layers' counts (empty until fetched, or for a stage that does not report).
+    per_link: Vec<Vec<LayerExpertTokens>>,
+    /// When they were last fetched.
+    fetched: Option<Instant>,
+    /// Pipeline steps run at the last fetch, and when the engine last asked.
+    steps_at_fetch: u64,
+    steps_at_ask: u64,
+    /// Links whose fetch failed: not asked again (the failure also fails the next step).
+    failed: Vec<bool>,
+}
+
 /// The engine's `Backend` over a pipeline: the first stage computed here, later stages over their links.
 pub struct PipelineBackend {
     model: Box<dyn StageModel>,
-    links: Vec<Link>,
+    pub(crate) links: Vec<Link>,
     info: BackendInfo,
     micro_batches: usize,
     min_micro_batch_tokens: usize,
@@ -72,6 +91,14 @@ pub struct PipelineBackend {
     bufs: Vec<Vec<u8>>,
     /// Per micro-batch: tokens drawn by a last stage that samples; reused across steps.
     ids: Vec<Vec<u32>>,
+    /// Steps that ran through the later stages (each may have changed their expert counts).
+    steps: u64,
+    /// Experts per mixture-of-experts layer (0 for a dense model).
+    experts: usize,
+    /// Least time between two fetches of the later stages' expert counts while steps run.
+    expert_counts_every: Duration,
+    /// The later stages' expert counts, fetched at most every `expert_counts_every`.
+    remote_counts: Mutex<RemoteCounts>,
     /// Whatever must live exactly as long as the backend (the stage processes a worker started);
     /// declared last so the links close before it drops.
     keep_alive: Option<Box<dyn Send>>,
@@ -142,10 +169,22 @@ impl PipelineBackend {
                 source,
             })?;
             tracing::info!(stage, addr = %addr, layers = ?part.layers, "pipeline stage connected");
+            let moe = has_moe(config, &part.layers);
+            if moe && !client.answers_expert_tokens() {
+                tracing::warn!(
+                    stage,
+                    addr = %addr,
+                    layers = ?part.layers,
+                    version = client.remote().version,
+                    "the stage's link version does not report expert counts: \
+                     tandem:moe_expert_tokens_total leaves out its layers"
+                );
+            }
             links.push(Link {
                 stage,
                 layers: part.layers,
                 samples: client.remote().samples,
+                counts: moe && client.answers_expert_tokens(),
                 client: Mutex::new(client),
             });
         }
@@ -158,6 +197,11 @@ impl PipelineBackend {
         let mut info = BackendInfo::new(config, layout);
         // Every stage is sized alike, so stage 0's limit is the pipeline's.
         info.max_len = model.max_len();
+        let remote_counts = RemoteCounts {
+            per_link: vec![Vec::new(); links.len()],
+            failed: vec![false; links.len()],
+            ..RemoteCounts::default()
+        };
         Ok(PipelineBackend {
             model,
             links,
@@ -167,6 +211,10 @@ impl PipelineBackend {
             mbs: Vec::new(),
             bufs: Vec::new(),
             ids: Vec::new(),
+            steps: 0,
+            experts: config.moe.as_ref().map_or(0, |m| m.num_experts),
+            expert_counts_every: cfg.expert_counts_every,
+            remote_counts: Mutex::new(remote_counts),
             keep_alive: None,
         })
     }
@@ -186,6 +234,28 @@ impl PipelineBackend {
         self.links
             .last()
             .map_or_else(|| self.model.samples_on_device(), |l| l.samples)
+    }
+
+    /// Refreshes the later stages' expert counts in `r` from their links: stages that report them,
+    /// one request each. A failed link keeps its last counts and is not asked again.
+    fn fetch_remote_counts(&self, r: &mut RemoteCounts) {
+        for (k, link) in self.links.iter().enumerate() {
+            if !link.counts || r.failed[k] {
+                continue;
+            }
+            let mut fresh = Vec::new();
+            match link.call("expert counts", |c| {
+                c.expert_tokens(self.experts, &mut fresh)
+            }) {
+                Ok(()) => r.per_link[k] = fresh,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read a stage's expert token counts");
+                    r.failed[k] = true;
+                }
+            }
+        }
+        r.fetched = Some(Instant::now());
+        r.steps_at_fetch = self.steps;
     }
 
     /// The link owning global `layer`, or None for the local first stage.
@@ -257,6 +327,7 @@ impl PipelineBackend {
         if batch.seqs.is_empty() {
             return Ok(());
         }
+        self.steps += 1;
         let worth = batch.tokens.len() / self.min_micro_batch_tokens.max(1);
         let m = split(batch, self.micro_batches.min(worth), &mut self.mbs);
         if self.bufs.len() < m {
@@ -366,6 +437,13 @@ impl PipelineBackend {
     }
 }
 
+/// Whether any of `layers` of the model is a mixture of experts.
+fn has_moe(config: &ModelConfig, layers: &std::ops::Range<usize>) -> bool {
+    layers
+        .clone()
+        .any(|l| matches!(config.layer(l).mlp, MlpKind::Moe))
+}
+
 /// An operation of the local first stage that failed (its layers are global = local: it starts at 0),
 /// classified by [`stage_kind`].
 fn stage0_err(what: &str, e: StageError) -> BackendError {
@@ -419,9 +497,28 @@ impl Backend for PipelineBackend {
         &self.info
     }
 
-    /// The first stage's layers only: the stages behind the links count theirs but do not report them.
+    /// The first stage's counts, then each later stage's in stage (so layer) order. The later stages'
+    /// come over their links, fetched off the step path: the engine asks after every step, so they are
+    /// fetched at most every `expert_counts_every` while steps run, and again when it asks with no step
+    /// since it last asked (its publish before idling), so counts at rest are exact. A stage whose link
+    /// version predates them is left out (warned at connect).
     fn moe_expert_tokens(&self, out: &mut Vec<LayerExpertTokens>) {
         self.model.moe_expert_tokens(out);
+        let Ok(mut r) = self.remote_counts.lock() else {
+            return;
+        };
+        let stale = r.fetched.is_none() || r.steps_at_fetch != self.steps;
+        let due = r
+            .fetched
+            .is_none_or(|t| t.elapsed() >= self.expert_counts_every)
+            || r.steps_at_ask == self.steps;
+        r.steps_at_ask = self.steps;
+        if stale && due && self.links.iter().any(|l| l.counts) {
+            self.fetch_remote_counts(&mut r);
+        }
+        for counts in &r.per_link {
+            out.extend(counts.iter().cloned());
+        }
     }
 
     fn forward(&mut self, batch: &ForwardBatch, logits: &mut Vec<f32>) -> Result<(), BackendError> {

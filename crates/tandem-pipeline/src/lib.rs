@@ -102,7 +102,14 @@ pub struct PipelineConfig {
     pub cluster_key: Option<tandem_kv::ClusterKey>,
     /// Mutual TLS on every stage link (`deployment.cluster_tls`); `None` speaks plain TCP.
     pub tls: Option<std::sync::Arc<tandem_kv::ClusterTls>>,
+    /// Least time between two fetches of the later stages' mixture-of-experts counts while steps run
+    /// (the engine asks after every step; each fetch is a round trip per stage on the engine thread).
+    pub expert_counts_every: std::time::Duration,
 }
+
+/// Default of [`PipelineConfig::expert_counts_every`]: finer than any metrics scrape, rare enough that
+/// its round trip is no part of the step time.
+pub const DEFAULT_EXPERT_COUNTS_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The handshake both ends of the link to `stage` of `stages` agree on: `model` gives the model and
 /// the activations, `part` the stage's layers, `pool` its (block size, block count).
@@ -125,6 +132,7 @@ pub(crate) fn hello(
         block_size,
         num_blocks,
         samples: false,
+        version: link::STAGE_LINK_VERSION,
     }
 }
 

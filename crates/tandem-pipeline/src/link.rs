@@ -23,6 +23,13 @@
 //!   `StageCopy{first_block = src, n_blocks = dst}` → `StageOk`. Layers are global model layers; the server
 //!   refuses one it does not own.
 //!
+//! - `StageExpertTokens` (no payload) → `StageExpertTokensReply`: the stage's mixture-of-experts routing
+//!   counts since load, for its layers (whole-model layer indices), in [`encode_expert_tokens`]'s
+//!   binary layout. Only sent to a server whose hello says link version ≥ 1 ([`STAGE_LINK_VERSION`]):
+//!   a server from before it would refuse the unknown frame and close the link, so the client asks
+//!   only a peer that says it answers, and an older peer's counts are not reported (the backend warns
+//!   once at connect).
+//!
 //! With a cluster secret ([`ClusterKey`]) the server answers the hello with `tandem_kv::auth`'s
 //! challenge-response (`AuthChallenge` → `AuthProof` → `AuthProof`) before it sizes its pool or replies:
 //! a client without the secret is refused, and a client with one refuses a server that does not ask.
@@ -41,11 +48,12 @@ mod server;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::ops::Range;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tandem_engine::{Activations, DeviceSampling};
-use tandem_model::ForwardBatch;
+use tandem_model::{ForwardBatch, LayerExpertTokens};
 
 use tandem_kv::auth::{self, AuthChallenge, AuthProof};
 use tandem_kv::tls::BlockingStream;
@@ -83,6 +91,76 @@ pub struct StageHello {
     /// The server draws tokens on its device (a last stage on a GPU); informational, not compared.
     #[serde(default)]
     pub samples: bool,
+    /// The stage link version this end speaks ([`STAGE_LINK_VERSION`]; 0 from a peer built before the
+    /// field): each end uses only the requests the other's version answers, so it is not compared.
+    #[serde(default)]
+    pub version: u32,
+}
+
+/// The stage link version this build speaks: 1 adds `StageExpertTokens` (a stage's expert counts).
+pub const STAGE_LINK_VERSION: u32 = 1;
+
+/// First stage link version whose servers answer `StageExpertTokens`.
+pub const EXPERT_TOKENS_VERSION: u32 = 1;
+
+/// Encodes a stage's expert counts as a `StageExpertTokensReply` payload: per layer, its whole-model
+/// index (u32), its expert count E (u32), then E u64 counts, all little-endian; layers in order.
+pub fn encode_expert_tokens(layers: &[LayerExpertTokens], out: &mut Vec<u8>) {
+    out.clear();
+    for l in layers {
+        out.extend_from_slice(&(l.layer as u32).to_le_bytes());
+        out.extend_from_slice(&(l.tokens.len() as u32).to_le_bytes());
+        for n in &l.tokens {
+            out.extend_from_slice(&n.to_le_bytes());
+        }
+    }
+}
+
+/// Bytes of a `StageExpertTokensReply` for `moe_layers` layers of `experts` experts each: the most a
+/// client reads before decoding.
+pub fn expert_tokens_len(moe_layers: usize, experts: usize) -> u64 {
+    moe_layers as u64 * (8 + 8 * experts as u64)
+}
+
+/// Decodes [`encode_expert_tokens`]' payload into `out`, refusing a layer outside `layers` (the
+/// stage's), out of order or repeated, one of other than `experts` experts, or bytes left over.
+pub fn decode_expert_tokens(
+    bytes: &[u8],
+    layers: Range<usize>,
+    experts: usize,
+    out: &mut Vec<LayerExpertTokens>,
+) -> Result<(), KvError> {
+    let bad = |why: String| KvError::Protocol(format!("expert token counts: {why}"));
+    let short = || bad(format!("{} bytes cut short", bytes.len()));
+    out.clear();
+    let mut rest = bytes;
+    let mut next = layers.start;
+    while !rest.is_empty() {
+        let (head, tail) = rest.split_at_checked(8).ok_or_else(short)?;
+        let layer = u32::from_le_bytes(head[..4].try_into().expect("4 bytes")) as usize;
+        let n = u32::from_le_bytes(head[4..].try_into().expect("4 bytes")) as usize;
+        if !(next..layers.end).contains(&layer) {
+            return Err(bad(format!(
+                "layer {layer} out of order or outside the stage's layers {layers:?}"
+            )));
+        }
+        if n != experts {
+            return Err(bad(format!(
+                "layer {layer} has {n} experts, the model {experts}"
+            )));
+        }
+        let (counts, tail) = tail.split_at_checked(8 * n).ok_or_else(short)?;
+        out.push(LayerExpertTokens {
+            layer,
+            tokens: counts
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+        });
+        next = layer + 1;
+        rest = tail;
+    }
+    Ok(())
 }
 
 impl StageHello {

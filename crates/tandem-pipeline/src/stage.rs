@@ -7,7 +7,7 @@ use std::time::Duration;
 use tandem_kv::ClusterKey;
 
 use tandem_engine::{LayerBlocks, StageError, StageInput, StageModel, StageOutput};
-use tandem_model::{KvLayout, ModelIdentity, Partition};
+use tandem_model::{KvLayout, LayerExpertTokens, ModelIdentity, Partition};
 
 use crate::link::{StageHandler, StageHello, StageServer};
 use crate::{hello, PipelineError};
@@ -112,6 +112,10 @@ impl StageHandler for Hosted {
     fn import_blocks(&mut self, at: LayerBlocks, data: &[u8]) -> Result<(), StageError> {
         let local = LayerBlocks::new(self.locate(at.layer, at.blocks)?, at.blocks);
         self.model.import_blocks(local, data)
+    }
+
+    fn expert_tokens(&self, out: &mut Vec<LayerExpertTokens>) {
+        self.model.moe_expert_tokens(out);
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), StageError> {

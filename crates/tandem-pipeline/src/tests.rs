@@ -60,6 +60,7 @@ fn config(m: &LoadedModel, micro_batches: usize, timeouts: StageTimeouts) -> Pip
         timeouts,
         cluster_key: None,
         tls: None,
+        expert_counts_every: DEFAULT_EXPERT_COUNTS_EVERY,
     }
 }
 
@@ -330,4 +331,120 @@ fn a_cpu_pipeline_conforms() {
         },
         0.0,
     );
+}
+
+/// A tiny mixture-of-experts fixture from `tests/fixtures/hf`.
+fn moe_fixture(name: &str) -> LoadedModel {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/hf")
+        .join(name);
+    tandem_model::load(&dir, &tandem_model::LoadOptions::default()).unwrap()
+}
+
+/// A pipeline of `stages` CPU stages over `m` whose later stages' expert counts are fetched at most
+/// every `every`.
+fn moe_pipeline(m: &LoadedModel, srv: &[StageServer], every: Duration) -> PipelineBackend {
+    let addrs: Vec<String> = srv.iter().map(|s| s.addr().to_string()).collect();
+    let mut cfg = config(m, 2, StageTimeouts::default());
+    cfg.expert_counts_every = every;
+    PipelineBackend::connect(cpu_stage(m, 0, addrs.len() + 1), &m.identity, &addrs, &cfg).unwrap()
+}
+
+/// Three prompts prefilled in one step (cut into micro-batches), then two greedy decode steps, on
+/// both backends with the same logits; returns the token rows computed.
+fn moe_steps(a: &mut dyn Backend, b: &mut dyn Backend) -> u64 {
+    let prompts: [Vec<u32>; 3] = [
+        (0..11).map(|i| (i * 37 + 5) % 512).collect(),
+        (0..4).map(|i| 300 + i * 3).collect(),
+        (0..7).map(|i| 40 + i * 61).collect(),
+    ];
+    let table = |s: usize| -> Vec<u32> { (0..8).map(|i| (s * 8 + i) as u32).collect() };
+    let (mut la, mut lb) = (Vec::new(), Vec::new());
+    let mut batch = ForwardBatch::default();
+    for (s, p) in prompts.iter().enumerate() {
+        batch.push(p, 0, table(s), LogitsWanted::Last);
+    }
+    let mut rows = batch.tokens.len() as u64;
+    a.forward(&batch, &mut la).unwrap();
+    b.forward(&batch, &mut lb).unwrap();
+    assert!(la == lb, "prefill logits differ");
+    let vocab = a.vocab_size();
+    let mut pos: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    for step in 0..2 {
+        let next: Vec<u32> = la.chunks(vocab).map(argmax).collect();
+        let mut batch = ForwardBatch::default();
+        for s in 0..3 {
+            batch.push(&[next[s]], pos[s], table(s), LogitsWanted::Last);
+            pos[s] += 1;
+        }
+        rows += 3;
+        a.forward(&batch, &mut la).unwrap();
+        b.forward(&batch, &mut lb).unwrap();
+        assert!(la == lb, "decode step {step}: logits differ");
+    }
+    rows
+}
+
+/// With PP=2 and PP=3 over the tiny Qwen3-MoE (layer 1 dense) and Qwen2-MoE (shared expert) fixtures,
+/// the pipeline's expert counts are the unsplit model's for the same steps: every MoE layer, the
+/// remote stages' included (the old backend reported stage 0's only), each once, in layer order,
+/// with every computed row routed to top-k experts of each layer.
+#[test]
+fn remote_stages_report_expert_counts_equal_to_the_whole_model_s() {
+    for name in ["tiny-qwen3-moe", "tiny-qwen2-moe"] {
+        let m = moe_fixture(name);
+        let moe = m.config.moe.clone().unwrap();
+        let moe_layers: Vec<usize> = (0..m.config.num_layers)
+            .filter(|&l| matches!(m.config.layer(l).mlp, tandem_model::MlpKind::Moe))
+            .collect();
+        for stages in [2, 3] {
+            let srv = servers(&m, stages);
+            let mut p = moe_pipeline(&m, &srv, Duration::ZERO);
+            let mut r = reference(&m);
+            let (mut want, mut got) = (Vec::new(), Vec::new());
+            p.moe_expert_tokens(&mut got);
+            let layers: Vec<usize> = got.iter().map(|l| l.layer).collect();
+            assert_eq!(layers, moe_layers, "{name} PP={stages}: before any step");
+            assert!(got.iter().all(|l| l.tokens == vec![0; moe.num_experts]));
+            let rows = moe_steps(&mut r, &mut p);
+            r.moe_expert_tokens(&mut want);
+            p.moe_expert_tokens(&mut got);
+            assert_eq!(got, want, "{name} PP={stages}");
+            let layers: Vec<usize> = got.iter().map(|l| l.layer).collect();
+            assert_eq!(layers, moe_layers, "{name} PP={stages}");
+            for l in &got {
+                let routed: u64 = l.tokens.iter().sum();
+                assert_eq!(routed, rows * moe.top_k as u64, "{name} layer {}", l.layer);
+            }
+        }
+    }
+}
+
+/// The engine asks for counts after every step; the later stages' are fetched then only once
+/// `expert_counts_every` has passed, and again whenever it asks twice with no step between (its
+/// publish before idling), so the counts a resting engine shows are exact.
+#[test]
+fn remote_expert_counts_are_fetched_off_the_step_path_and_exact_at_rest() {
+    let m = moe_fixture("tiny-qwen2-moe");
+    let srv = servers(&m, 2);
+    let mut p = moe_pipeline(&m, &srv, Duration::from_secs(3600));
+    let mut r = reference(&m);
+    let (mut want, mut got) = (Vec::new(), Vec::new());
+    p.moe_expert_tokens(&mut got);
+    moe_steps(&mut r, &mut p);
+    r.moe_expert_tokens(&mut want);
+    let remote = p.links[0].layers.clone();
+    // Asked right after steps, within the interval: stage 0's counts are fresh, stage 1's as fetched.
+    p.moe_expert_tokens(&mut got);
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        if remote.contains(&g.layer) {
+            assert!(g.tokens.iter().all(|&n| n == 0), "layer {}", g.layer);
+        } else {
+            assert_eq!(g, w);
+        }
+    }
+    // Asked again with no step between: fetched, exact.
+    p.moe_expert_tokens(&mut got);
+    assert_eq!(got, want);
 }

@@ -138,6 +138,7 @@ pub fn pipeline_backend(
         timeouts: Default::default(),
         cluster_key: crate::token::key(),
         tls: crate::tls::cluster()?,
+        expert_counts_every: tandem_pipeline::DEFAULT_EXPERT_COUNTS_EVERY,
     };
     let identity = loaded.identity.clone();
     let part = Partition::stage(&loaded.config, 0, n)?;

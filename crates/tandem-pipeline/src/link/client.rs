@@ -6,9 +6,12 @@ use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use tandem_engine::DeviceSampling;
 use tandem_kv::wire::{FrameHeader, FrameKind};
 use tandem_kv::{ClusterKey, ClusterTls, KvError};
-use tandem_model::ForwardBatch;
+use tandem_model::{ForwardBatch, LayerExpertTokens};
 
-use super::{io_err, Conn, StageHello, StageTimeouts};
+use super::{
+    decode_expert_tokens, expert_tokens_len, io_err, Conn, StageHello, StageTimeouts,
+    EXPERT_TOKENS_VERSION,
+};
 
 /// The first stage's end of a link to one stage server.
 ///
@@ -188,6 +191,42 @@ impl StageClient {
             h.n_blocks = blocks.len() as u32;
             c.send(h, &[bytemuck::cast_slice(blocks), data])?;
             c.expect(FrameKind::StageOk).map(|_| ())
+        })
+    }
+
+    /// Whether the server answers [`Self::expert_tokens`] (its hello says a link version that has it).
+    pub fn answers_expert_tokens(&self) -> bool {
+        self.remote.version >= EXPERT_TOKENS_VERSION
+    }
+
+    /// Replaces `out` with the server's mixture-of-experts routing counts since load: its layers
+    /// (whole-model indices) of `experts` experts each. A server whose version does not answer
+    /// ([`Self::answers_expert_tokens`]) is not asked: the call fails without touching the link.
+    pub fn expert_tokens(
+        &mut self,
+        experts: usize,
+        out: &mut Vec<LayerExpertTokens>,
+    ) -> Result<(), KvError> {
+        if !self.answers_expert_tokens() {
+            return Err(KvError::Protocol(format!(
+                "stage at {} speaks link version {}, which has no expert token counts (version {EXPERT_TOKENS_VERSION} has)",
+                self.peer, self.remote.version
+            )));
+        }
+        let layers = self.local.layer_start..self.local.layer_end;
+        self.guarded(|c, id, expect| {
+            c.send(
+                FrameHeader::control(FrameKind::StageExpertTokens, id, 0),
+                &[],
+            )?;
+            let r = c.expect(FrameKind::StageExpertTokensReply)?;
+            let most = expert_tokens_len(layers.len(), experts);
+            if r.payload_len > most {
+                expect.len("expert token counts", r.payload_len, most)?;
+            }
+            let mut buf = Vec::new();
+            c.bytes_payload(r.payload_len, &mut buf)?;
+            decode_expert_tokens(&buf, layers, experts, out)
         })
     }
 

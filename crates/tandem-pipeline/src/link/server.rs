@@ -9,9 +9,9 @@ use std::time::Duration;
 use tandem_engine::{DeviceSampling, LayerBlocks, StageInput, StageOutput};
 use tandem_kv::wire::{FrameHeader, FrameKind, WireError, MAX_CONTROL_LEN};
 use tandem_kv::{ClusterKey, ClusterTls, KvError};
-use tandem_model::ForwardBatch;
+use tandem_model::{ForwardBatch, LayerExpertTokens};
 
-use super::{io_err, Conn, StageHello};
+use super::{encode_expert_tokens, io_err, Conn, StageHello};
 
 /// What a stage server does with the requests of its link; implemented over the model by the stage server
 /// ([`crate::serve_stage`]).
@@ -35,6 +35,11 @@ pub trait StageHandler: Send + 'static {
     fn import_blocks(&mut self, at: LayerBlocks, data: &[u8]) -> Result<(), Self::Error>;
     /// Copies a block across the stage's layers.
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), Self::Error>;
+    /// Copies into `out` the token rows routed to each expert of the stage's mixture-of-experts layers
+    /// since load (whole-model layer indices; empty for dense layers or a device that does not count).
+    fn expert_tokens(&self, out: &mut Vec<LayerExpertTokens>) {
+        out.clear();
+    }
 }
 
 /// A running stage server: serves one connection at a time (its worker's first stage) until shut down.
@@ -199,6 +204,8 @@ fn serve_conn<H: StageHandler>(
     let mut ids: Vec<u32> = Vec::new();
     let mut block: Vec<u8> = Vec::new();
     let mut block_ids: Vec<u32> = Vec::new();
+    let mut counts: Vec<LayerExpertTokens> = Vec::new();
+    let mut counts_bytes: Vec<u8> = Vec::new();
     loop {
         let Some(h) = c.header()? else { return Ok(()) };
         c.stream
@@ -287,6 +294,15 @@ fn serve_conn<H: StageHandler>(
                         .map(|()| FrameHeader::control(FrameKind::StageOk, h.transfer_id, 0))
                 }
             }
+            FrameKind::StageExpertTokens if h.payload_len == 0 => {
+                handler.expert_tokens(&mut counts);
+                encode_expert_tokens(&counts, &mut counts_bytes);
+                Ok(FrameHeader::control(
+                    FrameKind::StageExpertTokensReply,
+                    h.transfer_id,
+                    0,
+                ))
+            }
             FrameKind::StageCopy => handler
                 .copy_block(h.first_block, h.n_blocks)
                 .map(|()| FrameHeader::control(FrameKind::StageOk, h.transfer_id, 0)),
@@ -304,6 +320,7 @@ fn serve_conn<H: StageHandler>(
                 }
                 FrameKind::StageReply => c.send(r, &[&out])?,
                 FrameKind::StageBlock => c.send(r, &[&block])?,
+                FrameKind::StageExpertTokensReply => c.send(r, &[&counts_bytes])?,
                 _ => c.send(r, &[])?,
             },
             Err(e) => return refuse(&mut c, KvError::Remote(e.to_string())),

@@ -31,6 +31,7 @@ fn hello() -> StageHello {
         block_size: 4,
         num_blocks: 8,
         samples: false,
+        version: STAGE_LINK_VERSION,
     }
 }
 
@@ -40,6 +41,22 @@ struct Doubler {
     kv: Vec<u8>,
     /// How long each forward stalls, to play a frozen stage.
     stall: Duration,
+    /// The link version its hello states (0 plays a server from before expert counts).
+    version: u32,
+}
+
+/// The expert counts a `Doubler` reports: its two layers of 3 experts.
+fn doubler_counts() -> Vec<LayerExpertTokens> {
+    vec![
+        LayerExpertTokens {
+            layer: 2,
+            tokens: vec![1, 0, u64::MAX],
+        },
+        LayerExpertTokens {
+            layer: 3,
+            tokens: vec![4, 5, 6],
+        },
+    ]
 }
 
 /// The test handler's failures.
@@ -78,6 +95,7 @@ impl StageHandler for Doubler {
             h.block_size = 0;
             h.num_blocks = 0;
         }
+        h.version = self.version;
         h
     }
     fn size_pool(&mut self, _: usize, num_blocks: usize) -> Result<(), DoublerError> {
@@ -123,6 +141,9 @@ impl StageHandler for Doubler {
         at.zip(data, 4)
             .try_for_each(|(b, d)| self.import_block(at.layer, b, d))
     }
+    fn expert_tokens(&self, out: &mut Vec<LayerExpertTokens>) {
+        *out = doubler_counts();
+    }
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), DoublerError> {
         for l in 2..4 {
             let mut b = [0u8; 4];
@@ -142,6 +163,10 @@ fn stalling_server(stall: Duration) -> StageServer {
 }
 
 fn keyed_server(stall: Duration, key: Option<ClusterKey>) -> StageServer {
+    versioned_server(stall, key, STAGE_LINK_VERSION)
+}
+
+fn versioned_server(stall: Duration, key: Option<ClusterKey>, version: u32) -> StageServer {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     StageServer::start(
         l,
@@ -149,6 +174,7 @@ fn keyed_server(stall: Duration, key: Option<ClusterKey>) -> StageServer {
             sized: false,
             kv: Vec::new(),
             stall,
+            version,
         },
         Duration::from_secs(5),
         key,
@@ -206,6 +232,7 @@ fn a_tls_link_round_trips_and_refuses_strangers() {
             sized: false,
             kv: Vec::new(),
             stall: Duration::ZERO,
+            version: STAGE_LINK_VERSION,
         },
         Duration::from_secs(5),
         None,
@@ -404,6 +431,7 @@ fn lying_server(lengths: Vec<u64>) -> (SocketAddr, std::thread::JoinHandle<()>) 
             let Ok(Some(h)) = c.header() else { continue };
             let kind = match h.kind {
                 FrameKind::StageExport => FrameKind::StageBlock,
+                FrameKind::StageExpertTokens => FrameKind::StageExpertTokensReply,
                 _ => FrameKind::StageReply,
             };
             let mut reply = FrameHeader::control(kind, h.transfer_id, 0);
@@ -466,6 +494,14 @@ fn replies_of_another_length_than_asked_are_refused_before_any_allocation() {
             8,
             1 << 40,
         ),
+        // At most 2 layers × (8 bytes + 3 experts × 8 bytes).
+        (
+            hello(),
+            Box::new(|c| c.expert_tokens(3, &mut Vec::new())),
+            "expert token counts",
+            64,
+            1 << 40,
+        ),
     ];
     let (addr, server) = lying_server(cases.iter().map(|c| c.4).collect());
     for (h, request, what, expected, stated) in cases {
@@ -490,4 +526,82 @@ fn replies_of_another_length_than_asked_are_refused_before_any_allocation() {
         }
     }
     server.join().unwrap();
+}
+
+/// The counts' payload decodes to what was encoded, and anything but a stage's own layers in order, each
+/// of the model's expert count, in exactly the stated bytes, is refused.
+#[test]
+fn expert_token_counts_round_trip_and_malformed_ones_are_refused() {
+    let counts = doubler_counts();
+    let mut bytes = Vec::new();
+    encode_expert_tokens(&counts, &mut bytes);
+    assert_eq!(bytes.len() as u64, expert_tokens_len(2, 3));
+    let mut out = vec![LayerExpertTokens::default()];
+    decode_expert_tokens(&bytes, 2..4, 3, &mut out).unwrap();
+    assert_eq!(out, counts);
+    // A stage that counts nothing (dense layers) answers nothing.
+    encode_expert_tokens(&[], &mut bytes);
+    assert!(bytes.is_empty());
+    decode_expert_tokens(&bytes, 2..4, 3, &mut out).unwrap();
+    assert!(out.is_empty());
+    let refused = |layers: &[LayerExpertTokens], range: std::ops::Range<usize>, cut: usize| {
+        let mut bytes = Vec::new();
+        encode_expert_tokens(layers, &mut bytes);
+        bytes.truncate(bytes.len() - cut);
+        decode_expert_tokens(&bytes, range, 3, &mut Vec::new())
+            .unwrap_err()
+            .to_string()
+    };
+    let e = refused(&counts, 3..4, 0);
+    assert!(e.contains("layer 2 out of order or outside"), "{e}");
+    let e = refused(&counts, 2..3, 0);
+    assert!(e.contains("layer 3 out of order or outside"), "{e}");
+    let (a, b) = (counts[0].clone(), counts[1].clone());
+    let e = refused(&[b.clone(), a.clone()], 2..4, 0);
+    assert!(e.contains("layer 2 out of order"), "{e}");
+    let e = refused(&[a.clone(), a.clone()], 2..4, 0);
+    assert!(e.contains("layer 2 out of order"), "{e}");
+    let four = LayerExpertTokens {
+        layer: 2,
+        tokens: vec![0; 4],
+    };
+    let e = refused(&[four], 2..4, 0);
+    assert!(e.contains("layer 2 has 4 experts, the model 3"), "{e}");
+    for cut in [1, 8, 30] {
+        let e = refused(&counts, 2..4, cut);
+        assert!(e.contains("cut short"), "cut {cut}: {e}");
+    }
+}
+
+/// A server of this version answers its expert counts over the link (between forwards, which still
+/// work after); a server from before them (version 0) is never asked: the client refuses the call
+/// without sending the frame the old server would close the link over, and the link stays usable.
+#[test]
+fn expert_counts_cross_the_link_and_an_older_server_is_not_asked() {
+    let s = server();
+    let mut c = StageClient::connect(s.addr(), &hello(), StageTimeouts::default(), None).unwrap();
+    assert!(c.answers_expert_tokens());
+    let mut b = ForwardBatch::default();
+    b.push(&[1], 0, vec![0], tandem_model::LogitsWanted::Last);
+    let mut buf = bytes(&[1.0, 2.0, 3.0]);
+    c.forward(&b, &mut buf).unwrap();
+    let mut counts = Vec::new();
+    c.expert_tokens(3, &mut counts).unwrap();
+    assert_eq!(counts, doubler_counts());
+    c.forward(&b, &mut buf).unwrap();
+    assert_eq!(floats(&buf), [4.0, 8.0, 12.0]);
+    // The model has 4 experts a layer where the server counts 3: refused, naming both.
+    let e = c.expert_tokens(4, &mut counts).unwrap_err().to_string();
+    assert!(e.contains("3 experts, the model 4"), "{e}");
+    s.shutdown();
+
+    let old = versioned_server(Duration::ZERO, None, 0);
+    let mut c = StageClient::connect(old.addr(), &hello(), StageTimeouts::default(), None).unwrap();
+    assert!(!c.answers_expert_tokens());
+    let e = c.expert_tokens(3, &mut counts).unwrap_err().to_string();
+    assert!(e.contains("link version 0"), "{e}");
+    let mut buf = bytes(&[1.0, 2.0, 3.0]);
+    c.forward(&b, &mut buf).unwrap();
+    assert_eq!(floats(&buf), [2.0, 4.0, 6.0]);
+    old.shutdown();
 }
