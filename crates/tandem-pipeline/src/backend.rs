@@ -237,7 +237,8 @@ impl PipelineBackend {
     }
 
     /// Refreshes the later stages' expert counts in `r` from their links: stages that report them,
-    /// one request each. A failed link keeps its last counts and is not asked again.
+    /// one request each. A failed request leaves the link failed, as any does (the next step then fails
+    /// naming the stage); its stage keeps its last counts and is not asked again.
     fn fetch_remote_counts(&self, r: &mut RemoteCounts) {
         for (k, link) in self.links.iter().enumerate() {
             if !link.counts || r.failed[k] {

@@ -63,8 +63,21 @@ fn series_value(page: &str, name: &str) -> u64 {
 }
 
 /// Each token row the server computed went to exactly `top_k` experts of each layer in `moe_layers`,
-/// and no other layer has a series.
+/// and no other layer has a series. Polled for a few seconds: the engine publishes its counts after
+/// the step that answered, and a pipeline's later stages' when it next rests.
 async fn assert_expert_tokens(server: &Server, moe_layers: &[usize], top_k: u64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match expert_tokens_differ(server, moe_layers, top_k).await {
+            None => return,
+            Some(why) if std::time::Instant::now() > deadline => panic!("{why}"),
+            Some(_) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// How the server's expert series differ from `assert_expert_tokens`' expectation, if they do.
+async fn expert_tokens_differ(server: &Server, moe_layers: &[usize], top_k: u64) -> Option<String> {
     let page = server.metrics().await;
     let rows = series_value(&page, "tandem:prompt_tokens_total")
         - series_value(&page, "tandem:prefix_cache_hits_total")
@@ -89,7 +102,7 @@ async fn assert_expert_tokens(server: &Server, moe_layers: &[usize], top_k: u64)
     }
     let want: std::collections::BTreeMap<usize, u64> =
         moe_layers.iter().map(|&l| (l, rows * top_k)).collect();
-    assert_eq!(per_layer, want, "{page}");
+    (per_layer != want).then(|| format!("{per_layer:?} != {want:?} in\n{page}"))
 }
 
 async fn pd_pipelined_matches_colocated(model: &str) {
@@ -103,12 +116,36 @@ async fn pd_pipelined_matches_colocated(model: &str) {
         ),
     );
     let want = answers(&colocated).await;
-    if model.ends_with("tiny-qwen3-moe") {
-        // Its config: three layers, the middle one dense (`mlp_only_layers: [1]`), two experts a token.
-        assert_expert_tokens(&colocated, &[0, 2], 2).await;
+    // Qwen3-MoE: three layers, the middle one dense (`mlp_only_layers: [1]`), two experts a token;
+    // Qwen2-MoE: three MoE layers, two experts a token.
+    let moe_layers: &[usize] = if model.ends_with("tiny-qwen3-moe") {
+        &[0, 2]
+    } else if model.to_string_lossy().contains("qwen2-moe") {
+        &[0, 1, 2]
+    } else {
+        &[]
+    };
+    if !moe_layers.is_empty() {
+        assert_expert_tokens(&colocated, moe_layers, 2).await;
     }
     drop(colocated);
     assert!(want.iter().all(|(t, _)| !t.is_empty()), "{want:?}");
+    if !moe_layers.is_empty() {
+        // Split into two stages, the `tandem stage` process's layers are counted too, each once.
+        let pipelined = Server::with_config(
+            BIN,
+            &format!(
+                "model: {}\nserved_model_name: {SERVED}\n{}deployment: {{mode: colocated}}\n",
+                model.display(),
+                ENGINE.replace(
+                    "max_num_seqs: 8",
+                    "max_num_seqs: 8, pipeline_parallel_size: 2"
+                )
+            ),
+        );
+        assert_eq!(answers(&pipelined).await, want, "{}", model.display());
+        assert_expert_tokens(&pipelined, moe_layers, 2).await;
+    }
 
     let pd = Server::with_config(
         BIN,
