@@ -14,7 +14,7 @@ use std::time::Duration;
 use libfuzzer_sys::fuzz_target;
 use tandem_kv::wire::{FrameHeader, FrameKind};
 use tandem_model::Partition;
-use tandem_pipeline::link::{StageClient, StageHello};
+use tandem_pipeline::link::{StageClient, StageHello, STAGE_LINK_VERSION};
 use tandem_engine::Activations;
 use tandem_pipeline::{serve_stage, CpuStage, StageServer, StageServing, StageTimeouts};
 
@@ -41,6 +41,7 @@ fn served() -> &'static Served {
             block_size: 4,
             num_blocks: 64,
             samples: false,
+            version: STAGE_LINK_VERSION,
         };
         let stage = CpuStage::new(&m.config, &m.weights, 1, part).expect("stage");
         let listener = TcpListener::bind("127.0.0.1:0").expect("loopback listener");
