@@ -70,7 +70,7 @@ if [ "$mode" = table ]; then
   cp "$dir"/profile.json "$dir"/bench-*.json "$sims"/ 2>/dev/null || true
   for topo in colocated 1p1d; do
     topo_flags=""
-    # The measured 1P1D runs both workers on the one GPU: the sim has them take turns on it (on the
+    # The measured 1P1D runs both workers on the one GPU: the sim has their forwards share it (on the
     # CPU each worker has a thread, and a core, of its own).
     shared=""
     [ "$DEVICE" = cuda ] && shared="--shared-device"

@@ -332,12 +332,24 @@ impl Profile {
         prefill_tokens: usize,
         context: f64,
     ) -> f64 {
-        let forward = if prefill_tokens == 0 {
+        self.forward_time(tokens, seqs, prefill_tokens, context)
+            + self.overheads.step_s
+            + self.overheads.step_per_seq_s * seqs as f64
+    }
+
+    /// The device's part of [`Profile::step_time`]: the forward alone, without the engine's host work.
+    pub fn forward_time(
+        &self,
+        tokens: usize,
+        seqs: usize,
+        prefill_tokens: usize,
+        context: f64,
+    ) -> f64 {
+        if prefill_tokens == 0 {
             self.decode.at(seqs as f64, context)
         } else {
             self.prefill.at(tokens as f64, context)
-        };
-        forward + self.overheads.step_s + self.overheads.step_per_seq_s * seqs as f64
+        }
     }
 
     /// The layout of the profile's own curves.

@@ -10,7 +10,12 @@
 //! Simplifications: load reports are fresh (the head polls every 0.5 s), the head's admission wait is
 //! the decode worker's own wait for KV room, requests fail only when a worker's whole pool cannot hold
 //! them (no crashes, retries or timeouts), and every worker is its own hardware unless
-//! [`SimConfig::shared_device`] puts them all on one device, which runs one worker's step at a time.
+//! [`SimConfig::shared_device`] puts them all on one device, whose time the steps on it share.
+//!
+//! A step is its forward on the device, then the engine's host work for it (the profile's
+//! `overheads.step_s` and `step_per_seq_s`). On a shared device the forwards of the workers that are
+//! in that phase at once share it equally (processor sharing: with k of them, each runs at 1/k of
+//! its speed), which is how two processes' kernels interleave on one GPU; host work is not shared.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -83,8 +88,9 @@ pub struct SimConfig {
     pub prefix_caching: bool,
     /// Seed of the routing's random choices.
     pub seed: u64,
-    /// All the workers share one device's time (1P1D on one GPU: two processes whose steps take turns
-    /// on it), so at most one step of any of them runs at once; else each worker is its own device.
+    /// All the workers share one device's time (1P1D on one GPU: two processes whose kernels
+    /// interleave on it), so forwards that overlap slow each other down; else each worker is its own
+    /// device.
     pub shared_device: bool,
 }
 
@@ -159,7 +165,10 @@ enum Event {
     Send(usize),
     /// Request `r` reaches the head, which routes it.
     Route(usize),
-    /// Worker `w`'s step ends.
+    /// Worker `w`'s forward leaves the device, if `gen` is still its step's generation (on a shared
+    /// device a forward's end moves whenever another starts or ends, and the older event is void).
+    ForwardDone(usize, u64),
+    /// Worker `w`'s step ends (its host work after the forward too).
     StepDone(usize),
     /// Request `r`'s prefill RPC reaches its prefill worker.
     PrefillArrive(usize),
@@ -203,6 +212,13 @@ struct Worker {
     batch: ForwardBatch,
     busy: bool,
     busy_s: f64,
+    /// Device seconds (at the whole device's speed) left of the running step's forward; 0 once it
+    /// has left the device.
+    forward_left: f64,
+    /// Host seconds of the running step, after its forward.
+    host_s: f64,
+    /// Generation of the running step's pending [`Event::ForwardDone`].
+    gen: u64,
     in_flight: usize,
     prefix: PrefixTracker,
     /// Prefill-only sequences' blocks, kept for the decode worker's pull.
@@ -258,6 +274,8 @@ struct Sim<'a> {
     stats: SimStats,
     /// For each request, the later turn that waits for it (its index and think time).
     next_turn: Vec<Option<(usize, f64)>>,
+    /// When the device's occupants (the forwards running) last changed.
+    device_since: f64,
 }
 
 /// A turn of a conversation that waits for the one before it: sent `think_s` after turn `after` ends,
@@ -352,6 +370,9 @@ pub fn simulate_turns(
         batch: ForwardBatch::default(),
         busy: false,
         busy_s: 0.0,
+        forward_left: 0.0,
+        host_s: 0.0,
+        gen: 0,
         in_flight: 0,
         prefix: PrefixTracker::new(profile.kv_blocks),
         pins: HashMap::new(),
@@ -376,6 +397,7 @@ pub fn simulate_turns(
         record_requests: Vec::with_capacity(requests.len()),
         stats: SimStats::default(),
         next_turn,
+        device_since: 0.0,
     };
     for (i, r) in requests.into_iter().enumerate() {
         if r.prompt.is_empty() || r.max_tokens == 0 {
@@ -406,6 +428,7 @@ pub fn simulate_turns(
             Event::Send(r) => sim.send(r),
             Event::Route(r) => sim.route(r),
             Event::PrefillArrive(r) => sim.prefill_arrive(r),
+            Event::ForwardDone(w, gen) => sim.forward_done(w, gen),
             Event::StepDone(w) => sim.step_done(w),
             Event::DecodeStart(r) => sim.decode_start(r),
             Event::Imported(r) => sim.imported(r),
@@ -605,12 +628,8 @@ impl Sim<'_> {
         self.kick(p);
     }
 
-    /// Starts a step on an idle worker with work (and, on a shared device, while no other worker's
-    /// step runs).
+    /// Starts a step on an idle worker with work.
     fn kick(&mut self, w: usize) {
-        if self.cfg.shared_device && self.workers.iter().any(|o| o.busy) {
-            return;
-        }
         let worker = &mut self.workers[w];
         if worker.busy || !worker.sched.has_work() {
             return;
@@ -640,11 +659,78 @@ impl Sim<'_> {
             context += (s.len * pos) as f64;
         }
         let seqs = worker.sched.scheduled().len();
-        let dt = self.profile.step_time(tokens, seqs, prefill, context);
-        worker.busy = true;
-        worker.busy_s += dt;
+        let forward = self.profile.forward_time(tokens, seqs, prefill, context);
+        let host = self.profile.step_time(tokens, seqs, prefill, context) - forward;
         self.stats.steps += 1;
-        let at = self.now + dt;
+        self.settle_device();
+        let worker = &mut self.workers[w];
+        worker.busy = true;
+        worker.busy_s += forward + host;
+        worker.host_s = host;
+        if forward > 0.0 {
+            worker.forward_left = forward;
+            self.device_changed();
+        } else {
+            let at = self.now + host;
+            self.push(at, Event::StepDone(w));
+        }
+    }
+
+    /// Forwards on the device now (all of them on a shared device, else only one's own).
+    fn sharing(&self) -> f64 {
+        if self.cfg.shared_device {
+            self.workers
+                .iter()
+                .filter(|o| o.forward_left > 0.0)
+                .count()
+                .max(1) as f64
+        } else {
+            1.0
+        }
+    }
+
+    /// Charges the time since the last change of the device's occupants to the forwards on it, each
+    /// at its share of the device.
+    fn settle_device(&mut self) {
+        let elapsed = self.now - self.device_since;
+        self.device_since = self.now;
+        if elapsed <= 0.0 {
+            return;
+        }
+        let done = elapsed / self.sharing();
+        for o in self.workers.iter_mut().filter(|o| o.forward_left > 0.0) {
+            o.forward_left = (o.forward_left - done).max(0.0);
+        }
+    }
+
+    /// (Re)schedules the end of every forward on the device after a change of its occupants: a
+    /// forward's end is its work left times the sharing.
+    fn device_changed(&mut self) {
+        let share = self.sharing();
+        let now = self.now;
+        let mut ends = Vec::new();
+        for (w, o) in self.workers.iter_mut().enumerate() {
+            if o.busy && o.forward_left > 0.0 {
+                o.gen += 1;
+                ends.push((w, o.gen, now + o.forward_left * share));
+            }
+        }
+        for (w, gen, at) in ends {
+            self.push(at, Event::ForwardDone(w, gen));
+        }
+    }
+
+    /// A forward left the device (unless the event is void): the others speed up, and the step's
+    /// host work follows.
+    fn forward_done(&mut self, w: usize, gen: u64) {
+        if self.workers[w].gen != gen || !self.workers[w].busy {
+            return;
+        }
+        self.settle_device();
+        let worker = &mut self.workers[w];
+        worker.forward_left = 0.0;
+        let at = self.now + worker.host_s;
+        self.device_changed();
         self.push(at, Event::StepDone(w));
     }
 
@@ -716,15 +802,7 @@ impl Sim<'_> {
         if self.workers[w].role == Role::Decode {
             self.retry_imports(w);
         }
-        if self.cfg.shared_device {
-            // The device is free: the other workers' waiting steps first, in turn, then this one's.
-            let n = self.workers.len();
-            for k in 1..=n {
-                self.kick((w + k) % n);
-            }
-        } else {
-            self.kick(w);
-        }
+        self.kick(w);
     }
 
     /// `import_prefilled` on the decode worker: the prompt's cached blocks shared, the rest reserved,
@@ -939,10 +1017,37 @@ mod tests {
         assert!(close(*itl.last().unwrap(), decode2), "{itl:?}");
     }
 
-    /// On a shared device a prefill worker's and a decode worker's steps never overlap: the run takes
-    /// at least the sum of their busy times, where on two devices they overlap and it takes less.
+    /// Two forwards on one device at once each run at half speed: two equal prompts on two colocated
+    /// workers both take twice their prefill on a shared device, and their prefill apart.
     #[test]
-    fn workers_on_a_shared_device_take_turns() {
+    fn forwards_on_a_shared_device_share_its_time() {
+        let p = profile();
+        let prefill = p.prefill.at(100.0, 0.0);
+        let mut cfg = SimConfig::new(Topology::Colocated { replicas: 2 });
+        let reqs = vec![req(prompt(1, 100), 1, 0.0), req(prompt(2, 100), 1, 0.0)];
+        for (shared, ttft) in [(false, prefill), (true, 2.0 * prefill)] {
+            cfg.shared_device = shared;
+            let out = simulate(&p, &cfg, reqs.clone(), None).unwrap();
+            assert!(
+                out.stats.busy_s.iter().all(|&b| close(b, prefill)),
+                "{:?}",
+                out.stats
+            );
+            for r in &out.records {
+                assert!(
+                    r.success && close(r.ttft_s, ttft),
+                    "shared {shared}: {} vs {ttft}",
+                    r.ttft_s
+                );
+            }
+        }
+    }
+
+    /// On a shared device a prefill worker's and a decode worker's forwards share one device's time:
+    /// the run takes at least the sum of their busy times, where on two devices they overlap and it
+    /// takes less.
+    #[test]
+    fn workers_on_a_shared_device_use_one_device() {
         let p = profile();
         let mut cfg = SimConfig::new(Topology::Disaggregated {
             prefill: 1,

@@ -87,8 +87,8 @@ pub struct SimArgs {
     /// KV transport between prefill and decode workers (a rate the profile lists).
     #[arg(long, default_value = "tcp")]
     pub transport: String,
-    /// The workers share one device (a 1P1D deployment on one GPU): their steps take turns on it,
-    /// instead of each worker having a device of its own.
+    /// The workers share one device (a 1P1D deployment on one GPU): forwards that overlap share its
+    /// time, instead of each worker having a device of its own.
     #[arg(long)]
     pub shared_device: bool,
     /// KV blocks per worker, instead of the profile's.
