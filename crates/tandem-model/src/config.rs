@@ -212,7 +212,12 @@ impl ModelConfig {
 
     /// Whether any layer's MLP is a mixture of experts.
     pub fn has_moe(&self) -> bool {
-        self.layers.iter().any(|l| l.mlp == MlpKind::Moe)
+        self.has_moe_in(0..self.layers.len())
+    }
+
+    /// Whether any of `layers` (a pipeline stage's, say) has a mixture-of-experts MLP.
+    pub fn has_moe_in(&self, layers: std::ops::Range<usize>) -> bool {
+        self.layers[layers].iter().any(|l| l.mlp == MlpKind::Moe)
     }
 
     /// The attention scale used when the model names none: 1/sqrt(head_dim).

@@ -10,9 +10,7 @@ use tandem_engine::{
     StageError, StageInput, StageModel, StageOutput,
 };
 use tandem_kv::KvError;
-use tandem_model::{
-    ForwardBatch, KvLayout, LayerExpertTokens, MlpKind, ModelConfig, ModelIdentity, Partition,
-};
+use tandem_model::{ForwardBatch, KvLayout, LayerExpertTokens, ModelIdentity, Partition};
 
 use crate::link::StageClient;
 use crate::model::extend_f32;
@@ -67,15 +65,22 @@ impl Link {
 /// The later stages' expert counts as last fetched over their links ([`PipelineBackend::moe_expert_tokens`]).
 #[derive(Default)]
 struct RemoteCounts {
-    /// Per link, its stage's layers' counts (empty until fetched, or for a stage that does not report).
-    per_link: Vec<Vec<LayerExpertTokens>>,
+    /// Per link, what its stage last reported.
+    per_link: Vec<LinkCounts>,
     /// When they were last fetched.
     fetched: Option<Instant>,
     /// Pipeline steps run at the last fetch, and when the engine last asked.
     steps_at_fetch: u64,
     steps_at_ask: u64,
-    /// Links whose fetch failed: not asked again (the failure also fails the next step).
-    failed: Vec<bool>,
+}
+
+/// One later stage's expert counts as last fetched.
+#[derive(Clone, Default)]
+struct LinkCounts {
+    /// Its layers' counts (empty until fetched, or for a stage that does not report).
+    layers: Vec<LayerExpertTokens>,
+    /// Its fetch failed: not asked again (the failure also fails the next step).
+    failed: bool,
 }
 
 /// The engine's `Backend` over a pipeline: the first stage computed here, later stages over their links.
@@ -169,7 +174,7 @@ impl PipelineBackend {
                 source,
             })?;
             tracing::info!(stage, addr = %addr, layers = ?part.layers, "pipeline stage connected");
-            let moe = has_moe(config, &part.layers);
+            let moe = config.has_moe_in(part.layers.clone());
             if moe && !client.answers_expert_tokens() {
                 tracing::warn!(
                     stage,
@@ -198,8 +203,7 @@ impl PipelineBackend {
         // Every stage is sized alike, so stage 0's limit is the pipeline's.
         info.max_len = model.max_len();
         let remote_counts = RemoteCounts {
-            per_link: vec![Vec::new(); links.len()],
-            failed: vec![false; links.len()],
+            per_link: vec![LinkCounts::default(); links.len()],
             ..RemoteCounts::default()
         };
         Ok(PipelineBackend {
@@ -240,18 +244,18 @@ impl PipelineBackend {
     /// one request each. A failed request leaves the link failed, as any does (the next step then fails
     /// naming the stage); its stage keeps its last counts and is not asked again.
     fn fetch_remote_counts(&self, r: &mut RemoteCounts) {
-        for (k, link) in self.links.iter().enumerate() {
-            if !link.counts || r.failed[k] {
+        for (link, last) in self.links.iter().zip(&mut r.per_link) {
+            if !link.counts || last.failed {
                 continue;
             }
             let mut fresh = Vec::new();
             match link.call("expert counts", |c| {
                 c.expert_tokens(self.experts, &mut fresh)
             }) {
-                Ok(()) => r.per_link[k] = fresh,
+                Ok(()) => last.layers = fresh,
                 Err(e) => {
                     tracing::warn!(error = %e, "could not read a stage's expert token counts");
-                    r.failed[k] = true;
+                    last.failed = true;
                 }
             }
         }
@@ -438,13 +442,6 @@ impl PipelineBackend {
     }
 }
 
-/// Whether any of `layers` of the model is a mixture of experts.
-fn has_moe(config: &ModelConfig, layers: &std::ops::Range<usize>) -> bool {
-    layers
-        .clone()
-        .any(|l| matches!(config.layer(l).mlp, MlpKind::Moe))
-}
-
 /// An operation of the local first stage that failed (its layers are global = local: it starts at 0),
 /// classified by [`stage_kind`].
 fn stage0_err(what: &str, e: StageError) -> BackendError {
@@ -518,7 +515,7 @@ impl Backend for PipelineBackend {
             self.fetch_remote_counts(&mut r);
         }
         for counts in &r.per_link {
-            out.extend(counts.iter().cloned());
+            out.extend(counts.layers.iter().cloned());
         }
     }
 
