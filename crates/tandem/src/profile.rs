@@ -123,31 +123,29 @@ fn measure(args: &ProfileArgs) -> Result<Profile> {
     };
     let rtt = loopback_round_trip()?;
     // After the step timings, whose backend is gone by now (a GPU holds one model at a time).
-    let overheads = match host::measure(&path, &config, args) {
-        Ok(h) => {
+    let host = host::measure(&path, &config, args)
+        .inspect(|h| {
             eprintln!(
                 "host work: {:.3} ms per request; per step outside the forward pass, {:.3} ms and {:.4} ms per sequence",
                 h.request_s * 1e3,
                 h.step_s * 1e3,
                 h.step_per_seq_s * 1e3
-            );
-            Overheads {
-                request_s: h.request_s,
-                rpc_s: rtt,
-                step_s: h.step_s,
-                step_per_seq_s: h.step_per_seq_s,
-            }
-        }
+            )
+        })
         // The step timings are still worth writing; the profile then has no host work but a round trip.
-        Err(e) => {
+        .unwrap_or_else(|e| {
             tracing::warn!(error = %format!("{e:#}"), "host work not measured; the profile's overheads are a loopback round trip");
-            Overheads {
+            host::HostOverheads {
                 request_s: rtt,
-                rpc_s: rtt,
                 step_s: 0.0,
                 step_per_seq_s: 0.0,
             }
-        }
+        });
+    let overheads = Overheads {
+        request_s: host.request_s,
+        rpc_s: rtt,
+        step_s: host.step_s,
+        step_per_seq_s: host.step_per_seq_s,
     };
     // A KV pull between two GPU workers leaves the GPU through host memory (device to host on the
     // prefill side, the wire, host to device on the decode side), one copy after the other for each
