@@ -321,23 +321,9 @@ impl Profile {
             })
     }
 
-    /// Seconds of one step as the engine loop runs it: `tokens` new tokens over `seqs` sequences, of
-    /// which `prefill_tokens` are prompt tokens; `context` is Σ n·p over its chunks of n tokens at
-    /// position p. The forward pass from the curves, plus the loop's own work (`overheads.step_s`, and
-    /// `overheads.step_per_seq_s` per sequence).
-    pub fn step_time(
-        &self,
-        tokens: usize,
-        seqs: usize,
-        prefill_tokens: usize,
-        context: f64,
-    ) -> f64 {
-        self.forward_time(tokens, seqs, prefill_tokens, context)
-            + self.overheads.step_s
-            + self.overheads.step_per_seq_s * seqs as f64
-    }
-
-    /// The device's part of [`Profile::step_time`]: the forward alone, without the engine's host work.
+    /// Seconds of one step's forward pass on the device, from the curves: `tokens` new tokens over
+    /// `seqs` sequences, of which `prefill_tokens` are prompt tokens; `context` is Σ n·p over its
+    /// chunks of n tokens at position p. The engine loop adds [`Profile::host_time`] to it.
     pub fn forward_time(
         &self,
         tokens: usize,
@@ -350,6 +336,12 @@ impl Profile {
         } else {
             self.prefill.at(tokens as f64, context)
         }
+    }
+
+    /// Seconds of the engine loop's own work for a step of `seqs` sequences, outside the forward
+    /// pass (`overheads.step_s`, and `overheads.step_per_seq_s` per sequence).
+    pub fn host_time(&self, seqs: usize) -> f64 {
+        self.overheads.step_s + self.overheads.step_per_seq_s * seqs as f64
     }
 
     /// The layout of the profile's own curves.
@@ -366,7 +358,7 @@ impl Profile {
 pub struct Measured {
     /// Batch size (decode) or batched tokens (prefill).
     pub x: f64,
-    /// Cached context of the step (see [`Profile::step_time`]).
+    /// Cached context of the step (see [`Profile::forward_time`]).
     pub context: f64,
     /// Seconds it took.
     pub seconds: f64,
@@ -558,15 +550,18 @@ pub(crate) mod tests {
     /// Every step costs the loop's overhead on top of its forward pass, decode and prefill alike, plus
     /// its per-sequence share; a bad overhead is refused by name.
     #[test]
-    fn step_time_adds_the_per_step_overhead() {
+    fn host_time_adds_the_per_step_overhead() {
         let mut p = profile();
-        let (decode, prefill) = (p.step_time(4, 4, 0, 0.0), p.step_time(100, 1, 100, 0.0));
+        let step = |p: &Profile, tokens, seqs, prefill| {
+            p.forward_time(tokens, seqs, prefill, 0.0) + p.host_time(seqs)
+        };
+        let (decode, prefill) = (step(&p, 4, 4, 0), step(&p, 100, 1, 100));
         p.overheads.step_s = 0.002;
-        assert!((p.step_time(4, 4, 0, 0.0) - decode - 0.002).abs() < 1e-12);
-        assert!((p.step_time(100, 1, 100, 0.0) - prefill - 0.002).abs() < 1e-12);
+        assert!((step(&p, 4, 4, 0) - decode - 0.002).abs() < 1e-12);
+        assert!((step(&p, 100, 1, 100) - prefill - 0.002).abs() < 1e-12);
         p.overheads.step_per_seq_s = 0.0001;
-        assert!((p.step_time(4, 4, 0, 0.0) - decode - 0.0024).abs() < 1e-12);
-        assert!((p.step_time(100, 1, 100, 0.0) - prefill - 0.0021).abs() < 1e-12);
+        assert!((step(&p, 4, 4, 0) - decode - 0.0024).abs() < 1e-12);
+        assert!((step(&p, 100, 1, 100) - prefill - 0.0021).abs() < 1e-12);
         p.overheads.step_s = -1.0;
         let e = p.check().unwrap_err().to_string();
         assert!(e.contains("overheads.step_s"), "{e}");

@@ -660,7 +660,7 @@ impl Sim<'_> {
         }
         let seqs = worker.sched.scheduled().len();
         let forward = self.profile.forward_time(tokens, seqs, prefill, context);
-        let host = self.profile.step_time(tokens, seqs, prefill, context) - forward;
+        let host = self.profile.host_time(seqs);
         self.stats.steps += 1;
         self.settle_device();
         let worker = &mut self.workers[w];
