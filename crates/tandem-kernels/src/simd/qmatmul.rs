@@ -509,8 +509,10 @@ unsafe fn qk_header<const FMT: u8>(blk: *const u8) -> (f32, f32, [i16; 16], [i16
     }
 }
 
-/// out[t][r] for RW K-quant weight rows × MT Q8_K activation rows: per block an int32 sum of
-/// scale × dot over sub-blocks, then one f32 FMA; the min/offset term comes from the activation bsums.
+/// out[t][r] for RW K-quant weight rows × MT Q8_K activation rows, in llama.cpp's AVX2 order (see
+/// `dot_qk_portable`): per block 8 int32 lanes of scale × dot over the sub-blocks. Q4_K sums them (and
+/// `Σ min·bsum`) to one integer each and fused-multiply-adds both into their own f32 chains; Q6_K takes
+/// the `32·Σ scale·bsum` offset off each lane in integers and fused-multiply-adds the 8 lanes.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
@@ -526,7 +528,7 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
 ) {
     let bb = if FMT == Q4K { 144 } else { 210 };
     let mut acc = [[_mm256_setzero_ps(); MT]; RW];
-    let mut acc_min = [[0f32; MT]; RW];
+    let mut acc_q4k = [[(0f32, 0f32); MT]; RW];
     for b in 0..nb {
         let mut hdr = [(0f32, 0f32, [0i16; 16], [0i16; 16]); RW];
         for (r, h) in hdr.iter_mut().enumerate() {
@@ -543,7 +545,7 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
                 }
             }
         }
-        // The weight mins (per 16) as one vector per row, for the `Σ min·bsum` integer dot below.
+        // The weight mins (Q6_K: 32·scale) per 16, for the `Σ min·bsum` integer dot below.
         let mut mnv = [_mm256_setzero_si256(); RW];
         for (v, h) in mnv.iter_mut().zip(&hdr) {
             *v = _mm256_loadu_si256(h.3.as_ptr().cast());
@@ -553,18 +555,26 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
             let bs = _mm256_loadu_si256(bsums.add(t * cols / 16 + 16 * b).cast());
             for r in 0..RW {
                 let (wd, wmin, _, _) = &hdr[r];
-                let scale = _mm256_set1_ps(wd * d);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]), scale, acc[r][t]);
-                // An exact integer (|min·bsum| < 2^17 each): any summation order gives the same value.
-                let msum = hsum_epi32(_mm256_madd_epi16(mnv[r], bs));
-                let mfac = if FMT == Q4K { *wmin } else { *wd };
-                acc_min[r][t] += mfac * d * msum as f32;
+                // Lane l: bsums of groups 2l and 2l+1 times their mins (exact integers).
+                let mins = _mm256_madd_epi16(mnv[r], bs);
+                if FMT == Q4K {
+                    let (a, m) = &mut acc_q4k[r][t];
+                    *a = (hsum_epi32(isum[r][t]) as f32).mul_add(wd * d, *a);
+                    *m = (hsum_epi32(mins) as f32).mul_add(wmin * d, *m);
+                } else {
+                    let lanes = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r][t], mins));
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d * wd), lanes, acc[r][t]);
+                }
             }
         }
     }
     for r in 0..RW {
         for t in 0..MT {
-            *out.add(t * out_stride + r) = super::hsum(acc[r][t]) - acc_min[r][t];
+            *out.add(t * out_stride + r) = if FMT == Q4K {
+                acc_q4k[r][t].0 - acc_q4k[r][t].1
+            } else {
+                super::hsum(acc[r][t])
+            };
         }
     }
 }
@@ -678,6 +688,30 @@ mod tests {
                     b.iter().map(|v| v.to_bits()).collect(),
                 );
                 assert_eq!(a, b, "{dt:?} {rows}x{cols} m={m}");
+            }
+        }
+    }
+
+    /// The AVX2 K-quant kernels give the portable dot product's bits (both follow llama.cpp's AVX2 order)
+    /// for every tile shape: 8, 4 and single activation rows, groups of 4 weight rows and their tails.
+    #[test]
+    fn avx2_kquant_kernels_equal_portable_bitwise() {
+        if cpu_isa() < Isa::Avx2 {
+            return;
+        }
+        let pool = ThreadPool::new(2);
+        for dt in [DType::Q4K, DType::Q6K] {
+            for &(rows, cols, m) in &[(13, 256, 1), (9, 512, 13), (20, 768, 8), (7, 256, 37)] {
+                let w = quantized_matrix(dt, rows, cols, 41);
+                let x = rand_vec(m * cols, 42);
+                let mut scratch = MatmulScratch::default();
+                let (mut a, mut b) = (vec![f32::NAN; m * rows], vec![f32::NAN; m * rows]);
+                with_isa(Isa::Avx2, || matmul(&pool, &w, &x, m, &mut a, &mut scratch));
+                with_isa(Isa::Portable, || {
+                    matmul(&pool, &w, &x, m, &mut b, &mut scratch)
+                });
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "{dt:?} {rows}x{cols} m={m}");
             }
         }
     }
