@@ -84,19 +84,28 @@ pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
 const GELU_SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_COEF: f32 = 0.044_715;
 
-/// GELU's tanh approximation in f32, llama.cpp's `ggml_gelu_f32` operation for operation (libm `tanhf`):
-/// `0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²)))`.
+/// GELU's tanh approximation in f32, `0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²)))`, llama.cpp's
+/// `ggml_gelu_f32` operation for operation as GCC compiles it (libm `tanhf`; `1 + 0.044715·x·x`
+/// contracted into one fused multiply-add).
 pub fn gelu_tanh_f32(x: f32) -> f32 {
-    0.5 * x * (1.0 + (GELU_SQRT_2_OVER_PI * x * (1.0 + GELU_COEF * x * x)).tanh())
+    0.5 * x * (1.0 + (GELU_SQRT_2_OVER_PI * x * (GELU_COEF * x).mul_add(x, 1.0)).tanh())
 }
 
 /// llama.cpp's `ggml_table_gelu_f16`: for every f16 bit pattern `h`, the f16 bits of
-/// [`gelu_tanh_f32`] of `h` widened to f32 (built once, 128 KiB).
+/// [`gelu_tanh_f32`] of `h` widened to f32, a NaN as ggml's canonical one of its sign (built once,
+/// 128 KiB).
 pub fn gelu_table() -> &'static [u16] {
     static TABLE: OnceLock<Vec<u16>> = OnceLock::new();
     TABLE.get_or_init(|| {
         (0..=u16::MAX)
-            .map(|h| f16::from_f32(gelu_tanh_f32(f16::from_bits(h).to_f32())).to_bits())
+            .map(|h| {
+                let g = gelu_tanh_f32(f16::from_bits(h).to_f32());
+                if g.is_nan() {
+                    0x7e00 | ((g.to_bits() >> 16) & 0x8000) as u16
+                } else {
+                    f16::from_f32(g).to_bits()
+                }
+            })
             .collect()
     })
 }
@@ -303,5 +312,18 @@ mod tests {
                 "gelu({x}): table {got} vs exact {near}"
             );
         }
+    }
+
+    /// The table is llama.cpp's own: the FNV-1a 64 hash of its 65,536 little-endian entries equals that
+    /// of `ggml_table_gelu_f16` read from llama-cpp-python 0.3.36's `libggml-cpu.so` (AVX2 build, glibc
+    /// `tanhf`) after `ggml_cpu_init`. Another libm's `tanhf` may round a few entries differently.
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn gelu_table_is_llamacpps() {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for b in gelu_table().iter().flat_map(|v| v.to_le_bytes()) {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        assert_eq!(h, 0xab04_4edb_a0ed_200c);
     }
 }
