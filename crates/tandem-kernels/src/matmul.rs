@@ -289,6 +289,18 @@ fn transpose_scales(s: &mut MatmulScratch, m: usize, nb: usize) {
     }
 }
 
+/// How many leading activation rows of an `m`-row product llama.cpp's repacked Q4_K path takes in groups
+/// of 4 (`gemm_q4_K_8x8_q8_K`, activations from `ggml_quantize_mat_q8_K_4x8`); the last `m % 4` go
+/// through `gemv_q4_K_8x8_q8_K` one at a time. The two settle a ±amax activation tie differently and
+/// accumulate differently (see `dot_qk_portable`). Other formats: 0.
+pub(crate) fn q4k_grouped_rows(dt: DType, m: usize) -> usize {
+    if dt == DType::Q4K {
+        m - m % 4
+    } else {
+        0
+    }
+}
+
 fn prepare_acts(
     pool: &ThreadPool,
     dt: DType,
@@ -323,9 +335,7 @@ fn prepare_acts(
         &mut s.sx[..],
         &mut s.bsums[..],
     );
-    // llama.cpp quantizes Q4_K's activations in groups of 4 rows (all but the last `m % 4`) for its
-    // repacked kernels, which settle a ±amax tie differently from the row quantizer.
-    let grouped_rows = if dt == DType::Q4K { m - m % 4 } else { 0 };
+    let grouped_rows = q4k_grouped_rows(dt, m);
     let quant_rows =
         |r0: usize, x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32], bs: &mut [i16]| {
             if group == 32 {
@@ -432,6 +442,7 @@ fn portable_kernel(job: &Job, rows: Range<usize>, ms: Range<usize>) {
     let (cols, total_rows, rb) = (w.cols(), w.rows(), w.row_bytes());
     let dt = w.dtype();
     let a = &job.acts;
+    let grouped = q4k_grouped_rows(dt, job.x.len() / cols);
     for i in ms {
         for r in rows.clone() {
             let wr = &w.bytes()[r * rb..(r + 1) * rb];
@@ -457,6 +468,7 @@ fn portable_kernel(job: &Job, rows: Range<usize>, ms: Range<usize>) {
                         &a.qx[i * cols..(i + 1) * cols],
                         &a.dx[i * nb..(i + 1) * nb],
                         &a.bsums[i * cols / 16..(i + 1) * cols / 16],
+                        i < grouped,
                     )
                 }
             };
@@ -520,13 +532,21 @@ pub(crate) fn dot_q32_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], sx: 
     (((acc[4] + acc[0]) + (acc[6] + acc[2])) + ((acc[5] + acc[1]) + (acc[7] + acc[3]))) + offs
 }
 
-/// Dot of one Q4_K/Q6_K row with one Q8_K activation row in llama.cpp's AVX2 order. Q4_K (the
-/// repacked `gemv/gemm_q4_K_8x8_q8_K`): per block the integer `Σ scale·dot` and `Σ min·bsum`, each
-/// fused-multiply-added into its own f32 chain with `d·d_x` and `dmin·d_x`, the second chain subtracted
-/// at the end. Q6_K (`ggml_vec_dot_q6_K_q8_K`): per block 8 integer lanes (lane `l` holds elements
-/// `4l..4l+4` of every 32, minus `32·Σ scale·bsum` of the per-16 groups `2l, 2l+1`), fused-multiply-added
-/// into 8 f32 lanes with `d_x·d`, the lanes summed like `hsum_float_8`.
-pub(crate) fn dot_qk_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], bsums: &[i16]) -> f32 {
+/// Dot of one Q4_K/Q6_K row with one Q8_K activation row in llama.cpp's AVX2 order. Q4_K (its repacked
+/// kernels): the integer `Σ scale·dot` and `Σ min·bsum` fused-multiply-added into their own f32 chains
+/// with `d·d_x` and `dmin·d_x`, the second chain subtracted at the end — once per block of 256 for a
+/// row `gemv_q4_K_8x8_q8_K` takes, once per pair of sub-blocks (64 elements) for a row in one of
+/// `gemm_q4_K_8x8_q8_K`'s groups of 4 (`grouped`). Q6_K (`ggml_vec_dot_q6_K_q8_K`): per block 8 integer
+/// lanes (lane `l` holds elements `4l..4l+4` of every 32, minus `32·Σ scale·bsum` of the per-16 groups
+/// `2l, 2l+1`), fused-multiply-added into 8 f32 lanes with `d_x·d`, the lanes summed like `hsum_float_8`.
+pub(crate) fn dot_qk_portable(
+    dt: DType,
+    wr: &[u8],
+    qx: &[i8],
+    dx: &[f32],
+    bsums: &[i16],
+    grouped: bool,
+) -> f32 {
     let (mut acc, mut acc_min) = (0f32, 0f32);
     let mut lanes = [0f32; 8];
     for (b, blk) in wr.chunks_exact(dt.block_bytes()).enumerate() {
@@ -548,9 +568,12 @@ pub(crate) fn dot_qk_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], bsums
                     .sum();
                 sumi += sc as i32 * dot;
                 summ += mn as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32);
+                if (grouped && j % 2 == 1) || j == 7 {
+                    acc = (sumi as f32).mul_add(d * dx[b], acc);
+                    acc_min = (summ as f32).mul_add(dmin * dx[b], acc_min);
+                    (sumi, summ) = (0, 0);
+                }
             }
-            acc = (sumi as f32).mul_add(d * dx[b], acc);
-            acc_min = (summ as f32).mul_add(dmin * dx[b], acc_min);
         } else {
             let d = dx[b] * f16_at(&blk[208..]);
             let sc = |g: usize| blk[192 + g] as i8 as i32;

@@ -407,6 +407,7 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
     let nb = cols / 256;
     let a = &job.acts;
     let wp = w.bytes().as_ptr();
+    let grouped = crate::matmul::q4k_grouped_rows(w.dtype(), job.x.len() / cols);
     let args = |i: usize, j: usize| {
         (
             wp.add(i * rb),
@@ -422,14 +423,14 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
     while j + 8 <= ms.end {
         for i in rows.clone() {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 8, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_qk::<1, 8, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, grouped);
         }
         j += 8;
     }
     while j + 4 <= ms.end {
         for i in rows.clone() {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_qk::<1, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, grouped);
         }
         j += 4;
     }
@@ -437,12 +438,12 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
         let mut i = rows.start;
         while i + 4 <= rows.end {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<4, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_qk::<4, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, grouped);
             i += 4;
         }
         while i < rows.end {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_qk::<1, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, grouped);
             i += 1;
         }
         j += 1;
@@ -509,10 +510,11 @@ unsafe fn qk_header<const FMT: u8>(blk: *const u8) -> (f32, f32, [i16; 16], [i16
     }
 }
 
-/// out[t][r] for RW K-quant weight rows × MT Q8_K activation rows, in llama.cpp's AVX2 order (see
-/// `dot_qk_portable`): per block 8 int32 lanes of scale × dot over the sub-blocks. Q4_K sums them (and
-/// `Σ min·bsum`) to one integer each and fused-multiply-adds both into their own f32 chains; Q6_K takes
-/// the `32·Σ scale·bsum` offset off each lane in integers and fused-multiply-adds the 8 lanes.
+/// out[t][r] for RW K-quant weight rows × MT Q8_K activation rows (activation rows `t0..t0 + MT`; the
+/// first `grouped` rows of the product take Q4_K's per-64 chains), in llama.cpp's AVX2 order (see
+/// `dot_qk_portable`): 8 int32 lanes of scale × dot per sub-block pair. Q4_K sums them (and
+/// `Σ min·bsum`) to integers and fused-multiply-adds those into their own f32 chains; Q6_K takes the
+/// `32·Σ scale·bsum` offset off each lane of the block in integers and fused-multiply-adds the 8 lanes.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
@@ -525,6 +527,8 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
     cols: usize,
     out: *mut f32,
     out_stride: usize,
+    t0: usize,
+    grouped: usize,
 ) {
     let bb = if FMT == Q4K { 144 } else { 210 };
     let mut acc = [[_mm256_setzero_ps(); MT]; RW];
@@ -535,6 +539,8 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
             *h = qk_header::<FMT>(w.add(r * rb + b * bb));
         }
         let mut isum = [[_mm256_setzero_si256(); MT]; RW];
+        // Q4_K: the integer `Σ scale·dot` of each sub-block pair.
+        let mut pair = [[[0i32; 4]; MT]; RW];
         for j in 0..8 {
             for r in 0..RW {
                 let (q, scv) = qk_sub::<FMT>(w.add(r * rb + b * bb), j, &hdr[r].2);
@@ -542,6 +548,10 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
                     let xv = _mm256_loadu_si256(qx.add(t * cols + 256 * b + 32 * j).cast());
                     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scv);
                     *acc_t = _mm256_add_epi32(*acc_t, p);
+                    if FMT == Q4K && j % 2 == 1 {
+                        pair[r][t][j / 2] = hsum_epi32(*acc_t);
+                        *acc_t = _mm256_setzero_si256();
+                    }
                 }
             }
         }
@@ -555,12 +565,23 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
             let bs = _mm256_loadu_si256(bsums.add(t * cols / 16 + 16 * b).cast());
             for r in 0..RW {
                 let (wd, wmin, _, _) = &hdr[r];
-                // Lane l: bsums of groups 2l and 2l+1 times their mins (exact integers).
+                // Lane l: bsums of groups 2l and 2l+1 times their mins (exact integers; Q4_K: sub-block l).
                 let mins = _mm256_madd_epi16(mnv[r], bs);
                 if FMT == Q4K {
-                    let (a, m) = &mut acc_q4k[r][t];
-                    *a = (hsum_epi32(isum[r][t]) as f32).mul_add(wd * d, *a);
-                    *m = (hsum_epi32(mins) as f32).mul_add(wmin * d, *m);
+                    let mut m = [0i32; 8];
+                    _mm256_storeu_si256(m.as_mut_ptr().cast(), mins);
+                    let (a, am) = &mut acc_q4k[r][t];
+                    let (sd, md) = (wd * d, wmin * d);
+                    if t0 + t < grouped {
+                        for (sb, &p) in pair[r][t].iter().enumerate() {
+                            *a = (p as f32).mul_add(sd, *a);
+                            *am = ((m[2 * sb] + m[2 * sb + 1]) as f32).mul_add(md, *am);
+                        }
+                    } else {
+                        let p: i32 = pair[r][t].iter().sum();
+                        *a = (p as f32).mul_add(sd, *a);
+                        *am = (m.iter().sum::<i32>() as f32).mul_add(md, *am);
+                    }
                 } else {
                     let lanes = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r][t], mins));
                     acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d * wd), lanes, acc[r][t]);
@@ -717,7 +738,8 @@ mod tests {
     }
 
     /// The AVX2 K-quant kernels give every activation row the same bits whatever tile it falls in (8, 4 or 1
-    /// rows at a time): a batch of 13 rows against each row alone.
+    /// rows at a time): a batch of 13 rows against each row alone — for Q4_K only the last row, the one
+    /// llama.cpp's repacked path also takes alone (the first 12 go in its groups of 4, summed per 64).
     #[test]
     fn avx2_kquant_tiles_agree_bitwise() {
         if cpu_isa() < Isa::Avx2 {
@@ -733,7 +755,8 @@ mod tests {
             with_isa(Isa::Avx2, || {
                 matmul(&pool, &w, &x, m, &mut all, &mut scratch)
             });
-            for t in 0..m {
+            let alone = crate::matmul::q4k_grouped_rows(dt, m);
+            for t in alone..m {
                 let mut one = vec![f32::NAN; rows];
                 with_isa(Isa::Avx2, || {
                     matmul(
