@@ -289,15 +289,24 @@ fn transpose_scales(s: &mut MatmulScratch, m: usize, nb: usize) {
     }
 }
 
-/// How many leading activation rows of an `m`-row product llama.cpp's repacked Q4_K path takes in groups
-/// of 4 (`gemm_q4_K_8x8_q8_K`, activations from `ggml_quantize_mat_q8_K_4x8`); the last `m % 4` go
-/// through `gemv_q4_K_8x8_q8_K` one at a time. The two settle a ±amax activation tie differently and
-/// accumulate differently (see `dot_qk_portable`). Other formats: 0.
-pub(crate) fn q4k_grouped_rows(dt: DType, m: usize) -> usize {
-    if dt == DType::Q4K {
-        m - m % 4
-    } else {
-        0
+/// Which of llama.cpp's AVX2 kernels computes activation row `i` of an `m`-row K-quant product, as their
+/// sums differ (see `dot_qk_portable`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KPath {
+    /// One row at a time: Q4_K's `gemv_q4_K_8x8_q8_K`, Q6_K's `ggml_vec_dot_q6_K_q8_K`.
+    Single,
+    /// Q4_K's `gemm_q4_K_8x8_q8_K`: all but the last `m % 4` rows, in groups of 4.
+    Grouped,
+    /// Q6_K's tiled kernel (`ggml_compute_forward_mul_mat_tiled`), for products of 8 rows or more.
+    Tiled,
+}
+
+/// The kernel llama.cpp's AVX2 build runs for row `i` of an `m`-row product of `dt` weights.
+pub(crate) fn k_path(dt: DType, m: usize, i: usize) -> KPath {
+    match dt {
+        DType::Q4K if i < m - m % 4 => KPath::Grouped,
+        DType::Q6K if m >= 8 => KPath::Tiled,
+        _ => KPath::Single,
     }
 }
 
@@ -335,7 +344,6 @@ fn prepare_acts(
         &mut s.sx[..],
         &mut s.bsums[..],
     );
-    let grouped_rows = q4k_grouped_rows(dt, m);
     let quant_rows =
         |r0: usize, x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32], bs: &mut [i16]| {
             if group == 32 {
@@ -355,7 +363,9 @@ fn prepare_acts(
                     .zip(bs.chunks_exact_mut(cols / 16))
                     .enumerate()
                 {
-                    quantize_q8_k_acts(xr, qr, dr, br, r0 + i < grouped_rows);
+                    // The repacked Q4_K groups quantize with `ggml_quantize_mat_q8_K_4x8`.
+                    let grouped = k_path(dt, m, r0 + i) == KPath::Grouped;
+                    quantize_q8_k_acts(xr, qr, dr, br, grouped);
                 }
             }
         };
@@ -442,7 +452,7 @@ fn portable_kernel(job: &Job, rows: Range<usize>, ms: Range<usize>) {
     let (cols, total_rows, rb) = (w.cols(), w.rows(), w.row_bytes());
     let dt = w.dtype();
     let a = &job.acts;
-    let grouped = q4k_grouped_rows(dt, job.x.len() / cols);
+    let m = job.x.len() / cols;
     for i in ms {
         for r in rows.clone() {
             let wr = &w.bytes()[r * rb..(r + 1) * rb];
@@ -468,7 +478,7 @@ fn portable_kernel(job: &Job, rows: Range<usize>, ms: Range<usize>) {
                         &a.qx[i * cols..(i + 1) * cols],
                         &a.dx[i * nb..(i + 1) * nb],
                         &a.bsums[i * cols / 16..(i + 1) * cols / 16],
-                        i < grouped,
+                        k_path(dt, m, i),
                     )
                 }
             };
@@ -532,20 +542,21 @@ pub(crate) fn dot_q32_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], sx: 
     (((acc[4] + acc[0]) + (acc[6] + acc[2])) + ((acc[5] + acc[1]) + (acc[7] + acc[3]))) + offs
 }
 
-/// Dot of one Q4_K/Q6_K row with one Q8_K activation row in llama.cpp's AVX2 order. Q4_K (its repacked
-/// kernels): the integer `Σ scale·dot` and `Σ min·bsum` fused-multiply-added into their own f32 chains
-/// with `d·d_x` and `dmin·d_x`, the second chain subtracted at the end — once per block of 256 for a
-/// row `gemv_q4_K_8x8_q8_K` takes, once per pair of sub-blocks (64 elements) for a row in one of
-/// `gemm_q4_K_8x8_q8_K`'s groups of 4 (`grouped`). Q6_K (`ggml_vec_dot_q6_K_q8_K`): per block 8 integer
-/// lanes (lane `l` holds elements `4l..4l+4` of every 32, minus `32·Σ scale·bsum` of the per-16 groups
-/// `2l, 2l+1`), fused-multiply-added into 8 f32 lanes with `d_x·d`, the lanes summed like `hsum_float_8`.
+/// Dot of one Q4_K/Q6_K row with one Q8_K activation row in the order of the llama.cpp AVX2 kernel that
+/// `path` names. Q4_K (its repacked kernels): the integer `Σ scale·dot` and `Σ min·bsum`
+/// fused-multiply-added into their own f32 chains with `d·d_x` and `dmin·d_x`, the second chain
+/// subtracted at the end — once per block of 256 (`Single`), once per pair of sub-blocks (`Grouped`).
+/// Q6_K, `Single` (`ggml_vec_dot_q6_K_q8_K`): per block 8 integer lanes (lane `l` holds elements
+/// `4l..4l+4` of every 32, minus `32·Σ scale·bsum` of the per-16 groups `2l, 2l+1`), fused-multiply-added
+/// into 8 f32 lanes with `d_x·d`, the lanes summed like `hsum_float_8`; `Tiled`: per block the whole
+/// integer sum `s`, then `acc = fma(d·s, d_x, acc)`.
 pub(crate) fn dot_qk_portable(
     dt: DType,
     wr: &[u8],
     qx: &[i8],
     dx: &[f32],
     bsums: &[i16],
-    grouped: bool,
+    path: KPath,
 ) -> f32 {
     let (mut acc, mut acc_min) = (0f32, 0f32);
     let mut lanes = [0f32; 8];
@@ -568,30 +579,35 @@ pub(crate) fn dot_qk_portable(
                     .sum();
                 sumi += sc as i32 * dot;
                 summ += mn as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32);
-                if (grouped && j % 2 == 1) || j == 7 {
+                if (path == KPath::Grouped && j % 2 == 1) || j == 7 {
                     acc = (sumi as f32).mul_add(d * dx[b], acc);
                     acc_min = (summ as f32).mul_add(dmin * dx[b], acc_min);
                     (sumi, summ) = (0, 0);
                 }
             }
         } else {
-            let d = dx[b] * f16_at(&blk[208..]);
+            let d = f16_at(&blk[208..]);
             let sc = |g: usize| blk[192 + g] as i8 as i32;
+            let mut total = 0i32;
             for (l, lane) in lanes.iter_mut().enumerate() {
                 let mut sumi: i32 = (0..8)
                     .flat_map(|c| 32 * c + 4 * l..32 * c + 4 * l + 4)
                     .map(|e| sc(e / 16) * q6k_value(blk, e) * q[e] as i32)
                     .sum();
                 sumi -= 32 * (bs[2 * l] as i32 * sc(2 * l) + bs[2 * l + 1] as i32 * sc(2 * l + 1));
-                *lane = d.mul_add(sumi as f32, *lane);
+                *lane = (dx[b] * d).mul_add(sumi as f32, *lane);
+                total += sumi;
             }
+            acc = (d * total as f32).mul_add(dx[b], acc);
         }
     }
-    if dt == DType::Q4K {
-        acc - acc_min
-    } else {
-        ((lanes[4] + lanes[0]) + (lanes[6] + lanes[2]))
-            + ((lanes[5] + lanes[1]) + (lanes[7] + lanes[3]))
+    match (dt, path) {
+        (DType::Q4K, _) => acc - acc_min,
+        (_, KPath::Tiled) => acc,
+        _ => {
+            ((lanes[4] + lanes[0]) + (lanes[6] + lanes[2]))
+                + ((lanes[5] + lanes[1]) + (lanes[7] + lanes[3]))
+        }
     }
 }
 

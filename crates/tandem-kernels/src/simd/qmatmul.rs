@@ -13,7 +13,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::{q32_block_bytes, Q32Tile, Q4_0, Q4_1, Q5_0, Q8_0};
-use crate::matmul::{Job, RangeKernel};
+use crate::matmul::{k_path, Job, KPath, RangeKernel};
 use crate::quant::{f16_at, scale_min_k4, DType, Q4_1_PAIR_BYTES};
 
 /// K-quant format tags.
@@ -407,7 +407,7 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
     let nb = cols / 256;
     let a = &job.acts;
     let wp = w.bytes().as_ptr();
-    let grouped = crate::matmul::q4k_grouped_rows(w.dtype(), job.x.len() / cols);
+    let m = job.x.len() / cols;
     let args = |i: usize, j: usize| {
         (
             wp.add(i * rb),
@@ -423,14 +423,14 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
     while j + 8 <= ms.end {
         for i in rows.clone() {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 8, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, grouped);
+            tile_qk::<1, 8, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m);
         }
         j += 8;
     }
     while j + 4 <= ms.end {
         for i in rows.clone() {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, grouped);
+            tile_qk::<1, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m);
         }
         j += 4;
     }
@@ -438,12 +438,12 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
         let mut i = rows.start;
         while i + 4 <= rows.end {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<4, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, grouped);
+            tile_qk::<4, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m);
             i += 4;
         }
         while i < rows.end {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, grouped);
+            tile_qk::<1, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m);
             i += 1;
         }
         j += 1;
@@ -510,11 +510,12 @@ unsafe fn qk_header<const FMT: u8>(blk: *const u8) -> (f32, f32, [i16; 16], [i16
     }
 }
 
-/// out[t][r] for RW K-quant weight rows × MT Q8_K activation rows (activation rows `t0..t0 + MT`; the
-/// first `grouped` rows of the product take Q4_K's per-64 chains), in llama.cpp's AVX2 order (see
+/// out[t][r] for RW K-quant weight rows × MT Q8_K activation rows (rows `t0..t0 + MT` of an `m`-row
+/// product, which picks llama.cpp's kernel per row: `KPath`), in llama.cpp's AVX2 order (see
 /// `dot_qk_portable`): 8 int32 lanes of scale × dot per sub-block pair. Q4_K sums them (and
 /// `Σ min·bsum`) to integers and fused-multiply-adds those into their own f32 chains; Q6_K takes the
-/// `32·Σ scale·bsum` offset off each lane of the block in integers and fused-multiply-adds the 8 lanes.
+/// `32·Σ scale·bsum` offset off each lane of the block in integers, then fused-multiply-adds the 8 lanes
+/// (`Single`) or their integer sum (`Tiled`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
@@ -528,11 +529,13 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
     out: *mut f32,
     out_stride: usize,
     t0: usize,
-    grouped: usize,
+    m: usize,
 ) {
     let bb = if FMT == Q4K { 144 } else { 210 };
+    let dt = if FMT == Q4K { DType::Q4K } else { DType::Q6K };
+    let paths: [KPath; MT] = std::array::from_fn(|t| k_path(dt, m, t0 + t));
     let mut acc = [[_mm256_setzero_ps(); MT]; RW];
-    let mut acc_q4k = [[(0f32, 0f32); MT]; RW];
+    let mut acc_s = [[(0f32, 0f32); MT]; RW];
     for b in 0..nb {
         let mut hdr = [(0f32, 0f32, [0i16; 16], [0i16; 16]); RW];
         for (r, h) in hdr.iter_mut().enumerate() {
@@ -567,24 +570,29 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
                 let (wd, wmin, _, _) = &hdr[r];
                 // Lane l: bsums of groups 2l and 2l+1 times their mins (exact integers; Q4_K: sub-block l).
                 let mins = _mm256_madd_epi16(mnv[r], bs);
+                let (a, am) = &mut acc_s[r][t];
                 if FMT == Q4K {
-                    let mut m = [0i32; 8];
-                    _mm256_storeu_si256(m.as_mut_ptr().cast(), mins);
-                    let (a, am) = &mut acc_q4k[r][t];
+                    let mut mn = [0i32; 8];
+                    _mm256_storeu_si256(mn.as_mut_ptr().cast(), mins);
                     let (sd, md) = (wd * d, wmin * d);
-                    if t0 + t < grouped {
+                    if paths[t] == KPath::Grouped {
                         for (sb, &p) in pair[r][t].iter().enumerate() {
                             *a = (p as f32).mul_add(sd, *a);
-                            *am = ((m[2 * sb] + m[2 * sb + 1]) as f32).mul_add(md, *am);
+                            *am = ((mn[2 * sb] + mn[2 * sb + 1]) as f32).mul_add(md, *am);
                         }
                     } else {
                         let p: i32 = pair[r][t].iter().sum();
                         *a = (p as f32).mul_add(sd, *a);
-                        *am = (m.iter().sum::<i32>() as f32).mul_add(md, *am);
+                        *am = (mn.iter().sum::<i32>() as f32).mul_add(md, *am);
                     }
                 } else {
-                    let lanes = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r][t], mins));
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d * wd), lanes, acc[r][t]);
+                    let lanes_i = _mm256_sub_epi32(isum[r][t], mins);
+                    if paths[t] == KPath::Tiled {
+                        *a = (wd * hsum_epi32(lanes_i) as f32).mul_add(d, *a);
+                    } else {
+                        let lanes = _mm256_cvtepi32_ps(lanes_i);
+                        acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d * wd), lanes, acc[r][t]);
+                    }
                 }
             }
         }
@@ -592,7 +600,9 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
     for r in 0..RW {
         for t in 0..MT {
             *out.add(t * out_stride + r) = if FMT == Q4K {
-                acc_q4k[r][t].0 - acc_q4k[r][t].1
+                acc_s[r][t].0 - acc_s[r][t].1
+            } else if paths[t] == KPath::Tiled {
+                acc_s[r][t].0
             } else {
                 super::hsum(acc[r][t])
             };
@@ -722,7 +732,13 @@ mod tests {
         }
         let pool = ThreadPool::new(2);
         for dt in [DType::Q4K, DType::Q6K] {
-            for &(rows, cols, m) in &[(13, 256, 1), (9, 512, 13), (20, 768, 8), (7, 256, 37)] {
+            for &(rows, cols, m) in &[
+                (13, 256, 1),
+                (9, 512, 13),
+                (20, 768, 8),
+                (7, 256, 37),
+                (11, 512, 5),
+            ] {
                 let w = quantized_matrix(dt, rows, cols, 41);
                 let x = rand_vec(m * cols, 42);
                 let mut scratch = MatmulScratch::default();
@@ -738,16 +754,17 @@ mod tests {
     }
 
     /// The AVX2 K-quant kernels give every activation row the same bits whatever tile it falls in (8, 4 or 1
-    /// rows at a time): a batch of 13 rows against each row alone — for Q4_K only the last row, the one
-    /// llama.cpp's repacked path also takes alone (the first 12 go in its groups of 4, summed per 64).
+    /// rows at a time) as long as llama.cpp runs the same kernel for it (`KPath`): a batch against each
+    /// row alone — for Q4_K 13 rows, of which only the last is also alone in llama.cpp's repacked path
+    /// (the first 12 go in its groups of 4, summed per 64); for Q6_K 7 rows (from 8 on llama.cpp tiles).
     #[test]
     fn avx2_kquant_tiles_agree_bitwise() {
         if cpu_isa() < Isa::Avx2 {
             return;
         }
         let pool = ThreadPool::new(2);
-        for dt in [DType::Q4K, DType::Q6K] {
-            let (rows, cols, m) = (21, 768, 13);
+        for (dt, m, alone) in [(DType::Q4K, 13, 12), (DType::Q6K, 7, 0)] {
+            let (rows, cols) = (21, 768);
             let w = quantized_matrix(dt, rows, cols, 5);
             let x = rand_vec(m * cols, 6);
             let mut scratch = MatmulScratch::default();
@@ -755,7 +772,6 @@ mod tests {
             with_isa(Isa::Avx2, || {
                 matmul(&pool, &w, &x, m, &mut all, &mut scratch)
             });
-            let alone = crate::matmul::q4k_grouped_rows(dt, m);
             for t in alone..m {
                 let mut one = vec![f32::NAN; rows];
                 with_isa(Isa::Avx2, || {
