@@ -138,10 +138,12 @@ fn greedy_against_llamacpp(m: &LoadedModel) -> Vec<(String, Option<usize>, Optio
             batch.push(&[want], r.ids.len() + i, blocks.clone(), LogitsWanted::Last);
         }
         eprintln!(
-            "{:<9} {:>3} prompt tokens: logits bit-exact {}, greedy tokens {}",
+            "{:<9} {:>3} prompt tokens: logits {}, greedy tokens {}",
             r.name,
             r.ids.len(),
-            first_bits.map_or("at every step".to_string(), |i| format!("up to step {i}")),
+            first_bits.map_or("bit-exact at every step".to_string(), |i| format!(
+                "differ from step {i}"
+            )),
             first_token.map_or("identical".to_string(), |i| format!("differ at {i}")),
         );
         out.push((r.name, first_bits, first_token));
