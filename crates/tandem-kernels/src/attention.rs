@@ -97,8 +97,9 @@ pub fn paged_attention(
     // and no allocation per call).
     let items = |s: &AttnSeq| p.n_heads * s.n_q.div_ceil(Q_CHUNK);
     // A step of one token in all: llama.cpp multiplies by the values with `ggml_vec_dot_f32` (its
-    // `llamafile_sgemm` only takes two tokens or more), which sums in another order (`attend_one`).
-    let one_token = q.len() == row;
+    // `llamafile_sgemm` only takes two tokens or more), which sums in another order (`attend_one`);
+    // followed only with llama.cpp's batch-dependent orders on.
+    let one_token = q.len() == row && crate::dispatch::llamacpp_batch_orders();
     let total: usize = seqs.iter().map(items).sum();
     let outp = OutPtr(out.as_mut_ptr());
     pool.run(total, &|t| {
@@ -343,7 +344,7 @@ pub fn write_kv(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatch::with_isa;
+    use crate::dispatch::{with_batch_orders, with_isa};
     use rand::{Rng, SeedableRng};
 
     /// Dense reference: softmax(q·Kᵀ·scale) · V over positions 0..=pos (the last `window` of them when
@@ -456,10 +457,10 @@ mod tests {
     }
 
     /// A prompt's attention computed in one prefill step equals, bit for bit, the same tokens attended one
-    /// at a time in decode steps of two tokens or more (here each beside a second sequence): recompute after
-    /// preemption, P/D import and decode failover rely on it. A step of one token in all sums the values in
-    /// llama.cpp's other order (`ggml_vec_dot_f32`), so it is only close to those. The portable, AVX2 and
-    /// AVX-512 kernels agree bit for bit in both cases (all follow llama.cpp's order).
+    /// at a time in decode steps, alone or beside a second sequence: recompute after preemption, P/D import
+    /// and decode failover rely on it. With llama.cpp's batch-dependent orders on, a step of one token in
+    /// all sums the values in llama.cpp's other order (`ggml_vec_dot_f32`), so it is only close to those.
+    /// The portable, AVX2 and AVX-512 kernels agree bit for bit in every case (all follow llama.cpp's order).
     #[test]
     fn prefill_and_token_by_token_attention_are_bitwise_equal() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(9);
@@ -522,11 +523,22 @@ mod tests {
                                 "{level:?} head_dim {hd} window {window:?}: token {i}"
                             );
                         }
-                        let one = &mut alone[i * row..(i + 1) * row];
+                        let mut one = vec![0f32; row];
                         with_isa(level, || {
-                            paged_attention(&pool, &p, qi, &kv, &[seq(0)], one)
+                            paged_attention(&pool, &p, qi, &kv, &[seq(0)], &mut one)
                         });
-                        for (a, b) in one.iter().zip(&whole[i * row..(i + 1) * row]) {
+                        assert_eq!(
+                            one,
+                            whole[i * row..(i + 1) * row],
+                            "{level:?} head_dim {hd} window {window:?}: token {i} alone"
+                        );
+                        let llama = &mut alone[i * row..(i + 1) * row];
+                        with_batch_orders(true, || {
+                            with_isa(level, || {
+                                paged_attention(&pool, &p, qi, &kv, &[seq(0)], llama)
+                            })
+                        });
+                        for (a, b) in llama.iter().zip(&whole[i * row..(i + 1) * row]) {
                             assert!((a - b).abs() <= 1e-5, "token {i} alone: {a} vs {b}");
                         }
                     }
@@ -534,7 +546,7 @@ mod tests {
                         None => portable_alone = Some(alone),
                         Some(w) => assert_eq!(
                             w, &alone,
-                            "{level:?} head_dim {hd} window {window:?}: one-token steps differ from the portable kernel"
+                            "{level:?} head_dim {hd} window {window:?}: llama.cpp's one-token steps differ from the portable kernel"
                         ),
                     }
                     match &portable_whole {

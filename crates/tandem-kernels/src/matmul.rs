@@ -65,6 +65,8 @@ pub(crate) struct Job<'a> {
     pub acts: QuantActs<'a>,
     /// The weight's repacked bytes where the kernel reads those (`Matrix::q4_1_pairs`), else empty.
     pub pairs: &'a [u8],
+    /// llama.cpp's batch-dependent K-quant kernels are on (`dispatch::llamacpp_batch_orders`).
+    pub batch_orders: bool,
     pub out: OutPtr,
 }
 
@@ -189,7 +191,8 @@ pub fn matmul_fused<const N: usize>(
     if m == 0 {
         return;
     }
-    prepare_acts(pool, ws[0].dtype(), x, m, cols, scratch, simd);
+    let batch_orders = crate::dispatch::llamacpp_batch_orders();
+    prepare_acts(pool, ws[0].dtype(), x, m, cols, scratch, simd, batch_orders);
     let pairs = uses_q4_1_pairs(ws[0].dtype(), level);
     if uses_block_major_scales(ws[0].dtype(), level) {
         transpose_scales(scratch, m, cols / 32);
@@ -211,6 +214,7 @@ pub fn matmul_fused<const N: usize>(
         x,
         acts,
         pairs: if pairs { ws[p].q4_1_pairs() } else { &[] },
+        batch_orders,
         out: OutPtr(outs[p].as_mut_ptr()),
     });
     let kernels: [RangeKernel; N] = std::array::from_fn(|p| select_kernel(ws[p].dtype(), level));
@@ -301,15 +305,18 @@ pub(crate) enum KPath {
     Tiled,
 }
 
-/// The kernel llama.cpp's AVX2 build runs for row `i` of an `m`-row product of `dt` weights.
-pub(crate) fn k_path(dt: DType, m: usize, i: usize) -> KPath {
+/// The kernel llama.cpp's AVX2 build runs for row `i` of an `m`-row product of `dt` weights when its
+/// batch-dependent orders are on (`batch_orders`), else the one-row kernel whatever `m`.
+pub(crate) fn k_path(dt: DType, m: usize, i: usize, batch_orders: bool) -> KPath {
     match dt {
+        _ if !batch_orders => KPath::Single,
         DType::Q4K if i < m - m % 4 => KPath::Grouped,
         DType::Q6K if m >= 8 => KPath::Tiled,
         _ => KPath::Single,
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn prepare_acts(
     pool: &ThreadPool,
     dt: DType,
@@ -318,6 +325,7 @@ fn prepare_acts(
     cols: usize,
     s: &mut MatmulScratch,
     simd: bool,
+    batch_orders: bool,
 ) {
     let group = match dt {
         DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q8_0 => 32,
@@ -364,7 +372,7 @@ fn prepare_acts(
                     .enumerate()
                 {
                     // The repacked Q4_K groups quantize with `ggml_quantize_mat_q8_K_4x8`.
-                    let grouped = k_path(dt, m, r0 + i) == KPath::Grouped;
+                    let grouped = k_path(dt, m, r0 + i, batch_orders) == KPath::Grouped;
                     quantize_q8_k_acts(xr, qr, dr, br, grouped);
                 }
             }
@@ -478,7 +486,7 @@ fn portable_kernel(job: &Job, rows: Range<usize>, ms: Range<usize>) {
                         &a.qx[i * cols..(i + 1) * cols],
                         &a.dx[i * nb..(i + 1) * nb],
                         &a.bsums[i * cols / 16..(i + 1) * cols / 16],
-                        k_path(dt, m, i),
+                        k_path(dt, m, i, job.batch_orders),
                     )
                 }
             };

@@ -155,15 +155,18 @@ const BIT_EXACT_TEST: &str = "greedy_logits_are_llamacpps_bit_for_bit_at_every_k
 
 /// Gemma 3 270M's greedy continuations of 8 prompts × 64 tokens, the last one past the 512-token sliding
 /// window, against llama.cpp's (AVX2 build, f32 KV cache): every step's whole logits row must be
-/// llama.cpp's bit for bit (so every greedy token is too), at every kernel level the CPU has. Each level
+/// llama.cpp's bit for bit (so every greedy token is too), at every kernel level the CPU has, with
+/// llama.cpp's batch-dependent orders on (`set_llamacpp_batch_orders`). Each level
 /// runs in a child process of this test binary capped by `TANDEM_KERNELS` (the level is fixed once per
 /// process); with `TANDEM_KERNELS` set the test checks that level alone. Relies on glibc's `tanhf`,
 /// `cosf` and `sinf` (the GELU table and RoPE), as llama.cpp's build does.
 #[test]
 fn greedy_logits_are_llamacpps_bit_for_bit_at_every_kernel_level() {
     if let Ok(level) = std::env::var("TANDEM_KERNELS") {
-        // Before loading: the level is fixed at its first use.
+        // Before loading: the level is fixed at its first use. Decode steps of one token take
+        // llama.cpp's one-token summation orders.
         tandem_kernels::set_isa_cap(level.parse().expect("TANDEM_KERNELS"));
+        tandem_kernels::set_llamacpp_batch_orders(true);
         let Some(m) = gemma() else {
             return;
         };

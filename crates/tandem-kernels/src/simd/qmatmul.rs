@@ -423,14 +423,14 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
     while j + 8 <= ms.end {
         for i in rows.clone() {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 8, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m);
+            tile_qk::<1, 8, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m, job.batch_orders);
         }
         j += 8;
     }
     while j + 4 <= ms.end {
         for i in rows.clone() {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m);
+            tile_qk::<1, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m, job.batch_orders);
         }
         j += 4;
     }
@@ -438,12 +438,12 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
         let mut i = rows.start;
         while i + 4 <= rows.end {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<4, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m);
+            tile_qk::<4, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m, job.batch_orders);
             i += 4;
         }
         while i < rows.end {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m);
+            tile_qk::<1, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m, job.batch_orders);
             i += 1;
         }
         j += 1;
@@ -511,7 +511,7 @@ unsafe fn qk_header<const FMT: u8>(blk: *const u8) -> (f32, f32, [i16; 16], [i16
 }
 
 /// out[t][r] for RW K-quant weight rows × MT Q8_K activation rows (rows `t0..t0 + MT` of an `m`-row
-/// product, which picks llama.cpp's kernel per row: `KPath`), in llama.cpp's AVX2 order (see
+/// product, which with `batch_orders` picks llama.cpp's kernel per row: `KPath`), in llama.cpp's AVX2 order (see
 /// `dot_qk_portable`): 8 int32 lanes of scale × dot per sub-block pair. Q4_K sums them (and
 /// `Σ min·bsum`) to integers and fused-multiply-adds those into their own f32 chains; Q6_K takes the
 /// `32·Σ scale·bsum` offset off each lane of the block in integers, then fused-multiply-adds the 8 lanes
@@ -530,10 +530,11 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
     out_stride: usize,
     t0: usize,
     m: usize,
+    batch_orders: bool,
 ) {
     let bb = if FMT == Q4K { 144 } else { 210 };
     let dt = if FMT == Q4K { DType::Q4K } else { DType::Q6K };
-    let paths: [KPath; MT] = std::array::from_fn(|t| k_path(dt, m, t0 + t));
+    let paths: [KPath; MT] = std::array::from_fn(|t| k_path(dt, m, t0 + t, batch_orders));
     let mut acc = [[_mm256_setzero_ps(); MT]; RW];
     let mut acc_s = [[(0f32, 0f32); MT]; RW];
     for b in 0..nb {
@@ -680,8 +681,7 @@ unsafe fn run_float_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range
 
 #[cfg(test)]
 mod tests {
-    use crate::dispatch::with_isa;
-    use crate::dispatch::{cpu_isa, Isa};
+    use crate::dispatch::{cpu_isa, with_batch_orders, with_isa, Isa};
     use crate::matmul::tests::{quantized_matrix, rand_vec, ALL};
     use crate::matmul::{matmul, MatmulScratch};
     use crate::quant::DType;
@@ -724,7 +724,8 @@ mod tests {
     }
 
     /// The AVX2 K-quant kernels give the portable dot product's bits (both follow llama.cpp's AVX2 order)
-    /// for every tile shape: 8, 4 and single activation rows, groups of 4 weight rows and their tails.
+    /// for every tile shape: 8, 4 and single activation rows, groups of 4 weight rows and their tails, with
+    /// llama.cpp's batch-dependent kernels off and on.
     #[test]
     fn avx2_kquant_kernels_equal_portable_bitwise() {
         if cpu_isa() < Isa::Avx2 {
@@ -742,47 +743,64 @@ mod tests {
                 let w = quantized_matrix(dt, rows, cols, 41);
                 let x = rand_vec(m * cols, 42);
                 let mut scratch = MatmulScratch::default();
-                let (mut a, mut b) = (vec![f32::NAN; m * rows], vec![f32::NAN; m * rows]);
-                with_isa(Isa::Avx2, || matmul(&pool, &w, &x, m, &mut a, &mut scratch));
-                with_isa(Isa::Portable, || {
-                    matmul(&pool, &w, &x, m, &mut b, &mut scratch)
-                });
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&a), bits(&b), "{dt:?} {rows}x{cols} m={m}");
+                for orders in [false, true] {
+                    let (mut a, mut b) = (vec![f32::NAN; m * rows], vec![f32::NAN; m * rows]);
+                    with_batch_orders(orders, || {
+                        with_isa(Isa::Avx2, || matmul(&pool, &w, &x, m, &mut a, &mut scratch));
+                        with_isa(Isa::Portable, || {
+                            matmul(&pool, &w, &x, m, &mut b, &mut scratch)
+                        });
+                    });
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&a),
+                        bits(&b),
+                        "{dt:?} {rows}x{cols} m={m} orders {orders}"
+                    );
+                }
             }
         }
     }
 
     /// The AVX2 K-quant kernels give every activation row the same bits whatever tile it falls in (8, 4 or 1
-    /// rows at a time) as long as llama.cpp runs the same kernel for it (`KPath`): a batch against each
-    /// row alone — for Q4_K 13 rows, of which only the last is also alone in llama.cpp's repacked path
-    /// (the first 12 go in its groups of 4, summed per 64); for Q6_K 7 rows (from 8 on llama.cpp tiles).
+    /// rows at a time) as long as the same kernel computes it (`KPath`): a batch of 13 rows against each row
+    /// alone — every row with llama.cpp's batch-dependent kernels off; with them on, for Q4_K only the last
+    /// row (llama.cpp's repacked path sums the first 12, in groups of 4, per 64), for Q6_K none (llama.cpp
+    /// tiles products of 8 rows or more).
     #[test]
     fn avx2_kquant_tiles_agree_bitwise() {
         if cpu_isa() < Isa::Avx2 {
             return;
         }
         let pool = ThreadPool::new(2);
-        for (dt, m, alone) in [(DType::Q4K, 13, 12), (DType::Q6K, 7, 0)] {
-            let (rows, cols) = (21, 768);
+        for (dt, orders, alone) in [
+            (DType::Q4K, false, 0),
+            (DType::Q6K, false, 0),
+            (DType::Q4K, true, 12),
+        ] {
+            let (rows, cols, m) = (21, 768, 13);
             let w = quantized_matrix(dt, rows, cols, 5);
             let x = rand_vec(m * cols, 6);
             let mut scratch = MatmulScratch::default();
             let mut all = vec![f32::NAN; m * rows];
-            with_isa(Isa::Avx2, || {
-                matmul(&pool, &w, &x, m, &mut all, &mut scratch)
+            with_batch_orders(orders, || {
+                with_isa(Isa::Avx2, || {
+                    matmul(&pool, &w, &x, m, &mut all, &mut scratch)
+                })
             });
             for t in alone..m {
                 let mut one = vec![f32::NAN; rows];
-                with_isa(Isa::Avx2, || {
-                    matmul(
-                        &pool,
-                        &w,
-                        &x[t * cols..(t + 1) * cols],
-                        1,
-                        &mut one,
-                        &mut scratch,
-                    )
+                with_batch_orders(orders, || {
+                    with_isa(Isa::Avx2, || {
+                        matmul(
+                            &pool,
+                            &w,
+                            &x[t * cols..(t + 1) * cols],
+                            1,
+                            &mut one,
+                            &mut scratch,
+                        )
+                    })
                 });
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
