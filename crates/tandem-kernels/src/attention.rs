@@ -96,6 +96,10 @@ pub fn paged_attention(
     // Work items: (sequence, head, query chunk); a task finds its sequence by a linear walk (few sequences,
     // and no allocation per call).
     let items = |s: &AttnSeq| p.n_heads * s.n_q.div_ceil(Q_CHUNK);
+    // A step of one token in all: llama.cpp multiplies by the values with `ggml_vec_dot_f32` (its
+    // `llamafile_sgemm` only takes two tokens or more), which sums in another order (`attend_one`);
+    // followed only with llama.cpp's batch-dependent orders on.
+    let one_token = q.len() == row && crate::dispatch::llamacpp_batch_orders();
     let total: usize = seqs.iter().map(items).sum();
     let outp = OutPtr(out.as_mut_ptr());
     pool.run(total, &|t| {
@@ -110,7 +114,7 @@ pub fn paged_attention(
         let q0 = qc * Q_CHUNK;
         let q1 = (q0 + Q_CHUNK).min(s.n_q);
         #[cfg(target_arch = "x86_64")]
-        if level >= Isa::Avx2 && crate::simd::chunk::supports(p, q1 - q0) {
+        if level >= Isa::Avx2 && !one_token && crate::simd::chunk::supports(p, q1 - q0) {
             let r0 = s.q_row + q0;
             let chunk = crate::simd::chunk::QueryChunk {
                 q: q[r0 * row + head * p.head_dim..].as_ptr(),
@@ -149,7 +153,9 @@ pub fn paged_attention(
                 };
                 let last_pos = s.ctx_len - s.n_q + i;
                 let kvh = head / (p.n_heads / p.n_kv_heads);
-                attend_one(p, qv, kv_layer, s.blocks, kvh, last_pos, ov, simd, scores);
+                attend_one(
+                    p, qv, kv_layer, s.blocks, kvh, last_pos, ov, simd, one_token, scores,
+                );
             }
         });
     });
@@ -172,7 +178,9 @@ pub(crate) fn hsum8_at(acc: &[[f32; MAX_HEAD_DIM]; 8], i: usize) -> f32 {
 /// score `dot(q, k)·scale`, their max, the numerators `e^(s − max)` summed per 8 positions counted from
 /// position 0 (masked ones are 0), the weights normalized by the f32 reciprocal of that f64 sum before the
 /// value product, and each output element accumulated in 8 lanes (position mod 8) of fused multiply-adds
-/// reduced like llamafile's `hsum`. `scores` is grow-only scratch.
+/// reduced like llamafile's `hsum` — or, for the only token of a step (`one_token`), as
+/// `ggml_vec_dot_f32` sums over the positions: 4 × 8 lanes (position mod 32), reduced `(a0 + a2) +
+/// (a1 + a3)` lane by lane, then halves and pairs. `scores` is grow-only scratch.
 #[allow(clippy::too_many_arguments)]
 fn attend_one(
     p: &AttnParams,
@@ -183,6 +191,7 @@ fn attend_one(
     last_pos: usize,
     out: &mut [f32],
     simd: bool,
+    one_token: bool,
     scores: &mut Vec<f32>,
 ) {
     let hd = p.head_dim;
@@ -210,6 +219,20 @@ fn attend_one(
         m = m.max(sc);
     }
     let inv = (1.0 / softmax_numerators(scores, m, simd)) as f32;
+    if one_token {
+        let mut acc = [[0f32; MAX_HEAD_DIM]; 32];
+        for pos in first..n_pos {
+            let w = scores[pos - base] * inv;
+            axpy(&mut acc[pos % 32][..hd], w, value(pos), simd);
+        }
+        for (i, o) in out.iter_mut().enumerate() {
+            let a = |r: usize| acc[r][i];
+            let x: [f32; 8] = std::array::from_fn(|l| (a(l) + a(16 + l)) + (a(8 + l) + a(24 + l)));
+            let t: [f32; 4] = std::array::from_fn(|l| x[l] + x[l + 4]);
+            *o = (t[0] + t[1]) + (t[2] + t[3]);
+        }
+        return;
+    }
     let mut acc = [[0f32; MAX_HEAD_DIM]; 8];
     for pos in first..n_pos {
         let w = scores[pos - base] * inv;
@@ -321,7 +344,7 @@ pub fn write_kv(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatch::with_isa;
+    use crate::dispatch::{with_batch_orders, with_isa};
     use rand::{Rng, SeedableRng};
 
     /// Dense reference: softmax(q·Kᵀ·scale) · V over positions 0..=pos (the last `window` of them when
@@ -434,8 +457,10 @@ mod tests {
     }
 
     /// A prompt's attention computed in one prefill step equals, bit for bit, the same tokens attended one
-    /// at a time as decode steps: recompute after preemption, P/D import and decode failover rely on it.
-    /// The portable, AVX2 and AVX-512 kernels also agree bit for bit (all follow llama.cpp's order).
+    /// at a time in decode steps, alone or beside a second sequence: recompute after preemption, P/D import
+    /// and decode failover rely on it. With llama.cpp's batch-dependent orders on, a step of one token in
+    /// all sums the values in llama.cpp's other order (`ggml_vec_dot_f32`), so it is only close to those.
+    /// The portable, AVX2 and AVX-512 kernels agree bit for bit in every case (all follow llama.cpp's order).
     #[test]
     fn prefill_and_token_by_token_attention_are_bitwise_equal() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(9);
@@ -462,6 +487,7 @@ mod tests {
                     .collect();
                 let pool = ThreadPool::new(2);
                 let mut portable_whole: Option<Vec<f32>> = None;
+                let mut portable_alone: Option<Vec<f32>> = None;
                 for level in Isa::ALL {
                     if level > crate::dispatch::cpu_isa() {
                         continue;
@@ -476,23 +502,52 @@ mod tests {
                     with_isa(level, || {
                         paged_attention(&pool, &p, &q, &kv, &[seq], &mut whole)
                     });
+                    let mut alone = vec![0f32; n * row];
                     for i in 0..n {
-                        let mut one = vec![0f32; row];
-                        let seq = AttnSeq {
-                            q_row: 0,
+                        let seq = |q_row| AttnSeq {
+                            q_row,
                             n_q: 1,
                             ctx_len: i + 1,
                             blocks: &table,
                         };
                         let qi = &q[i * row..(i + 1) * row];
+                        let pair = [qi, qi].concat();
+                        let mut two = vec![0f32; 2 * row];
                         with_isa(level, || {
-                            paged_attention(&pool, &p, qi, &kv, &[seq], &mut one)
+                            paged_attention(&pool, &p, &pair, &kv, &[seq(0), seq(1)], &mut two)
+                        });
+                        for r in 0..2 {
+                            assert_eq!(
+                                two[r * row..(r + 1) * row],
+                                whole[i * row..(i + 1) * row],
+                                "{level:?} head_dim {hd} window {window:?}: token {i}"
+                            );
+                        }
+                        let mut one = vec![0f32; row];
+                        with_isa(level, || {
+                            paged_attention(&pool, &p, qi, &kv, &[seq(0)], &mut one)
                         });
                         assert_eq!(
                             one,
                             whole[i * row..(i + 1) * row],
-                            "{level:?} head_dim {hd} window {window:?}: token {i}"
+                            "{level:?} head_dim {hd} window {window:?}: token {i} alone"
                         );
+                        let llama = &mut alone[i * row..(i + 1) * row];
+                        with_batch_orders(true, || {
+                            with_isa(level, || {
+                                paged_attention(&pool, &p, qi, &kv, &[seq(0)], llama)
+                            })
+                        });
+                        for (a, b) in llama.iter().zip(&whole[i * row..(i + 1) * row]) {
+                            assert!((a - b).abs() <= 1e-5, "token {i} alone: {a} vs {b}");
+                        }
+                    }
+                    match &portable_alone {
+                        None => portable_alone = Some(alone),
+                        Some(w) => assert_eq!(
+                            w, &alone,
+                            "{level:?} head_dim {hd} window {window:?}: llama.cpp's one-token steps differ from the portable kernel"
+                        ),
                     }
                     match &portable_whole {
                         None => portable_whole = Some(whole),

@@ -24,6 +24,44 @@ pub fn set_isa_cap(cap: Isa) -> bool {
     CAP.set(cap).is_ok()
 }
 
+static BATCH_ORDERS: OnceLock<bool> = OnceLock::new();
+
+/// Turns on (once per process, before the first kernel call; returns false when already decided)
+/// llama.cpp's batch-dependent summation orders, which its CPU backend picks by the number of tokens of
+/// a step: a step of a single token sums attention's values as `ggml_vec_dot_f32`, and each K-quant
+/// row takes the kernel llama.cpp's AVX2 build would run for it in a product of that many rows
+/// (`matmul::KPath`). With them tandem gives llama.cpp's logits bit for bit in decode too, but a token's
+/// bits then depend on its step: a prompt recomputed in one prefill (preemption, decode failover) no
+/// longer reproduces what one-token decode steps computed. Off (the default), every step uses one order
+/// per kernel (llamafile's for attention; the one-row kernels for K-quants), so tokens are
+/// batch-invariant.
+pub fn set_llamacpp_batch_orders(on: bool) -> bool {
+    BATCH_ORDERS.set(on).is_ok()
+}
+
+/// Whether llama.cpp's batch-dependent orders are on (see [`set_llamacpp_batch_orders`]).
+pub fn llamacpp_batch_orders() -> bool {
+    #[cfg(test)]
+    if let Some(on) = TEST_BATCH_ORDERS.get() {
+        return on;
+    }
+    *BATCH_ORDERS.get_or_init(|| false)
+}
+
+#[cfg(test)]
+thread_local! {
+    static TEST_BATCH_ORDERS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` on this thread with llama.cpp's batch-dependent orders on or off (tests).
+#[cfg(test)]
+pub(crate) fn with_batch_orders<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    let before = TEST_BATCH_ORDERS.replace(Some(on));
+    let r = f();
+    TEST_BATCH_ORDERS.set(before);
+    r
+}
+
 /// The level the kernels run at: the best the CPU supports, capped by [`set_isa_cap`]. Decided once per
 /// process so every call of a kernel takes the same path.
 pub fn isa() -> Isa {

@@ -19,7 +19,9 @@ mod llamacpp_q5_0;
 mod simd;
 
 pub use attention::{paged_attention, write_kv, AttnParams, AttnSeq};
-pub use dispatch::{isa, set_isa_cap, simd_enabled, Isa};
+pub use dispatch::{
+    isa, llamacpp_batch_orders, set_isa_cap, set_llamacpp_batch_orders, simd_enabled, Isa,
+};
 pub use matmul::{matmul, matmul_fused, MatmulScratch};
 pub use ops::{
     add_inplace, gelu_tanh_mul, rms_norm, scale_inplace, silu_mul, softcap_inplace, softmax_inplace,

@@ -65,6 +65,8 @@ pub(crate) struct Job<'a> {
     pub acts: QuantActs<'a>,
     /// The weight's repacked bytes where the kernel reads those (`Matrix::q4_1_pairs`), else empty.
     pub pairs: &'a [u8],
+    /// llama.cpp's batch-dependent K-quant kernels are on (`dispatch::llamacpp_batch_orders`).
+    pub batch_orders: bool,
     pub out: OutPtr,
 }
 
@@ -104,20 +106,41 @@ pub(crate) fn quantize_q8_0_acts(
     }
 }
 
-/// Quantizes rows of 256-element blocks the Q8_K way: d = amax/127 and per-16 sums of the quants.
-pub(crate) fn quantize_q8_k_acts(x: &[f32], qx: &mut [i8], dx: &mut [f32], bsums: &mut [i16]) {
+/// Quantizes rows of 256-element blocks like llama.cpp's `quantize_row_q8_K`: `max` is the value of
+/// largest magnitude (the first such), `iscale = −127/max`, `q = round-half-even(iscale·x)` (at most
+/// 127), `d = 1/iscale`, and the per-16 sums of the quants. With `positive_wins`, a block holding both
+/// `+amax` and `−amax` takes the positive one, as `ggml_quantize_mat_q8_K_4x8` does for the groups of 4
+/// activation rows that llama.cpp's repacked Q4_K kernels read.
+pub(crate) fn quantize_q8_k_acts(
+    x: &[f32],
+    qx: &mut [i8],
+    dx: &mut [f32],
+    bsums: &mut [i16],
+    positive_wins: bool,
+) {
     for (((xb, qb), d), bs) in x
         .chunks_exact(256)
         .zip(qx.chunks_exact_mut(256))
         .zip(dx.iter_mut())
         .zip(bsums.chunks_exact_mut(16))
     {
-        let amax = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
-        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-        for (q, &v) in qb.iter_mut().zip(xb) {
-            *q = (v * id).round() as i8;
+        let (mut max, mut amax) = (0f32, 0f32);
+        for &v in xb {
+            if v.abs() > amax || (positive_wins && v == amax && amax > 0.0) {
+                (amax, max) = (v.abs(), v);
+            }
         }
-        *d = amax / 127.0;
+        if amax == 0.0 {
+            qb.fill(0);
+            bs.fill(0);
+            *d = 0.0;
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+        }
+        *d = 1.0 / iscale;
         for (s, g) in bs.iter_mut().zip(qb.chunks_exact(16)) {
             *s = g.iter().map(|&q| q as i16).sum();
         }
@@ -168,7 +191,8 @@ pub fn matmul_fused<const N: usize>(
     if m == 0 {
         return;
     }
-    prepare_acts(pool, ws[0].dtype(), x, m, cols, scratch, simd);
+    let batch_orders = crate::dispatch::llamacpp_batch_orders();
+    prepare_acts(pool, ws[0].dtype(), x, m, cols, scratch, simd, batch_orders);
     let pairs = uses_q4_1_pairs(ws[0].dtype(), level);
     if uses_block_major_scales(ws[0].dtype(), level) {
         transpose_scales(scratch, m, cols / 32);
@@ -190,6 +214,7 @@ pub fn matmul_fused<const N: usize>(
         x,
         acts,
         pairs: if pairs { ws[p].q4_1_pairs() } else { &[] },
+        batch_orders,
         out: OutPtr(outs[p].as_mut_ptr()),
     });
     let kernels: [RangeKernel; N] = std::array::from_fn(|p| select_kernel(ws[p].dtype(), level));
@@ -268,6 +293,30 @@ fn transpose_scales(s: &mut MatmulScratch, m: usize, nb: usize) {
     }
 }
 
+/// Which of llama.cpp's AVX2 kernels computes activation row `i` of an `m`-row K-quant product, as their
+/// sums differ (see `dot_qk_portable`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KPath {
+    /// One row at a time: Q4_K's `gemv_q4_K_8x8_q8_K`, Q6_K's `ggml_vec_dot_q6_K_q8_K`.
+    Single,
+    /// Q4_K's `gemm_q4_K_8x8_q8_K`: all but the last `m % 4` rows, in groups of 4.
+    Grouped,
+    /// Q6_K's tiled kernel (`ggml_compute_forward_mul_mat_tiled`), for products of 8 rows or more.
+    Tiled,
+}
+
+/// The kernel llama.cpp's AVX2 build runs for row `i` of an `m`-row product of `dt` weights when its
+/// batch-dependent orders are on (`batch_orders`), else the one-row kernel whatever `m`.
+pub(crate) fn k_path(dt: DType, m: usize, i: usize, batch_orders: bool) -> KPath {
+    match dt {
+        _ if !batch_orders => KPath::Single,
+        DType::Q4K if i < m - m % 4 => KPath::Grouped,
+        DType::Q6K if m >= 8 => KPath::Tiled,
+        _ => KPath::Single,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn prepare_acts(
     pool: &ThreadPool,
     dt: DType,
@@ -276,6 +325,7 @@ fn prepare_acts(
     cols: usize,
     s: &mut MatmulScratch,
     simd: bool,
+    batch_orders: bool,
 ) {
     let group = match dt {
         DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q8_0 => 32,
@@ -302,22 +352,35 @@ fn prepare_acts(
         &mut s.sx[..],
         &mut s.bsums[..],
     );
-    let quant_rows = |x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32], bs: &mut [i16]| {
-        if group == 32 {
-            #[cfg(target_arch = "x86_64")]
-            if simd {
-                // SAFETY: `simd` is only true when the CPU has AVX2+FMA+F16C.
-                unsafe { crate::simd::quantize_q8_0_acts(x, qx, dx, sx, q8_1) };
-                return;
+    let quant_rows =
+        |r0: usize, x: &[f32], qx: &mut [i8], dx: &mut [f32], sx: &mut [f32], bs: &mut [i16]| {
+            if group == 32 {
+                #[cfg(target_arch = "x86_64")]
+                if simd {
+                    // SAFETY: `simd` is only true when the CPU has AVX2+FMA+F16C.
+                    unsafe { crate::simd::quantize_q8_0_acts(x, qx, dx, sx, q8_1) };
+                    return;
+                }
+                quantize_q8_0_acts(x, qx, dx, sx, q8_1);
+            } else {
+                let nb = cols / 256;
+                for (i, (((xr, qr), dr), br)) in x
+                    .chunks_exact(cols)
+                    .zip(qx.chunks_exact_mut(cols))
+                    .zip(dx.chunks_exact_mut(nb))
+                    .zip(bs.chunks_exact_mut(cols / 16))
+                    .enumerate()
+                {
+                    // The repacked Q4_K groups quantize with `ggml_quantize_mat_q8_K_4x8`.
+                    let grouped = k_path(dt, m, r0 + i, batch_orders) == KPath::Grouped;
+                    quantize_q8_k_acts(xr, qr, dr, br, grouped);
+                }
             }
-            quantize_q8_0_acts(x, qx, dx, sx, q8_1);
-        } else {
-            quantize_q8_k_acts(x, qx, dx, bs);
-        }
-    };
+        };
     let _ = simd;
     if m < 32 {
         quant_rows(
+            0,
             x,
             qx,
             dx,
@@ -356,7 +419,7 @@ fn prepare_acts(
             } else {
                 &mut []
             };
-            quant_rows(&x[r.start * cols..r.end * cols], qx, dx, sx, bs);
+            quant_rows(r.start, &x[r.start * cols..r.end * cols], qx, dx, sx, bs);
         }
     });
 }
@@ -397,6 +460,7 @@ fn portable_kernel(job: &Job, rows: Range<usize>, ms: Range<usize>) {
     let (cols, total_rows, rb) = (w.cols(), w.rows(), w.row_bytes());
     let dt = w.dtype();
     let a = &job.acts;
+    let m = job.x.len() / cols;
     for i in ms {
         for r in rows.clone() {
             let wr = &w.bytes()[r * rb..(r + 1) * rb];
@@ -422,6 +486,7 @@ fn portable_kernel(job: &Job, rows: Range<usize>, ms: Range<usize>) {
                         &a.qx[i * cols..(i + 1) * cols],
                         &a.dx[i * nb..(i + 1) * nb],
                         &a.bsums[i * cols / 16..(i + 1) * cols / 16],
+                        k_path(dt, m, i, job.batch_orders),
                     )
                 }
             };
@@ -485,9 +550,24 @@ pub(crate) fn dot_q32_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], sx: 
     (((acc[4] + acc[0]) + (acc[6] + acc[2])) + ((acc[5] + acc[1]) + (acc[7] + acc[3]))) + offs
 }
 
-/// Dot of one Q4_K/Q6_K row with one Q8_K-style activation row.
-pub(crate) fn dot_qk_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], bsums: &[i16]) -> f32 {
-    let mut acc = 0f32;
+/// Dot of one Q4_K/Q6_K row with one Q8_K activation row in the order of the llama.cpp AVX2 kernel that
+/// `path` names. Q4_K (its repacked kernels): the integer `Σ scale·dot` and `Σ min·bsum`
+/// fused-multiply-added into their own f32 chains with `d·d_x` and `dmin·d_x`, the second chain
+/// subtracted at the end — once per block of 256 (`Single`), once per pair of sub-blocks (`Grouped`).
+/// Q6_K, `Single` (`ggml_vec_dot_q6_K_q8_K`): per block 8 integer lanes (lane `l` holds elements
+/// `4l..4l+4` of every 32, minus `32·Σ scale·bsum` of the per-16 groups `2l, 2l+1`), fused-multiply-added
+/// into 8 f32 lanes with `d_x·d`, the lanes summed like `hsum_float_8`; `Tiled`: per block the whole
+/// integer sum `s`, then `acc = fma(d·s, d_x, acc)`.
+pub(crate) fn dot_qk_portable(
+    dt: DType,
+    wr: &[u8],
+    qx: &[i8],
+    dx: &[f32],
+    bsums: &[i16],
+    path: KPath,
+) -> f32 {
+    let (mut acc, mut acc_min) = (0f32, 0f32);
+    let mut lanes = [0f32; 8];
     for (b, blk) in wr.chunks_exact(dt.block_bytes()).enumerate() {
         let q = &qx[256 * b..256 * b + 256];
         let bs = &bsums[16 * b..16 * b + 16];
@@ -507,22 +587,36 @@ pub(crate) fn dot_qk_portable(dt: DType, wr: &[u8], qx: &[i8], dx: &[f32], bsums
                     .sum();
                 sumi += sc as i32 * dot;
                 summ += mn as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32);
+                if (path == KPath::Grouped && j % 2 == 1) || j == 7 {
+                    acc = (sumi as f32).mul_add(d * dx[b], acc);
+                    acc_min = (summ as f32).mul_add(dmin * dx[b], acc_min);
+                    (sumi, summ) = (0, 0);
+                }
             }
-            acc += dx[b] * (d * sumi as f32 - dmin * summ as f32);
         } else {
             let d = f16_at(&blk[208..]);
-            let mut sumi = 0i32;
-            for g in 0..16 {
-                let sc = blk[192 + g] as i8 as i32;
-                let dot: i32 = (16 * g..16 * g + 16)
-                    .map(|i| q6k_value(blk, i) * q[i] as i32)
+            let sc = |g: usize| blk[192 + g] as i8 as i32;
+            let mut total = 0i32;
+            for (l, lane) in lanes.iter_mut().enumerate() {
+                let mut sumi: i32 = (0..8)
+                    .flat_map(|c| 32 * c + 4 * l..32 * c + 4 * l + 4)
+                    .map(|e| sc(e / 16) * q6k_value(blk, e) * q[e] as i32)
                     .sum();
-                sumi += sc * (dot - 32 * bs[g] as i32);
+                sumi -= 32 * (bs[2 * l] as i32 * sc(2 * l) + bs[2 * l + 1] as i32 * sc(2 * l + 1));
+                *lane = (dx[b] * d).mul_add(sumi as f32, *lane);
+                total += sumi;
             }
-            acc += dx[b] * d * sumi as f32;
+            acc = (d * total as f32).mul_add(dx[b], acc);
         }
     }
-    acc
+    match (dt, path) {
+        (DType::Q4K, _) => acc - acc_min,
+        (_, KPath::Tiled) => acc,
+        _ => {
+            ((lanes[4] + lanes[0]) + (lanes[6] + lanes[2]))
+                + ((lanes[5] + lanes[1]) + (lanes[7] + lanes[3]))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -696,6 +790,41 @@ pub(crate) mod tests {
 
     /// The scale is stored as f16 (rounded to nearest even) like llama.cpp's block_q8_0/q8_1, and Q8_1's
     /// sum term is f16(d·Σq) with the unrounded d.
+    /// Q8_K activations as llama.cpp's `quantize_row_q8_K` makes them: `iscale = −127/max` of the first
+    /// value of largest magnitude, `d = 1/iscale`, quants rounded half to even; with `positive_wins` a
+    /// ±amax tie takes the positive value (its repacked Q4_K row groups).
+    #[test]
+    fn q8_k_activations_follow_llamacpp() {
+        let mut x: Vec<f32> = (0..256)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
+        x[3] = -0.9;
+        x[200] = 0.9;
+        let (mut q, mut d, mut bs) = (vec![0i8; 256], vec![0f32; 1], vec![0i16; 16]);
+        for positive_wins in [false, true] {
+            quantize_q8_k_acts(&x, &mut q, &mut d, &mut bs, positive_wins);
+            let max = if positive_wins { 0.9f32 } else { -0.9 };
+            let iscale = -127.0f32 / max;
+            assert_eq!(d[0].to_bits(), (1.0 / iscale).to_bits());
+            for (i, (&qi, &xi)) in q.iter().zip(&x).enumerate() {
+                let want = (iscale * xi).round_ties_even() as i8;
+                assert_eq!(qi, want, "element {i}");
+            }
+            assert_eq!(q[3], if positive_wins { 127 } else { -127 });
+            for (g, &s) in bs.iter().enumerate() {
+                assert_eq!(
+                    s as i32,
+                    q[16 * g..16 * g + 16]
+                        .iter()
+                        .map(|&v| v as i32)
+                        .sum::<i32>()
+                );
+            }
+        }
+        quantize_q8_k_acts(&[0.0; 256], &mut q, &mut d, &mut bs, false);
+        assert!(d[0] == 0.0 && q.iter().all(|&v| v == 0) && bs.iter().all(|&v| v == 0));
+    }
+
     #[test]
     fn activation_scales_are_f16_like_llamacpp() {
         let x: Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin() * 1.3).collect();

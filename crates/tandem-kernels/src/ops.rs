@@ -1,5 +1,9 @@
 //! Element-wise and row helpers of the forward pass (norms, residual adds, activations, softmax).
 
+use std::sync::OnceLock;
+
+use half::f16;
+
 use crate::dispatch::simd_enabled;
 
 /// RMS normalization `out = x / sqrt(mean(x²) + eps) * weight`, the Llama pre-norm.
@@ -57,29 +61,53 @@ pub(crate) fn silu_mul_portable(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// GeGLU gate (Gemma): `gate[i] = gelu(gate[i]) * up[i]` with GELU's tanh approximation
-/// `0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³)))`.
+/// GeGLU gate (Gemma): `gate[i] = gelu(gate[i]) * up[i]` with GELU's tanh approximation, as llama.cpp's
+/// CPU backend computes it (`GGML_GELU_FP16`): 0 at or below −10, `x·up` at or above 10, and in between
+/// `x` rounded to f16, looked up in [`gelu_table`], widened back to f32 and multiplied by `up`. The same
+/// scalar code runs at every kernel level.
 pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "gelu_tanh_mul: length mismatch");
-    #[cfg(target_arch = "x86_64")]
-    if simd_enabled() {
-        // SAFETY: simd_enabled implies AVX2+FMA support.
-        return unsafe { crate::simd::gelu_tanh_mul(gate, up) };
-    }
-    gelu_tanh_mul_portable(gate, up)
-}
-
-/// `√(2/π)` and the cubic coefficient of GELU's tanh approximation.
-pub(crate) const GELU_SQRT_2_OVER_PI: f32 = 0.797_884_6;
-pub(crate) const GELU_COEF: f32 = 0.044_715;
-
-pub(crate) fn gelu_tanh_mul_portable(gate: &mut [f32], up: &[f32]) {
-    const SQRT_2_OVER_PI: f32 = GELU_SQRT_2_OVER_PI;
-    const COEF: f32 = GELU_COEF;
+    let table = gelu_table();
     for (g, &u) in gate.iter_mut().zip(up) {
         let x = *g;
-        *g = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF * x * x)).tanh()) * u;
+        *g = if x <= -10.0 {
+            0.0
+        } else if x >= 10.0 {
+            x * u
+        } else {
+            f16::from_bits(table[f16::from_f32(x).to_bits() as usize]).to_f32() * u
+        };
     }
+}
+
+/// `√(2/π)` as llama.cpp's `SQRT_2_OVER_PI` rounds it to f32, and the cubic coefficient `GELU_COEF_A`.
+const GELU_SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_COEF: f32 = 0.044_715;
+
+/// GELU's tanh approximation in f32, `0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²)))`, llama.cpp's
+/// `ggml_gelu_f32` operation for operation as GCC compiles it (libm `tanhf`; `1 + 0.044715·x·x`
+/// contracted into one fused multiply-add).
+pub fn gelu_tanh_f32(x: f32) -> f32 {
+    0.5 * x * (1.0 + (GELU_SQRT_2_OVER_PI * x * (GELU_COEF * x).mul_add(x, 1.0)).tanh())
+}
+
+/// llama.cpp's `ggml_table_gelu_f16`: for every f16 bit pattern `h`, the f16 bits of
+/// [`gelu_tanh_f32`] of `h` widened to f32, a NaN as ggml's canonical one of its sign (built once,
+/// 128 KiB).
+pub fn gelu_table() -> &'static [u16] {
+    static TABLE: OnceLock<Vec<u16>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|h| {
+                let g = gelu_tanh_f32(f16::from_bits(h).to_f32());
+                if g.is_nan() {
+                    0x7e00 | ((g.to_bits() >> 16) & 0x8000) as u16
+                } else {
+                    f16::from_f32(g).to_bits()
+                }
+            })
+            .collect()
+    })
 }
 
 /// Logit soft-capping: `x = cap · tanh(x / cap)`, which bounds every value to (-cap, cap).
@@ -217,28 +245,26 @@ mod tests {
     }
 
     #[test]
-    fn gelu_tanh_mul_matches_the_formula_and_softcap_bounds() {
-        let mut g = vec![-3.0f32, -0.5, 0.0, 0.5, 3.0];
-        let up = vec![2.0f32; 5];
+    fn gelu_tanh_mul_looks_up_the_f16_table_and_softcap_bounds() {
+        let mut g = vec![
+            -12.0f32, -10.0, -3.0, -0.5, 0.0, 0.5, 3.0, 10.0, 11.5, 0.1234,
+        ];
+        let up = vec![2.0f32; g.len()];
         gelu_tanh_mul(&mut g, &up);
-        // gelu(0) = 0, gelu(3) ≈ 2.99636, gelu(-3) ≈ -0.00364 (tanh form).
-        assert_eq!(g[2], 0.0);
-        assert!((g[4] - 2.0 * 2.996_363).abs() < 1e-4, "{}", g[4]);
-        assert!((g[0] + 2.0 * 0.003_637).abs() < 1e-4, "{}", g[0]);
-        // The vector form (x·σ(2u), no tanh) against the scalar one over the range activations take,
-        // tails of fewer than 8 included.
-        let xs: Vec<f32> = (0..1003).map(|i| -12.0 + i as f32 * 0.0239).collect();
-        let ups: Vec<f32> = (0..1003).map(|i| 0.5 + (i % 7) as f32).collect();
-        let (mut fast, mut slow) = (xs.clone(), xs.clone());
-        gelu_tanh_mul(&mut fast, &ups);
-        gelu_tanh_mul_portable(&mut slow, &ups);
-        // The scalar form's `1 + tanh(u)` cancels for negative x: its error scales with |x·up|.
-        for (((f, s), x), u) in fast.iter().zip(&slow).zip(&xs).zip(&ups) {
-            assert!(
-                (f - s).abs() <= 4e-7 * (1.0 + (x * u).abs()),
-                "gelu({x}): {f} vs {s}"
-            );
+        // Below −10: 0; from 10 up: x·up; in between f16(gelu(f16(x)))·up.
+        assert_eq!(&g[..2], &[0.0, 0.0]);
+        assert_eq!(&g[7..9], &[20.0, 23.0]);
+        assert_eq!(g[4], 0.0);
+        for (&x, &y) in [-3.0f32, -0.5, 0.5, 3.0, 0.1234]
+            .iter()
+            .zip([&g[2], &g[3], &g[5], &g[6], &g[9]])
+        {
+            let want = f16::from_f32(gelu_tanh_f32(f16::from_f32(x).to_f32())).to_f32() * 2.0;
+            assert_eq!(y.to_bits(), want.to_bits(), "gelu({x})");
         }
+        // gelu(3) ≈ 2.99636, gelu(−3) ≈ −0.00364 (tanh form), to f16 precision.
+        assert!((g[6] - 2.0 * 2.996_363).abs() < 4e-3, "{}", g[6]);
+        assert!((g[2] + 2.0 * 0.003_637).abs() < 1e-5, "{}", g[2]);
         let mut l = vec![-50.0f32, 0.0, 5.0, 50.0];
         softcap_inplace(&mut l, 30.0);
         assert!(l[0] > -30.0 && l[3] < 30.0 && l[1] == 0.0);
@@ -246,5 +272,58 @@ mod tests {
         let mut s = vec![1.0f32, -2.0];
         scale_inplace(&mut s, 0.5);
         assert_eq!(s, vec![0.5, -1.0]);
+    }
+
+    /// The table against the exact GELU on all 65,536 f16 inputs: every finite entry is the f16 nearest to
+    /// the f64 tanh-form GELU of its input, or within one f16 step of it plus the f32 evaluation's
+    /// cancellation for negative inputs; NaN inputs stay NaN; infinities go where the f32 formula takes them.
+    #[test]
+    fn gelu_table_is_the_f16_tanh_gelu_of_every_f16() {
+        let table = gelu_table();
+        assert_eq!(table.len(), 1 << 16);
+        for h in 0..=u16::MAX {
+            let x = f16::from_bits(h).to_f32();
+            let got = f16::from_bits(table[h as usize]);
+            if x.is_nan() {
+                assert!(got.is_nan(), "{h:#06x}");
+                continue;
+            }
+            let xd = x as f64;
+            let exact = 0.5
+                * xd
+                * (1.0
+                    + ((2.0 / std::f64::consts::PI).sqrt() * xd * (1.0 + 0.044715 * xd * xd))
+                        .tanh());
+            let near = f16::from_f64(exact);
+            if x.is_infinite() {
+                assert_eq!(
+                    got.to_f32().to_bits(),
+                    gelu_tanh_f32(x).to_bits(),
+                    "{h:#06x}"
+                );
+                continue;
+            }
+            // One f16 step at the result, plus f32's cancellation in `1 + tanh(u)` for negative x.
+            let step =
+                (f16::from_bits(near.to_bits().saturating_add(1)).to_f32() - near.to_f32()).abs();
+            let err = (got.to_f64() - exact).abs();
+            assert!(
+                got == near || err <= (step as f64).max(6e-8) + 1.2e-7 * xd.abs(),
+                "gelu({x}): table {got} vs exact {near}"
+            );
+        }
+    }
+
+    /// The table is llama.cpp's own: the FNV-1a 64 hash of its 65,536 little-endian entries equals that
+    /// of `ggml_table_gelu_f16` read from llama-cpp-python 0.3.36's `libggml-cpu.so` (AVX2 build, glibc
+    /// `tanhf`) after `ggml_cpu_init`. Another libm's `tanhf` may round a few entries differently.
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn gelu_table_is_llamacpps() {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for b in gelu_table().iter().flat_map(|v| v.to_le_bytes()) {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        assert_eq!(h, 0xab04_4edb_a0ed_200c);
     }
 }

@@ -228,28 +228,6 @@ pub(crate) unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
     crate::ops::silu_mul_portable(&mut gate[i..], &up[i..]);
 }
 
-/// gate = gelu_tanh(gate) * up, with `0.5·x·(1 + tanh(u)) = x / (1 + e^(−2u))`: one vector exp and a
-/// division instead of a libm `tanhf` per element; within a few ulp of the scalar form.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
-    let n = gate.len();
-    let one = _mm256_set1_ps(1.0);
-    let k = _mm256_set1_ps(-2.0 * crate::ops::GELU_SQRT_2_OVER_PI);
-    let c = _mm256_set1_ps(crate::ops::GELU_COEF);
-    let mut i = 0;
-    while i + 8 <= n {
-        let x = _mm256_loadu_ps(gate.as_ptr().add(i));
-        let u = _mm256_loadu_ps(up.as_ptr().add(i));
-        // −2u = −2·√(2/π)·x·(1 + c·x²).
-        let inner = _mm256_fmadd_ps(_mm256_mul_ps(c, x), x, one);
-        let e = exp256(_mm256_mul_ps(_mm256_mul_ps(k, x), inner));
-        let g = _mm256_div_ps(x, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(g, u));
-        i += 8;
-    }
-    crate::ops::gelu_tanh_mul_portable(&mut gate[i..], &up[i..]);
-}
-
 /// x[i] = e^(x[i] - max); returns the sum (softmax numerator).
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {

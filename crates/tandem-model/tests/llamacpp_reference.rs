@@ -138,8 +138,10 @@ fn model(loaded: &LoadedModel, vocab: usize, max_tokens: usize) -> (CpuLlama, Kv
 }
 
 /// `TANDEM_KERNELS=avx2` (or `portable`) holds this test's kernels to that level, as the binary's
-/// `--kernels` flag does, so each SIMD level can be compared with llama.cpp on one machine.
+/// `--kernels` flag does, so each SIMD level can be compared with llama.cpp on one machine. llama.cpp's
+/// batch-dependent orders are on, so one-token decode steps sum as llama.cpp's do.
 fn cap_kernels() {
+    tandem_kernels::set_llamacpp_batch_orders(true);
     if let Ok(level) = std::env::var("TANDEM_KERNELS") {
         let cap = level
             .parse()

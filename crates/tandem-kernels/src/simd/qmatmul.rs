@@ -13,7 +13,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::{q32_block_bytes, Q32Tile, Q4_0, Q4_1, Q5_0, Q8_0};
-use crate::matmul::{Job, RangeKernel};
+use crate::matmul::{k_path, Job, KPath, RangeKernel};
 use crate::quant::{f16_at, scale_min_k4, DType, Q4_1_PAIR_BYTES};
 
 /// K-quant format tags.
@@ -407,6 +407,7 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
     let nb = cols / 256;
     let a = &job.acts;
     let wp = w.bytes().as_ptr();
+    let m = job.x.len() / cols;
     let args = |i: usize, j: usize| {
         (
             wp.add(i * rb),
@@ -422,14 +423,14 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
     while j + 8 <= ms.end {
         for i in rows.clone() {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 8, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_qk::<1, 8, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m, job.batch_orders);
         }
         j += 8;
     }
     while j + 4 <= ms.end {
         for i in rows.clone() {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_qk::<1, 4, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m, job.batch_orders);
         }
         j += 4;
     }
@@ -437,12 +438,12 @@ unsafe fn run_qk_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range<us
         let mut i = rows.start;
         while i + 4 <= rows.end {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<4, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_qk::<4, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m, job.batch_orders);
             i += 4;
         }
         while i < rows.end {
             let (w0, q, d, s, o) = args(i, j);
-            tile_qk::<1, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total);
+            tile_qk::<1, 1, FMT>(w0, rb, nb, q, d, s, cols, o, total, j, m, job.batch_orders);
             i += 1;
         }
         j += 1;
@@ -509,8 +510,12 @@ unsafe fn qk_header<const FMT: u8>(blk: *const u8) -> (f32, f32, [i16; 16], [i16
     }
 }
 
-/// out[t][r] for RW K-quant weight rows × MT Q8_K activation rows: per block an int32 sum of
-/// scale × dot over sub-blocks, then one f32 FMA; the min/offset term comes from the activation bsums.
+/// out[t][r] for RW K-quant weight rows × MT Q8_K activation rows (rows `t0..t0 + MT` of an `m`-row
+/// product, which with `batch_orders` picks llama.cpp's kernel per row: `KPath`), in llama.cpp's AVX2 order (see
+/// `dot_qk_portable`): 8 int32 lanes of scale × dot per sub-block pair. Q4_K sums them (and
+/// `Σ min·bsum`) to integers and fused-multiply-adds those into their own f32 chains; Q6_K takes the
+/// `32·Σ scale·bsum` offset off each lane of the block in integers, then fused-multiply-adds the 8 lanes
+/// (`Single`) or their integer sum (`Tiled`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
@@ -523,16 +528,23 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
     cols: usize,
     out: *mut f32,
     out_stride: usize,
+    t0: usize,
+    m: usize,
+    batch_orders: bool,
 ) {
     let bb = if FMT == Q4K { 144 } else { 210 };
+    let dt = if FMT == Q4K { DType::Q4K } else { DType::Q6K };
+    let paths: [KPath; MT] = std::array::from_fn(|t| k_path(dt, m, t0 + t, batch_orders));
     let mut acc = [[_mm256_setzero_ps(); MT]; RW];
-    let mut acc_min = [[0f32; MT]; RW];
+    let mut acc_s = [[(0f32, 0f32); MT]; RW];
     for b in 0..nb {
         let mut hdr = [(0f32, 0f32, [0i16; 16], [0i16; 16]); RW];
         for (r, h) in hdr.iter_mut().enumerate() {
             *h = qk_header::<FMT>(w.add(r * rb + b * bb));
         }
         let mut isum = [[_mm256_setzero_si256(); MT]; RW];
+        // Q4_K: the integer `Σ scale·dot` of each sub-block pair.
+        let mut pair = [[[0i32; 4]; MT]; RW];
         for j in 0..8 {
             for r in 0..RW {
                 let (q, scv) = qk_sub::<FMT>(w.add(r * rb + b * bb), j, &hdr[r].2);
@@ -540,10 +552,14 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
                     let xv = _mm256_loadu_si256(qx.add(t * cols + 256 * b + 32 * j).cast());
                     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scv);
                     *acc_t = _mm256_add_epi32(*acc_t, p);
+                    if FMT == Q4K && j % 2 == 1 {
+                        pair[r][t][j / 2] = hsum_epi32(*acc_t);
+                        *acc_t = _mm256_setzero_si256();
+                    }
                 }
             }
         }
-        // The weight mins (per 16) as one vector per row, for the `Σ min·bsum` integer dot below.
+        // The weight mins (Q6_K: 32·scale) per 16, for the `Σ min·bsum` integer dot below.
         let mut mnv = [_mm256_setzero_si256(); RW];
         for (v, h) in mnv.iter_mut().zip(&hdr) {
             *v = _mm256_loadu_si256(h.3.as_ptr().cast());
@@ -553,18 +569,44 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
             let bs = _mm256_loadu_si256(bsums.add(t * cols / 16 + 16 * b).cast());
             for r in 0..RW {
                 let (wd, wmin, _, _) = &hdr[r];
-                let scale = _mm256_set1_ps(wd * d);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][t]), scale, acc[r][t]);
-                // An exact integer (|min·bsum| < 2^17 each): any summation order gives the same value.
-                let msum = hsum_epi32(_mm256_madd_epi16(mnv[r], bs));
-                let mfac = if FMT == Q4K { *wmin } else { *wd };
-                acc_min[r][t] += mfac * d * msum as f32;
+                // Lane l: bsums of groups 2l and 2l+1 times their mins (exact integers; Q4_K: sub-block l).
+                let mins = _mm256_madd_epi16(mnv[r], bs);
+                let (a, am) = &mut acc_s[r][t];
+                if FMT == Q4K {
+                    let mut mn = [0i32; 8];
+                    _mm256_storeu_si256(mn.as_mut_ptr().cast(), mins);
+                    let (sd, md) = (wd * d, wmin * d);
+                    if paths[t] == KPath::Grouped {
+                        for (sb, &p) in pair[r][t].iter().enumerate() {
+                            *a = (p as f32).mul_add(sd, *a);
+                            *am = ((mn[2 * sb] + mn[2 * sb + 1]) as f32).mul_add(md, *am);
+                        }
+                    } else {
+                        let p: i32 = pair[r][t].iter().sum();
+                        *a = (p as f32).mul_add(sd, *a);
+                        *am = (mn.iter().sum::<i32>() as f32).mul_add(md, *am);
+                    }
+                } else {
+                    let lanes_i = _mm256_sub_epi32(isum[r][t], mins);
+                    if paths[t] == KPath::Tiled {
+                        *a = (wd * hsum_epi32(lanes_i) as f32).mul_add(d, *a);
+                    } else {
+                        let lanes = _mm256_cvtepi32_ps(lanes_i);
+                        acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d * wd), lanes, acc[r][t]);
+                    }
+                }
             }
         }
     }
     for r in 0..RW {
         for t in 0..MT {
-            *out.add(t * out_stride + r) = super::hsum(acc[r][t]) - acc_min[r][t];
+            *out.add(t * out_stride + r) = if FMT == Q4K {
+                acc_s[r][t].0 - acc_s[r][t].1
+            } else if paths[t] == KPath::Tiled {
+                acc_s[r][t].0
+            } else {
+                super::hsum(acc[r][t])
+            };
         }
     }
 }
@@ -639,8 +681,7 @@ unsafe fn run_float_impl<const FMT: u8>(job: &Job, rows: Range<usize>, ms: Range
 
 #[cfg(test)]
 mod tests {
-    use crate::dispatch::with_isa;
-    use crate::dispatch::{cpu_isa, Isa};
+    use crate::dispatch::{cpu_isa, with_batch_orders, with_isa, Isa};
     use crate::matmul::tests::{quantized_matrix, rand_vec, ALL};
     use crate::matmul::{matmul, MatmulScratch};
     use crate::quant::DType;
@@ -682,34 +723,84 @@ mod tests {
         }
     }
 
+    /// The AVX2 K-quant kernels give the portable dot product's bits (both follow llama.cpp's AVX2 order)
+    /// for every tile shape: 8, 4 and single activation rows, groups of 4 weight rows and their tails, with
+    /// llama.cpp's batch-dependent kernels off and on.
+    #[test]
+    fn avx2_kquant_kernels_equal_portable_bitwise() {
+        if cpu_isa() < Isa::Avx2 {
+            return;
+        }
+        let pool = ThreadPool::new(2);
+        for dt in [DType::Q4K, DType::Q6K] {
+            for &(rows, cols, m) in &[
+                (13, 256, 1),
+                (9, 512, 13),
+                (20, 768, 8),
+                (7, 256, 37),
+                (11, 512, 5),
+            ] {
+                let w = quantized_matrix(dt, rows, cols, 41);
+                let x = rand_vec(m * cols, 42);
+                let mut scratch = MatmulScratch::default();
+                for orders in [false, true] {
+                    let (mut a, mut b) = (vec![f32::NAN; m * rows], vec![f32::NAN; m * rows]);
+                    with_batch_orders(orders, || {
+                        with_isa(Isa::Avx2, || matmul(&pool, &w, &x, m, &mut a, &mut scratch));
+                        with_isa(Isa::Portable, || {
+                            matmul(&pool, &w, &x, m, &mut b, &mut scratch)
+                        });
+                    });
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&a),
+                        bits(&b),
+                        "{dt:?} {rows}x{cols} m={m} orders {orders}"
+                    );
+                }
+            }
+        }
+    }
+
     /// The AVX2 K-quant kernels give every activation row the same bits whatever tile it falls in (8, 4 or 1
-    /// rows at a time): a batch of 13 rows against each row alone.
+    /// rows at a time) as long as the same kernel computes it (`KPath`): a batch of 13 rows against each row
+    /// alone — every row with llama.cpp's batch-dependent kernels off; with them on, for Q4_K only the last
+    /// row (llama.cpp's repacked path sums the first 12, in groups of 4, per 64), for Q6_K none (llama.cpp
+    /// tiles products of 8 rows or more).
     #[test]
     fn avx2_kquant_tiles_agree_bitwise() {
         if cpu_isa() < Isa::Avx2 {
             return;
         }
         let pool = ThreadPool::new(2);
-        for dt in [DType::Q4K, DType::Q6K] {
+        for (dt, orders, alone) in [
+            (DType::Q4K, false, 0),
+            (DType::Q6K, false, 0),
+            (DType::Q4K, true, 12),
+        ] {
             let (rows, cols, m) = (21, 768, 13);
             let w = quantized_matrix(dt, rows, cols, 5);
             let x = rand_vec(m * cols, 6);
             let mut scratch = MatmulScratch::default();
             let mut all = vec![f32::NAN; m * rows];
-            with_isa(Isa::Avx2, || {
-                matmul(&pool, &w, &x, m, &mut all, &mut scratch)
-            });
-            for t in 0..m {
-                let mut one = vec![f32::NAN; rows];
+            with_batch_orders(orders, || {
                 with_isa(Isa::Avx2, || {
-                    matmul(
-                        &pool,
-                        &w,
-                        &x[t * cols..(t + 1) * cols],
-                        1,
-                        &mut one,
-                        &mut scratch,
-                    )
+                    matmul(&pool, &w, &x, m, &mut all, &mut scratch)
+                })
+            });
+            for t in alone..m {
+                let mut one = vec![f32::NAN; rows];
+                with_batch_orders(orders, || {
+                    with_isa(Isa::Avx2, || {
+                        matmul(
+                            &pool,
+                            &w,
+                            &x[t * cols..(t + 1) * cols],
+                            1,
+                            &mut one,
+                            &mut scratch,
+                        )
+                    })
                 });
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
