@@ -11,18 +11,49 @@
 //! for requests that step admits, only into blocks the scheduler could give them): copy threads
 //! gather each layer's blocks into one host buffer while the engine thread hands finished layers to
 //! the backend, whose copies (on a GPU) run asynchronously and are ordered before the next step by
-//! `import_fence`.
+//! `import_fence`. Disk reads start earlier: before each step the engine thread names the blocks that
+//! the next few waiting requests would restore from disk, and the disk tier's reader thread reads them
+//! while the step runs ([`Worker::read_ahead_waiting`]).
 
 use std::time::Instant;
 
 use crate::backend::{Backend, BackendError, LayerBlocks};
 use crate::block_pool::{BlockPool, BlockTable};
 use crate::kv_tiers::{KvTiers, Tier};
-use crate::prefix_cache::hash_block;
+use crate::prefix_cache::{hash_block, ROOT_HASH};
 use crate::scheduler::PrefixSource;
 use crate::worker::Worker;
 
+/// Waiting requests, from the head of the queue, whose disk blocks are read ahead of their admission.
+const READ_AHEAD_REQUESTS: usize = 4;
+
 impl<B: Backend> Worker<B> {
+    /// Keeps the disk blocks read since the last step and names the next ones to read: those of the
+    /// first [`READ_AHEAD_REQUESTS`] waiting requests' prefixes that only the disk tier holds (past
+    /// what the pool holds, up to the first block no tier has).
+    pub(crate) fn read_ahead_waiting(&mut self) {
+        let Some(tiers) = self.tiers.as_mut() else {
+            return;
+        };
+        tiers.collect_read_ahead();
+        let bs = self.pool.block_size();
+        let mut hashes = Vec::new();
+        for seq in self.sched.waiting.iter().take(READ_AHEAD_REQUESTS) {
+            let mut parent = ROOT_HASH;
+            for chunk in seq.tokens.chunks_exact(bs) {
+                parent = hash_block(parent, chunk);
+                if self.pool.holds(parent) {
+                    continue;
+                }
+                if !tiers.contains(parent) {
+                    break;
+                }
+                hashes.push(parent);
+            }
+        }
+        tiers.read_ahead(&hashes);
+    }
+
     /// Copies every block the pool evicted since the last call down to the tiers (one that a tier
     /// already holds is only refreshed). Must run before a step or import writes the evicted blocks.
     pub(crate) fn offload_evicted(&mut self) {

@@ -13,12 +13,17 @@
 //! files and leftovers of interrupted writes. Every file carries a CRC32 over header and payload,
 //! checked on every read: a corrupt block is dropped and its prefix recomputed, never served. A write
 //! error (a full disk) turns the disk tier off with a warning; it never fails a request.
+//!
+//! Disk reads need not wait for the step that admits a request: [`KvTiers::read_ahead`] hands the
+//! blocks of requests still waiting to a reader thread ([`ReadAhead`]), which reads and checks their
+//! files while steps run; [`KvTiers::collect_read_ahead`] keeps what came back, under a byte budget,
+//! and [`KvTiers::fetch`] serves those bytes (as disk hits) before it would read the file itself.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fs;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 
 use tandem_model::{KvDtype, KvLayout};
 
@@ -479,23 +484,89 @@ impl DiskTier {
         if !self.lru.contains(hash) {
             return None;
         }
-        let path = self.path(hash);
-        let checked = fs::read(&path)
-            .map_err(BlockFileError::from)
-            .and_then(|file| self.format.decode(hash, &file).map(<[u8]>::to_vec));
-        match checked {
+        match read_block(&self.dir, &self.format, hash) {
             Ok(payload) => {
                 self.lru
                     .touch(hash, self.format.header_len() + payload.len() + 4);
                 Some(payload)
             }
             Err(e) => {
-                tracing::warn!(file = %path.display(), error = %e, "KV disk tier: dropped a bad block file; its prefix is recomputed");
-                self.lru.remove(hash);
-                let _ = fs::remove_file(&path);
-                self.corrupt += 1;
+                self.drop_bad(hash, &e);
                 None
             }
+        }
+    }
+
+    /// Deletes block `hash`'s file, which failed its checks, and counts it in `corrupt`.
+    fn drop_bad(&mut self, hash: u64, e: &BlockFileError) {
+        let path = self.path(hash);
+        tracing::warn!(file = %path.display(), error = %e, "KV disk tier: dropped a bad block file; its prefix is recomputed");
+        self.lru.remove(hash);
+        let _ = fs::remove_file(&path);
+        self.corrupt += 1;
+    }
+
+    /// A reader of this tier's files on a thread of its own.
+    fn reader(&self) -> ReadAhead {
+        ReadAhead::start(self.dir.clone(), self.format.clone())
+    }
+}
+
+/// The payload of the block file of `hash` in `dir`, checked against `format`.
+fn read_block(dir: &Path, format: &BlockFormat, hash: u64) -> Result<Vec<u8>, BlockFileError> {
+    let file = fs::read(dir.join(format!("{hash:016x}.{BLOCK_EXT}")))?;
+    format.decode(hash, &file).map(<[u8]>::to_vec)
+}
+
+/// Bytes of disk blocks read ahead that the tiers keep at once (with the reads in flight): enough for
+/// a few long prefixes, a bound on the memory a queue of waiting requests can take.
+pub const READ_AHEAD_BYTES: usize = 256 << 20;
+
+/// A thread that reads disk-tier block files it is sent, so that the engine thread does not wait for
+/// them; what it read waits in `staged` until [`KvTiers::fetch`] takes it.
+#[derive(Debug)]
+struct ReadAhead {
+    /// Hashes to read; dropping it ends the thread.
+    to_read: mpsc::Sender<u64>,
+    /// What was read: the payload, or why not.
+    done: mpsc::Receiver<(u64, Result<Vec<u8>, BlockFileError>)>,
+    /// Sent and not yet collected.
+    pending: HashSet<u64>,
+    /// Read and checked, oldest first.
+    staged: HashMap<u64, Arc<Vec<u8>>>,
+    order: VecDeque<u64>,
+    staged_bytes: usize,
+}
+
+impl ReadAhead {
+    /// Block `hash`'s bytes if they were read ahead (once: they leave the staging).
+    fn take(&mut self, hash: u64) -> Option<Arc<Vec<u8>>> {
+        let b = self.staged.remove(&hash)?;
+        self.staged_bytes -= b.len();
+        self.order.retain(|&h| h != hash);
+        Some(b)
+    }
+
+    fn start(dir: PathBuf, format: BlockFormat) -> Self {
+        let (to_read, rx) = mpsc::channel::<u64>();
+        let (tx, done) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("kv-disk-read".into())
+            .spawn(move || {
+                for hash in rx {
+                    if tx.send((hash, read_block(&dir, &format, hash))).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("spawning the KV disk reader thread");
+        Self {
+            to_read,
+            done,
+            pending: HashSet::new(),
+            staged: HashMap::new(),
+            order: VecDeque::new(),
+            staged_bytes: 0,
         }
     }
 }
@@ -526,6 +597,8 @@ pub enum Tier {
 pub struct KvTiers {
     host: Option<HostTier>,
     disk: Option<DiskTier>,
+    /// The disk tier's reads ahead of admission (with a disk tier).
+    ahead: Option<ReadAhead>,
     stats: [KvTierStats; 2],
     /// Restores of one request's prefix, timed.
     pub restore_seconds: RestoreHistogram,
@@ -554,9 +627,11 @@ impl KvTiers {
             tier: tier.into(),
             ..Default::default()
         };
+        let ahead = disk.as_ref().map(DiskTier::reader);
         let mut tiers = Self {
             host,
             disk,
+            ahead,
             stats: [stat("host"), stat("disk")],
             restore_seconds: RestoreHistogram::default(),
         };
@@ -621,6 +696,17 @@ impl KvTiers {
             }
         }
         if got.is_none() {
+            if let Some(b) = self.ahead.as_mut().and_then(|a| a.take(hash)) {
+                self.stats[1].hits += 1;
+                self.stats[1].read_ahead += 1;
+                self.stats[1].bytes_up += b.len() as u64;
+                if let Some(disk) = &mut self.disk {
+                    disk.touch(hash);
+                }
+                got = Some((b, Tier::Disk));
+            }
+        }
+        if got.is_none() {
             if let Some(disk) = &mut self.disk {
                 match disk.get(hash) {
                     Some(b) => {
@@ -634,6 +720,67 @@ impl KvTiers {
         }
         self.refresh();
         got
+    }
+
+    /// Starts reading, on the reader thread, those of `hashes` (the blocks a waiting request will
+    /// restore, in order) that only the disk tier holds, as far as [`READ_AHEAD_BYTES`] allows.
+    pub fn read_ahead(&mut self, hashes: &[u64]) {
+        let (Some(ahead), Some(disk)) = (&mut self.ahead, &self.disk) else {
+            return;
+        };
+        let block = disk.format.header_len() + disk.format.payload_bytes() + 4;
+        for &hash in hashes {
+            if self.host.as_ref().is_some_and(|h| h.contains(hash))
+                || ahead.staged.contains_key(&hash)
+                || ahead.pending.contains(&hash)
+                || !disk.contains(hash)
+            {
+                continue;
+            }
+            if ahead.staged_bytes + (ahead.pending.len() + 1) * block > READ_AHEAD_BYTES
+                || ahead.to_read.send(hash).is_err()
+            {
+                break;
+            }
+            ahead.pending.insert(hash);
+        }
+    }
+
+    /// Keeps the blocks the reader thread has read since the last call (oldest dropped past
+    /// [`READ_AHEAD_BYTES`]); a file that failed its checks is deleted and counted as corrupt.
+    pub fn collect_read_ahead(&mut self) {
+        let Some(ahead) = &mut self.ahead else {
+            return;
+        };
+        while let Ok((hash, read)) = ahead.done.try_recv() {
+            ahead.pending.remove(&hash);
+            let held = self.disk.as_ref().is_some_and(|d| d.contains(hash));
+            match read {
+                Ok(payload) if held => {
+                    ahead.staged_bytes += payload.len();
+                    ahead.staged.insert(hash, Arc::new(payload));
+                    ahead.order.push_back(hash);
+                }
+                // Evicted from the disk tier while it was read: not kept.
+                Ok(_) => {}
+                // Deleted by the tier's own eviction meanwhile: nothing to drop.
+                Err(BlockFileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    if let (Some(disk), true) = (&mut self.disk, held) {
+                        disk.drop_bad(hash, &e);
+                    }
+                }
+            }
+        }
+        while ahead.staged_bytes > READ_AHEAD_BYTES {
+            let Some(old) = ahead.order.pop_front() else {
+                break;
+            };
+            if let Some(b) = ahead.staged.remove(&old) {
+                ahead.staged_bytes -= b.len();
+            }
+        }
+        self.refresh();
     }
 
     fn refresh(&mut self) {
@@ -810,6 +957,62 @@ mod tests {
         assert!(!d.enabled());
         assert_eq!(d.put(6, &payload(6)), 0);
         assert!(!d.contains(5) && !d.contains(6));
+    }
+
+    /// Collects the reader thread's results until none is pending.
+    fn collect_all(t: &mut KvTiers) {
+        for _ in 0..500 {
+            t.collect_read_ahead();
+            if t.ahead.as_ref().unwrap().pending.is_empty() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("the reader thread did not answer in 5 s");
+    }
+
+    /// Blocks read ahead are served from memory, as disk hits, even once their files are gone; a file
+    /// that fails its checks is dropped as corrupt when read ahead, and nothing is served for it.
+    #[test]
+    fn disk_blocks_read_ahead_are_served_without_the_file() {
+        let dir = tmpdir("ahead");
+        let config = KvOffloadConfig {
+            host: None,
+            disk: Some(DiskOffloadConfig {
+                path: dir.clone(),
+                size: 1 << 20,
+            }),
+            model_identity: "m".into(),
+        };
+        let mut t = KvTiers::open(&config, layout()).unwrap().unwrap();
+        for h in 1..=3u64 {
+            t.offload(h, payload(h as u8));
+        }
+        let file = |h: u64| dir.join(format!("{h:016x}.{BLOCK_EXT}"));
+        // Block 3's file is damaged; 9 is held by no tier and not read.
+        let mut bad = fs::read(file(3)).unwrap();
+        let last = bad.len() - 1;
+        bad[last] ^= 0xff;
+        fs::write(file(3), bad).unwrap();
+        t.read_ahead(&[1, 2, 3, 9]);
+        assert_eq!(t.ahead.as_ref().unwrap().pending.len(), 3);
+        collect_all(&mut t);
+        for h in [1, 2] {
+            fs::remove_file(file(h)).unwrap();
+        }
+        assert_eq!(t.fetch(1), Some((Arc::new(payload(1)), Tier::Disk)));
+        assert_eq!(t.fetch(2), Some((Arc::new(payload(2)), Tier::Disk)));
+        assert_eq!(t.fetch(3), None, "a damaged block is never served");
+        let s = t.stats();
+        assert_eq!((s[0].hits, s[0].misses, s[0].corrupt), (2, 1, 1));
+        assert_eq!(s[0].read_ahead, 2);
+        assert_eq!(s[0].bytes_up, 2 * payload(0).len() as u64);
+        assert!(!t.contains(3));
+        assert!(
+            t.ahead.as_ref().unwrap().staged.is_empty(),
+            "served blocks leave the staging"
+        );
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

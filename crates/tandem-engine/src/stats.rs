@@ -92,6 +92,9 @@ pub struct KvTierStats {
     pub bytes_up: u64,
     /// Block files dropped because they failed their checks when read.
     pub corrupt: u64,
+    /// Hits served from blocks read ahead of their request's admission (disk), off the step loop.
+    #[serde(default)]
+    pub read_ahead: u64,
 }
 
 /// A fixed-bucket histogram of restore times, cumulative like Prometheus's.

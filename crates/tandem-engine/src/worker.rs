@@ -330,6 +330,7 @@ impl<B: Backend> Worker<B> {
     /// Runs one scheduled step; false if nothing could be scheduled.
     fn step(&mut self) -> bool {
         let started = Instant::now();
+        self.read_ahead_waiting();
         let restore_failed = match self.tiers.as_mut() {
             Some(tiers) => {
                 let mut source = TierRestore::new(&mut self.backend, tiers);

@@ -169,3 +169,43 @@ fn host_tier_evicts_into_disk_and_a_corrupt_file_is_recomputed() {
     assert!(tier(&st, "disk").corrupt >= 1);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A request that waits behind a running one gets its disk blocks read ahead while the other's steps
+/// run: its restore takes them from memory (read-ahead hits), and its output is the same.
+#[test]
+fn a_waiting_request_reads_its_disk_blocks_ahead() {
+    let dir = tmpdir("ahead");
+    let config = EngineConfig {
+        block_size: BS,
+        max_num_seqs: 1,
+        kv_offload: KvOffloadConfig {
+            disk: disk(&dir),
+            model_identity: "mock-model".into(),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let backend =
+        MockBackend::new(BS, BLOCKS).with_step_delay(std::time::Duration::from_millis(10));
+    let e = Engine::start(backend, config).unwrap();
+    let a: Vec<u32> = (0..24).map(|i| i % 50 + 1).collect();
+    let b: Vec<u32> = (0..36).map(|i| (i * 7) % 50 + 2).collect();
+    let mut first = submit(&e, 1, a.clone(), SamplingParams::greedy(4));
+    let reference = collect(&mut first).0;
+    let mut s = submit(&e, 2, b, SamplingParams::greedy(4));
+    collect(&mut s);
+    // C decodes for 20 steps (200 ms) while A waits for the one sequence slot.
+    let mut c = submit(&e, 3, vec![3, 1, 4, 1], SamplingParams::greedy(20));
+    let mut again = submit(&e, 4, a, SamplingParams::greedy(4));
+    collect(&mut c);
+    assert_eq!(collect(&mut again).0, reference);
+    let st = e.checked_stats().wait_blocking().unwrap();
+    e.shutdown();
+    let disk = tier(&st, "disk");
+    assert!(
+        disk.read_ahead >= 5,
+        "A's 5 full blocks read ahead: {disk:?}"
+    );
+    assert!(disk.hits >= disk.read_ahead);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

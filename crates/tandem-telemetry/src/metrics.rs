@@ -64,6 +64,8 @@ pub struct Metrics {
     kv_tier_bytes_down: IntCounterVec,
     kv_tier_bytes_up: IntCounterVec,
     kv_tier_corrupt: IntCounterVec,
+    /// Disk hits served from blocks read ahead of admission.
+    kv_tier_read_ahead: IntCounterVec,
     /// The engine's histogram of prefix restore times, as of the last render.
     kv_restore: Arc<Mutex<RestoreHistogram>>,
     /// The engine counters as of the last scrape; Prometheus counters only move by increments.
@@ -153,6 +155,10 @@ impl Metrics {
             kv_tier_corrupt: tier_counter(
                 "tandem:kv_tier_corrupt_total",
                 "Block files dropped because they failed their checks when read.",
+            )?,
+            kv_tier_read_ahead: tier_counter(
+                "tandem:kv_tier_read_ahead_hits_total",
+                "Block hits of this tier served from blocks read ahead of their request's admission.",
             )?,
             kv_restore,
             running: gauge(
@@ -316,6 +322,11 @@ impl Metrics {
                     t.corrupt,
                     was(|b| b.corrupt),
                 );
+                bump(
+                    &self.kv_tier_read_ahead.with_label_values(&l),
+                    t.read_ahead,
+                    was(|b| b.read_ahead),
+                );
             }
             self.kv_restore.lock().clone_from(&stats.kv_restore_seconds);
             *last = stats.clone();
@@ -468,6 +479,7 @@ mod tests {
                 bytes_down: 900,
                 bytes_up: 300,
                 corrupt: 0,
+                read_ahead: 2,
             }],
             ..EngineStats::default()
         };
@@ -477,6 +489,10 @@ mod tests {
         assert_eq!(
             value_of(&text, "tandem:kv_tier_hits_total{tier=\"disk\"}"),
             3.0
+        );
+        assert_eq!(
+            value_of(&text, "tandem:kv_tier_read_ahead_hits_total{tier=\"disk\"}"),
+            2.0
         );
         assert_eq!(
             value_of(&text, "tandem:kv_tier_bytes_up_total{tier=\"disk\"}"),
