@@ -722,12 +722,23 @@ impl KvTiers {
         got
     }
 
-    /// Starts reading, on the reader thread, those of `hashes` (the blocks a waiting request will
-    /// restore, in order) that only the disk tier holds, as far as [`READ_AHEAD_BYTES`] allows.
+    /// Starts reading, on the reader thread, those of `hashes` (the blocks the waiting requests will
+    /// restore, in order) that only the disk tier holds, as far as [`READ_AHEAD_BYTES`] allows. Blocks
+    /// read earlier that `hashes` no longer names (restored meanwhile, or their request gone) are let
+    /// go first, so they never hold the budget against the ones wanted now.
     pub fn read_ahead(&mut self, hashes: &[u64]) {
         let (Some(ahead), Some(disk)) = (&mut self.ahead, &self.disk) else {
             return;
         };
+        if !ahead.staged.is_empty() {
+            let wanted: HashSet<u64> = hashes.iter().copied().collect();
+            for old in ahead.order.iter().filter(|h| !wanted.contains(h)) {
+                if let Some(b) = ahead.staged.remove(old) {
+                    ahead.staged_bytes -= b.len();
+                }
+            }
+            ahead.order.retain(|h| wanted.contains(h));
+        }
         let block = disk.format.header_len() + disk.format.payload_bytes() + 4;
         for &hash in hashes {
             if self.host.as_ref().is_some_and(|h| h.contains(hash))
@@ -1012,6 +1023,14 @@ mod tests {
             t.ahead.as_ref().unwrap().staged.is_empty(),
             "served blocks leave the staging"
         );
+        // A block read ahead and then no longer wanted leaves the staging at the next call.
+        t.offload(4, payload(4));
+        t.read_ahead(&[4]);
+        collect_all(&mut t);
+        assert_eq!(t.ahead.as_ref().unwrap().staged.len(), 1);
+        t.read_ahead(&[]);
+        let a = t.ahead.as_ref().unwrap();
+        assert!(a.staged.is_empty() && a.order.is_empty() && a.staged_bytes == 0);
         fs::remove_dir_all(&dir).unwrap();
     }
 
