@@ -274,7 +274,7 @@ struct Sim<'a> {
     stats: SimStats,
     /// For each request, the later turn that waits for it (its index and think time).
     next_turn: Vec<Option<(usize, f64)>>,
-    /// When the device's occupants (the forwards running) last changed.
+    /// When the shared device's occupants (the forwards running) last changed.
     device_since: f64,
 }
 
@@ -662,35 +662,39 @@ impl Sim<'_> {
         let forward = self.profile.forward_time(tokens, seqs, prefill, context);
         let host = self.profile.host_time(seqs);
         self.stats.steps += 1;
-        self.settle_device();
+        if self.cfg.shared_device && forward > 0.0 {
+            self.settle_device();
+        }
         let worker = &mut self.workers[w];
         worker.busy = true;
         worker.busy_s += forward + host;
         worker.host_s = host;
-        if forward > 0.0 {
+        if forward <= 0.0 {
+            let at = self.now + host;
+            self.push(at, Event::StepDone(w));
+        } else if self.cfg.shared_device {
             worker.forward_left = forward;
             self.device_changed();
         } else {
-            let at = self.now + host;
-            self.push(at, Event::StepDone(w));
+            // A device of its own: the forward ends when its time is up, whatever the others do.
+            worker.forward_left = forward;
+            worker.gen += 1;
+            let (gen, at) = (worker.gen, self.now + forward);
+            self.push(at, Event::ForwardDone(w, gen));
         }
     }
 
-    /// Forwards on the device now (all of them on a shared device, else only one's own).
+    /// Forwards on the shared device now.
     fn sharing(&self) -> f64 {
-        if self.cfg.shared_device {
-            self.workers
-                .iter()
-                .filter(|o| o.forward_left > 0.0)
-                .count()
-                .max(1) as f64
-        } else {
-            1.0
-        }
+        self.workers
+            .iter()
+            .filter(|o| o.forward_left > 0.0)
+            .count()
+            .max(1) as f64
     }
 
-    /// Charges the time since the last change of the device's occupants to the forwards on it, each
-    /// at its share of the device.
+    /// Charges the time since the last change of the shared device's occupants to the forwards on it,
+    /// each at its share of the device.
     fn settle_device(&mut self) {
         let elapsed = self.now - self.device_since;
         self.device_since = self.now;
@@ -703,7 +707,7 @@ impl Sim<'_> {
         }
     }
 
-    /// (Re)schedules the end of every forward on the device after a change of its occupants: a
+    /// (Re)schedules the end of every forward on the shared device after a change of its occupants: a
     /// forward's end is its work left times the sharing.
     fn device_changed(&mut self) {
         let share = self.sharing();
@@ -726,11 +730,15 @@ impl Sim<'_> {
         if self.workers[w].gen != gen || !self.workers[w].busy {
             return;
         }
-        self.settle_device();
+        if self.cfg.shared_device {
+            self.settle_device();
+        }
         let worker = &mut self.workers[w];
         worker.forward_left = 0.0;
         let at = self.now + worker.host_s;
-        self.device_changed();
+        if self.cfg.shared_device {
+            self.device_changed();
+        }
         self.push(at, Event::StepDone(w));
     }
 
