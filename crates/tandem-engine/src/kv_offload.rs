@@ -32,7 +32,7 @@ impl<B: Backend> Worker<B> {
     /// first [`READ_AHEAD_REQUESTS`] waiting requests' prefixes that only the disk tier holds (past
     /// what the pool holds, up to the first block no tier has).
     pub(crate) fn read_ahead_waiting(&mut self) {
-        let Some(tiers) = self.tiers.as_mut() else {
+        let Some(tiers) = self.tiers.as_mut().filter(|t| t.reads_ahead()) else {
             return;
         };
         tiers.collect_read_ahead();

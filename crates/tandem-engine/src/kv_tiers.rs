@@ -722,6 +722,11 @@ impl KvTiers {
         got
     }
 
+    /// Whether there is a disk tier to read ahead from (else naming blocks to read is wasted work).
+    pub fn reads_ahead(&self) -> bool {
+        self.ahead.is_some()
+    }
+
     /// Starts reading, on the reader thread, those of `hashes` (the blocks the waiting requests will
     /// restore, in order) that only the disk tier holds, as far as [`READ_AHEAD_BYTES`] allows. Blocks
     /// read earlier that `hashes` no longer names (restored meanwhile, or their request gone) are let
