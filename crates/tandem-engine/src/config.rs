@@ -28,6 +28,9 @@ pub struct EngineConfig {
     /// How the routed experts of a mixture of experts are placed over the tensor-parallel ranks
     /// (each rank holds whole experts): contiguous runs of ids, or round robin.
     pub expert_placement: tandem_model::ExpertPlacement,
+    /// CPU kernels sum in llama.cpp's batch-dependent orders (`tandem_kernels::set_llamacpp_batch_orders`):
+    /// logits bit-identical to llama.cpp's, at the price of a token's bits depending on its step's size.
+    pub llamacpp_orders: bool,
     /// Pipeline stages the backend splits the layers over (1 = none); stage 0 runs in this process.
     pub pipeline_parallel_size: usize,
     /// Micro-batches per step of a pipelined backend (0 = one per stage).
@@ -85,6 +88,7 @@ impl Default for EngineConfig {
             threads: 0,
             tensor_parallel_size: 1,
             expert_placement: tandem_model::ExpertPlacement::Contiguous,
+            llamacpp_orders: false,
             pipeline_parallel_size: 1,
             pipeline_micro_batches: 0,
             pipeline_stages: Vec::new(),

@@ -22,6 +22,7 @@ pub fn start_engine(
 ) -> Result<EngineHandle> {
     let pieces = loaded.tokenizer.token_pieces();
     check_device_settings(device, cuda)?;
+    set_kernel_orders(config, device)?;
     if config.pipeline_parallel_size > 1 {
         if config.tensor_parallel_size > 1 {
             bail!(
@@ -67,6 +68,28 @@ pub fn check_device_settings(device: Device, cuda: &CudaSettings) -> Result<()> 
     }
     if device == Device::Cuda && !cfg!(feature = "cuda") {
         bail!(NO_CUDA);
+    }
+    Ok(())
+}
+
+/// Applies `engine.llamacpp_orders` to this process's CPU kernels (a process-wide choice, made before
+/// the first kernel call), refusing it on CUDA, whose kernels have an arithmetic of their own, and a
+/// second engine in the process that asks for the other orders.
+pub fn set_kernel_orders(config: &EngineConfig, device: Device) -> Result<()> {
+    let on = config.llamacpp_orders;
+    if on && device == Device::Cuda {
+        bail!(
+            "engine.llamacpp_orders (--llamacpp-orders) picks the CPU kernels' summation orders; \
+             --device cuda has its own arithmetic: unset it or serve on the CPU"
+        );
+    }
+    if !tandem_kernels::set_llamacpp_batch_orders(on)
+        && tandem_kernels::llamacpp_batch_orders() != on
+    {
+        bail!(
+            "engine.llamacpp_orders {on}: this process's kernels already run with it {}",
+            !on
+        );
     }
     Ok(())
 }
@@ -263,6 +286,7 @@ fn cuda_options(
 
 /// The CPU backend for `config`: one model, or `tensor_parallel_size` ranks as threads.
 pub fn cpu_backend(loaded: LoadedModel, config: &EngineConfig) -> Result<CpuBackend> {
+    set_kernel_orders(config, Device::Cpu)?;
     if config.tensor_parallel_size <= 1 {
         let model = CpuLlama::new(loaded.config, loaded.weights, config.threads);
         return Ok(CpuBackend::new(
@@ -332,6 +356,16 @@ fn start_cuda(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn llamacpp_orders_are_refused_on_cuda_by_name() {
+        let config = EngineConfig {
+            llamacpp_orders: true,
+            ..EngineConfig::default()
+        };
+        let err = set_kernel_orders(&config, Device::Cuda).unwrap_err();
+        assert!(err.to_string().contains("engine.llamacpp_orders"), "{err}");
+    }
 
     #[test]
     fn stages_sharing_one_gpu_do_not_cut_steps_unless_told() {

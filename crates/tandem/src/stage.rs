@@ -157,6 +157,7 @@ pub fn run(args: StageArgs, settings: StageSettings) -> Result<()> {
     let identity = loaded.identity.clone();
     let part = tandem_model::Partition::stage(&loaded.config, stage, stages)?;
     let engine = settings.engine.engine_config();
+    crate::device::set_kernel_orders(&engine, settings.engine.device.unwrap_or_default())?;
     let limits = step_limits(&engine, loaded.config.max_position_embeddings);
     let model = stage_model(
         loaded,

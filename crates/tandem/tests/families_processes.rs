@@ -201,3 +201,65 @@ async fn qwen3_moe_hf_through_pipelined_pd() {
 async fn qwen2_moe_gguf_through_pipelined_pd() {
     pd_pipelined_matches_colocated("tiny-qwen2-moe-gguf/model.gguf").await;
 }
+
+/// Gemma 3 270M (`scripts/fetch-model.sh gemma3`; skipped without a word when absent) served through
+/// 1P1D with `engine.llamacpp_orders`: the workers' kernels sum as llama.cpp's do at each step size, so
+/// greedy continuations equal llama.cpp's recorded ones token for token
+/// (tests/fixtures/llamacpp-gemma3/ref.json). The prompts are ones whose continuations part from
+/// llama.cpp's with the setting off, so an engine or worker that dropped it fails here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemma3_270m_through_pd_equals_llamacpp_with_its_orders() {
+    let root = tandem_testkit::root();
+    let model = root.join("models/gemma-3-270m-q4_k_m.gguf");
+    if !model.exists() {
+        eprintln!("skipped: {} is absent", model.display());
+        return;
+    }
+    let _turn = SERIAL.lock().await;
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("tests/fixtures/llamacpp-gemma3/ref.json")).unwrap(),
+    )
+    .unwrap();
+    let server = Server::with_config(
+        BIN,
+        &format!(
+            "model: {}\nserved_model_name: {SERVED}\n\
+             engine: {{threads: 1, kv_cache_memory: 64MiB, llamacpp_orders: true}}\n\
+             deployment:\n  mode: pd\n  prefill: {{replicas: 1}}\n  decode: {{replicas: 1}}\n  \
+             routing: {{local_prefill_threshold: 0}}\n",
+            model.display()
+        ),
+    );
+    for name in GEMMA_PROMPTS_APART_WITHOUT_ORDERS {
+        let prompt = reference["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == *name)
+            .unwrap_or_else(|| panic!("prompt {name} in ref.json"));
+        let greedy = &prompt["greedy"];
+        // One request at a time: every decode step holds one token, as llama.cpp's run did.
+        let mut body = greedy_body("", greedy.as_array().unwrap().len());
+        body["prompt"] = prompt["token_ids"].clone();
+        body["model"] = SERVED.into();
+        let got = text(&server.complete_with(body).await);
+        let want: serde_json::Value = server
+            .http
+            .post(format!("{}/detokenize", server.url))
+            .json(&serde_json::json!({"tokens": greedy}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(got, want["prompt"].as_str().unwrap(), "prompt {name}");
+    }
+    server
+        .assert_metrics(&["tandem:pd_requests_total{prefill=\"remote\"} 2"])
+        .await;
+}
+
+/// Prompts of the Gemma 3 reference whose greedy continuations part from llama.cpp's when tandem's
+/// kernels keep one summation order per kernel (the serving default).
+const GEMMA_PROMPTS_APART_WITHOUT_ORDERS: [&str; 2] = ["capital", "village"];

@@ -217,6 +217,10 @@ pub struct EngineSettings {
     /// holding whole experts: contiguous (default) or round-robin.
     #[arg(long, value_enum)]
     pub expert_placement: Option<ExpertPlacementSetting>,
+    /// CPU kernels sum as llama.cpp's do at each step size, for logits bit-identical to llama.cpp's
+    /// (off: one order per kernel, so a token's bits do not depend on how it was batched).
+    #[arg(long, num_args = 0, default_missing_value = "true")]
+    pub llamacpp_orders: Option<bool>,
     /// Pipeline stages splitting the layers; stages 1.. run as `tandem stage` processes.
     #[arg(long)]
     pub pipeline_parallel_size: Option<usize>,
@@ -259,7 +263,7 @@ pub struct KvOffloadSettings {
 /// The ids of every flag of [`EngineSettings`], which `--settings-json` of worker and stage conflicts
 /// with. Named one by one because clap leaves the group of a struct with a flattened part
 /// (`kv_offload`) empty; `tests::engine_flag_ids_are_every_engine_flag` keeps the list complete.
-pub const ENGINE_FLAG_IDS: [&str; 18] = [
+pub const ENGINE_FLAG_IDS: [&str; 19] = [
     "block_size",
     "kv_cache_memory",
     "max_num_seqs",
@@ -271,6 +275,7 @@ pub const ENGINE_FLAG_IDS: [&str; 18] = [
     "threads",
     "tensor_parallel_size",
     "expert_placement",
+    "llamacpp_orders",
     "pipeline_parallel_size",
     "pipeline_micro_batches",
     "pipeline_stages",

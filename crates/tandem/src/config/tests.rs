@@ -514,8 +514,8 @@ fn every_engine_key_reaches_the_engine() {
     let set: EngineSettings = serde_yaml::from_str(
         "{block_size: 32, kv_cache_memory: 48MiB, max_num_seqs: 3, max_num_batched_tokens: 100, \
          enable_chunked_prefill: false, enable_prefix_caching: false, max_model_len: 99, max_waiting: 7, \
-         threads: 5, tensor_parallel_size: 2, expert_placement: round_robin, pipeline_parallel_size: 4, \
-         pipeline_micro_batches: 6, pipeline_stages: ['a:1'], device: cpu}",
+         threads: 5, tensor_parallel_size: 2, expert_placement: round_robin, llamacpp_orders: true, \
+         pipeline_parallel_size: 4, pipeline_micro_batches: 6, pipeline_stages: ['a:1'], device: cpu}",
     )
     .unwrap();
     let keys = serde_json::to_value(&set).unwrap();
@@ -534,6 +534,7 @@ fn every_engine_key_reaches_the_engine() {
         engine.expert_placement,
         tandem_model::ExpertPlacement::RoundRobin
     );
+    assert!(engine.llamacpp_orders);
     let back = EngineSettings::of(&engine, Device::Cpu);
     assert_eq!(
         serde_json::to_value(&back).unwrap(),
