@@ -373,6 +373,12 @@ fn prepare_acts(
                 {
                     // The repacked Q4_K groups quantize with `ggml_quantize_mat_q8_K_4x8`.
                     let grouped = k_path(dt, m, r0 + i, batch_orders) == KPath::Grouped;
+                    #[cfg(target_arch = "x86_64")]
+                    if simd {
+                        // SAFETY: `simd` is only true when the CPU has AVX2+FMA+F16C.
+                        unsafe { crate::simd::quantize_q8_k_acts(xr, qr, dr, br, grouped) };
+                        continue;
+                    }
                     quantize_q8_k_acts(xr, qr, dr, br, grouped);
                 }
             }
