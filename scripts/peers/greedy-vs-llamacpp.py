@@ -14,11 +14,15 @@ Run it with the llama-cpp-python venv's python; tandem must serve the same file 
 
 import argparse
 import json
+import os
+import sys
 import urllib.request
 
-import llama_cpp
 import numpy as np
-from llama_cpp import Llama
+
+# The llama.cpp session of the reference scripts (scripts/fixtures/llamacpp_reference.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures"))
+from llamacpp_reference import reference_llama  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -51,19 +55,7 @@ def main():
     args = ap.parse_args()
     with urllib.request.urlopen(args.url + "/v1/models", timeout=30) as r:
         served = json.load(r)["data"][0]["id"]
-    llm = Llama(
-        model_path=args.model,
-        n_ctx=1024,
-        n_batch=512,
-        n_ubatch=512,
-        logits_all=True,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
-        type_k=llama_cpp.GGML_TYPE_F32,
-        type_v=llama_cpp.GGML_TYPE_F32,
-        seed=0,
-        verbose=False,
-    )
+    llm = reference_llama(args.model, 1024, args.threads)
     for text in PROMPTS:
         ids = llm.tokenize(text.encode(), add_bos=True, special=True)
         tandem_ids = post(args.url + "/tokenize", {"prompt": text})["tokens"]

@@ -860,6 +860,18 @@ mod tests {
         d
     }
 
+    /// Tiers of model "m": a disk tier of 1 MiB in `dir`, under a host tier of `host` bytes if any.
+    fn disk_config(dir: &Path, host: Option<usize>) -> KvOffloadConfig {
+        KvOffloadConfig {
+            host,
+            disk: Some(DiskOffloadConfig {
+                path: dir.to_path_buf(),
+                size: 1 << 20,
+            }),
+            model_identity: "m".into(),
+        }
+    }
+
     #[test]
     fn lru_evicts_least_recently_used() {
         let mut h = HostTier::new(30);
@@ -992,15 +1004,9 @@ mod tests {
     #[test]
     fn disk_blocks_read_ahead_are_served_without_the_file() {
         let dir = tmpdir("ahead");
-        let config = KvOffloadConfig {
-            host: None,
-            disk: Some(DiskOffloadConfig {
-                path: dir.clone(),
-                size: 1 << 20,
-            }),
-            model_identity: "m".into(),
-        };
-        let mut t = KvTiers::open(&config, layout()).unwrap().unwrap();
+        let mut t = KvTiers::open(&disk_config(&dir, None), layout())
+            .unwrap()
+            .unwrap();
         for h in 1..=3u64 {
             t.offload(h, payload(h as u8));
         }
@@ -1043,15 +1049,9 @@ mod tests {
     fn host_evicts_into_disk_and_fetch_counts_per_tier() {
         let dir = tmpdir("tiers");
         let p = payload(0).len();
-        let config = KvOffloadConfig {
-            host: Some(2 * p),
-            disk: Some(DiskOffloadConfig {
-                path: dir.clone(),
-                size: 1 << 20,
-            }),
-            model_identity: "m".into(),
-        };
-        let mut t = KvTiers::open(&config, layout()).unwrap().unwrap();
+        let mut t = KvTiers::open(&disk_config(&dir, Some(2 * p)), layout())
+            .unwrap()
+            .unwrap();
         for h in 1..=3u64 {
             t.offload(h, payload(h as u8));
         }

@@ -312,6 +312,11 @@ impl Server {
         };
         json_of(self.http.get(url)).await
     }
+
+    /// `POST <path>` of `body` on this server, answered as JSON (`/tokenize`, `/detokenize`, ...).
+    pub async fn post_json(&self, path: &str, body: Value) -> Value {
+        json_of(self.http.post(format!("{}{path}", self.url)).json(&body)).await
+    }
 }
 
 /// The URLs of the prefill and the decode worker in a head's `/v1/cluster/workers` listing (the first

@@ -243,16 +243,9 @@ async fn gemma3_270m_through_pd_equals_llamacpp_with_its_orders() {
         body["prompt"] = prompt["token_ids"].clone();
         body["model"] = SERVED.into();
         let got = text(&server.complete_with(body).await);
-        let want: serde_json::Value = server
-            .http
-            .post(format!("{}/detokenize", server.url))
-            .json(&serde_json::json!({"tokens": greedy}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let want = server
+            .post_json("/detokenize", serde_json::json!({"tokens": greedy}))
+            .await;
         assert_eq!(got, want["prompt"].as_str().unwrap(), "prompt {name}");
     }
     server

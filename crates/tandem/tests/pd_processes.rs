@@ -286,16 +286,12 @@ async fn a_prefix_cached_on_the_decode_worker_is_not_transferred_again() {
 
 /// The ids `text` encodes to (no special tokens), as a chat client re-encodes an answer.
 async fn encode(server: &Server, text: &str) -> Vec<u32> {
-    let v: Value = server
-        .http
-        .post(format!("{}/tokenize", server.url))
-        .json(&json!({"prompt": text, "add_special_tokens": false}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v = server
+        .post_json(
+            "/tokenize",
+            json!({"prompt": text, "add_special_tokens": false}),
+        )
+        .await;
     serde_json::from_value(v["tokens"].clone()).unwrap()
 }
 
