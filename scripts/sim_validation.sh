@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Predicted (tandem sim) against measured (tandem bench) on this machine: a colocated server and a 1P1D
-# deployment (one thread per worker), each on a steady, a bursty and a shared-prefix workload; one
+# Predicted (tandem sim) against measured (tandem bench) on this machine: a colocated server, a 1P1D and
+# a 1P2D deployment (one thread per worker), each on a steady, a bursty and a shared-prefix workload; one
 # profile (tandem profile, one thread) made first. Prints one Markdown table; leaves nothing running.
 #   scripts/sim_validation.sh [OUT_DIR]
 set -euo pipefail
@@ -29,12 +29,14 @@ wait_healthy() {
   return 1
 }
 
-for topo in colocated 1p1d; do
+for topo in ${TOPOLOGIES:-colocated 1p1d 1p2d}; do
   if [ "$topo" = colocated ]; then
     "$BIN" serve "$MODEL" --host 127.0.0.1 --port "$PORT" --threads 1 --kv-cache-memory 256MiB \
       >"$OUT/serve-$topo.log" 2>&1 &
     SIMTOPO=""
   else
+    decode="${topo#1p}"
+    decode="${decode%d}"
     cat >"$OUT/pd.yaml" <<YAML
 model: $MODEL
 server: {host: 127.0.0.1, port: $PORT}
@@ -42,11 +44,11 @@ engine: {block_size: 16, kv_cache_memory: 256MiB}
 deployment:
   mode: pd
   prefill: {replicas: 1, engine: {threads: 1}}
-  decode: {replicas: 1, engine: {threads: 1}}
+  decode: {replicas: $decode, engine: {threads: 1}}
   kv_transfer: {transport: tcp}
 YAML
     "$BIN" serve --config "$OUT/pd.yaml" >"$OUT/serve-$topo.log" 2>&1 &
-    SIMTOPO="--prefill 1 --decode 1"
+    SIMTOPO="--prefill 1 --decode $decode"
   fi
   SERVER=$!
   trap 'kill $SERVER 2>/dev/null || true' EXIT
@@ -64,12 +66,12 @@ YAML
   trap - EXIT
 done
 
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" ${TOPOLOGIES:-colocated 1p1d 1p2d} <<'PY'
 import json, sys, os
 out = sys.argv[1]
 print("| topology | workload | figure | measured | predicted | error |")
 print("|---|---|---|---|---|---|")
-for topo in ("colocated", "1p1d"):
+for topo in sys.argv[2:]:
     for w in ("steady", "bursty", "shared_prefix"):
         m = json.load(open(os.path.join(out, f"bench-{topo}-{w}.json")))["runs"][0]["summary"]
         p = json.load(open(os.path.join(out, f"sim-{topo}-{w}.json")))["summary"]
