@@ -104,6 +104,49 @@ macro_rules! horizontal {
     };
 }
 
+/// How far past the weights a decode tile computes on [`Prefetch`] asks for lines (bytes): about a tile
+/// of the narrow matrices ahead (8 rows of a 640-wide Q8_0 matrix are 5,440 bytes), so that a line
+/// requested at one block arrives before its tile starts.
+const PREFETCH_AHEAD: usize = 6144;
+
+/// The prefetch of a decode tile (one activation row), which streams every weight byte once and is bound
+/// by memory: the `span` bytes of weights lying [`PREFETCH_AHEAD`] past the tile's own, asked for once
+/// each 64-byte line, in address order, a share at each of the tile's blocks. Consecutive tiles of
+/// contiguous rows so ask for every line ahead once, as one linear stream the memory system keeps up
+/// with; asking instead for each row's block rows ahead (8 streams 680 bytes apart, every line twice)
+/// held one core of a Zen 4 to 9.7 GB/s of its 24 on Gemma 3's Q8_0 output head (21 GB/s this way).
+pub(crate) struct Prefetch {
+    next: *const u8,
+    end: *const u8,
+    per_block: usize,
+}
+
+impl Prefetch {
+    /// The prefetch for a tile whose weights are the `span` bytes at `w`, computed in `blocks` steps.
+    #[inline(always)]
+    pub(crate) fn new(w: *const u8, span: usize, blocks: usize) -> Prefetch {
+        let next = w.wrapping_add(PREFETCH_AHEAD);
+        Prefetch {
+            next,
+            end: next.wrapping_add(span),
+            per_block: span.div_ceil(64).div_ceil(blocks.max(1)),
+        }
+    }
+
+    /// Asks for the next block's share of lines (past the end of the matrix is harmless: a prefetch never
+    /// faults, and `wrapping_add` keeps the address arithmetic defined).
+    #[inline(always)]
+    pub(crate) unsafe fn block(&mut self) {
+        for _ in 0..self.per_block {
+            if self.next >= self.end {
+                return;
+            }
+            _mm_prefetch::<_MM_HINT_T0>(self.next.cast::<i8>());
+            self.next = self.next.wrapping_add(64);
+        }
+    }
+}
+
 horizontal!(pub(crate) fn hsum = _mm_add_ps, _mm_add_ss);
 horizontal!(fn hmax = _mm_max_ps, _mm_max_ss);
 

@@ -155,19 +155,13 @@ unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(t: &Q32Tile)
     // Signed formats, 4 activation rows: the tile's scale products d_w·d_x are formed 8 at a time.
     let vector_scales = FMT != Q4_1 && MT == 4 && RW <= 2;
     debug_assert!(!vector_scales || t.m > 0, "block-major scales not filled");
+    let mut ahead = super::Prefetch::new(w, RW * rb, nb);
     for b in 0..nb {
         let mut wq = [_mm256_setzero_si256(); RW];
         let mut wd = [_mm256_setzero_ps(); RW];
         let mut wo = [0f32; RW];
         if MT == 1 {
-            // m = 1 (decode) streams every weight byte once and is bound by memory latency: ask for the
-            // rows two tiles ahead now so their lines arrive while this tile computes (a prefetch past the
-            // end of the matrix is harmless; `wrapping_add` keeps the address arithmetic defined).
-            for r in 0..RW {
-                _mm_prefetch::<_MM_HINT_T0>(
-                    w.wrapping_add((r + 2 * RW) * rb + b * bb).cast::<i8>(),
-                );
-            }
+            ahead.block();
         }
         for r in 0..RW {
             let (q, d, o) = load_block::<FMT>(w.add(r * rb + b * bb));
@@ -313,16 +307,10 @@ struct PairTile {
 unsafe fn tile_q4_1_pairs<const P: usize, const MT: usize>(t: &PairTile) {
     let mut acc = [[[_mm256_setzero_ps(); MT]; 2]; P];
     let mut off = [_mm256_setzero_ps(); P];
+    let mut ahead = super::Prefetch::new(t.w, P * t.pair_bytes, t.nb.div_ceil(2));
     for q in 0..t.nb.div_ceil(2) {
         if MT == 1 {
-            // m = 1 (decode) streams every weight byte once and is bound by memory latency: ask for the
-            // pairs two tiles ahead now (a prefetch past the end is harmless, hence `wrapping_add`).
-            for p in 0..P {
-                let ahead =
-                    t.w.wrapping_add((p + 2 * P) * t.pair_bytes + q * Q4_1_PAIR_BYTES);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.cast::<i8>());
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast::<i8>());
-            }
+            ahead.block();
         }
         block_q4_1_pairs::<P, MT, 0>(t, q, &mut acc, &mut off);
         if 2 * q + 1 < t.nb {

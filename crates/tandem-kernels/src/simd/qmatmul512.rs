@@ -164,15 +164,10 @@ unsafe fn tile<const RP: usize, const MT: usize, const FMT: u8>(t: &Q32Tile, n: 
     let mut acc = [[_mm512_setzero_ps(); MT]; RP];
     // Q4_1's Σ m·s: every lane of a half holds the same chain.
     let mut offs = [[_mm512_setzero_ps(); MT]; RP];
+    let mut ahead = super::Prefetch::new(t.w, n * t.rb, t.nb);
     for b in 0..t.nb {
         if MT == 1 {
-            // m = 1 (decode) streams every weight byte once: ask for the rows two tiles ahead now so their
-            // lines arrive while this tile computes (past the end is harmless; `wrapping_add` keeps the
-            // address arithmetic defined).
-            for r in 0..2 * RP {
-                let ahead = t.w.wrapping_add((r + 4 * RP) * t.rb + b * bb);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.cast::<i8>());
-            }
+            ahead.block();
         }
         let mut wq = [_mm512_setzero_si512(); RP];
         let mut wd = [_mm512_setzero_ps(); RP];
