@@ -525,7 +525,11 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
     let paths: [KPath; MT] = std::array::from_fn(|t| k_path(dt, m, t0 + t, batch_orders));
     let mut acc = [[_mm256_setzero_ps(); MT]; RW];
     let mut acc_s = [[(0f32, 0f32); MT]; RW];
+    let mut ahead = super::Prefetch::new(w, RW * rb, nb);
     for b in 0..nb {
+        if MT == 1 {
+            ahead.block();
+        }
         let mut hdr = [(0f32, 0f32, [0i16; 16], [0i16; 16]); RW];
         for (r, h) in hdr.iter_mut().enumerate() {
             *h = qk_header::<FMT>(w.add(r * rb + b * bb));
