@@ -104,14 +104,14 @@ macro_rules! horizontal {
     };
 }
 
-/// How far past the weights a decode tile computes on [`Prefetch`] asks for lines (bytes): about a tile
+/// How far past the weights a tile computes on [`Prefetch`] asks for lines (bytes): about a tile
 /// of the narrow matrices ahead (8 rows of a 640-wide Q8_0 matrix are 5,440 bytes), so that a line
 /// requested at one block arrives before its tile starts.
 const PREFETCH_AHEAD: usize = 6144;
 
-/// The prefetch of a decode tile (one activation row), which streams every weight byte once and is bound
-/// by memory: the `span` bytes of weights lying [`PREFETCH_AHEAD`] past the tile's own, asked for once
-/// each 64-byte line, in address order, a share at each of the tile's blocks. Consecutive tiles of
+/// The prefetch of a matmul tile, which matters most in decode (one or a few activation rows: every weight
+/// byte streamed once, bound by memory): the `span` bytes of weights lying [`PREFETCH_AHEAD`] past the
+/// tile's own, asked for once each 64-byte line, in address order, a share at each of the tile's blocks. Consecutive tiles of
 /// contiguous rows so ask for every line ahead once, as one linear stream the memory system keeps up
 /// with; asking instead for each row's block rows ahead (8 streams 680 bytes apart, every line twice)
 /// held one core of a Zen 4 to 9.7 GB/s of its 24 on Gemma 3's Q8_0 output head (21 GB/s this way).

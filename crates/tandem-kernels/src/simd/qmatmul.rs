@@ -160,9 +160,7 @@ unsafe fn tile_q32<const RW: usize, const MT: usize, const FMT: u8>(t: &Q32Tile)
         let mut wq = [_mm256_setzero_si256(); RW];
         let mut wd = [_mm256_setzero_ps(); RW];
         let mut wo = [0f32; RW];
-        if MT == 1 {
-            ahead.block();
-        }
+        ahead.block();
         for r in 0..RW {
             let (q, d, o) = load_block::<FMT>(w.add(r * rb + b * bb));
             wq[r] = q;
@@ -309,9 +307,7 @@ unsafe fn tile_q4_1_pairs<const P: usize, const MT: usize>(t: &PairTile) {
     let mut off = [_mm256_setzero_ps(); P];
     let mut ahead = super::Prefetch::new(t.w, P * t.pair_bytes, t.nb.div_ceil(2));
     for q in 0..t.nb.div_ceil(2) {
-        if MT == 1 {
-            ahead.block();
-        }
+        ahead.block();
         block_q4_1_pairs::<P, MT, 0>(t, q, &mut acc, &mut off);
         if 2 * q + 1 < t.nb {
             block_q4_1_pairs::<P, MT, 1>(t, q, &mut acc, &mut off);
@@ -527,9 +523,7 @@ unsafe fn tile_qk<const RW: usize, const MT: usize, const FMT: u8>(
     let mut acc_s = [[(0f32, 0f32); MT]; RW];
     let mut ahead = super::Prefetch::new(w, RW * rb, nb);
     for b in 0..nb {
-        if MT == 1 {
-            ahead.block();
-        }
+        ahead.block();
         let mut hdr = [(0f32, 0f32, [0i16; 16], [0i16; 16]); RW];
         for (r, h) in hdr.iter_mut().enumerate() {
             *h = qk_header::<FMT>(w.add(r * rb + b * bb));

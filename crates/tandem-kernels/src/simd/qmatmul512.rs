@@ -166,9 +166,7 @@ unsafe fn tile<const RP: usize, const MT: usize, const FMT: u8>(t: &Q32Tile, n: 
     let mut offs = [[_mm512_setzero_ps(); MT]; RP];
     let mut ahead = super::Prefetch::new(t.w, n * t.rb, t.nb);
     for b in 0..t.nb {
-        if MT == 1 {
-            ahead.block();
-        }
+        ahead.block();
         let mut wq = [_mm512_setzero_si512(); RP];
         let mut wd = [_mm512_setzero_ps(); RP];
         let mut wm = [_mm512_setzero_ps(); RP];
