@@ -109,12 +109,13 @@ macro_rules! horizontal {
 /// requested at one block arrives before its tile starts.
 const PREFETCH_AHEAD: usize = 6144;
 
-/// The prefetch of a matmul tile, which matters most in decode (one or a few activation rows: every weight
-/// byte streamed once, bound by memory): the `span` bytes of weights lying [`PREFETCH_AHEAD`] past the
-/// tile's own, asked for once each 64-byte line, in address order, a share at each of the tile's blocks. Consecutive tiles of
-/// contiguous rows so ask for every line ahead once, as one linear stream the memory system keeps up
-/// with; asking instead for each row's block rows ahead (8 streams 680 bytes apart, every line twice)
-/// held one core of a Zen 4 to 9.7 GB/s of its 24 on Gemma 3's Q8_0 output head (21 GB/s this way).
+/// The prefetch of a matmul tile, which matters most in decode (one or a few activation rows: every
+/// weight byte streamed once, bound by memory): the `span` bytes of weights lying [`PREFETCH_AHEAD`]
+/// past the tile's own, asked for once each 64-byte line, in address order, a share at each of the
+/// tile's blocks. Consecutive tiles of contiguous rows so ask for every line ahead once, as one linear
+/// stream the memory system keeps up with; asking instead for each row's block rows ahead (8 streams
+/// 680 bytes apart, every line twice) held Gemma 3's Q8_0 output head to 18.6 GB/s on two Zen 4 cores
+/// that read 32 (26.5 this way; BENCHMARKS.md).
 pub(crate) struct Prefetch {
     next: *const u8,
     end: *const u8,
